@@ -1,0 +1,20 @@
+"""fp4moe_ops: NVFP4 Mixture-of-Experts as one ``torch.library`` op with pluggable backends.
+
+Typical use::
+
+    from fp4moe_ops import quantize_moe_weights, prepare_experts
+    weights = quantize_moe_weights(gate_up [E, 2I, H], down [E, H, I])
+    experts = prepare_experts(weights, backend="auto")
+    out = experts(hidden [T, H] bf16, topk_ids [T, k], topk_weights [T, k] fp32)
+"""
+
+from . import nvfp4
+from .backends import AUTO_ORDER, BACKENDS, available_backends, resolve_backend
+from .moe_weights import NVFP4MoEWeights, quantize_moe_weights
+from .op import ACT_SCALE_MODES, PreparedExperts, activation_scales, fused_moe, prepare_experts
+
+__all__ = [
+    "ACT_SCALE_MODES", "AUTO_ORDER", "BACKENDS", "NVFP4MoEWeights", "PreparedExperts",
+    "activation_scales", "available_backends", "fused_moe", "nvfp4", "prepare_experts",
+    "quantize_moe_weights", "resolve_backend",
+]

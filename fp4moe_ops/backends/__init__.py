@@ -1,0 +1,9 @@
+"""Backends behind ``torch.ops.fp4moe.fused_moe``; importing this registers all of them."""
+
+from .base import AUTO_ORDER, BACKENDS, Backend, available_backends, get_backend, register_backend, resolve_backend
+from . import reference  # noqa: F401  (registers "reference")
+
+__all__ = [
+    "AUTO_ORDER", "BACKENDS", "Backend", "available_backends", "get_backend",
+    "register_backend", "resolve_backend",
+]

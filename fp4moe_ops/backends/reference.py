@@ -1,0 +1,101 @@
+"""Pure-PyTorch reference backend: runs anywhere (CPU included), no host syncs.
+
+It computes what a fused kernel computes, one expert at a time over all tokens (dense, so no
+data-dependent shapes): dequantized NVFP4 weights in float32, float32 accumulation, the
+gated-SiLU intermediate rounded to the activation dtype (as kernels store it). With activation
+scales it also rounds each expert's GEMM inputs through NVFP4 with that expert's scale (what
+FlashInfer does after permuting tokens to experts); without them it is W4A16.
+Slow (E dense expert passes): meant for correctness, CPU use and tiny models.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..moe_weights import NVFP4MoEWeights
+from ..nvfp4 import BLOCK_SIZE, dequantize_nvfp4, fake_quantize_nvfp4
+from .base import Backend, register_backend
+
+
+def _expert_scale(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    if scale is None:
+        return None
+    return scale.reshape(-1)[e] if scale.numel() > 1 else scale.reshape(())
+
+
+def canonical_tensors(w: NVFP4MoEWeights) -> list[torch.Tensor]:
+    """``[w13, w13_scale, w13_global, w2, w2_scale, w2_global]`` with scales as uint8 bytes."""
+    u8 = torch.uint8
+    return [w.w13, w.w13_scale.view(u8), w.w13_global, w.w2, w.w2_scale.view(u8), w.w2_global]
+
+
+def check_canonical_tensors(expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
+    """Check ``[w13, w13_scale, w13_global, w2, w2_scale, w2_global]``; return E.
+
+    Block scales travel through the op as their raw E4M3 bytes (uint8): torch has no CPU
+    arithmetic for float8, which ``torch.library.opcheck``'s schema check needs.
+    """
+    if len(expert_tensors) != 6:
+        raise ValueError(
+            f"expected 6 expert tensors [w13, w13_scale, w13_global, w2, w2_scale, w2_global], "
+            f"got {len(expert_tensors)}"
+        )
+    w13, s13, g13, w2, s2, g2 = expert_tensors
+    e, two_i, h_half = w13.shape
+    i = two_i // 2
+    expected = {
+        "w13": (w13, (e, two_i, hidden_size // 2), torch.uint8),
+        "w13_scale": (s13, (e, two_i, hidden_size // BLOCK_SIZE), torch.uint8),
+        "w13_global": (g13, (e,), torch.float32),
+        "w2": (w2, (e, hidden_size, i // 2), torch.uint8),
+        "w2_scale": (s2, (e, hidden_size, i // BLOCK_SIZE), torch.uint8),
+        "w2_global": (g2, (e,), torch.float32),
+    }
+    for name, (t, shape, dtype) in expected.items():
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(
+                f"{name}: expected {dtype} {list(shape)} for hidden size {hidden_size}, "
+                f"got {t.dtype} {list(t.shape)}"
+            )
+    return e
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    activation_scales = "optional"
+    description = "pure PyTorch, any device; float32 math on dequantized weights (slow)"
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return None
+
+    def prepare(self, weights: NVFP4MoEWeights) -> list[torch.Tensor]:
+        return canonical_tensors(weights)
+
+    def check_expert_tensors(self, expert_tensors, hidden_size):
+        return check_canonical_tensors(expert_tensors, hidden_size)
+
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale):
+        w13, s13, g13, w2, s2, g2 = expert_tensors
+        s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
+        num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        x = hidden_states.float()
+        for e in range(num_experts):
+            # Routing weight of expert e for each token; 0 where e is not chosen (ids outside
+            # [0, E), e.g. expert-parallel sentinels, never match any e).
+            route = (topk_weights.float() * (topk_ids == e)).sum(dim=-1)  # [T]
+            a1 = x
+            fc1_scale = _expert_scale(fc1_act_scale, e)
+            if fc1_scale is not None:
+                a1 = fake_quantize_nvfp4(hidden_states, fc1_scale)
+            gate_up = a1 @ dequantize_nvfp4(w13[e], s13[e], g13[e]).T  # [T, 2I] fp32
+            act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+            a2 = act.to(hidden_states.dtype)
+            fc2_scale = _expert_scale(fc2_act_scale, e)
+            a2 = fake_quantize_nvfp4(a2, fc2_scale) if fc2_scale is not None else a2.float()
+            out += route[:, None] * (a2 @ dequantize_nvfp4(w2[e], s2[e], g2[e]).T)
+        return out.to(hidden_states.dtype)
+
+
+register_backend(ReferenceBackend())

@@ -1,0 +1,146 @@
+"""NVFP4 expert weights of one MoE layer, in the canonical (checkpoint-like) layout.
+
+This is the backend-neutral form: what a ModelOpt checkpoint holds, stacked over experts.
+Each backend turns it into its own prepared tensors once, at load time
+(:func:`fp4moe_ops.prepare_experts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .nvfp4 import BLOCK_SIZE, NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+
+
+@dataclass
+class NVFP4MoEWeights:
+    """One MoE layer's experts in NVFP4, gated-SiLU MLPs ``down(silu(gate(x)) * up(x))``.
+
+    Shapes (E experts, hidden size H, intermediate size I):
+
+    * ``w13``         ``[E, 2I, H/2]  uint8``          rows ``[gate; up]`` (Transformers' order)
+    * ``w13_scale``   ``[E, 2I, H/16] float8_e4m3fn``  linear layout
+    * ``w13_global``  ``[E] float32``                  one global scale for gate and up
+    * ``w2``          ``[E, H, I/2]   uint8``
+    * ``w2_scale``    ``[E, H, I/16]  float8_e4m3fn``
+    * ``w2_global``   ``[E] float32``
+    * ``fc1_input_scale``, ``fc2_input_scale``: ``[E] float32`` or None. Calibrated activation
+      scales ``amax / (6*448)`` of each expert's GEMM1 / GEMM2 input (ModelOpt ``input_scale``);
+      only the NVFP4 x NVFP4 path needs them.
+    """
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_global: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_global: torch.Tensor
+    fc1_input_scale: torch.Tensor | None = None
+    fc2_input_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        validate_moe_weights(self)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The six weight tensors ``[w13, w13_scale, w13_global, w2, w2_scale, w2_global]``."""
+        return [self.w13, self.w13_scale, self.w13_global, self.w2, self.w2_scale, self.w2_global]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13 [E, 2I, H], w2 [E, H, I])`` in ``dtype``. Memory heavy: tests and setup only."""
+        return (
+            dequantize_nvfp4(self.w13, self.w13_scale, self.w13_global, dtype),
+            dequantize_nvfp4(self.w2, self.w2_scale, self.w2_global, dtype),
+        )
+
+    def nbytes(self) -> int:
+        """Bytes of packed weights plus block and global scales (what a kernel must read)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def quantize_moe_weights(gate_up: torch.Tensor, down: torch.Tensor) -> NVFP4MoEWeights:
+    """Quantize float experts to NVFP4 with ModelOpt's recipe.
+
+    Args:
+        gate_up: ``[E, 2I, H]`` rows ``[gate; up]`` (Transformers v5 ``gate_up_proj``).
+        down: ``[E, H, I]`` (Transformers v5 ``down_proj``).
+
+    Gate and up share one global scale per expert (ModelOpt fuses their amax).
+    """
+    _check_expert_stack("gate_up", gate_up)
+    _check_expert_stack("down", down)
+    e, two_i, h = gate_up.shape
+    if two_i % 2 or down.shape != (e, h, two_i // 2):
+        raise ValueError(
+            f"down must be [E, H, I] = {[e, h, two_i // 2]} to match gate_up {list(gate_up.shape)}, "
+            f"got {list(down.shape)}"
+        )
+    w13 = quantize_nvfp4(gate_up)
+    w2 = quantize_nvfp4(down)
+    return NVFP4MoEWeights(
+        w13.packed, w13.block_scale, w13.global_scale, w2.packed, w2.block_scale, w2.global_scale
+    )
+
+
+def _check_expert_stack(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 3:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a 3-D expert stack [E, N, K], got {shape}")
+    if t.shape[-1] % BLOCK_SIZE:
+        raise ValueError(
+            f"{name} {tuple(t.shape)}: the reduction dim K={t.shape[-1]} must be a multiple of "
+            f"{BLOCK_SIZE} for NVFP4 block scales"
+        )
+
+
+def _expect(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype} (shape {tuple(t.shape)})")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like w13")
+
+
+def validate_moe_weights(w: NVFP4MoEWeights) -> None:
+    """Raise a clear error if any tensor has the wrong shape, dtype or device."""
+    if not isinstance(w.w13, torch.Tensor) or w.w13.dim() != 3:
+        raise ValueError("w13 must be [E, 2I, H/2] uint8")
+    e, two_i, h_half = w.w13.shape
+    if two_i % 2 or two_i // 2 % BLOCK_SIZE:
+        raise ValueError(f"w13 rows 2I={two_i}: I must be a multiple of {BLOCK_SIZE}")
+    h, i, dev = h_half * 2, two_i // 2, w.w13.device
+    if h % BLOCK_SIZE:
+        raise ValueError(f"w13 {tuple(w.w13.shape)}: H={h} must be a multiple of {BLOCK_SIZE}")
+    _expect("w13", w.w13, (e, 2 * i, h // 2), torch.uint8, dev)
+    _expect("w13_scale", w.w13_scale, (e, 2 * i, h // BLOCK_SIZE), torch.float8_e4m3fn, dev)
+    _expect("w13_global", w.w13_global, (e,), torch.float32, dev)
+    _expect("w2", w.w2, (e, h, i // 2), torch.uint8, dev)
+    _expect("w2_scale", w.w2_scale, (e, h, i // BLOCK_SIZE), torch.float8_e4m3fn, dev)
+    _expect("w2_global", w.w2_global, (e,), torch.float32, dev)
+    for name in ("fc1_input_scale", "fc2_input_scale"):
+        s = getattr(w, name)
+        if s is not None:
+            _expect(name, s, (e,), torch.float32, dev)
+
+
+__all__ = ["NVFP4MoEWeights", "NVFP4Tensor", "quantize_moe_weights", "validate_moe_weights"]

@@ -1,0 +1,266 @@
+"""The NVFP4 format: constants, E2M1 encode/decode, packing, block scales, swizzle, MXFP4.
+
+NVFP4 (as written by NVIDIA ModelOpt, e.g. ``nvidia/DeepSeek-R1-FP4``) stores a matrix
+``W [N, K]`` whose rows are output features and whose columns run along the reduction dim K:
+
+* ``packed``      ``[N, K/2]  uint8``          two E2M1 codes per byte, **low nibble = even k**.
+* ``block_scale`` ``[N, K/16] float8_e4m3fn``  one scale per 16 consecutive elements along K.
+* ``global_scale``scalar ``float32``           ("weight_scale_2"), one per tensor / expert.
+
+and ``W[n, k] = e2m1(packed)[n, k] * float(block_scale[n, k // 16]) * global_scale``.
+
+ModelOpt's recipe: ``global_scale = amax(W) / (6 * 448)``, and each block scale is
+``amax(block) / 6 / global_scale`` rounded to E4M3, so the largest element of a block maps
+near the top of the E2M1 range (6) and the largest block scale near the top of E4M3 (448).
+
+Every function here is vectorized torch (CPU or CUDA) and works on stacks of matrices:
+any leading dims (e.g. experts ``[E, N, K]``) are carried through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+BLOCK_SIZE = 16  # NVFP4 elements per E4M3 block scale
+MX_BLOCK_SIZE = 32  # MXFP4 elements per E8M0 block scale
+
+# The 8 non-negative E2M1 magnitudes, indexed by the 3 low bits of a code (bit 3 is the sign).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+# Round-to-nearest-even boundaries between consecutive magnitudes. At an exact midpoint the
+# value goes to the code with an even index (mantissa bit 0): from index i to i+1 we step
+# when x > boundary if i is even (tie stays at i), when x >= boundary if i is odd.
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _check_float_tensor(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"{name} must be float32/bfloat16/float16, got dtype {t.dtype}")
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round ``x`` to the nearest E2M1 value (ties to even, saturating at +-6).
+
+    Returns uint8 codes in ``[0, 15]`` of the same shape: bits 0-2 index ``E2M1_VALUES``,
+    bit 3 is the sign (set for negative inputs only). NaN input is rejected by callers.
+    """
+    magnitude = x.abs().float()
+    index = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for i, boundary in enumerate(_E2M1_MIDPOINTS):
+        step = magnitude > boundary if i % 2 == 0 else magnitude >= boundary
+        index += step.to(torch.uint8)
+    sign = (x < 0).to(torch.uint8) << 3
+    return index | sign
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """Map uint8 E2M1 codes (0-15) to their float32 values."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    magnitude = table[(codes & 0x7).long()]
+    return torch.where((codes & 0x8) != 0, -magnitude, magnitude)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes ``[..., K]`` into bytes ``[..., K/2]``: element 2j low nibble, 2j+1 high."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_e2m1 needs an even last dim, got shape {tuple(codes.shape)}")
+    return (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Unpack bytes ``[..., K/2] uint8`` into codes ``[..., K] uint8``."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed E2M1 must be uint8, got {packed.dtype}")
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's per-tensor scale ``amax / (6 * 448)``, float32.
+
+    An all-zero tensor (amax 0) gets scale 1 (any positive value encodes zeros exactly), and
+    the result never drops below float32's smallest normal, so nothing divides by zero.
+    """
+    scale = amax.float() / (E2M1_MAX * E4M3_MAX)
+    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
+    return scale.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+@dataclass
+class NVFP4Tensor:
+    """An NVFP4-quantized stack of matrices ``[..., N, K]``.
+
+    Attributes:
+        packed: ``[..., N, K/2] uint8``, E2M1 pairs, low nibble first.
+        block_scale: ``[..., N, K/16] float8_e4m3fn``, linear (unswizzled) layout.
+        global_scale: ``[...] float32``, one per matrix (``[]`` for a single matrix).
+    """
+
+    packed: torch.Tensor
+    block_scale: torch.Tensor
+    global_scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_nvfp4(self.packed, self.block_scale, self.global_scale, dtype)
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> NVFP4Tensor:
+    """Quantize ``x [..., N, K]`` to NVFP4 with ModelOpt's recipe.
+
+    Args:
+        x: float tensor; K must be a multiple of 16; no NaN/Inf.
+        global_scale: ``[...]`` float32, one per matrix. Default: ``amax / (6*448)`` of each
+            matrix. Values of ``x`` beyond ``6 * 448 * global_scale`` saturate (this is what
+            happens to activations larger than their calibrated amax).
+    """
+    _check_float_tensor("x", x)
+    if x.dim() < 2 or x.shape[-1] % BLOCK_SIZE:
+        raise ValueError(
+            f"quantize_nvfp4: x must be [..., N, K] with K a multiple of {BLOCK_SIZE}, "
+            f"got shape {tuple(x.shape)}"
+        )
+    if not torch.isfinite(x).all():
+        raise ValueError(f"quantize_nvfp4: x {tuple(x.shape)} contains NaN or Inf")
+    if global_scale is None:
+        global_scale = global_scale_from_amax(x.float().abs().amax(dim=(-2, -1)))
+    elif not (torch.isfinite(global_scale).all() and (global_scale > 0).all()):
+        raise ValueError("quantize_nvfp4: global_scale must be finite and > 0")
+    return quantize_nvfp4_unchecked(x, global_scale)
+
+
+def quantize_nvfp4_unchecked(x: torch.Tensor, global_scale: torch.Tensor) -> NVFP4Tensor:
+    """:func:`quantize_nvfp4` without input checks (no host sync): for hot paths and graphs."""
+    x = x.float()
+    global_scale = global_scale.float().to(x.device).expand(x.shape[:-2])
+    g = global_scale[..., None, None]
+
+    blocks = x.unflatten(-1, (-1, BLOCK_SIZE))  # [..., N, K/16, 16]
+    block_amax = blocks.abs().amax(dim=-1)  # [..., N, K/16]
+    block_scale = (block_amax / E2M1_MAX / g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    step = block_scale.float() * g  # the dequantized size of one E2M1 unit
+    # A block whose scale rounds to 0 is below E4M3's range relative to the tensor: encode 0.
+    safe_step = torch.where(step > 0, step, torch.ones_like(step))
+    scaled = torch.where(step[..., None] > 0, blocks / safe_step[..., None], 0.0)
+    codes = e2m1_encode(scaled.flatten(-2))
+    return NVFP4Tensor(pack_e2m1(codes), block_scale, global_scale.contiguous())
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor,
+    block_scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_nvfp4`: ``[..., N, K/2]`` bytes -> ``[..., N, K]`` ``dtype``.
+
+    Computed in float32 (float64 if ``dtype`` is float64), then cast.
+    """
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    values = e2m1_decode(unpack_e2m1(packed)).to(compute)
+    scale = block_scale.to(compute).repeat_interleave(BLOCK_SIZE, dim=-1)
+    g = global_scale.to(compute)[..., None, None]
+    return (values * scale * g).to(dtype)
+
+
+# --- FlashInfer / CUTLASS 128x4 block-scale swizzle -------------------------------------
+#
+# CUTLASS's block-scaled GEMMs read scales in tiles of 128 rows x 4 scale columns (512 bytes).
+# Tiles are stored row-tile major; inside a tile, row r and column c sit at byte
+# (r % 32) * 16 + (r // 32) * 4 + c. Rows are padded to 128 and columns to 4 with zeros.
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def swizzle_block_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Swizzle ``[..., M, S]`` scales into CUTLASS's 128x4 layout.
+
+    Returns ``[..., M_pad, S_pad]`` (``M_pad = ceil128(M)``, ``S_pad = ceil4(S)``) whose
+    memory, read flat per matrix, is the swizzled buffer FlashInfer expects
+    (``nvfp4_block_scale_interleave``).
+    """
+    *lead, m, s = scale.shape
+    mp, sp = _round_up(m, 128), _round_up(s, 4)
+    padded = scale.new_zeros((*lead, mp, sp))
+    padded[..., :m, :s] = scale
+    # [.., row_tile, r_hi(4), r_lo(32), col_tile, c(4)] -> [.., row_tile, col_tile, r_lo, r_hi, c]
+    tiles = padded.reshape(*lead, mp // 128, 4, 32, sp // 4, 4)
+    n = len(lead)
+    tiles = tiles.permute(*range(n), n, n + 3, n + 2, n + 1, n + 4)
+    return tiles.reshape(*lead, mp, sp)
+
+
+def unswizzle_block_scale(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Exact inverse of :func:`swizzle_block_scale`, cropping back to ``[..., rows, cols]``.
+
+    ``swizzled`` may be the ``[..., M_pad, S_pad]`` tensor or its flat per-matrix buffer.
+    """
+    mp, sp = _round_up(rows, 128), _round_up(cols, 4)
+    lead = swizzled.shape[:-2] if swizzled.shape[-2:] == (mp, sp) else swizzled.shape[:-1]
+    tiles = swizzled.reshape(*lead, mp // 128, sp // 4, 32, 4, 4)
+    n = len(lead)
+    # inverse of the permutation in swizzle_block_scale
+    tiles = tiles.permute(*range(n), n, n + 3, n + 2, n + 1, n + 4)
+    return tiles.reshape(*lead, mp, sp)[..., :rows, :cols]
+
+
+# --- NVFP4 -> MXFP4 (FlashInfer's SM90 W4A16 kernel wants MXFP4) ------------------------
+#
+# MXFP4 = E2M1 elements with one power-of-two (E8M0, bias 127) scale per 32 elements and no
+# global scale. Re-quantizing is lossy: two NVFP4 blocks with different E4M3 scales (and the
+# per-expert global scale) must share one power of two.
+
+
+def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., N, K]`` (K % 32 == 0) to MXFP4 (OCP MX recipe, rounded-up exponent).
+
+    Returns ``(packed [..., N, K/2] uint8, scale [..., N, K/32] uint8 E8M0)``. The shared
+    exponent is ``ceil(log2(amax / 6))`` so no element saturates.
+    """
+    _check_float_tensor("x", x)
+    if x.dim() < 2 or x.shape[-1] % MX_BLOCK_SIZE:
+        raise ValueError(
+            f"quantize_mxfp4: x must be [..., N, K] with K a multiple of {MX_BLOCK_SIZE}, "
+            f"got shape {tuple(x.shape)}"
+        )
+    blocks = x.float().unflatten(-1, (-1, MX_BLOCK_SIZE))
+    amax = blocks.abs().amax(dim=-1)
+    exponent = torch.ceil(torch.log2(amax.clamp_min(2.0**-126) / E2M1_MAX)).clamp(-127, 127)
+    codes = e2m1_encode((blocks / torch.exp2(exponent)[..., None]).flatten(-2))
+    return pack_e2m1(codes), (exponent + 127).to(torch.uint8)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``[..., N, K/2]`` MXFP4 bytes and ``[..., N, K/32]`` E8M0 scales -> float32 ``[..., N, K]``."""
+    values = e2m1_decode(unpack_e2m1(packed))
+    return values * torch.exp2(scale.float() - 127).repeat_interleave(MX_BLOCK_SIZE, dim=-1)
+
+
+def nvfp4_to_mxfp4(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-quantize NVFP4 matrices to MXFP4 (lossy; see :func:`mxfp4_requant_error`)."""
+    return quantize_mxfp4(w.dequantize(torch.float32))
+
+
+def mxfp4_requant_error(w: NVFP4Tensor) -> float:
+    """Relative Frobenius error ``||W_mx - W_nv|| / ||W_nv||`` of the NVFP4 -> MXFP4 step."""
+    exact = w.dequantize(torch.float64)
+    approx = dequantize_mxfp4(*nvfp4_to_mxfp4(w)).double()
+    return ((approx - exact).norm() / exact.norm().clamp_min(1e-300)).item()
+
+
+def fake_quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Round ``x [..., N, K]`` through NVFP4 with a fixed global scale; float32 result.
+
+    This is what an NVFP4 x NVFP4 kernel does to activations: ``global_scale`` is the
+    calibrated ``input_scale = amax / (6*448)``; values beyond the calibrated range saturate.
+    No input checks (no host sync).
+    """
+    q = quantize_nvfp4_unchecked(x, global_scale)
+    return dequantize_nvfp4(q.packed, q.block_scale, q.global_scale)

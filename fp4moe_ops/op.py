@@ -1,0 +1,156 @@
+"""``torch.ops.fp4moe.fused_moe``: the one graph node every backend sits behind.
+
+Dynamo traces the op as a single opaque node (its fake function gives the output shape), so
+``torch.compile(fullgraph=True)`` never graph-breaks on it and never traces into a kernel
+library's Python. Prepared tensors are made once by :func:`prepare_experts`; the op itself
+only validates metadata (no host syncs) and dispatches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backends import get_backend, resolve_backend
+from .moe_weights import NVFP4MoEWeights
+
+_HIDDEN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend):
+    """Metadata checks shared by the real and the fake implementation."""
+    b = get_backend(backend)
+    if hidden_states.dim() != 2 or hidden_states.dtype not in _HIDDEN_DTYPES:
+        raise TypeError(
+            f"hidden_states must be [T, H] bfloat16/float16, got {hidden_states.dtype} "
+            f"{list(hidden_states.shape)}"
+        )
+    t, h = hidden_states.shape
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be [T, k] int32/int64, got {topk_ids.dtype} {list(topk_ids.shape)}")
+    if topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids {list(topk_ids.shape)} must have T={t} rows like hidden_states")
+    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
+        raise TypeError(
+            f"topk_weights must be float32 {list(topk_ids.shape)} like topk_ids, got "
+            f"{topk_weights.dtype} {list(topk_weights.shape)}"
+        )
+    device = hidden_states.device
+    named = [("topk_ids", topk_ids), ("topk_weights", topk_weights)]
+    named += [(f"expert_tensors[{i}]", x) for i, x in enumerate(expert_tensors)]
+    named += [(n, s) for n, s in (("fc1_act_scale", fc1_act_scale), ("fc2_act_scale", fc2_act_scale)) if s is not None]
+    for name, x in named:
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but hidden_states is on {device}")
+    num_experts = b.check_expert_tensors(expert_tensors, h)
+    scales = [s for s in (fc1_act_scale, fc2_act_scale) if s is not None]
+    if b.activation_scales == "forbidden" and scales:
+        raise ValueError(
+            f"backend {backend!r} keeps activations in 16 bits (W4A16) and would ignore the "
+            "activation scales; pass none, or use backend 'flashinfer_nvfp4' / 'reference'"
+        )
+    if b.activation_scales == "required" and len(scales) != 2:
+        raise ValueError(f"backend {backend!r} needs both fc1_act_scale and fc2_act_scale")
+    for s in scales:
+        if s.dtype != torch.float32 or s.numel() not in (1, num_experts) or s.dim() > 1:
+            raise ValueError(
+                f"activation scales must be float32 scalars or [E={num_experts}], got "
+                f"{s.dtype} {list(s.shape)}"
+            )
+
+
+@torch.library.custom_op("fp4moe::fused_moe", mutates_args=())
+def fused_moe(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_tensors: list[torch.Tensor],
+    fc1_act_scale: torch.Tensor | None,
+    fc2_act_scale: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    """Fused NVFP4 MoE experts: ``out[t] = sum_j w[t,j] * expert_{ids[t,j]}(x[t])``.
+
+    Args:
+        hidden_states: ``[T, H]`` bfloat16/float16.
+        topk_ids: ``[T, k]`` int32/int64; ids outside ``[0, E)`` contribute nothing.
+        topk_weights: ``[T, k]`` float32 routing weights (applied as given).
+        expert_tensors: the backend's prepared tensors (:func:`prepare_experts`).
+        fc1_act_scale, fc2_act_scale: activation global scales ``amax / (6*448)`` as float32
+            scalars or ``[E]``, for NVFP4 x NVFP4; None for W4A16 backends.
+        backend: a concrete backend name (``"auto"`` is resolved in :func:`prepare_experts`).
+
+    Returns:
+        ``[T, H]`` in ``hidden_states.dtype``.
+    """
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend)
+    if hidden_states.shape[0] == 0:
+        return torch.empty_like(hidden_states)
+    return get_backend(backend).run(
+        hidden_states, topk_ids, topk_weights, list(expert_tensors), fc1_act_scale, fc2_act_scale
+    )
+
+
+@fused_moe.register_fake
+def _(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend):
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend)
+    return torch.empty_like(hidden_states)
+
+
+@dataclass
+class PreparedExperts:
+    """A backend's prepared tensors for one MoE layer, ready to call.
+
+    Made by :func:`prepare_experts`; call it as ``prepared(hidden [T,H], ids [T,k], w [T,k])``.
+    """
+
+    backend: str
+    tensors: list[torch.Tensor]
+    fc1_act_scale: torch.Tensor | None = None
+    fc2_act_scale: torch.Tensor | None = None
+
+    def __call__(self, hidden_states, topk_ids, topk_weights) -> torch.Tensor:
+        return torch.ops.fp4moe.fused_moe(
+            hidden_states, topk_ids, topk_weights, self.tensors,
+            self.fc1_act_scale, self.fc2_act_scale, self.backend,
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+ACT_SCALE_MODES = ("per_expert", "global_max")
+
+
+def activation_scales(weights: NVFP4MoEWeights, mode: str) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """The op's activation scales from calibrated per-expert input scales.
+
+    ``per_expert``: each expert quantizes its inputs with its own scale (the seed change).
+    ``global_max``: one scale, the max over experts (vLLM / SGLang / TRT-LLM today); never
+    saturates a block scale and keeps all experts on one grid.
+    """
+    if mode not in ACT_SCALE_MODES:
+        raise ValueError(f"act_scale_mode must be one of {ACT_SCALE_MODES}, got {mode!r}")
+    if weights.fc1_input_scale is None or weights.fc2_input_scale is None:
+        return None, None
+    if mode == "per_expert":
+        return weights.fc1_input_scale, weights.fc2_input_scale
+    return weights.fc1_input_scale.max().reshape(()), weights.fc2_input_scale.max().reshape(())
+
+
+def prepare_experts(
+    weights: NVFP4MoEWeights, backend: str = "auto", act_scale_mode: str = "per_expert"
+) -> PreparedExperts:
+    """Prepare one layer's NVFP4 experts for ``backend`` on their own device (once, at load).
+
+    ``backend="auto"`` picks the fastest exact backend the device runs (see
+    :data:`fp4moe_ops.backends.AUTO_ORDER`). Activation scales are passed to the op only for
+    backends that quantize activations.
+    """
+    have_scales = weights.fc1_input_scale is not None and weights.fc2_input_scale is not None
+    b = resolve_backend(backend, weights.device, have_activation_scales=have_scales)
+    fc1, fc2 = activation_scales(weights, act_scale_mode)
+    if b.activation_scales == "forbidden" or (b.activation_scales == "optional" and backend == "auto"):
+        fc1 = fc2 = None  # W4A16: activations stay 16-bit
+    return PreparedExperts(b.name, b.prepare(weights), fc1, fc2)

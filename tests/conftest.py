@@ -1,0 +1,28 @@
+import os
+import random
+import zlib
+
+import pytest
+import torch
+
+# Fresh random inputs every run; the run's seed is printed in pytest's header so a failure
+# can be replayed with FP4MOE_SEED=<seed>.
+RUN_SEED = int(os.environ.get("FP4MOE_SEED", random.randrange(2**31)))
+
+
+def pytest_report_header(config):
+    return f"fp4moe: FP4MOE_SEED={RUN_SEED}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_per_test(request):
+    torch.manual_seed(RUN_SEED ^ zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,42 @@
+"""Independent float64 MoE math for tests: decodes NVFP4 bytes from the format definition
+(its own codebook and bit twiddling, not fp4moe_ops.nvfp4) and loops over tokens."""
+
+import torch
+import torch.nn.functional as F
+
+CODEBOOK = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+
+def dequant64(packed: torch.Tensor, scale_e4m3: torch.Tensor, global_scale) -> torch.Tensor:
+    """[N, K/2] uint8 + [N, K/16] float8_e4m3fn (+ scalar fp32) -> [N, K] float64."""
+    p = packed.long()
+    codes = torch.stack([p & 15, p >> 4], dim=-1).flatten(-2)  # low nibble first
+    vals = CODEBOOK[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
+    s = scale_e4m3.double().repeat_interleave(16, dim=-1)
+    return vals * s * float(global_scale)
+
+
+def moe64(x, ids, weights, w13, s13, g13, w2, s2, g2, fc1_scale=None, fc2_scale=None, quant=None):
+    """out[t] = sum_j weights[t,j] * down(silu(gate x) * up x), float64, gate rows first.
+
+    ``quant(v, s)`` (if scales are given) rounds a GEMM input through NVFP4 with scale s; the
+    intermediate is rounded to x's dtype first, as kernels store it.
+    """
+    t_count, h = x.shape
+    num_experts, two_i = w13.shape[0], w13.shape[1]
+    i = two_i // 2
+    out = torch.zeros(t_count, h, dtype=torch.float64)
+    for t in range(t_count):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < num_experts:
+                continue
+            a = x[t:t + 1]
+            if fc1_scale is not None:
+                a = quant(a, fc1_scale.reshape(-1)[e if fc1_scale.numel() > 1 else 0])
+            hgu = a.double() @ dequant64(w13[e], s13[e], g13[e]).T
+            act = (F.silu(hgu[:, :i]) * hgu[:, i:]).to(x.dtype)
+            if fc2_scale is not None:
+                act = quant(act, fc2_scale.reshape(-1)[e if fc2_scale.numel() > 1 else 0])
+            out[t] += float(weights[t, j]) * (act.double() @ dequant64(w2[e], s2[e], g2[e]).T)[0]
+    return out

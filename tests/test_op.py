@@ -1,0 +1,159 @@
+"""The fp4moe::fused_moe op: reference numerics vs float64, opcheck, compile, bad input."""
+
+import pytest
+import torch
+
+import fp4moe_ops
+from fp4moe_ops import nvfp4
+from moe_reference64 import moe64
+
+
+def make_layer(e=6, h=64, i=32, scale_spread=True, with_act_scales=False):
+    gate_up = torch.randn(e, 2 * i, h) / h**0.5
+    down = torch.randn(e, h, i) / i**0.5
+    if scale_spread:  # experts of very different magnitudes
+        gate_up *= torch.logspace(-1, 1, e)[:, None, None]
+    w = fp4moe_ops.quantize_moe_weights(gate_up, down)
+    if with_act_scales:
+        w.fc1_input_scale = torch.rand(e) * 0.002 + 0.0005
+        w.fc2_input_scale = torch.rand(e) * 0.002 + 0.0005
+    return w
+
+
+def routing(t, e, k):
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]) if t else torch.zeros(0, k, dtype=torch.long)
+    weights = torch.rand(t, k)
+    return ids, weights
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_reference_w4a16_matches_float64(dtype, ids_dtype):
+    w = make_layer()
+    x = torch.randn(9, 64, dtype=dtype)
+    ids, rw = routing(9, 6, 3)
+    out = fp4moe_ops.prepare_experts(w, "reference")(x, ids.to(ids_dtype), rw)
+    assert out.dtype == dtype and out.shape == x.shape
+    ref = moe64(x, ids, rw, *w.tensors())
+    # Differences: fp32 accumulation order (~1e-6), the bf16/fp16 intermediate rounding of
+    # the reference vs float64 rounding of the same values (identical up to rare 1-ulp flips),
+    # and the final cast to dtype (bf16: 2^-8 relative per element).
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert rel < (4e-3 if dtype == torch.bfloat16 else 1e-3), rel
+    assert torch.isfinite(out).all()
+
+
+def test_reference_nvfp4_activations_per_expert_and_global():
+    w = make_layer(with_act_scales=True)
+    x = torch.randn(7, 64, dtype=torch.bfloat16) * 0.3
+    ids, rw = routing(7, 6, 2)
+    quant = lambda v, s: nvfp4.fake_quantize_nvfp4(v, s)  # format tested in test_nvfp4_format
+    for mode in fp4moe_ops.ACT_SCALE_MODES:
+        fc1, fc2 = fp4moe_ops.activation_scales(w, mode)
+        out = torch.ops.fp4moe.fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "reference").tensors,
+                                         fc1, fc2, "reference")
+        ref = moe64(x, ids, rw, *w.tensors(), fc1_scale=fc1, fc2_scale=fc2, quant=quant)
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert rel < 4e-3, (mode, rel)
+    # and activation quantization changes the answer (the path is really taken)
+    w4a16 = fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="per_expert")
+    assert w4a16.fc1_act_scale is not None
+
+
+def test_out_of_range_ids_contribute_nothing_and_t0():
+    w = make_layer()
+    p = fp4moe_ops.prepare_experts(w, "reference")
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    ids, rw = routing(5, 6, 2)
+    sentinel = ids.clone()
+    sentinel[:, 1] = torch.tensor([-1, 6, 100, -7, 6])
+    expected = p(x, ids[:, :1], rw[:, :1])
+    torch.testing.assert_close(p(x, sentinel, rw), expected, rtol=0, atol=0)
+    empty = p(x[:0], ids[:0], rw[:0])
+    assert empty.shape == (0, 64)
+
+
+def test_opcheck():
+    w = make_layer(with_act_scales=True)
+    p = fp4moe_ops.prepare_experts(w, "reference")
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    ids, rw = routing(4, 6, 2)
+    op = torch.ops.fp4moe.fused_moe.default
+    torch.library.opcheck(op, (x, ids, rw, p.tensors, None, None, "reference"))
+    torch.library.opcheck(op, (x, ids, rw, p.tensors, w.fc1_input_scale, w.fc2_input_scale, "reference"))
+
+
+def test_compile_fullgraph_dynamic_tokens_no_recompile():
+    import torch._dynamo.testing
+
+    w = make_layer()
+    p = fp4moe_ops.prepare_experts(w, "reference")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+
+    def layer(x, ids, rw):
+        return p(x * 2, ids, rw) + 1
+
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    torch._dynamo.reset()
+    for t in (3, 5, 11):
+        x = torch.randn(t, 64, dtype=torch.bfloat16)
+        ids, rw = routing(t, 6, 2)
+        if t == 3:
+            for a in (x, ids, rw):
+                torch._dynamo.mark_dynamic(a, 0)
+        torch.testing.assert_close(compiled(x, ids, rw), layer(x, ids, rw), rtol=0, atol=0)
+    assert counter.frame_count == 1, counter.frame_count
+
+
+def test_bad_inputs_have_clear_errors():
+    w = make_layer()
+    p = fp4moe_ops.prepare_experts(w, "reference")
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    ids, rw = routing(4, 6, 2)
+    op = torch.ops.fp4moe.fused_moe
+    with pytest.raises(TypeError, match="hidden_states must be"):
+        op(x.float(), ids, rw, p.tensors, None, None, "reference")
+    with pytest.raises(TypeError, match="topk_ids must be"):
+        op(x, ids.float(), rw, p.tensors, None, None, "reference")
+    with pytest.raises(TypeError, match="topk_weights must be float32"):
+        op(x, ids, rw.bfloat16(), p.tensors, None, None, "reference")
+    with pytest.raises(ValueError, match="T=4 rows"):
+        op(x, ids[:3], rw[:3], p.tensors, None, None, "reference")
+    with pytest.raises(ValueError, match="hidden size 32"):
+        op(x[:, :32], ids, rw, p.tensors, None, None, "reference")
+    with pytest.raises(ValueError, match="is on meta"):
+        op(x, ids.to("meta"), rw, p.tensors, None, None, "reference")
+    with pytest.raises(ValueError, match=r"float32 scalars or \[E=6\]"):
+        op(x, ids, rw, p.tensors, torch.ones(5), None, "reference")
+    with pytest.raises(ValueError, match="unknown fp4moe backend"):
+        op(x, ids, rw, p.tensors, None, None, "nope")
+    with pytest.raises(ValueError, match="expected 6 expert tensors"):
+        op(x, ids, rw, p.tensors[:5], None, None, "reference")
+
+
+def test_bad_weights_have_clear_errors():
+    w = make_layer()
+    with pytest.raises(TypeError, match="w13_scale must be torch.float8_e4m3fn"):
+        fp4moe_ops.NVFP4MoEWeights(w.w13, w.w13_scale.view(torch.uint8), w.w13_global, w.w2, w.w2_scale, w.w2_global)
+    with pytest.raises(ValueError, match=r"w2 must have shape \[6, 64, 16\]"):
+        fp4moe_ops.NVFP4MoEWeights(w.w13, w.w13_scale, w.w13_global, w.w2[:, :, :8], w.w2_scale, w.w2_global)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fp4moe_ops.quantize_moe_weights(torch.randn(2, 16, 40), torch.randn(2, 40, 8))
+    with pytest.raises(ValueError, match="down must be"):
+        fp4moe_ops.quantize_moe_weights(torch.randn(2, 64, 32), torch.randn(2, 32, 16))
+    bad = torch.randn(2, 64, 32)
+    bad[1, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fp4moe_ops.quantize_moe_weights(bad, torch.randn(2, 32, 32))
+
+
+def test_backend_selection():
+    w = make_layer()
+    assert fp4moe_ops.prepare_experts(w, "auto").backend == "reference"  # CPU
+    assert "reference" in fp4moe_ops.available_backends("cpu")
+    for name in ("triton", "flashinfer_nvfp4", "flashinfer_bf16", "flashinfer_mxfp4"):
+        if name in fp4moe_ops.BACKENDS:
+            with pytest.raises(ValueError, match=r"cannot run on cpu.*Backends that can: \['reference'"):
+                fp4moe_ops.prepare_experts(w, name)
+    with pytest.raises(ValueError, match="unknown fp4moe backend"):
+        fp4moe_ops.prepare_experts(w, "cutlass9000")
