@@ -1,0 +1,270 @@
+"""Triton fused-MoE backend: exact NVFP4 weights x 16-bit activations (W4A16), any CUDA GPU
+Triton supports, written for Hopper (SM90) where FlashInfer's NVFP4 kernel does not run.
+
+Pipeline of one call (no host syncs, CUDA-graph capturable):
+
+1. ``route``: group the ``S = T*k`` (token, expert) slots by expert on the device and cut each
+   expert's slots into blocks of ``BLOCK_M`` rows: ``block_expert [B]`` (-1 = unused block),
+   ``block_row_start/end [B]`` into ``sorted_slot [S]``. ``B`` is a static upper bound.
+2. ``_gemm1_swiglu_kernel``: per (block, N tile) program, gather the block's token rows,
+   stream the expert's packed gate and up rows, dequantize in registers, two bf16 tensor-core
+   dots with fp32 accumulators, apply the global scale and ``silu(gate) * up``; store
+   ``[S, I]`` rows in the activation dtype (slot order).
+3. ``_gemm2_kernel``: same over ``w2``, times the routing weight, into ``[S, H]`` fp32.
+4. ``_sum_topk_kernel``: ``out[t] = sum_j y[t*k + j]`` over valid slots, cast to the input dtype
+   (deterministic: no atomics).
+
+Only experts that some token picked are read, each weight byte once per (M block, N tile).
+
+Weight decode trick (exact): an E2M1 code ``c`` placed into fp16 bits as
+``(c & 7) << 9 | (c & 8) << 12`` is ``value * 2^-14`` (normal and subnormal cases alike), and an
+E4M3 byte ``b`` as ``(b & 0x7F) << 7`` is ``scale * 2^-8``. Their product (at most 6 significant
+bits, >= 2^-32) is exact in bf16; the missing ``2^22`` is folded into the per-expert global scale
+applied to the fp32 accumulator.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..moe_weights import NVFP4MoEWeights
+from .base import Backend, register_backend
+from .reference import canonical_tensors, check_canonical_tensors
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton
+    triton = None
+
+DECODE_SHIFT = 2.0**22  # 2^14 (E2M1 in fp16 bits) * 2^8 (E4M3 in fp16 bits)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load_nvfp4_tile(w_ptr, s_ptr, rows, k0, row_bytes, row_scales,
+                         BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """Rows ``rows [BN]``, elements ``k0 .. k0+BK`` of an NVFP4 matrix as ``[BN, BK]``.
+
+        bf16: values * 2^-22 exactly; fp16: exact values (fp16 has the range).
+        """
+        kb = k0 // 2 + tl.arange(0, BK // 2)
+        packed = tl.load(w_ptr + rows[:, None] * row_bytes + kb[None, :])
+        ks = k0 // 16 + tl.arange(0, BK // 16)
+        sbytes = tl.load(s_ptr + rows[:, None] * row_scales + ks[None, :])
+        scale = ((sbytes & 0x7F).to(tl.int16) << 7).to(tl.float16, bitcast=True).to(tl.float32)
+        codes = tl.join(packed & 0xF, packed >> 4).reshape(BN, BK).to(tl.int16)
+        bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+        values = bits.to(tl.float16, bitcast=True).to(tl.float32)
+        values = values.reshape(BN, BK // 16, 16) * scale[:, :, None]
+        values = values.reshape(BN, BK)
+        if OUT_DTYPE == tl.float16:
+            values = values * 4194304.0  # 2^22: exact, and in fp16's range
+        return values.to(OUT_DTYPE)
+
+    @triton.jit
+    def _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM: tl.constexpr):
+        r0 = tl.load(block_row_start_ptr + b)
+        r1 = tl.load(block_row_end_ptr + b)
+        rows = r0 + tl.arange(0, BM)
+        row_mask = rows < r1
+        slots = tl.load(sorted_slot_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        return slots, row_mask
+
+    @triton.jit
+    def _gemm1_swiglu_kernel(
+        x_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
+        sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+        H, I, TOPK,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        e = tl.load(block_expert_ptr + b)
+        if e >= 0:
+            slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
+            tokens = slots // TOPK
+            dtype = x_ptr.dtype.element_ty
+            e64 = e.to(tl.int64)
+            w_e = w_ptr + e64 * (2 * I) * (H // 2)
+            s_e = s_ptr + e64 * (2 * I) * (H // 16)
+            cols = tl.program_id(1) * BN + tl.arange(0, BN)
+            acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, H, BK):
+                kk = k0 + tl.arange(0, BK)
+                a = tl.load(x_ptr + tokens[:, None] * H + kk[None, :], mask=row_mask[:, None], other=0.0)
+                w_gate = _load_nvfp4_tile(w_e, s_e, cols, k0, H // 2, H // 16, BN, BK, dtype)
+                w_up = _load_nvfp4_tile(w_e, s_e, cols + I, k0, H // 2, H // 16, BN, BK, dtype)
+                if DOT_F32:  # Triton's CPU interpreter mis-multiplies bf16 dots
+                    a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+                acc_gate = tl.dot(a, tl.trans(w_gate), acc_gate)
+                acc_up = tl.dot(a, tl.trans(w_up), acc_up)
+            g = tl.load(g_ptr + e)
+            if dtype == tl.bfloat16:
+                g = g * 4194304.0
+            gate = acc_gate * g
+            up = acc_up * g
+            h = gate * tl.sigmoid(gate) * up
+            tl.store(out_ptr + slots[:, None] * I + cols[None, :], h.to(dtype), mask=row_mask[:, None])
+
+    @triton.jit
+    def _gemm2_kernel(
+        a_ptr, w_ptr, s_ptr, g_ptr, topk_weights_ptr, out_ptr,
+        sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+        H, I,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        e = tl.load(block_expert_ptr + b)
+        if e >= 0:
+            slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
+            dtype = a_ptr.dtype.element_ty
+            e64 = e.to(tl.int64)
+            w_e = w_ptr + e64 * H * (I // 2)
+            s_e = s_ptr + e64 * H * (I // 16)
+            cols = tl.program_id(1) * BN + tl.arange(0, BN)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, I, BK):
+                kk = k0 + tl.arange(0, BK)
+                a = tl.load(a_ptr + slots[:, None] * I + kk[None, :], mask=row_mask[:, None], other=0.0)
+                w = _load_nvfp4_tile(w_e, s_e, cols, k0, I // 2, I // 16, BN, BK, dtype)
+                if DOT_F32:
+                    a, w = a.to(tl.float32), w.to(tl.float32)
+                acc = tl.dot(a, tl.trans(w), acc)
+            g = tl.load(g_ptr + e)
+            if dtype == tl.bfloat16:
+                g = g * 4194304.0
+            route = tl.load(topk_weights_ptr + slots, mask=row_mask, other=0.0)
+            y = acc * g * route[:, None]
+            tl.store(out_ptr + slots[:, None] * H + cols[None, :], y, mask=row_mask[:, None])
+
+    @triton.jit
+    def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BH + tl.arange(0, BH)
+        col_mask = cols < H
+        acc = tl.zeros((BH,), dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            e = tl.load(ids_ptr + t * TOPK + j) + tl.zeros((BH,), dtype=tl.int32)
+            valid = col_mask & (e >= 0) & (e < E)  # unused slots were never written
+            acc += tl.load(y_ptr + (t * TOPK + j) * H + cols, mask=valid, other=0.0)
+        tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Group slots by expert and cut them into ``block_m``-row blocks, on the device.
+
+    Returns ``(sorted_slot [S] int32, block_expert [B] int32 (-1 unused), block_row_start [B],
+    block_row_end [B])`` with ``B = min(S, E) + S // block_m`` (a bound on the blocks needed:
+    each expert hit adds at most one partial block). Invalid ids are dropped.
+    """
+    flat = topk_ids.reshape(-1)
+    num_slots = flat.numel()
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts).to(torch.int32)
+    _, sorted_slot = torch.sort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, key.long(), torch.ones_like(key))
+    counts = counts[:num_experts]
+    expert_row_start = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0, dtype=torch.int32)
+    num_blocks = min(num_slots, num_experts) + num_slots // block_m
+    block = torch.arange(num_blocks, dtype=torch.int32, device=flat.device)
+    block_expert = torch.searchsorted(block_end, block, right=True).to(torch.int32)
+    used = block_expert < num_experts
+    e = block_expert.clamp(max=num_experts - 1)
+    row_start = expert_row_start[e] + (block - (block_end[e] - blocks[e])) * block_m
+    row_end = torch.minimum(row_start + block_m, expert_row_start[e] + counts[e])
+    block_expert = torch.where(used, block_expert, -1)
+    return sorted_slot.to(torch.int32), block_expert, row_start, row_end
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap that divides n (n is a multiple of 16)."""
+    d = 16
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int) -> dict:
+    """Tile sizes by shape bucket (rows per expert), chosen from H200 sweeps (benchmarks/)."""
+    rows_per_expert = num_slots / max(1, min(num_experts, num_slots))
+    if rows_per_expert <= 16:
+        bm, bn1, bk1, bn2, bk2, warps, stages = 16, 64, 256, 64, 256, 4, 4
+    elif rows_per_expert <= 64:
+        bm, bn1, bk1, bn2, bk2, warps, stages = 64, 64, 128, 128, 128, 8, 3
+    else:
+        bm, bn1, bk1, bn2, bk2, warps, stages = 128, 64, 64, 128, 64, 8, 3
+    return dict(
+        BM=bm, BN1=_pow2_divisor(inter, bn1), BK1=_pow2_divisor(hidden, bk1),
+        BN2=_pow2_divisor(hidden, bn2), BK2=_pow2_divisor(inter, bk2),
+        num_warps=warps, num_stages=stages,
+    )
+
+
+def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, config: dict | None = None):
+    """Run the three Triton kernels; ``expert_tensors`` in the reference (canonical) layout."""
+    w13, s13, g13, w2, s2, g2 = expert_tensors
+    num_tokens, hidden = hidden_states.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    num_slots = num_tokens * top_k
+    cfg = config or kernel_config(num_slots, num_experts, hidden, inter)
+    sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
+    x = hidden_states.contiguous()
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], DOT_F32=interpreting())
+
+    inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    grid1 = (block_expert.numel(), inter // cfg["BN1"])
+    _gemm1_swiglu_kernel[grid1](
+        x, w13, s13, g13, inter_act, sorted_slot, block_expert, row_start, row_end,
+        hidden, inter, top_k, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], **launch,
+    )
+    y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
+    grid2 = (block_expert.numel(), hidden // cfg["BN2"])
+    _gemm2_kernel[grid2](
+        inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end,
+        hidden, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], **launch,
+    )
+    out = torch.empty_like(x)
+    bh = min(1024, triton.next_power_of_2(hidden))
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, bh))](
+        y, topk_ids.contiguous(), out, hidden, num_experts, TOPK=top_k, BH=bh,
+    )
+    return out
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    activation_scales = "forbidden"
+    description = "fp4moe Triton kernel: exact NVFP4 weights x bf16/fp16 activations (Hopper and newer)"
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        if triton is None:
+            return "triton is not installed"
+        if device.type != "cuda":
+            return "needs a CUDA GPU"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return "needs compute capability 8.0+ (bf16 tensor cores)"
+        return None
+
+    def prepare(self, weights: NVFP4MoEWeights) -> list[torch.Tensor]:
+        return [t.contiguous() for t in canonical_tensors(weights)]
+
+    def check_expert_tensors(self, expert_tensors, hidden_size):
+        return check_canonical_tensors(expert_tensors, hidden_size)
+
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale):
+        return triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors)
+
+
+register_backend(TritonBackend())
