@@ -1,7 +1,7 @@
 """Backends behind ``torch.ops.fp4moe.fused_moe``; importing this registers all of them."""
 
 from .base import AUTO_ORDER, BACKENDS, Backend, available_backends, get_backend, register_backend, resolve_backend
-from . import reference, triton_moe  # noqa: F401  (registering imports)
+from . import flashinfer_cutlass, reference, triton_moe  # noqa: F401  (registering imports)
 
 __all__ = [
     "AUTO_ORDER", "BACKENDS", "Backend", "available_backends", "get_backend",

@@ -1,0 +1,259 @@
+"""FlashInfer CUTLASS fused-MoE backends (``flashinfer.fused_moe.cutlass_fused_moe``, 0.7.x).
+
+* ``flashinfer_nvfp4``: NVFP4 weights x NVFP4 activations, Blackwell only (SM100/103/110/120).
+  **Never run on hardware by this project** (we have only an SM90 GPU): the arguments follow
+  FlashInfer 0.7.4's documented contract and are checked on CPU by de-swizzling/dequantizing
+  them and by a simulation that consumes exactly these tensors (tests/test_flashinfer_args.py).
+* ``flashinfer_bf16``: weights dequantized once to bf16 (exact: E2M1 x E4M3 fits bf16, the
+  fp32 global scale costs one bf16 rounding), FlashInfer's BF16 CUTLASS kernel. SM90+.
+* ``flashinfer_mxfp4``: NVFP4 re-quantized to MXFP4 (lossy, see
+  :func:`fp4moe_ops.nvfp4.mxfp4_requant_error`), FlashInfer's SM90 BF16 x MXFP4 W4A16 kernel.
+
+FlashInfer's contract that matters here: fc1 rows are ``[up; gate]`` (Transformers and our
+canonical layout are ``[gate; up]``); ids outside ``[0, E)`` are not skipped with
+``ep_size=1``, so we route them to expert 0 with weight 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..moe_weights import NVFP4MoEWeights
+from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor, nvfp4_to_mxfp4, swizzle_block_scale
+from .base import Backend, register_backend
+
+MIN_FLASHINFER = (0, 7)
+DEFAULT_MAX_TOKENS = 8192  # workspace is sized for this many tokens per call
+
+
+def up_gate_order(w: torch.Tensor) -> torch.Tensor:
+    """``[E, 2I, ...]`` rows ``[gate; up]`` -> FlashInfer's ``[up; gate]``."""
+    gate, up = w.chunk(2, dim=1)
+    return torch.cat([up, gate], dim=1).contiguous()
+
+
+# --- NVFP4 x NVFP4 (Blackwell) argument preparation: plain torch, testable anywhere ---------
+
+
+def nvfp4_weight_arguments(w: NVFP4MoEWeights) -> list[torch.Tensor]:
+    """``[fc1_w int64 [E,2I,H/16], fc1_sf int32, fc1_wglobal [E], fc2_w int64 [E,H,I/16],
+    fc2_sf int32, fc2_wglobal [E]]``.
+
+    Packed weights are viewed as int64 (16 FP4 per element); block scales are swizzled 128x4
+    per expert and viewed as int32 (``[E, ceil128(N), ceil4(K/16)/4]``).
+    """
+    def scales(s: torch.Tensor) -> torch.Tensor:
+        return swizzle_block_scale(s.view(torch.uint8)).contiguous().view(torch.int32)
+
+    return [
+        up_gate_order(w.w13).view(torch.int64),
+        scales(up_gate_order(w.w13_scale)),
+        w.w13_global,
+        w.w2.contiguous().view(torch.int64),
+        scales(w.w2_scale),
+        w.w2_global,
+    ]
+
+
+def nvfp4_quant_scales(
+    fc1_wglobal: torch.Tensor, fc1_sf: torch.Tensor, fc2_wglobal: torch.Tensor, fc2_sf: torch.Tensor,
+    fc1_act_scale: torch.Tensor, fc2_act_scale: torch.Tensor, *, preseed_fc2_bug: bool = False,
+) -> list[torch.Tensor]:
+    """FlashInfer's ``quant_scales`` for NVFP4:
+    ``[fc1_act_global, fc1_sf, fc1_alpha, fc2_act_global, fc2_sf, fc2_alpha]``.
+
+    ``act_scale`` is ModelOpt's ``input_scale`` (``amax/(6*448)``, scalar or ``[E]``);
+    FlashInfer quantizes with its reciprocal ``act_global`` and dequantizes GEMM outputs with
+    ``alpha[e] = weight_global[e] * act_scale[e]``.
+
+    ``preseed_fc2_bug`` reproduces FlashInfer before the seed change (tests/benchmarks only):
+    GEMM2 inputs quantized with the single ``min(act_global)`` while alphas stay per-expert,
+    which shrinks expert e's output by ``s2[e] / max(s2)``.
+    """
+    fc1_alpha = (fc1_wglobal * fc1_act_scale).float().contiguous()
+    fc2_alpha = (fc2_wglobal * fc2_act_scale).float().contiguous()
+    fc2_act_global = 1.0 / fc2_act_scale
+    if preseed_fc2_bug:
+        fc2_act_global = fc2_act_global.min().reshape(())
+    return [(1.0 / fc1_act_scale).float(), fc1_sf, fc1_alpha, fc2_act_global.float(), fc2_sf, fc2_alpha]
+
+
+# --- the backends ---------------------------------------------------------------------------
+
+
+def _import_flashinfer():
+    """flashinfer.fused_moe, or a clear error saying what is missing or incompatible."""
+    try:
+        import flashinfer
+        from flashinfer import fused_moe
+    except Exception as exc:  # ImportError, or a CUDA/JIT failure at import
+        raise RuntimeError(f"FlashInfer is not usable here: {exc}. pip install 'fp4moe[flashinfer]'") from exc
+    version = tuple(int(p) for p in flashinfer.__version__.split(".")[:2] if p.isdigit())
+    if version < MIN_FLASHINFER:
+        raise RuntimeError(
+            f"flashinfer {flashinfer.__version__} has a different cutlass_fused_moe contract; "
+            f"fp4moe needs >= {'.'.join(map(str, MIN_FLASHINFER))}"
+        )
+    return fused_moe
+
+
+def _safe_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
+    valid = (topk_ids >= 0) & (topk_ids < num_experts)
+    return torch.where(valid, topk_ids, 0).int(), torch.where(valid, topk_weights, 0.0)
+
+
+class _FlashInferBackend(Backend):
+    activation_scales = "forbidden"
+    min_capability: tuple[int, int] = (9, 0)
+    max_capability: tuple[int, int] = (99, 0)
+
+    def __init__(self) -> None:
+        self._workspaces: dict = {}
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return "needs a CUDA GPU"
+        cap = torch.cuda.get_device_capability(device)
+        if not self.min_capability <= cap <= self.max_capability:
+            return (f"needs compute capability {self.min_capability}..{self.max_capability}, "
+                    f"device has {cap}")
+        try:
+            _import_flashinfer()
+        except RuntimeError as exc:
+            return str(exc)
+        return None
+
+    # Subclasses: the prepared-tensor layout and the kernel flags.
+    weight_kwargs: dict = {}
+
+    def quant_scales(self, expert_tensors, fc1_act_scale, fc2_act_scale) -> list[torch.Tensor]:
+        return []
+
+    def kernel_weights(self, expert_tensors):
+        return expert_tensors[0], expert_tensors[1]
+
+    def workspace(self, device, hidden, inter, num_experts, top_k, x_dtype, weight_dtype, num_tokens):
+        """One scratch buffer per device and shape, allocated outside any CUDA-graph capture
+        (call :func:`warmup` before capturing) and reused by every layer."""
+        fused_moe = _import_flashinfer()
+        key = (device, hidden, inter, num_experts, top_k, x_dtype, weight_dtype)
+        ws = self._workspaces.get(key)
+        if ws is None or ws[0] < num_tokens:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "FlashInfer workspace must be allocated before CUDA-graph capture: run the "
+                    "model once eagerly (or fp4moe_ops.warmup) with the largest token count")
+            max_tokens = max(num_tokens, DEFAULT_MAX_TOKENS if ws is None else ws[0])
+            size = fused_moe.cutlass_fused_moe_workspace_size(
+                max_tokens, hidden, inter, num_experts, top_k, x_dtype=x_dtype,
+                weight_dtype=weight_dtype, output_dtype=x_dtype, device=device,
+                use_fused_finalize=self.use_fused_finalize, **self.weight_kwargs)
+            ws = (max_tokens, torch.empty(size, dtype=torch.uint8, device=device))
+            self._workspaces[key] = ws
+        return ws[1]
+
+    use_fused_finalize: bool | None = None  # None: FlashInfer's default (deterministic if asked)
+
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale):
+        fused_moe = _import_flashinfer()
+        fc1, fc2 = self.kernel_weights(expert_tensors)
+        num_experts = fc1.shape[0]
+        ids, weights = _safe_routing(topk_ids, topk_weights, num_experts)
+        hidden, inter = hidden_states.shape[1], fc1.shape[1] // 2
+        ws = self.workspace(hidden_states.device, hidden, inter, num_experts, ids.shape[1],
+                            hidden_states.dtype, fc1.dtype, hidden_states.shape[0])
+        out = fused_moe.cutlass_fused_moe(
+            hidden_states.contiguous(), ids, weights, fc1, fc2, hidden_states.dtype,
+            quant_scales=self.quant_scales(expert_tensors, fc1_act_scale, fc2_act_scale),
+            workspace_buffer=ws, use_fused_finalize=self.use_fused_finalize, **self.weight_kwargs,
+        )
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+
+class FlashInferBF16Backend(_FlashInferBackend):
+    name = "flashinfer_bf16"
+    description = "FlashInfer CUTLASS BF16 on weights dequantized once to bf16 (4x the memory)"
+
+    def prepare(self, weights):
+        w13, w2 = weights.dequantize(torch.bfloat16)
+        return [up_gate_order(w13), w2.contiguous()]
+
+    def check_expert_tensors(self, expert_tensors, hidden_size):
+        if len(expert_tensors) != 2:
+            raise ValueError(f"{self.name}: expected [fc1 [E,2I,H], fc2 [E,H,I]] bf16, got {len(expert_tensors)} tensors")
+        fc1, fc2 = expert_tensors
+        if fc1.dim() != 3 or fc1.shape[2] != hidden_size or fc2.shape[1] != hidden_size or fc1.dtype != torch.bfloat16:
+            raise ValueError(f"{self.name}: fc1 {list(fc1.shape)} {fc1.dtype} / fc2 {list(fc2.shape)} do not match H={hidden_size}")
+        return fc1.shape[0]
+
+
+class FlashInferMXFP4Backend(_FlashInferBackend):
+    name = "flashinfer_mxfp4"
+    exact_weights = False
+    max_capability = (9, 0)  # the mixed-input W4A16 GEMM is Hopper's
+    description = "FlashInfer CUTLASS BF16 x MXFP4 (W4A16) on SM90; weights re-quantized (lossy)"
+    weight_kwargs = {"use_w4_group_scaling": True}
+
+    def prepare(self, weights):
+        from flashinfer.fused_moe import (
+            interleave_moe_scales_for_sm90_mixed_gemm as interleave_scales,
+            interleave_moe_weights_for_sm90_mixed_gemm as interleave_weights,
+        )
+        hidden, inter = weights.hidden_size, weights.intermediate_size
+        if inter % 64 or hidden % 64 or (2 * inter) % 16 or hidden % 16:
+            raise ValueError(f"{self.name}: W4A16 needs n % 16 == 0 and k % 64 == 0; got H={hidden}, I={inter}")
+        w13 = nvfp4_to_mxfp4(NVFP4Tensor(weights.w13, weights.w13_scale, weights.w13_global))
+        w2 = nvfp4_to_mxfp4(NVFP4Tensor(weights.w2, weights.w2_scale, weights.w2_global))
+        return [
+            interleave_weights(up_gate_order(w13[0]), "fp4"), interleave_weights(w2[0].contiguous(), "fp4"),
+            interleave_scales(up_gate_order(w13[1]), 32), interleave_scales(w2[1].contiguous(), 32),
+        ]
+
+    def quant_scales(self, expert_tensors, fc1_act_scale, fc2_act_scale):
+        return [expert_tensors[2], expert_tensors[3]]
+
+    def check_expert_tensors(self, expert_tensors, hidden_size):
+        if len(expert_tensors) != 4:
+            raise ValueError(f"{self.name}: expected 4 prepared tensors, got {len(expert_tensors)}")
+        fc1, fc2 = expert_tensors[:2]
+        if fc1.dtype != torch.uint8 or fc1.shape[2] * 2 != hidden_size or fc2.shape[1] != hidden_size:
+            raise ValueError(f"{self.name}: fc1 {list(fc1.shape)} / fc2 {list(fc2.shape)} do not match H={hidden_size}")
+        return fc1.shape[0]
+
+
+class FlashInferNVFP4Backend(_FlashInferBackend):
+    name = "flashinfer_nvfp4"
+    activation_scales = "required"
+    min_capability = (10, 0)
+    description = "FlashInfer CUTLASS NVFP4 x NVFP4 (Blackwell; not run on hardware by this project)"
+
+    def prepare(self, weights):
+        if weights.hidden_size % 128 or weights.intermediate_size % 128:
+            raise ValueError(
+                f"{self.name}: CUTLASS NVFP4 needs H and I multiples of 128 (got H={weights.hidden_size}, "
+                f"I={weights.intermediate_size}); use backend 'triton' or 'reference'")
+        return nvfp4_weight_arguments(weights)
+
+    def kernel_weights(self, expert_tensors):
+        return expert_tensors[0], expert_tensors[3]
+
+    def quant_scales(self, expert_tensors, fc1_act_scale, fc2_act_scale):
+        _, fc1_sf, fc1_wg, _, fc2_sf, fc2_wg = expert_tensors
+        return nvfp4_quant_scales(fc1_wg, fc1_sf, fc2_wg, fc2_sf, fc1_act_scale, fc2_act_scale)
+
+    def check_expert_tensors(self, expert_tensors, hidden_size):
+        if len(expert_tensors) != 6:
+            raise ValueError(f"{self.name}: expected 6 prepared tensors, got {len(expert_tensors)}")
+        fc1 = expert_tensors[0]
+        if fc1.dtype != torch.int64 or fc1.shape[2] * BLOCK_SIZE != hidden_size:
+            raise ValueError(f"{self.name}: fc1 must be int64 [E, 2I, H/16] for H={hidden_size}, got {fc1.dtype} {list(fc1.shape)}")
+        return fc1.shape[0]
+
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale):
+        if hidden_states.dtype != torch.bfloat16:
+            raise TypeError(f"{self.name}: per-expert activation scales need bf16 input, got {hidden_states.dtype}")
+        return super().run(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale)
+
+
+for _backend in (FlashInferNVFP4Backend(), FlashInferBF16Backend(), FlashInferMXFP4Backend()):
+    register_backend(_backend)

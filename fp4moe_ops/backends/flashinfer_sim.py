@@ -1,0 +1,59 @@
+"""A CPU model of FlashInfer's CUTLASS NVFP4 x NVFP4 fused MoE, consuming the exact prepared
+arguments (``nvfp4_weight_arguments`` + ``nvfp4_quant_scales``) in FlashInfer's semantics.
+
+We have no Blackwell GPU, so this is how the Blackwell path's arguments are checked: tests run
+it against the reference backend, and the accuracy study uses it for the activation-scale
+modes (including the pre-seed bug). It follows FlashInfer's own formulation, not ours:
+activations are quantized with ``act_global`` (the reciprocal of ModelOpt's ``input_scale``)
+as ``sf = e4m3(act_global * amax16 / 6)``, ``q = e2m1(x * act_global / sf)``; GEMM outputs are
+rescaled by ``alpha[e]``; fc1 rows are ``[up; gate]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..nvfp4 import BLOCK_SIZE, E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, unpack_e2m1, unswizzle_block_scale
+
+
+def _per_expert(v: torch.Tensor, e: int) -> torch.Tensor:
+    return v.reshape(-1)[e] if v.numel() > 1 else v.reshape(())
+
+
+def _quantize_activation(x: torch.Tensor, act_global: torch.Tensor) -> torch.Tensor:
+    """FlashInfer's activation quantization; returns ``q * sf`` (i.e. ``x * act_global``)."""
+    blocks = x.float().unflatten(-1, (-1, BLOCK_SIZE))
+    sf = (act_global * blocks.abs().amax(-1) / E2M1_MAX).clamp(max=E4M3_MAX)
+    sf = sf.to(torch.float8_e4m3fn).float()
+    scaled = torch.where(sf[..., None] > 0, blocks * act_global / sf[..., None].clamp_min(1e-30), 0.0)
+    q = e2m1_decode(e2m1_encode(scaled))
+    return (q * sf[..., None]).flatten(-2)
+
+
+def _weight(packed_i64: torch.Tensor, sf_i32: torch.Tensor, e: int) -> torch.Tensor:
+    """Expert e's ``e2m1 * block_scale`` (no global scale) from the kernel's tensors."""
+    packed = packed_i64[e].view(torch.uint8)
+    rows, k = packed.shape[0], packed.shape[1] * 2
+    sf = unswizzle_block_scale(sf_i32[e].view(torch.uint8), rows, k // BLOCK_SIZE)
+    sf = sf.view(torch.float8_e4m3fn).float().repeat_interleave(BLOCK_SIZE, -1)
+    return e2m1_decode(unpack_e2m1(packed)) * sf
+
+
+def simulate_cutlass_nvfp4_moe(hidden_states, topk_ids, topk_weights, fc1_weights, fc2_weights, quant_scales):
+    """``cutlass_fused_moe`` NVFP4 semantics on CPU; returns ``[T, H]`` float32."""
+    fc1_act_global, fc1_sf, fc1_alpha, fc2_act_global, fc2_sf, fc2_alpha = quant_scales
+    num_experts = fc1_weights.shape[0]
+    inter = fc1_weights.shape[1] // 2
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32)
+    for e in range(num_experts):
+        route = (topk_weights.float() * (topk_ids == e)).sum(-1)
+        if not bool((route != 0).any()):
+            continue
+        a1 = _quantize_activation(hidden_states, _per_expert(fc1_act_global, e))
+        h = (a1 @ _weight(fc1_weights, fc1_sf, e).T) * fc1_alpha[e]
+        up, gate = h[:, :inter], h[:, inter:]
+        act = (F.silu(gate) * up).to(hidden_states.dtype)
+        a2 = _quantize_activation(act, _per_expert(fc2_act_global, e))
+        out += route[:, None] * (a2 @ _weight(fc2_weights, fc2_sf, e).T) * fc2_alpha[e]
+    return out

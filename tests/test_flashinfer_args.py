@@ -1,0 +1,80 @@
+"""FlashInfer NVFP4 (Blackwell) arguments, checked on CPU by independent routes:
+de-swizzle + float64 dequantize back to the reference weights, and a simulation that consumes
+exactly the prepared tensors in FlashInfer's semantics vs the reference backend."""
+
+import pytest
+import torch
+
+import fp4moe_ops
+from fp4moe_ops.backends.flashinfer_cutlass import nvfp4_quant_scales, nvfp4_weight_arguments, up_gate_order
+from fp4moe_ops.backends.flashinfer_sim import simulate_cutlass_nvfp4_moe
+from moe_reference64 import dequant64
+
+
+def calibrated_layer(e=8, h=128, i=128):
+    gate_up = torch.randn(e, 2 * i, h) / h**0.5
+    w = fp4moe_ops.quantize_moe_weights(gate_up, torch.randn(e, h, i) / i**0.5)
+    w.fc1_input_scale = (torch.rand(e) + 0.5) * 4 / (6 * 448)  # amax ~ 2..6
+    w.fc2_input_scale = torch.logspace(-1, 1, e) / (6 * 448)  # experts' ranges differ 100x
+    return w
+
+
+def test_prepared_weights_deswizzle_to_reference():
+    w = calibrated_layer(e=3, h=128, i=192)  # 2I = 384 rows: three 128-row tiles; I/16 = 12 cols
+    fc1, fc1_sf, fc1_g, fc2, fc2_sf, fc2_g = nvfp4_weight_arguments(w)
+    assert fc1.dtype == torch.int64 and fc1.shape == (3, 384, 128 // 16)
+    assert fc1_sf.dtype == torch.int32 and fc1_sf.shape == (3, 384, 128 // 16 // 4)
+    assert fc2.shape == (3, 128, 192 // 16) and fc2_sf.shape == (3, 128, 12 // 4)
+    for e in range(3):
+        # Independent route: CUTLASS offset formula applied per element, float64 decode.
+        flat = fc1_sf[e].view(torch.uint8).reshape(-1)
+        rows, cols = 384, 8
+        sf = torch.empty(rows, cols, dtype=torch.uint8)
+        for r in range(rows):
+            for c in range(cols):
+                sf[r, c] = flat[((r // 128) * 2 + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4]
+        got = dequant64(fc1[e].view(torch.uint8), sf.view(torch.float8_e4m3fn), fc1_g[e])
+        ref = dequant64(w.w13[e], w.w13_scale[e], w.w13_global[e])
+        gate, up = ref.chunk(2)
+        assert torch.equal(got, torch.cat([up, gate]))  # FlashInfer order [up; gate]
+        assert torch.equal(up_gate_order(up_gate_order(w.w13))[e], w.w13[e])
+
+
+@pytest.mark.parametrize("mode", ["per_expert", "global_max"])
+def test_simulation_of_prepared_args_matches_reference_backend(mode):
+    w = calibrated_layer()
+    t, k = 24, 3
+    x = (torch.randn(t, 128) * 0.8).bfloat16()
+    ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)])
+    rw = torch.rand(t, k)
+    fc1_s, fc2_s = fp4moe_ops.activation_scales(w, mode)
+    assert fc1_s.numel() == (8 if mode == "per_expert" else 1)
+    args = nvfp4_weight_arguments(w)
+    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s)
+    sim = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs)
+    ref = torch.ops.fp4moe.fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "reference").tensors,
+                                     fc1_s, fc2_s, "reference").float()
+    # Same quantization grid, different fp32 formulation (x*g/sf vs x/(sf*s)): rare E2M1
+    # rounding flips at ties plus the bf16 output rounding of the reference.
+    rel = ((sim - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel
+
+
+def test_preseed_bug_shrinks_each_expert_by_its_scale_ratio():
+    """Pre-seed FlashInfer quantized GEMM2 inputs with 1/max(s2) but dequantized with per-expert
+    alphas. Against a consistent GEMM2 at that same scale (identical quantization grid), expert
+    e's output is exactly s2[e] / max(s2) times too small."""
+    w = calibrated_layer()
+    x = (torch.randn(16, 128) * 0.8).bfloat16()
+    args = nvfp4_weight_arguments(w)
+    fc1_s, fc2_s = w.fc1_input_scale, w.fc2_input_scale
+    consistent = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s.max())
+    buggy = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s, preseed_fc2_bug=True)
+    for e in (0, 3, 7):
+        ids, rw = torch.full((16, 1), e), torch.ones(16, 1)
+        good = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], consistent)
+        bad = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], buggy)
+        expected = (fc2_s[e] / fc2_s.max()).item()
+        torch.testing.assert_close(bad, good * expected, rtol=1e-5, atol=1e-6 * good.abs().max().item())
+        if e < 7:
+            assert expected < 0.5  # the bug is large for all but the widest-range expert
