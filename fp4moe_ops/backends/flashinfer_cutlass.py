@@ -200,10 +200,18 @@ class FlashInferMXFP4Backend(_FlashInferBackend):
             interleave_moe_weights_for_sm90_mixed_gemm as interleave_weights,
         )
         hidden, inter = weights.hidden_size, weights.intermediate_size
-        if inter % 64 or hidden % 64 or (2 * inter) % 16 or hidden % 16:
-            raise ValueError(f"{self.name}: W4A16 needs n % 16 == 0 and k % 64 == 0; got H={hidden}, I={inter}")
-        w13 = nvfp4_to_mxfp4(NVFP4Tensor(weights.w13, weights.w13_scale, weights.w13_global))
-        w2 = nvfp4_to_mxfp4(NVFP4Tensor(weights.w2, weights.w2_scale, weights.w2_global))
+        if inter % 128 or hidden % 128:
+            # weights need n % 16 and k % 64; the folded E8M0 scales need rows % 64, k % 128
+            raise ValueError(f"{self.name}: SM90 W4A16 needs H and I multiples of 128; got H={hidden}, "
+                             f"I={inter}; use backend 'triton' (exact) or 'reference'")
+        def to_mxfp4(packed, scale, global_scale):
+            # 16 experts at a time: the float32 detour of a whole layer would need ~30 GB
+            parts = [nvfp4_to_mxfp4(NVFP4Tensor(packed[e:e + 16], scale[e:e + 16], global_scale[e:e + 16]))
+                     for e in range(0, packed.shape[0], 16)]
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+        w13 = to_mxfp4(weights.w13, weights.w13_scale, weights.w13_global)
+        w2 = to_mxfp4(weights.w2, weights.w2_scale, weights.w2_global)
         return [
             interleave_weights(up_gate_order(w13[0]), "fp4"), interleave_weights(w2[0].contiguous(), "fp4"),
             interleave_scales(up_gate_order(w13[1]), 32), interleave_scales(w2[1].contiguous(), 32),

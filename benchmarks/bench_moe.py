@@ -1,0 +1,276 @@
+"""Fused-MoE layer benchmark: fp4moe's Triton kernel vs FlashInfer CUTLASS (W4A16-MXFP4, BF16),
+torch ``_grouped_mm`` BF16 and the reference, side by side in one process.
+
+    python benchmarks/bench_moe.py                      # GPU: DeepSeek-V3 layer, all token counts
+    python benchmarks/bench_moe.py --shape small        # CPU: reference on a small shape (CI)
+
+Method: random NVFP4 weights (quantized from Gaussians), random top-k routing; several input
+sets rotated inside one CUDA graph so neither L2 nor a fixed routing flatters; median of graph
+replays timed with CUDA events. Every timed kernel is first checked against the reference
+(on the first 32 tokens: tokens are independent). The byte floor is the NVFP4 bytes of the
+experts actually hit (weights + block scales) over the measured device-copy bandwidth.
+Writes ``results.json``, ``results.md`` and ``latency.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import fp4moe_ops  # noqa: E402
+from fp4moe_ops import nvfp4  # noqa: E402
+from fp4moe_ops.backends.flashinfer_cutlass import up_gate_order  # noqa: E402
+
+SHAPES = {  # name: (E local, H, I, top_k, E routed over)
+    "deepseek": (256, 7168, 2048, 8, 256),
+    "ep32": (32, 7168, 2048, 8, 256),  # expert-parallel shard: ids >= 32 are other ranks'
+    "tp256": (256, 7168, 256, 8, 256),  # tensor-parallel shard (TP=8)
+    "small": (8, 256, 128, 2, 8),
+}
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
+INPUT_SETS = 4
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def random_weights(e: int, h: int, i: int, device) -> fp4moe_ops.NVFP4MoEWeights:
+    """Quantize Gaussian experts a few at a time (bounded fp32 scratch)."""
+    parts = []
+    for e0 in range(0, e, 16):
+        n = min(16, e - e0)
+        gate_up = torch.randn(n, 2 * i, h, device=device) / h**0.5
+        down = torch.randn(n, h, i, device=device) / i**0.5
+        parts.append(fp4moe_ops.quantize_moe_weights(gate_up, down))
+    cat = lambda name: torch.cat([getattr(p, name) for p in parts])
+    return fp4moe_ops.NVFP4MoEWeights(*(cat(n) for n in ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")))
+
+
+def bf16_weights(w: fp4moe_ops.NVFP4MoEWeights):
+    """Dequantize expert by expert to bf16 ([gate; up] order), bounded scratch."""
+    w13 = torch.empty(w.num_experts, 2 * w.intermediate_size, w.hidden_size, dtype=torch.bfloat16, device=w.device)
+    w2 = torch.empty(w.num_experts, w.hidden_size, w.intermediate_size, dtype=torch.bfloat16, device=w.device)
+    for e in range(w.num_experts):
+        w13[e] = nvfp4.dequantize_nvfp4(w.w13[e], w.w13_scale[e], w.w13_global[e], torch.bfloat16)
+        w2[e] = nvfp4.dequantize_nvfp4(w.w2[e], w.w2_scale[e], w.w2_global[e], torch.bfloat16)
+    return w13, w2
+
+
+def grouped_mm_moe(x, ids, rw, w13_t, w2_t, num_experts):
+    """torch._grouped_mm BF16 MoE (what Transformers' grouped_mm experts do). ``w13_t`` is
+    ``[E, H, 2I]`` ([gate; up] columns), ``w2_t`` ``[E, I, H]``."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device).scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)
+    tok = order // k
+    h = torch._grouped_mm(x[tok], w13_t, offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2_t, offs=offs)
+    weight = torch.where(valid, rw.reshape(-1), 0.0)[order]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tok, y.float() * weight[:, None]).to(x.dtype)
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy, bytes read + written per second (the HBM ceiling we use)."""
+    a = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); b.copy_(a); e.record(); torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * a.numel() / statistics.median(times)
+
+
+def graph_time_ms(fn, inputs, replays=20) -> float:
+    """Median per-call time of a CUDA graph that calls ``fn`` once per input set."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for args in inputs:
+            fn(*args)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for args in inputs:
+                fn(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(replays):
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record(); g.replay(); en.record(); torch.cuda.synchronize()
+        times.append(st.elapsed_time(en) / len(inputs))
+    del g
+    return statistics.median(times)
+
+
+def eager_time_ms(fn, inputs, reps=3) -> float:
+    """Median wall time of single calls (synchronized): for the slow reference, CPU too."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn(*inputs[0])
+    sync()
+    times = []
+    for r in range(reps):
+        start = time.perf_counter()
+        fn(*inputs[r % len(inputs)])
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def make_inputs(t, h, k, routed_over, device, n=INPUT_SETS):
+    sets = []
+    for _ in range(n):
+        x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+        ids = torch.rand(t, routed_over, device=device).argsort(dim=1)[:, :k].contiguous()
+        rw = torch.softmax(torch.randn(t, k, device=device), -1)
+        sets.append((x, ids, rw))
+    return sets
+
+
+def distinct_experts(inputs, num_experts) -> float:
+    hit = [((ids >= 0) & (ids < num_experts)).any() and ids[(ids >= 0) & (ids < num_experts)].unique().numel()
+           for _, ids, _ in inputs]
+    return sum(int(x) for x in hit) / len(hit)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: deepseek on GPU, small on CPU")
+    ap.add_argument("--tokens", default=None, help="comma-separated token counts")
+    ap.add_argument("--backends", default="triton,flashinfer_mxfp4,flashinfer_bf16,grouped_mm,reference")
+    ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument("--reference-max-tokens", type=int, default=8, help="time the (slow) reference only up to this")
+    args = ap.parse_args()
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = args.shape or ("deepseek" if cuda else "small")
+    e, h, i, k, routed_over = SHAPES[shape]
+    tokens = [int(x) for x in args.tokens.split(",")] if args.tokens else (list(TOKENS) if cuda else [1, 8])
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(int(time.time()))
+
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    log(f"device: {name}; shape {shape}: E={e} H={h} I={i} top-{k} (routed over {routed_over}); torch {torch.__version__}")
+    bw = copy_bandwidth(device) if cuda else float("nan")
+    log(f"measured copy bandwidth: {bw / 1e12:.2f} TB/s")
+
+    t0 = time.time()
+    w = random_weights(e, h, i, device)
+    log(f"weights: {w.nbytes() / 1e9:.2f} GB NVFP4 ({time.time() - t0:.1f}s)")
+    wanted = args.backends.split(",")
+    impls = {}
+    if "reference" in wanted:
+        impls["reference"] = fp4moe_ops.prepare_experts(w, "reference")
+    if cuda:
+        for b in ("triton", "flashinfer_mxfp4", "flashinfer_bf16"):
+            if b in wanted:
+                try:
+                    impls[b] = fp4moe_ops.prepare_experts(w, b)
+                except Exception as exc:  # report, keep benchmarking the others
+                    log(f"{b}: unavailable: {exc}")
+        if "grouped_mm" in wanted:
+            w13, w2 = bf16_weights(w)
+            w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
+            impls["grouped_mm"] = lambda x, ids, rw: grouped_mm_moe(x, ids, rw, w13_t, w2_t, e)
+        if "flashinfer_mxfp4" in impls:
+            log(f"MXFP4 re-quantization weight error (w13): "
+                f"{nvfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w13[:8], w.w13_scale[:8], w.w13_global[:8])):.3e}")
+    bytes_per_expert = 3 * h * i * (0.5 + 1 / 16)
+
+    rows = []
+    for t in tokens:
+        inputs = make_inputs(t, h, k, routed_over, device)
+        hit = distinct_experts(inputs, e)
+        floor_ms = hit * bytes_per_expert / bw * 1e3 if cuda else float("nan")
+        sub = slice(0, min(t, 32))
+        x0, ids0, rw0 = inputs[0]
+        ref = impls["reference"](x0[sub], ids0[sub], rw0[sub]).double() if "reference" in impls else None
+        row = {"tokens": t, "experts_hit": hit, "floor_ms": floor_ms}
+        for b, fn in impls.items():
+            if b == "reference" and t > args.reference_max_tokens:
+                continue
+            try:
+                out = fn(x0, ids0, rw0)
+                err = ((out[sub].double() - ref).norm() / ref.norm()).item() if ref is not None else float("nan")
+                ms = graph_time_ms(fn, inputs) if cuda and b != "reference" else eager_time_ms(fn, inputs)
+            except Exception as exc:
+                log(f"  T={t} {b}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            row[b] = {"ms": ms, "rel_err": err}
+            log(f"  T={t:5d} {b:17s} {ms:9.4f} ms  rel err vs reference {err:.2e}  (floor {floor_ms:.4f} ms, {hit:.0f} experts)")
+        rows.append(row)
+        del inputs
+
+    result = {"device": name, "shape": shape, "E": e, "H": h, "I": i, "top_k": k,
+              "copy_bandwidth_TBps": bw / 1e12, "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    (out_dir / f"results_{shape}.json").write_text(json.dumps(result, indent=1))
+    md = markdown_table(result, list(impls))
+    (out_dir / f"results_{shape}.md").write_text(md)
+    print(md)
+    if cuda:
+        plot(result, list(impls), out_dir / f"latency_{shape}.png")
+
+
+def markdown_table(result, names) -> str:
+    peers = [n for n in names if n != "triton"]
+    head = ["tokens", "experts hit", "floor ms"] + [f"{n} ms" for n in names]
+    if "triton" in names:
+        head += ["ours TB/s", "ours / floor"] + [f"speedup vs {n}" for n in peers]
+    lines = [f"Device {result['device']}, {result['date']}, shape {result['shape']} (E={result['E']}, H={result['H']}, "
+             f"I={result['I']}, top-{result['top_k']}), copy bandwidth {result['copy_bandwidth_TBps']:.2f} TB/s",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["rows"]:
+        cells = [str(r["tokens"]), f"{r['experts_hit']:.0f}", f"{r['floor_ms']:.4f}"]
+        cells += [f"{r[n]['ms']:.4f}" if n in r else "-" for n in names]
+        if "triton" in names and "triton" in r:
+            ours = r["triton"]["ms"]
+            floor_bytes_tbps = r["floor_ms"] / ours * result["copy_bandwidth_TBps"]
+            cells += [f"{floor_bytes_tbps:.2f}", f"{ours / r['floor_ms']:.2f}x"]
+            cells += [f"{r[n]['ms'] / ours:.2f}x" if n in r else "-" for n in peers]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result, names, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    toks = [r["tokens"] for r in result["rows"]]
+    ax.plot(toks, [r["floor_ms"] for r in result["rows"]], "k--", label="NVFP4 byte floor")
+    for n in names:
+        pts = [(r["tokens"], r[n]["ms"]) for r in result["rows"] if n in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=n)
+    ax.set_xscale("log", base=2); ax.set_yscale("log")
+    ax.set_xlabel("tokens"); ax.set_ylabel("ms per MoE layer (median graph replay)")
+    ax.set_title(f"{result['device']}: {result['shape']} MoE layer")
+    ax.grid(True, which="both", alpha=0.3); ax.legend(fontsize=8)
+    fig.tight_layout(); fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Sweep the Triton backend's tile configs on the GPU for a few token counts; prints the best
+per bucket (feeds ``triton_moe.kernel_config``). Each config's output is checked against the
+default config's before it is timed.
+
+    python benchmarks/sweep_triton.py --tokens 1,8,64
+"""
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import fp4moe_ops  # noqa: E402
+from fp4moe_ops.backends.triton_moe import kernel_config, triton_fused_moe  # noqa: E402
+from bench_moe import SHAPES, graph_time_ms, make_inputs, random_weights  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="deepseek", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", default="1,8,64")
+    args = ap.parse_args()
+    e, h, i, k, routed = SHAPES[args.shape]
+    w = random_weights(e, h, i, "cuda")
+    tensors = fp4moe_ops.prepare_experts(w, "triton").tensors
+    for t in (int(x) for x in args.tokens.split(",")):
+        inputs = make_inputs(t, h, k, routed, "cuda")
+        base = kernel_config(t * k, e, h, i)
+        ref = triton_fused_moe(*inputs[0], tensors, base)
+        results = []
+        bms = (16,) if t * k / min(e, t * k) <= 16 else (16, 32, 64, 128)
+        for bm, bn1, bk1, bn2, bk2, warps, stages in itertools.product(
+                bms, (32, 64, 128), (128, 256, 512), (32, 64, 128), (128, 256), (4, 8), (3, 4, 6)):
+            if bm >= 64 and (bk1 > 128 or bk2 > 128):
+                continue
+            if bm == 16 and (bn1 != bn2 and bn2 != 64):
+                continue
+            cfg = dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages)
+            try:
+                out = triton_fused_moe(*inputs[0], tensors, cfg)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                if err > 1e-2:
+                    print(f"T={t} {cfg}: WRONG rel err {err:.2e}")
+                    continue
+                ms = graph_time_ms(lambda x, ids, rw: triton_fused_moe(x, ids, rw, tensors, cfg), inputs, replays=10)
+            except Exception as exc:
+                print(f"T={t} {cfg}: {type(exc).__name__} {str(exc)[:120]}")
+                continue
+            results.append((ms, cfg))
+        results.sort(key=lambda r: r[0])
+        base_ms = graph_time_ms(lambda x, ids, rw: triton_fused_moe(x, ids, rw, tensors, base), inputs)
+        print(f"T={t}: default {base} {base_ms:.4f} ms")
+        for ms, cfg in results[:5]:
+            print(f"T={t}:   {ms:.4f} ms {cfg}")
+
+
+if __name__ == "__main__":
+    main()

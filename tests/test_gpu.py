@@ -1,0 +1,118 @@
+"""GPU-only checks (run on the H200 with the FlashInfer bundle, see README): our layouts against
+FlashInfer's own helpers, every GPU backend against the reference backend, CUDA graphs."""
+
+import pytest
+import torch
+
+import fp4moe_ops
+from fp4moe_ops import nvfp4
+
+pytestmark = pytest.mark.gpu
+
+flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
+
+
+def layer(e, h, i, device="cuda"):
+    gate_up = torch.randn(e, 2 * i, h, device=device) / h**0.5
+    down = torch.randn(e, h, i, device=device) / i**0.5
+    return fp4moe_ops.quantize_moe_weights(gate_up * torch.logspace(-1, 1, e, device=device)[:, None, None], down)
+
+
+def routing(t, e, k, device="cuda"):
+    ids = torch.rand(t, e, device=device).argsort(dim=1)[:, :k]
+    return ids, torch.rand(t, k, device=device)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_swizzle_matches_flashinfer_block_scale_interleave():
+    from flashinfer import block_scale_interleave
+
+    for rows, cols in [(256, 448), (200, 12), (4096, 128)]:
+        s = torch.randint(0, 255, (3, rows, cols), dtype=torch.uint8, device="cuda")
+        ours = nvfp4.swizzle_block_scale(s).reshape(-1)
+        theirs = block_scale_interleave(s).reshape(-1)
+        assert torch.equal(ours, theirs), (rows, cols)
+
+
+def test_dequantize_matches_flashinfer_e2m1_and_ufp8sf():
+    from flashinfer import e2m1_and_ufp8sf_scale_to_float
+
+    x = torch.randn(256, 512, device="cuda") * 3
+    q = nvfp4.quantize_nvfp4(x)
+    theirs = e2m1_and_ufp8sf_scale_to_float(
+        q.packed.cpu(), nvfp4.swizzle_block_scale(q.block_scale.view(torch.uint8)).reshape(-1).cpu(),
+        q.global_scale.reshape(1).cpu(), 16, 1, True)
+    assert torch.equal(q.dequantize().cpu(), theirs.float())
+
+
+@pytest.mark.parametrize("e,h,i,k", [(8, 512, 256, 2), (64, 2048, 768, 8), (256, 7168, 2048, 8)])
+@pytest.mark.parametrize("t", [1, 8, 64, 300])
+def test_triton_matches_reference_on_gpu(e, h, i, k, t):
+    w = layer(e, h, i)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids, rw = routing(t, e, k)
+    ids[0, 0] = -1
+    ours = fp4moe_ops.prepare_experts(w, "triton")(x, ids, rw)
+    sub = slice(0, min(t, 32))  # the dense reference is slow at E=256; tokens are independent
+    ref = fp4moe_ops.prepare_experts(w, "reference")(x[sub], ids[sub], rw[sub])
+    # Same math up to fp32 summation order and bf16 rounding of intermediate/output.
+    err = rel_err(ours[sub], ref)
+    print(f"triton vs reference E={e} H={h} I={i} k={k} T={t}: rel err {err:.2e}")
+    assert err < 4e-3
+    assert torch.isfinite(ours).all()
+
+
+def test_triton_cuda_graph_and_compile():
+    w = layer(16, 1024, 512)
+    p = fp4moe_ops.prepare_experts(w, "triton")
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    ids, rw = routing(8, 16, 4)
+    eager = p(x, ids, rw)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        p(x, ids, rw)  # warm-up (Triton compiles) outside the capture
+        with torch.cuda.graph(g):
+            out = p(x, ids, rw)
+    torch.cuda.current_stream().wait_stream(s)
+    x2 = torch.randn_like(x)
+    ids2, rw2 = routing(8, 16, 4)
+    x.copy_(x2), ids.copy_(ids2), rw.copy_(rw2)
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, p(x2, ids2, rw2), rtol=0, atol=0)  # deterministic kernels
+    assert not torch.equal(out, eager)
+
+    compiled = torch.compile(lambda a, b, c: p(a, b, c), fullgraph=True, mode="reduce-overhead", dynamic=False)
+    for _ in range(3):
+        got = compiled(x2, ids2, rw2)
+    torch.testing.assert_close(got, p(x2, ids2, rw2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["flashinfer_bf16", "flashinfer_mxfp4"])
+@pytest.mark.parametrize("e,h,i,k,t", [(8, 512, 256, 2, 16), (256, 7168, 2048, 8, 8), (256, 7168, 2048, 8, 64)])
+def test_flashinfer_sm90_backends_vs_reference(backend, e, h, i, k, t):
+    w = layer(e, h, i)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids, rw = routing(t, e, k)
+    ids[0, 0] = e + 5  # out-of-range id must contribute nothing
+    out = fp4moe_ops.prepare_experts(w, backend)(x, ids, rw)
+    ref = fp4moe_ops.prepare_experts(w, "reference")(x, ids, rw)
+    err = rel_err(out, ref)
+    weight_err = nvfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w2, w.w2_scale, w.w2_global))
+    print(f"{backend} vs reference E={e} H={h} I={i} T={t}: rel err {err:.2e} (w2 MXFP4 weight err {weight_err:.2e})")
+    # bf16: weights rounded to bf16 once (2^-9) + bf16 intermediate; MXFP4: lossy weights.
+    assert err < (1e-2 if backend == "flashinfer_bf16" else 0.2)
+
+
+def test_flashinfer_nvfp4_refuses_sm90_clearly():
+    w = layer(4, 256, 128)
+    w.fc1_input_scale = torch.full((4,), 0.001, device="cuda")
+    w.fc2_input_scale = torch.full((4,), 0.001, device="cuda")
+    with pytest.raises(ValueError, match=r"cannot run on cuda.*capability"):
+        fp4moe_ops.prepare_experts(w, "flashinfer_nvfp4")
+    assert fp4moe_ops.prepare_experts(w, "auto").backend == "triton"
