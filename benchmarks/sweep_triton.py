@@ -6,7 +6,6 @@ default config's before it is timed.
 """
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
@@ -31,13 +30,14 @@ def main():
         base = kernel_config(t * k, e, h, i)
         ref = triton_fused_moe(*inputs[0], tensors, base)
         results = []
-        bms = (16,) if t * k / min(e, t * k) <= 16 else (16, 32, 64, 128)
-        for bm, bn1, bk1, bn2, bk2, warps, stages in itertools.product(
-                bms, (32, 64, 128), (128, 256, 512), (32, 64, 128), (128, 256), (4, 8), (3, 4, 6)):
-            if bm >= 64 and (bk1 > 128 or bk2 > 128):
-                continue
-            if bm == 16 and (bn1 != bn2 and bn2 != 64):
-                continue
+        decode = t * k / min(e, t * k) <= 16
+        if decode:
+            space = [(16, bn1, bk1, bn2, 256, 4, st) for bn1, bk1 in ((32, 256), (64, 128), (64, 256), (64, 512), (128, 128))
+                     for bn2 in (32, 64, 128) for st in (3, 5)]
+        else:
+            space = [(bm, bn1, 64, bn2, 64, 8, st) for bm in (32, 64, 128) for bn1 in (64, 128)
+                     for bn2 in (64, 128) for st in (3, 4)]
+        for bm, bn1, bk1, bn2, bk2, warps, stages in space:
             cfg = dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages)
             try:
                 out = triton_fused_moe(*inputs[0], tensors, cfg)
