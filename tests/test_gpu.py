@@ -13,9 +13,16 @@ flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else
 
 
 def layer(e, h, i, device="cuda"):
-    gate_up = torch.randn(e, 2 * i, h, device=device) / h**0.5
-    down = torch.randn(e, h, i, device=device) / i**0.5
-    return fp4moe_ops.quantize_moe_weights(gate_up * torch.logspace(-1, 1, e, device=device)[:, None, None], down)
+    """Random NVFP4 experts whose magnitudes span 100x, built 16 experts at a time (a whole
+    DeepSeek-V3 layer in float32 would need ~45 GB)."""
+    spread = torch.logspace(-1, 1, e, device=device)
+    parts = []
+    for e0 in range(0, e, 16):
+        n = min(16, e - e0)
+        gate_up = torch.randn(n, 2 * i, h, device=device) / h**0.5 * spread[e0:e0 + n, None, None]
+        parts.append(fp4moe_ops.quantize_moe_weights(gate_up, torch.randn(n, h, i, device=device) / i**0.5))
+    return fp4moe_ops.NVFP4MoEWeights(*(torch.cat([getattr(p, f) for p in parts]) for f in
+                                        ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")))
 
 
 def routing(t, e, k, device="cuda"):
@@ -45,7 +52,8 @@ def test_dequantize_matches_flashinfer_e2m1_and_ufp8sf():
     theirs = e2m1_and_ufp8sf_scale_to_float(
         q.packed.cpu(), nvfp4.swizzle_block_scale(q.block_scale.view(torch.uint8)).reshape(-1).cpu(),
         q.global_scale.reshape(1).cpu(), 16, 1, True)
-    assert torch.equal(q.dequantize().cpu(), theirs.float())
+    # Same products; FlashInfer may associate e2m1 * (sf * global) differently: 1 fp32 ulp.
+    torch.testing.assert_close(q.dequantize().cpu(), theirs.float(), rtol=2.4e-7, atol=0)
 
 
 @pytest.mark.parametrize("e,h,i,k", [(8, 512, 256, 2), (64, 2048, 768, 8), (256, 7168, 2048, 8)])
@@ -103,10 +111,11 @@ def test_flashinfer_sm90_backends_vs_reference(backend, e, h, i, k, t):
     out = fp4moe_ops.prepare_experts(w, backend)(x, ids, rw)
     ref = fp4moe_ops.prepare_experts(w, "reference")(x, ids, rw)
     err = rel_err(out, ref)
-    weight_err = nvfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w2, w.w2_scale, w.w2_global))
+    weight_err = nvfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w2[:4], w.w2_scale[:4], w.w2_global[:4]))
     print(f"{backend} vs reference E={e} H={h} I={i} T={t}: rel err {err:.2e} (w2 MXFP4 weight err {weight_err:.2e})")
-    # bf16: weights rounded to bf16 once (2^-9) + bf16 intermediate; MXFP4: lossy weights.
-    assert err < (1e-2 if backend == "flashinfer_bf16" else 0.2)
+    # bf16: weights rounded to bf16 once (2^-9) + bf16 intermediate. MXFP4: each weight
+    # matrix re-quantized with ~12% error (printed), compounded over two GEMMs: < 30%.
+    assert err < (1e-2 if backend == "flashinfer_bf16" else 0.3)
 
 
 def test_flashinfer_nvfp4_refuses_sm90_clearly():

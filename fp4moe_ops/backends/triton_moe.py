@@ -49,25 +49,80 @@ def interpreting() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _load_nvfp4_tile(w_ptr, s_ptr, rows, k0, row_bytes, row_scales,
-                         BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
-        """Rows ``rows [BN]``, elements ``k0 .. k0+BK`` of an NVFP4 matrix as ``[BN, BK]``.
+    def _e2m1_f32(codes):
+        """E2M1 codes (0..15, any int dtype) -> float32 value * 2^-14, exact."""
+        c = codes.to(tl.int16)
+        return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
 
-        bf16: values * 2^-22 exactly; fp16: exact values (fp16 has the range).
-        """
+    @triton.jit
+    def _e4m3_f32(sbytes):
+        """E4M3 bytes (non-negative scales) -> float32 value * 2^-8, exact."""
+        return ((sbytes & 0x7F).to(tl.int16) << 7).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _finish(values, OUT_DTYPE: tl.constexpr):
+        # values carry a 2^-22 factor: exact in bf16 (folded into the global scale later);
+        # fp16 lacks the range, so undo it there (exact too).
+        if OUT_DTYPE == tl.float16:
+            values = values * 4194304.0
+        return values.to(OUT_DTYPE)
+
+    @triton.jit
+    def _nvfp4_tile(w_ptr, s_ptr, rows, k0, row_bytes, row_scales,
+                    BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """Rows ``rows [BN]``, elements ``k0 .. k0+BK`` of an NVFP4 matrix as ``[BN, BK]``."""
         kb = k0 // 2 + tl.arange(0, BK // 2)
         packed = tl.load(w_ptr + rows[:, None] * row_bytes + kb[None, :])
         ks = k0 // 16 + tl.arange(0, BK // 16)
-        sbytes = tl.load(s_ptr + rows[:, None] * row_scales + ks[None, :])
-        scale = ((sbytes & 0x7F).to(tl.int16) << 7).to(tl.float16, bitcast=True).to(tl.float32)
-        codes = tl.join(packed & 0xF, packed >> 4).reshape(BN, BK).to(tl.int16)
-        bits = ((codes & 7) << 9) | ((codes & 8) << 12)
-        values = bits.to(tl.float16, bitcast=True).to(tl.float32)
-        values = values.reshape(BN, BK // 16, 16) * scale[:, :, None]
-        values = values.reshape(BN, BK)
-        if OUT_DTYPE == tl.float16:
-            values = values * 4194304.0  # 2^22: exact, and in fp16's range
-        return values.to(OUT_DTYPE)
+        scale = _e4m3_f32(tl.load(s_ptr + rows[:, None] * row_scales + ks[None, :]))
+        values = _e2m1_f32(tl.join(packed & 0xF, packed >> 4).reshape(BN, BK))
+        values = (values.reshape(BN, BK // 16, 16) * scale[:, :, None]).reshape(BN, BK)
+        return _finish(values, OUT_DTYPE)
+
+    @triton.jit
+    def _nvfp4_tile_halves(w_ptr, s_ptr, rows, k0, row_bytes, row_scales,
+                           BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr, MODE: tl.constexpr):
+        """The even-k and odd-k elements of a tile (low and high nibbles), each ``[BN, BK/2]``:
+        no interleaving needed; the caller pairs them with even/odd activation columns."""
+        kb = k0 // 2 + tl.arange(0, BK // 2)
+        packed = tl.load(w_ptr + rows[:, None] * row_bytes + kb[None, :])
+        if MODE == 2:  # scale fetched per byte (repeated addresses, served by L1)
+            scale = _e4m3_f32(tl.load(s_ptr + rows[:, None] * row_scales + (kb // 8)[None, :]))
+            lo = _e2m1_f32(packed & 0xF) * scale
+            hi = _e2m1_f32(packed >> 4) * scale
+        elif MODE == 9:  # ablation for timing only: no block scale (wrong numbers)
+            lo = _e2m1_f32(packed & 0xF)
+            hi = _e2m1_f32(packed >> 4)
+        else:  # MODE 1: broadcast [BN, BK/16] scales over 8-byte groups
+            ks = k0 // 16 + tl.arange(0, BK // 16)
+            scale = _e4m3_f32(tl.load(s_ptr + rows[:, None] * row_scales + ks[None, :]))[:, :, None]
+            lo = (_e2m1_f32(packed & 0xF).reshape(BN, BK // 16, 8) * scale).reshape(BN, BK // 2)
+            hi = (_e2m1_f32(packed >> 4).reshape(BN, BK // 16, 8) * scale).reshape(BN, BK // 2)
+        return _finish(lo, OUT_DTYPE), _finish(hi, OUT_DTYPE)
+
+    @triton.jit
+    def _expert_dot(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, a_stride, k0, row_bytes, row_scales,
+                    BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, DOT_F32: tl.constexpr):
+        """``acc [BN, BM] += W[rows, k0:k0+BK] @ A[a_rows, k0:k0+BK]^T``: the weight tile is the
+        MMA's M side ("swap AB"), so decode's few tokens sit on the narrow N side."""
+        dtype = a_ptr.dtype.element_ty
+        if MODE == 0:
+            kk = k0 + tl.arange(0, BK)
+            a = tl.load(a_ptr + a_rows[None, :] * a_stride + kk[:, None], mask=row_mask[None, :], other=0.0)
+            w = _nvfp4_tile(w_ptr, s_ptr, rows, k0, row_bytes, row_scales, BN, BK, dtype)
+            if DOT_F32:  # Triton's CPU interpreter mis-multiplies bf16 dots
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(w, a, acc)
+        else:
+            ke = k0 + 2 * tl.arange(0, BK // 2)
+            a_even = tl.load(a_ptr + a_rows[None, :] * a_stride + ke[:, None], mask=row_mask[None, :], other=0.0)
+            a_odd = tl.load(a_ptr + a_rows[None, :] * a_stride + ke[:, None] + 1, mask=row_mask[None, :], other=0.0)
+            lo, hi = _nvfp4_tile_halves(w_ptr, s_ptr, rows, k0, row_bytes, row_scales, BN, BK, dtype, MODE)
+            if DOT_F32:
+                a_even, a_odd, lo, hi = a_even.to(tl.float32), a_odd.to(tl.float32), lo.to(tl.float32), hi.to(tl.float32)
+            acc = tl.dot(lo, a_even, acc)
+            acc = tl.dot(hi, a_odd, acc)
+        return acc
 
     @triton.jit
     def _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM: tl.constexpr):
@@ -83,67 +138,58 @@ if triton is not None:
         x_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
         sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
         H, I, TOPK,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
         if e >= 0:
             slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
             tokens = slots // TOPK
-            dtype = x_ptr.dtype.element_ty
             e64 = e.to(tl.int64)
             w_e = w_ptr + e64 * (2 * I) * (H // 2)
             s_e = s_ptr + e64 * (2 * I) * (H // 16)
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
-            acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
-            acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_gate = tl.zeros((BN, BM), dtype=tl.float32)
+            acc_up = tl.zeros((BN, BM), dtype=tl.float32)
             for k0 in range(0, H, BK):
-                kk = k0 + tl.arange(0, BK)
-                a = tl.load(x_ptr + tokens[:, None] * H + kk[None, :], mask=row_mask[:, None], other=0.0)
-                w_gate = _load_nvfp4_tile(w_e, s_e, cols, k0, H // 2, H // 16, BN, BK, dtype)
-                w_up = _load_nvfp4_tile(w_e, s_e, cols + I, k0, H // 2, H // 16, BN, BK, dtype)
-                if DOT_F32:  # Triton's CPU interpreter mis-multiplies bf16 dots
-                    a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
-                acc_gate = tl.dot(a, tl.trans(w_gate), acc_gate)
-                acc_up = tl.dot(a, tl.trans(w_up), acc_up)
+                acc_gate = _expert_dot(acc_gate, w_e, s_e, cols, x_ptr, tokens, row_mask, H, k0, H // 2, H // 16,
+                                       BN, BK, MODE, DOT_F32)
+                acc_up = _expert_dot(acc_up, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, k0, H // 2, H // 16,
+                                     BN, BK, MODE, DOT_F32)
             g = tl.load(g_ptr + e)
-            if dtype == tl.bfloat16:
-                g = g * 4194304.0
+            if x_ptr.dtype.element_ty == tl.bfloat16:
+                g = g * 4194304.0  # the tiles' 2^-22
             gate = acc_gate * g
             up = acc_up * g
-            h = gate * tl.sigmoid(gate) * up
-            tl.store(out_ptr + slots[:, None] * I + cols[None, :], h.to(dtype), mask=row_mask[:, None])
+            h = gate * tl.sigmoid(gate) * up  # [BN, BM]
+            tl.store(out_ptr + slots[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
+                     mask=row_mask[None, :])
 
     @triton.jit
     def _gemm2_kernel(
         a_ptr, w_ptr, s_ptr, g_ptr, topk_weights_ptr, out_ptr,
         sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
         H, I,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
         if e >= 0:
             slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
-            dtype = a_ptr.dtype.element_ty
             e64 = e.to(tl.int64)
             w_e = w_ptr + e64 * H * (I // 2)
             s_e = s_ptr + e64 * H * (I // 16)
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
             for k0 in range(0, I, BK):
-                kk = k0 + tl.arange(0, BK)
-                a = tl.load(a_ptr + slots[:, None] * I + kk[None, :], mask=row_mask[:, None], other=0.0)
-                w = _load_nvfp4_tile(w_e, s_e, cols, k0, I // 2, I // 16, BN, BK, dtype)
-                if DOT_F32:
-                    a, w = a.to(tl.float32), w.to(tl.float32)
-                acc = tl.dot(a, tl.trans(w), acc)
+                acc = _expert_dot(acc, w_e, s_e, cols, a_ptr, slots, row_mask, I, k0, I // 2, I // 16,
+                                  BN, BK, MODE, DOT_F32)
             g = tl.load(g_ptr + e)
-            if dtype == tl.bfloat16:
+            if a_ptr.dtype.element_ty == tl.bfloat16:
                 g = g * 4194304.0
             route = tl.load(topk_weights_ptr + slots, mask=row_mask, other=0.0)
-            y = acc * g * route[:, None]
-            tl.store(out_ptr + slots[:, None] * H + cols[None, :], y, mask=row_mask[:, None])
+            y = acc * g * route[None, :]
+            tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
 
     @triton.jit
     def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr):
@@ -207,7 +253,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int) -> 
     return dict(
         BM=bm, BN1=_pow2_divisor(inter, bn1), BK1=_pow2_divisor(hidden, bk1),
         BN2=_pow2_divisor(hidden, bn2), BK2=_pow2_divisor(inter, bk2),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, MODE=1,
     )
 
 
@@ -221,7 +267,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     cfg = config or kernel_config(num_slots, num_experts, hidden, inter)
     sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
     x = hidden_states.contiguous()
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], DOT_F32=interpreting())
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], MODE=cfg.get("MODE", 1),
+                  DOT_F32=interpreting())
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     grid1 = (block_expert.numel(), inter // cfg["BN1"])
