@@ -31,21 +31,18 @@ def main():
         ref = triton_fused_moe(*inputs[0], tensors, base)
         results = []
         decode = t * k / min(e, t * k) <= 16
-        if decode:  # (BM, BN1, BK1, BN2, BK2, warps, stages)
-            tiles = [(16, 64, 256, 64, 256, 4, 4), (16, 128, 256, 128, 256, 4, 3), (16, 64, 512, 64, 512, 4, 3),
-                     (16, 128, 128, 128, 128, 4, 4), (16, 32, 256, 32, 256, 4, 4), (16, 128, 256, 128, 256, 8, 4)]
-            modes = (0, 1, 2, 9)
+        if decode:  # (BM, BN1, BK1, BN2, BK2, warps, stages, prefetch)
+            tiles = [(16, bn, bk, bn, bk, w, st, pf) for bn, bk in ((64, 256), (128, 256), (64, 512), (128, 128), (32, 512))
+                     for w, st, pf in ((4, 1, 1), (4, 3, 1), (4, 3, 0), (8, 2, 1))]
         else:
-            tiles = [(64, 128, 64, 128, 64, 8, 3), (128, 128, 64, 128, 64, 8, 3), (64, 128, 128, 128, 128, 8, 3),
-                     (128, 64, 128, 128, 128, 8, 4), (128, 128, 128, 128, 128, 8, 3), (64, 64, 128, 64, 128, 4, 4)]
-            modes = (0, 1)
-        space = [tile + (mode,) for tile in tiles for mode in modes]
-        for bm, bn1, bk1, bn2, bk2, warps, stages, mode in space:
-            cfg = dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages, MODE=mode)
+            tiles = [(bm, bn, bk, bn, bk, 8, st, pf) for bm in (64, 128) for bn, bk in ((128, 128), (128, 64), (256, 64))
+                     for st, pf in ((3, 0), (2, 1))]
+        for bm, bn1, bk1, bn2, bk2, warps, stages, prefetch in tiles:
+            cfg = dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages, PREFETCH=bool(prefetch))
             try:
                 out = triton_fused_moe(*inputs[0], tensors, cfg)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                if err > 1e-2 and mode != 9:  # mode 9 is a timing ablation (no block scales)
+                if err > 1e-2:
                     print(f"T={t} {cfg}: WRONG rel err {err:.2e}")
                     continue
                 ms = graph_time_ms(lambda x, ids, rw: triton_fused_moe(x, ids, rw, tensors, cfg), inputs, replays=10)
@@ -54,14 +51,13 @@ def main():
                 continue
             results.append((ms, cfg))
         results.sort(key=lambda r: r[0])
-        for m in sorted({c["MODE"] for _, c in results}):
-            best = min((r for r in results if r[1]["MODE"] == m), key=lambda r: r[0])
-            print(f"T={t}: best of MODE {m}: {best[0]:.4f} ms {best[1]}")
+        for r in results:
+            print(f"T={t}: {r[0]:.4f} ms {r[1]}")
         routing_ms = graph_time_ms(lambda x, ids, rw: route(ids, e, base["BM"]), inputs)
         print(f"T={t}: routing alone {routing_ms:.4f} ms")
         base_ms = graph_time_ms(lambda x, ids, rw: triton_fused_moe(x, ids, rw, tensors, base), inputs)
         print(f"T={t}: default {base} {base_ms:.4f} ms")
-        for ms, cfg in [r for r in results if r[1]["MODE"] != 9][:3]:
+        for ms, cfg in results[:3]:
             print(f"T={t}:   {ms:.4f} ms {cfg}")
 
 

@@ -131,11 +131,6 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) ->
         global_scale = global_scale_from_amax(x.float().abs().amax(dim=(-2, -1)))
     elif not (torch.isfinite(global_scale).all() and (global_scale > 0).all()):
         raise ValueError("quantize_nvfp4: global_scale must be finite and > 0")
-    return quantize_nvfp4_unchecked(x, global_scale)
-
-
-def quantize_nvfp4_unchecked(x: torch.Tensor, global_scale: torch.Tensor) -> NVFP4Tensor:
-    """:func:`quantize_nvfp4` without input checks (no host sync): for hot paths and graphs."""
     x = x.float()
     global_scale = global_scale.float().to(x.device).expand(x.shape[:-2])
     g = global_scale[..., None, None]
@@ -255,12 +250,18 @@ def mxfp4_requant_error(w: NVFP4Tensor) -> float:
     return ((approx - exact).norm() / exact.norm().clamp_min(1e-300)).item()
 
 
-def fake_quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """Round ``x [..., N, K]`` through NVFP4 with a fixed global scale; float32 result.
+def quantize_activation_nvfp4(x: torch.Tensor, act_global: torch.Tensor) -> torch.Tensor:
+    """NVFP4 activation quantization as CUTLASS/FlashInfer do it; returns float32 ``q * sf``.
 
-    This is what an NVFP4 x NVFP4 kernel does to activations: ``global_scale`` is the
-    calibrated ``input_scale = amax / (6*448)``; values beyond the calibrated range saturate.
-    No input checks (no host sync).
+    ``act_global`` is the reciprocal of ModelOpt's calibrated ``input_scale`` (``6*448/amax``):
+    ``sf = e4m3(act_global * amax16 / 6)`` and ``q = e2m1(x * act_global / sf)``, so the
+    dequantized activation is ``q * sf / act_global``. Values beyond the calibrated range
+    saturate. This formulation (multiply by the reciprocal) decides E2M1 ties differently
+    from ``x / (sf * input_scale)``, and bf16 inputs hit ties often, so every NVFP4-activation
+    path here uses this one function. No input checks (no host sync).
     """
-    q = quantize_nvfp4_unchecked(x, global_scale)
-    return dequantize_nvfp4(q.packed, q.block_scale, q.global_scale)
+    blocks = x.float().unflatten(-1, (-1, BLOCK_SIZE))
+    sf = (act_global * blocks.abs().amax(dim=-1) / E2M1_MAX).clamp(max=E4M3_MAX)
+    sf = sf.to(torch.float8_e4m3fn).float()[..., None]
+    scaled = torch.where(sf > 0, blocks * act_global / torch.where(sf > 0, sf, 1.0), 0.0)
+    return (e2m1_decode(e2m1_encode(scaled)) * sf).flatten(-2)

@@ -11,11 +11,17 @@ from fp4moe_ops.backends.flashinfer_sim import simulate_cutlass_nvfp4_moe
 from moe_reference64 import dequant64
 
 
-def calibrated_layer(e=8, h=128, i=128):
-    gate_up = torch.randn(e, 2 * i, h) / h**0.5
+def calibrated_layer(e=8, h=128, i=128, x=None):
+    """Experts whose GEMM2-input ranges differ ~100x, with input scales calibrated on ``x``
+    (as ModelOpt does: amax / (6*448) of what each expert sees)."""
+    gate_up = torch.randn(e, 2 * i, h) / h**0.5 * torch.logspace(-0.5, 0.5, e)[:, None, None]
     w = fp4moe_ops.quantize_moe_weights(gate_up, torch.randn(e, h, i) / i**0.5)
-    w.fc1_input_scale = (torch.rand(e) + 0.5) * 4 / (6 * 448)  # amax ~ 2..6
-    w.fc2_input_scale = torch.logspace(-1, 1, e) / (6 * 448)  # experts' ranges differ 100x
+    x = torch.randn(64, h).bfloat16() if x is None else x
+    w13, _ = w.dequantize()
+    hgu = x.float() @ w13.transpose(1, 2)  # [E, T, 2I]
+    act = (torch.nn.functional.silu(hgu[..., :i]) * hgu[..., i:]).bfloat16().float()
+    w.fc1_input_scale = torch.full((e,), x.float().abs().max().item() / (6 * 448))
+    w.fc2_input_scale = act.abs().amax(dim=(1, 2)) / (6 * 448)
     return w
 
 
@@ -42,9 +48,9 @@ def test_prepared_weights_deswizzle_to_reference():
 
 @pytest.mark.parametrize("mode", ["per_expert", "global_max"])
 def test_simulation_of_prepared_args_matches_reference_backend(mode):
-    w = calibrated_layer()
     t, k = 24, 3
-    x = (torch.randn(t, 128) * 0.8).bfloat16()
+    x = torch.randn(t, 128).bfloat16()
+    w = calibrated_layer(x=x)
     ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)])
     rw = torch.rand(t, k)
     fc1_s, fc2_s = fp4moe_ops.activation_scales(w, mode)
@@ -52,20 +58,27 @@ def test_simulation_of_prepared_args_matches_reference_backend(mode):
     args = nvfp4_weight_arguments(w)
     qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s)
     sim = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs)
-    ref = torch.ops.fp4moe.fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "reference").tensors,
-                                     fc1_s, fc2_s, "reference").float()
-    # Same quantization grid, different fp32 formulation (x*g/sf vs x/(sf*s)): rare E2M1
-    # rounding flips at ties plus the bf16 output rounding of the reference.
-    rel = ((sim - ref).norm() / ref.norm()).item()
-    assert rel < 1e-2, rel
+    tensors = fp4moe_ops.prepare_experts(w, "reference").tensors
+    ref = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, fc1_s, fc2_s, "reference").float()
+    w4a16 = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, "reference").float()
+    # FP4 rounding is discontinuous: FlashInfer's formulation (x * g / sf) and ours
+    # (x / (sf * s)) differ in the last fp32 bit, which now and then flips an E4M3 block scale
+    # or an E2M1 code of some token (the bf16 intermediate feeds the GEMM2 quantizer too).
+    # So: most tokens must agree to bf16 output rounding, a few may differ by a flip, and a
+    # wrong argument (gate/up order, alpha, swizzle) would make every token wrong.
+    per_token = ((sim - ref).norm(dim=1) / ref.norm(dim=1))
+    assert per_token.median() < 5e-3, per_token
+    assert (per_token > 2e-2).float().mean() < 0.25, per_token
+    noise = ((ref - w4a16).norm() / ref.norm()).item()  # activation quantization really happened
+    assert noise > 0.02, noise
 
 
 def test_preseed_bug_shrinks_each_expert_by_its_scale_ratio():
     """Pre-seed FlashInfer quantized GEMM2 inputs with 1/max(s2) but dequantized with per-expert
     alphas. Against a consistent GEMM2 at that same scale (identical quantization grid), expert
     e's output is exactly s2[e] / max(s2) times too small."""
-    w = calibrated_layer()
-    x = (torch.randn(16, 128) * 0.8).bfloat16()
+    x = torch.randn(16, 128).bfloat16()
+    w = calibrated_layer(x=x)
     args = nvfp4_weight_arguments(w)
     fc1_s, fc2_s = w.fc1_input_scale, w.fc2_input_scale
     consistent = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s.max())

@@ -104,9 +104,25 @@ def test_block_scale_saturates_and_activation_clipping():
     g = torch.tensor(1.0 / (6 * 448))
     x = torch.full((1, 16), 5.0)
     x[0, 0] = 1.0
-    d = nvfp4.fake_quantize_nvfp4(x, g)
-    assert d.max().item() == pytest.approx(1.0)  # 5.0 saturates to the calibrated max 1.0
+    assert nvfp4.quantize_nvfp4(x, g).dequantize().max().item() == pytest.approx(1.0)
     assert nvfp4.quantize_nvfp4(x, g).block_scale.float().max().item() == 448.0
+    # FlashInfer's activation formulation: act_global = 1/g; q*sf saturates at 6*448
+    assert nvfp4.quantize_activation_nvfp4(x, 1 / g).max().item() == 6 * 448
+
+
+def test_activation_quantization_definition():
+    """sf = e4m3(act_global * amax16 / 6), q = e2m1(x * act_global / sf), returns q * sf."""
+    x = torch.randn(3, 32).bfloat16()
+    act_global = torch.tensor(448 * 6 / 3.0)
+    got = nvfp4.quantize_activation_nvfp4(x, act_global)
+    for r in range(3):
+        for b in range(2):
+            blk = x[r, b * 16:(b + 1) * 16].double()
+            sf = float(torch.tensor(min(float(act_global) * blk.abs().max().item() / 6, 448.0)).to(torch.float8_e4m3fn).double())
+            for j in range(16):
+                v = float(torch.tensor(blk[j].item(), dtype=torch.float32) * act_global / torch.tensor(sf, dtype=torch.float32))
+                q = CODEBOOK[nearest_e2m1_index(v)] * (-1 if v < 0 else 1)
+                assert got[r, b * 16 + j].item() == q * sf
 
 
 def test_bad_input_errors():

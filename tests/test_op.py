@@ -47,7 +47,8 @@ def test_reference_nvfp4_activations_per_expert_and_global():
     w = make_layer(with_act_scales=True)
     x = torch.randn(7, 64, dtype=torch.bfloat16) * 0.3
     ids, rw = routing(7, 6, 2)
-    quant = lambda v, s: nvfp4.fake_quantize_nvfp4(v, s)  # format tested in test_nvfp4_format
+    # the activation quantizer's definition is tested in test_nvfp4_format
+    quant = lambda v, s: nvfp4.quantize_activation_nvfp4(v, 1.0 / s) * s
     for mode in fp4moe_ops.ACT_SCALE_MODES:
         fc1, fc2 = fp4moe_ops.activation_scales(w, mode)
         out = torch.ops.fp4moe.fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "reference").tensors,

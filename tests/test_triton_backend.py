@@ -64,7 +64,7 @@ def test_triton_multiple_blocks_per_expert():
     ids[::3] = torch.tensor([1, 3])
     rw = torch.rand(40, 2)
     p = fp4moe_ops.prepare_experts(w, "reference")
-    cfg = kernel_config(80, 4, 64, 32) | {"BM": 16}
+    cfg = kernel_config(80, 4, 64, 32) | {"BM": 16, "PREFETCH": False}
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [t.to(DEVICE) for t in p.tensors], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
@@ -76,3 +76,18 @@ def test_kernel_config_divides_dims():
             cfg = kernel_config(slots, 256, h, i)
             assert i % cfg["BN1"] == 0 and h % cfg["BK1"] == 0
             assert h % cfg["BN2"] == 0 and i % cfg["BK2"] == 0
+
+
+@pytest.mark.parametrize("slots_per_token,tokens", [(3, 37), (8, 64)])
+def test_fast_and_torch_routing_agree(slots_per_token, tokens):
+    from fp4moe_ops.backends import triton_moe
+
+    ids = torch.randint(-2, 9, (tokens, slots_per_token))
+    fast = route(ids.to(DEVICE), 8, 4)
+    flat = ids.reshape(-1).to(DEVICE)
+    slow = triton_moe._route_torch(flat, 8, 4, min(flat.numel(), 8) + flat.numel() // 4)
+    fast = [t.cpu() for t in fast]
+    slow = [t.cpu().to(torch.int32) for t in slow]
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+    used = fast[1] >= 0  # row ranges of unused blocks are never read
+    assert torch.equal(fast[2][used], slow[2][used]) and torch.equal(fast[3][used], slow[3][used])

@@ -3,10 +3,10 @@ arguments (``nvfp4_weight_arguments`` + ``nvfp4_quant_scales``) in FlashInfer's 
 
 We have no Blackwell GPU, so this is how the Blackwell path's arguments are checked: tests run
 it against the reference backend, and the accuracy study uses it for the activation-scale
-modes (including the pre-seed bug). It follows FlashInfer's own formulation, not ours:
-activations are quantized with ``act_global`` (the reciprocal of ModelOpt's ``input_scale``)
-as ``sf = e4m3(act_global * amax16 / 6)``, ``q = e2m1(x * act_global / sf)``; GEMM outputs are
-rescaled by ``alpha[e]``; fc1 rows are ``[up; gate]``.
+modes (including the pre-seed bug). It reads the kernel's tensors as FlashInfer does:
+int64-packed E2M1, swizzled int32 block scales, activations quantized with ``act_global`` (the
+reciprocal of ModelOpt's ``input_scale``), GEMM outputs rescaled by ``alpha[e]``, fc1 rows
+``[up; gate]``.
 """
 
 from __future__ import annotations
@@ -14,21 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..nvfp4 import BLOCK_SIZE, E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, unpack_e2m1, unswizzle_block_scale
+from ..nvfp4 import BLOCK_SIZE, e2m1_decode, quantize_activation_nvfp4, unpack_e2m1, unswizzle_block_scale
 
 
 def _per_expert(v: torch.Tensor, e: int) -> torch.Tensor:
     return v.reshape(-1)[e] if v.numel() > 1 else v.reshape(())
-
-
-def _quantize_activation(x: torch.Tensor, act_global: torch.Tensor) -> torch.Tensor:
-    """FlashInfer's activation quantization; returns ``q * sf`` (i.e. ``x * act_global``)."""
-    blocks = x.float().unflatten(-1, (-1, BLOCK_SIZE))
-    sf = (act_global * blocks.abs().amax(-1) / E2M1_MAX).clamp(max=E4M3_MAX)
-    sf = sf.to(torch.float8_e4m3fn).float()
-    scaled = torch.where(sf[..., None] > 0, blocks * act_global / sf[..., None].clamp_min(1e-30), 0.0)
-    q = e2m1_decode(e2m1_encode(scaled))
-    return (q * sf[..., None]).flatten(-2)
 
 
 def _weight(packed_i64: torch.Tensor, sf_i32: torch.Tensor, e: int) -> torch.Tensor:
@@ -50,10 +40,10 @@ def simulate_cutlass_nvfp4_moe(hidden_states, topk_ids, topk_weights, fc1_weight
         route = (topk_weights.float() * (topk_ids == e)).sum(-1)
         if not bool((route != 0).any()):
             continue
-        a1 = _quantize_activation(hidden_states, _per_expert(fc1_act_global, e))
+        a1 = quantize_activation_nvfp4(hidden_states, _per_expert(fc1_act_global, e))
         h = (a1 @ _weight(fc1_weights, fc1_sf, e).T) * fc1_alpha[e]
         up, gate = h[:, :inter], h[:, inter:]
         act = (F.silu(gate) * up).to(hidden_states.dtype)
-        a2 = _quantize_activation(act, _per_expert(fc2_act_global, e))
+        a2 = quantize_activation_nvfp4(act, _per_expert(fc2_act_global, e))
         out += route[:, None] * (a2 @ _weight(fc2_weights, fc2_sf, e).T) * fc2_alpha[e]
     return out

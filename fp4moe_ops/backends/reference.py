@@ -4,7 +4,8 @@ It computes what a fused kernel computes, one expert at a time over all tokens (
 data-dependent shapes): dequantized NVFP4 weights in float32, float32 accumulation, the
 gated-SiLU intermediate rounded to the activation dtype (as kernels store it). With activation
 scales it also rounds each expert's GEMM inputs through NVFP4 with that expert's scale (what
-FlashInfer does after permuting tokens to experts); without them it is W4A16.
+FlashInfer does after permuting tokens to experts, in its formulation:
+:func:`~fp4moe_ops.nvfp4.quantize_activation_nvfp4`); without them it is W4A16.
 Slow (E dense expert passes): meant for correctness, CPU use and tiny models.
 """
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..moe_weights import NVFP4MoEWeights
-from ..nvfp4 import BLOCK_SIZE, dequantize_nvfp4, fake_quantize_nvfp4
+from ..nvfp4 import BLOCK_SIZE, dequantize_nvfp4, quantize_activation_nvfp4
 from .base import Backend, register_backend
 
 
@@ -22,6 +23,11 @@ def _expert_scale(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
     if scale is None:
         return None
     return scale.reshape(-1)[e] if scale.numel() > 1 else scale.reshape(())
+
+
+def _fake_quantize(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """Round an activation through NVFP4 with calibrated ``input_scale``; float32."""
+    return quantize_activation_nvfp4(x, 1.0 / input_scale) * input_scale
 
 
 def canonical_tensors(w: NVFP4MoEWeights) -> list[torch.Tensor]:
@@ -88,12 +94,12 @@ class ReferenceBackend(Backend):
             a1 = x
             fc1_scale = _expert_scale(fc1_act_scale, e)
             if fc1_scale is not None:
-                a1 = fake_quantize_nvfp4(hidden_states, fc1_scale)
+                a1 = _fake_quantize(hidden_states, fc1_scale)
             gate_up = a1 @ dequantize_nvfp4(w13[e], s13[e], g13[e]).T  # [T, 2I] fp32
             act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
             a2 = act.to(hidden_states.dtype)
             fc2_scale = _expert_scale(fc2_act_scale, e)
-            a2 = fake_quantize_nvfp4(a2, fc2_scale) if fc2_scale is not None else a2.float()
+            a2 = _fake_quantize(a2, fc2_scale) if fc2_scale is not None else a2.float()
             out += route[:, None] * (a2 @ dequantize_nvfp4(w2[e], s2[e], g2[e]).T)
         return out.to(hidden_states.dtype)
 

@@ -68,61 +68,11 @@ if triton is not None:
         return values.to(OUT_DTYPE)
 
     @triton.jit
-    def _nvfp4_tile(w_ptr, s_ptr, rows, k0, row_bytes, row_scales,
-                    BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
-        """Rows ``rows [BN]``, elements ``k0 .. k0+BK`` of an NVFP4 matrix as ``[BN, BK]``."""
-        kb = k0 // 2 + tl.arange(0, BK // 2)
-        packed = tl.load(w_ptr + rows[:, None] * row_bytes + kb[None, :])
-        ks = k0 // 16 + tl.arange(0, BK // 16)
-        scale = _e4m3_f32(tl.load(s_ptr + rows[:, None] * row_scales + ks[None, :]))
+    def _decode_tile(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """``packed [BN, BK/2]`` uint8 + ``sbytes [BN, BK/16]`` E4M3 -> ``[BN, BK]`` OUT_DTYPE."""
         values = _e2m1_f32(tl.join(packed & 0xF, packed >> 4).reshape(BN, BK))
-        values = (values.reshape(BN, BK // 16, 16) * scale[:, :, None]).reshape(BN, BK)
+        values = (values.reshape(BN, BK // 16, 16) * _e4m3_f32(sbytes)[:, :, None]).reshape(BN, BK)
         return _finish(values, OUT_DTYPE)
-
-    @triton.jit
-    def _nvfp4_tile_halves(w_ptr, s_ptr, rows, k0, row_bytes, row_scales,
-                           BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr, MODE: tl.constexpr):
-        """The even-k and odd-k elements of a tile (low and high nibbles), each ``[BN, BK/2]``:
-        no interleaving needed; the caller pairs them with even/odd activation columns."""
-        kb = k0 // 2 + tl.arange(0, BK // 2)
-        packed = tl.load(w_ptr + rows[:, None] * row_bytes + kb[None, :])
-        if MODE == 2:  # scale fetched per byte (repeated addresses, served by L1)
-            scale = _e4m3_f32(tl.load(s_ptr + rows[:, None] * row_scales + (kb // 8)[None, :]))
-            lo = _e2m1_f32(packed & 0xF) * scale
-            hi = _e2m1_f32(packed >> 4) * scale
-        elif MODE == 9:  # ablation for timing only: no block scale (wrong numbers)
-            lo = _e2m1_f32(packed & 0xF)
-            hi = _e2m1_f32(packed >> 4)
-        else:  # MODE 1: broadcast [BN, BK/16] scales over 8-byte groups
-            ks = k0 // 16 + tl.arange(0, BK // 16)
-            scale = _e4m3_f32(tl.load(s_ptr + rows[:, None] * row_scales + ks[None, :]))[:, :, None]
-            lo = (_e2m1_f32(packed & 0xF).reshape(BN, BK // 16, 8) * scale).reshape(BN, BK // 2)
-            hi = (_e2m1_f32(packed >> 4).reshape(BN, BK // 16, 8) * scale).reshape(BN, BK // 2)
-        return _finish(lo, OUT_DTYPE), _finish(hi, OUT_DTYPE)
-
-    @triton.jit
-    def _expert_dot(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, a_stride, k0, row_bytes, row_scales,
-                    BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, DOT_F32: tl.constexpr):
-        """``acc [BN, BM] += W[rows, k0:k0+BK] @ A[a_rows, k0:k0+BK]^T``: the weight tile is the
-        MMA's M side ("swap AB"), so decode's few tokens sit on the narrow N side."""
-        dtype = a_ptr.dtype.element_ty
-        if MODE == 0:
-            kk = k0 + tl.arange(0, BK)
-            a = tl.load(a_ptr + a_rows[None, :] * a_stride + kk[:, None], mask=row_mask[None, :], other=0.0)
-            w = _nvfp4_tile(w_ptr, s_ptr, rows, k0, row_bytes, row_scales, BN, BK, dtype)
-            if DOT_F32:  # Triton's CPU interpreter mis-multiplies bf16 dots
-                a, w = a.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(w, a, acc)
-        else:
-            ke = k0 + 2 * tl.arange(0, BK // 2)
-            a_even = tl.load(a_ptr + a_rows[None, :] * a_stride + ke[:, None], mask=row_mask[None, :], other=0.0)
-            a_odd = tl.load(a_ptr + a_rows[None, :] * a_stride + ke[:, None] + 1, mask=row_mask[None, :], other=0.0)
-            lo, hi = _nvfp4_tile_halves(w_ptr, s_ptr, rows, k0, row_bytes, row_scales, BN, BK, dtype, MODE)
-            if DOT_F32:
-                a_even, a_odd, lo, hi = a_even.to(tl.float32), a_odd.to(tl.float32), lo.to(tl.float32), hi.to(tl.float32)
-            acc = tl.dot(lo, a_even, acc)
-            acc = tl.dot(hi, a_odd, acc)
-        return acc
 
     @triton.jit
     def _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM: tl.constexpr):
@@ -134,11 +84,46 @@ if triton is not None:
         return slots, row_mask
 
     @triton.jit
+    def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
+                       BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr):
+        """``acc [BN, BM] += W[rows, :K] @ A[a_rows, :K]^T`` with W NVFP4 ``[*, K/2]`` bytes.
+
+        The weight tile is the MMA's M side ("swap AB"): decode's few tokens sit on the narrow
+        N side. With PREFETCH the next tile's bytes are loaded before this tile is decoded, so
+        the memory latency overlaps the decode and the dot.
+        """
+        dtype = a_ptr.dtype.element_ty
+        kb = tl.arange(0, BK // 2)
+        ks = tl.arange(0, BK // 16)
+        kk = tl.arange(0, BK)
+        w_ptrs = w_ptr + rows[:, None] * (K // 2) + kb[None, :]
+        s_ptrs = s_ptr + rows[:, None] * (K // 16) + ks[None, :]
+        a_ptrs = a_ptr + a_rows[None, :] * K + kk[:, None]
+        packed = tl.load(w_ptrs)
+        sbytes = tl.load(s_ptrs)
+        for k0 in range(0, K, BK):
+            a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
+            if PREFETCH:
+                more = (k0 + BK) < K  # the last iteration loads nothing
+                packed_next = tl.load(w_ptrs + (k0 + BK) // 2, mask=(kb[None, :] * 0 + more) != 0, other=0)
+                sbytes_next = tl.load(s_ptrs + (k0 + BK) // 16, mask=(ks[None, :] * 0 + more) != 0, other=0)
+            else:
+                packed = tl.load(w_ptrs + k0 // 2)
+                sbytes = tl.load(s_ptrs + k0 // 16)
+            w = _decode_tile(packed, sbytes, BN, BK, dtype)
+            if DOT_F32:  # Triton's CPU interpreter mis-multiplies bf16 dots
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(w, a, acc)
+            if PREFETCH:
+                packed, sbytes = packed_next, sbytes_next
+        return acc
+
+    @triton.jit
     def _gemm1_swiglu_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
         sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
         H, I, TOPK,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, DOT_F32: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
@@ -149,13 +134,9 @@ if triton is not None:
             w_e = w_ptr + e64 * (2 * I) * (H // 2)
             s_e = s_ptr + e64 * (2 * I) * (H // 16)
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
-            acc_gate = tl.zeros((BN, BM), dtype=tl.float32)
-            acc_up = tl.zeros((BN, BM), dtype=tl.float32)
-            for k0 in range(0, H, BK):
-                acc_gate = _expert_dot(acc_gate, w_e, s_e, cols, x_ptr, tokens, row_mask, H, k0, H // 2, H // 16,
-                                       BN, BK, MODE, DOT_F32)
-                acc_up = _expert_dot(acc_up, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, k0, H // 2, H // 16,
-                                     BN, BK, MODE, DOT_F32)
+            zero = tl.zeros((BN, BM), dtype=tl.float32)
+            acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, DOT_F32)
+            acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, DOT_F32)
             g = tl.load(g_ptr + e)
             if x_ptr.dtype.element_ty == tl.bfloat16:
                 g = g * 4194304.0  # the tiles' 2^-22
@@ -170,7 +151,7 @@ if triton is not None:
         a_ptr, w_ptr, s_ptr, g_ptr, topk_weights_ptr, out_ptr,
         sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
         H, I,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, DOT_F32: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
@@ -180,16 +161,41 @@ if triton is not None:
             w_e = w_ptr + e64 * H * (I // 2)
             s_e = s_ptr + e64 * H * (I // 16)
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            for k0 in range(0, I, BK):
-                acc = _expert_dot(acc, w_e, s_e, cols, a_ptr, slots, row_mask, I, k0, I // 2, I // 16,
-                                  BN, BK, MODE, DOT_F32)
+            acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
+                                 BN, BK, PREFETCH, DOT_F32)
             g = tl.load(g_ptr + e)
             if a_ptr.dtype.element_ty == tl.bfloat16:
                 g = g * 4194304.0
             route = tl.load(topk_weights_ptr + slots, mask=row_mask, other=0.0)
             y = acc * g * route[None, :]
             tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
+
+    @triton.jit
+    def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+                      S, E, NUM_BLOCKS,
+                      BM: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, B_PAD: tl.constexpr):
+        """:func:`route` in one program (decode-sized S): one launch instead of ~12 torch ops."""
+        offs = tl.arange(0, S_PAD)
+        key = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
+        key = tl.where((key >= 0) & (key < E), key, E)  # invalid ids and padding sort last
+        # sort (expert, slot) pairs: slot order is kept within an expert
+        order = tl.sort(key * S_PAD + offs)
+        tl.store(sorted_slot_ptr + offs, order % S_PAD, mask=offs < S)
+
+        bins = tl.arange(0, E_PAD)
+        counts = tl.where(bins < E, tl.histogram(key, E_PAD), 0)
+        row_start = tl.cumsum(counts, 0) - counts
+        blocks = (counts + BM - 1) // BM
+        block_start = tl.cumsum(blocks, 0) - blocks
+        b = tl.arange(0, B_PAD)
+        tl.store(block_expert_ptr + b, tl.full((B_PAD,), -1, tl.int32), mask=b < NUM_BLOCKS)
+        tl.debug_barrier()  # the -1 fill lands before the real entries below
+        for j in range(0, tl.max(blocks, 0)):
+            used = j < blocks
+            r0 = row_start + j * BM
+            tl.store(block_expert_ptr + block_start + j, bins, mask=used)
+            tl.store(block_row_start_ptr + block_start + j, r0, mask=used)
+            tl.store(block_row_end_ptr + block_start + j, tl.minimum(r0 + BM, row_start + counts), mask=used)
 
     @triton.jit
     def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr):
@@ -204,6 +210,9 @@ if triton is not None:
         tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
+FAST_ROUTE_MAX_SLOTS = 4096  # one-program routing up to here; torch ops beyond (prefill)
+
+
 def route(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Group slots by expert and cut them into ``block_m``-row blocks, on the device.
 
@@ -213,6 +222,20 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """
     flat = topk_ids.reshape(-1)
     num_slots = flat.numel()
+    num_blocks = min(num_slots, num_experts) + num_slots // block_m
+    if num_slots <= FAST_ROUTE_MAX_SLOTS and triton is not None and (flat.is_cuda or interpreting()):
+        out = torch.empty(num_slots + 3 * num_blocks, dtype=torch.int32, device=flat.device)
+        sorted_slot, block_expert, row_start, row_end = out.split([num_slots] + [num_blocks] * 3)
+        _route_kernel[(1,)](
+            flat, sorted_slot, block_expert, row_start, row_end, num_slots, num_experts, num_blocks,
+            BM=block_m, S_PAD=triton.next_power_of_2(num_slots), E_PAD=triton.next_power_of_2(num_experts + 1),
+            B_PAD=triton.next_power_of_2(num_blocks), num_warps=4,
+        )
+        return sorted_slot, block_expert, row_start, row_end
+    return _route_torch(flat, num_experts, block_m, num_blocks)
+
+
+def _route_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks: int):
     valid = (flat >= 0) & (flat < num_experts)
     key = torch.where(valid, flat, num_experts).to(torch.int32)
     _, sorted_slot = torch.sort(key, stable=True)
@@ -222,7 +245,6 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     expert_row_start = torch.cumsum(counts, 0, dtype=torch.int32) - counts
     blocks = (counts + block_m - 1) // block_m
     block_end = torch.cumsum(blocks, 0, dtype=torch.int32)
-    num_blocks = min(num_slots, num_experts) + num_slots // block_m
     block = torch.arange(num_blocks, dtype=torch.int32, device=flat.device)
     block_expert = torch.searchsorted(block_end, block, right=True).to(torch.int32)
     used = block_expert < num_experts
@@ -253,7 +275,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int) -> 
     return dict(
         BM=bm, BN1=_pow2_divisor(inter, bn1), BK1=_pow2_divisor(hidden, bk1),
         BN2=_pow2_divisor(hidden, bn2), BK2=_pow2_divisor(inter, bk2),
-        num_warps=warps, num_stages=stages, MODE=1,
+        num_warps=warps, num_stages=stages, PREFETCH=True,
     )
 
 
@@ -267,7 +289,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     cfg = config or kernel_config(num_slots, num_experts, hidden, inter)
     sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
     x = hidden_states.contiguous()
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], MODE=cfg.get("MODE", 1),
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PREFETCH=cfg.get("PREFETCH", True),
                   DOT_F32=interpreting())
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
