@@ -32,13 +32,13 @@ def main():
         results = []
         decode = t * k / min(e, t * k) <= 16
         if decode:  # (BM, BN1, BK1, BN2, BK2, warps, stages, prefetch)
-            tiles = [(16, bn, bk, bn, bk, w, st, pf) for bn, bk in ((64, 256), (128, 256), (64, 512), (128, 128), (32, 512))
-                     for w, st, pf in ((4, 1, 1), (4, 3, 1), (4, 3, 0), (8, 2, 1))]
+            tiles = [(16, 64, 256, 64, 256, 4, 3, 0), (16, 64, 256, 64, 256, 4, 1, 1), (16, 128, 128, 128, 128, 4, 1, 1),
+                     (16, 128, 128, 128, 128, 8, 2, 1), (16, 32, 256, 32, 256, 4, 3, 0), (16, 64, 128, 64, 128, 4, 3, 0)]
         else:
-            tiles = [(bm, bn, bk, bn, bk, 8, st, pf) for bm in (64, 128) for bn, bk in ((128, 128), (128, 64), (256, 64))
-                     for st, pf in ((3, 0), (2, 1))]
-        for bm, bn1, bk1, bn2, bk2, warps, stages, prefetch in tiles:
-            cfg = dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages, PREFETCH=bool(prefetch))
+            tiles = [(128, 128, 128, 128, 128, 8, 3, 0), (128, 128, 128, 128, 128, 8, 2, 1), (64, 128, 64, 128, 64, 8, 3, 0)]
+        for bm, bn1, bk1, bn2, bk2, warps, stages, prefetch, fast in [t + (f,) for t in tiles for f in (False, True)]:
+            cfg = dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages,
+                       PREFETCH=bool(prefetch), FAST_DECODE=fast)
             try:
                 out = triton_fused_moe(*inputs[0], tensors, cfg)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()

@@ -67,9 +67,40 @@ if triton is not None:
             values = values * 4194304.0
         return values.to(OUT_DTYPE)
 
+    # PTX for 4 packed bytes (8 E2M1 codes) -> 8 bf16, times a bf16x2 block scale, 2.75
+    # instructions per element: spread bytes 0,1 (then 2,3) into the two 16-bit halves, move
+    # each nibble's exponent/mantissa bits to bf16 bits 8..6 and its sign to bit 15 (that bit
+    # pattern is value * 2^-126, subnormal 0.5 included), then one mul.bf16x2 by the block
+    # scale pre-multiplied by 2^104 (exact): the result is value * scale * 2^-22.
+    _E2M1X8_TO_BF16 = """
+    {
+    .reg .b32 t0, t1, u, v, z;
+    mov.b32 z, 0;
+    prmt.b32 t0, $4, z, 0x4140;
+    prmt.b32 t1, $4, z, 0x4342;
+    shl.b32 u, t0, 6;  shl.b32 v, t0, 12; and.b32 u, u, 0x01C001C0; and.b32 v, v, 0x80008000; or.b32 $0, u, v;
+    shl.b32 u, t1, 6;  shl.b32 v, t1, 12; and.b32 u, u, 0x01C001C0; and.b32 v, v, 0x80008000; or.b32 $1, u, v;
+    shl.b32 u, t0, 2;  shl.b32 v, t0, 8;  and.b32 u, u, 0x01C001C0; and.b32 v, v, 0x80008000; or.b32 $2, u, v;
+    shl.b32 u, t1, 2;  shl.b32 v, t1, 8;  and.b32 u, u, 0x01C001C0; and.b32 v, v, 0x80008000; or.b32 $3, u, v;
+    mul.rn.bf16x2 $0, $0, $5;
+    mul.rn.bf16x2 $1, $1, $5;
+    mul.rn.bf16x2 $2, $2, $5;
+    mul.rn.bf16x2 $3, $3, $5;
+    }
+    """
+
     @triton.jit
-    def _decode_tile(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
-        """``packed [BN, BK/2]`` uint8 + ``sbytes [BN, BK/16]`` E4M3 -> ``[BN, BK]`` OUT_DTYPE."""
+    def _decode_tile(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                     FAST_DECODE: tl.constexpr):
+        """``packed [BN, BK/2]`` uint8 + ``sbytes [BN, BK/16]`` E4M3 -> ``[BN, BK]`` OUT_DTYPE
+        (bf16: times 2^-22, exact). PTX fast path for bf16 on the GPU; portable path otherwise."""
+        if FAST_DECODE and OUT_DTYPE == tl.bfloat16:
+            scale = (_e4m3_f32(sbytes) * 2.0**112).to(tl.bfloat16)  # scale * 2^104, exact
+            scale = tl.broadcast_to(scale[:, :, None], (BN, BK // 16, 8))
+            lo, hi = tl.inline_asm_elementwise(
+                _E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed.reshape(BN, BK // 16, 8), scale],
+                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            return tl.join(lo.reshape(BN, BK // 2), hi.reshape(BN, BK // 2)).reshape(BN, BK)
         values = _e2m1_f32(tl.join(packed & 0xF, packed >> 4).reshape(BN, BK))
         values = (values.reshape(BN, BK // 16, 16) * _e4m3_f32(sbytes)[:, :, None]).reshape(BN, BK)
         return _finish(values, OUT_DTYPE)
@@ -85,7 +116,7 @@ if triton is not None:
 
     @triton.jit
     def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
-                       BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr):
+                       BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr):
         """``acc [BN, BM] += W[rows, :K] @ A[a_rows, :K]^T`` with W NVFP4 ``[*, K/2]`` bytes.
 
         The weight tile is the MMA's M side ("swap AB"): decode's few tokens sit on the narrow
@@ -110,8 +141,8 @@ if triton is not None:
             else:
                 packed = tl.load(w_ptrs + k0 // 2)
                 sbytes = tl.load(s_ptrs + k0 // 16)
-            w = _decode_tile(packed, sbytes, BN, BK, dtype)
-            if DOT_F32:  # Triton's CPU interpreter mis-multiplies bf16 dots
+            w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE)
+            if INTERPRET:  # Triton's CPU interpreter mis-multiplies bf16 dots
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(w, a, acc)
             if PREFETCH:
@@ -123,7 +154,7 @@ if triton is not None:
         x_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
         sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
         H, I, TOPK,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
@@ -135,8 +166,9 @@ if triton is not None:
             s_e = s_ptr + e64 * (2 * I) * (H // 16)
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             zero = tl.zeros((BN, BM), dtype=tl.float32)
-            acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, DOT_F32)
-            acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, DOT_F32)
+            acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE, INTERPRET)
+            acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
+                                    INTERPRET)
             g = tl.load(g_ptr + e)
             if x_ptr.dtype.element_ty == tl.bfloat16:
                 g = g * 4194304.0  # the tiles' 2^-22
@@ -151,7 +183,7 @@ if triton is not None:
         a_ptr, w_ptr, s_ptr, g_ptr, topk_weights_ptr, out_ptr,
         sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
         H, I,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
@@ -162,7 +194,7 @@ if triton is not None:
             s_e = s_ptr + e64 * H * (I // 16)
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
-                                 BN, BK, PREFETCH, DOT_F32)
+                                 BN, BK, PREFETCH, FAST_DECODE, INTERPRET)
             g = tl.load(g_ptr + e)
             if a_ptr.dtype.element_ty == tl.bfloat16:
                 g = g * 4194304.0
@@ -266,16 +298,16 @@ def _pow2_divisor(n: int, cap: int) -> int:
 def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int) -> dict:
     """Tile sizes by shape bucket (rows per expert), chosen from H200 sweeps (benchmarks/)."""
     rows_per_expert = num_slots / max(1, min(num_experts, num_slots))
-    if rows_per_expert <= 16:
-        bm, bn1, bk1, bn2, bk2, warps, stages = 16, 64, 256, 64, 256, 4, 4
+    if rows_per_expert <= 16:  # decode: memory-bound, one M block per expert
+        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 16, 64, 256, 64, 256, 4, 3, False
     elif rows_per_expert <= 64:
-        bm, bn1, bk1, bn2, bk2, warps, stages = 64, 64, 128, 128, 128, 8, 3
+        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 64, 128, 64, 128, 64, 8, 3, False
     else:
-        bm, bn1, bk1, bn2, bk2, warps, stages = 128, 64, 64, 128, 64, 8, 3
+        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 128, 128, 128, 128, 128, 8, 3, False
     return dict(
         BM=bm, BN1=_pow2_divisor(inter, bn1), BK1=_pow2_divisor(hidden, bk1),
         BN2=_pow2_divisor(hidden, bn2), BK2=_pow2_divisor(inter, bk2),
-        num_warps=warps, num_stages=stages, PREFETCH=True,
+        num_warps=warps, num_stages=stages, PREFETCH=prefetch,
     )
 
 
@@ -290,7 +322,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
     x = hidden_states.contiguous()
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PREFETCH=cfg.get("PREFETCH", True),
-                  DOT_F32=interpreting())
+                  FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting())
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     grid1 = (block_expert.numel(), inter // cfg["BN1"])
