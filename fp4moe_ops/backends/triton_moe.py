@@ -72,7 +72,7 @@ if triton is not None:
     # each nibble's exponent/mantissa bits to bf16 bits 8..6 and its sign to bit 15 (that bit
     # pattern is value * 2^-126, subnormal 0.5 included), then one mul.bf16x2 by the block
     # scale pre-multiplied by 2^104 (exact): the result is value * scale * 2^-22.
-    _E2M1X8_TO_BF16 = """
+    _E2M1X8_TO_BF16 = tl.constexpr("""
     {
     .reg .b32 t0, t1, u, v, z;
     mov.b32 z, 0;
@@ -87,7 +87,7 @@ if triton is not None:
     mul.rn.bf16x2 $2, $2, $5;
     mul.rn.bf16x2 $3, $3, $5;
     }
-    """
+    """)
 
     @triton.jit
     def _decode_tile(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr,
