@@ -296,14 +296,14 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int) -> dict:
-    """Tile sizes by shape bucket (rows per expert), chosen from H200 sweeps (benchmarks/)."""
+    """Tile sizes by shape bucket, chosen from H200 sweeps (benchmarks/sweep_triton.py,
+    numbers in benchmarks/NOTES.md). Static: nothing is tuned at call time or in graph capture."""
     rows_per_expert = num_slots / max(1, min(num_experts, num_slots))
     if rows_per_expert <= 16:  # decode: memory-bound, one M block per expert
-        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 16, 64, 256, 64, 256, 4, 3, False
-    elif rows_per_expert <= 64:
-        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 64, 128, 64, 128, 64, 8, 3, False
-    else:
-        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 128, 128, 128, 128, 128, 8, 3, False
+        bk = 256 if num_slots <= 16 else 128
+        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 16, 64, bk, 64, bk, 4, 3, False
+    else:  # prefill: tensor-core bound
+        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 128, 128, 128, 128, 128, 8, 2, True
     return dict(
         BM=bm, BN1=_pow2_divisor(inter, bn1), BK1=_pow2_divisor(hidden, bk1),
         BN2=_pow2_divisor(hidden, bn2), BK2=_pow2_divisor(inter, bk2),
