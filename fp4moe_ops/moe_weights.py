@@ -13,6 +13,8 @@ import torch
 
 from .nvfp4 import BLOCK_SIZE, NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 
+QUANTIZE_CHUNK = 8  # experts quantized at a time
+
 
 @dataclass
 class NVFP4MoEWeights:
@@ -92,11 +94,12 @@ def quantize_moe_weights(gate_up: torch.Tensor, down: torch.Tensor) -> NVFP4MoEW
             f"down must be [E, H, I] = {[e, h, two_i // 2]} to match gate_up {list(gate_up.shape)}, "
             f"got {list(down.shape)}"
         )
-    w13 = quantize_nvfp4(gate_up)
-    w2 = quantize_nvfp4(down)
-    return NVFP4MoEWeights(
-        w13.packed, w13.block_scale, w13.global_scale, w2.packed, w2.block_scale, w2.global_scale
-    )
+    parts = []
+    for e0 in range(0, e, QUANTIZE_CHUNK):  # bounded float32 scratch, on the weights' device
+        w13 = quantize_nvfp4(gate_up[e0:e0 + QUANTIZE_CHUNK])
+        w2 = quantize_nvfp4(down[e0:e0 + QUANTIZE_CHUNK])
+        parts.append((w13.packed, w13.block_scale, w13.global_scale, w2.packed, w2.block_scale, w2.global_scale))
+    return NVFP4MoEWeights(*(torch.cat(ts) for ts in zip(*parts)))
 
 
 def _check_expert_stack(name: str, t: torch.Tensor) -> None:

@@ -1,0 +1,272 @@
+"""Patch Transformers MoE models so their routed experts run in NVFP4 through
+``torch.ops.fp4moe.fused_moe``.
+
+Plugs in through Transformers' public experts machinery: every experts module decorated with
+``@use_experts_implementation`` (DeepSeek-V2/V3, Kimi-K2, GLM4-MoE, Qwen3-MoE, Mixtral, ...)
+dispatches its forward through ``ExpertsInterface``; we register ``"fp4moe"`` there and switch
+the model with ``model.set_experts_implementation("fp4moe")``. Router, shared experts,
+attention and dense MLPs are untouched.
+
+Each patched experts module trades its BF16 parameters ``gate_up_proj [E, 2I, H]`` and
+``down_proj [E, H, I]`` for NVFP4 buffers (ModelOpt-style names, so state dicts read naturally)::
+
+    gate_up_proj_packed        [E, 2I, H/2]  uint8          E2M1 pairs, low nibble first
+    gate_up_proj_scale         [E, 2I, H/16] float8_e4m3fn  block scales
+    gate_up_proj_global_scale  [E]           float32
+    down_proj_packed / down_proj_scale / down_proj_global_scale   (same for [E, H, I])
+    fc1_input_scale, fc2_input_scale  [E] float32   only after calibration
+
+plus, for backends with their own layout, non-persistent ``fp4moe_prepared_<i>`` buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+import fp4moe_ops
+from fp4moe_ops import NVFP4MoEWeights, nvfp4
+from fp4moe_ops.backends import resolve_backend
+from fp4moe_ops.backends.reference import canonical_tensors
+
+logger = logging.getLogger("fp4moe")
+
+IMPLEMENTATION = "fp4moe"
+DEEPSEEK_FAMILY = ("deepseek_v3", "kimi_k2", "deepseek_v2", "glm4_moe")
+_CANONICAL = ("gate_up_proj_packed", "gate_up_proj_scale", "gate_up_proj_global_scale",
+              "down_proj_packed", "down_proj_scale", "down_proj_global_scale")
+
+
+# --- the experts forward registered in Transformers' ExpertsInterface ---------------------
+
+
+def fp4moe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``ExpertsInterface`` entry: ``[T, H]`` hidden, ``[T, k]`` ids and weights -> ``[T, H]``."""
+    if getattr(self, "_fp4moe_calibration", None) is not None:
+        return _calibration_forward(self, hidden_states, top_k_index, top_k_weights)
+    fc1, fc2 = self.fp4moe_act_scales()
+    return torch.ops.fp4moe.fused_moe(
+        hidden_states, top_k_index, top_k_weights.float(), self.fp4moe_tensors(), fc1, fc2, self.fp4moe_backend
+    )
+
+
+def _register_implementation() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION, fp4moe_experts_forward)
+
+
+# --- per-module state ---------------------------------------------------------------------
+
+
+class _NVFP4ExpertsMixin:
+    """Methods grafted onto a patched experts module (its class keeps its Transformers name)."""
+
+    def nvfp4_weights(self) -> NVFP4MoEWeights:
+        b = self._buffers
+        return NVFP4MoEWeights(*(b[n] for n in _CANONICAL), b.get("fc1_input_scale"), b.get("fc2_input_scale"))
+
+    def fp4moe_tensors(self) -> list[torch.Tensor]:
+        if self._fp4moe_prepared_count:
+            return [self._buffers[f"fp4moe_prepared_{i}"] for i in range(self._fp4moe_prepared_count)]
+        b = self._buffers
+        return [b["gate_up_proj_packed"], b["gate_up_proj_scale"].view(torch.uint8), b["gate_up_proj_global_scale"],
+                b["down_proj_packed"], b["down_proj_scale"].view(torch.uint8), b["down_proj_global_scale"]]
+
+    def fp4moe_act_scales(self):
+        if self._fp4moe_act_mode is None:
+            return None, None
+        return fp4moe_ops.activation_scales(self.nvfp4_weights(), self._fp4moe_act_mode)
+
+    def fp4moe_extra_repr(self) -> str:
+        e, two_i, h_half = self._buffers["gate_up_proj_packed"].shape
+        acts = "NVFP4" if self._fp4moe_act_mode else "bf16"
+        return (f"num_experts={e}, hidden={h_half * 2}, intermediate={two_i // 2}, "
+                f"weights=NVFP4, activations={acts}, backend={self.fp4moe_backend!r}")
+
+
+def _set_backend(module: nn.Module, backend: str, act_scale_mode: str) -> None:
+    weights = module.nvfp4_weights()
+    have_scales = weights.fc1_input_scale is not None and weights.fc2_input_scale is not None
+    b = resolve_backend(backend, weights.device, have_activation_scales=have_scales)
+    prepared = fp4moe_ops.prepare_experts(weights, b.name, act_scale_mode)
+    for i in range(getattr(module, "_fp4moe_prepared_count", 0)):
+        del module._buffers[f"fp4moe_prepared_{i}"]
+    canonical = canonical_tensors(weights)
+    same = len(prepared.tensors) == len(canonical) and all(
+        p.data_ptr() == c.data_ptr() for p, c in zip(prepared.tensors, canonical))
+    module._fp4moe_prepared_count = 0 if same else len(prepared.tensors)
+    if not same:
+        for i, t in enumerate(prepared.tensors):
+            module.register_buffer(f"fp4moe_prepared_{i}", t, persistent=False)
+    module.fp4moe_backend = b.name
+    module._fp4moe_act_mode = act_scale_mode if prepared.fc1_act_scale is not None else None
+
+
+# --- patching -----------------------------------------------------------------------------
+
+
+def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Experts modules that Transformers dispatches through ``ExpertsInterface``."""
+    found = []
+    for name, m in model.named_modules():
+        if hasattr(m, "is_concatenated") and hasattr(m, "has_gate") and (
+            isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) or "gate_up_proj_packed" in m._buffers
+        ):
+            found.append((name, m))
+    return found
+
+
+def _check_experts(name: str, m: nn.Module) -> None:
+    if "gate_up_proj_packed" in m._buffers:
+        raise ValueError(f"model is already patched by fp4moe ({name} holds NVFP4 experts)")
+    problems = []
+    if not m.has_gate or not m.is_concatenated or m.is_transposed or m.has_bias:
+        problems.append("only gated, concatenated [gate; up], untransposed, bias-free experts are supported")
+    act = getattr(m, "act_fn", None)
+    if act is not None and not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLUActivation", "SiLU"):
+        problems.append(f"activation {type(act).__name__} is not SiLU")
+    e, two_i, h = m.gate_up_proj.shape
+    if h % nvfp4.BLOCK_SIZE or (two_i // 2) % nvfp4.BLOCK_SIZE:
+        problems.append(f"hidden {h} and intermediate {two_i // 2} must be multiples of {nvfp4.BLOCK_SIZE}")
+    if m.gate_up_proj.device.type == "meta":
+        problems.append("weights are on the meta device (not loaded)")
+    if problems:
+        raise ValueError(f"cannot patch {name} ({type(m).__name__}): " + "; ".join(problems))
+
+
+def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str = "per_expert",
+              verbose: bool = True) -> nn.Module:
+    """Quantize every routed-experts module of ``model`` to NVFP4 and run it through the op.
+
+    Args:
+        model: a loaded Transformers MoE model (``DeepseekV3ForCausalLM``, Qwen3-MoE, ...).
+        backend: ``"auto"`` (fastest exact backend for the experts' device), or a name from
+            ``fp4moe_ops.BACKENDS``. Checked for every layer's device before anything changes.
+        act_scale_mode: ``"per_expert"`` or ``"global_max"``; used only by backends that quantize
+            activations (they need :func:`calibrate_activation_scales` first).
+        verbose: log one progress line per layer.
+
+    Quantizes expert by expert on the experts' own device and frees each layer's BF16 weights
+    before the next layer, so peak memory stays near the BF16 model's size. All modules are
+    validated first: on an error nothing is changed.
+    """
+    modules = find_experts_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no Transformers experts modules to patch")
+    for name, m in modules:
+        _check_experts(name, m)
+    for name, m in modules:  # every layer's device can run the backend (uncalibrated: W4A16 only)
+        resolve_backend(backend, m.gate_up_proj.device)
+    if act_scale_mode not in fp4moe_ops.ACT_SCALE_MODES:
+        raise ValueError(f"act_scale_mode must be one of {fp4moe_ops.ACT_SCALE_MODES}, got {act_scale_mode!r}")
+
+    _register_implementation()
+    for i, (name, m) in enumerate(modules):
+        with torch.no_grad():
+            w = fp4moe_ops.quantize_moe_weights(m.gate_up_proj.data, m.down_proj.data)
+        del m.gate_up_proj, m.down_proj  # free the BF16 copy before the next layer
+        for buf_name, t in zip(_CANONICAL, w.tensors()):
+            m.register_buffer(buf_name, t)
+        for method in ("nvfp4_weights", "fp4moe_tensors", "fp4moe_act_scales"):
+            setattr(m, method, getattr(_NVFP4ExpertsMixin, method).__get__(m))
+        m.extra_repr = _NVFP4ExpertsMixin.fp4moe_extra_repr.__get__(m)
+        _set_backend(m, backend, act_scale_mode)
+        if verbose:
+            logger.info("fp4moe: %s -> NVFP4 (%d/%d, backend %s)", name, i + 1, len(modules), m.fp4moe_backend)
+    model.set_experts_implementation(IMPLEMENTATION)
+    model._fp4moe_patched = True
+    return model
+
+
+def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: str = "per_expert",
+                   verbose: bool = True) -> nn.Module:
+    """:func:`patch_moe` for DeepSeek-V3/R1 and kin (Kimi-K2, DeepSeek-V2, GLM4-MoE).
+
+    ``model = patch_deepseek(AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16))``
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in DEEPSEEK_FAMILY:
+        raise ValueError(
+            f"patch_deepseek supports model types {DEEPSEEK_FAMILY}, got {model_type!r}; "
+            "use hf_integration.patch_moe for other MoE models with Transformers experts modules")
+    return patch_moe(model, backend=backend, act_scale_mode=act_scale_mode, verbose=verbose)
+
+
+def set_backend(model: nn.Module, backend: str, act_scale_mode: str = "per_expert") -> nn.Module:
+    """Switch a patched model's experts to another backend (re-prepares every layer)."""
+    modules = [(n, m) for n, m in find_experts_modules(model) if "gate_up_proj_packed" in m._buffers]
+    if not modules:
+        raise ValueError("model is not patched by fp4moe; call patch_moe / patch_deepseek first")
+    for _, m in modules:  # validate every layer first
+        w = m.nvfp4_weights()
+        resolve_backend(backend, w.device, have_activation_scales=w.fc1_input_scale is not None)
+    for _, m in modules:
+        _set_backend(m, backend, act_scale_mode)
+    return model
+
+
+# --- calibration for the NVFP4 x NVFP4 path -----------------------------------------------
+
+
+def _calibration_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Reference W4A16 math, recording each expert's GEMM1/GEMM2 input amax."""
+    amax1, amax2 = self._fp4moe_calibration
+    w = self.nvfp4_weights()
+    inter = w.intermediate_size
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    for e in top_k_index.unique().tolist():
+        if not 0 <= e < w.num_experts:
+            continue
+        token, slot = torch.where(top_k_index == e)
+        x = hidden_states[token]
+        amax1[e] = torch.maximum(amax1[e], x.float().abs().max())
+        w13 = nvfp4.dequantize_nvfp4(w.w13[e], w.w13_scale[e], w.w13_global[e])
+        h = x.float() @ w13.T
+        act = (nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(hidden_states.dtype)
+        amax2[e] = torch.maximum(amax2[e], act.float().abs().max())
+        y = act.float() @ nvfp4.dequantize_nvfp4(w.w2[e], w.w2_scale[e], w.w2_global[e]).T
+        out.index_add_(0, token, y * top_k_weights[token, slot, None].float())
+    return out.to(hidden_states.dtype)
+
+
+@torch.no_grad()
+def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Module:
+    """Record per-expert activation amax for GEMM1 and GEMM2 inputs over ``batches`` and store
+    ModelOpt's ``input_scale = amax / (6*448)`` as ``fc1_input_scale`` / ``fc2_input_scale``.
+
+    ``batches``: dicts of model kwargs (e.g. tokenizer output) or ``input_ids`` tensors. Experts
+    no batch routed to get the layer's largest scale (logged). Needed only by
+    ``backend="flashinfer_nvfp4"``; then ``set_backend(model, "flashinfer_nvfp4")``.
+    """
+    modules = [m for _, m in find_experts_modules(model) if "gate_up_proj_packed" in m._buffers]
+    if not modules:
+        raise ValueError("model is not patched by fp4moe; call patch_moe / patch_deepseek first")
+    for m in modules:
+        e = m._buffers["gate_up_proj_packed"].shape[0]
+        dev = m._buffers["gate_up_proj_packed"].device
+        m._fp4moe_calibration = (torch.zeros(e, device=dev), torch.zeros(e, device=dev))
+    try:
+        n = 0
+        for batch in batches:
+            model(**batch) if isinstance(batch, dict) else model(batch)
+            n += 1
+        if n == 0:
+            raise ValueError("calibrate_activation_scales got no batches")
+    finally:
+        stats = [m.__dict__.pop("_fp4moe_calibration") for m in modules]
+    unseen = 0
+    for m, (amax1, amax2) in zip(modules, stats):
+        unseen += int((amax1 == 0).sum())
+        amax1 = torch.where(amax1 > 0, amax1, amax1.max()).clamp_min(1e-12)
+        amax2 = torch.where(amax2 > 0, amax2, amax2.max()).clamp_min(1e-12)
+        denom = nvfp4.E2M1_MAX * nvfp4.E4M3_MAX
+        m.register_buffer("fc1_input_scale", (amax1 / denom).float())
+        m.register_buffer("fc2_input_scale", (amax2 / denom).float())
+    if unseen:
+        logger.warning("fp4moe calibration: %d experts saw no tokens; they use their layer's largest scale", unseen)
+    return model
