@@ -1,0 +1,143 @@
+"""End-to-end decode benchmark: a DeepSeek-V3-shaped model (full expert dims, 256 experts, a few
+decoder layers, random weights) on one GPU, side by side in one process:
+
+* HF BF16 eager   - Transformers' default experts implementation, no compile
+* HF BF16 compiled - static cache + CompileConfig(fullgraph, "reduce-overhead": CUDA graphs)
+* fp4moe compiled  - the same after patch_deepseek (NVFP4 experts, backend "auto")
+
+    python benchmarks/bench_e2e.py --layers 2 --batches 1,8,32 --out benchmarks/out
+
+Decode tokens/s = batch * new tokens / generate() time (prompt of 16 tokens, prefill included),
+median of 3 timed runs after a warm-up (which compiles). Peak memory: torch.cuda max allocated.
+Writes ``e2e.json`` and ``e2e.md`` to ``--out`` after every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hf_integration import patch_deepseek  # noqa: E402
+
+
+def deepseek_v3_layers(num_layers: int):
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    cfg = DeepseekV3Config(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=num_layers, first_k_dense_replace=0, n_routed_experts=256, num_experts_per_tok=8,
+        n_group=8, topk_group=4, n_shared_experts=1, num_attention_heads=128, num_key_value_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        max_position_embeddings=4096, routed_scaling_factor=2.5,
+    )
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[float, torch.Tensor]:
+    from transformers import CompileConfig
+
+    prompt = torch.randint(1, 1000, (batch, 16), device="cuda")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if compiled:
+        kw.update(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    else:
+        kw.update(disable_compile=True)
+    out = model.generate(prompt, **kw)  # warm-up / compile
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(prompt, **kw)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return batch * new_tokens / statistics.median(times), out
+
+
+def expert_bytes(model) -> int:
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if ".mlp.experts." in name:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument("--time-budget", type=float, default=420, help="seconds; later cases are skipped past it")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    start = time.time()
+    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "layers": args.layers,
+              "new_tokens": args.new_tokens, "torch": torch.__version__, "rows": []}
+
+    def record(variant, batch, tps, peak, note=""):
+        row = {"variant": variant, "batch": batch, "tokens_per_s": tps, "peak_GB": peak, "note": note}
+        result["rows"].append(row)
+        print(f"{variant:18s} batch {batch:3d}: {tps:9.1f} tok/s, peak {peak:6.1f} GB {note}", flush=True)
+        (out_dir / "e2e.json").write_text(json.dumps(result, indent=1))
+
+    model = deepseek_v3_layers(args.layers)
+    result["expert_GB_bf16"] = expert_bytes(model) / 1e9
+    print(f"model: {args.layers} DeepSeek-V3 MoE layers, experts {result['expert_GB_bf16']:.1f} GB bf16 "
+          f"({time.time() - start:.0f}s)", flush=True)
+    cases = [("HF BF16 eager", False), ("HF BF16 compiled", True)]
+    for variant, compiled in cases:
+        for b in batches:
+            if time.time() - start > args.time_budget:
+                print(f"skipping {variant} batch {b}: time budget", flush=True)
+                continue
+            torch.cuda.reset_peak_memory_stats()
+            tps, _ = time_generate(model, b, args.new_tokens, compiled)
+            record(variant, b, tps, torch.cuda.max_memory_allocated() / 1e9)
+        torch._dynamo.reset()
+
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    patch_deepseek(model, verbose=False)
+    torch.cuda.synchronize()
+    result["patch_s"] = time.time() - t0
+    result["patch_peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
+    result["expert_GB_nvfp4"] = expert_bytes(model) / 1e9
+    backend = [m for m in model.modules() if hasattr(m, "fp4moe_backend")][0].fp4moe_backend
+    print(f"patched in {result['patch_s']:.1f}s (peak {result['patch_peak_GB']:.1f} GB), experts now "
+          f"{result['expert_GB_nvfp4']:.2f} GB ({result['expert_GB_nvfp4'] / result['expert_GB_bf16']:.3f}x), "
+          f"backend {backend}", flush=True)
+    for b in batches:
+        if time.time() - start > args.time_budget:
+            print(f"skipping fp4moe batch {b}: time budget", flush=True)
+            continue
+        torch.cuda.reset_peak_memory_stats()
+        tps, out = time_generate(model, b, args.new_tokens, compiled=True)
+        _, eager_out = time_generate(model, b, 4, compiled=False) if b == batches[0] else (None, None)
+        note = ""
+        if eager_out is not None:
+            same = torch.equal(out[:, :eager_out.shape[1]], eager_out)
+            note = f"(first 4 greedy tokens {'match' if same else 'DIFFER from'} eager fp4moe)"
+        record(f"fp4moe compiled ({backend})", b, tps, torch.cuda.max_memory_allocated() / 1e9, note)
+
+    lines = [f"{result['device']}, {result['date']}: {args.layers} DeepSeek-V3 MoE layers (E=256, H=7168, I=2048, "
+             f"top-8; random weights), {args.new_tokens} new tokens after a 16-token prompt",
+             "", "| variant | batch | decode tokens/s | peak GB |", "|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['peak_GB']:.1f} |" for r in result["rows"]]
+    lines += ["", f"Expert weights: {result['expert_GB_bf16']:.1f} GB BF16 -> {result.get('expert_GB_nvfp4', 0):.2f} GB NVFP4."]
+    (out_dir / "e2e.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
