@@ -11,5 +11,7 @@ for step in "$@"; do
     tests) timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py tests/test_triton_backend.py 2>&1 | tee "$OUT/tests.log" | grep -E "rel err|passed|failed|Error|error" ;;
     bench) timeout 400 python3 benchmarks/bench_moe.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     sweep) timeout 300 python3 benchmarks/sweep_triton.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" ;;
+    demo) timeout 120 python3 -m hf_integration.demo 2>&1 | tee "$OUT/demo.log" | grep -v -i warn ;;
+    e2e) timeout ${E2E_TIMEOUT:-330} python3 benchmarks/bench_e2e.py --out "$OUT" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | grep -v -i warn ;;
   esac
 done
