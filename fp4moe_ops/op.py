@@ -123,7 +123,7 @@ class PreparedExperts:
 ACT_SCALE_MODES = ("per_expert", "global_max")
 
 
-def activation_scales(weights: NVFP4MoEWeights, mode: str) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+def activation_scales(weights: NVFP4MoEWeights, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's activation scales from calibrated per-expert input scales.
 
     ``per_expert``: each expert quantizes its inputs with its own scale (the seed change).
@@ -133,24 +133,39 @@ def activation_scales(weights: NVFP4MoEWeights, mode: str) -> tuple[torch.Tensor
     if mode not in ACT_SCALE_MODES:
         raise ValueError(f"act_scale_mode must be one of {ACT_SCALE_MODES}, got {mode!r}")
     if weights.fc1_input_scale is None or weights.fc2_input_scale is None:
-        return None, None
+        raise ValueError("activation scales need calibrated fc1_input_scale and fc2_input_scale")
     if mode == "per_expert":
         return weights.fc1_input_scale, weights.fc2_input_scale
     return weights.fc1_input_scale.max().reshape(()), weights.fc2_input_scale.max().reshape(())
 
 
 def prepare_experts(
-    weights: NVFP4MoEWeights, backend: str = "auto", act_scale_mode: str = "per_expert"
+    weights: NVFP4MoEWeights, backend: str = "auto", act_scale_mode: str | None = None
 ) -> PreparedExperts:
     """Prepare one layer's NVFP4 experts for ``backend`` on their own device (once, at load).
 
-    ``backend="auto"`` picks the fastest exact backend the device runs (see
-    :data:`fp4moe_ops.backends.AUTO_ORDER`). Activation scales are passed to the op only for
-    backends that quantize activations.
+    Args:
+        weights: canonical NVFP4 experts.
+        backend: ``"auto"`` picks the fastest exact backend the device runs (see
+            :data:`fp4moe_ops.backends.AUTO_ORDER`), or a name from ``BACKENDS``.
+        act_scale_mode: None keeps activations in 16 bits (W4A16), except on a backend that
+            always quantizes them (``flashinfer_nvfp4``), which then uses ``"per_expert"``.
+            ``"per_expert"`` / ``"global_max"``: NVFP4 activations with the calibrated scales
+            (``weights.fc1_input_scale`` / ``fc2_input_scale``); backends ``flashinfer_nvfp4``
+            and ``reference`` only.
     """
     have_scales = weights.fc1_input_scale is not None and weights.fc2_input_scale is not None
     b = resolve_backend(backend, weights.device, have_activation_scales=have_scales)
-    fc1, fc2 = activation_scales(weights, act_scale_mode)
-    if b.activation_scales == "forbidden" or (b.activation_scales == "optional" and backend == "auto"):
-        fc1 = fc2 = None  # W4A16: activations stay 16-bit
+    mode = act_scale_mode or ("per_expert" if b.activation_scales == "required" else None)
+    if mode is None:
+        return PreparedExperts(b.name, b.prepare(weights))
+    if b.activation_scales == "forbidden":
+        raise ValueError(
+            f"backend {b.name!r} keeps activations in 16 bits; act_scale_mode={mode!r} needs "
+            "'flashinfer_nvfp4' (Blackwell) or 'reference'")
+    if not have_scales:
+        raise ValueError(
+            f"act_scale_mode={mode!r} needs calibrated activation scales (fc1_input_scale / "
+            "fc2_input_scale): run hf_integration.calibrate_activation_scales first")
+    fc1, fc2 = activation_scales(weights, mode)
     return PreparedExperts(b.name, b.prepare(weights), fc1, fc2)

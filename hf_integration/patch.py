@@ -89,7 +89,7 @@ class _NVFP4ExpertsMixin:
                 f"weights=NVFP4, activations={acts}, backend={self.fp4moe_backend!r}")
 
 
-def _set_backend(module: nn.Module, backend: str, act_scale_mode: str) -> None:
+def _set_backend(module: nn.Module, backend: str, act_scale_mode: str | None) -> None:
     weights = module.nvfp4_weights()
     have_scales = weights.fc1_input_scale is not None and weights.fc2_input_scale is not None
     b = resolve_backend(backend, weights.device, have_activation_scales=have_scales)
@@ -104,7 +104,7 @@ def _set_backend(module: nn.Module, backend: str, act_scale_mode: str) -> None:
         for i, t in enumerate(prepared.tensors):
             module.register_buffer(f"fp4moe_prepared_{i}", t, persistent=False)
     module.fp4moe_backend = b.name
-    module._fp4moe_act_mode = act_scale_mode if prepared.fc1_act_scale is not None else None
+    module._fp4moe_act_mode = (act_scale_mode or "per_expert") if prepared.fc1_act_scale is not None else None
 
 
 # --- patching -----------------------------------------------------------------------------
@@ -139,7 +139,7 @@ def _check_experts(name: str, m: nn.Module) -> None:
         raise ValueError(f"cannot patch {name} ({type(m).__name__}): " + "; ".join(problems))
 
 
-def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str = "per_expert",
+def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | None = None,
               verbose: bool = True) -> nn.Module:
     """Quantize every routed-experts module of ``model`` to NVFP4 and run it through the op.
 
@@ -147,8 +147,9 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str = 
         model: a loaded Transformers MoE model (``DeepseekV3ForCausalLM``, Qwen3-MoE, ...).
         backend: ``"auto"`` (fastest exact backend for the experts' device), or a name from
             ``fp4moe_ops.BACKENDS``. Checked for every layer's device before anything changes.
-        act_scale_mode: ``"per_expert"`` or ``"global_max"``; used only by backends that quantize
-            activations (they need :func:`calibrate_activation_scales` first).
+        act_scale_mode: None (16-bit activations); ``"per_expert"`` / ``"global_max"`` need
+            calibrated scales, so they apply through :func:`set_backend` after
+            :func:`calibrate_activation_scales`.
         verbose: log one progress line per layer.
 
     Quantizes expert by expert on the experts' own device and frees each layer's BF16 weights
@@ -162,8 +163,9 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str = 
         _check_experts(name, m)
     for name, m in modules:  # every layer's device can run the backend (uncalibrated: W4A16 only)
         resolve_backend(backend, m.gate_up_proj.device)
-    if act_scale_mode not in fp4moe_ops.ACT_SCALE_MODES:
-        raise ValueError(f"act_scale_mode must be one of {fp4moe_ops.ACT_SCALE_MODES}, got {act_scale_mode!r}")
+    if act_scale_mode is not None:
+        raise ValueError(f"act_scale_mode={act_scale_mode!r} needs calibrated activation scales: patch first, "
+                         "then calibrate_activation_scales(model, batches), then set_backend(model, backend, mode)")
 
     _register_implementation()
     for i, (name, m) in enumerate(modules):
@@ -183,7 +185,7 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str = 
     return model
 
 
-def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: str = "per_expert",
+def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | None = None,
                    verbose: bool = True) -> nn.Module:
     """:func:`patch_moe` for DeepSeek-V3/R1 and kin (Kimi-K2, DeepSeek-V2, GLM4-MoE).
 
@@ -197,8 +199,9 @@ def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: s
     return patch_moe(model, backend=backend, act_scale_mode=act_scale_mode, verbose=verbose)
 
 
-def set_backend(model: nn.Module, backend: str, act_scale_mode: str = "per_expert") -> nn.Module:
-    """Switch a patched model's experts to another backend (re-prepares every layer)."""
+def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = None) -> nn.Module:
+    """Switch a patched model's experts to another backend, and to NVFP4 activations with
+    ``act_scale_mode`` (see :func:`fp4moe_ops.prepare_experts`); re-prepares every layer."""
     modules = [(n, m) for n, m in find_experts_modules(model) if "gate_up_proj_packed" in m._buffers]
     if not modules:
         raise ValueError("model is not patched by fp4moe; call patch_moe / patch_deepseek first")

@@ -56,9 +56,12 @@ def test_reference_nvfp4_activations_per_expert_and_global():
         ref = moe64(x, ids, rw, *w.tensors(), fc1_scale=fc1, fc2_scale=fc2, quant=quant)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel < 4e-3, (mode, rel)
-    # and activation quantization changes the answer (the path is really taken)
-    w4a16 = fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="per_expert")
-    assert w4a16.fc1_act_scale is not None
+    # prepare_experts: W4A16 unless asked; asked on a 16-bit-activation backend, a clear error
+    assert fp4moe_ops.prepare_experts(w, "reference").fc1_act_scale is None
+    assert fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="global_max").fc1_act_scale.numel() == 1
+    w.fc2_input_scale = None
+    with pytest.raises(ValueError, match="calibrate_activation_scales"):
+        fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="per_expert")
 
 
 def test_out_of_range_ids_contribute_nothing_and_t0():
