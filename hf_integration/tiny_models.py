@@ -46,8 +46,18 @@ def tiny_mixtral(dtype=torch.bfloat16):
 
 @torch.no_grad()
 def _randomize_experts(model) -> None:
-    """Give experts well-scaled random weights (the default init leaves some at zero)."""
+    """Give experts well-scaled random weights (the default init leaves some at zero), and
+    routers and the LM head well-separated scores: with the default std 0.02 all router scores
+    and logits are near ties, so any rounding difference (compiled vs eager) flips top-k and
+    greedy choices and comparisons become coin tosses."""
+    # Peaky output distribution: greedy decoding then has clear winners instead of near-ties.
+    lm_head = model.get_output_embeddings()
+    lm_head.weight.normal_(0, 8 * lm_head.weight.shape[-1] ** -0.5)
     for m in model.modules():
-        if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) and m.gate_up_proj.dim() == 3:
-            m.gate_up_proj.normal_(0, m.gate_up_proj.shape[-1] ** -0.5)
-            m.down_proj.normal_(0, m.down_proj.shape[-1] ** -0.5)
+        experts = getattr(m, "experts", None)
+        if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and experts.gate_up_proj.dim() == 3:
+            experts.gate_up_proj.normal_(0, experts.gate_up_proj.shape[-1] ** -0.5)
+            experts.down_proj.normal_(0, experts.down_proj.shape[-1] ** -0.5)
+            gate = getattr(m, "gate", None)
+            if gate is not None and getattr(gate, "weight", None) is not None:
+                gate.weight.normal_(0, 4 * gate.weight.shape[-1] ** -0.5)

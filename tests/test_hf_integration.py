@@ -106,9 +106,11 @@ def test_compile_fullgraph_no_graph_breaks_and_dynamic_lengths():
     with torch.no_grad():
         for length in (5, 8, 13):
             ids = torch.randint(1, 256, (1, length))
-            # inductor's fused bf16 kernels round differently from eager (and a router near a
-            # tie may then pick another expert for a token), so compare norms, not elements
-            assert rel(compiled(ids).logits, model(ids).logits) < 5e-2
+            # inductor's fused bf16 kernels round differently from eager, and a router near a
+            # tie may then pick other experts for a token: most tokens must agree closely
+            got, want = compiled(ids).logits[0].double(), model(ids).logits[0].double()
+            per_token = (got - want).norm(dim=-1) / want.norm(dim=-1)
+            assert per_token.median() < 2e-2, per_token
             frames.append(counter.frame_count)
     assert frames[0] == frames[1] == frames[2], frames  # no recompilation per length
 
