@@ -125,3 +125,24 @@ def test_flashinfer_nvfp4_refuses_sm90_clearly():
     with pytest.raises(ValueError, match=r"cannot run on cuda.*capability"):
         fp4moe_ops.prepare_experts(w, "flashinfer_nvfp4")
     assert fp4moe_ops.prepare_experts(w, "auto").backend == "triton"
+
+
+@pytest.mark.parametrize("backend", ["flashinfer_bf16", "flashinfer_mxfp4"])
+def test_flashinfer_autotune_then_graph_capture(backend):
+    from fp4moe_ops.backends.flashinfer_cutlass import autotune
+
+    w = layer(8, 512, 256)
+    p = fp4moe_ops.prepare_experts(w, backend)
+    autotune(p, hidden_size=512, top_k=2, max_num_tokens=256)
+    x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+    ids, rw = routing(16, 8, 2)
+    eager = p(x, ids, rw)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = p(x, ids, rw)
+        with pytest.raises(RuntimeError, match="before CUDA-graph capture"):
+            autotune(p, hidden_size=512, top_k=2)
+    g.replay()
+    torch.cuda.synchronize()
+    # the fused finalize reduces with atomics: equal up to summation order
+    torch.testing.assert_close(out, eager, rtol=1e-2, atol=1e-2)

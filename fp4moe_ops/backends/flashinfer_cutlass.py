@@ -152,7 +152,9 @@ class _FlashInferBackend(Backend):
             self._workspaces[key] = ws
         return ws[1]
 
-    use_fused_finalize: bool | None = None  # None: FlashInfer's default (deterministic if asked)
+    # None: FlashInfer's default, the fused (atomic, not bitwise deterministic) finalize unless
+    # torch.use_deterministic_algorithms(True) is on.
+    use_fused_finalize: bool | None = None
 
     def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale):
         fused_moe = _import_flashinfer()
@@ -165,7 +167,8 @@ class _FlashInferBackend(Backend):
         out = fused_moe.cutlass_fused_moe(
             hidden_states.contiguous(), ids, weights, fc1, fc2, hidden_states.dtype,
             quant_scales=self.quant_scales(expert_tensors, fc1_act_scale, fc2_act_scale),
-            workspace_buffer=ws, use_fused_finalize=self.use_fused_finalize, **self.weight_kwargs,
+            workspace_buffer=ws, use_fused_finalize=self.use_fused_finalize,
+            tune_max_num_tokens=max(DEFAULT_MAX_TOKENS, hidden_states.shape[0]), **self.weight_kwargs,
         )
         return out[0] if isinstance(out, (list, tuple)) else out
 
@@ -265,5 +268,34 @@ class FlashInferNVFP4Backend(_FlashInferBackend):
         return super().run(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale)
 
 
-for _backend in (FlashInferNVFP4Backend(), FlashInferBF16Backend(), FlashInferMXFP4Backend()):
+BACKENDS_BY_NAME = {b.name: b for b in (FlashInferNVFP4Backend(), FlashInferBF16Backend(), FlashInferMXFP4Backend())}
+for _backend in BACKENDS_BY_NAME.values():
     register_backend(_backend)
+
+
+def autotune(prepared, hidden_size: int, top_k: int, max_num_tokens: int = DEFAULT_MAX_TOKENS,
+             dtype: torch.dtype = torch.bfloat16) -> None:
+    """Profile FlashInfer's CUTLASS tactics for ``prepared`` (a FlashInfer backend's
+    :class:`~fp4moe_ops.PreparedExperts`) for token counts up to ``max_num_tokens``.
+
+    Call it once after loading and before any CUDA-graph capture (``generate()`` with
+    ``mode="reduce-overhead"`` captures): FlashInfer refuses to profile inside a capture, and the
+    op itself never profiles. It also sizes the shared workspace for ``max_num_tokens``.
+    Deterministic results: ``torch.use_deterministic_algorithms(True)`` makes FlashInfer skip its
+    fused (atomic) finalize, both when tuning and when running.
+    """
+    backend = BACKENDS_BY_NAME.get(prepared.backend)
+    if backend is None:
+        raise ValueError(f"autotune is for FlashInfer backends, got backend {prepared.backend!r}")
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("autotune must run before CUDA-graph capture, not inside it")
+    import flashinfer
+
+    num_experts = backend.check_expert_tensors(prepared.tensors, hidden_size)
+    device = prepared.tensors[0].device
+    x = torch.randn(max_num_tokens, hidden_size, dtype=dtype, device=device)
+    ids = torch.rand(max_num_tokens, num_experts, device=device).argsort(dim=1)[:, :top_k].int()
+    weights = torch.softmax(torch.randn(max_num_tokens, top_k, device=device), -1)
+    with flashinfer.autotune(True):
+        prepared(x, ids, weights)
+    torch.cuda.synchronize(device)
