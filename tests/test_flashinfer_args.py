@@ -91,3 +91,22 @@ def test_preseed_bug_shrinks_each_expert_by_its_scale_ratio():
         torch.testing.assert_close(bad, good * expected, rtol=1e-5, atol=1e-6 * good.abs().max().item())
         if e < 7:
             assert expected < 0.5  # the bug is large for all but the widest-range expert
+
+
+def test_flashinfer_bad_input_errors_on_cpu():
+    from fp4moe_ops.backends import BACKENDS
+
+    small = fp4moe_ops.quantize_moe_weights(torch.randn(2, 2 * 64, 96), torch.randn(2, 96, 64))
+    with pytest.raises(ValueError, match="multiples of 128.*triton"):
+        BACKENDS["flashinfer_nvfp4"].prepare(small)
+    with pytest.raises(ValueError, match="multiples of 128.*triton"):
+        BACKENDS["flashinfer_mxfp4"].prepare(small)
+    # the NVFP4 op refuses to run without both activation scales
+    w = calibrated_layer()
+    args = nvfp4_weight_arguments(w)
+    x = torch.randn(4, 128).bfloat16()
+    ids, rw = torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)
+    with pytest.raises(ValueError, match="needs both fc1_act_scale and fc2_act_scale"):
+        torch.ops.fp4moe.fused_moe(x, ids, rw, args, w.fc1_input_scale, None, "flashinfer_nvfp4")
+    with pytest.raises(ValueError, match="int64"):
+        torch.ops.fp4moe.fused_moe(x, ids, rw, w.tensors(), w.fc1_input_scale, w.fc2_input_scale, "flashinfer_nvfp4")

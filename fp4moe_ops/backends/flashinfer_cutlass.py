@@ -164,12 +164,13 @@ class _FlashInferBackend(Backend):
         hidden, inter = hidden_states.shape[1], fc1.shape[1] // 2
         ws = self.workspace(hidden_states.device, hidden, inter, num_experts, ids.shape[1],
                             hidden_states.dtype, fc1.dtype, hidden_states.shape[0])
-        out = fused_moe.cutlass_fused_moe(
-            hidden_states.contiguous(), ids, weights, fc1, fc2, hidden_states.dtype,
-            quant_scales=self.quant_scales(expert_tensors, fc1_act_scale, fc2_act_scale),
-            workspace_buffer=ws, use_fused_finalize=self.use_fused_finalize,
-            tune_max_num_tokens=max(DEFAULT_MAX_TOKENS, hidden_states.shape[0]), **self.weight_kwargs,
-        )
+        with torch.cuda.device(hidden_states.device):  # layers may sit on different GPUs
+            out = fused_moe.cutlass_fused_moe(
+                hidden_states.contiguous(), ids, weights, fc1, fc2, hidden_states.dtype,
+                quant_scales=self.quant_scales(expert_tensors, fc1_act_scale, fc2_act_scale),
+                workspace_buffer=ws, use_fused_finalize=self.use_fused_finalize,
+                tune_max_num_tokens=max(DEFAULT_MAX_TOKENS, hidden_states.shape[0]), **self.weight_kwargs,
+            )
         return out[0] if isinstance(out, (list, tuple)) else out
 
 
@@ -200,15 +201,15 @@ class FlashInferMXFP4Backend(_FlashInferBackend):
     weight_kwargs = {"use_w4_group_scaling": True}
 
     def prepare(self, weights):
-        from flashinfer.fused_moe import (
-            interleave_moe_scales_for_sm90_mixed_gemm as interleave_scales,
-            interleave_moe_weights_for_sm90_mixed_gemm as interleave_weights,
-        )
         hidden, inter = weights.hidden_size, weights.intermediate_size
         if inter % 128 or hidden % 128:
             # weights need n % 16 and k % 64; the folded E8M0 scales need rows % 64, k % 128
             raise ValueError(f"{self.name}: SM90 W4A16 needs H and I multiples of 128; got H={hidden}, "
                              f"I={inter}; use backend 'triton' (exact) or 'reference'")
+        from flashinfer.fused_moe import (
+            interleave_moe_scales_for_sm90_mixed_gemm as interleave_scales,
+            interleave_moe_weights_for_sm90_mixed_gemm as interleave_weights,
+        )
         def to_mxfp4(packed, scale, global_scale):
             # 16 experts at a time: the float32 detour of a whole layer would need ~30 GB
             parts = [nvfp4_to_mxfp4(NVFP4Tensor(packed[e:e + 16], scale[e:e + 16], global_scale[e:e + 16]))

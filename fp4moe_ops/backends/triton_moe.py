@@ -365,7 +365,9 @@ class TritonBackend(Backend):
         return check_canonical_tensors(expert_tensors, hidden_size)
 
     def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale):
-        return triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors)
+        # Triton launches on the current device: make it the experts' (device_map spreads layers)
+        with torch.cuda.device(hidden_states.device):
+            return triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors)
 
 
 register_backend(TritonBackend())
