@@ -167,22 +167,35 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         raise ValueError(f"act_scale_mode={act_scale_mode!r} needs calibrated activation scales: patch first, "
                          "then calibrate_activation_scales(model, batches), then set_backend(model, backend, mode)")
 
-    _register_implementation()
     for i, (name, m) in enumerate(modules):
         with torch.no_grad():
             w = fp4moe_ops.quantize_moe_weights(m.gate_up_proj.data, m.down_proj.data)
         del m.gate_up_proj, m.down_proj  # free the BF16 copy before the next layer
-        for buf_name, t in zip(_CANONICAL, w.tensors()):
-            m.register_buffer(buf_name, t)
-        for method in ("nvfp4_weights", "fp4moe_tensors", "fp4moe_act_scales"):
-            setattr(m, method, getattr(_NVFP4ExpertsMixin, method).__get__(m))
-        m.extra_repr = _NVFP4ExpertsMixin.fp4moe_extra_repr.__get__(m)
-        _set_backend(m, backend, act_scale_mode)
+        install_nvfp4_experts(m, w, backend)
         if verbose:
             logger.info("fp4moe: %s -> NVFP4 (%d/%d, backend %s)", name, i + 1, len(modules), m.fp4moe_backend)
-    model.set_experts_implementation(IMPLEMENTATION)
-    model._fp4moe_patched = True
+    use_fp4moe(model)
     return model
+
+
+def install_nvfp4_experts(module: nn.Module, weights: NVFP4MoEWeights, backend: str = "auto") -> None:
+    """Give an experts module (its ``gate_up_proj``/``down_proj`` already removed) NVFP4 buffers
+    and the fp4moe methods, prepared for ``backend``."""
+    for buf_name, t in zip(_CANONICAL, weights.tensors()):
+        module.register_buffer(buf_name, t)
+    for name in ("fc1_input_scale", "fc2_input_scale"):
+        if getattr(weights, name) is not None:
+            module.register_buffer(name, getattr(weights, name))
+    for method in ("nvfp4_weights", "fp4moe_tensors", "fp4moe_act_scales"):
+        setattr(module, method, getattr(_NVFP4ExpertsMixin, method).__get__(module))
+    module.extra_repr = _NVFP4ExpertsMixin.fp4moe_extra_repr.__get__(module)
+    _set_backend(module, backend, None)
+
+
+def use_fp4moe(model: nn.Module) -> None:
+    """Route the model's experts modules through fp4moe (Transformers' ExpertsInterface)."""
+    _register_implementation()
+    model.set_experts_implementation(IMPLEMENTATION)
 
 
 def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | None = None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 
@@ -61,3 +63,73 @@ def _randomize_experts(model) -> None:
             gate = getattr(m, "gate", None)
             if gate is not None and getattr(gate, "weight", None) is not None:
                 gate.weight.normal_(0, 4 * gate.weight.shape[-1] ** -0.5)
+
+
+QUANTIZED_MLP = re.compile(r"\.(mlp|shared_experts)\.(gate_proj|up_proj|down_proj)$")
+
+
+@torch.no_grad()
+def write_modelopt_checkpoint(model, path, *, equal_gate_up_scales: bool = True, shards: int = 2,
+                              model_type: str | None = None) -> dict:
+    """Write ``model`` (a BF16 Transformers MoE model) as a ModelOpt NVFP4 checkpoint: routed
+    experts per expert, dense/shared MLP linears NVFP4, everything else as is; random (but
+    ModelOpt-like) per-linear input scales. Returns the tensors written (name -> tensor).
+
+    ``equal_gate_up_scales`` mimics ModelOpt's fused gate/up amax; False writes different
+    ``weight_scale_2`` for gate and up (a loader must reconcile them).
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from fp4moe_ops import nvfp4
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+
+    def put_linear(name, w, global_scale=None, input_scale=None):
+        q = nvfp4.quantize_nvfp4(w.float(), global_scale)
+        tensors[f"{name}.weight"] = q.packed
+        tensors[f"{name}.weight_scale"] = q.block_scale
+        tensors[f"{name}.weight_scale_2"] = q.global_scale.reshape(())
+        tensors[f"{name}.input_scale"] = (torch.rand(()) * 4 + 1) / (6 * 448) if input_scale is None else input_scale
+
+    experts = {}
+    for name, m in model.named_modules():
+        e3 = getattr(m, "gate_up_proj", None)
+        if isinstance(e3, torch.Tensor) and e3.dim() == 3:
+            experts[name] = m
+            inter = e3.shape[1] // 2
+            for e in range(e3.shape[0]):
+                gate, up = e3[e, :inter], e3[e, inter:]
+                shared = nvfp4.global_scale_from_amax(torch.maximum(gate.abs().max(), up.abs().max()).float())
+                same_input = (torch.rand(()) * 4 + 1) / (6 * 448)  # gate and up read the same input
+                put_linear(f"{name}.{e}.gate_proj", gate, shared if equal_gate_up_scales else None, same_input)
+                put_linear(f"{name}.{e}.up_proj", up, shared if equal_gate_up_scales else None, same_input.clone())
+                put_linear(f"{name}.{e}.down_proj", m.down_proj[e])
+        elif isinstance(m, torch.nn.Linear) and QUANTIZED_MLP.search(name):
+            put_linear(name, m.weight)
+    for key, t in model.state_dict().items():
+        module = key.rsplit(".", 1)[0]
+        if module in experts or f"{key[:-len('.weight')]}.weight" in tensors:
+            continue
+        tensors[key] = t.clone()
+    if getattr(model.config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+
+    keys = sorted(tensors)
+    for i in range(shards):
+        part = {k: tensors[k].contiguous().clone() for k in keys[i::shards]}
+        save_file(part, str(path / f"model-{i + 1:05d}-of-{shards:05d}.safetensors"))
+    cfg = model.config.to_dict()
+    cfg.pop("_experts_implementation", None)
+    if model_type:
+        cfg["model_type"] = model_type
+    (path / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+    exclude = ["lm_head", "*self_attn*", "*mlp.gate"]
+    (path / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                                                             "exclude_modules": exclude}}, indent=1))
+    return tensors
