@@ -98,35 +98,57 @@ def _model_config(path: Path):
     return AutoConfig.for_model(model_type, **raw)
 
 
+_SAFETENSORS_DTYPES = {
+    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
 class _Checkpoint:
-    """Lazy, memory-mapped view of all safetensors files of a checkpoint."""
+    """The tensors of a checkpoint's ``*.safetensors`` files, read one at a time.
+
+    Reads each tensor's bytes straight from the file into a fresh tensor (no memory map kept
+    around), so host memory holds only what the model keeps plus one tensor in flight.
+    """
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
-        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
-        self.where = {}
-        for f, h in self._handles.items():
-            for k in h.keys():
-                self.where[k] = f
+        self.where: dict[str, tuple[Path, int, str, list[int], int]] = {}
+        for f in files:
+            with open(f, "rb") as fh:
+                header_len = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(header_len))
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                begin, end = info["data_offsets"]
+                self.where[key] = (f, 8 + header_len + begin, info["dtype"], info["shape"], end - begin)
         self.used: set[str] = set()
+
+    def has(self, key: str) -> bool:
+        return key in self.where
 
     def get(self, key: str, shape=None, dtype=None) -> torch.Tensor:
         if key not in self.where:
             raise CheckpointError(f"checkpoint tensor {key!r} is missing")
-        t = self._handles[self.where[key]].get_tensor(key)
-        if dtype is not None and t.dtype != dtype:
-            raise CheckpointError(f"checkpoint tensor {key!r}: expected dtype {dtype}, found {t.dtype}")
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"checkpoint tensor {key!r}: expected shape {list(shape)}, found {list(t.shape)}")
+        file, offset, dtype_name, file_shape, nbytes = self.where[key]
+        found = _SAFETENSORS_DTYPES.get(dtype_name)
+        if found is None:
+            raise CheckpointError(f"checkpoint tensor {key!r}: unsupported dtype {dtype_name}")
+        if dtype is not None and found != dtype:
+            raise CheckpointError(f"checkpoint tensor {key!r}: expected dtype {dtype}, found {found}")
+        if shape is not None and tuple(file_shape) != tuple(shape):
+            raise CheckpointError(f"checkpoint tensor {key!r}: expected shape {list(shape)}, found {list(file_shape)}")
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        with open(file, "rb") as fh:
+            fh.seek(offset)
+            if fh.readinto(out.numpy()) != nbytes:
+                raise CheckpointError(f"checkpoint tensor {key!r}: file {file.name} is truncated")
         self.used.add(key)
-        return t
-
-    def has(self, key: str) -> bool:
-        return key in self.where
+        return out.view(found).reshape(file_shape)
 
 
 def _load_nvfp4_linear(ckpt: _Checkpoint, name: str, n: int, k: int):
