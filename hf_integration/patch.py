@@ -73,9 +73,7 @@ class _NVFP4ExpertsMixin:
     def fp4moe_tensors(self) -> list[torch.Tensor]:
         if self._fp4moe_prepared_count:
             return [self._buffers[f"fp4moe_prepared_{i}"] for i in range(self._fp4moe_prepared_count)]
-        b = self._buffers
-        return [b["gate_up_proj_packed"], b["gate_up_proj_scale"].view(torch.uint8), b["gate_up_proj_global_scale"],
-                b["down_proj_packed"], b["down_proj_scale"].view(torch.uint8), b["down_proj_global_scale"]]
+        return canonical_tensors(self.nvfp4_weights())
 
     def fp4moe_act_scales(self):
         if self._fp4moe_act_mode is None:
