@@ -110,3 +110,21 @@ def test_flashinfer_bad_input_errors_on_cpu():
         torch.ops.fp4moe.fused_moe(x, ids, rw, args, w.fc1_input_scale, None, "flashinfer_nvfp4")
     with pytest.raises(ValueError, match="int64"):
         torch.ops.fp4moe.fused_moe(x, ids, rw, w.tensors(), w.fc1_input_scale, w.fc2_input_scale, "flashinfer_nvfp4")
+
+
+def test_flashinfer_import_errors_are_clear(monkeypatch):
+    import sys
+    import types
+
+    from fp4moe_ops.backends.flashinfer_cutlass import _import_flashinfer
+
+    old = types.ModuleType("flashinfer")
+    old.__version__ = "0.2.5"
+    old.fused_moe = types.ModuleType("flashinfer.fused_moe")
+    monkeypatch.setitem(sys.modules, "flashinfer", old)
+    monkeypatch.setitem(sys.modules, "flashinfer.fused_moe", old.fused_moe)
+    with pytest.raises(RuntimeError, match="0.2.5 has a different cutlass_fused_moe contract"):
+        _import_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed
+    with pytest.raises(RuntimeError, match="FlashInfer is not usable here"):
+        _import_flashinfer()
