@@ -131,6 +131,15 @@ class _Checkpoint:
     def has(self, key: str) -> bool:
         return key in self.where
 
+    def skip(self, pattern: str, predicate) -> None:
+        """Count keys matching ``pattern`` (for which ``predicate(match)`` holds) as used:
+        another rank's experts under expert parallelism."""
+        rx = re.compile(pattern)
+        for key in self.where:
+            match = rx.match(key)
+            if match and predicate(match):
+                self.used.add(key)
+
     def get(self, key: str, shape=None, dtype=None) -> torch.Tensor:
         if key not in self.where:
             raise CheckpointError(f"checkpoint tensor {key!r} is missing")
@@ -160,19 +169,21 @@ def _load_nvfp4_linear(ckpt: _Checkpoint, name: str, n: int, k: int):
     return packed, scale, global_scale, input_scale
 
 
-def _load_experts(ckpt: _Checkpoint, prefix: str, num_experts: int, hidden: int, inter: int,
+def _load_experts(ckpt: _Checkpoint, prefix: str, experts: range, hidden: int, inter: int,
                   device) -> tuple[NVFP4MoEWeights, int]:
-    """Stack per-expert ModelOpt tensors into NVFP4MoEWeights; returns (weights, reconciled)."""
+    """Stack per-expert ModelOpt tensors (global ids ``experts``) into NVFP4MoEWeights;
+    returns (weights, number of experts whose gate/up global scales were reconciled)."""
+    num_experts = len(experts)
     w13 = torch.empty(num_experts, 2 * inter, hidden // 2, dtype=torch.uint8, device=device)
     s13 = torch.empty(num_experts, 2 * inter, hidden // 16, dtype=torch.float8_e4m3fn, device=device)
     w2 = torch.empty(num_experts, hidden, inter // 2, dtype=torch.uint8, device=device)
     s2 = torch.empty(num_experts, hidden, inter // 16, dtype=torch.float8_e4m3fn, device=device)
     g13, g2, in1, in2 = (torch.empty(num_experts, dtype=torch.float32, device=device) for _ in range(4))
     reconciled = 0
-    for e in range(num_experts):
-        gate = _load_nvfp4_linear(ckpt, f"{prefix}.{e}.gate_proj", inter, hidden)
-        up = _load_nvfp4_linear(ckpt, f"{prefix}.{e}.up_proj", inter, hidden)
-        down = _load_nvfp4_linear(ckpt, f"{prefix}.{e}.down_proj", hidden, inter)
+    for e, g_e in enumerate(experts):
+        gate = _load_nvfp4_linear(ckpt, f"{prefix}.{g_e}.gate_proj", inter, hidden)
+        up = _load_nvfp4_linear(ckpt, f"{prefix}.{g_e}.up_proj", inter, hidden)
+        down = _load_nvfp4_linear(ckpt, f"{prefix}.{g_e}.down_proj", hidden, inter)
         w13[e, :inter], w13[e, inter:] = gate[0], up[0]
         g = torch.maximum(gate[2], up[2])
         if not torch.equal(gate[2], up[2]):
@@ -186,7 +197,7 @@ def _load_experts(ckpt: _Checkpoint, prefix: str, num_experts: int, hidden: int,
         w2[e], s2[e], g2[e] = down[0], down[1], down[2]
         missing_input = [n for n, t in (("gate_proj", gate[3]), ("up_proj", up[3]), ("down_proj", down[3])) if t is None]
         if missing_input:
-            raise CheckpointError(f"checkpoint tensor {prefix}.{e}.{missing_input[0]}.input_scale is missing")
+            raise CheckpointError(f"checkpoint tensor {prefix}.{g_e}.{missing_input[0]}.input_scale is missing")
         in1[e] = torch.maximum(gate[3], up[3])
         in2[e] = down[3]
     return NVFP4MoEWeights(w13, s13, g13, w2, s2, g2, in1, in2), reconciled
@@ -194,7 +205,7 @@ def _load_experts(ckpt: _Checkpoint, prefix: str, num_experts: int, hidden: int,
 
 @torch.no_grad()
 def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                        backend: str = "auto", verbose: bool = True) -> nn.Module:
+                        backend: str = "auto", expert_parallel: bool = False, verbose: bool = True) -> nn.Module:
     """Load a ModelOpt NVFP4 checkpoint directory as a Transformers model with NVFP4 experts.
 
     Args:
@@ -203,6 +214,9 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
         dtype: dtype of the non-quantized parts and of dequantized non-expert linears.
         device: where the model is built (one device; see README for multi-GPU).
         backend: fp4moe backend for the experts (``"auto"``: by device).
+        expert_parallel: load only this rank's ``E / world_size`` experts of each layer
+            (``torch.distributed`` must be initialized) and sum the ranks' outputs, as
+            :func:`hf_integration.expert_parallel.shard_experts` does.
 
     Returns:
         the model, experts computed by ``torch.ops.fp4moe.fused_moe``; calibrated input scales
@@ -221,11 +235,22 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
 
     experts = find_experts_modules(model)
     expert_prefixes = {name: m for name, m in experts}
+    shards = {}
+    if expert_parallel:  # every module checked before any is loaded: same error on every rank
+        from .expert_parallel import expert_shard
+
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        shards = {name: expert_shard(m.gate_up_proj.shape[0], rank, world) for name, m in experts}
     for i, (name, m) in enumerate(experts):
         e, two_i, h = m.gate_up_proj.shape
-        weights, reconciled = _load_experts(ckpt, name, e, h, two_i // 2, device)
+        shard = shards.get(name)
+        ids = range(shard.offset, shard.offset + shard.count) if shard else range(e)
+        weights, reconciled = _load_experts(ckpt, name, ids, h, two_i // 2, device)
         del m.gate_up_proj, m.down_proj
         install_nvfp4_experts(m, weights, backend)
+        if shard:
+            m.fp4moe_shard = shard
+            ckpt.skip(rf"^{re.escape(name)}\.(\d+)\.", lambda match, ids=ids: int(match.group(1)) not in ids)
         if reconciled:
             logger.warning("fp4moe: %s: %d experts had different gate/up weight_scale_2; used their max and "
                            "rescaled the other's block scales (re-rounded to E4M3)", name, reconciled)

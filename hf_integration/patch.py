@@ -49,9 +49,17 @@ def fp4moe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
     if getattr(self, "_fp4moe_calibration", None) is not None:
         return _calibration_forward(self, hidden_states, top_k_index, top_k_weights)
     fc1, fc2 = self.fp4moe_act_scales()
-    return torch.ops.fp4moe.fused_moe(
+    shard = getattr(self, "fp4moe_shard", None)
+    if shard is not None:  # expert parallel: other ranks' experts become out-of-range sentinels
+        top_k_index = top_k_index - shard.offset
+    out = torch.ops.fp4moe.fused_moe(
         hidden_states, top_k_index, top_k_weights.float(), self.fp4moe_tensors(), fc1, fc2, self.fp4moe_backend
     )
+    if shard is not None:
+        from .expert_parallel import reduce_partial_outputs
+
+        out = reduce_partial_outputs(out, shard)
+    return out
 
 
 def _register_implementation() -> None:
@@ -93,7 +101,7 @@ def _set_backend(module: nn.Module, backend: str, act_scale_mode: str | None) ->
     b = resolve_backend(backend, weights.device, have_activation_scales=have_scales)
     prepared = fp4moe_ops.prepare_experts(weights, b.name, act_scale_mode)
     for i in range(getattr(module, "_fp4moe_prepared_count", 0)):
-        del module._buffers[f"fp4moe_prepared_{i}"]
+        module._buffers.pop(f"fp4moe_prepared_{i}", None)
     canonical = canonical_tensors(weights)
     same = len(prepared.tensors) == len(canonical) and all(
         p.data_ptr() == c.data_ptr() for p, c in zip(prepared.tensors, canonical))

@@ -1,0 +1,86 @@
+"""Expert parallelism over ``torch.distributed``: each rank keeps ``E / world_size`` experts of
+every patched MoE layer and the partial outputs are summed with an all-reduce.
+
+    torchrun --nproc-per-node 2 my_script.py
+        dist.init_process_group("nccl")            # "gloo" on CPU
+        model = patch_deepseek(load(...))           # or load_modelopt_nvfp4(..., expert_shard=...)
+        shard_experts(model)
+
+Rank r holds global experts ``[r*E/N, (r+1)*E/N)``. The router still sees all ``E`` experts;
+each rank shifts the ids by its offset, so other ranks' experts fall outside ``[0, E/N)`` and
+contribute nothing in ``fp4moe::fused_moe`` (the op's sentinel rule). Attention, router, shared
+experts and dense layers stay replicated. The all-reduce is a functional collective, so
+``torch.compile(fullgraph=True)`` traces it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fp4moe_ops import NVFP4MoEWeights
+
+from .patch import find_experts_modules, install_nvfp4_experts
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which global experts this rank computes: ``[offset, offset + count)``."""
+
+    rank: int
+    world_size: int
+    offset: int
+    count: int
+    group: object = None
+
+
+def expert_shard(num_experts: int, rank: int, world_size: int, group=None) -> ExpertShard:
+    """The shard of ``num_experts`` for ``rank``; the same error on every rank if it does not split."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if num_experts % world_size:
+        raise ValueError(f"{num_experts} experts cannot be split evenly over world size {world_size}; "
+                         f"use a world size that divides {num_experts}")
+    count = num_experts // world_size
+    return ExpertShard(rank, world_size, rank * count, count, group)
+
+
+def shard_weights(weights: NVFP4MoEWeights, shard: ExpertShard) -> NVFP4MoEWeights:
+    """This rank's experts (copies, so the full stacks can be freed)."""
+    sl = slice(shard.offset, shard.offset + shard.count)
+    pick = lambda t: None if t is None else t[sl].clone()  # noqa: E731
+    return NVFP4MoEWeights(*(pick(t) for t in weights.tensors()), pick(weights.fc1_input_scale),
+                           pick(weights.fc2_input_scale))
+
+
+def shard_experts(model: nn.Module, group=None) -> nn.Module:
+    """Keep this rank's experts in every patched experts module and all-reduce their outputs.
+
+    Every module is checked before anything changes, and the check depends only on the model
+    (the same on every rank), so a bad world size fails everywhere alike instead of hanging.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    modules = [m for _, m in find_experts_modules(model) if "gate_up_proj_packed" in m._buffers]
+    if not modules:
+        raise ValueError("shard_experts needs a model patched by fp4moe (patch_deepseek / load_modelopt_nvfp4)")
+    if any(getattr(m, "fp4moe_shard", None) is not None for m in modules):
+        raise ValueError("model's experts are already sharded")
+    shards = [expert_shard(m.nvfp4_weights().num_experts, rank, world, group) for m in modules]
+    for m, shard in zip(modules, shards):
+        local = shard_weights(m.nvfp4_weights(), shard)
+        for name in list(m._buffers):
+            del m._buffers[name]
+        install_nvfp4_experts(m, local, m.fp4moe_backend)
+        m.fp4moe_shard = shard
+    return model
+
+
+def reduce_partial_outputs(out: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    """Sum the ranks' partial MoE outputs (in float32: one rounding, like a single process)."""
+    import torch.distributed._functional_collectives as funcol
+
+    total = funcol.all_reduce(out.float(), "sum", shard.group if shard.group is not None else dist.group.WORLD)
+    return funcol.wait_tensor(total).to(out.dtype)

@@ -1,0 +1,94 @@
+"""Expert parallelism on CPU: 2 (and 3) ranks with the gloo backend on a tiny DeepSeek-V3,
+against one process."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hf_integration import patch_deepseek
+from hf_integration.tiny_models import tiny_deepseek_v3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(rank, world, port, ids, out_dir, compile_too, checkpoint=None):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from hf_integration.expert_parallel import shard_experts
+        from hf_integration.modelopt import load_modelopt_nvfp4
+
+        try:
+            if checkpoint:  # each rank reads only its experts from the checkpoint
+                model = load_modelopt_nvfp4(checkpoint, expert_parallel=True, verbose=False)
+            else:
+                model = patch_deepseek(tiny_deepseek_v3(seed=0), verbose=False)  # same weights everywhere
+                shard_experts(model)
+        except ValueError as exc:
+            torch.save({"error": str(exc)}, f"{out_dir}/rank{rank}.pt")
+            return
+        experts = model.model.layers[1].mlp.experts
+        with torch.no_grad():
+            logits = model(ids).logits
+            tokens = model.generate(ids, max_new_tokens=5, do_sample=False)
+            compiled = torch.compile(model, fullgraph=True)(ids).logits if compile_too else None
+        torch.save({"logits": logits, "tokens": tokens, "compiled": compiled,
+                    "local_experts": experts.nvfp4_weights().num_experts}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world, tmp_path, compile_too=False, checkpoint=None):
+    ids = torch.randint(1, 256, (2, 7))
+    mp.spawn(worker, args=(world, free_port(), ids, str(tmp_path), compile_too, checkpoint), nprocs=world, join=True)
+    return ids, [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+def test_two_ranks_match_one_process(tmp_path):
+    ids, results = run(2, tmp_path, compile_too=True)
+    single = patch_deepseek(tiny_deepseek_v3(seed=0), verbose=False)
+    with torch.no_grad():
+        want = single(ids).logits.double()
+        want_tokens = single.generate(ids, max_new_tokens=5, do_sample=False)
+    for r in results:
+        assert r["local_experts"] == 4  # 8 experts over 2 ranks: each holds only its half
+        # partial sums are reduced in float32 then rounded once: bf16 rounding of the
+        # experts' output per rank is the only difference from one process
+        per_token = (r["logits"].double() - want).norm(dim=-1) / want.norm(dim=-1)
+        assert per_token.max() < 3e-2, per_token
+        assert torch.equal(r["tokens"], want_tokens)
+        per_token_c = (r["compiled"].double() - want).norm(dim=-1) / want.norm(dim=-1)
+        assert per_token_c.median() < 3e-2, per_token_c
+    assert torch.equal(results[0]["logits"], results[1]["logits"])  # ranks agree exactly
+
+
+def test_world_size_not_dividing_experts_fails_alike_on_every_rank(tmp_path):
+    _, results = run(3, tmp_path)
+    messages = {r["error"] for r in results}
+    assert len(messages) == 1 and "8 experts cannot be split evenly over world size 3" in messages.pop()
+
+
+def test_expert_parallel_loading_from_modelopt_checkpoint(tmp_path):
+    from hf_integration.modelopt import load_modelopt_nvfp4
+    from hf_integration.tiny_models import write_modelopt_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    write_modelopt_checkpoint(tiny_deepseek_v3(seed=1, num_hidden_layers=2), ckpt)
+    ids, results = run(2, tmp_path, checkpoint=str(ckpt))
+    single = load_modelopt_nvfp4(ckpt, verbose=False)
+    with torch.no_grad():
+        want = single(ids).logits.double()
+        want_tokens = single.generate(ids, max_new_tokens=5, do_sample=False)
+    for r in results:
+        assert r["local_experts"] == 4
+        per_token = (r["logits"].double() - want).norm(dim=-1) / want.norm(dim=-1)
+        assert per_token.max() < 3e-2, per_token
+        assert torch.equal(r["tokens"], want_tokens)
