@@ -26,17 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from hf_integration import patch_deepseek  # noqa: E402
-from hf_integration.tiny_models import tiny_deepseek_v3  # noqa: E402
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2} | {f"w{i}": i + 3 for i in range(253)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
+from hf_integration.tiny_models import tiny_deepseek_v3, tiny_tokenizer  # noqa: E402
 
 
 def write_task(folder: Path, n: int = 24) -> None:

@@ -65,6 +65,17 @@ def _randomize_experts(model) -> None:
                 gate.weight.normal_(0, 4 * gate.weight.shape[-1] ** -0.5)
 
 
+def tiny_tokenizer():
+    """A word-level tokenizer built in memory: "w0" .. "w252" plus [PAD], [UNK], [EOS]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2} | {f"w{i}": i + 3 for i in range(253)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
+
+
 QUANTIZED_MLP = re.compile(r"\.(mlp|shared_experts)\.(gate_proj|up_proj|down_proj)$")
 
 

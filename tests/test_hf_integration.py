@@ -9,7 +9,7 @@ import torch
 
 from fp4moe_ops import nvfp4
 from hf_integration import calibrate_activation_scales, patch_deepseek, patch_moe, set_backend
-from hf_integration.tiny_models import tiny_deepseek_v3, tiny_mixtral, tiny_qwen3_moe
+from hf_integration.tiny_models import tiny_deepseek_v3, tiny_mixtral, tiny_qwen3_moe, tiny_tokenizer
 from moe_reference64 import moe64
 
 
@@ -126,16 +126,6 @@ def test_generate_compiled_static_cache_matches_eager():
     compiled = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
                               compile_config=cfg)
     assert torch.equal(eager, compiled), (eager, compiled)
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"[PAD]": 0, "[UNK]": 1} | {f"w{i}": i + 2 for i in range(254)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
 
 
 def test_pipeline_text_generation_matches_generate():
