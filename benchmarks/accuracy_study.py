@@ -1,6 +1,6 @@
 """Accuracy of the MoE layer under each quantization path, against a float64 unquantized reference.
 
-    python benchmarks/accuracy_study.py          # CPU, ~1 minute
+    python benchmarks/accuracy_study.py          # CPU, ~10 s; on a GPU also the GPU kernels
 
 Synthetic but realistic layer: experts whose GEMM2-input ranges differ ~1000x (gate/up scaled
 per expert), hidden states with a few outlier channels (x20), top-4 routing. Activation scales
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fp4moe_ops  # noqa: E402
-from fp4moe_ops import nvfp4  # noqa: E402
+from fp4moe_ops import NVFP4MoEWeights, nvfp4  # noqa: E402
 from fp4moe_ops.backends.flashinfer_cutlass import nvfp4_quant_scales, nvfp4_weight_arguments  # noqa: E402
 from fp4moe_ops.backends.flashinfer_sim import simulate_cutlass_nvfp4_moe  # noqa: E402
 
@@ -96,6 +96,17 @@ def main() -> None:
                  err(moe_dense(x, ids, rw, w13q.bfloat16(), w2q.bfloat16(), torch.float32, True))))
     rows.append(("BF16 of the original weights (no quantization)",
                  err(moe_dense(x, ids, rw, gate_up.bfloat16(), down.bfloat16(), torch.float32, True))))
+
+    if torch.cuda.is_available():  # the same case through the GPU kernels, beside the CPU models
+        wc = NVFP4MoEWeights(*(t.cuda() for t in w.tensors()))
+        xc, idc, rwc = x.cuda(), ids.cuda(), rw.cuda()
+        for label, backend in [("GPU: fp4moe triton (W4A16 NVFP4)", "triton"),
+                               ("GPU: FlashInfer CUTLASS W4A16 MXFP4", "flashinfer_mxfp4"),
+                               ("GPU: FlashInfer CUTLASS BF16", "flashinfer_bf16")]:
+            try:
+                rows.append((label, err(fp4moe_ops.prepare_experts(wc, backend)(xc, idc, rwc).cpu())))
+            except Exception as exc:  # report and go on
+                rows.append((f"{label}: not run ({type(exc).__name__}: {str(exc)[:80]})", float("nan")))
 
     mx_err = nvfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w13, w.w13_scale, w.w13_global))
     print(f"E={E} H={H} I={I} top-{K}; GEMM2-input amax across experts: {amax2.min():.3g} .. {amax2.max():.3g} "
