@@ -146,3 +146,23 @@ def test_flashinfer_autotune_then_graph_capture(backend):
     torch.cuda.synchronize()
     # the fused finalize reduces with atomics: equal up to summation order
     torch.testing.assert_close(out, eager, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_device_map_over_two_gpus_launches_on_each_layers_device(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_integration import find_experts_modules, patch_deepseek
+    from hf_integration.tiny_models import tiny_deepseek_v3
+
+    tiny_deepseek_v3(seed=0, num_hidden_layers=4).save_pretrained(tmp_path)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
+                  "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1, "lm_head": 1}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device_map, dtype=torch.bfloat16)
+    patch_deepseek(model)  # auto -> triton on each layer's own GPU
+    devices = {m._buffers["gate_up_proj_packed"].device.index for _, m in find_experts_modules(model)}
+    assert devices == {0, 1}
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda()
+    patch_deepseek(ref)
+    ids = torch.randint(1, 256, (1, 8), device="cuda:0")
+    torch.testing.assert_close(model(ids).logits.to("cuda:0"), ref(ids).logits, rtol=0, atol=0)

@@ -199,3 +199,19 @@ def test_nvfp4_backend_without_calibration_says_how(monkeypatch):
         set_backend(model, "flashinfer_nvfp4")
     with pytest.raises(ValueError, match="calibrate_activation_scales"):
         patch_deepseek(tiny_deepseek_v3(), backend="flashinfer_nvfp4")
+
+
+def test_patch_model_loaded_with_device_map_auto(tmp_path):
+    """from_pretrained(device_map="auto") then patch. On a CPU-only machine everything lands on
+    "cpu" (no accelerate hooks); tests/test_gpu.py spreads a model over two GPUs."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_deepseek_v3(seed=3).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="auto", dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    patch_deepseek(model)
+    ids = torch.randint(1, 256, (1, 6))
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert 0 < rel(got, want) < 0.5  # NVFP4 experts, same model
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 9)
