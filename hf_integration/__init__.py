@@ -1,5 +1,7 @@
 """fp4moe's Hugging Face Transformers integration: ``patch_deepseek(model)`` and friends."""
 
+from .expert_parallel import shard_experts
+from .modelopt import CheckpointError, load_modelopt_nvfp4, save_modelopt_nvfp4
 from .patch import (
     calibrate_activation_scales,
     find_experts_modules,
@@ -10,6 +12,6 @@ from .patch import (
 )
 
 __all__ = [
-    "calibrate_activation_scales", "find_experts_modules", "fp4moe_experts_forward",
-    "patch_deepseek", "patch_moe", "set_backend",
+    "CheckpointError", "calibrate_activation_scales", "find_experts_modules", "fp4moe_experts_forward",
+    "load_modelopt_nvfp4", "patch_deepseek", "patch_moe", "save_modelopt_nvfp4", "set_backend", "shard_experts",
 ]
