@@ -128,3 +128,46 @@ def test_flashinfer_import_errors_are_clear(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed
     with pytest.raises(RuntimeError, match="FlashInfer is not usable here"):
         _import_flashinfer()
+
+
+def test_nvfp4_call_contract_with_a_recording_flashinfer(monkeypatch):
+    """The exact cutlass_fused_moe call of the Blackwell backend, recorded on CPU: argument
+    order, dtypes, quant_scales, ids cleaned of sentinels, workspace and the deterministic flag."""
+    import types
+
+    from fp4moe_ops.backends import BACKENDS, flashinfer_cutlass as fc
+
+    calls = []
+
+    def cutlass_fused_moe(*args, **kwargs):
+        calls.append((args, kwargs))
+        return [torch.zeros(args[0].shape, dtype=args[5])]
+
+    fake = types.SimpleNamespace(cutlass_fused_moe=cutlass_fused_moe,
+                                 cutlass_fused_moe_workspace_size=lambda *a, **k: 1024)
+    monkeypatch.setattr(fc, "_import_flashinfer", lambda: fake)
+    backend = BACKENDS["flashinfer_nvfp4"]
+    monkeypatch.setattr(backend, "_workspaces", {})
+    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    w = calibrated_layer()
+    args = backend.prepare(w)
+    x = torch.randn(3, 128).bfloat16()
+    ids = torch.tensor([[0, 5], [7, -1], [8, 2]])
+    rw = torch.rand(3, 2)
+    fc.set_deterministic(True)
+    try:
+        backend.run(x, ids, rw, args, w.fc1_input_scale, w.fc2_input_scale)
+    finally:
+        fc.set_deterministic(None)
+    (pos, kw), = calls
+    assert pos[0] is not None and pos[0].dtype == torch.bfloat16
+    assert pos[1].dtype == torch.int32 and pos[1].tolist() == [[0, 5], [7, 0], [0, 2]]  # sentinels -> expert 0
+    assert pos[2][1, 1] == 0 and pos[2][2, 0] == 0  # ... with weight 0
+    assert pos[3] is args[0] and pos[4] is args[3] and pos[3].dtype == torch.int64
+    qs = kw["quant_scales"]
+    assert qs[1] is args[1] and qs[4] is args[4]  # swizzled block scales, int32
+    torch.testing.assert_close(qs[0], 1 / w.fc1_input_scale)
+    torch.testing.assert_close(qs[2], w.w13_global * w.fc1_input_scale)
+    torch.testing.assert_close(qs[5], w.w2_global * w.fc2_input_scale)
+    assert kw["use_fused_finalize"] is False and kw["workspace_buffer"].numel() == 1024

@@ -274,6 +274,15 @@ for _backend in BACKENDS_BY_NAME.values():
     register_backend(_backend)
 
 
+def set_deterministic(deterministic: bool | None = True) -> None:
+    """Bitwise-reproducible FlashInfer results: True turns FlashInfer's fused (atomic) top-k
+    finalize off (``use_fused_finalize=False``) for every FlashInfer backend; None restores
+    FlashInfer's default (fused, unless ``torch.use_deterministic_algorithms(True)``)."""
+    _FlashInferBackend.use_fused_finalize = None if deterministic is None else not deterministic
+    for backend in BACKENDS_BY_NAME.values():
+        backend._workspaces.clear()  # the workspace size depends on the finalize mode
+
+
 def autotune(prepared, hidden_size: int, top_k: int, max_num_tokens: int = DEFAULT_MAX_TOKENS,
              dtype: torch.dtype = torch.bfloat16) -> None:
     """Profile FlashInfer's CUTLASS tactics for ``prepared`` (a FlashInfer backend's
@@ -282,8 +291,8 @@ def autotune(prepared, hidden_size: int, top_k: int, max_num_tokens: int = DEFAU
     Call it once after loading and before any CUDA-graph capture (``generate()`` with
     ``mode="reduce-overhead"`` captures): FlashInfer refuses to profile inside a capture, and the
     op itself never profiles. It also sizes the shared workspace for ``max_num_tokens``.
-    Deterministic results: ``torch.use_deterministic_algorithms(True)`` makes FlashInfer skip its
-    fused (atomic) finalize, both when tuning and when running.
+    Deterministic results: call :func:`set_deterministic` first (or turn on
+    ``torch.use_deterministic_algorithms(True)``), so tuning and running use the same finalize.
     """
     backend = BACKENDS_BY_NAME.get(prepared.backend)
     if backend is None:
