@@ -36,7 +36,7 @@ from torch import nn
 
 from fp4moe_ops import NVFP4MoEWeights, nvfp4
 
-from .patch import find_experts_modules, install_nvfp4_experts, use_fp4moe
+from .patch import NVFP4GatedMLP, find_experts_modules, install_nvfp4_experts, use_fp4moe
 
 logger = logging.getLogger("fp4moe")
 
@@ -178,8 +178,9 @@ def _load_experts(ckpt: _Checkpoint, prefix: str, experts: range, hidden: int, i
     s13 = torch.empty(num_experts, 2 * inter, hidden // 16, dtype=torch.float8_e4m3fn, device=device)
     w2 = torch.empty(num_experts, hidden, inter // 2, dtype=torch.uint8, device=device)
     s2 = torch.empty(num_experts, hidden, inter // 16, dtype=torch.float8_e4m3fn, device=device)
-    g13, g2, in1, in2 = (torch.empty(num_experts, dtype=torch.float32, device=device) for _ in range(4))
+    g13, g2 = (torch.empty(num_experts, dtype=torch.float32, device=device) for _ in range(2))
     reconciled = 0
+    input_scales: dict[str, torch.Tensor | None] = {}
     for e, g_e in enumerate(experts):
         gate = _load_nvfp4_linear(ckpt, f"{prefix}.{g_e}.gate_proj", inter, hidden)
         up = _load_nvfp4_linear(ckpt, f"{prefix}.{g_e}.up_proj", inter, hidden)
@@ -195,12 +196,16 @@ def _load_experts(ckpt: _Checkpoint, prefix: str, experts: range, hidden: int, i
             s13[e, :inter], s13[e, inter:] = gate[1], up[1]
         g13[e] = g
         w2[e], s2[e], g2[e] = down[0], down[1], down[2]
-        missing_input = [n for n, t in (("gate_proj", gate[3]), ("up_proj", up[3]), ("down_proj", down[3])) if t is None]
-        if missing_input:
-            raise CheckpointError(f"checkpoint tensor {prefix}.{g_e}.{missing_input[0]}.input_scale is missing")
-        in1[e] = torch.maximum(gate[3], up[3])
-        in2[e] = down[3]
-    return NVFP4MoEWeights(w13, s13, g13, w2, s2, g2, in1, in2), reconciled
+        for proj, t in (("gate_proj", gate[3]), ("up_proj", up[3]), ("down_proj", down[3])):
+            input_scales[f"{prefix}.{g_e}.{proj}.input_scale"] = t
+    missing = [k for k, t in input_scales.items() if t is None]
+    if missing and len(missing) < len(input_scales):
+        # calibrated activation scales come for every expert or for none (a W4A16-only save)
+        raise CheckpointError(f"checkpoint tensor {missing[0]!r} is missing")
+    if missing:
+        return NVFP4MoEWeights(w13, s13, g13, w2, s2, g2), reconciled
+    scales = torch.stack(list(input_scales.values())).view(num_experts, 3).to(device)
+    return NVFP4MoEWeights(w13, s13, g13, w2, s2, g2, scales[:, :2].amax(1), scales[:, 2].contiguous()), reconciled
 
 
 @torch.no_grad()
@@ -339,24 +344,31 @@ def save_modelopt_nvfp4(model: nn.Module, path: str | Path, quant_config: ModelO
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
     experts = {name: m for name, m in find_experts_modules(model) if "gate_up_proj_packed" in m._buffers}
+    dense = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4GatedMLP)}
+
+    def put(prefix: str, w: NVFP4MoEWeights, e: int) -> None:
+        inter = w.intermediate_size
+        for proj, rows in {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}.items():
+            tensors[f"{prefix}.{proj}.weight"] = w.w13[e, rows]
+            tensors[f"{prefix}.{proj}.weight_scale"] = w.w13_scale[e, rows]
+            tensors[f"{prefix}.{proj}.weight_scale_2"] = w.w13_global[e]
+            if w.fc1_input_scale is not None:
+                tensors[f"{prefix}.{proj}.input_scale"] = w.fc1_input_scale[e]
+        tensors[f"{prefix}.down_proj.weight"] = w.w2[e]
+        tensors[f"{prefix}.down_proj.weight_scale"] = w.w2_scale[e]
+        tensors[f"{prefix}.down_proj.weight_scale_2"] = w.w2_global[e]
+        if w.fc2_input_scale is not None:
+            tensors[f"{prefix}.down_proj.input_scale"] = w.fc2_input_scale[e]
+
     for name, m in experts.items():
         w = m.nvfp4_weights()
-        inter = w.intermediate_size
         for e in range(w.num_experts):
-            rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}
-            for proj, r in rows.items():
-                tensors[f"{name}.{e}.{proj}.weight"] = w.w13[e, r]
-                tensors[f"{name}.{e}.{proj}.weight_scale"] = w.w13_scale[e, r]
-                tensors[f"{name}.{e}.{proj}.weight_scale_2"] = w.w13_global[e]
-                if w.fc1_input_scale is not None:
-                    tensors[f"{name}.{e}.{proj}.input_scale"] = w.fc1_input_scale[e]
-            tensors[f"{name}.{e}.down_proj.weight"] = w.w2[e]
-            tensors[f"{name}.{e}.down_proj.weight_scale"] = w.w2_scale[e]
-            tensors[f"{name}.{e}.down_proj.weight_scale_2"] = w.w2_global[e]
-            if w.fc2_input_scale is not None:
-                tensors[f"{name}.{e}.down_proj.input_scale"] = w.fc2_input_scale[e]
+            put(f"{name}.{e}", w, e)
+    for name, m in dense.items():  # NVFP4 dense MLPs (patch_moe(quantize_dense_mlps=True))
+        put(name, m.nvfp4_weights(), 0)
+    nvfp4_modules = list(experts) + list(dense)
     for key, t in model.state_dict().items():
-        if not any(key.startswith(f"{name}.") for name in experts):
+        if not any(key.startswith(f"{name}.") for name in nvfp4_modules):
             tensors[key] = t
     if getattr(model.config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)

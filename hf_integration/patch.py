@@ -113,6 +113,42 @@ def _set_backend(module: nn.Module, backend: str, act_scale_mode: str | None) ->
     module._fp4moe_act_mode = (act_scale_mode or "per_expert") if prepared.fc1_act_scale is not None else None
 
 
+class NVFP4GatedMLP(nn.Module):
+    """A dense gated MLP ``down(silu(gate(x)) * up(x))`` (DeepSeek's dense layers and shared
+    experts) in NVFP4, computed by the same op as a one-expert MoE with every token routed to
+    it with weight 1. Buffers as in a patched experts module, with E = 1."""
+
+    def __init__(self, weights: NVFP4MoEWeights, backend: str):
+        super().__init__()
+        install_nvfp4_experts(self, weights, backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        ids = torch.zeros(flat.shape[0], 1, dtype=torch.int32, device=x.device)
+        ones = torch.ones(flat.shape[0], 1, dtype=torch.float32, device=x.device)
+        out = torch.ops.fp4moe.fused_moe(flat, ids, ones, self.fp4moe_tensors(), None, None, self.fp4moe_backend)
+        return out.reshape(x.shape)
+
+
+def _dense_gated_mlps(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, module) of bias-free SiLU gated MLPs outside the routed experts."""
+    found = []
+    for parent in model.modules():
+        for attr, m in parent.named_children():
+            lin = [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+            if all(isinstance(x, nn.Linear) and x.bias is None for x in lin) and isinstance(
+                    getattr(m, "act_fn", None), nn.Module) and type(m.act_fn).__name__ in ("SiLUActivation", "SiLU"):
+                found.append((parent, attr, m))
+    return found
+
+
+def _quantize_dense_mlp(m: nn.Module, backend: str) -> NVFP4GatedMLP:
+    with torch.no_grad():
+        gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])[None]
+        w = fp4moe_ops.quantize_moe_weights(gate_up, m.down_proj.weight[None])
+    return NVFP4GatedMLP(w, backend)
+
+
 # --- patching -----------------------------------------------------------------------------
 
 
@@ -146,7 +182,7 @@ def _check_experts(name: str, m: nn.Module) -> None:
 
 
 def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | None = None,
-              verbose: bool = True) -> nn.Module:
+              quantize_dense_mlps: bool = False, verbose: bool = True) -> nn.Module:
     """Quantize every routed-experts module of ``model`` to NVFP4 and run it through the op.
 
     Args:
@@ -156,6 +192,9 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         act_scale_mode: None (16-bit activations); ``"per_expert"`` / ``"global_max"`` need
             calibrated scales, so they apply through :func:`set_backend` after
             :func:`calibrate_activation_scales`.
+        quantize_dense_mlps: also run dense gated MLPs (shared experts, DeepSeek's first dense
+            layers) in NVFP4 through the op, as one-expert MoEs. Off by default: the checkpoint's
+            own format for them is kept.
         verbose: log one progress line per layer.
 
     Quantizes expert by expert on the experts' own device and frees each layer's BF16 weights
@@ -169,6 +208,11 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         _check_experts(name, m)
     for name, m in modules:  # every layer's device can run the backend (uncalibrated: W4A16 only)
         resolve_backend(backend, m.gate_up_proj.device)
+    dense = _dense_gated_mlps(model) if quantize_dense_mlps else []
+    for _, attr, m in dense:
+        h, i = m.gate_proj.in_features, m.gate_proj.out_features
+        if h % nvfp4.BLOCK_SIZE or i % nvfp4.BLOCK_SIZE:
+            raise ValueError(f"cannot quantize dense MLP {attr}: sizes {h}, {i} must be multiples of {nvfp4.BLOCK_SIZE}")
     if act_scale_mode is not None:
         raise ValueError(f"act_scale_mode={act_scale_mode!r} needs calibrated activation scales: patch first, "
                          "then calibrate_activation_scales(model, batches), then set_backend(model, backend, mode)")
@@ -180,6 +224,8 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         install_nvfp4_experts(m, w, backend)
         if verbose:
             logger.info("fp4moe: %s -> NVFP4 (%d/%d, backend %s)", name, i + 1, len(modules), m.fp4moe_backend)
+    for parent, attr, m in dense:
+        setattr(parent, attr, _quantize_dense_mlp(m, backend))
     use_fp4moe(model)
     return model
 
@@ -205,7 +251,7 @@ def use_fp4moe(model: nn.Module) -> None:
 
 
 def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | None = None,
-                   verbose: bool = True) -> nn.Module:
+                   quantize_dense_mlps: bool = False, verbose: bool = True) -> nn.Module:
     """:func:`patch_moe` for DeepSeek-V3/R1 and kin (Kimi-K2, DeepSeek-V2, GLM4-MoE).
 
     ``model = patch_deepseek(AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16))``
@@ -215,7 +261,8 @@ def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: s
         raise ValueError(
             f"patch_deepseek supports model types {DEEPSEEK_FAMILY}, got {model_type!r}; "
             "use hf_integration.patch_moe for other MoE models with Transformers experts modules")
-    return patch_moe(model, backend=backend, act_scale_mode=act_scale_mode, verbose=verbose)
+    return patch_moe(model, backend=backend, act_scale_mode=act_scale_mode,
+                     quantize_dense_mlps=quantize_dense_mlps, verbose=verbose)
 
 
 def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = None) -> nn.Module:

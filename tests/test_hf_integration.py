@@ -215,3 +215,23 @@ def test_patch_model_loaded_with_device_map_auto(tmp_path):
         got, want = model(ids).logits, reference(ids).logits
     assert 0 < rel(got, want) < 0.5  # NVFP4 experts, same model
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 9)
+
+
+def test_quantize_dense_mlps_option():
+    model = tiny_deepseek_v3()
+    original = copy.deepcopy(model)
+    patch_deepseek(model, quantize_dense_mlps=True)
+    dense, shared = model.model.layers[0].mlp, model.model.layers[1].mlp.shared_experts
+    assert type(dense).__name__ == type(shared).__name__ == "NVFP4GatedMLP"
+    assert "weights=NVFP4" in repr(dense)
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    w = dense.nvfp4_weights()
+    with torch.no_grad():
+        got = dense(x)
+        bf16 = original.model.layers[0].mlp(x)
+    ids, ones = torch.zeros(10, 1, dtype=torch.long), torch.ones(10, 1)
+    want = moe64(x.reshape(10, 64), ids, ones, *w.tensors()).reshape(2, 5, 64)
+    assert rel(got, want) < 4e-3  # a one-expert MoE on the layer's NVFP4 weights
+    assert 0.02 < rel(got, bf16) < 0.3  # NVFP4 weight error
+    explanation = torch._dynamo.explain(model)(torch.randint(1, 256, (1, 6)))
+    assert explanation.graph_break_count == 0

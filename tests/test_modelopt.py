@@ -160,6 +160,7 @@ E0 = "model.layers.1.mlp.experts.3.up_proj"
     ("dtype", f"{E0}.weight_scale': expected dtype torch.float8_e4m3fn, found torch.float32"),
     ("unexpected", "unexpected checkpoint tensors.*model.layers.1.mlp.experts.8.up_proj.weight"),
     ("missing_dense", "model.layers.0.self_attn.o_proj.weight' is missing"),
+    ("missing_input", f"{E0}.input_scale' is missing"),
 ])
 def test_corrupted_checkpoints_fail_with_the_tensor_named(checkpoint, case, match):
     path, _, tensors = checkpoint
@@ -173,5 +174,25 @@ def test_corrupted_checkpoints_fail_with_the_tensor_named(checkpoint, case, matc
         corrupt(path, None, add=("model.layers.1.mlp.experts.8.up_proj.weight", torch.zeros(32, 32, dtype=torch.uint8)))
     elif case == "missing_dense":
         corrupt(path, "model.layers.0.self_attn.o_proj.weight", drop=True)
+    elif case == "missing_input":
+        corrupt(path, f"{E0}.input_scale", drop=True)
     with pytest.raises(CheckpointError, match=match):
         load_modelopt_nvfp4(path)
+
+
+def test_save_patched_model_with_nvfp4_dense_mlps_and_reload(tmp_path):
+    from hf_integration import patch_deepseek
+
+    model = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2), quantize_dense_mlps=True)
+    save_modelopt_nvfp4(model, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        packed = f.get_tensor("model.layers.0.mlp.down_proj.weight")
+    assert "model.layers.0.mlp.gate_proj.weight_scale" in keys  # ModelOpt names for the dense MLP
+    assert torch.equal(packed, model.model.layers[0].mlp.nvfp4_weights().w2[0])
+    again = load_modelopt_nvfp4(tmp_path)  # dense NVFP4 MLPs come back dequantized (BF16)
+    ids = torch.randint(1, 256, (1, 6))
+    with torch.no_grad():
+        per_token = (again(ids).logits.double() - model(ids).logits.double()).norm(dim=-1)
+        per_token /= model(ids).logits.double().norm(dim=-1)
+    assert per_token.median() < 3e-2, per_token  # same weights; bf16 vs fp32 dense math
