@@ -24,6 +24,31 @@ def tiny_deepseek_v3(dtype=torch.bfloat16, seed: int | None = None, **overrides)
     return model.eval()
 
 
+def tiny_deepseek_v2(dtype=torch.bfloat16):
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+    cfg = DeepseekV2Config(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                           n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                           kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                           max_position_embeddings=256, n_group=2, topk_group=1, topk_method="greedy", pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    _randomize_experts(model)
+    return model.eval()
+
+
+def tiny_glm4_moe(dtype=torch.bfloat16):
+    from transformers import AutoModelForCausalLM, Glm4MoeConfig
+
+    cfg = Glm4MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        max_position_embeddings=256, n_group=1, topk_group=1, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    _randomize_experts(model)
+    return model.eval()
+
+
 def tiny_qwen3_moe(dtype=torch.bfloat16):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 

@@ -9,7 +9,14 @@ import torch
 
 from fp4moe_ops import nvfp4
 from hf_integration import calibrate_activation_scales, patch_deepseek, patch_moe, set_backend
-from hf_integration.tiny_models import tiny_deepseek_v3, tiny_mixtral, tiny_qwen3_moe, tiny_tokenizer
+from hf_integration.tiny_models import (
+    tiny_deepseek_v2,
+    tiny_deepseek_v3,
+    tiny_glm4_moe,
+    tiny_mixtral,
+    tiny_qwen3_moe,
+    tiny_tokenizer,
+)
 from moe_reference64 import moe64
 
 
@@ -37,13 +44,16 @@ def dequantized_copy(patched, original):
     return ref
 
 
-@pytest.mark.parametrize("make", [tiny_deepseek_v3, tiny_qwen3_moe, tiny_mixtral])
+DEEPSEEK_FAMILY = (tiny_deepseek_v3, tiny_deepseek_v2, tiny_glm4_moe)
+
+
+@pytest.mark.parametrize("make", [*DEEPSEEK_FAMILY, tiny_qwen3_moe, tiny_mixtral])
 def test_patched_layer_matches_float64_on_its_nvfp4_weights(make):
     model = make()
     original = copy.deepcopy(model)
     experts = [m for _, m in __import__("hf_integration").find_experts_modules(model)][0]
     cap, _ = capture_experts_call(model, experts)
-    (patch_deepseek if make is tiny_deepseek_v3 else patch_moe)(model)
+    (patch_deepseek if make in DEEPSEEK_FAMILY else patch_moe)(model)
     ids = torch.randint(1, 256, (2, 9))
     with torch.no_grad():
         model(ids)
