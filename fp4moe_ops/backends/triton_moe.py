@@ -15,12 +15,16 @@ Pipeline of one call (no host syncs, CUDA-graph capturable):
    (deterministic: no atomics).
 
 Only experts that some token picked are read, each weight byte once per (M block, N tile).
+Routing for decode-sized batches is one single-program kernel (sort + histogram); prefill-sized
+batches use a few torch ops.
 
-Weight decode trick (exact): an E2M1 code ``c`` placed into fp16 bits as
-``(c & 7) << 9 | (c & 8) << 12`` is ``value * 2^-14`` (normal and subnormal cases alike), and an
-E4M3 byte ``b`` as ``(b & 0x7F) << 7`` is ``scale * 2^-8``. Their product (at most 6 significant
-bits, >= 2^-32) is exact in bf16; the missing ``2^22`` is folded into the per-expert global scale
-applied to the fp32 accumulator.
+Weight decode (exact): every dequantized weight is ``e2m1 * e4m3 * 2^-22`` in bf16 (at most 6
+significant bits, >= 2^-32, so exact); the ``2^22`` is folded into the per-expert global scale
+applied to the fp32 accumulator. On the GPU an inline-PTX routine turns 8 packed codes into 8
+bf16 with bit masks and one ``mul.bf16x2`` by the block scale (``_E2M1X8_TO_BF16``); the portable
+path (fp16 and Triton's CPU interpreter) builds the same values from fp16 bit patterns: code
+``c`` as ``(c & 7) << 9 | (c & 8) << 12`` is ``value * 2^-14`` and E4M3 byte ``b`` as
+``(b & 0x7F) << 7`` is ``scale * 2^-8``.
 """
 
 from __future__ import annotations
