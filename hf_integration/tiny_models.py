@@ -7,68 +7,51 @@ import re
 import torch
 
 
-def tiny_deepseek_v3(dtype=torch.bfloat16, seed: int | None = None, **overrides):
-    """A 2-layer DeepSeek-V3 (one dense layer, one MoE layer with 8 experts, top-2)."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+# Shared by the tiny DeepSeek-family configs: 2 layers (the first dense), 8 experts, top-2.
+_DEEPSEEK_LIKE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                      n_shared_experts=1, max_position_embeddings=256, pad_token_id=0)
+_MLA = dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8)
 
-    cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-               num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
-               n_group=2, topk_group=1, n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4,
-               q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-               max_position_embeddings=256, routed_scaling_factor=2.5, pad_token_id=0)
-    cfg.update(overrides)
-    if seed is not None:
-        torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(DeepseekV3Config(**cfg), dtype=dtype)
+
+def _tiny(config_class: str, dtype, **cfg):
+    """A randomly initialized model of ``transformers.<config_class>(**cfg)`` in ``dtype``."""
+    import transformers
+
+    config = getattr(transformers, config_class)(**cfg)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     _randomize_experts(model)
     return model.eval()
+
+
+def tiny_deepseek_v3(dtype=torch.bfloat16, seed: int | None = None, **overrides):
+    """A 3-layer DeepSeek-V3 (one dense layer, two MoE layers with 8 experts, top-2)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    cfg = _DEEPSEEK_LIKE | _MLA | dict(num_hidden_layers=3, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+    return _tiny("DeepseekV3Config", dtype, **(cfg | overrides))
 
 
 def tiny_deepseek_v2(dtype=torch.bfloat16):
-    from transformers import AutoModelForCausalLM, DeepseekV2Config
-
-    cfg = DeepseekV2Config(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                           num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
-                           n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
-                           kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                           max_position_embeddings=256, n_group=2, topk_group=1, topk_method="greedy", pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    _randomize_experts(model)
-    return model.eval()
+    return _tiny("DeepseekV2Config", dtype, **_DEEPSEEK_LIKE, **_MLA, n_group=2, topk_group=1, topk_method="greedy")
 
 
 def tiny_glm4_moe(dtype=torch.bfloat16):
-    from transformers import AutoModelForCausalLM, Glm4MoeConfig
-
-    cfg = Glm4MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                        num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
-                        n_shared_experts=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        max_position_embeddings=256, n_group=1, topk_group=1, pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    _randomize_experts(model)
-    return model.eval()
+    return _tiny("Glm4MoeConfig", dtype, **_DEEPSEEK_LIKE, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, n_group=1, topk_group=1)
 
 
 def tiny_qwen3_moe(dtype=torch.bfloat16):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                         num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    _randomize_experts(model)
-    return model.eval()
+    return _tiny("Qwen3MoeConfig", dtype, vocab_size=256, hidden_size=64, intermediate_size=128,
+                 moe_intermediate_size=32, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0)
 
 
 def tiny_mixtral(dtype=torch.bfloat16):
-    from transformers import AutoModelForCausalLM, MixtralConfig
-
-    cfg = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                        num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
-                        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    _randomize_experts(model)
-    return model.eval()
+    return _tiny("MixtralConfig", dtype, vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                 num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=256, pad_token_id=0)
 
 
 @torch.no_grad()
