@@ -182,8 +182,6 @@ def test_errors_leave_model_untouched():
 def test_calibration_enables_nvfp4_activations():
     model = patch_deepseek(tiny_deepseek_v3())
     ids = torch.randint(1, 256, (2, 9))
-    with torch.no_grad():
-        w4a16 = model(ids).logits
     calibrate_activation_scales(model, [torch.randint(1, 256, (2, 16)) for _ in range(3)] + [ids])
     experts = [m for _, m in __import__("hf_integration").find_experts_modules(model)]
     for m in experts:
@@ -193,15 +191,17 @@ def test_calibration_enables_nvfp4_activations():
         set_backend(model, "flashinfer_nvfp4")
     set_backend(model, "reference", act_scale_mode="per_expert")
     assert experts[0].fp4moe_act_scales()[0] is not None
-    with torch.no_grad():
-        w4a4 = model(ids).logits
-    # activations now go through NVFP4 too: a different, still close answer
-    assert 0 < rel(w4a4, w4a16) < 0.5
-    # the calibrated scales cover the calibration data: no GEMM1 input exceeds 6*448*scale
     cap, _ = capture_experts_call(model, experts[0])
     with torch.no_grad():
         model(ids)
-    x = cap["args"][0].float()
+    x, top_k, weights = cap["args"]
+    w4a16_layer = torch.ops.fp4moe.fused_moe(x, top_k, weights.float(), experts[0].fp4moe_tensors(), None, None,
+                                             "reference")
+    # the layer's activations now go through NVFP4 too: NVFP4 noise on both GEMM inputs
+    # (~10% each on Gaussian-like data), so a different but close answer
+    assert 0.01 < rel(cap["out"], w4a16_layer) < 0.35
+    # the calibrated scales cover the calibration data: no GEMM1 input exceeds 6*448*scale
+    x = x.float()
     assert x.abs().max() <= experts[0].fc1_input_scale.max() * nvfp4.E2M1_MAX * nvfp4.E4M3_MAX * (1 + 1e-6)
 
 
@@ -225,11 +225,14 @@ def test_patch_model_loaded_with_device_map_auto(tmp_path):
     tiny_deepseek_v3(seed=3).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="auto", dtype=torch.bfloat16)
     reference = copy.deepcopy(model)
+    experts = __import__("hf_integration").find_experts_modules(model)[0][1]
+    cap, _ = capture_experts_call(model, experts)
     patch_deepseek(model)
     ids = torch.randint(1, 256, (1, 6))
     with torch.no_grad():
-        got, want = model(ids).logits, reference(ids).logits
-    assert 0 < rel(got, want) < 0.5  # NVFP4 experts, same model
+        model(ids)
+        want = __import__("hf_integration").find_experts_modules(reference)[0][1](*cap["args"])
+    assert 0.03 < rel(cap["out"], want) < 0.3  # NVFP4 experts of the same model (see above)
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 9)
 
 
