@@ -116,15 +116,13 @@ class PreparedExperts:
             self.fc1_act_scale, self.fc2_act_scale, self.backend,
         )
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
 
 ACT_SCALE_MODES = ("per_expert", "global_max")
 
 
-def activation_scales(weights: NVFP4MoEWeights, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's activation scales from calibrated per-expert input scales.
+def activation_scales(fc1_input_scale: torch.Tensor | None, fc2_input_scale: torch.Tensor | None,
+                      mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's activation scales from calibrated per-expert input scales ``[E]``.
 
     ``per_expert``: each expert quantizes its inputs with its own scale (the seed change).
     ``global_max``: one scale, the max over experts (vLLM / SGLang / TRT-LLM today); never
@@ -132,11 +130,11 @@ def activation_scales(weights: NVFP4MoEWeights, mode: str) -> tuple[torch.Tensor
     """
     if mode not in ACT_SCALE_MODES:
         raise ValueError(f"act_scale_mode must be one of {ACT_SCALE_MODES}, got {mode!r}")
-    if weights.fc1_input_scale is None or weights.fc2_input_scale is None:
+    if fc1_input_scale is None or fc2_input_scale is None:
         raise ValueError("activation scales need calibrated fc1_input_scale and fc2_input_scale")
     if mode == "per_expert":
-        return weights.fc1_input_scale, weights.fc2_input_scale
-    return weights.fc1_input_scale.max().reshape(()), weights.fc2_input_scale.max().reshape(())
+        return fc1_input_scale, fc2_input_scale
+    return fc1_input_scale.max().reshape(()), fc2_input_scale.max().reshape(())
 
 
 def prepare_experts(
@@ -167,5 +165,5 @@ def prepare_experts(
         raise ValueError(
             f"act_scale_mode={mode!r} needs calibrated activation scales (fc1_input_scale / "
             "fc2_input_scale): run hf_integration.calibrate_activation_scales first")
-    fc1, fc2 = activation_scales(weights, mode)
+    fc1, fc2 = activation_scales(weights.fc1_input_scale, weights.fc2_input_scale, mode)
     return PreparedExperts(b.name, b.prepare(weights), fc1, fc2)

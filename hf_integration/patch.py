@@ -30,7 +30,7 @@ from torch import nn
 import fp4moe_ops
 from fp4moe_ops import NVFP4MoEWeights, nvfp4
 from fp4moe_ops.backends import resolve_backend
-from fp4moe_ops.backends.reference import canonical_tensors
+from fp4moe_ops.backends.base import canonical_layout
 
 logger = logging.getLogger("fp4moe")
 
@@ -81,12 +81,13 @@ class _NVFP4ExpertsMixin:
     def fp4moe_tensors(self) -> list[torch.Tensor]:
         if self._fp4moe_prepared_count:
             return [self._buffers[f"fp4moe_prepared_{i}"] for i in range(self._fp4moe_prepared_count)]
-        return canonical_tensors(self.nvfp4_weights())
+        return canonical_layout([self._buffers[n] for n in _CANONICAL])  # no checks: every forward
 
     def fp4moe_act_scales(self):
         if self._fp4moe_act_mode is None:
             return None, None
-        return fp4moe_ops.activation_scales(self.nvfp4_weights(), self._fp4moe_act_mode)
+        b = self._buffers
+        return fp4moe_ops.activation_scales(b.get("fc1_input_scale"), b.get("fc2_input_scale"), self._fp4moe_act_mode)
 
     def fp4moe_extra_repr(self) -> str:
         e, two_i, h_half = self._buffers["gate_up_proj_packed"].shape
@@ -102,7 +103,7 @@ def _set_backend(module: nn.Module, backend: str, act_scale_mode: str | None) ->
     prepared = fp4moe_ops.prepare_experts(weights, b.name, act_scale_mode)
     for i in range(getattr(module, "_fp4moe_prepared_count", 0)):
         module._buffers.pop(f"fp4moe_prepared_{i}", None)
-    canonical = canonical_tensors(weights)
+    canonical = canonical_layout(weights.tensors())
     same = len(prepared.tensors) == len(canonical) and all(
         p.data_ptr() == c.data_ptr() for p, c in zip(prepared.tensors, canonical))
     module._fp4moe_prepared_count = 0 if same else len(prepared.tensors)

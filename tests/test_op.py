@@ -50,7 +50,7 @@ def test_reference_nvfp4_activations_per_expert_and_global():
     # the activation quantizer's definition is tested in test_nvfp4_format
     quant = lambda v, s: nvfp4.quantize_activation_nvfp4(v, 1.0 / s) * s
     for mode in fp4moe_ops.ACT_SCALE_MODES:
-        fc1, fc2 = fp4moe_ops.activation_scales(w, mode)
+        fc1, fc2 = fp4moe_ops.activation_scales(w.fc1_input_scale, w.fc2_input_scale, mode)
         out = torch.ops.fp4moe.fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "reference").tensors,
                                          fc1, fc2, "reference")
         ref = moe64(x, ids, rw, *w.tensors(), fc1_scale=fc1, fc2_scale=fc2, quant=quant)

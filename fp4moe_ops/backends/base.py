@@ -11,23 +11,58 @@ from __future__ import annotations
 import torch
 
 from ..moe_weights import NVFP4MoEWeights
+from ..nvfp4 import BLOCK_SIZE
+
+
+def canonical_layout(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The op's canonical expert tensors from ``NVFP4MoEWeights.tensors()`` order: contiguous,
+    block scales as their raw E4M3 bytes (uint8). No checks (cheap enough for every forward)."""
+    return [t.contiguous().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.contiguous() for t in tensors]
+
+
+def check_canonical_tensors(expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
+    """Check the canonical tensors ``[w13, w13_scale, w13_global, w2, w2_scale, w2_global]``; return E.
+
+    Block scales travel through the op as their raw E4M3 bytes (uint8): torch has no CPU
+    arithmetic for float8, which ``torch.library.opcheck``'s schema check needs.
+    """
+    if len(expert_tensors) != 6:
+        raise ValueError(f"expected 6 expert tensors [w13, w13_scale, w13_global, w2, w2_scale, w2_global], "
+                         f"got {len(expert_tensors)}")
+    w13, s13, g13, w2, s2, g2 = expert_tensors
+    e, two_i, h_half = w13.shape
+    i = two_i // 2
+    expected = {
+        "w13": (w13, (e, two_i, hidden_size // 2), torch.uint8),
+        "w13_scale": (s13, (e, two_i, hidden_size // BLOCK_SIZE), torch.uint8),
+        "w13_global": (g13, (e,), torch.float32),
+        "w2": (w2, (e, hidden_size, i // 2), torch.uint8),
+        "w2_scale": (s2, (e, hidden_size, i // BLOCK_SIZE), torch.uint8),
+        "w2_global": (g2, (e,), torch.float32),
+    }
+    for name, (t, shape, dtype) in expected.items():
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(
+                f"{name}: expected {dtype} {list(shape)} for hidden size {hidden_size}, "
+                f"got {t.dtype} {list(t.shape)}"
+            )
+    return e
 
 
 class Backend:
-    """Base class. Subclasses set the class attributes and implement the three methods.
+    """Base class. Subclasses set the class attributes, implement ``unavailable_reason`` and
+    ``run``, and override ``prepare``/``check_expert_tensors`` if they need a layout other than
+    the canonical one (:func:`canonical_layout`).
 
     Attributes:
         name: the string users pass as ``backend=``.
         activation_scales: ``"required"`` (NVFP4 x NVFP4: activations are quantized with the
             calibrated scales), ``"forbidden"`` (the backend keeps activations in 16 bits and
             passing scales would silently be ignored), or ``"optional"`` (reference).
-        exact_weights: False where the backend re-quantizes weights (lossy), e.g. MXFP4.
     """
 
     name: str = ""
     activation_scales: str = "optional"
-    exact_weights: bool = True
-    description: str = ""
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """None if this backend can run on ``device``, else a one-line reason."""
@@ -35,7 +70,7 @@ class Backend:
 
     def prepare(self, weights: NVFP4MoEWeights) -> list[torch.Tensor]:
         """Build the backend's tensors from canonical weights, once, at load time."""
-        raise NotImplementedError
+        return canonical_layout(weights.tensors())
 
     def run(
         self,
@@ -51,7 +86,7 @@ class Backend:
 
     def check_expert_tensors(self, expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
         """Validate the prepared tensors' shapes/dtypes (fake tensors too); return E."""
-        raise NotImplementedError
+        return check_canonical_tensors(expert_tensors, hidden_size)
 
 
 BACKENDS: dict[str, Backend] = {}

@@ -175,8 +175,9 @@ class _FlashInferBackend(Backend):
 
 
 class FlashInferBF16Backend(_FlashInferBackend):
+    """FlashInfer CUTLASS BF16 on weights dequantized once to bf16 (4x the memory)."""
+
     name = "flashinfer_bf16"
-    description = "FlashInfer CUTLASS BF16 on weights dequantized once to bf16 (4x the memory)"
 
     def prepare(self, weights):
         # 16 experts at a time: dequantizing a whole layer goes through ~30 GB of float32
@@ -194,10 +195,10 @@ class FlashInferBF16Backend(_FlashInferBackend):
 
 
 class FlashInferMXFP4Backend(_FlashInferBackend):
+    """FlashInfer CUTLASS BF16 x MXFP4 (W4A16) on SM90; weights re-quantized (lossy)."""
+
     name = "flashinfer_mxfp4"
-    exact_weights = False
     max_capability = (9, 0)  # the mixed-input W4A16 GEMM is Hopper's
-    description = "FlashInfer CUTLASS BF16 x MXFP4 (W4A16) on SM90; weights re-quantized (lossy)"
     weight_kwargs = {"use_w4_group_scaling": True}
 
     def prepare(self, weights):
@@ -236,10 +237,11 @@ class FlashInferMXFP4Backend(_FlashInferBackend):
 
 
 class FlashInferNVFP4Backend(_FlashInferBackend):
+    """FlashInfer CUTLASS NVFP4 x NVFP4 (Blackwell; not run on hardware by this project)."""
+
     name = "flashinfer_nvfp4"
     activation_scales = "required"
     min_capability = (10, 0)
-    description = "FlashInfer CUTLASS NVFP4 x NVFP4 (Blackwell; not run on hardware by this project)"
 
     def prepare(self, weights):
         if weights.hidden_size % 128 or weights.intermediate_size % 128:

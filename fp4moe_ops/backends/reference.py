@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..moe_weights import NVFP4MoEWeights
-from ..nvfp4 import BLOCK_SIZE, dequantize_nvfp4, quantize_activation_nvfp4
+from ..nvfp4 import dequantize_nvfp4, quantize_activation_nvfp4
 from .base import Backend, register_backend
 
 
@@ -30,56 +29,14 @@ def _fake_quantize(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     return quantize_activation_nvfp4(x, 1.0 / input_scale) * input_scale
 
 
-def canonical_tensors(w: NVFP4MoEWeights) -> list[torch.Tensor]:
-    """``[w13, w13_scale, w13_global, w2, w2_scale, w2_global]`` with scales as uint8 bytes."""
-    u8 = torch.uint8
-    return [w.w13, w.w13_scale.view(u8), w.w13_global, w.w2, w.w2_scale.view(u8), w.w2_global]
-
-
-def check_canonical_tensors(expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
-    """Check ``[w13, w13_scale, w13_global, w2, w2_scale, w2_global]``; return E.
-
-    Block scales travel through the op as their raw E4M3 bytes (uint8): torch has no CPU
-    arithmetic for float8, which ``torch.library.opcheck``'s schema check needs.
-    """
-    if len(expert_tensors) != 6:
-        raise ValueError(
-            f"expected 6 expert tensors [w13, w13_scale, w13_global, w2, w2_scale, w2_global], "
-            f"got {len(expert_tensors)}"
-        )
-    w13, s13, g13, w2, s2, g2 = expert_tensors
-    e, two_i, h_half = w13.shape
-    i = two_i // 2
-    expected = {
-        "w13": (w13, (e, two_i, hidden_size // 2), torch.uint8),
-        "w13_scale": (s13, (e, two_i, hidden_size // BLOCK_SIZE), torch.uint8),
-        "w13_global": (g13, (e,), torch.float32),
-        "w2": (w2, (e, hidden_size, i // 2), torch.uint8),
-        "w2_scale": (s2, (e, hidden_size, i // BLOCK_SIZE), torch.uint8),
-        "w2_global": (g2, (e,), torch.float32),
-    }
-    for name, (t, shape, dtype) in expected.items():
-        if t.dtype != dtype or tuple(t.shape) != shape:
-            raise ValueError(
-                f"{name}: expected {dtype} {list(shape)} for hidden size {hidden_size}, "
-                f"got {t.dtype} {list(t.shape)}"
-            )
-    return e
-
-
 class ReferenceBackend(Backend):
+    """Pure PyTorch, any device; float32 math on dequantized weights (slow)."""
+
     name = "reference"
     activation_scales = "optional"
-    description = "pure PyTorch, any device; float32 math on dequantized weights (slow)"
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return None
-
-    def prepare(self, weights: NVFP4MoEWeights) -> list[torch.Tensor]:
-        return canonical_tensors(weights)
-
-    def check_expert_tensors(self, expert_tensors, hidden_size):
-        return check_canonical_tensors(expert_tensors, hidden_size)
 
     def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale):
         w13, s13, g13, w2, s2, g2 = expert_tensors

@@ -33,9 +33,7 @@ import os
 
 import torch
 
-from ..moe_weights import NVFP4MoEWeights
 from .base import Backend, register_backend
-from .reference import canonical_tensors, check_canonical_tensors
 
 try:
     import triton
@@ -349,9 +347,10 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
 
 
 class TritonBackend(Backend):
+    """fp4moe's Triton kernel: exact NVFP4 weights x bf16/fp16 activations (Hopper and newer)."""
+
     name = "triton"
     activation_scales = "forbidden"
-    description = "fp4moe Triton kernel: exact NVFP4 weights x bf16/fp16 activations (Hopper and newer)"
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if triton is None:
@@ -361,12 +360,6 @@ class TritonBackend(Backend):
         if torch.cuda.get_device_capability(device) < (8, 0):
             return "needs compute capability 8.0+ (bf16 tensor cores)"
         return None
-
-    def prepare(self, weights: NVFP4MoEWeights) -> list[torch.Tensor]:
-        return [t.contiguous() for t in canonical_tensors(weights)]
-
-    def check_expert_tensors(self, expert_tensors, hidden_size):
-        return check_canonical_tensors(expert_tensors, hidden_size)
 
     def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale):
         # Triton launches on the current device: make it the experts' (device_map spreads layers)
