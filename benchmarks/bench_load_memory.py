@@ -26,32 +26,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 E, H, I = 256, 7168, 2048
 
 
-def config_dict() -> dict:
+def config_dict(num_layers: int = 1, first_k_dense: int = 0, vocab_size: int = 1024) -> dict:
     from transformers import DeepseekV3Config
 
     cfg = DeepseekV3Config(
-        vocab_size=1024, hidden_size=H, intermediate_size=18432, moe_intermediate_size=I, num_hidden_layers=1,
-        first_k_dense_replace=0, n_routed_experts=E, num_experts_per_tok=8, n_group=8, topk_group=4,
-        n_shared_experts=1, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=4096)
+        vocab_size=vocab_size, hidden_size=H, intermediate_size=18432, moe_intermediate_size=I,
+        num_hidden_layers=num_layers, first_k_dense_replace=first_k_dense, n_routed_experts=E, num_experts_per_tok=8,
+        n_group=8, topk_group=4, n_shared_experts=1, num_attention_heads=128, num_key_value_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        max_position_embeddings=4096)
     return cfg.to_dict()
 
 
-def nvfp4_linear(name: str, n: int, k: int) -> dict:
+def nvfp4_linear(name: str, n: int, k: int, device="cpu") -> dict:
+    """One ModelOpt NVFP4 linear: random codes, E4M3 block scales in [2^-2, 2), small global scales (activations stay finite over layers)."""
+    def rand(*shape, lo=0, hi=256):
+        return torch.randint(lo, hi, shape, dtype=torch.uint8, device=device).cpu()
+
     return {
-        f"{name}.weight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8),
-        f"{name}.weight_scale": torch.randint(0x28, 0x70, (n, k // 16), dtype=torch.uint8).view(torch.float8_e4m3fn),
+        f"{name}.weight": rand(n, k // 2),
+        f"{name}.weight_scale": rand(n, k // 16, lo=0x28, hi=0x40).view(torch.float8_e4m3fn),
         f"{name}.weight_scale_2": torch.rand(()) * 1e-3 + 1e-4,
         f"{name}.input_scale": torch.rand(()) * 1e-2 + 1e-3,
     }
 
 
-def write_checkpoint(path: Path) -> int:
+def write_checkpoint(path: Path, num_layers: int = 1, first_k_dense: int = 0, vocab_size: int = 1024,
+                     device: str = "cpu") -> int:
+    """Write a DeepSeek-V3 ModelOpt NVFP4 checkpoint with full-size layers; returns its bytes.
+
+    Experts, shared experts and dense MLPs are NVFP4; attention, router and embeddings bf16
+    (excluded, as in nvidia/DeepSeek-R1-FP4). ``device="cuda"`` draws the random bytes there (fast).
+    """
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
     path.mkdir(parents=True, exist_ok=True)
-    cfg = config_dict()
+    cfg = config_dict(num_layers, first_k_dense, vocab_size)
     (path / "config.json").write_text(json.dumps(cfg, default=str))
     (path / "hf_quant_config.json").write_text(json.dumps({"quantization": {
         "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "*self_attn*", "*mlp.gate"]}}))
@@ -59,20 +70,25 @@ def write_checkpoint(path: Path) -> int:
         model = AutoModelForCausalLM.from_config(DeepseekV3Config(**cfg), dtype=torch.bfloat16)
     other = {}
     for name, t in model.state_dict().items():
-        if ".mlp.experts." in name or "shared_experts" in name:
+        if ".mlp.experts." in name or "shared_experts" in name or ("_proj" in name and ".mlp." in name):
             continue
-        other[name] = (torch.randn(t.shape) * 0.02).to(t.dtype)
-    shared = "model.layers.0.mlp.shared_experts"
-    for proj, (n, k) in {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}.items():
-        other.update(nvfp4_linear(f"{shared}.{proj}", n, k))
+        other[name] = (torch.randn(t.shape, device=device) * 0.02).to(t.dtype).cpu()
+    projections = lambda inter: {"gate_proj": (inter, H), "up_proj": (inter, H), "down_proj": (H, inter)}  # noqa: E731
+    for layer in range(num_layers):
+        mlp = f"model.layers.{layer}.mlp"
+        if layer < first_k_dense:
+            for proj, (n, k) in projections(18432).items():
+                other.update(nvfp4_linear(f"{mlp}.{proj}", n, k, device))
+            continue
+        for proj, (n, k) in projections(I).items():
+            other.update(nvfp4_linear(f"{mlp}.shared_experts.{proj}", n, k, device))
+        for e0 in range(0, E, 16):
+            shard = {}
+            for e in range(e0, e0 + 16):
+                for proj, (n, k) in projections(I).items():
+                    shard.update(nvfp4_linear(f"{mlp}.experts.{e}.{proj}", n, k, device))
+            save_file(shard, str(path / f"model-layer{layer:02d}-experts-{e0:03d}.safetensors"))
     save_file(other, str(path / "model-other.safetensors"))
-    prefix = "model.layers.0.mlp.experts"
-    for e0 in range(0, E, 16):
-        shard = {}
-        for e in range(e0, e0 + 16):
-            for proj, (n, k) in {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}.items():
-                shard.update(nvfp4_linear(f"{prefix}.{e}.{proj}", n, k))
-        save_file(shard, str(path / f"model-experts-{e0:03d}.safetensors"))
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
