@@ -21,7 +21,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="deepseek", choices=sorted(SHAPES))
     ap.add_argument("--tokens", default="1,8,64")
-    ap.add_argument("--gemv-only", action="store_true", help="sweep only the CUDA-core decode path")
     args = ap.parse_args()
     e, h, i, k, routed = SHAPES[args.shape]
     w = random_weights(e, h, i, "cuda")
@@ -37,16 +36,10 @@ def main():
                      (16, 128, 128, 128, 128, 8, 2, 1), (16, 32, 256, 32, 256, 4, 3, 0), (16, 64, 128, 64, 128, 4, 3, 0)]
         else:
             tiles = [(128, 128, 128, 128, 128, 8, 3, 0), (128, 128, 128, 128, 128, 8, 2, 1), (64, 128, 64, 128, 64, 8, 3, 0)]
-        configs = [] if args.gemv_only else [
+        configs = [
             dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages,
                  PREFETCH=bool(prefetch), FAST_DECODE=True)
             for bm, bn1, bk1, bn2, bk2, warps, stages, prefetch in tiles]
-        if decode:  # the CUDA-core path: (BN1, BK1, BN2, BK2, warps, stages) x rows per block
-            gemv_tiles = [(16, 256, 16, 256, 4, 1), (16, 256, 16, 256, 4, 3), (32, 256, 32, 256, 8, 1),
-                          (16, 512, 32, 256, 8, 1), (8, 512, 16, 512, 4, 1), (32, 128, 32, 128, 4, 1)]
-            block_ms = [1] if t <= 2 else [1, 2] if t <= 8 else [2, 4]
-            configs += [dict(GEMV=True, BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages)
-                        for bm in block_ms for bn1, bk1, bn2, bk2, warps, stages in gemv_tiles]
         for cfg in configs:
             try:
                 out = triton_fused_moe(*inputs[0], tensors, cfg)

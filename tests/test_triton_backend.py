@@ -56,27 +56,6 @@ def test_triton_matches_float64(dtype, e, h, i, t, k):
     assert rel < 4 * ulp, rel
 
 
-@pytest.mark.parametrize("block_m", [1, 2, 4])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemv_decode_path_matches_float64(block_m, dtype):
-    # The CUDA-core path for decode-sized batches: experts with 1..5 rows, so blocks of
-    # BM rows are full, partial, and several per expert; sentinel ids included.
-    e, h, i, t, k = 6, 64, 32, 5, 2
-    w = layer(e, h, i)
-    x = torch.randn(t, h, dtype=dtype)
-    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
-    ids[:, 0] = 0
-    ids[0, -1] = -1
-    ids[1, -1] = e
-    rw = torch.rand(t, k)
-    p = fp4moe_ops.prepare_experts(w, "reference")
-    cfg = dict(GEMV=True, BM=block_m, BN1=16, BK1=32, BN2=32, BK2=32, num_warps=4, num_stages=1)
-    out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [t.to(DEVICE) for t in p.tensors], cfg).cpu()
-    ref = moe64(x, ids, rw, *w.tensors())
-    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11  # as in test_triton_matches_float64
-    torch.testing.assert_close(out.double(), ref, rtol=4 * ulp, atol=4 * ulp * ref.abs().max().item())
-
-
 def test_triton_multiple_blocks_per_expert():
     # 40 tokens all on experts 0 and 1 with BLOCK_M=16: several M blocks per expert.
     w = layer(4, 64, 32)

@@ -205,82 +205,6 @@ if triton is not None:
             tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
 
     @triton.jit
-    def _decode_pairs(packed, sbytes, BN: tl.constexpr, G: tl.constexpr, FAST_DECODE: tl.constexpr):
-        """``packed [BN, G, 8]`` uint8 + ``sbytes [BN, G]`` E4M3 -> ``(even, odd) [BN, G, 8]`` fp32:
-        the low / high nibble of each byte (elements ``16g + 2j`` and ``16g + 2j + 1``), times
-        the block scale and 2^-22, exact."""
-        if FAST_DECODE:
-            scale = (_e4m3_f32(sbytes) * 2.0**112).to(tl.bfloat16)  # scale * 2^104, exact
-            scale = tl.broadcast_to(scale[:, :, None], (BN, G, 8))
-            lo, hi = tl.inline_asm_elementwise(
-                _E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, scale],
-                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-            return lo.to(tl.float32), hi.to(tl.float32)
-        scale = _e4m3_f32(sbytes)[:, :, None]
-        return _e2m1_f32(packed & 0xF) * scale, _e2m1_f32(packed >> 4) * scale
-
-    @triton.jit
-    def _gemv_kernel(
-        a_ptr, w_ptr, s_ptr, g_ptr, topk_weights_ptr, out_ptr,
-        sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-        N, K, A_ROW_DIV,
-        SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST_DECODE: tl.constexpr,
-    ):
-        """Decode-sized GEMMs on CUDA cores: a block's few rows (``BM``, 1-4) times the expert's
-        weights, each weight byte decoded once in registers and used for all rows; no shared
-        memory, no tensor cores (the MMA's 16-row minimum would waste most of its work here).
-
-        SWIGLU (GEMM1): ``W = w13 [E, 2N, K/2]``, rows ``cols`` (gate) and ``N + cols`` (up),
-        ``a`` = hidden rows ``slot // A_ROW_DIV``, out ``[S, N]`` = silu(gate) * up.
-        Otherwise (GEMM2): ``W = w2 [E, N, K/2]``, ``a`` = ``[S, K]`` rows by slot, out ``[S, N]``
-        fp32 times the routing weight.
-        """
-        b = tl.program_id(0)
-        e = tl.load(block_expert_ptr + b)
-        if e >= 0:
-            G: tl.constexpr = BK // 16
-            r0 = tl.load(block_row_start_ptr + b)
-            nrows = tl.load(block_row_end_ptr + b) - r0
-            m_idx = tl.arange(0, BM)
-            slots = tl.load(sorted_slot_ptr + r0 + m_idx, mask=m_idx < nrows, other=0).to(tl.int64)
-            e64 = e.to(tl.int64)
-            w_rows = (2 * N) if SWIGLU else N
-            w_e = w_ptr + e64 * w_rows * (K // 2)
-            s_e = s_ptr + e64 * w_rows * (K // 16)
-            cols = tl.program_id(1) * BN + tl.arange(0, BN)
-            g_idx = tl.arange(0, G)
-            j_idx = tl.arange(0, 8)
-            w_ptrs = w_e + cols[:, None, None] * (K // 2) + g_idx[None, :, None] * 8 + j_idx[None, None, :]
-            s_ptrs = s_e + cols[:, None] * (K // 16) + g_idx[None, :]
-            a_offs = g_idx[:, None] * 16 + tl.arange(0, 16)[None, :]  # [G, 16]: one K tile of a row
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                even, odd = _decode_pairs(tl.load(w_ptrs + k0 // 2), tl.load(s_ptrs + k0 // 16), BN, G, FAST_DECODE)
-                if SWIGLU:
-                    up_e, up_o = _decode_pairs(tl.load(w_ptrs + N * (K // 2) + k0 // 2),
-                                               tl.load(s_ptrs + N * (K // 16) + k0 // 16), BN, G, FAST_DECODE)
-                for m in tl.static_range(BM):
-                    if m < nrows:
-                        slot = tl.load(sorted_slot_ptr + r0 + m).to(tl.int64)
-                        a16 = tl.load(a_ptr + (slot // A_ROW_DIV) * K + k0 + a_offs).to(tl.float32)
-                        a_e, a_o = tl.split(a16.reshape(G, 8, 2))
-                        part = tl.sum(tl.sum(even * a_e[None] + odd * a_o[None], axis=2), axis=1)
-                        acc = tl.where(m_idx[:, None] == m, acc + part[None, :], acc)
-                        if SWIGLU:
-                            part = tl.sum(tl.sum(up_e * a_e[None] + up_o * a_o[None], axis=2), axis=1)
-                            acc_up = tl.where(m_idx[:, None] == m, acc_up + part[None, :], acc_up)
-            g = tl.load(g_ptr + e) * 4194304.0  # the decoded weights' 2^-22
-            row_mask = m_idx < nrows
-            if SWIGLU:
-                gate = acc * g
-                y = gate * tl.sigmoid(gate) * (acc_up * g)
-            else:
-                route = tl.load(topk_weights_ptr + slots, mask=row_mask, other=0.0)
-                y = acc * g * route[:, None]
-            tl.store(out_ptr + slots[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-
-    @triton.jit
     def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
                       S, E, NUM_BLOCKS,
                       BM: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, B_PAD: tl.constexpr):
@@ -404,17 +328,6 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
-    if cfg.get("GEMV", False):
-        blocks = (sorted_slot, block_expert, row_start, row_end)
-        gemv = dict(BM=cfg["BM"], FAST_DECODE=launch["FAST_DECODE"], num_warps=cfg["num_warps"],
-                    num_stages=cfg["num_stages"])
-        _gemv_kernel[(block_expert.numel(), inter // cfg["BN1"])](
-            x, w13, s13, g13, topk_weights, inter_act, *blocks, inter, hidden, top_k,
-            SWIGLU=True, BN=cfg["BN1"], BK=cfg["BK1"], **gemv)
-        _gemv_kernel[(block_expert.numel(), hidden // cfg["BN2"])](
-            inter_act, w2, s2, g2, topk_weights.contiguous(), y, *blocks, hidden, inter, 1,
-            SWIGLU=False, BN=cfg["BN2"], BK=cfg["BK2"], **gemv)
-        return _sum_topk(y, topk_ids, x, num_experts)
     grid1 = (block_expert.numel(), inter // cfg["BN1"])
     _gemm1_swiglu_kernel[grid1](
         x, w13, s13, g13, inter_act, sorted_slot, block_expert, row_start, row_end,
