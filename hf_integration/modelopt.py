@@ -36,6 +36,7 @@ from torch import nn
 
 from fp4moe_ops import NVFP4MoEWeights, nvfp4
 
+from .device_map import auto_device_map, device_for, dispatch, materialize, normalize_device_map
 from .patch import NVFP4GatedMLP, find_experts_modules, install_nvfp4_experts, use_fp4moe
 
 logger = logging.getLogger("fp4moe")
@@ -210,14 +211,19 @@ def _load_experts(ckpt: _Checkpoint, prefix: str, experts: range, hidden: int, i
 
 @torch.no_grad()
 def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                        backend: str = "auto", expert_parallel: bool = False, verbose: bool = True) -> nn.Module:
+                        device_map: str | dict | None = None, backend: str = "auto", expert_parallel: bool = False,
+                        verbose: bool = True) -> nn.Module:
     """Load a ModelOpt NVFP4 checkpoint directory as a Transformers model with NVFP4 experts.
 
     Args:
         path: directory with ``config.json``, ``hf_quant_config.json`` (or a ModelOpt
             ``quantization_config``) and ``*.safetensors``.
         dtype: dtype of the non-quantized parts and of dequantized non-expert linears.
-        device: where the model is built (one device; see README for multi-GPU).
+        device: where the model is built, when ``device_map`` is not given.
+        device_map: spread the layers over GPUs: ``"auto"`` (contiguous layers per visible GPU,
+            balanced by loaded bytes) or accelerate's ``{module prefix: device}``. Each layer is
+            loaded straight onto its device; activations move between devices through
+            accelerate's hooks, as with ``from_pretrained(device_map=...)``.
         backend: fp4moe backend for the experts (``"auto"``: by device).
         expert_parallel: load only this rank's ``E / world_size`` experts of each layer
             (``torch.distributed`` must be initialized) and sum the ranks' outputs, as
@@ -235,11 +241,12 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
     config = _model_config(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.to_empty(device=device)
-    ckpt = _Checkpoint(path)
-
     experts = find_experts_modules(model)
     expert_prefixes = {name: m for name, m in experts}
+    placement = _placement(model, device, device_map, set(expert_prefixes))
+    materialize(model, placement, skip=set(expert_prefixes))  # experts stay meta until loaded as NVFP4
+    ckpt = _Checkpoint(path)
+
     shards = {}
     if expert_parallel:  # every module checked before any is loaded: same error on every rank
         from .expert_parallel import expert_shard
@@ -250,7 +257,7 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
         e, two_i, h = m.gate_up_proj.shape
         shard = shards.get(name)
         ids = range(shard.offset, shard.offset + shard.count) if shard else range(e)
-        weights, reconciled = _load_experts(ckpt, name, ids, h, two_i // 2, device)
+        weights, reconciled = _load_experts(ckpt, name, ids, h, two_i // 2, device_for(name, placement))
         del m.gate_up_proj, m.down_proj
         install_nvfp4_experts(m, weights, backend)
         if shard:
@@ -292,11 +299,23 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
     if unexpected:
         raise CheckpointError(f"unexpected checkpoint tensors (not part of the model): {unexpected[:8]}"
                               f"{' ...' if len(unexpected) > 8 else ''}")
-    _reinit_non_persistent_buffers(model, device)
+    _reinit_non_persistent_buffers(model, placement)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     use_fp4moe(model)
-    return model.eval()
+    return dispatch(model.eval(), placement)
+
+
+def _placement(model: nn.Module, device, device_map, expert_names: set[str]) -> dict[str, torch.device]:
+    if device_map is None:
+        return {"": torch.device(device)}
+    if device_map == "auto":
+        if not torch.cuda.is_available():
+            raise ValueError("device_map='auto' spreads layers over CUDA GPUs and none is visible; use device=...")
+        return auto_device_map(model, list(range(torch.cuda.device_count())), expert_names)
+    if isinstance(device_map, dict):
+        return normalize_device_map(device_map)
+    raise ValueError(f"device_map must be 'auto' or a {{module prefix: device}} dict, not {device_map!r}")
 
 
 def _non_persistent_buffers(mod: nn.Module) -> set[str]:
@@ -321,12 +340,12 @@ def _ignored_keys(ckpt: _Checkpoint, model: nn.Module) -> set[str]:
     return ignored
 
 
-def _reinit_non_persistent_buffers(model: nn.Module, device) -> None:
+def _reinit_non_persistent_buffers(model: nn.Module, placement: dict[str, torch.device]) -> None:
     """Buffers computed in ``__init__`` (rotary frequencies) are lost by the meta-device build:
     rebuild such modules' buffers from a fresh instance."""
-    for mod in model.modules():
+    for name, mod in model.named_modules():
         if "inv_freq" in mod._buffers:
-            with torch.device(device):
+            with torch.device(device_for(name, placement)):
                 fresh = type(mod)(mod.config)
             for name, buf in fresh.named_buffers(recurse=False):
                 mod._buffers[name] = buf

@@ -184,3 +184,23 @@ def test_device_map_over_two_gpus_launches_on_each_layers_device(tmp_path):
     patch_deepseek(ref)
     ids = torch.randint(1, 256, (1, 8), device="cuda:0")
     torch.testing.assert_close(model(ids).logits.to("cuda:0"), ref(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_modelopt_device_map_auto_over_two_gpus(tmp_path):
+    from hf_integration import find_experts_modules, load_modelopt_nvfp4
+    from hf_integration.tiny_models import tiny_deepseek_v3, write_modelopt_checkpoint
+
+    write_modelopt_checkpoint(tiny_deepseek_v3(seed=0, num_hidden_layers=5), tmp_path)
+    spread = load_modelopt_nvfp4(tmp_path, device_map="auto", verbose=False)
+    devices = {m._buffers["gate_up_proj_packed"].device.index for _, m in find_experts_modules(spread)}
+    assert devices == {0, 1}
+    assert {v for v in spread.hf_device_map.values()} == {"cuda:0", "cuda:1"}
+    one = load_modelopt_nvfp4(tmp_path, device="cuda:0", verbose=False)
+    ids = torch.randint(1, 256, (2, 9), device="cuda:0")
+    # same kernels on the same weights, only on other devices: equal bit for bit
+    torch.testing.assert_close(spread(ids).logits.to("cuda:0"), one(ids).logits, rtol=0, atol=0)
+    kw = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(spread.generate(ids, **kw).to("cuda:0"), one.generate(ids, **kw))
+    for d in (0, 1):
+        print(f"device_map auto: cuda:{d} holds {torch.cuda.memory_allocated(d) / 1e6:.1f} MB")
