@@ -89,11 +89,26 @@ def materialize(model: nn.Module, device_map: dict[str, torch.device], skip: set
         mod.to_empty(device=device_for(name, device_map), recurse=False)
 
 
+def flat_device_map(module: nn.Module, prefix: str = "") -> dict[str, torch.device]:
+    """Where ``module``'s tensors are, as non-overlapping module names: the form ``from_pretrained`` hands to
+    accelerate (a ``""`` entry next to others would make accelerate route every submodule's
+    inputs to the ``""`` device)."""
+    devices = {t.device for t in list(module.parameters()) + list(module.buffers())}
+    if prefix and len(devices) == 1:
+        return {prefix: devices.pop()}
+    if prefix and (module._parameters or module._buffers):
+        raise ValueError(f"module {prefix!r} holds tensors itself and its children span devices {sorted(map(str, devices))}")
+    flat = {}
+    for name, child in module.named_children():
+        flat.update(flat_device_map(child, f"{prefix}.{name}" if prefix else name))
+    return flat
+
+
 def dispatch(model: nn.Module, device_map: dict[str, torch.device]) -> nn.Module:
-    """accelerate's hooks that move each block's inputs to its device (only when the map uses
-    more than one device); records ``model.hf_device_map`` as ``from_pretrained`` does."""
+    """accelerate's hooks that move each block's inputs to its device (only when the model
+    spans more than one device); records ``model.hf_device_map`` as ``from_pretrained`` does."""
     if len(set(device_map.values())) < 2:
         return model
     from accelerate import dispatch_model
 
-    return dispatch_model(model, device_map={k: str(v) for k, v in device_map.items()})
+    return dispatch_model(model, device_map={k: str(v) for k, v in flat_device_map(model).items()})

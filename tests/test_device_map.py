@@ -4,7 +4,7 @@ loader's per-module placement are checked on CPU; spreading over two GPUs is in 
 import pytest
 import torch
 
-from hf_integration.device_map import auto_device_map, device_for, normalize_device_map
+from hf_integration.device_map import auto_device_map, device_for, flat_device_map, normalize_device_map
 from hf_integration.modelopt import load_modelopt_nvfp4
 from hf_integration.patch import find_experts_modules
 from hf_integration.tiny_models import tiny_deepseek_v3, write_modelopt_checkpoint
@@ -50,3 +50,17 @@ def test_loader_places_each_module_by_device_map(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="none is visible"):
             load_modelopt_nvfp4(tmp_path, device_map="auto")
+
+
+def test_flat_device_map_names_disjoint_blocks_covering_every_tensor():
+    model = tiny_deepseek_v3(seed=0, num_hidden_layers=3)
+    model.model.layers[2].to("meta")  # a second "device" that needs no GPU
+    model.lm_head.to("meta")
+    flat = flat_device_map(model)
+    assert flat["model.layers.2"] == torch.device("meta") and flat["lm_head"] == torch.device("meta")
+    assert flat["model.layers.0"] == torch.device("cpu") and "" not in flat
+    names = sorted(flat)
+    assert not any(b.startswith(a + ".") for a in names for b in names)  # no key nests in another
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        owner = [k for k in names if name.startswith(k + ".")]
+        assert len(owner) == 1 and flat[owner[0]] == t.device, name
