@@ -118,7 +118,8 @@ if triton is not None:
 
     @triton.jit
     def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
-                       BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr):
+                       BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
+                       w_desc=None, s_desc=None, desc_row=0, TMA: tl.constexpr = False):
         """``acc [BN, BM] += W[rows, :K] @ A[a_rows, :K]^T`` with W NVFP4 ``[*, K/2]`` bytes.
 
         The weight tile is the MMA's M side ("swap AB"): decode's few tokens sit on the narrow
@@ -132,11 +133,15 @@ if triton is not None:
         w_ptrs = w_ptr + rows[:, None] * (K // 2) + kb[None, :]
         s_ptrs = s_ptr + rows[:, None] * (K // 16) + ks[None, :]
         a_ptrs = a_ptr + a_rows[None, :] * K + kk[:, None]
-        packed = tl.load(w_ptrs)
-        sbytes = tl.load(s_ptrs)
+        if not TMA:
+            packed = tl.load(w_ptrs)
+            sbytes = tl.load(s_ptrs)
         for k0 in range(0, K, BK):
             a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
-            if PREFETCH:
+            if TMA:  # bulk tensor copies, which Triton pipelines over num_stages
+                packed = w_desc.load([desc_row, k0 // 2])
+                sbytes = s_desc.load([desc_row, k0 // 16])
+            elif PREFETCH:
                 more = (k0 + BK) < K  # the last iteration loads nothing
                 packed_next = tl.load(w_ptrs + (k0 + BK) // 2, mask=(kb[None, :] * 0 + more) != 0, other=0)
                 sbytes_next = tl.load(s_ptrs + (k0 + BK) // 16, mask=(ks[None, :] * 0 + more) != 0, other=0)
@@ -147,7 +152,7 @@ if triton is not None:
             if INTERPRET:  # Triton's CPU interpreter mis-multiplies bf16 dots
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(w, a, acc)
-            if PREFETCH:
+            if PREFETCH and not TMA:
                 packed, sbytes = packed_next, sbytes_next
         return acc
 
@@ -155,8 +160,9 @@ if triton is not None:
     def _gemm1_swiglu_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
         sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-        H, I, TOPK,
+        H, I, TOPK, w_desc, s_desc,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
@@ -168,9 +174,11 @@ if triton is not None:
             s_e = s_ptr + e64 * (2 * I) * (H // 16)
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             zero = tl.zeros((BN, BM), dtype=tl.float32)
-            acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE, INTERPRET)
+            row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
+            acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
+                                      INTERPRET, w_desc, s_desc, row0, TMA)
             acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
-                                    INTERPRET)
+                                    INTERPRET, w_desc, s_desc, row0 + I, TMA)
             g = tl.load(g_ptr + e)
             if x_ptr.dtype.element_ty == tl.bfloat16:
                 g = g * 4194304.0  # the tiles' 2^-22
@@ -184,8 +192,9 @@ if triton is not None:
     def _gemm2_kernel(
         a_ptr, w_ptr, s_ptr, g_ptr, topk_weights_ptr, out_ptr,
         sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-        H, I,
+        H, I, w_desc, s_desc,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
@@ -196,7 +205,8 @@ if triton is not None:
             s_e = s_ptr + e64 * H * (I // 16)
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
-                                 BN, BK, PREFETCH, FAST_DECODE, INTERPRET)
+                                 BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
+                                 e * H + tl.program_id(1) * BN, TMA)
             g = tl.load(g_ptr + e)
             if a_ptr.dtype.element_ty == tl.bfloat16:
                 g = g * 4194304.0
@@ -328,17 +338,29 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
+    tma = cfg.get("TMA", False)
+    desc1 = _descriptors(w13, s13, cfg["BN1"], cfg["BK1"]) if tma else (w13, s13)
+    desc2 = _descriptors(w2, s2, cfg["BN2"], cfg["BK2"]) if tma else (w2, s2)
     grid1 = (block_expert.numel(), inter // cfg["BN1"])
     _gemm1_swiglu_kernel[grid1](
         x, w13, s13, g13, inter_act, sorted_slot, block_expert, row_start, row_end,
-        hidden, inter, top_k, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], **launch,
+        hidden, inter, top_k, *desc1, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma, **launch,
     )
     grid2 = (block_expert.numel(), hidden // cfg["BN2"])
     _gemm2_kernel[grid2](
         inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end,
-        hidden, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], **launch,
+        hidden, inter, *desc2, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma, **launch,
     )
     return _sum_topk(y, topk_ids, x, num_experts)
+
+
+def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int):
+    """TMA descriptors over ``w [E, N, K/2]`` and ``s [E, N, K/16]`` as 2-D ``[E*N, *]`` with
+    ``[bn, bk/2]`` / ``[bn, bk/16]`` boxes (bk >= 256: a box row must be >= 16 bytes)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    w2d, s2d = w.reshape(-1, w.shape[-1]), s.reshape(-1, s.shape[-1])
+    return TensorDescriptor.from_tensor(w2d, [bn, bk // 2]), TensorDescriptor.from_tensor(s2d, [bn, bk // 16])
 
 
 def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int) -> torch.Tensor:
