@@ -36,7 +36,7 @@ def test_route_matches_python_grouping():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("e,h,i,t,k", [(6, 64, 32, 5, 2), (8, 128, 64, 33, 3)])
+@pytest.mark.parametrize("e,h,i,t,k", [(6, 64, 32, 5, 2), (8, 128, 64, 33, 3), (4, 512, 256, 3, 2)])  # the last: TMA loads
 def test_triton_matches_float64(dtype, e, h, i, t, k):
     w = layer(e, h, i)
     x = torch.randn(t, h, dtype=dtype)
@@ -68,6 +68,12 @@ def test_triton_multiple_blocks_per_expert():
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [t.to(DEVICE) for t in p.tensors], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+
+
+def test_kernel_config_uses_tma_only_where_boxes_fit():
+    assert kernel_config(8, 256, 7168, 2048)["TMA"] and kernel_config(3 * 2, 4, 512, 256)["TMA"]
+    assert not kernel_config(8, 256, 64, 32)["TMA"]  # scale rows of 4 bytes: no 16-byte box
+    assert not kernel_config(65536, 256, 7168, 2048)["TMA"]  # prefill: no gain measured
 
 
 def test_kernel_config_divides_dims():
