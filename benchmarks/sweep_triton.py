@@ -21,7 +21,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="deepseek", choices=sorted(SHAPES))
     ap.add_argument("--tokens", default="1,8,64")
-    ap.add_argument("--warp-specialize", action="store_true", help="only the fused gate/up loop, warp-specialized")
     args = ap.parse_args()
     e, h, i, k, routed = SHAPES[args.shape]
     w = random_weights(e, h, i, "cuda")
@@ -44,12 +43,6 @@ def main():
             dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages,
                  PREFETCH=bool(prefetch), FAST_DECODE=True, TMA=bool(tma))
             for bm, bn1, bk1, bn2, bk2, warps, stages, prefetch, tma in tiles]
-        if decode:  # GEMM1's gate and up in one loop; warp specialization only on request (it
-            # can abort the process in Triton's Hopper pass, so run it in a process of its own)
-            configs += [base | dict(FUSE_GATE_UP=True, num_stages=st, WARP_SPECIALIZE=args.warp_specialize)
-                        for st in ((3,) if args.warp_specialize else (2, 3, 4))]
-            if args.warp_specialize:
-                configs = configs[-1:]
         for cfg in configs:
             try:
                 out = triton_fused_moe(*inputs[0], tensors, cfg)
@@ -61,7 +54,7 @@ def main():
             except Exception as exc:
                 print(f"T={t} {cfg}: {type(exc).__name__} {str(exc)[:120]}")
                 continue
-            results.append((ms, cfg | {"rel_err": round(err, 6)}))
+            results.append((ms, cfg))
         results.sort(key=lambda r: r[0])
         for r in results:
             print(f"T={t}: {r[0]:.4f} ms {r[1]}")

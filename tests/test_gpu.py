@@ -91,9 +91,8 @@ def test_flashinfer_deterministic_finalize_is_bitwise_repeatable():
     assert rel_err(outs[0], ref) < 1e-2  # bf16 weights, as test_flashinfer_sm90_backends_vs_reference
 
 
-@pytest.mark.parametrize("fuse_gate_up", [False, True])
 @pytest.mark.parametrize("t", [1, 8, 64, 300])
-def test_triton_tma_loads_match_reference_on_gpu(t, fuse_gate_up):
+def test_triton_tma_loads_match_reference_on_gpu(t):
     from fp4moe_ops.backends.triton_moe import kernel_config, triton_fused_moe
 
     e, h, i, k = 256, 7168, 2048, 8
@@ -101,13 +100,12 @@ def test_triton_tma_loads_match_reference_on_gpu(t, fuse_gate_up):
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     ids, rw = routing(t, e, k)
     ids[0, 0] = -1
-    cfg = kernel_config(t * k, e, h, i) | dict(TMA=True, BK1=256, BK2=256, PREFETCH=False, num_stages=4,
-                                               FUSE_GATE_UP=fuse_gate_up)
+    cfg = kernel_config(t * k, e, h, i) | dict(TMA=True, BK1=256, BK2=256, PREFETCH=False, num_stages=4)
     ours = triton_fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "triton").tensors, cfg)
     sub = slice(0, min(t, 16))
     ref = fp4moe_ops.prepare_experts(w, "reference")(x[sub], ids[sub], rw[sub])
     err = rel_err(ours[sub], ref)  # as test_triton_matches_reference_on_gpu
-    print(f"triton TMA (fused gate/up {fuse_gate_up}) vs reference T={t}: rel err {err:.2e}")
+    print(f"triton TMA vs reference T={t}: rel err {err:.2e}")
     assert err < 4e-3 and torch.isfinite(ours).all()
 
 

@@ -157,35 +157,12 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _gate_up_matmul(x_ptr, tokens, row_mask, H, w_desc, s_desc, row_gate, row_up,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST_DECODE: tl.constexpr,
-                        INTERPRET: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-        """GEMM1's gate and up tiles in one K loop (TMA loads): ``(acc_gate, acc_up) [BN, BM]``,
-        two weight tiles and two MMAs in flight per step instead of two loops one after the other."""
-        dtype = x_ptr.dtype.element_ty
-        kk = tl.arange(0, BK)
-        a_ptrs = x_ptr + tokens[None, :] * H + kk[:, None]
-        acc_gate = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_up = tl.zeros((BN, BM), dtype=tl.float32)
-        for k0 in tl.range(0, H, BK, warp_specialize=WARP_SPECIALIZE):
-            a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
-            w_gate = _decode_tile(w_desc.load([row_gate, k0 // 2]), s_desc.load([row_gate, k0 // 16]), BN, BK, dtype,
-                                  FAST_DECODE)
-            w_up = _decode_tile(w_desc.load([row_up, k0 // 2]), s_desc.load([row_up, k0 // 16]), BN, BK, dtype,
-                                FAST_DECODE)
-            if INTERPRET:  # Triton's CPU interpreter mis-multiplies bf16 dots
-                a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
-            acc_gate = tl.dot(w_gate, a, acc_gate)
-            acc_up = tl.dot(w_up, a, acc_up)
-        return acc_gate, acc_up
-
-    @triton.jit
     def _gemm1_swiglu_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
         sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
         H, I, TOPK, w_desc, s_desc,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
-        TMA: tl.constexpr, FUSE_GATE_UP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
@@ -198,14 +175,10 @@ if triton is not None:
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             zero = tl.zeros((BN, BM), dtype=tl.float32)
             row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
-            if FUSE_GATE_UP:
-                acc_gate, acc_up = _gate_up_matmul(x_ptr, tokens, row_mask, H, w_desc, s_desc, row0, row0 + I,
-                                                   BM, BN, BK, FAST_DECODE, INTERPRET, WARP_SPECIALIZE)
-            else:
-                acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
-                                          FAST_DECODE, INTERPRET, w_desc, s_desc, row0, TMA)
-                acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
-                                        FAST_DECODE, INTERPRET, w_desc, s_desc, row0 + I, TMA)
+            acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
+                                      INTERPRET, w_desc, s_desc, row0, TMA)
+            acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
+                                    INTERPRET, w_desc, s_desc, row0 + I, TMA)
             g = tl.load(g_ptr + e)
             if x_ptr.dtype.element_ty == tl.bfloat16:
                 g = g * 4194304.0  # the tiles' 2^-22
@@ -375,8 +348,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     grid1 = (block_expert.numel(), inter // cfg["BN1"])
     _gemm1_swiglu_kernel[grid1](
         x, w13, s13, g13, inter_act, sorted_slot, block_expert, row_start, row_end,
-        hidden, inter, top_k, *desc1, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
-        FUSE_GATE_UP=tma and cfg.get("FUSE_GATE_UP", False), WARP_SPECIALIZE=cfg.get("WARP_SPECIALIZE", False), **launch,
+        hidden, inter, top_k, *desc1, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma, **launch,
     )
     grid2 = (block_expert.numel(), hidden // cfg["BN2"])
     _gemm2_kernel[grid2](
