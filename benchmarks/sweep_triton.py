@@ -54,7 +54,7 @@ def main():
             except Exception as exc:
                 print(f"T={t} {cfg}: {type(exc).__name__} {str(exc)[:120]}")
                 continue
-            results.append((ms, cfg))
+            results.append((ms, cfg | {"rel_err": round(err, 6)}))
         results.sort(key=lambda r: r[0])
         for r in results:
             print(f"T={t}: {r[0]:.4f} ms {r[1]}")
