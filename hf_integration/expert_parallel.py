@@ -48,6 +48,35 @@ def expert_shard(num_experts: int, rank: int, world_size: int, group=None) -> Ex
     return ExpertShard(rank, world_size, rank * count, count, group)
 
 
+def same_outcome_on_every_rank(what: str, fn, group=None):
+    """Run ``fn()`` on every rank and return its result; if it raised on any rank, raise the
+    first failing rank's error on every rank. A collective, so no rank is left waiting in a
+    later collective for a rank that failed."""
+    from .modelopt import CheckpointError
+
+    try:
+        result, failure = fn(), None
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        result, failure = None, (type(exc).__name__, str(exc))
+    failures = [None] * dist.get_world_size(group)
+    dist.all_gather_object(failures, failure, group=group)
+    for rank, found in enumerate(failures):
+        if found is not None:
+            kinds = {"CheckpointError": CheckpointError, "ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
+            raise kinds.get(found[0], RuntimeError)(f"{what} failed on rank {rank}: {found[1]}")
+    return result
+
+
+def same_on_every_rank(what: str, value, error=ValueError, group=None) -> None:
+    """Raise ``error`` on every rank unless every rank passes an equal ``value`` (picklable)."""
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    if any(v != values[0] for v in values):
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        raise error(f"ranks disagree on the {what}: rank 0 has {values[0]!r}, rank(s) {differ} have "
+                    f"{[values[r] for r in differ]!r}; every rank must load the same checkpoint")
+
+
 def shard_weights(weights: NVFP4MoEWeights, shard: ExpertShard) -> NVFP4MoEWeights:
     """This rank's experts (copies, so the full stacks can be freed)."""
     sl = slice(shard.offset, shard.offset + shard.count)

@@ -227,32 +227,60 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
         backend: fp4moe backend for the experts (``"auto"``: by device).
         expert_parallel: load only this rank's ``E / world_size`` experts of each layer
             (``torch.distributed`` must be initialized) and sum the ranks' outputs, as
-            :func:`hf_integration.expert_parallel.shard_experts` does.
+            :func:`hf_integration.expert_parallel.shard_experts` does. Every rank must call
+            this; the ranks first check that they read the same checkpoint, and a failure on
+            any rank (a missing expert tensor, say) is raised on every rank, naming it.
 
     Returns:
         the model, experts computed by ``torch.ops.fp4moe.fused_moe``; calibrated input scales
         from the checkpoint are kept (``fc1_input_scale``/``fc2_input_scale``) for NVFP4
         activations (:func:`hf_integration.set_backend`).
     """
+    path = Path(path)
+
+    def read():
+        return read_quant_config(path), _model_config(path), _Checkpoint(path)
+
+    def build(quant, config, ckpt, expert_shard_of=None):
+        return _build(quant, config, ckpt, dtype, device, device_map, backend, expert_shard_of, verbose)
+
+    if not expert_parallel:
+        return build(*read())
+    # Collectives at each step, so that a rank that fails never leaves the others waiting
+    from .expert_parallel import expert_shard, same_on_every_rank, same_outcome_on_every_rank
+
+    quant, config, ckpt = same_outcome_on_every_rank("reading the checkpoint", read)
+    same_on_every_rank("checkpoint (config and tensor names, dtypes, shapes)",
+                       _fingerprint(quant, config, ckpt), error=CheckpointError)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return same_outcome_on_every_rank("loading this rank's experts",
+                                      lambda: build(quant, config, ckpt, lambda e: expert_shard(e, rank, world)))
+
+
+def _fingerprint(quant: ModelOptNVFP4Config, config, ckpt: "_Checkpoint") -> str:
+    """A digest of what a rank is about to load: model config, quant config and every tensor's
+    name, dtype and shape (not the bytes, and not how tensors are split into files)."""
+    import hashlib
+
+    layout = sorted((k, v[2], tuple(v[3])) for k, v in ckpt.where.items())
+    return hashlib.sha256(repr((config.to_json_string(), quant, layout)).encode()).hexdigest()[:16]
+
+
+def _build(quant, config, ckpt, dtype, device, device_map, backend, expert_shard_of, verbose) -> nn.Module:
+    """Build the model on meta, place it, and fill it from ``ckpt`` (see :func:`load_modelopt_nvfp4`);
+    ``expert_shard_of(num_experts)`` gives this rank's experts under expert parallelism."""
     from transformers import AutoModelForCausalLM
 
-    path = Path(path)
-    quant = read_quant_config(path)
-    config = _model_config(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts = find_experts_modules(model)
     expert_prefixes = {name: m for name, m in experts}
     placement = _placement(model, device, device_map, set(expert_prefixes))
     materialize(model, placement, skip=set(expert_prefixes))  # experts stay meta until loaded as NVFP4
-    ckpt = _Checkpoint(path)
 
     shards = {}
-    if expert_parallel:  # every module checked before any is loaded: same error on every rank
-        from .expert_parallel import expert_shard
-
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        shards = {name: expert_shard(m.gate_up_proj.shape[0], rank, world) for name, m in experts}
+    if expert_shard_of is not None:  # every module checked before any is loaded
+        shards = {name: expert_shard_of(m.gate_up_proj.shape[0]) for name, m in experts}
     for i, (name, m) in enumerate(experts):
         e, two_i, h = m.gate_up_proj.shape
         shard = shards.get(name)

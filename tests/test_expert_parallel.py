@@ -28,8 +28,9 @@ def worker(rank, world, port, ids, out_dir, compile_too, checkpoint=None):
         from hf_integration.modelopt import load_modelopt_nvfp4
 
         try:
-            if checkpoint:  # each rank reads only its experts from the checkpoint
-                model = load_modelopt_nvfp4(checkpoint, expert_parallel=True, verbose=False)
+            if checkpoint:  # each rank reads only its experts from the checkpoint (or its own path)
+                path = checkpoint[rank] if isinstance(checkpoint, list) else checkpoint
+                model = load_modelopt_nvfp4(path, expert_parallel=True, verbose=False)
             else:
                 model = patch_deepseek(tiny_deepseek_v3(seed=0, num_hidden_layers=2), verbose=False)  # same weights everywhere
                 shard_experts(model)
@@ -93,3 +94,32 @@ def test_expert_parallel_loading_from_modelopt_checkpoint(tmp_path):
         per_token = (r["logits"].double() - want).norm(dim=-1) / want.norm(dim=-1)
         assert per_token.max() < 3e-2, per_token
         assert torch.equal(r["tokens"], want_tokens)
+
+
+def test_a_rank_missing_its_expert_fails_on_every_rank(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from hf_integration.tiny_models import write_modelopt_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    write_modelopt_checkpoint(tiny_deepseek_v3(seed=1, num_hidden_layers=2), ckpt)
+    missing = "model.layers.1.mlp.experts.6.down_proj.weight"  # expert 6: rank 1's half
+    for f in ckpt.glob("*.safetensors"):
+        tensors = load_file(f)
+        if tensors.pop(missing, None) is not None:
+            save_file(tensors, f)
+    _, results = run(2, tmp_path, checkpoint=str(ckpt))
+    messages = {r.get("error") for r in results}
+    assert len(messages) == 1  # rank 0 loaded its half fine, and still stops with rank 1's error
+    message = messages.pop()
+    assert "failed on rank 1" in message and missing in message and "is missing" in message
+
+
+def test_ranks_with_different_checkpoints_fail_alike(tmp_path):
+    from hf_integration.tiny_models import write_modelopt_checkpoint
+
+    write_modelopt_checkpoint(tiny_deepseek_v3(seed=1, num_hidden_layers=2), tmp_path / "a")
+    write_modelopt_checkpoint(tiny_deepseek_v3(seed=1, num_hidden_layers=3), tmp_path / "b")
+    _, results = run(2, tmp_path, checkpoint=[str(tmp_path / "a"), str(tmp_path / "b")])
+    messages = {r.get("error") for r in results}
+    assert len(messages) == 1 and "ranks disagree on the checkpoint" in messages.pop()
