@@ -196,3 +196,25 @@ def test_save_patched_model_with_nvfp4_dense_mlps_and_reload(tmp_path):
         per_token = (again(ids).logits.double() - model(ids).logits.double()).norm(dim=-1)
         per_token /= model(ids).logits.double().norm(dim=-1)
     assert per_token.median() < 3e-2, per_token  # same weights; bf16 vs fp32 dense math
+
+
+def test_checkpoint_fingerprint_sees_layout_not_file_split(tmp_path):
+    # expert-parallel ranks compare this digest: equal for the same tensors split into other
+    # files, different when a tensor's shape differs
+    from safetensors.torch import load_file
+
+    from hf_integration.modelopt import _Checkpoint, _fingerprint, _model_config
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_modelopt_checkpoint(tiny_deepseek_v3(seed=0, num_hidden_layers=2), a, shards=2)
+    b.mkdir()
+    merged = {k: v for f in sorted(a.glob("*.safetensors")) for k, v in load_file(f).items()}
+    save_file(merged, str(b / "model.safetensors"))
+    for name in ("config.json", "hf_quant_config.json"):
+        (b / name).write_text((a / name).read_text())
+    digest = lambda p: _fingerprint(read_quant_config(p), _model_config(p), _Checkpoint(p))  # noqa: E731
+    assert len(list(a.glob("*.safetensors"))) > 1 and digest(a) == digest(b)
+    key = "model.layers.1.mlp.experts.3.down_proj.weight_scale_2"
+    merged[key] = merged[key].reshape(1)
+    save_file(merged, str(b / "model.safetensors"))
+    assert digest(a) != digest(b)
