@@ -44,7 +44,7 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def checkpoint_check(rank: int, world: int) -> float:
+def checkpoint_check(rank: int) -> float:
     """Max |logits difference| between an expert-parallel load and a one-GPU load."""
     path = [None]
     if rank == 0:
@@ -100,7 +100,7 @@ def main() -> None:
     start = time.time()
     result = dict(device=torch.cuda.get_device_name(), world_size=world, layers=args.layers,
                   date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
-    result["checkpoint_max_abs_logit_diff"] = checkpoint_check(rank, world)
+    result["checkpoint_max_abs_logit_diff"] = checkpoint_check(rank)
 
     torch.manual_seed(0)  # identical random weights on every rank
     model = patch_deepseek(deepseek_v3_layers(args.layers), verbose=False)

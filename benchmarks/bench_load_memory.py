@@ -39,7 +39,8 @@ def config_dict(num_layers: int = 1, first_k_dense: int = 0, vocab_size: int = 1
 
 
 def nvfp4_linear(name: str, n: int, k: int, device="cpu") -> dict:
-    """One ModelOpt NVFP4 linear: random codes, E4M3 block scales in [2^-2, 2), small global scales (activations stay finite over layers)."""
+    """One ModelOpt NVFP4 linear: random codes, E4M3 block scales in [2^-2, 2), small global
+    scales (so activations stay finite over layers)."""
     def rand(*shape, lo=0, hi=256):
         return torch.randint(lo, hi, shape, dtype=torch.uint8, device=device).cpu()
 

@@ -17,10 +17,14 @@ from torch import nn
 _NVFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16
 
 
+def _as_device(d) -> torch.device:
+    """accelerate's convention: an int is a CUDA ordinal."""
+    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+
+
 def normalize_device_map(device_map: dict) -> dict[str, torch.device]:
-    """``{prefix: int | str | torch.device}`` -> ``{prefix: torch.device}`` (ints are CUDA ordinals)."""
-    return {prefix: torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
-            for prefix, d in device_map.items()}
+    """``{prefix: int | str | torch.device}`` -> ``{prefix: torch.device}``."""
+    return {prefix: _as_device(d) for prefix, d in device_map.items()}
 
 
 def device_for(name: str, device_map: dict[str, torch.device]) -> torch.device:
@@ -60,7 +64,7 @@ def auto_device_map(model: nn.Module, devices: list, expert_names: set[str] = fr
         devices: devices in pipeline order, e.g. ``[0, 1]``.
         expert_names: module names of routed experts, counted at their NVFP4 size.
     """
-    devices = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices]
+    devices = [_as_device(d) for d in devices]
     layers_name, layers = _decoder_layers(model)
     sizes = [_loaded_bytes(layer, f"{layers_name}.{i}", expert_names) for i, layer in enumerate(layers)]
     device_map = {"": devices[0]}  # embeddings, rotary tables and anything else before the layers
@@ -104,11 +108,12 @@ def flat_device_map(module: nn.Module, prefix: str = "") -> dict[str, torch.devi
     return flat
 
 
-def dispatch(model: nn.Module, device_map: dict[str, torch.device]) -> nn.Module:
-    """accelerate's hooks that move each block's inputs to its device (only when the model
-    spans more than one device); records ``model.hf_device_map`` as ``from_pretrained`` does."""
-    if len(set(device_map.values())) < 2:
+def dispatch(model: nn.Module) -> nn.Module:
+    """accelerate's hooks that move each block's inputs to its device, where the model's tensors
+    span more than one device; records ``model.hf_device_map`` as ``from_pretrained`` does."""
+    flat = flat_device_map(model)
+    if len(set(flat.values())) < 2:
         return model
     from accelerate import dispatch_model
 
-    return dispatch_model(model, device_map={k: str(v) for k, v in flat_device_map(model).items()})
+    return dispatch_model(model, device_map={k: str(v) for k, v in flat.items()})

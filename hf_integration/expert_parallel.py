@@ -60,9 +60,9 @@ def same_outcome_on_every_rank(what: str, fn, group=None):
         result, failure = None, (type(exc).__name__, str(exc))
     failures = [None] * dist.get_world_size(group)
     dist.all_gather_object(failures, failure, group=group)
+    kinds = {"CheckpointError": CheckpointError, "ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
     for rank, found in enumerate(failures):
         if found is not None:
-            kinds = {"CheckpointError": CheckpointError, "ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
             raise kinds.get(found[0], RuntimeError)(f"{what} failed on rank {rank}: {found[1]}")
     return result
 

@@ -331,7 +331,7 @@ def _build(quant, config, ckpt, dtype, device, device_map, backend, expert_shard
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     use_fp4moe(model)
-    return dispatch(model.eval(), placement)
+    return dispatch(model.eval())
 
 
 def _placement(model: nn.Module, device, device_map, expert_names: set[str]) -> dict[str, torch.device]:
@@ -375,8 +375,8 @@ def _reinit_non_persistent_buffers(model: nn.Module, placement: dict[str, torch.
         if "inv_freq" in mod._buffers:
             with torch.device(device_for(name, placement)):
                 fresh = type(mod)(mod.config)
-            for name, buf in fresh.named_buffers(recurse=False):
-                mod._buffers[name] = buf
+            for buf_name, buf in fresh.named_buffers(recurse=False):
+                mod._buffers[buf_name] = buf
             if hasattr(fresh, "attention_scaling"):
                 mod.attention_scaling = fresh.attention_scaling
 

@@ -64,3 +64,15 @@ def test_flat_device_map_names_disjoint_blocks_covering_every_tensor():
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         owner = [k for k in names if name.startswith(k + ".")]
         assert len(owner) == 1 and flat[owner[0]] == t.device, name
+
+
+def test_dispatch_hooks_only_a_model_that_spans_devices():
+    from hf_integration.device_map import dispatch
+
+    model = tiny_deepseek_v3(seed=0, num_hidden_layers=3)
+    assert dispatch(model) is model and not hasattr(model, "hf_device_map")  # one device: untouched
+    model.model.layers[2].to("meta")  # a second "device" that needs no GPU
+    model.lm_head.to("meta")
+    dispatched = dispatch(model)
+    assert dispatched.hf_device_map["model.layers.2"] == "meta" and dispatched.hf_device_map["lm_head"] == "meta"
+    assert dispatched.hf_device_map["model.layers.0"] == "cpu" and "" not in dispatched.hf_device_map
