@@ -45,6 +45,9 @@ def worker(rank, world, port, ids, out_dir, compile_too, checkpoint=None):
         torch.save({"logits": logits, "tokens": tokens, "compiled": compiled,
                     "local_experts": experts.nvfp4_weights().num_experts}, f"{out_dir}/rank{rank}.pt")
     finally:
+        # no collective left in flight on either rank before teardown: gloo can abort the
+        # process when a peer tears down while its worker threads still hold work
+        dist.barrier()
         dist.destroy_process_group()
 
 
