@@ -97,3 +97,40 @@ def test_fast_and_torch_routing_agree(slots_per_token, tokens):
     assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
     used = fast[1] >= 0  # row ranges of unused blocks are never read
     assert torch.equal(fast[2][used], slow[2][used]) and torch.equal(fast[3][used], slow[3][used])
+
+
+def test_fragment_order_is_the_mma_quad_layout():
+    # Written from the definition: in each 16-wide step the MMA gives quad thread t the columns
+    # 2t, 2t+1 (s = 0) and 2t+8, 2t+9 (s = 1); we want those to be the low (s = 0) and high (s = 1)
+    # nibbles of the 2 bytes 2j, 2j+1 of thread t's contiguous chunk/8-byte run.
+    from fp4moe_ops.backends.triton_moe import fragment_order
+
+    chunk = 256
+    expected = [0] * chunk
+    for j in range(chunk // 16):
+        for t in range(4):
+            for s in range(2):
+                for e in range(2):
+                    byte = (chunk // 8) * t + 2 * j + e
+                    expected[16 * j + 8 * s + 2 * t + e] = 2 * byte + s
+    x = torch.arange(2 * chunk).reshape(1, 2 * chunk)  # two chunks: the order repeats per chunk
+    got = fragment_order(x, chunk)[0].tolist()
+    assert got == expected + [chunk + k for k in expected]
+    assert sorted(got) == list(range(2 * chunk))
+
+
+@pytest.mark.parametrize("fragment", [False, True])
+def test_triton_decode_with_and_without_fragment_order(fragment):
+    # Same NVFP4 layer through the decode kernels with K in natural and in fragment order.
+    e, h, i, t, k = 4, 512, 256, 6, 2
+    w = layer(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    rw = torch.rand(t, k)
+    p = fp4moe_ops.prepare_experts(w, "reference")
+    cfg = kernel_config(t * k, e, h, i) | {"FRAGMENT_ORDER": fragment}
+    out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in p.tensors], cfg).cpu()
+    ref = moe64(x, ids, rw, *w.tensors())
+    assert torch.isfinite(out).all()
+    # bf16 intermediate and output: a few bf16 ulps (2^-8) of the row scale, as above.
+    torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
