@@ -72,21 +72,22 @@ if triton is not None:
             values = values * 4194304.0
         return values.to(OUT_DTYPE)
 
-    # PTX for 4 packed bytes (8 E2M1 codes) -> 8 bf16, times a bf16x2 block scale, 2.75
-    # instructions per element: spread bytes 0,1 (then 2,3) into the two 16-bit halves, move
-    # each nibble's exponent/mantissa bits to bf16 bits 8..6 and its sign to bit 15 (that bit
-    # pattern is value * 2^-126, subnormal 0.5 included), then one mul.bf16x2 by the block
-    # scale pre-multiplied by 2^104 (exact): the result is value * scale * 2^-22.
+    # PTX for 4 packed bytes (8 E2M1 codes) -> 8 bf16, times a bf16x2 block scale, 2.25
+    # instructions per element: spread bytes 0,1 (then 2,3) into the two 16-bit halves, keep one
+    # nibble per half, multiply by 2^6 + 2^12 to copy it to bits 9..6 and 15..12 (the copies do
+    # not overlap), and keep bits 8..6 (exponent/mantissa) and 15 (sign): that bf16 bit pattern is
+    # value * 2^-126, subnormal 0.5 included. Then one mul.bf16x2 by the block scale
+    # pre-multiplied by 2^104 (exact): the result is value * scale * 2^-22.
     _E2M1X8_TO_BF16 = tl.constexpr("""
     {
-    .reg .b32 t0, t1, u, v, z;
+    .reg .b32 t0, t1, m, z;
     mov.b32 z, 0;
     prmt.b32 t0, $4, z, 0x4140;
     prmt.b32 t1, $4, z, 0x4342;
-    shl.b32 u, t0, 6;  shl.b32 v, t0, 12; and.b32 u, u, 0x01C001C0; and.b32 v, v, 0x80008000; or.b32 $0, u, v;
-    shl.b32 u, t1, 6;  shl.b32 v, t1, 12; and.b32 u, u, 0x01C001C0; and.b32 v, v, 0x80008000; or.b32 $1, u, v;
-    shl.b32 u, t0, 2;  shl.b32 v, t0, 8;  and.b32 u, u, 0x01C001C0; and.b32 v, v, 0x80008000; or.b32 $2, u, v;
-    shl.b32 u, t1, 2;  shl.b32 v, t1, 8;  and.b32 u, u, 0x01C001C0; and.b32 v, v, 0x80008000; or.b32 $3, u, v;
+    and.b32 m, t0, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 $0, m, 0x81C081C0;
+    and.b32 m, t1, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 $1, m, 0x81C081C0;
+    and.b32 m, t0, 0x00F000F0; mul.lo.u32 m, m, 0x104;  and.b32 $2, m, 0x81C081C0;
+    and.b32 m, t1, 0x00F000F0; mul.lo.u32 m, m, 0x104;  and.b32 $3, m, 0x81C081C0;
     mul.rn.bf16x2 $0, $0, $5;
     mul.rn.bf16x2 $1, $1, $5;
     mul.rn.bf16x2 $2, $2, $5;
