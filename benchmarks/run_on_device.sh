@@ -1,6 +1,6 @@
 #!/bin/bash
 # One GPU-machine call: smoke test, GPU test suite, benchmarks. Logs and results go to $OUT.
-#   source .device/setup-on-device.sh && bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep demo accuracy modelopt e2e)
+#   source .device/setup-on-device.sh && bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e)
 set -o pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -11,6 +11,7 @@ for step in "$@"; do
     tests) timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py tests/test_triton_backend.py 2>&1 | tee "$OUT/tests.log" | grep -E "rel err|passed|failed|Error|error" ;;
     bench) timeout 400 python3 benchmarks/bench_moe.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     sweep) timeout 300 python3 benchmarks/sweep_triton.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" ;;
+    profile) timeout 120 python3 benchmarks/profile_layer.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
     demo) timeout 120 python3 -m hf_integration.demo 2>&1 | tee "$OUT/demo.log" | grep -v -i warn ;;
     accuracy) timeout 240 python3 benchmarks/accuracy_study.py 2>&1 | tee "$OUT/accuracy.log" | grep -v -i warn ;;
     modelopt) timeout ${MODELOPT_TIMEOUT:-420} python3 benchmarks/bench_modelopt_gpu.py --out "$OUT" ${MODELOPT_ARGS:-} 2>&1 | tee "$OUT/modelopt.log" | grep -v -i warn ;;
