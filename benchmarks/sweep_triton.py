@@ -31,19 +31,22 @@ def main():
         ref = triton_fused_moe(*inputs[0], tensors, base | {"FAST_DECODE": False})  # portable decode
         results = []
         decode = t * k / min(e, t * k) <= 16
-        if decode:  # (BM, BN1, BK1, BN2, BK2, warps, stages, prefetch, tma, fragment order)
-            tiles = [(16, 64, 256, 64, 256, 4, 3, 0, 1, 0), (16, 64, 256, 64, 256, 4, 3, 0, 1, 1),
-                     (16, 64, 256, 64, 256, 4, 2, 0, 1, 1), (16, 64, 256, 64, 256, 4, 4, 0, 1, 1),
-                     (16, 128, 256, 128, 256, 4, 3, 0, 1, 1), (16, 128, 256, 128, 256, 8, 3, 0, 1, 1),
-                     (16, 64, 512, 64, 512, 4, 2, 0, 1, 1), (16, 64, 512, 64, 512, 4, 3, 0, 1, 1),
-                     (16, 64, 128, 64, 128, 4, 4, 0, 1, 1), (16, 128, 256, 64, 256, 4, 3, 0, 1, 1)]
+        if decode:  # (BM, BN1, BK1, BN2, BK2, warps, stages, prefetch, tma, fragment order, split gate/up)
+            tiles = [(16, 64, 256, 64, 256, 4, 3, 0, 1, 0, 0), (16, 64, 256, 64, 256, 4, 3, 0, 1, 1, 0),
+                     (16, 64, 256, 64, 256, 4, 2, 0, 1, 1, 0), (16, 64, 256, 64, 256, 4, 4, 0, 1, 1, 0),
+                     (16, 64, 256, 64, 256, 4, 3, 0, 1, 1, 1), (16, 64, 256, 64, 256, 4, 4, 0, 1, 1, 1),
+                     (16, 128, 256, 128, 256, 4, 3, 0, 1, 1, 0), (16, 128, 256, 128, 256, 8, 3, 0, 1, 1, 0),
+                     (16, 64, 512, 64, 512, 4, 2, 0, 1, 1, 0), (16, 64, 512, 64, 512, 4, 3, 0, 1, 1, 1),
+                     (16, 128, 256, 64, 256, 4, 3, 0, 1, 1, 0)]
         else:
-            tiles = [(128, 128, 128, 128, 128, 8, 2, 1, 0, 0), (64, 128, 256, 128, 256, 8, 2, 0, 1, 1),
-                     (128, 64, 256, 64, 256, 4, 2, 0, 1, 1), (128, 128, 256, 128, 256, 8, 2, 0, 1, 1)]
+            tiles = [(128, 128, 128, 128, 128, 8, 2, 1, 0, 0, 0), (64, 128, 256, 128, 256, 8, 2, 0, 1, 1, 0),
+                     (128, 64, 256, 64, 256, 4, 2, 0, 1, 1, 0), (128, 128, 256, 128, 256, 8, 2, 0, 1, 1, 0),
+                     (64, 64, 256, 64, 256, 4, 3, 0, 1, 1, 0)]
         configs = [
             dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages,
-                 PREFETCH=bool(prefetch), FAST_DECODE=True, TMA=bool(tma), FRAGMENT_ORDER=bool(frag))
-            for bm, bn1, bk1, bn2, bk2, warps, stages, prefetch, tma, frag in tiles]
+                 PREFETCH=bool(prefetch), FAST_DECODE=True, TMA=bool(tma), FRAGMENT_ORDER=bool(frag),
+                 SPLIT_GATE_UP=bool(split))
+            for bm, bn1, bk1, bn2, bk2, warps, stages, prefetch, tma, frag, split in tiles]
         for cfg in configs:
             try:
                 out = triton_fused_moe(*inputs[0], tensors, cfg)

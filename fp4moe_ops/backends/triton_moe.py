@@ -77,7 +77,10 @@ if triton is not None:
     # nibble per half, multiply by 2^6 + 2^12 to copy it to bits 9..6 and 15..12 (the copies do
     # not overlap), and keep bits 8..6 (exponent/mantissa) and 15 (sign): that bf16 bit pattern is
     # value * 2^-126, subnormal 0.5 included. Then one mul.bf16x2 by the block scale
-    # pre-multiplied by 2^104 (exact): the result is value * scale * 2^-22.
+    # pre-multiplied by 2^104 (exact): the result is value * scale * 2^-22. Strictly elementwise
+    # (Triton packs a thread's elements 4 at a time in register order, which need not be 4
+    # adjacent bytes of one row): $0..$3 are lo(b0,b1), lo(b2,b3), hi(b0,b1), hi(b2,b3) and the
+    # scales of elements 0,1 are in $5, of elements 2,3 in $6.
     _E2M1X8_TO_BF16 = tl.constexpr("""
     {
     .reg .b32 t0, t1, m, z;
@@ -89,9 +92,9 @@ if triton is not None:
     and.b32 m, t0, 0x00F000F0; mul.lo.u32 m, m, 0x104;  and.b32 $2, m, 0x81C081C0;
     and.b32 m, t1, 0x00F000F0; mul.lo.u32 m, m, 0x104;  and.b32 $3, m, 0x81C081C0;
     mul.rn.bf16x2 $0, $0, $5;
-    mul.rn.bf16x2 $1, $1, $5;
+    mul.rn.bf16x2 $1, $1, $6;
     mul.rn.bf16x2 $2, $2, $5;
-    mul.rn.bf16x2 $3, $3, $5;
+    mul.rn.bf16x2 $3, $3, $6;
     }
     """)
 
@@ -204,7 +207,12 @@ if triton is not None:
         H, I, TOPK, w_desc, s_desc,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
         TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
+        SPLIT_GATE_UP: tl.constexpr = False,
     ):
+        """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
+        SPLIT_GATE_UP a program computes only the gate or the up tile and stores it, scaled, in
+        fp32 ``out [S, 2I]`` (twice the programs, for batches too small to fill the GPU);
+        :func:`_silu_mul_kernel` finishes."""
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
         if e >= 0:
@@ -213,16 +221,23 @@ if triton is not None:
             e64 = e.to(tl.int64)
             w_e = w_ptr + e64 * (2 * I) * (H // 2)
             s_e = s_ptr + e64 * (2 * I) * (H // 16)
-            cols = tl.program_id(1) * BN + tl.arange(0, BN)
             zero = tl.zeros((BN, BM), dtype=tl.float32)
+            g = tl.load(g_ptr + e)
+            if x_ptr.dtype.element_ty == tl.bfloat16:
+                g = g * 4194304.0  # the tiles' 2^-22
+            if SPLIT_GATE_UP:
+                cols = tl.program_id(1) * BN + tl.arange(0, BN)  # rows of [gate; up], 0..2I
+                acc = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
+                                     INTERPRET, w_desc, s_desc, e * (2 * I) + tl.program_id(1) * BN, TMA,
+                                     FRAGMENT_ORDER)
+                tl.store(out_ptr + slots[None, :] * (2 * I) + cols[:, None], acc * g, mask=row_mask[None, :])
+                return
+            cols = tl.program_id(1) * BN + tl.arange(0, BN)
             row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
             acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
                                       INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER)
             acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
                                     INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER)
-            g = tl.load(g_ptr + e)
-            if x_ptr.dtype.element_ty == tl.bfloat16:
-                g = g * 4194304.0  # the tiles' 2^-22
             gate = acc_gate * g
             up = acc_up * g
             h = gate * tl.sigmoid(gate) * up  # [BN, BM]
@@ -230,6 +245,23 @@ if triton is not None:
                 cols = _fragment_position(cols, OUT_CHUNK)
             tl.store(out_ptr + slots[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
                      mask=row_mask[None, :])
+
+    @triton.jit
+    def _silu_mul_kernel(pre_ptr, ids_ptr, out_ptr, I, E, FRAGMENT_ORDER: tl.constexpr, OUT_CHUNK: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        """``out[s, c] = silu(pre[s, c]) * pre[s, I + c]`` (``pre [S, 2I]`` fp32, ``out [S, I]``),
+        columns in fragment order if asked; slots with an invalid expert id (never written by
+        GEMM1, never read by GEMM2) are skipped."""
+        s = tl.program_id(0).to(tl.int64)
+        e = tl.load(ids_ptr + s)
+        if (e < 0) | (e >= E):
+            return
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        gate = tl.load(pre_ptr + s * (2 * I) + cols)
+        up = tl.load(pre_ptr + s * (2 * I) + I + cols)
+        if FRAGMENT_ORDER:
+            cols = _fragment_position(cols, OUT_CHUNK)
+        tl.store(out_ptr + s * I + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _gemm2_kernel(
@@ -401,14 +433,20 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     tma = cfg.get("TMA", False)
+    split = cfg.get("SPLIT_GATE_UP", False)
     desc1 = _descriptors(w13, s13, cfg["BN1"], cfg["BK1"]) if tma else (w13, s13)
     desc2 = _descriptors(w2, s2, cfg["BN2"], cfg["BK2"]) if tma else (w2, s2)
-    grid1 = (block_expert.numel(), inter // cfg["BN1"])
+    grid1 = (block_expert.numel(), (2 if split else 1) * inter // cfg["BN1"])
+    pre_act = torch.empty(num_slots, 2 * inter, dtype=torch.float32, device=x.device) if split else inter_act
     _gemm1_swiglu_kernel[grid1](
-        fragment_order(x, cfg["BK1"]) if fragment else x, w13, s13, g13, inter_act, sorted_slot, block_expert,
+        fragment_order(x, cfg["BK1"]) if fragment else x, w13, s13, g13, pre_act, sorted_slot, block_expert,
         row_start, row_end, hidden, inter, top_k, *desc1, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
-        OUT_CHUNK=cfg["BK2"], **launch,
+        OUT_CHUNK=cfg["BK2"], SPLIT_GATE_UP=split, **launch,
     )
+    if split:
+        block = _pow2_divisor(inter, 1024)
+        _silu_mul_kernel[(num_slots, inter // block)](pre_act, topk_ids.contiguous(), inter_act, inter, num_experts,
+                                                       FRAGMENT_ORDER=fragment, OUT_CHUNK=cfg["BK2"], BLOCK=block)
     grid2 = (block_expert.numel(), hidden // cfg["BN2"])
     _gemm2_kernel[grid2](
         inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end,
