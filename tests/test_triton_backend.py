@@ -36,7 +36,9 @@ def test_route_matches_python_grouping():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("e,h,i,t,k", [(6, 64, 32, 5, 2), (8, 128, 64, 33, 3), (4, 512, 256, 3, 2)])  # the last: TMA loads
+@pytest.mark.parametrize("e,h,i,t,k", [(6, 64, 32, 5, 2), (8, 128, 64, 33, 3),
+                                       (4, 512, 256, 3, 2),  # decode with TMA loads, fragment order
+                                       (2, 256, 256, 40, 1)])  # prefill bucket (20 rows per expert), TMA
 def test_triton_matches_float64(dtype, e, h, i, t, k):
     w = layer(e, h, i)
     x = torch.randn(t, h, dtype=dtype)
@@ -73,7 +75,10 @@ def test_triton_multiple_blocks_per_expert():
 def test_kernel_config_uses_tma_only_where_boxes_fit():
     assert kernel_config(8, 256, 7168, 2048)["TMA"] and kernel_config(3 * 2, 4, 512, 256)["TMA"]
     assert not kernel_config(8, 256, 64, 32)["TMA"]  # scale rows of 4 bytes: no 16-byte box
-    assert not kernel_config(65536, 256, 7168, 2048)["TMA"]  # prefill: no gain measured
+    assert kernel_config(65536, 256, 7168, 2048)["TMA"]  # prefill too
+    for slots, h, i in [(8, 7168, 2048), (65536, 7168, 2048), (8, 64, 32), (65536, 2048, 1408)]:
+        cfg = kernel_config(slots, 256, h, i)
+        assert cfg["FRAGMENT_ORDER"] == cfg["TMA"] and (not cfg["TMA"] or min(cfg["BK1"], cfg["BK2"]) >= 256)
 
 
 def test_kernel_config_divides_dims():

@@ -386,22 +386,28 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int) -> 
     """Tile sizes by shape bucket, chosen from H200 sweeps (benchmarks/sweep_triton.py,
     numbers in benchmarks/NOTES.md). Static: nothing is tuned at call time or in graph capture."""
     rows_per_expert = num_slots / max(1, min(num_experts, num_slots))
-    if rows_per_expert <= 16:  # decode: memory-bound, one M block per expert
+    decode = rows_per_expert <= 16  # memory-bound, one M block per expert
+    # TMA boxes need BK >= 256 (a box row of scales >= 16 bytes, every row 16-byte aligned),
+    # i.e. H and I multiples of 256, as in every DeepSeek/Qwen/Mixtral shape.
+    fits_tma = hidden % 256 == 0 and inter % 256 == 0
+    if decode:
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 16, 64, 256, 64, 256, 4, 3, False
-    else:  # prefill: tensor-core bound
+    elif fits_tma:  # prefill, tensor-core bound: 1.35x over the plain-load tiles at 2048 tokens
+        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 64, 128, 256, 128, 256, 8, 2, False
+    else:
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 128, 128, 128, 128, 128, 8, 2, True
     cfg = dict(
         BM=bm, BN1=_pow2_divisor(inter, bn1), BK1=_pow2_divisor(hidden, bk1),
         BN2=_pow2_divisor(hidden, bn2), BK2=_pow2_divisor(inter, bk2),
         num_warps=warps, num_stages=stages, PREFETCH=prefetch,
     )
-    # Decode reads weights through TMA (bulk copies pipelined over num_stages): 1.2x on H200.
-    # BK >= 256 (i.e. H and I multiples of 256) makes a box row of scales >= 16 bytes and every
-    # row of packed weights and scales 16-byte aligned, as TMA requires.
-    cfg["TMA"] = rows_per_expert <= 16 and min(cfg["BK1"], cfg["BK2"]) >= 256
-    # Decode feeds K in MMA-fragment order: vector loads of each thread's bytes instead of byte
-    # loads and shuffles (933 -> 605 instructions per K step of the GEMM2 loop, SASS of sm90).
-    cfg["FRAGMENT_ORDER"] = cfg["TMA"]
+    # Weights through TMA (bulk copies pipelined over num_stages, 1.2x at decode on H200), and K
+    # in MMA-fragment order: vector loads of each thread's weight bytes instead of byte loads and
+    # shuffles (933 -> 541 instructions per K step of the decode GEMM2 loop, sm90 SASS; 1.4-1.5x).
+    cfg["TMA"] = cfg["FRAGMENT_ORDER"] = fits_tma
+    # Gate and up tiles in separate programs: 2x the programs for GEMM1, which at decode has too
+    # few to fill 132 SMs (1.07-1.09x at 1 and 8 tokens, within 4% elsewhere in the bucket).
+    cfg["SPLIT_GATE_UP"] = decode
     return cfg
 
 
