@@ -136,6 +136,20 @@ def eager_time_ms(fn, inputs, reps=3) -> float:
     return statistics.median(times)
 
 
+# Largest accepted error vs the reference: exact-weight paths differ by fp32 summation order and
+# bf16 roundings (<= 1.2e-3 measured); W4A16-MXFP4 re-quantizes the weights (0.20 measured).
+MAX_ERROR = {"flashinfer_mxfp4": 0.5}
+
+
+def error_vs_reference(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error; when no slot was routed here (expert-parallel shard), the
+    reference is all zeros and the output must be too: then the largest |out|."""
+    ref_norm = ref.norm().item()
+    if ref_norm == 0.0:
+        return out.abs().max().item()
+    return ((out - ref).norm() / ref_norm).item()
+
+
 def make_inputs(t, h, k, routed_over, device, n=INPUT_SETS):
     sets = []
     for _ in range(n):
@@ -212,7 +226,10 @@ def main() -> None:
                 continue
             try:
                 out = fn(x0, ids0, rw0)
-                err = ((out[sub].double() - ref).norm() / ref.norm()).item() if ref is not None else float("nan")
+                err = error_vs_reference(out[sub].double(), ref) if ref is not None else float("nan")
+                if err > MAX_ERROR.get(b, 1e-2):  # checked before timing: a wrong kernel is not timed
+                    log(f"  T={t} {b}: WRONG, rel err vs reference {err:.2e}; not timed")
+                    continue
                 ms = graph_time_ms(fn, inputs) if cuda and b != "reference" else eager_time_ms(fn, inputs)
             except Exception as exc:
                 log(f"  T={t} {b}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
