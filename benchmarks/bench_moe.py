@@ -9,7 +9,7 @@ sets rotated inside one CUDA graph so neither L2 nor a fixed routing flatters; m
 replays timed with CUDA events. Every timed kernel is first checked against the reference
 (on the first 32 tokens: tokens are independent). The byte floor is the NVFP4 bytes of the
 experts actually hit (weights + block scales) over the measured device-copy bandwidth.
-Writes ``results.json``, ``results.md`` and ``latency.png`` to ``--out``.
+Writes ``results_<shape>.json``, ``results_<shape>.md`` and ``latency_<shape>.png`` to ``--out``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,31 @@
+"""The benchmark's code path on CPU (reference backend, small shape), as CI runs it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def test_bench_moe_runs_on_cpu(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--out", str(tmp_path),
+                    "--tokens", "1,4"], check=True, capture_output=True, timeout=600)
+    result = json.loads((tmp_path / "results_small.json").read_text())
+    assert [row["tokens"] for row in result["rows"]] == [1, 4]
+    for row in result["rows"]:
+        assert row["reference"]["rel_err"] == 0.0 and row["reference"]["ms"] > 0
+    assert "| tokens |" in (tmp_path / "results_small.md").read_text()
+
+
+def test_error_vs_reference_checks_an_all_zero_reference_exactly():
+    from bench_moe import error_vs_reference
+
+    zero = torch.zeros(3, 4, dtype=torch.float64)
+    assert error_vs_reference(zero, zero) == 0.0
+    assert error_vs_reference(zero + 1e-3, zero) == 1e-3  # nothing routed here, yet output: caught
+    ref = torch.randn(3, 4, dtype=torch.float64)
+    assert abs(error_vs_reference(ref * 1.01, ref) - 0.01) < 1e-12
