@@ -9,25 +9,29 @@ Pipeline of one call (no host syncs, CUDA-graph capturable):
 2. ``_gemm1_swiglu_kernel``: per (block, N tile) program, gather the block's token rows,
    stream the expert's packed gate and up rows, dequantize in registers, two bf16 tensor-core
    dots with fp32 accumulators, apply the global scale and ``silu(gate) * up``; store
-   ``[S, I]`` rows in the activation dtype (slot order).
+   ``[S, I]`` rows in the activation dtype (slot order). For decode-sized batches gate and up
+   tiles go to separate programs (twice the programs) and ``_silu_mul_kernel`` finishes.
 3. ``_gemm2_kernel``: same over ``w2``, times the routing weight, into ``[S, H]`` fp32.
 4. ``_sum_topk_kernel``: ``out[t] = sum_j y[t*k + j]`` over valid slots, cast to the input dtype
    (deterministic: no atomics).
 
 Only experts that some token picked are read, each weight byte once per (M block, N tile).
-For decode-sized batches the weight and scale tiles come through TMA descriptors over
-``[E*N, K/2]`` / ``[E*N, K/16]`` (``TMA=True``): bulk copies that Triton pipelines over
-``num_stages``, where plain loads feeding the inline-asm decode were not pipelined (1.2x on H200).
+Where H and I are multiples of 256 (every real MoE shape), weight and scale tiles come through
+TMA descriptors over ``[E*N, K/2]`` / ``[E*N, K/16]`` (bulk copies pipelined over
+``num_stages``), and the K axis of both dots runs in MMA-fragment order (:func:`fragment_order`):
+each thread's weight bytes are then one contiguous run per row, read with vector loads, instead
+of single bytes (1.4-1.5x at decode on H200). The weights stay in the canonical layout; the
+activations are permuted once per call and GEMM1 writes its output already permuted for GEMM2.
 Routing for decode-sized batches is one single-program kernel (sort + histogram); prefill-sized
 batches use a few torch ops.
 
 Weight decode (exact): every dequantized weight is ``e2m1 * e4m3 * 2^-22`` in bf16 (at most 6
 significant bits, >= 2^-32, so exact); the ``2^22`` is folded into the per-expert global scale
 applied to the fp32 accumulator. On the GPU an inline-PTX routine turns 8 packed codes into 8
-bf16 with bit masks and one ``mul.bf16x2`` by the block scale (``_E2M1X8_TO_BF16``); the portable
-path (fp16 and Triton's CPU interpreter) builds the same values from fp16 bit patterns: code
-``c`` as ``(c & 7) << 9 | (c & 8) << 12`` is ``value * 2^-14`` and E4M3 byte ``b`` as
-``(b & 0x7F) << 7`` is ``scale * 2^-8``.
+bf16 with bit masks, one integer multiply per pair and one ``mul.bf16x2`` by the block scale
+(``_E2M1X8_TO_BF16``); the portable path (fp16 and Triton's CPU interpreter) builds the same
+values from fp16 bit patterns: code ``c`` as ``(c & 7) << 9 | (c & 8) << 12`` is
+``value * 2^-14`` and E4M3 byte ``b`` as ``(b & 0x7F) << 7`` is ``scale * 2^-8``.
 """
 
 from __future__ import annotations

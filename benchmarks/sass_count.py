@@ -1,0 +1,75 @@
+"""Count the SASS instructions in the K loop of the decode kernels, without a GPU: compile for
+sm90 with Triton's bundled ptxas, disassemble with its cuobjdump, histogram each backward-branch
+loop. This is how the decode's instruction budget in NOTES.md was measured (Triton 3.6 matches the
+GPU machine: ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``).
+
+    python benchmarks/sass_count.py                       # current decode config
+    python benchmarks/sass_count.py --no-fragment-order   # the natural-K-order decode
+"""
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fp4moe_ops.backends import triton_moe  # noqa: E402
+
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def loop_histograms(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int):
+    """Compile ``kernel`` for sm90 and return (registers, [(instructions, Counter)] per loop)."""
+    names = list(kernel.arg_names)
+    # what the JIT would specialize at run time: pointers and sizes divisible by 16
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
+             if (t.startswith("*") or t == "i32") and n != "TOPK"}
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        Path(cubin).write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(TOOLS / "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+        usage = subprocess.run([str(TOOLS / "cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    instrs = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s*(.*?);", sass)]
+    loops = []
+    for addr, op in instrs:
+        target = re.search(r"BRA\s+0x([0-9a-f]+)", op)
+        if target and int(target.group(1), 16) < addr:
+            body = [o for a, o in instrs if int(target.group(1), 16) <= a <= addr]
+            if len(body) > 50:  # skip barrier spin loops
+                loops.append((len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0] for o in body)))
+    return int(regs.group(1)) if regs else None, loops
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-fragment-order", action="store_true")
+    args = ap.parse_args()
+    cfg = triton_moe.kernel_config(8 * 8, 256, 7168, 2048)  # 8 tokens: the decode bucket
+    if args.no_fragment_order:
+        cfg["FRAGMENT_ORDER"] = False
+    bn, bk = cfg["BN2"], cfg["BK2"]
+    desc = {"w_desc": f"tensordesc<u8[{bn}, {bk // 2}]>", "s_desc": f"tensordesc<u8[{bn}, {bk // 16}]>"}
+    routing = {n: "*i32" for n in ("sorted_slot_ptr", "block_expert_ptr", "block_row_start_ptr", "block_row_end_ptr")}
+    constants = dict(BM=cfg["BM"], BN=bn, BK=bk, PREFETCH=cfg["PREFETCH"], FAST_DECODE=True, INTERPRET=False,
+                     TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"])
+    sig2 = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", "topk_weights_ptr": "*fp32",
+            "out_ptr": "*fp32", **routing, "H": "i32", "I": "i32", **desc, **{k: "constexpr" for k in constants}}
+    regs, loops = loop_histograms(triton_moe._gemm2_kernel, sig2, constants, cfg["num_warps"], cfg["num_stages"])
+    print(f"triton {triton.__version__}, decode GEMM2, {cfg}\nregisters per thread: {regs}")
+    n, ops = min(loops, key=lambda loop: loop[0])  # the innermost: the K loop (others wrap it)
+    print(f"K loop: {n} instructions per thread per K step of {bk}: {dict(ops.most_common(12))}")
+
+
+if __name__ == "__main__":
+    main()
