@@ -69,6 +69,7 @@ def fused_moe(
     fc1_act_scale: torch.Tensor | None,
     fc2_act_scale: torch.Tensor | None,
     backend: str,
+    routed_experts: int = 0,
 ) -> torch.Tensor:
     """Fused NVFP4 MoE experts: ``out[t] = sum_j w[t,j] * expert_{ids[t,j]}(x[t])``.
 
@@ -80,20 +81,28 @@ def fused_moe(
         fc1_act_scale, fc2_act_scale: activation global scales ``amax / (6*448)`` as float32
             scalars or ``[E]``, for NVFP4 x NVFP4; None for W4A16 backends.
         backend: a concrete backend name (``"auto"`` is resolved in :func:`prepare_experts`).
+        routed_experts: how many experts the router chooses among, when this call holds only a
+            shard of them (expert parallelism: ``E * world_size``); 0 means all ``E`` are here.
+            A performance hint only (the Triton backend sizes its tiles by the expected rows
+            per expert); results do not depend on it.
 
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``.
     """
     _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend)
+    if routed_experts < 0:
+        raise ValueError(f"routed_experts must be >= 0 (0: all experts are local), got {routed_experts}")
     if hidden_states.shape[0] == 0:
         return torch.empty_like(hidden_states)
     return get_backend(backend).run(
-        hidden_states, topk_ids, topk_weights, list(expert_tensors), fc1_act_scale, fc2_act_scale
+        hidden_states, topk_ids, topk_weights, list(expert_tensors), fc1_act_scale, fc2_act_scale,
+        routed_experts=routed_experts,
     )
 
 
 @fused_moe.register_fake
-def _(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend):
+def _(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
+      routed_experts=0):
     _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend)
     return torch.empty_like(hidden_states)
 

@@ -53,7 +53,8 @@ def fp4moe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
     if shard is not None:  # expert parallel: other ranks' experts become out-of-range sentinels
         top_k_index = top_k_index - shard.offset
     out = torch.ops.fp4moe.fused_moe(
-        hidden_states, top_k_index, top_k_weights.float(), self.fp4moe_tensors(), fc1, fc2, self.fp4moe_backend
+        hidden_states, top_k_index, top_k_weights.float(), self.fp4moe_tensors(), fc1, fc2, self.fp4moe_backend,
+        shard.count * shard.world_size if shard is not None else 0,
     )
     if shard is not None:
         from .expert_parallel import reduce_partial_outputs

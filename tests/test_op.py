@@ -161,3 +161,15 @@ def test_backend_selection():
                 fp4moe_ops.prepare_experts(w, name)
     with pytest.raises(ValueError, match="unknown fp4moe backend"):
         fp4moe_ops.prepare_experts(w, "cutlass9000")
+
+
+def test_routed_experts_hint_is_checked_and_changes_no_result():
+    w = make_layer()
+    tensors = fp4moe_ops.prepare_experts(w, "reference").tensors
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    ids, rw = routing(5, 6, 2)
+    plain = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, "reference")
+    hinted = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, "reference", 48)
+    assert torch.equal(plain, hinted)
+    with pytest.raises(ValueError, match="routed_experts"):
+        torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, "reference", -1)

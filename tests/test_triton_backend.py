@@ -157,3 +157,29 @@ def test_triton_split_gate_up(fragment):
     assert torch.isfinite(out).all()
     # Same rounding points as the fused GEMM1 (fp32 pre-activations, bf16 intermediate).
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+
+
+def test_kernel_config_counts_rows_over_the_routed_experts():
+    # An EP=8 rank of DeepSeek-V3 (32 of 256 experts) at 128 tokens: 1024 slots but ~4 local rows
+    # per expert. Counted over the local experts it would look like 32 rows: prefill tiles.
+    assert kernel_config(1024, 32, 7168, 2048)["BM"] > 16
+    assert kernel_config(1024, 32, 7168, 2048, routed_experts=256)["BM"] == 16
+    assert kernel_config(1024, 256, 7168, 2048, routed_experts=0) == kernel_config(1024, 256, 7168, 2048)
+
+
+def test_triton_expert_parallel_shard_with_routed_hint():
+    # Local experts 0..1 of 8 routed: ids outside [0, 2) belong to other ranks. The hint moves
+    # this call from the prefill to the decode tiles; both must match float64.
+    e, h, i, t, k = 2, 256, 256, 40, 1
+    w = layer(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.randint(0, 8, (t, k)) - 3
+    ids[:4, 0] = torch.tensor([0, 1, 0, 1])  # some local slots for sure
+    rw = torch.rand(t, k)
+    assert kernel_config(t * k, e, h, i)["BM"] != kernel_config(t * k, e, h, i, routed_experts=8)["BM"]
+    tensors = [v.to(DEVICE) for v in fp4moe_ops.prepare_experts(w, "reference").tensors]
+    ref = moe64(x, ids, rw, *w.tensors())
+    for hint in (0, 8):
+        out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), tensors, routed_experts=hint).cpu()
+        # bf16 intermediate and output: a few bf16 ulps (2^-8) of the row scale
+        torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())

@@ -80,8 +80,10 @@ class Backend:
         expert_tensors: list[torch.Tensor],
         fc1_act_scale: torch.Tensor | None,
         fc2_act_scale: torch.Tensor | None,
+        routed_experts: int = 0,
     ) -> torch.Tensor:
-        """Compute ``[T, H]`` in ``hidden_states.dtype``; inputs are already validated."""
+        """Compute ``[T, H]`` in ``hidden_states.dtype``; inputs are already validated.
+        ``routed_experts`` is the op's performance hint (0: all experts are local)."""
         raise NotImplementedError
 
     def check_expert_tensors(self, expert_tensors: list[torch.Tensor], hidden_size: int) -> int:

@@ -156,7 +156,8 @@ class _FlashInferBackend(Backend):
     # torch.use_deterministic_algorithms(True) is on.
     use_fused_finalize: bool | None = None
 
-    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale):
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
+            routed_experts=0):
         fused_moe = _import_flashinfer()
         fc1, fc2 = self.kernel_weights(expert_tensors)
         num_experts = fc1.shape[0]
@@ -265,7 +266,8 @@ class FlashInferNVFP4Backend(_FlashInferBackend):
             raise ValueError(f"{self.name}: fc1 must be int64 [E, 2I, H/16] for H={hidden_size}, got {fc1.dtype} {list(fc1.shape)}")
         return fc1.shape[0]
 
-    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale):
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
+            routed_experts=0):
         if hidden_states.dtype != torch.bfloat16:
             raise TypeError(f"{self.name}: per-expert activation scales need bf16 input, got {hidden_states.dtype}")
         return super().run(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale)

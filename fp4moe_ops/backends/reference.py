@@ -38,7 +38,8 @@ class ReferenceBackend(Backend):
     def unavailable_reason(self, device: torch.device) -> str | None:
         return None
 
-    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale):
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
+            routed_experts=0):
         w13, s13, g13, w2, s2, g2 = expert_tensors
         s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
         num_experts, intermediate = w13.shape[0], w13.shape[1] // 2

@@ -386,10 +386,15 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int) -> dict:
+def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, routed_experts: int = 0) -> dict:
     """Tile sizes by shape bucket, chosen from H200 sweeps (benchmarks/sweep_triton.py,
-    numbers in benchmarks/NOTES.md). Static: nothing is tuned at call time or in graph capture."""
-    rows_per_expert = num_slots / max(1, min(num_experts, num_slots))
+    numbers in benchmarks/NOTES.md). Static: nothing is tuned at call time or in graph capture.
+
+    The bucket is the expected rows per expert: slots over the experts the router chooses among
+    (``routed_experts``, e.g. 256 on an expert-parallel rank holding 32; 0: ``num_experts``).
+    Counting only local experts would put an EP=8 rank's decode batches of 64+ tokens, ~2 real
+    rows per expert, in the prefill bucket."""
+    rows_per_expert = num_slots / max(1, min(routed_experts or num_experts, num_slots))
     decode = rows_per_expert <= 16  # memory-bound, one M block per expert
     # TMA boxes need BK >= 256 (a box row of scales >= 16 bytes, every row 16-byte aligned),
     # i.e. H and I multiples of 256, as in every DeepSeek/Qwen/Mixtral shape.
@@ -425,14 +430,17 @@ def fragment_order(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return pieces.permute(*range(n + 1), n + 2, n + 4, n + 1, n + 3).reshape(*lead, k)
 
 
-def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, config: dict | None = None):
-    """Run the three Triton kernels; ``expert_tensors`` in the reference (canonical) layout."""
+def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, config: dict | None = None,
+                     routed_experts: int = 0):
+    """Run the Triton kernels; ``expert_tensors`` in the reference (canonical) layout. The tiles
+    come from :func:`kernel_config` (``routed_experts``: see ``fp4moe::fused_moe``) unless
+    ``config`` is given."""
     w13, s13, g13, w2, s2, g2 = expert_tensors
     num_tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     num_slots = num_tokens * top_k
-    cfg = config or kernel_config(num_slots, num_experts, hidden, inter)
+    cfg = config or kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
     sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
     x = hidden_states.contiguous()
     fragment = cfg.get("FRAGMENT_ORDER", False)
@@ -501,10 +509,12 @@ class TritonBackend(Backend):
             return "needs compute capability 8.0+ (bf16 tensor cores)"
         return None
 
-    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale):
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
+            routed_experts=0):
         # Triton launches on the current device: make it the experts' (device_map spreads layers)
         with torch.cuda.device(hidden_states.device):
-            return triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors)
+            return triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors,
+                                    routed_experts=routed_experts)
 
 
 register_backend(TritonBackend())
