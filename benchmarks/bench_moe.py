@@ -201,6 +201,8 @@ def main() -> None:
             if b in wanted:
                 try:
                     impls[b] = fp4moe_ops.prepare_experts(w, b)
+                    # an expert-parallel shard: tell the op how many experts the router spans
+                    impls[b].routed_experts = routed_over if routed_over != e else 0
                 except Exception as exc:  # report, keep benchmarking the others
                     log(f"{b}: unavailable: {exc}")
         if "grouped_mm" in wanted:

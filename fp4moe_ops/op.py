@@ -118,11 +118,12 @@ class PreparedExperts:
     tensors: list[torch.Tensor]
     fc1_act_scale: torch.Tensor | None = None
     fc2_act_scale: torch.Tensor | None = None
+    routed_experts: int = 0  # the op's hint: experts routed over when these are a shard; 0 = all
 
     def __call__(self, hidden_states, topk_ids, topk_weights) -> torch.Tensor:
         return torch.ops.fp4moe.fused_moe(
             hidden_states, topk_ids, topk_weights, self.tensors,
-            self.fc1_act_scale, self.fc2_act_scale, self.backend,
+            self.fc1_act_scale, self.fc2_act_scale, self.backend, self.routed_experts,
         )
 
 
