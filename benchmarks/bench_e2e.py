@@ -77,7 +77,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--out", default="benchmarks/out")
     ap.add_argument("--time-budget", type=float, default=420, help="seconds; later cases are skipped past it")
+    ap.add_argument("--replot", metavar="E2E_JSON", help="only draw e2e.png next to a saved e2e.json")
     args = ap.parse_args()
+    if args.replot:
+        saved = Path(args.replot)
+        plot_e2e(json.loads(saved.read_text()), saved.with_suffix(".png"))
+        return
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
@@ -137,6 +142,39 @@ def main() -> None:
     lines += ["", f"Expert weights: {result['expert_GB_bf16']:.1f} GB BF16 -> {result.get('expert_GB_nvfp4', 0):.2f} GB NVFP4."]
     (out_dir / "e2e.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot_e2e(result, out_dir / "e2e.png")
+
+
+def plot_e2e(result: dict, path) -> None:
+    """Grouped bars: decode tokens/s per variant at each batch size, speedup over HF BF16
+    compiled written on the fp4moe bars. Re-plot a saved run: ``python bench_e2e.py --replot e2e.json``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(dict.fromkeys(r["variant"] for r in result["rows"]))
+    batches = sorted({r["batch"] for r in result["rows"]})
+    tps = {(r["variant"], r["batch"]): r["tokens_per_s"] for r in result["rows"]}
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for j, v in enumerate(variants):
+        xs = [i + (j - (len(variants) - 1) / 2) * width for i in range(len(batches))]
+        ys = [tps.get((v, b), 0.0) for b in batches]
+        bars = ax.bar(xs, ys, width, label=v)
+        if v.startswith("fp4moe"):
+            for bar, b in zip(bars, batches):
+                base = tps.get(("HF BF16 compiled", b))
+                if base:
+                    ax.annotate(f"{tps[(v, b)] / base:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_yscale("log")
+    ax.set_ylabel("decode tokens/s (generate, 16 new tokens)")
+    ax.set_title(f"{result['device']}, {result['date']}: {result['layers']} DeepSeek-V3 MoE layers")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
