@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_integration import patch_deepseek  # noqa: E402
 from bench_e2e import deepseek_v3_layers  # noqa: E402
+from profile_layer import kernel_ms  # noqa: E402
 
 GROUPS = [  # first match wins; lower-case substrings of kernel names
     ("fp4moe experts (Triton)", ("_gemm1_swiglu", "_gemm2_kernel", "_route_kernel", "_sum_topk", "_silu_mul")),
@@ -53,12 +54,10 @@ def profile_generate(model, batch: int, new_tokens: int) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         model.generate(prompt, **kw)
         torch.cuda.synchronize()
-    per_group, per_kernel = defaultdict(float), defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            ms = ev.device_time_total / 1e3 / new_tokens
-            per_group[group_of(ev.name)] += ms
-            per_kernel[ev.name[:70]] += ms
+    per_kernel = kernel_ms(prof, new_tokens)
+    per_group = defaultdict(float)
+    for name, ms in per_kernel.items():
+        per_group[group_of(name)] += ms
     gpu = sum(per_group.values())
     print(f"  wall {wall_ms / new_tokens:.3f} ms per token (prefill included), GPU kernels {gpu:.3f} ms per token")
     for g, ms in sorted(per_group.items(), key=lambda kv: -kv[1]):

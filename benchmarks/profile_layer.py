@@ -18,6 +18,15 @@ from fp4moe_ops.backends.triton_moe import triton_fused_moe  # noqa: E402
 from bench_moe import SHAPES, make_inputs, random_weights  # noqa: E402
 
 
+def kernel_ms(prof, per: int, name_chars: int = 70) -> dict[str, float]:
+    """GPU milliseconds per kernel name in a finished profile, divided by ``per`` (calls, tokens)."""
+    out = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            out[ev.name[:name_chars]] += ev.device_time_total / 1e3 / per
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="deepseek", choices=sorted(SHAPES))
@@ -35,10 +44,7 @@ def main():
             for c in range(args.calls):
                 triton_fused_moe(*inputs[c % len(inputs)], tensors)
             torch.cuda.synchronize()
-        per_kernel = defaultdict(float)
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                per_kernel[ev.name[:60]] += ev.device_time_total / 1e3 / args.calls
+        per_kernel = kernel_ms(prof, args.calls)
         total = sum(per_kernel.values())
         print(f"T={t}: kernels sum {total:.4f} ms per call")
         for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1]):

@@ -18,9 +18,12 @@ from .moe_weights import NVFP4MoEWeights
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend):
+def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
+                  routed_experts=0):
     """Metadata checks shared by the real and the fake implementation."""
     b = get_backend(backend)
+    if routed_experts < 0:
+        raise ValueError(f"routed_experts must be >= 0 (0: all experts are local), got {routed_experts}")
     if hidden_states.dim() != 2 or hidden_states.dtype not in _HIDDEN_DTYPES:
         raise TypeError(
             f"hidden_states must be [T, H] bfloat16/float16, got {hidden_states.dtype} "
@@ -89,9 +92,8 @@ def fused_moe(
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``.
     """
-    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend)
-    if routed_experts < 0:
-        raise ValueError(f"routed_experts must be >= 0 (0: all experts are local), got {routed_experts}")
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
+                  routed_experts)
     if hidden_states.shape[0] == 0:
         return torch.empty_like(hidden_states)
     return get_backend(backend).run(
@@ -103,7 +105,8 @@ def fused_moe(
 @fused_moe.register_fake
 def _(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
       routed_experts=0):
-    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend)
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
+                  routed_experts)
     return torch.empty_like(hidden_states)
 
 

@@ -173,3 +173,8 @@ def test_routed_experts_hint_is_checked_and_changes_no_result():
     assert torch.equal(plain, hinted)
     with pytest.raises(ValueError, match="routed_experts"):
         torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, "reference", -1)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match="routed_experts"):  # at trace time too
+        fake = [mode.from_tensor(v) for v in (x, ids, rw)]
+        torch.ops.fp4moe.fused_moe(*fake, [mode.from_tensor(v) for v in tensors], None, None, "reference", -1)

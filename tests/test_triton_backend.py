@@ -125,37 +125,22 @@ def test_fragment_order_is_the_mma_quad_layout():
 
 
 @pytest.mark.parametrize("fragment", [False, True])
-def test_triton_decode_with_and_without_fragment_order(fragment):
-    # Same NVFP4 layer through the decode kernels with K in natural and in fragment order.
+@pytest.mark.parametrize("split", [False, True])
+def test_triton_decode_variants(fragment, split):
+    # The decode kernels with K in natural or fragment order, GEMM1 fused or with gate and up in
+    # separate programs plus the SiLU kernel: the same NVFP4 layer, the same float64 answer.
     e, h, i, t, k = 4, 512, 256, 6, 2
     w = layer(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids[0, -1] = -1  # an unused slot: its rows of the split's fp32 scratch are never written
     rw = torch.rand(t, k)
     p = fp4moe_ops.prepare_experts(w, "reference")
-    cfg = kernel_config(t * k, e, h, i) | {"FRAGMENT_ORDER": fragment}
+    cfg = kernel_config(t * k, e, h, i) | {"FRAGMENT_ORDER": fragment, "SPLIT_GATE_UP": split}
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in p.tensors], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
     assert torch.isfinite(out).all()
     # bf16 intermediate and output: a few bf16 ulps (2^-8) of the row scale, as above.
-    torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
-
-
-@pytest.mark.parametrize("fragment", [False, True])
-def test_triton_split_gate_up(fragment):
-    # GEMM1 with gate and up in separate programs (tiny batches) and the separate SiLU kernel.
-    e, h, i, t, k = 4, 512, 256, 3, 2
-    w = layer(e, h, i)
-    x = torch.randn(t, h, dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
-    ids[0, -1] = -1  # an unused slot: its rows of the fp32 scratch are never written
-    rw = torch.rand(t, k)
-    p = fp4moe_ops.prepare_experts(w, "reference")
-    cfg = kernel_config(t * k, e, h, i) | {"FRAGMENT_ORDER": fragment, "SPLIT_GATE_UP": True}
-    out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in p.tensors], cfg).cpu()
-    ref = moe64(x, ids, rw, *w.tensors())
-    assert torch.isfinite(out).all()
-    # Same rounding points as the fused GEMM1 (fp32 pre-activations, bf16 intermediate).
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
 

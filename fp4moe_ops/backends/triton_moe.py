@@ -412,7 +412,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     )
     # Weights through TMA (bulk copies pipelined over num_stages, 1.2x at decode on H200), and K
     # in MMA-fragment order: vector loads of each thread's weight bytes instead of byte loads and
-    # shuffles (933 -> 541 instructions per K step of the decode GEMM2 loop, sm90 SASS; 1.4-1.5x).
+    # shuffles (933 -> 562 instructions per K step of the decode GEMM2 loop, sm90 SASS; 1.4-1.5x).
     cfg["TMA"] = cfg["FRAGMENT_ORDER"] = fits_tma
     # Gate and up tiles in separate programs: 2x the programs for GEMM1, which at decode has too
     # few to fill 132 SMs (1.07-1.09x at 1 and 8 tokens, within 4% elsewhere in the bucket).
