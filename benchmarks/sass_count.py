@@ -3,7 +3,8 @@ sm90 with Triton's bundled ptxas, disassemble with its cuobjdump, histogram each
 loop. This is how the decode's instruction budget in NOTES.md was measured (Triton 3.6 matches the
 GPU machine: ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``).
 
-    python benchmarks/sass_count.py                       # current decode config
+    python benchmarks/sass_count.py                       # current decode config (paired weights)
+    python benchmarks/sass_count.py --canonical           # fragment order over canonical weights
     python benchmarks/sass_count.py --no-fragment-order   # the natural-K-order decode
 """
 
@@ -54,19 +55,30 @@ def loop_histograms(kernel, signature: dict, constants: dict, num_warps: int, nu
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-fragment-order", action="store_true")
+    ap.add_argument("--canonical", action="store_true", help="canonical instead of paired weights")
+    ap.add_argument("--gemm1", action="store_true", help="the GEMM1 (split gate/up) loop instead of GEMM2")
     args = ap.parse_args()
     cfg = triton_moe.kernel_config(8 * 8, 256, 7168, 2048)  # 8 tokens: the decode bucket
     if args.no_fragment_order:
         cfg["FRAGMENT_ORDER"] = False
-    bn, bk = cfg["BN2"], cfg["BK2"]
-    desc = {"w_desc": f"tensordesc<u8[{bn}, {bk // 2}]>", "s_desc": f"tensordesc<u8[{bn}, {bk // 16}]>"}
+    paired = cfg["FRAGMENT_ORDER"] and not args.canonical
+    bn, bk = (cfg["BN1"], cfg["BK1"]) if args.gemm1 else (cfg["BN2"], cfg["BK2"])
+    w_box = f"[{bn // 2}, {bk}]" if paired else f"[{bn}, {bk // 2}]"
+    desc = {"w_desc": f"tensordesc<u8{w_box}>", "s_desc": f"tensordesc<u8[{bn}, {bk // 16}]>"}
     routing = {n: "*i32" for n in ("sorted_slot_ptr", "block_expert_ptr", "block_row_start_ptr", "block_row_end_ptr")}
     constants = dict(BM=cfg["BM"], BN=bn, BK=bk, PREFETCH=cfg["PREFETCH"], FAST_DECODE=True, INTERPRET=False,
-                     TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"])
-    sig2 = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", "topk_weights_ptr": "*fp32",
-            "out_ptr": "*fp32", **routing, "H": "i32", "I": "i32", **desc, **{k: "constexpr" for k in constants}}
-    regs, loops = loop_histograms(triton_moe._gemm2_kernel, sig2, constants, cfg["num_warps"], cfg["num_stages"])
-    print(f"triton {triton.__version__}, decode GEMM2, {cfg}\nregisters per thread: {regs}")
+                     TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"], PAIRED=paired)
+    common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "H": "i32", "I": "i32"}
+    if args.gemm1:
+        constants |= dict(OUT_CHUNK=cfg["BK2"], SPLIT_GATE_UP=cfg["SPLIT_GATE_UP"])
+        kernel, sig = triton_moe._gemm1_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32"}
+    else:
+        kernel, sig = triton_moe._gemm2_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
+                                                 "out_ptr": "*fp32"}
+    sig = {n: sig[n] for n in kernel.arg_names if n in sig} | desc | {k: "constexpr" for k in constants}
+    regs, loops = loop_histograms(kernel, sig, constants, cfg["num_warps"], cfg["num_stages"])
+    print(f"triton {triton.__version__}, decode {'GEMM1' if args.gemm1 else 'GEMM2'}, paired={paired}, {cfg}\n"
+          f"registers per thread: {regs}")
     n, ops = min(loops, key=lambda loop: loop[0])  # the innermost: the K loop (others wrap it)
     print(f"K loop: {n} instructions per thread per K step of {bk}: {dict(ops.most_common(12))}")
 

@@ -24,28 +24,32 @@ def main():
     args = ap.parse_args()
     e, h, i, k, routed = SHAPES[args.shape]
     w = random_weights(e, h, i, "cuda")
-    tensors = fp4moe_ops.prepare_experts(w, "triton").tensors
+    paired = fp4moe_ops.prepare_experts(w, "triton").tensors  # the backend's layout
+    canonical = fp4moe_ops.prepare_experts(w, "reference").tensors
     for t in (int(x) for x in args.tokens.split(",")):
         inputs = make_inputs(t, h, k, routed, "cuda")
         base = kernel_config(t * k, e, h, i)
-        ref = triton_fused_moe(*inputs[0], tensors, base | {"FAST_DECODE": False})  # portable decode
+        # the reference: canonical weights, portable decode
+        ref = triton_fused_moe(*inputs[0], canonical, base | {"FAST_DECODE": False})
         results = []
         decode = t * k / min(e, t * k) <= 16
-        if decode:  # (BM, BN1, BK1, BN2, BK2, warps, stages, prefetch, tma, fragment order, split gate/up)
-            tiles = [(16, 64, 256, 64, 256, 4, 3, 0, 1, 0, 0), (16, 64, 256, 64, 256, 4, 3, 0, 1, 1, 0),
-                     (16, 64, 256, 64, 256, 4, 3, 0, 1, 1, 1), (16, 64, 256, 128, 256, 4, 3, 0, 1, 1, 1),
-                     (16, 128, 256, 128, 256, 4, 3, 0, 1, 1, 1), (16, 128, 256, 64, 256, 4, 3, 0, 1, 1, 1),
-                     (16, 128, 256, 64, 256, 4, 3, 0, 1, 1, 0), (16, 64, 256, 64, 256, 4, 4, 0, 1, 1, 1)]
+        # (BM, BN1, BK1, BN2, BK2, warps, stages, prefetch, tma, fragment order, split gate/up, paired)
+        if decode:
+            tiles = [(16, 64, 256, 64, 256, 4, 3, 0, 1, 1, 1, 0), (16, 64, 256, 64, 256, 4, 3, 0, 1, 1, 1, 1),
+                     (16, 64, 256, 64, 256, 4, 3, 0, 1, 1, 0, 1), (16, 64, 256, 128, 256, 4, 3, 0, 1, 1, 1, 1),
+                     (16, 128, 256, 128, 256, 4, 3, 0, 1, 1, 1, 1), (16, 128, 256, 64, 256, 4, 3, 0, 1, 1, 1, 1),
+                     (16, 64, 256, 64, 256, 4, 4, 0, 1, 1, 1, 1), (16, 64, 256, 64, 256, 4, 2, 0, 1, 1, 1, 1)]
         else:
-            tiles = [(128, 128, 128, 128, 128, 8, 2, 1, 0, 0, 0), (64, 128, 256, 128, 256, 8, 2, 0, 1, 1, 0),
-                     (128, 128, 256, 128, 256, 8, 2, 0, 1, 1, 0), (64, 128, 256, 128, 256, 8, 3, 0, 1, 1, 0),
-                     (64, 256, 256, 128, 256, 8, 2, 0, 1, 1, 0)]
+            tiles = [(64, 128, 256, 128, 256, 8, 3, 0, 1, 1, 0, 0), (64, 128, 256, 128, 256, 8, 3, 0, 1, 1, 0, 1),
+                     (128, 128, 256, 128, 256, 8, 2, 0, 1, 1, 0, 1), (64, 256, 256, 128, 256, 8, 2, 0, 1, 1, 0, 1),
+                     (64, 128, 256, 128, 256, 8, 4, 0, 1, 1, 0, 1), (128, 128, 256, 128, 256, 8, 3, 0, 1, 1, 0, 1)]
         configs = [
             dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages,
                  PREFETCH=bool(prefetch), FAST_DECODE=True, TMA=bool(tma), FRAGMENT_ORDER=bool(frag),
-                 SPLIT_GATE_UP=bool(split))
-            for bm, bn1, bk1, bn2, bk2, warps, stages, prefetch, tma, frag, split in tiles]
+                 SPLIT_GATE_UP=bool(split), PAIRED=bool(pair))
+            for bm, bn1, bk1, bn2, bk2, warps, stages, prefetch, tma, frag, split, pair in tiles]
         for cfg in configs:
+            tensors = paired if cfg["PAIRED"] else canonical  # (triton_fused_moe reads the layout off the dtype)
             try:
                 out = triton_fused_moe(*inputs[0], tensors, cfg)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -62,7 +66,7 @@ def main():
             print(f"T={t}: {r[0]:.4f} ms {r[1]}")
         routing_ms = graph_time_ms(lambda x, ids, rw: route(ids, e, base["BM"]), inputs)
         print(f"T={t}: routing alone {routing_ms:.4f} ms")
-        base_ms = graph_time_ms(lambda x, ids, rw: triton_fused_moe(x, ids, rw, tensors, base), inputs)
+        base_ms = graph_time_ms(lambda x, ids, rw: triton_fused_moe(x, ids, rw, paired, base), inputs)
         print(f"T={t}: default {base} {base_ms:.4f} ms")
         for ms, cfg in results[:3]:
             print(f"T={t}:   {ms:.4f} ms {cfg}")

@@ -44,7 +44,8 @@ def prmt(a: int, b: int, selector: int) -> int:
 
 
 def run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
-    """Execute the straight-line PTX block: .reg, mov, prmt, and, or, shl, mul.lo.u32, mul.rn.bf16x2."""
+    """Execute the straight-line PTX block: .reg, mov, prmt, and, or, shl, shf.l.wrap, mul.lo.u32,
+    mul.rn.bf16x2."""
     regs = dict(inputs)
 
     def val(tok: str) -> int:
@@ -67,6 +68,9 @@ def run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
             regs[d] = val(src[0]) | val(src[1])
         elif op == "shl.b32":
             regs[d] = (val(src[0]) << val(src[1])) & MASK32
+        elif op == "shf.l.wrap.b32":  # funnel shift of {b:a}, here a rotate (a == b)
+            n = val(src[2]) & 31
+            regs[d] = ((val(src[1]) << 32 | val(src[0])) << n >> 32) & MASK32
         elif op == "mul.lo.u32":
             regs[d] = (val(src[0]) * val(src[1])) & MASK32
         elif op == "mul.rn.bf16x2":
@@ -115,4 +119,35 @@ def test_decode_ptx_matches_the_e2m1_definition():
                 assert lo[i] == decode(data[i] & 0xF) * s[i] * 2.0**-22, (data, i, "low nibble")
                 assert hi[i] == decode(data[i] >> 4) * s[i] * 2.0**-22, (data, i, "high nibble")
                 checked += 2
+    assert checked == 4 * 256 * 8
+
+
+def test_paired_word_ptx_matches_the_e2m1_definition():
+    # One word of the paired layout: rows r and r + 8 of a 16-row group, one 2-byte unit each
+    # (codes 0..3: nibbles, low first). Built by paired_weight_layout from canonical bytes; the
+    # PTX must give row r's codes 0, 2 / 1, 3 in $0 / $2 and row r+8's in $1 / $3, times each
+    # row's scale, for every byte value in every position.
+    import torch
+
+    rng = random.Random(1)
+    scales = e4m3_values()
+    decode = lambda c: (-1.0 if c & 8 else 1.0) * nvfp4.E2M1_VALUES[c & 7]
+    checked = 0
+    for position in range(4):  # row r byte 0, row r byte 1, row r+8 byte 0, row r+8 byte 1
+        for byte in range(256):
+            packed = torch.tensor([[rng.randrange(256), rng.randrange(256)] for _ in range(16)], dtype=torch.uint8)
+            r = rng.randrange(8)
+            packed[r + 8 * (position // 2), position % 2] = byte
+            word = int(triton_moe.paired_weight_layout(packed[None])[0, r, 0]) & MASK32
+            s = [rng.choice(scales), scales[byte % len(scales)]]  # rows r, r+8
+            sbits = [float_to_bf16(v * 2.0**104) for v in s]
+            regs = run_ptx(triton_moe._PAIRED_WORD_TO_BF16.value, {
+                "$4": word, "$5": sbits[0] | (sbits[0] << 16), "$6": sbits[1] | (sbits[1] << 16)})
+            for reg, row, codes in (("$0", 0, (0, 2)), ("$1", 1, (0, 2)), ("$2", 0, (1, 3)), ("$3", 1, (1, 3))):
+                unit = packed[r + 8 * row]
+                for half, q in enumerate(codes):
+                    code = (int(unit[q // 2]) >> (4 * (q % 2))) & 0xF
+                    got = bf16_to_float(regs[reg] >> (16 * half))
+                    assert got == decode(code) * s[row] * 2.0**-22, (position, byte, reg, half)
+                    checked += 1
     assert checked == 4 * 256 * 8

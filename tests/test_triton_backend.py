@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fp4moe_ops
+from fp4moe_ops.backends import BACKENDS
 from fp4moe_ops.backends.triton_moe import kernel_config, route, triton_fused_moe
 from moe_reference64 import moe64
 
@@ -46,8 +47,8 @@ def test_triton_matches_float64(dtype, e, h, i, t, k):
     ids[0, -1] = -1  # expert-parallel sentinel
     ids[1, -1] = e
     rw = torch.rand(t, k)
-    p = fp4moe_ops.prepare_experts(w, "reference")
-    dev = [x.to(DEVICE) for x in p.tensors]
+    dev = [x.to(DEVICE) for x in BACKENDS["triton"].prepare(w)]  # paired layout where TMA fits
+    assert (dev[0].dtype == torch.int32) == kernel_config(t * k, e, h, i)["TMA"]
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), dev).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
     # Both round the intermediate and the output to dtype; fp32 accumulation otherwise:
@@ -124,20 +125,21 @@ def test_fragment_order_is_the_mma_quad_layout():
     assert sorted(got) == list(range(2 * chunk))
 
 
-@pytest.mark.parametrize("fragment", [False, True])
+@pytest.mark.parametrize("fragment,paired", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("split", [False, True])
-def test_triton_decode_variants(fragment, split):
-    # The decode kernels with K in natural or fragment order, GEMM1 fused or with gate and up in
-    # separate programs plus the SiLU kernel: the same NVFP4 layer, the same float64 answer.
+def test_triton_decode_variants(fragment, paired, split):
+    # The decode kernels with K in natural or fragment order, canonical or paired weights, GEMM1
+    # fused or with gate and up in separate programs plus the SiLU kernel: the same NVFP4 layer,
+    # the same float64 answer.
     e, h, i, t, k = 4, 512, 256, 6, 2
     w = layer(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     ids[0, -1] = -1  # an unused slot: its rows of the split's fp32 scratch are never written
     rw = torch.rand(t, k)
-    p = fp4moe_ops.prepare_experts(w, "reference")
+    tensors = BACKENDS["triton"].prepare(w) if paired else fp4moe_ops.prepare_experts(w, "reference").tensors
     cfg = kernel_config(t * k, e, h, i) | {"FRAGMENT_ORDER": fragment, "SPLIT_GATE_UP": split}
-    out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in p.tensors], cfg).cpu()
+    out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in tensors], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
     assert torch.isfinite(out).all()
     # bf16 intermediate and output: a few bf16 ulps (2^-8) of the row scale, as above.
@@ -168,3 +170,21 @@ def test_triton_expert_parallel_shard_with_routed_hint():
         out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), tensors, routed_experts=hint).cpu()
         # bf16 intermediate and output: a few bf16 ulps (2^-8) of the row scale
         torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+
+
+def test_paired_layout_round_trip_and_checks():
+    from fp4moe_ops.backends.triton_moe import canonical_from_paired, paired_weight_layout
+
+    w = layer(3, 256, 256)
+    prepared = BACKENDS["triton"].prepare(w)
+    assert prepared[0].dtype == torch.int32 and prepared[0].shape == (3, 256, 64)
+    assert torch.equal(canonical_from_paired(prepared[0]), w.w13) and torch.equal(canonical_from_paired(prepared[3]), w.w2)
+    assert not torch.equal(prepared[0].view(torch.uint8).reshape(w.w13.shape), w.w13)  # really permuted
+    assert BACKENDS["triton"].check_expert_tensors(prepared, 256) == 3
+    with pytest.raises(ValueError, match="w2 \\(paired\\)"):
+        BACKENDS["triton"].check_expert_tensors(prepared[:3] + [prepared[3][:, :64]] + prepared[4:], 256)
+    with pytest.raises(ValueError, match="N % 16"):
+        paired_weight_layout(torch.zeros(1, 8, 4, dtype=torch.uint8))
+    x, ids, rw = torch.randn(2, 256, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="TMA"):  # paired weights with a plain-load config
+        triton_fused_moe(x, ids, rw, prepared, kernel_config(2, 3, 256, 256) | {"TMA": False})

@@ -30,23 +30,27 @@ def check_canonical_tensors(expert_tensors: list[torch.Tensor], hidden_size: int
         raise ValueError(f"expected 6 expert tensors [w13, w13_scale, w13_global, w2, w2_scale, w2_global], "
                          f"got {len(expert_tensors)}")
     w13, s13, g13, w2, s2, g2 = expert_tensors
-    e, two_i, h_half = w13.shape
+    e, two_i = s13.shape[:2]
     i = two_i // 2
-    expected = {
+    check_specs({
         "w13": (w13, (e, two_i, hidden_size // 2), torch.uint8),
         "w13_scale": (s13, (e, two_i, hidden_size // BLOCK_SIZE), torch.uint8),
         "w13_global": (g13, (e,), torch.float32),
         "w2": (w2, (e, hidden_size, i // 2), torch.uint8),
         "w2_scale": (s2, (e, hidden_size, i // BLOCK_SIZE), torch.uint8),
         "w2_global": (g2, (e,), torch.float32),
-    }
+    }, hidden_size)
+    return e
+
+
+def check_specs(expected: dict, hidden_size: int) -> None:
+    """``{name: (tensor, shape, dtype)}``: raise ValueError naming the first mismatch."""
     for name, (t, shape, dtype) in expected.items():
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise ValueError(
                 f"{name}: expected {dtype} {list(shape)} for hidden size {hidden_size}, "
                 f"got {t.dtype} {list(t.shape)}"
             )
-    return e
 
 
 class Backend:

@@ -40,7 +40,7 @@ import os
 
 import torch
 
-from .base import Backend, register_backend
+from .base import Backend, canonical_layout, check_canonical_tensors, check_specs, register_backend
 
 try:
     import triton
@@ -102,6 +102,58 @@ if triton is not None:
     }
     """)
 
+    # PTX for one word of the paired layout (:func:`paired_weight_layout`: rows r and r+8, 4 codes
+    # each, bits pre-permuted) -> 8 bf16, 1.5 instructions per element: one register is a mask,
+    # two are a rotate and a mask, one is mask / multiply / mask (the multiply adds three shifted
+    # copies of 4 bits that cannot carry into each other); each leaves bits 8..6 and 15 of both
+    # halves as above. $0 = lo(row r), $1 = lo(row r+8), $2 = hi(row r), $3 = hi(row r+8); the
+    # scales of row r are in $5, of row r+8 in $6. Not elementwise: it relies on Triton packing
+    # the word's 4 bytes in order (checked by the GPU tests against the reference).
+    _PAIRED_WORD_TO_BF16 = tl.constexpr("""
+    {
+    .reg .b32 t;
+    and.b32 $0, $4, 0x81C081C0;
+    shf.l.wrap.b32 t, $4, $4, 10; and.b32 $1, t, 0x81C081C0;
+    shf.l.wrap.b32 t, $4, $4, 13; and.b32 $2, t, 0x81C081C0;
+    and.b32 t, $4, 0x001B001B; mul.lo.u32 t, t, 0x4108; and.b32 $3, t, 0x81C081C0;
+    mul.rn.bf16x2 $0, $0, $5;
+    mul.rn.bf16x2 $1, $1, $6;
+    mul.rn.bf16x2 $2, $2, $5;
+    mul.rn.bf16x2 $3, $3, $6;
+    }
+    """)
+
+    @triton.jit
+    def _pairs_to_rows(x, BN: tl.constexpr, BK: tl.constexpr):
+        """``[BN/2, BK/4, 2, 2]`` (row pair, 2-byte unit, row of the pair, last dim) ->
+        ``[BN, 4, BK/16, 2]`` (row, t, j, last dim) with unit ``(BK/16)t + j``; pair ``p`` holds
+        rows ``16(p // 8) + p % 8`` and that + 8."""
+        x = x.reshape(BN // 16, 8, 4, BK // 16, 2, 2)
+        return tl.permute(x, (0, 4, 1, 2, 3, 5)).reshape(BN, 4, BK // 16, 2)
+
+    @triton.jit
+    def _pattern_codes(x):
+        """bf16x2 bit patterns as the PTX leaves them (bits 8..6 and 15 per half) -> the two E2M1
+        codes (low half, high half)."""
+        return ((x >> 6) & 7) | ((x >> 12) & 8), ((x >> 22) & 7) | ((x >> 28) & 8)
+
+    @triton.jit
+    def _paired_codes(words, BN: tl.constexpr, BK: tl.constexpr):
+        """Portable decode of a paired-layout tile ``[BN/2, BK]`` bytes -> E2M1 codes ``(low
+        nibbles, high nibbles)``, each ``[BN, 4, BK/16, 2]`` like the canonical bytes' nibbles:
+        the PTX's bit moves in plain integer ops, then the codes read back from the patterns."""
+        e0, e1 = tl.split(words.reshape(BN // 2, BK // 4, 2, 2))  # [pair, unit, row of the pair]
+        b0, b2 = tl.split(e0)
+        b1, b3 = tl.split(e1)
+        w = b0.to(tl.uint32) | (b1.to(tl.uint32) << 8) | (b2.to(tl.uint32) << 16) | (b3.to(tl.uint32) << 24)
+        r0l, r0h = _pattern_codes(w & 0x81C081C0)
+        r1l, r1h = _pattern_codes(((w << 10) | (w >> 22)) & 0x81C081C0)
+        r2l, r2h = _pattern_codes(((w << 13) | (w >> 19)) & 0x81C081C0)
+        r3l, r3h = _pattern_codes(((w & 0x001B001B) * 0x4108) & 0x81C081C0)
+        lo = tl.join(tl.join(r0l, r1l), tl.join(r0h, r1h))  # [pair, unit, row of the pair, e]
+        hi = tl.join(tl.join(r2l, r3l), tl.join(r2h, r3h))
+        return _pairs_to_rows(lo, BN, BK), _pairs_to_rows(hi, BN, BK)
+
     @triton.jit
     def _decode_tile(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr,
                      FAST_DECODE: tl.constexpr):
@@ -120,7 +172,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_tile_fragment_order(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                                    FAST_DECODE: tl.constexpr):
+                                    FAST_DECODE: tl.constexpr, PAIRED: tl.constexpr = False):
         """:func:`_decode_tile` with the K axis in MMA-fragment order (see :func:`fragment_order`):
         ``[BN, BK]`` whose column ``16j + 8s + 2t + e`` is the weight at ``k = (BK/4)t + 4j + 2e + s``.
 
@@ -129,17 +181,29 @@ if triton is not None:
         row (one byte load each, then byte shuffles); in this order a thread's bytes are one
         contiguous ``BK/8``-byte run per row (vector loads) and span only 4 scale blocks. The
         activations are fed in the same order, so the dot product is unchanged.
+
+        With PAIRED, ``packed`` is a ``[BN/2, BK]`` tile of :func:`paired_weight_layout` words.
         """
-        p = packed.reshape(BN, 4, BK // 16, 2)  # byte (BK/8)t + 2j + e -> [row, t, j, e]
         scale = _e4m3_f32(sbytes).reshape(BN, 4, BK // 64, 1, 1)  # block of byte b is b // 8
         scale = tl.broadcast_to(scale, (BN, 4, BK // 64, 4, 2)).reshape(BN, 4, BK // 16, 2)
         if FAST_DECODE and OUT_DTYPE == tl.bfloat16:
-            lo, hi = tl.inline_asm_elementwise(
-                _E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, (scale * 2.0**112).to(tl.bfloat16)],
-                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            scale = (scale * 2.0**112).to(tl.bfloat16)
+            if PAIRED:
+                p = _pairs_to_rows(packed.reshape(BN // 2, BK // 4, 2, 2), BN, BK)
+                lo, hi = tl.inline_asm_elementwise(_PAIRED_WORD_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, scale],
+                                                   dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            else:
+                p = packed.reshape(BN, 4, BK // 16, 2)  # byte (BK/8)t + 2j + e -> [row, t, j, e]
+                lo, hi = tl.inline_asm_elementwise(_E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, scale],
+                                                   dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         else:
-            lo = _finish(_e2m1_f32(p & 0xF) * scale, OUT_DTYPE)
-            hi = _finish(_e2m1_f32(p >> 4) * scale, OUT_DTYPE)
+            if PAIRED:
+                lo_codes, hi_codes = _paired_codes(packed, BN, BK)
+            else:
+                p = packed.reshape(BN, 4, BK // 16, 2)
+                lo_codes, hi_codes = p & 0xF, p >> 4
+            lo = _finish(_e2m1_f32(lo_codes) * scale, OUT_DTYPE)
+            hi = _finish(_e2m1_f32(hi_codes) * scale, OUT_DTYPE)
         w = tl.join(lo, hi)  # [row, t, j, e, s]: the low nibble is s = 0
         return tl.permute(w, (0, 2, 4, 1, 3)).reshape(BN, BK)  # column 16j + 8s + 2t + e
 
@@ -163,7 +227,7 @@ if triton is not None:
     def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                        BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
                        w_desc=None, s_desc=None, desc_row=0, TMA: tl.constexpr = False,
-                       FRAGMENT_ORDER: tl.constexpr = False):
+                       FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False):
         """``acc [BN, BM] += W[rows, :K] @ A[a_rows, :K]^T`` with W NVFP4 ``[*, K/2]`` bytes
         (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk).
 
@@ -184,7 +248,10 @@ if triton is not None:
         for k0 in range(0, K, BK):
             a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
             if TMA:  # bulk tensor copies, which Triton pipelines over num_stages
-                packed = w_desc.load([desc_row, k0 // 2])
+                if PAIRED:  # [BN/2, BK] bytes of row-pair words
+                    packed = w_desc.load([desc_row // 2, k0])
+                else:
+                    packed = w_desc.load([desc_row, k0 // 2])
                 sbytes = s_desc.load([desc_row, k0 // 16])
             elif PREFETCH:
                 more = (k0 + BK) < K  # the last iteration loads nothing
@@ -194,7 +261,7 @@ if triton is not None:
                 packed = tl.load(w_ptrs + k0 // 2)
                 sbytes = tl.load(s_ptrs + k0 // 16)
             if FRAGMENT_ORDER:
-                w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE)
+                w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED)
             else:
                 w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE)
             if INTERPRET:  # Triton's CPU interpreter mis-multiplies bf16 dots
@@ -211,7 +278,7 @@ if triton is not None:
         H, I, TOPK, w_desc, s_desc,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
         TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
-        SPLIT_GATE_UP: tl.constexpr = False,
+        SPLIT_GATE_UP: tl.constexpr = False, PAIRED: tl.constexpr = False,
     ):
         """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
         SPLIT_GATE_UP a program computes only the gate or the up tile and stores it, scaled, in
@@ -233,15 +300,15 @@ if triton is not None:
                 cols = tl.program_id(1) * BN + tl.arange(0, BN)  # rows of [gate; up], 0..2I
                 acc = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
                                      INTERPRET, w_desc, s_desc, e * (2 * I) + tl.program_id(1) * BN, TMA,
-                                     FRAGMENT_ORDER)
+                                     FRAGMENT_ORDER, PAIRED)
                 tl.store(out_ptr + slots[None, :] * (2 * I) + cols[:, None], acc * g, mask=row_mask[None, :])
                 return
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
             acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
-                                      INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER)
+                                      INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER, PAIRED)
             acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
-                                    INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER)
+                                    INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER, PAIRED)
             gate = acc_gate * g
             up = acc_up * g
             h = gate * tl.sigmoid(gate) * up  # [BN, BM]
@@ -273,7 +340,7 @@ if triton is not None:
         sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
         H, I, w_desc, s_desc,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
-        TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False,
+        TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
     ):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
@@ -285,7 +352,7 @@ if triton is not None:
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
                                  BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
-                                 e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER)
+                                 e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED)
             g = tl.load(g_ptr + e)
             if a_ptr.dtype.element_ty == tl.bfloat16:
                 g = g * 4194304.0
@@ -396,12 +463,10 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     rows per expert, in the prefill bucket."""
     rows_per_expert = num_slots / max(1, min(routed_experts or num_experts, num_slots))
     decode = rows_per_expert <= 16  # memory-bound, one M block per expert
-    # TMA boxes need BK >= 256 (a box row of scales >= 16 bytes, every row 16-byte aligned),
-    # i.e. H and I multiples of 256, as in every DeepSeek/Qwen/Mixtral shape.
-    fits_tma = hidden % 256 == 0 and inter % 256 == 0
+    tma = fits_tma(hidden, inter)
     if decode:
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 16, 64, 256, 64, 256, 4, 3, False
-    elif fits_tma:  # prefill, tensor-core bound: 1.8x / 1.37x over the plain-load tiles at 2048 / 8192 tokens
+    elif tma:  # prefill, tensor-core bound: 1.8x / 1.37x over the plain-load tiles at 2048 / 8192 tokens
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 64, 128, 256, 128, 256, 8, 3, False
     else:
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 128, 128, 128, 128, 128, 8, 2, True
@@ -413,12 +478,89 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # Weights through TMA (bulk copies pipelined over num_stages, 1.2x at decode on H200), and K
     # in MMA-fragment order: vector loads of each thread's weight bytes instead of byte loads and
     # shuffles (933 -> 562 instructions per K step of the decode GEMM2 loop, sm90 SASS; 1.4-1.5x).
-    cfg["TMA"] = cfg["FRAGMENT_ORDER"] = fits_tma
+    cfg["TMA"] = cfg["FRAGMENT_ORDER"] = tma
     # Gate and up tiles in separate programs: 2x the programs for GEMM1, which at decode has too
     # few to fill 132 SMs (1.07-1.09x at 1 and 8 tokens, within 4% elsewhere in the bucket).
     # Costs an fp32 scratch of S x 2I (at most 16 rows x E: 67 MB for DeepSeek-V3 at 512 tokens).
     cfg["SPLIT_GATE_UP"] = decode
     return cfg
+
+
+# --- the backend's weight layout (prepared once) ---------------------------------------------
+#
+# Where tiles come through TMA, the packed weights are stored as "row-pair words" so that the GPU
+# decode needs 1.5 instead of 2.25 instructions per element. The MMA gives each thread rows r and
+# r+8 of every 16-row group and, in fragment order, one 2-byte unit (4 codes) of each row per
+# 16-wide K step; a word holds exactly those 4 bytes, bits permuted so that each of its four bf16x2
+# registers comes out of a mask (_PAIRED_WORD_TO_BF16).
+
+_BF16_CODE_BITS = (6, 7, 8, 15)  # where an E2M1 code's bits m, e0, e1, s go in a bf16 half
+# The word's registers in PTX output order: (row of the pair, code in the low half, code in the
+# high half), codes 0..3 of a row's 2-byte unit (code q is nibble q, low nibble first).
+_WORD_REGISTERS = ((0, 0, 2), (1, 0, 2), (0, 1, 3), (1, 1, 3))
+_PRODUCT_SOURCE = {6: 3, 7: 4, 8: 0, 15: 1}  # register 3: ((w & 0x001B001B) * 0x4108), per half
+
+
+def _register_source_bit(register: int, target: int) -> int:
+    """The stored word's bit that the PTX moves to bit ``target`` (0..31) of output ``register``:
+    registers 0-2 rotate the word left by 0, 10, 13; register 3 multiplies (see above)."""
+    if register == 3:
+        return 16 * (target // 16) + _PRODUCT_SOURCE[target % 16]
+    return (target - (0, 10, 13)[register]) % 32
+
+
+def _plain_to_stored_bits() -> list[int]:
+    """``dest[b]``: where bit ``b`` of a plain word (bytes: row r's unit, row r+8's unit; bit
+    ``16*row + 4*code + i``) goes in the stored word. A permutation of 0..31."""
+    dest = [0] * 32
+    for register, (row, *codes) in enumerate(_WORD_REGISTERS):
+        for half, code in enumerate(codes):
+            for i, target in enumerate(_BF16_CODE_BITS):
+                dest[16 * row + 4 * code + i] = _register_source_bit(register, 16 * half + target)
+    assert sorted(dest) == list(range(32))
+    return dest
+
+
+def _permute_word_bits(words: torch.Tensor, dest: list[int]) -> torch.Tensor:
+    """``words [..., 4]`` uint8 (little-endian 32-bit words) -> int32 ``[...]`` with bit ``b``
+    moved to ``dest[b]``, by one 256-entry table per byte."""
+    v = torch.arange(256, device=words.device)
+    out = torch.zeros(words.shape[:-1], dtype=torch.int64, device=words.device)
+    for byte in range(4):
+        table = sum(((v >> j) & 1) << dest[8 * byte + j] for j in range(8))
+        out |= table[words[..., byte].long()]
+    return (out - ((out >> 31) << 32)).to(torch.int32)  # two's complement view of the 32 bits
+
+
+def paired_weight_layout(packed: torch.Tensor) -> torch.Tensor:
+    """Canonical NVFP4 weights ``[E, N, K/2]`` uint8 -> the Triton backend's ``[E, N/2, K/4]``
+    int32: row ``p`` of an expert holds rows ``16(p//8) + p%8`` and that + 8, word ``u`` their
+    2-byte units ``u`` (row r's first), bits permuted for the GPU decode. N multiple of 16."""
+    e, n, k_half = packed.shape
+    if n % 16 or k_half % 2:
+        raise ValueError(f"paired layout needs N % 16 == 0 and K % 4 == 0, got {list(packed.shape)}")
+    dest = _plain_to_stored_bits()
+    out = torch.empty(e, n // 2, k_half // 2, dtype=torch.int32, device=packed.device)
+    for x in range(e):  # one expert at a time: the int64 temporaries stay small
+        units = packed[x].reshape(n // 16, 2, 8, k_half // 2, 2).permute(0, 2, 3, 1, 4)
+        out[x] = _permute_word_bits(units.reshape(n // 2, k_half // 2, 4), dest)
+    return out
+
+
+def canonical_from_paired(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`paired_weight_layout`: ``[E, N/2, K/4]`` int32 -> ``[E, N, K/2]`` uint8."""
+    e, half_n, quarter_k = words.shape
+    dest = _plain_to_stored_bits()
+    inverse = [dest.index(b) for b in range(32)]
+    plain = _permute_word_bits(words.contiguous().view(torch.uint8).reshape(e, half_n, quarter_k, 4), inverse)
+    units = plain.view(torch.uint8).reshape(e, half_n // 8, 8, quarter_k, 2, 2).permute(0, 1, 4, 2, 3, 5)
+    return units.reshape(e, 2 * half_n, 2 * quarter_k).contiguous()
+
+
+def fits_tma(hidden: int, inter: int) -> bool:
+    """TMA boxes need BK >= 256 (a box row of scales >= 16 bytes, every row 16-byte aligned),
+    i.e. H and I multiples of 256, as in every DeepSeek/Qwen/Mixtral shape."""
+    return hidden % 256 == 0 and inter % 256 == 0
 
 
 def fragment_order(x: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -433,21 +575,26 @@ def fragment_order(x: torch.Tensor, chunk: int) -> torch.Tensor:
 
 def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, config: dict | None = None,
                      routed_experts: int = 0):
-    """Run the Triton kernels; ``expert_tensors`` in the reference (canonical) layout. The tiles
-    come from :func:`kernel_config` (``routed_experts``: see ``fp4moe::fused_moe``) unless
-    ``config`` is given."""
+    """Run the Triton kernels. ``expert_tensors``: :meth:`TritonBackend.prepare`'s (packed
+    weights in :func:`paired_weight_layout`, int32) or the canonical layout (uint8; any config).
+    The tiles come from :func:`kernel_config` (``routed_experts``: see ``fp4moe::fused_moe``)
+    unless ``config`` is given."""
     w13, s13, g13, w2, s2, g2 = expert_tensors
     num_tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    num_experts, inter = s13.shape[0], s13.shape[1] // 2
     num_slots = num_tokens * top_k
     cfg = config or kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
+    paired = w13.dtype == torch.int32
+    if paired and not (cfg.get("TMA") and cfg.get("FRAGMENT_ORDER")):
+        raise ValueError("paired-layout weights need a TMA + FRAGMENT_ORDER config; pass canonical "
+                         "uint8 weights for other configs")
     sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
     x = hidden_states.contiguous()
     fragment = cfg.get("FRAGMENT_ORDER", False)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PREFETCH=cfg.get("PREFETCH", True),
                   FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting(),
-                  FRAGMENT_ORDER=fragment)
+                  FRAGMENT_ORDER=fragment, PAIRED=paired)
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
@@ -476,11 +623,16 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
 
 def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int):
     """TMA descriptors over ``w [E, N, K/2]`` and ``s [E, N, K/16]`` as 2-D ``[E*N, *]`` with
-    ``[bn, bk/2]`` / ``[bn, bk/16]`` boxes (bk >= 256: a box row must be >= 16 bytes)."""
+    ``[bn, bk/2]`` / ``[bn, bk/16]`` boxes (bk >= 256: a box row must be >= 16 bytes); paired
+    ``w [E, N/2, K/4]`` int32 as bytes ``[E*N/2, K]`` with ``[bn/2, bk]`` boxes."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    w2d, s2d = w.reshape(-1, w.shape[-1]), s.reshape(-1, s.shape[-1])
-    return TensorDescriptor.from_tensor(w2d, [bn, bk // 2]), TensorDescriptor.from_tensor(s2d, [bn, bk // 16])
+    s2d = s.reshape(-1, s.shape[-1])
+    if w.dtype == torch.int32:
+        w_box = TensorDescriptor.from_tensor(w.view(torch.uint8).reshape(-1, 4 * w.shape[-1]), [bn // 2, bk])
+    else:
+        w_box = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[-1]), [bn, bk // 2])
+    return w_box, TensorDescriptor.from_tensor(s2d, [bn, bk // 16])
 
 
 def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -509,6 +661,34 @@ class TritonBackend(Backend):
         if torch.cuda.get_device_capability(device) < (8, 0):
             return "needs compute capability 8.0+ (bf16 tensor cores)"
         return None
+
+    def prepare(self, weights) -> list[torch.Tensor]:
+        """Canonical tensors, with the packed weights in :func:`paired_weight_layout` where the
+        tiles come through TMA (H and I multiples of 256)."""
+        tensors = canonical_layout(weights.tensors())
+        hidden, inter = tensors[3].shape[1], 2 * tensors[3].shape[2]
+        if fits_tma(hidden, inter):
+            tensors[0], tensors[3] = paired_weight_layout(tensors[0]), paired_weight_layout(tensors[3])
+        return tensors
+
+    def check_expert_tensors(self, expert_tensors, hidden_size):
+        """The canonical layout, or (H and I multiples of 256) :meth:`prepare`'s paired packed
+        weights ``w13 [E, I, H/4]`` and ``w2 [E, H/2, I/4]`` int32."""
+        if len(expert_tensors) != 6 or expert_tensors[0].dtype != torch.int32:
+            return check_canonical_tensors(expert_tensors, hidden_size)
+        w13, s13, g13, w2, s2, g2 = expert_tensors
+        e, inter = s13.shape[0], s13.shape[1] // 2
+        if not fits_tma(hidden_size, inter):
+            raise ValueError(f"the paired weight layout needs H and I multiples of 256, got H={hidden_size}, I={inter}")
+        check_specs({
+            "w13 (paired)": (w13, (e, inter, hidden_size // 4), torch.int32),
+            "w13_scale": (s13, (e, 2 * inter, hidden_size // 16), torch.uint8),
+            "w13_global": (g13, (e,), torch.float32),
+            "w2 (paired)": (w2, (e, hidden_size // 2, inter // 4), torch.int32),
+            "w2_scale": (s2, (e, hidden_size, inter // 16), torch.uint8),
+            "w2_global": (g2, (e,), torch.float32),
+        }, hidden_size)
+        return e
 
     def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
             routed_experts=0):
