@@ -16,7 +16,10 @@ Each patched experts module trades its BF16 parameters ``gate_up_proj [E, 2I, H]
     down_proj_packed / down_proj_scale / down_proj_global_scale   (same for [E, H, I])
     fc1_input_scale, fc2_input_scale  [E] float32   only after calibration
 
-plus, for backends with their own layout, non-persistent ``fp4moe_prepared_<i>`` buffers.
+A backend that keeps its own packed-weight layout (the Triton backend's paired words) holds it
+in the ``*_packed`` buffers themselves, so the weights are not stored twice; ``state_dict()``
+and ``nvfp4_weights()`` still give the canonical bytes. Backends with other tensors of their own
+(FlashInfer) get extra non-persistent ``fp4moe_prepared_<i>`` buffers.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch import nn
 
 import fp4moe_ops
 from fp4moe_ops import NVFP4MoEWeights, nvfp4
-from fp4moe_ops.backends import resolve_backend
+from fp4moe_ops.backends import get_backend, resolve_backend
 from fp4moe_ops.backends.base import canonical_layout
 
 logger = logging.getLogger("fp4moe")
@@ -76,8 +79,12 @@ class _NVFP4ExpertsMixin:
     """Methods grafted onto a patched experts module (its class keeps its Transformers name)."""
 
     def nvfp4_weights(self) -> NVFP4MoEWeights:
+        """The canonical NVFP4 weights (packed weights converted back if the backend keeps its
+        own layout in the buffers)."""
         b = self._buffers
-        return NVFP4MoEWeights(*(b[n] for n in _CANONICAL), b.get("fc1_input_scale"), b.get("fc2_input_scale"))
+        tensors = [b[n] for n in _CANONICAL]
+        tensors[0], tensors[3] = _canonical_packed(self, tensors[0], tensors[3])
+        return NVFP4MoEWeights(*tensors, b.get("fc1_input_scale"), b.get("fc2_input_scale"))
 
     def fp4moe_tensors(self) -> list[torch.Tensor]:
         if self._fp4moe_prepared_count:
@@ -91,13 +98,37 @@ class _NVFP4ExpertsMixin:
         return fp4moe_ops.activation_scales(b.get("fc1_input_scale"), b.get("fc2_input_scale"), self._fp4moe_act_mode)
 
     def fp4moe_extra_repr(self) -> str:
-        e, two_i, h_half = self._buffers["gate_up_proj_packed"].shape
+        e, two_i, h_blocks = self._buffers["gate_up_proj_scale"].shape
         acts = "NVFP4" if self._fp4moe_act_mode else "bf16"
-        return (f"num_experts={e}, hidden={h_half * 2}, intermediate={two_i // 2}, "
+        return (f"num_experts={e}, hidden={h_blocks * nvfp4.BLOCK_SIZE}, intermediate={two_i // 2}, "
                 f"weights=NVFP4, activations={acts}, backend={self.fp4moe_backend!r}")
 
 
+def _canonical_packed(module: nn.Module, w13: torch.Tensor, w2: torch.Tensor):
+    if w13.dtype == torch.uint8:
+        return w13, w2
+    return get_backend(module.fp4moe_backend).canonical_packed(w13, w2)
+
+
+def _canonical_state_dict_hook(module, state_dict, prefix, local_metadata):
+    """State dicts always hold canonical packed weights, whatever layout the backend keeps."""
+    keys = (prefix + "gate_up_proj_packed", prefix + "down_proj_packed")
+    if all(k in state_dict for k in keys):
+        state_dict[keys[0]], state_dict[keys[1]] = _canonical_packed(module, *(state_dict[k] for k in keys))
+
+
+def _backend_layout_load_hook(module, state_dict, prefix, *args):
+    """Loading canonical packed weights into a module whose backend keeps its own layout."""
+    keys = (prefix + "gate_up_proj_packed", prefix + "down_proj_packed")
+    if all(k in state_dict for k in keys) and module._buffers["gate_up_proj_packed"].dtype != torch.uint8:
+        new = get_backend(module.fp4moe_backend).relayout_packed(*(state_dict[k] for k in keys))
+        state_dict[keys[0]], state_dict[keys[1]] = new
+
+
 def _set_backend(module: nn.Module, backend: str, act_scale_mode: str | None) -> None:
+    """Prepare the module's experts for ``backend``. A backend that only re-lays out the packed
+    weights (``owns_packed_layout``) gets them in the module's own buffers, so they are not held
+    twice; other backends with their own tensors get extra ``fp4moe_prepared_<i>`` buffers."""
     weights = module.nvfp4_weights()
     have_scales = weights.fc1_input_scale is not None and weights.fc2_input_scale is not None
     b = resolve_backend(backend, weights.device, have_activation_scales=have_scales)
@@ -105,8 +136,14 @@ def _set_backend(module: nn.Module, backend: str, act_scale_mode: str | None) ->
     for i in range(getattr(module, "_fp4moe_prepared_count", 0)):
         module._buffers.pop(f"fp4moe_prepared_{i}", None)
     canonical = canonical_layout(weights.tensors())
+    module._buffers["gate_up_proj_packed"], module._buffers["down_proj_packed"] = weights.w13, weights.w2
     same = len(prepared.tensors) == len(canonical) and all(
         p.data_ptr() == c.data_ptr() for p, c in zip(prepared.tensors, canonical))
+    if b.owns_packed_layout:
+        if not all(prepared.tensors[i].data_ptr() == canonical[i].data_ptr() for i in (1, 2, 4, 5)):
+            raise AssertionError(f"backend {b.name!r} owns the packed layout but changed other tensors")
+        module._buffers["gate_up_proj_packed"], module._buffers["down_proj_packed"] = prepared.tensors[0], prepared.tensors[3]
+        same = True
     module._fp4moe_prepared_count = 0 if same else len(prepared.tensors)
     if not same:
         for i, t in enumerate(prepared.tensors):
@@ -243,6 +280,11 @@ def install_nvfp4_experts(module: nn.Module, weights: NVFP4MoEWeights, backend: 
     for method in ("nvfp4_weights", "fp4moe_tensors", "fp4moe_act_scales"):
         setattr(module, method, getattr(_NVFP4ExpertsMixin, method).__get__(module))
     module.extra_repr = _NVFP4ExpertsMixin.fp4moe_extra_repr.__get__(module)
+    if not getattr(module, "_fp4moe_hooks", False):
+        module._register_state_dict_hook(_canonical_state_dict_hook)
+        module._register_load_state_dict_pre_hook(_backend_layout_load_hook, with_module=True)
+        module._fp4moe_hooks = True
+    module.fp4moe_backend = None  # buffers are canonical until _set_backend
     _set_backend(module, backend, None)
 
 

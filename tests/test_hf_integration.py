@@ -254,3 +254,35 @@ def test_quantize_dense_mlps_option():
     assert 0.02 < rel(got, bf16) < 0.3  # NVFP4 weight error
     explanation = torch._dynamo.explain(model)(torch.randint(1, 256, (1, 6)))
     assert explanation.graph_break_count == 0
+
+
+def test_backend_layout_is_held_once_and_state_dict_stays_canonical(monkeypatch):
+    # The Triton backend re-lays out the packed weights (paired words, H and I multiples of 256):
+    # a patched module keeps only that copy, while state_dict() / nvfp4_weights() give the
+    # canonical bytes, load_state_dict() takes canonical bytes, and another backend gets them back.
+    # (Layout only: the Triton kernels themselves run in tests/test_triton_backend.py and on GPU.)
+    import fp4moe_ops
+    from fp4moe_ops.backends import BACKENDS
+    from hf_integration.patch import _set_backend, install_nvfp4_experts
+
+    monkeypatch.setattr(type(BACKENDS["triton"]), "unavailable_reason", lambda self, device: None)
+    w = fp4moe_ops.quantize_moe_weights(torch.randn(3, 512, 256), torch.randn(3, 256, 256))
+    m = torch.nn.Module()
+    install_nvfp4_experts(m, w, "triton")
+    assert m._buffers["gate_up_proj_packed"].dtype == torch.int32 and m._fp4moe_prepared_count == 0
+    assert not any(n.startswith("fp4moe_prepared") for n in m._buffers)
+    held = sum(b.numel() * b.element_size() for b in m.buffers())
+    assert held == sum(t.numel() * t.element_size() for t in w.tensors())  # not twice
+    sd = m.state_dict()
+    assert torch.equal(sd["gate_up_proj_packed"], w.w13) and torch.equal(sd["down_proj_packed"], w.w2)
+    assert torch.equal(m.nvfp4_weights().w13, w.w13) and torch.equal(m.nvfp4_weights().w2, w.w2)
+    assert "num_experts=3, hidden=256, intermediate=256" in repr(m)
+
+    before = m._buffers["gate_up_proj_packed"].clone()
+    m._buffers["gate_up_proj_packed"].zero_()
+    m.load_state_dict(sd)  # canonical bytes in, the backend's layout kept
+    assert torch.equal(m._buffers["gate_up_proj_packed"], before)
+
+    _set_backend(m, "reference", None)
+    assert m._buffers["gate_up_proj_packed"].dtype == torch.uint8
+    assert torch.equal(m._buffers["gate_up_proj_packed"], w.w13)

@@ -188,3 +188,19 @@ def test_paired_layout_round_trip_and_checks():
     x, ids, rw = torch.randn(2, 256, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
     with pytest.raises(ValueError, match="TMA"):  # paired weights with a plain-load config
         triton_fused_moe(x, ids, rw, prepared, kernel_config(2, 3, 256, 256) | {"TMA": False})
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 700])  # 700 x 8 slots: the torch routing path
+def test_route_also_permutes_activations_into_fragment_order(tokens):
+    from fp4moe_ops.backends import triton_moe
+    from fp4moe_ops.backends.triton_moe import fragment_order
+
+    x = torch.randn(tokens, 512, dtype=torch.bfloat16)
+    ids = torch.randint(0, 8, (tokens, 8))
+    *routed, x_fragment = route(ids.to(DEVICE), 8, 16, x.to(DEVICE), 256)
+    assert torch.equal(x_fragment.cpu(), fragment_order(x, 256))  # fragment_order is checked above
+    alone = route(ids.to(DEVICE), 8, 16)
+    used = alone[1] >= 0  # row ranges of unused blocks are never read
+    assert torch.equal(routed[0], alone[0]) and torch.equal(routed[1], alone[1])
+    assert torch.equal(routed[2][used], alone[2][used]) and torch.equal(routed[3][used], alone[3][used])
+    assert (tokens * 8 <= triton_moe.FAST_ROUTE_MAX_SLOTS) == (tokens < 700)

@@ -67,6 +67,19 @@ class Backend:
 
     name: str = ""
     activation_scales: str = "optional"
+    # True if ``prepare`` returns the canonical tensors except for the packed weights
+    # (``w13``, ``w2``), which it re-lays out with ``relayout_packed`` (inverse:
+    # ``canonical_packed``). A patched module then keeps only the prepared copy.
+    owns_packed_layout: bool = False
+
+    def relayout_packed(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Canonical packed weights ``w13 [E, 2I, H/2]``, ``w2 [E, H, I/2]`` uint8 -> this
+        backend's layout."""
+        return w13, w2
+
+    def canonical_packed(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of :meth:`relayout_packed` (canonical input is returned as is)."""
+        return w13, w2
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """None if this backend can run on ``device``, else a one-line reason."""

@@ -362,9 +362,27 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                      S, E, NUM_BLOCKS,
-                      BM: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, B_PAD: tl.constexpr):
-        """:func:`route` in one program (decode-sized S): one launch instead of ~12 torch ops."""
+                      S, E, NUM_BLOCKS, x_ptr, x_fragment_ptr, X_NUMEL, H,
+                      BM: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, B_PAD: tl.constexpr,
+                      CHUNK: tl.constexpr, X_BLOCK: tl.constexpr):
+        """:func:`route` in program 0 (decode-sized S): one launch instead of ~12 torch ops. The
+        other programs (if any) copy ``x [T, H]`` into :func:`fragment_order` with ``CHUNK``-wide
+        chunks, which saves the permute's own launch."""
+        if tl.program_id(0) > 0:
+            idx = (tl.program_id(0) - 1) * X_BLOCK + tl.arange(0, X_BLOCK)
+            mask = idx < X_NUMEL
+            c = idx % H
+            cp = c % CHUNK  # column 16j + 8s + 2t + e holds natural (CHUNK/4)t + 4j + 2e + s
+            natural = c - cp + (CHUNK // 4) * ((cp // 2) % 4) + 4 * (cp // 16) + 2 * (cp % 2) + (cp // 8) % 2
+            tl.store(x_fragment_ptr + idx, tl.load(x_ptr + idx - c + natural, mask=mask), mask=mask)
+        else:
+            _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+                           S, E, NUM_BLOCKS, BM, S_PAD, E_PAD, B_PAD)
+
+    @triton.jit
+    def _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+                       S, E, NUM_BLOCKS,
+                       BM: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, B_PAD: tl.constexpr):
         offs = tl.arange(0, S_PAD)
         key = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
         key = tl.where((key >= 0) & (key < E), key, E)  # invalid ids and padding sort last
@@ -403,12 +421,15 @@ if triton is not None:
 FAST_ROUTE_MAX_SLOTS = 4096  # one-program routing up to here; torch ops beyond (prefill)
 
 
-def route(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: torch.Tensor | None = None,
+          fragment_chunk: int = 0):
     """Group slots by expert and cut them into ``block_m``-row blocks, on the device.
 
     Returns ``(sorted_slot [S] int32, block_expert [B] int32 (-1 unused), block_row_start [B],
     block_row_end [B])`` with ``B = min(S, E) + S // block_m`` (a bound on the blocks needed:
-    each expert hit adds at most one partial block). Invalid ids are dropped.
+    each expert hit adds at most one partial block). Invalid ids are dropped. With
+    ``activations [T, H]`` and ``fragment_chunk``, also returns them in :func:`fragment_order`
+    (in the same launch on the one-program path).
     """
     flat = topk_ids.reshape(-1)
     num_slots = flat.numel()
@@ -416,13 +437,21 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     if num_slots <= FAST_ROUTE_MAX_SLOTS and triton is not None and (flat.is_cuda or interpreting()):
         out = torch.empty(num_slots + 3 * num_blocks, dtype=torch.int32, device=flat.device)
         sorted_slot, block_expert, row_start, row_end = out.split([num_slots] + [num_blocks] * 3)
-        _route_kernel[(1,)](
+        x = activations.contiguous() if activations is not None else out  # (unused without activations)
+        x_fragment = torch.empty_like(x) if activations is not None else out
+        x_numel, x_block = (x.numel(), 1024) if activations is not None else (0, 1024)
+        _route_kernel[(1 + triton.cdiv(x_numel, x_block),)](
             flat, sorted_slot, block_expert, row_start, row_end, num_slots, num_experts, num_blocks,
+            x, x_fragment, x_numel, x.shape[-1],
             BM=block_m, S_PAD=triton.next_power_of_2(num_slots), E_PAD=triton.next_power_of_2(num_experts + 1),
-            B_PAD=triton.next_power_of_2(num_blocks), num_warps=4,
+            B_PAD=triton.next_power_of_2(num_blocks), CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, num_warps=4,
         )
-        return sorted_slot, block_expert, row_start, row_end
-    return _route_torch(flat, num_experts, block_m, num_blocks)
+        routed = (sorted_slot, block_expert, row_start, row_end)
+    else:
+        routed = _route_torch(flat, num_experts, block_m, num_blocks)
+        if activations is not None:
+            x_fragment = fragment_order(activations.contiguous(), fragment_chunk)
+    return routed if activations is None else (*routed, x_fragment)
 
 
 def _route_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks: int):
@@ -589,9 +618,13 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     if paired and not (cfg.get("TMA") and cfg.get("FRAGMENT_ORDER")):
         raise ValueError("paired-layout weights need a TMA + FRAGMENT_ORDER config; pass canonical "
                          "uint8 weights for other configs")
-    sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
     x = hidden_states.contiguous()
     fragment = cfg.get("FRAGMENT_ORDER", False)
+    if fragment:  # GEMM1 reads x with K in fragment order
+        sorted_slot, block_expert, row_start, row_end, x_gemm1 = route(topk_ids, num_experts, cfg["BM"], x, cfg["BK1"])
+    else:
+        sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
+        x_gemm1 = x
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PREFETCH=cfg.get("PREFETCH", True),
                   FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting(),
                   FRAGMENT_ORDER=fragment, PAIRED=paired)
@@ -605,7 +638,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     grid1 = (block_expert.numel(), (2 if split else 1) * inter // cfg["BN1"])
     pre_act = torch.empty(num_slots, 2 * inter, dtype=torch.float32, device=x.device) if split else inter_act
     _gemm1_swiglu_kernel[grid1](
-        fragment_order(x, cfg["BK1"]) if fragment else x, w13, s13, g13, pre_act, sorted_slot, block_expert,
+        x_gemm1, w13, s13, g13, pre_act, sorted_slot, block_expert,
         row_start, row_end, hidden, inter, top_k, *desc1, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
         OUT_CHUNK=cfg["BK2"], SPLIT_GATE_UP=split, **launch,
     )
@@ -652,6 +685,7 @@ class TritonBackend(Backend):
 
     name = "triton"
     activation_scales = "forbidden"
+    owns_packed_layout = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if triton is None:
@@ -666,10 +700,19 @@ class TritonBackend(Backend):
         """Canonical tensors, with the packed weights in :func:`paired_weight_layout` where the
         tiles come through TMA (H and I multiples of 256)."""
         tensors = canonical_layout(weights.tensors())
-        hidden, inter = tensors[3].shape[1], 2 * tensors[3].shape[2]
-        if fits_tma(hidden, inter):
-            tensors[0], tensors[3] = paired_weight_layout(tensors[0]), paired_weight_layout(tensors[3])
+        tensors[0], tensors[3] = self.relayout_packed(tensors[0], tensors[3])
         return tensors
+
+    def relayout_packed(self, w13, w2):
+        """Both in :func:`paired_weight_layout` if H and I are multiples of 256, else as they are."""
+        if w13.dtype == torch.uint8 and fits_tma(w2.shape[1], 2 * w2.shape[2]):
+            return paired_weight_layout(w13), paired_weight_layout(w2)
+        return w13, w2
+
+    def canonical_packed(self, w13, w2):
+        if w13.dtype == torch.int32:
+            return canonical_from_paired(w13), canonical_from_paired(w2)
+        return w13, w2
 
     def check_expert_tensors(self, expert_tensors, hidden_size):
         """The canonical layout, or (H and I multiples of 256) :meth:`prepare`'s paired packed
