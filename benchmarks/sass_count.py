@@ -57,14 +57,17 @@ def main():
     ap.add_argument("--no-fragment-order", action="store_true")
     ap.add_argument("--canonical", action="store_true", help="canonical instead of paired weights")
     ap.add_argument("--gemm1", action="store_true", help="the GEMM1 (split gate/up) loop instead of GEMM2")
+    ap.add_argument("--tokens", type=int, default=8, help="picks the bucket (8: decode, 2048: prefill)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=INT", help="config overrides, e.g. BM=128")
     args = ap.parse_args()
-    cfg = triton_moe.kernel_config(8 * 8, 256, 7168, 2048)  # 8 tokens: the decode bucket
+    cfg = triton_moe.kernel_config(args.tokens * 8, 256, 7168, 2048)
+    cfg |= {k: int(v) for k, v in (kv.split("=") for kv in args.set)}
     if args.no_fragment_order:
         cfg["FRAGMENT_ORDER"] = False
     paired = cfg["FRAGMENT_ORDER"] and not args.canonical
     bn, bk = (cfg["BN1"], cfg["BK1"]) if args.gemm1 else (cfg["BN2"], cfg["BK2"])
     w_box = f"[{bn // 2}, {bk}]" if paired else f"[{bn}, {bk // 2}]"
-    desc = {"w_desc": f"tensordesc<u8{w_box}>", "s_desc": f"tensordesc<u8[{bn}, {bk // 16}]>"}
+    desc = {"w_desc": f"tensordesc<u8{w_box}>", "s_desc": f"tensordesc<u8[{bn}, {bk // 16}]>" if bk >= 256 else "*u8"}
     routing = {n: "*i32" for n in ("sorted_slot_ptr", "block_expert_ptr", "block_row_start_ptr", "block_row_end_ptr")}
     constants = dict(BM=cfg["BM"], BN=bn, BK=bk, PREFETCH=cfg["PREFETCH"], FAST_DECODE=True, INTERPRET=False,
                      TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"], PAIRED=paired)
@@ -77,7 +80,7 @@ def main():
                                                  "out_ptr": "*fp32"}
     sig = {n: sig[n] for n in kernel.arg_names if n in sig} | desc | {k: "constexpr" for k in constants}
     regs, loops = loop_histograms(kernel, sig, constants, cfg["num_warps"], cfg["num_stages"])
-    print(f"triton {triton.__version__}, decode {'GEMM1' if args.gemm1 else 'GEMM2'}, paired={paired}, {cfg}\n"
+    print(f"triton {triton.__version__}, {args.tokens} tokens {'GEMM1' if args.gemm1 else 'GEMM2'}, paired={paired}, {cfg}\n"
           f"registers per thread: {regs}")
     n, ops = min(loops, key=lambda loop: loop[0])  # the innermost: the K loop (others wrap it)
     print(f"K loop: {n} instructions per thread per K step of {bk}: {dict(ops.most_common(12))}")

@@ -146,6 +146,24 @@ def test_triton_decode_variants(fragment, paired, split):
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("paired", [False, True])
+def test_triton_prefill_tiles_with_bk128(paired):
+    # TMA weight tiles with BK = 128 (scales then come through plain loads: a 8-byte scale box
+    # row is below TMA's 16 bytes), 64-row blocks with several blocks per expert.
+    e, h, i, t, k = 2, 256, 256, 70, 1
+    w = layer(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.randint(0, e, (t, k))
+    rw = torch.rand(t, k)
+    tensors = BACKENDS["triton"].prepare(w) if paired else fp4moe_ops.prepare_experts(w, "reference").tensors
+    cfg = kernel_config(t * k, e, h, i) | dict(BM=64, BN1=128, BK1=128, BN2=128, BK2=128, TMA=True,
+                                               FRAGMENT_ORDER=True, SPLIT_GATE_UP=False)
+    out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in tensors], cfg).cpu()
+    ref = moe64(x, ids, rw, *w.tensors())
+    # bf16 intermediate and output: a few bf16 ulps (2^-8) of the row scale
+    torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+
+
 def test_kernel_config_counts_rows_over_the_routed_experts():
     # An EP=8 rank of DeepSeek-V3 (32 of 256 experts) at 128 tokens: 1024 slots but ~4 local rows
     # per expert. Counted over the local experts it would look like 32 rows: prefill tiles.

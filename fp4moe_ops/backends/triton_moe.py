@@ -255,7 +255,10 @@ if triton is not None:
                     packed = w_desc.load([desc_row // 2, k0])
                 else:
                     packed = w_desc.load([desc_row, k0 // 2])
-                sbytes = s_desc.load([desc_row, k0 // 16])
+                if BK >= 256:
+                    sbytes = s_desc.load([desc_row, k0 // 16])
+                else:  # a scale box row under 16 bytes is not allowed: plain loads (BK/16 bytes per row)
+                    sbytes = tl.load(s_ptrs + k0 // 16)
             elif PREFETCH:
                 more = (k0 + BK) < K  # the last iteration loads nothing
                 packed_next = tl.load(w_ptrs + (k0 + BK) // 2, mask=(kb[None, :] * 0 + more) != 0, other=0)
@@ -660,16 +663,18 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
 
 def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int):
     """TMA descriptors over ``w [E, N, K/2]`` and ``s [E, N, K/16]`` as 2-D ``[E*N, *]`` with
-    ``[bn, bk/2]`` / ``[bn, bk/16]`` boxes (bk >= 256: a box row must be >= 16 bytes); paired
-    ``w [E, N/2, K/4]`` int32 as bytes ``[E*N/2, K]`` with ``[bn/2, bk]`` boxes."""
+    ``[bn, bk/2]`` / ``[bn, bk/16]`` boxes; paired ``w [E, N/2, K/4]`` int32 as bytes
+    ``[E*N/2, K]`` with ``[bn/2, bk]`` boxes. A box row must be >= 16 bytes: with ``bk < 256``
+    the kernel loads scales with plain loads and gets ``s`` itself."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    s2d = s.reshape(-1, s.shape[-1])
     if w.dtype == torch.int32:
         w_box = TensorDescriptor.from_tensor(w.view(torch.uint8).reshape(-1, 4 * w.shape[-1]), [bn // 2, bk])
     else:
         w_box = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[-1]), [bn, bk // 2])
-    return w_box, TensorDescriptor.from_tensor(s2d, [bn, bk // 16])
+    if bk < 256:
+        return w_box, s
+    return w_box, TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [bn, bk // 16])
 
 
 def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int) -> torch.Tensor:
