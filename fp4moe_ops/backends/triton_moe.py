@@ -370,10 +370,11 @@ if triton is not None:
     def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
                       S, E, NUM_BLOCKS, x_ptr, x_fragment_ptr, X_NUMEL, H,
                       BM: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, B_PAD: tl.constexpr,
-                      CHUNK: tl.constexpr, X_BLOCK: tl.constexpr):
+                      CHUNK: tl.constexpr, X_BLOCK: tl.constexpr, ROUTE: tl.constexpr = True):
         """:func:`route` in program 0 (decode-sized S): one launch instead of ~12 torch ops. The
         other programs (if any) copy ``x [T, H]`` into :func:`fragment_order` with ``CHUNK``-wide
-        chunks, which saves the permute's own launch."""
+        chunks, which saves the permute's own launch. ROUTE=False: only the copy (prefill, where
+        torch ops route)."""
         if tl.program_id(0) > 0:
             idx = (tl.program_id(0) - 1) * X_BLOCK + tl.arange(0, X_BLOCK)
             mask = idx < X_NUMEL
@@ -381,7 +382,7 @@ if triton is not None:
             cp = c % CHUNK  # column 16j + 8s + 2t + e holds natural (CHUNK/4)t + 4j + 2e + s
             natural = c - cp + (CHUNK // 4) * ((cp // 2) % 4) + 4 * (cp // 16) + 2 * (cp % 2) + (cp // 8) % 2
             tl.store(x_fragment_ptr + idx, tl.load(x_ptr + idx - c + natural, mask=mask), mask=mask)
-        else:
+        elif ROUTE:
             _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
                            S, E, NUM_BLOCKS, BM, S_PAD, E_PAD, B_PAD)
 
@@ -440,23 +441,28 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
     flat = topk_ids.reshape(-1)
     num_slots = flat.numel()
     num_blocks = min(num_slots, num_experts) + num_slots // block_m
-    if num_slots <= FAST_ROUTE_MAX_SLOTS and triton is not None and (flat.is_cuda or interpreting()):
-        out = torch.empty(num_slots + 3 * num_blocks, dtype=torch.int32, device=flat.device)
-        sorted_slot, block_expert, row_start, row_end = out.split([num_slots] + [num_blocks] * 3)
-        x = activations.contiguous() if activations is not None else out  # (unused without activations)
-        x_fragment = torch.empty_like(x) if activations is not None else out
-        x_numel, x_block = (x.numel(), 1024) if activations is not None else (0, 1024)
+    on_triton = triton is not None and (flat.is_cuda or interpreting())
+    fast = num_slots <= FAST_ROUTE_MAX_SLOTS and on_triton
+    out = torch.empty(num_slots + 3 * num_blocks, dtype=torch.int32, device=flat.device)
+    sorted_slot, block_expert, row_start, row_end = out.split([num_slots] + [num_blocks] * 3)
+    if activations is not None and on_triton:
+        x = activations.contiguous()
+        x_fragment, x_numel, x_block = torch.empty_like(x), x.numel(), 1024
+    else:  # no copy in the kernel (unused arguments)
+        x = x_fragment = out
+        x_numel, x_block = 0, 1024
+    if fast or x_numel:
         _route_kernel[(1 + triton.cdiv(x_numel, x_block),)](
             flat, sorted_slot, block_expert, row_start, row_end, num_slots, num_experts, num_blocks,
             x, x_fragment, x_numel, x.shape[-1],
-            BM=block_m, S_PAD=triton.next_power_of_2(num_slots), E_PAD=triton.next_power_of_2(num_experts + 1),
-            B_PAD=triton.next_power_of_2(num_blocks), CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, num_warps=4,
+            BM=block_m, S_PAD=triton.next_power_of_2(num_slots) if fast else 1,
+            E_PAD=triton.next_power_of_2(num_experts + 1) if fast else 1,
+            B_PAD=triton.next_power_of_2(num_blocks) if fast else 1, CHUNK=max(fragment_chunk, 16),
+            X_BLOCK=x_block, ROUTE=fast, num_warps=4,
         )
-        routed = (sorted_slot, block_expert, row_start, row_end)
-    else:
-        routed = _route_torch(flat, num_experts, block_m, num_blocks)
-        if activations is not None:
-            x_fragment = fragment_order(activations.contiguous(), fragment_chunk)
+    routed = (sorted_slot, block_expert, row_start, row_end) if fast else _route_torch(flat, num_experts, block_m, num_blocks)
+    if activations is not None and not on_triton:
+        x_fragment = fragment_order(activations.contiguous(), fragment_chunk)
     return routed if activations is None else (*routed, x_fragment)
 
 
@@ -501,8 +507,9 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     tma = fits_tma(hidden, inter)
     if decode:
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 16, 64, 256, 64, 256, 4, 3, False
-    elif tma:  # prefill, tensor-core bound: 1.8x / 1.37x over the plain-load tiles at 2048 / 8192 tokens
-        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 64, 128, 256, 128, 256, 8, 3, False
+    elif tma:  # prefill, tensor-core bound: 1.8x / 1.37x over the plain-load tiles at 2048 / 8192 tokens;
+        # GEMM2's 256-row weight tiles halve its programs (its K loop is short: I / 256 steps): 1.06x
+        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 64, 128, 256, 256, 256, 8, 3, False
     else:
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 128, 128, 128, 128, 128, 8, 2, True
     cfg = dict(
