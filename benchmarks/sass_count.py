@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--no-fragment-order", action="store_true")
     ap.add_argument("--canonical", action="store_true", help="canonical instead of paired weights")
     ap.add_argument("--gemm1", action="store_true", help="the GEMM1 (split gate/up) loop instead of GEMM2")
+    ap.add_argument("--top", type=int, default=12, help="how many instruction kinds to list")
     ap.add_argument("--tokens", type=int, default=8, help="picks the bucket (8: decode, 2048: prefill)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=INT", help="config overrides, e.g. BM=128")
     args = ap.parse_args()
@@ -70,7 +71,8 @@ def main():
     desc = {"w_desc": f"tensordesc<u8{w_box}>", "s_desc": f"tensordesc<u8[{bn}, {bk // 16}]>" if bk >= 256 else "*u8"}
     routing = {n: "*i32" for n in ("sorted_slot_ptr", "block_expert_ptr", "block_row_start_ptr", "block_row_end_ptr")}
     constants = dict(BM=cfg["BM"], BN=bn, BK=bk, PREFETCH=cfg["PREFETCH"], FAST_DECODE=True, INTERPRET=False,
-                     TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"], PAIRED=paired)
+                     TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"], PAIRED=paired,
+                     FAST_SCALES=bool(cfg.get("FAST_SCALES", 1)))
     common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "H": "i32", "I": "i32"}
     if args.gemm1:
         constants |= dict(OUT_CHUNK=cfg["BK2"], SPLIT_GATE_UP=cfg["SPLIT_GATE_UP"])
@@ -83,7 +85,7 @@ def main():
     print(f"triton {triton.__version__}, {args.tokens} tokens {'GEMM1' if args.gemm1 else 'GEMM2'}, paired={paired}, {cfg}\n"
           f"registers per thread: {regs}")
     n, ops = min(loops, key=lambda loop: loop[0])  # the innermost: the K loop (others wrap it)
-    print(f"K loop: {n} instructions per thread per K step of {bk}: {dict(ops.most_common(12))}")
+    print(f"K loop: {n} instructions per thread per K step of {bk}: {dict(ops.most_common(args.top))}")
 
 
 if __name__ == "__main__":

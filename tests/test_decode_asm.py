@@ -151,3 +151,22 @@ def test_paired_word_ptx_matches_the_e2m1_definition():
                     assert got == decode(code) * s[row] * 2.0**-22, (position, byte, reg, half)
                     checked += 1
     assert checked == 4 * 256 * 8
+
+
+def test_scale_ptx_matches_the_e4m3_definition():
+    # Every E4M3 byte (NaN 0x7F/0xFF excepted; the sign bit is dropped: scales are >= 0, and a
+    # -0 byte must stay 0) in every one of the 4 packed positions -> bf16 scale * 2^104, exactly.
+    rng = random.Random(2)
+    positive = e4m3_values()  # byte b < 0x7F has the value positive[b]
+    checked = 0
+    for position in range(4):
+        for byte in [b for b in range(256) if b & 0x7F != 0x7F]:
+            data = [rng.randrange(0x7F) for _ in range(4)]
+            data[position] = byte
+            regs = run_ptx(triton_moe._E4M3X4_TO_BF16.value, {"$2": sum(b << (8 * i) for i, b in enumerate(data))})
+            got = [bf16_to_float(regs["$0"]), bf16_to_float(regs["$0"] >> 16),
+                   bf16_to_float(regs["$1"]), bf16_to_float(regs["$1"] >> 16)]
+            for i in range(4):
+                assert got[i] == positive[data[i] & 0x7F] * 2.0**104, (data, i)
+                checked += 1
+    assert checked == 4 * 254 * 4

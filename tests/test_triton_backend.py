@@ -222,3 +222,28 @@ def test_route_also_permutes_activations_into_fragment_order(tokens):
     assert torch.equal(routed[0], alone[0]) and torch.equal(routed[1], alone[1])
     assert torch.equal(routed[2][used], alone[2][used]) and torch.equal(routed[3][used], alone[3][used])
     assert (tokens * 8 <= triton_moe.FAST_ROUTE_MAX_SLOTS) == (tokens < 700)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX needs a GPU")
+def test_scale_ptx_on_the_gpu_every_e4m3_byte():
+    # The decode's scale conversion on the hardware (tests/test_decode_asm.py runs the same PTX
+    # in a CPU interpreter): every non-NaN E4M3 byte, subnormals and both zeros included.
+    import triton
+    import triton.language as tl
+
+    from fp4moe_ops.backends import triton_moe
+
+    @triton.jit
+    def convert(src, dst, FAST: tl.constexpr):
+        offs = tl.arange(0, 256)
+        tl.store(dst + offs, triton_moe._scales_bf16(tl.load(src + offs), FAST))
+
+    nan = torch.tensor([0x7F, 0xFF])
+    data = torch.arange(256, dtype=torch.uint8)
+    data = torch.where(torch.isin(data.long(), nan), torch.zeros_like(data), data).cuda()
+    want = (data & 0x7F).view(torch.float8_e4m3fn).float() * 2.0**104
+    for fast in (True, False):
+        out = torch.empty(256, dtype=torch.bfloat16, device="cuda")
+        convert[(1,)](data, out, FAST=fast)
+        assert torch.equal(out.float(), want), fast

@@ -126,6 +126,31 @@ if triton is not None:
     }
     """)
 
+    # PTX for 4 E4M3 block-scale bytes -> 4 bf16 ``scale * 2^104``, 2.5 instructions per scale:
+    # spread two bytes into the 16-bit halves, drop the sign bit (scales are >= 0; this keeps a
+    # -0 byte at 0), shift left by 4 (an E4M3 bit pattern moved into bf16's exponent and mantissa
+    # fields reads as ``scale * 2^-120``, subnormals included), and two exact multiplies by 2^112.
+    _E4M3X4_TO_BF16 = tl.constexpr("""
+    {
+    .reg .b32 t, z, c;
+    mov.b32 z, 0;
+    mov.b32 c, 0x77807780;
+    prmt.b32 t, $2, z, 0x4140; and.b32 t, t, 0x007F007F; shl.b32 t, t, 4;
+    mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $0, t, c;
+    prmt.b32 t, $2, z, 0x4342; and.b32 t, t, 0x007F007F; shl.b32 t, t, 4;
+    mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $1, t, c;
+    }
+    """)
+
+    @triton.jit
+    def _scales_bf16(sbytes, FAST_SCALES: tl.constexpr):
+        """E4M3 scale bytes -> bf16 ``scale * 2^104`` (exact): the PTX above, or (FAST_SCALES
+        off, for comparison) through fp16 and fp32 as in :func:`_e4m3_f32`."""
+        if FAST_SCALES:
+            return tl.inline_asm_elementwise(_E4M3X4_TO_BF16, "=r,=r,r", [sbytes], dtype=tl.bfloat16,
+                                             is_pure=True, pack=4)
+        return (_e4m3_f32(sbytes) * 2.0**112).to(tl.bfloat16)
+
     @triton.jit
     def _pairs_to_rows(x, BN: tl.constexpr, BK: tl.constexpr):
         """``[BN/2, BK/4, 2, 2]`` (row pair, 2-byte unit, row of the pair, last dim) ->
@@ -175,7 +200,8 @@ if triton is not None:
 
     @triton.jit
     def _decode_tile_fragment_order(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                                    FAST_DECODE: tl.constexpr, PAIRED: tl.constexpr = False):
+                                    FAST_DECODE: tl.constexpr, PAIRED: tl.constexpr = False,
+                                    FAST_SCALES: tl.constexpr = True):
         """:func:`_decode_tile` with the K axis in MMA-fragment order (see :func:`fragment_order`):
         ``[BN, BK]`` whose column ``16j + 8s + 2t + e`` is the weight at ``k = (BK/4)t + 4j + 2e + s``.
 
@@ -187,10 +213,9 @@ if triton is not None:
 
         With PAIRED, ``packed`` is a ``[BN/2, BK]`` tile of :func:`paired_weight_layout` words.
         """
-        scale = _e4m3_f32(sbytes).reshape(BN, 4, BK // 64, 1, 1)  # block of byte b is b // 8
-        scale = tl.broadcast_to(scale, (BN, 4, BK // 64, 4, 2)).reshape(BN, 4, BK // 16, 2)
         if FAST_DECODE and OUT_DTYPE == tl.bfloat16:
-            scale = (scale * 2.0**112).to(tl.bfloat16)
+            scale = _scales_bf16(sbytes, FAST_SCALES).reshape(BN, 4, BK // 64, 1, 1)  # block of byte b is b // 8
+            scale = tl.broadcast_to(scale, (BN, 4, BK // 64, 4, 2)).reshape(BN, 4, BK // 16, 2)
             if PAIRED:
                 p = _pairs_to_rows(packed.reshape(BN // 2, BK // 4, 2, 2), BN, BK)
                 lo, hi = tl.inline_asm_elementwise(_PAIRED_WORD_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, scale],
@@ -200,6 +225,8 @@ if triton is not None:
                 lo, hi = tl.inline_asm_elementwise(_E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, scale],
                                                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         else:
+            scale = _e4m3_f32(sbytes).reshape(BN, 4, BK // 64, 1, 1)
+            scale = tl.broadcast_to(scale, (BN, 4, BK // 64, 4, 2)).reshape(BN, 4, BK // 16, 2)
             if PAIRED:
                 lo_codes, hi_codes = _paired_codes(packed, BN, BK)
             else:
@@ -230,7 +257,8 @@ if triton is not None:
     def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                        BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
                        w_desc=None, s_desc=None, desc_row=0, TMA: tl.constexpr = False,
-                       FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False):
+                       FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
+                       FAST_SCALES: tl.constexpr = True):
         """``acc [BN, BM] += W[rows, :K] @ A[a_rows, :K]^T`` with W NVFP4 ``[*, K/2]`` bytes
         (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk).
 
@@ -267,7 +295,7 @@ if triton is not None:
                 packed = tl.load(w_ptrs + k0 // 2)
                 sbytes = tl.load(s_ptrs + k0 // 16)
             if FRAGMENT_ORDER:
-                w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED)
+                w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED, FAST_SCALES)
             else:
                 w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE)
             if INTERPRET:  # Triton's CPU interpreter mis-multiplies bf16 dots
@@ -284,7 +312,7 @@ if triton is not None:
         H, I, TOPK, w_desc, s_desc,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
         TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
-        SPLIT_GATE_UP: tl.constexpr = False, PAIRED: tl.constexpr = False,
+        SPLIT_GATE_UP: tl.constexpr = False, PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
     ):
         """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
         SPLIT_GATE_UP a program computes only the gate or the up tile and stores it, scaled, in
@@ -306,15 +334,15 @@ if triton is not None:
                 cols = tl.program_id(1) * BN + tl.arange(0, BN)  # rows of [gate; up], 0..2I
                 acc = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
                                      INTERPRET, w_desc, s_desc, e * (2 * I) + tl.program_id(1) * BN, TMA,
-                                     FRAGMENT_ORDER, PAIRED)
+                                     FRAGMENT_ORDER, PAIRED, FAST_SCALES)
                 tl.store(out_ptr + slots[None, :] * (2 * I) + cols[:, None], acc * g, mask=row_mask[None, :])
                 return
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
             acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
-                                      INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER, PAIRED)
+                                      INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES)
             acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
-                                    INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER, PAIRED)
+                                    INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES)
             gate = acc_gate * g
             up = acc_up * g
             h = gate * tl.sigmoid(gate) * up  # [BN, BM]
@@ -347,6 +375,7 @@ if triton is not None:
         H, I, w_desc, s_desc,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
         TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
+        FAST_SCALES: tl.constexpr = True,
     ):
         b = tl.program_id(0)
         e = tl.load(block_expert_ptr + b)
@@ -358,7 +387,7 @@ if triton is not None:
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
                                  BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
-                                 e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED)
+                                 e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES)
             g = tl.load(g_ptr + e)
             if a_ptr.dtype.element_ty == tl.bfloat16:
                 g = g * 4194304.0
@@ -642,7 +671,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         x_gemm1 = x
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PREFETCH=cfg.get("PREFETCH", True),
                   FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting(),
-                  FRAGMENT_ORDER=fragment, PAIRED=paired)
+                  FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True))
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
