@@ -30,9 +30,11 @@ batches use a few torch ops.
 
 Weight decode (exact): every dequantized weight is ``e2m1 * e4m3 * 2^-22`` in bf16 (at most 6
 significant bits, >= 2^-32, so exact); the ``2^22`` is folded into the per-expert global scale
-applied to the fp32 accumulator. On the GPU an inline-PTX routine turns 8 packed codes into 8
-bf16 with bit masks, one integer multiply per pair and one ``mul.bf16x2`` by the block scale
-(``_E2M1X8_TO_BF16``); the portable path (fp16 and Triton's CPU interpreter) builds the same
+applied to the fp32 accumulator. On the GPU inline-PTX routines turn 8 packed codes into 8
+bf16 with bit masks, rotates or one integer multiply, and one ``mul.bf16x2`` by the block scale
+per pair (``_PAIRED_WORD_TO_BF16`` for the paired layout, ``_E2M1X8_TO_BF16`` for canonical
+bytes), and E4M3 scale bytes into bf16 with a shift and two exact multiplies
+(``_E4M3X4_TO_BF16``); the portable path (fp16 and Triton's CPU interpreter) builds the same
 values from fp16 bit patterns: code ``c`` as ``(c & 7) << 9 | (c & 8) << 12`` is
 ``value * 2^-14`` and E4M3 byte ``b`` as ``(b & 0x7F) << 7`` is ``scale * 2^-8``.
 """
