@@ -26,21 +26,30 @@ def check_canonical_tensors(expert_tensors: list[torch.Tensor], hidden_size: int
     Block scales travel through the op as their raw E4M3 bytes (uint8): torch has no CPU
     arithmetic for float8, which ``torch.library.opcheck``'s schema check needs.
     """
+    specs = canonical_specs(expert_tensors, hidden_size)
+    check_specs(specs, hidden_size)
+    return specs["w13_global"][1][0]
+
+
+def canonical_specs(expert_tensors: list[torch.Tensor], hidden_size: int) -> dict:
+    """``{name: (tensor, expected shape, expected dtype)}`` of the canonical layout, with E and I
+    read off the block scales ``w13_scale [E, 2I, H/16]``."""
     if len(expert_tensors) != 6:
         raise ValueError(f"expected 6 expert tensors [w13, w13_scale, w13_global, w2, w2_scale, w2_global], "
                          f"got {len(expert_tensors)}")
     w13, s13, g13, w2, s2, g2 = expert_tensors
+    if s13.dim() != 3:
+        raise ValueError(f"w13_scale: expected [E, 2I, H/16], got {list(s13.shape)}")
     e, two_i = s13.shape[:2]
     i = two_i // 2
-    check_specs({
+    return {
         "w13": (w13, (e, two_i, hidden_size // 2), torch.uint8),
         "w13_scale": (s13, (e, two_i, hidden_size // BLOCK_SIZE), torch.uint8),
         "w13_global": (g13, (e,), torch.float32),
         "w2": (w2, (e, hidden_size, i // 2), torch.uint8),
         "w2_scale": (s2, (e, hidden_size, i // BLOCK_SIZE), torch.uint8),
         "w2_global": (g2, (e,), torch.float32),
-    }, hidden_size)
-    return e
+    }
 
 
 def check_specs(expected: dict, hidden_size: int) -> None:

@@ -45,7 +45,7 @@ import os
 
 import torch
 
-from .base import Backend, canonical_layout, check_canonical_tensors, check_specs, register_backend
+from .base import Backend, canonical_layout, canonical_specs, check_canonical_tensors, check_specs, register_backend
 
 try:
     import triton
@@ -474,27 +474,28 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
     num_blocks = min(num_slots, num_experts) + num_slots // block_m
     on_triton = triton is not None and (flat.is_cuda or interpreting())
     fast = num_slots <= FAST_ROUTE_MAX_SLOTS and on_triton
-    out = torch.empty(num_slots + 3 * num_blocks, dtype=torch.int32, device=flat.device)
-    sorted_slot, block_expert, row_start, row_end = out.split([num_slots] + [num_blocks] * 3)
-    if activations is not None and on_triton:
-        x = activations.contiguous()
-        x_fragment, x_numel, x_block = torch.empty_like(x), x.numel(), 1024
-    else:  # no copy in the kernel (unused arguments)
-        x = x_fragment = out
-        x_numel, x_block = 0, 1024
-    if fast or x_numel:
-        _route_kernel[(1 + triton.cdiv(x_numel, x_block),)](
-            flat, sorted_slot, block_expert, row_start, row_end, num_slots, num_experts, num_blocks,
-            x, x_fragment, x_numel, x.shape[-1],
+    copy = activations is not None and on_triton  # the permute runs in _route_kernel's programs 1..
+    if fast:
+        out = torch.empty(num_slots + 3 * num_blocks, dtype=torch.int32, device=flat.device)
+        routed = tuple(out.split([num_slots] + [num_blocks] * 3))
+    else:
+        routed = _route_torch(flat, num_experts, block_m, num_blocks)
+    if fast or copy:
+        x = activations.contiguous() if copy else routed[0]  # (unused without the copy)
+        x_fragment = torch.empty_like(x) if copy else x
+        x_block = 1024
+        _route_kernel[(1 + (triton.cdiv(x.numel(), x_block) if copy else 0),)](
+            flat, *routed, num_slots, num_experts, num_blocks, x, x_fragment, x.numel() if copy else 0, x.shape[-1],
             BM=block_m, S_PAD=triton.next_power_of_2(num_slots) if fast else 1,
             E_PAD=triton.next_power_of_2(num_experts + 1) if fast else 1,
             B_PAD=triton.next_power_of_2(num_blocks) if fast else 1, CHUNK=max(fragment_chunk, 16),
             X_BLOCK=x_block, ROUTE=fast, num_warps=4,
         )
-    routed = (sorted_slot, block_expert, row_start, row_end) if fast else _route_torch(flat, num_experts, block_m, num_blocks)
-    if activations is not None and not on_triton:
+    if activations is None:
+        return routed
+    if not copy:
         x_fragment = fragment_order(activations.contiguous(), fragment_chunk)
-    return routed if activations is None else (*routed, x_fragment)
+    return (*routed, x_fragment)
 
 
 def _route_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks: int):
@@ -767,18 +768,13 @@ class TritonBackend(Backend):
         weights ``w13 [E, I, H/4]`` and ``w2 [E, H/2, I/4]`` int32."""
         if len(expert_tensors) != 6 or expert_tensors[0].dtype != torch.int32:
             return check_canonical_tensors(expert_tensors, hidden_size)
-        w13, s13, g13, w2, s2, g2 = expert_tensors
-        e, inter = s13.shape[0], s13.shape[1] // 2
+        specs = canonical_specs(expert_tensors, hidden_size)
+        e, inter = specs["w13_global"][1][0], specs["w2"][1][2] * 2
         if not fits_tma(hidden_size, inter):
             raise ValueError(f"the paired weight layout needs H and I multiples of 256, got H={hidden_size}, I={inter}")
-        check_specs({
-            "w13 (paired)": (w13, (e, inter, hidden_size // 4), torch.int32),
-            "w13_scale": (s13, (e, 2 * inter, hidden_size // 16), torch.uint8),
-            "w13_global": (g13, (e,), torch.float32),
-            "w2 (paired)": (w2, (e, hidden_size // 2, inter // 4), torch.int32),
-            "w2_scale": (s2, (e, hidden_size, inter // 16), torch.uint8),
-            "w2_global": (g2, (e,), torch.float32),
-        }, hidden_size)
+        specs["w13"] = (expert_tensors[0], (e, inter, hidden_size // 4), torch.int32)
+        specs["w2"] = (expert_tensors[3], (e, hidden_size // 2, inter // 4), torch.int32)
+        check_specs({f"{n} (paired)" if n in ("w13", "w2") else n: v for n, v in specs.items()}, hidden_size)
         return e
 
     def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
