@@ -1,9 +1,13 @@
-"""Where a batch-1 decode step's time goes, end to end: GPU kernel time per generated token
-(torch.profiler over a whole compiled generate(), CUDA graphs included) against the wall time per
-token, for HF BF16 compiled and for fp4moe compiled, on the DeepSeek-V3-shaped model of
-bench_e2e.py. Kernels are grouped by what they do.
+"""Where a decode step's time goes, end to end, on the DeepSeek-V3-shaped model of bench_e2e.py:
+GPU time per decode step by kernel (launch count and milliseconds) against the host's wall time per
+step, for HF BF16 compiled and for fp4moe compiled (CUDA graphs in both).
 
-    python3 benchmarks/profile_decode_step.py --layers 2 --batch 1
+Decode only: every number is the difference between a compiled ``generate()`` of ``1 + D`` new
+tokens and one of 1 new token, divided by D, so the prefill step and generate()'s setup cancel.
+
+    python3 benchmarks/profile_decode_step.py --layers 2 --batch 1 [--variants bf16,fp4moe,fp4moe-dense]
+
+``fp4moe-dense`` also quantizes the shared experts (``quantize_dense_mlps=True``).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_integration import patch_deepseek  # noqa: E402
+from hf_integration.patch import _dense_gated_mlps, _quantize_dense_mlp  # noqa: E402
 from bench_e2e import deepseek_v3_layers  # noqa: E402
-from profile_layer import kernel_ms  # noqa: E402
 
 GROUPS = [  # first match wins; lower-case substrings of kernel names
     ("fp4moe experts (Triton)", ("_gemm1_swiglu", "_gemm2_kernel", "_route_kernel", "_sum_topk", "_silu_mul")),
@@ -38,51 +42,89 @@ def group_of(name: str) -> str:
     return "other (copies, index, sort, topk, ...)"
 
 
-def profile_generate(model, batch: int, new_tokens: int) -> None:
+def kernels(prof, name_chars: int = 90) -> dict[str, list[float]]:
+    """{kernel name: [launches, GPU ms]} over a finished profile."""
+    out = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            out[ev.name[:name_chars]][0] += 1
+            out[ev.name[:name_chars]][1] += ev.device_time_total / 1e3
+    return out
+
+
+def profile_decode(model, batch: int, decode_steps: int) -> dict:
     from transformers import CompileConfig
 
     prompt = torch.randint(1, 1000, (batch, 16), device="cuda")
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-              compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
-    for _ in range(2):  # compile, record graphs
-        model.generate(prompt, **kw)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    model.generate(prompt, **kw)
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) * 1e3
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model.generate(prompt, **kw)
-        torch.cuda.synchronize()
-    per_kernel = kernel_ms(prof, new_tokens)
-    per_group = defaultdict(float)
-    for name, ms in per_kernel.items():
-        per_group[group_of(name)] += ms
-    gpu = sum(per_group.values())
-    print(f"  wall {wall_ms / new_tokens:.3f} ms per token (prefill included), GPU kernels {gpu:.3f} ms per token")
-    for g, ms in sorted(per_group.items(), key=lambda kv: -kv[1]):
-        print(f"    {ms:7.3f} ms  {g}")
-    print("  top kernels:")
-    for k, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
-        print(f"    {ms:7.3f} ms  {k}")
+
+    def generate(new_tokens):
+        return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              cache_implementation="static",
+                              compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+
+    for n in (1 + decode_steps, 1, 1 + decode_steps):  # compile, record graphs
+        generate(n)
+    walls, profiles = {}, {}
+    for n in (1, 1 + decode_steps):
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            generate(n)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        walls[n] = sorted(times)[1]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            generate(n)
+            torch.cuda.synchronize()
+        profiles[n] = kernels(prof)
+    per_step = {}
+    for name, (count, ms) in profiles[1 + decode_steps].items():
+        c0, ms0 = profiles[1].get(name, [0, 0.0])
+        per_step[name] = ((count - c0) / decode_steps, (ms - ms0) / decode_steps)
+    wall = (walls[1 + decode_steps] - walls[1]) * 1e3 / decode_steps
+    gpu = sum(ms for _, ms in per_step.values())
+    launches = sum(c for c, _ in per_step.values())
+    print(f"  decode step: wall {wall:.3f} ms, GPU kernels {gpu:.3f} ms in {launches:.0f} launches, "
+          f"{batch * 1e3 / wall:.1f} tokens/s")
+    per_group = defaultdict(lambda: [0.0, 0.0])
+    for name, (c, ms) in per_step.items():
+        per_group[group_of(name)][0] += c
+        per_group[group_of(name)][1] += ms
+    for g, (c, ms) in sorted(per_group.items(), key=lambda kv: -kv[1][1]):
+        print(f"    {ms:7.4f} ms  {c:5.0f} launches  {g}")
+    print("  kernels (ms per step, launches per step):")
+    for name, (c, ms) in sorted(per_step.items(), key=lambda kv: -kv[1][1]):
+        if c > 0 or ms > 1e-4:
+            print(f"    {ms:7.4f} ms  {c:4.0f}x  {name}")
+    return dict(wall_ms=wall, gpu_ms=gpu, launches=launches)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--variants", default="bf16,fp4moe")
     args = ap.parse_args()
+    variants = args.variants.split(",")
     model = deepseek_v3_layers(args.layers)
     print(f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}: {args.layers} DeepSeek-V3 MoE layers, "
-          f"batch {args.batch}, {args.new_tokens} new tokens")
-    print("HF BF16 compiled (CUDA graphs):")
-    profile_generate(model, args.batch, args.new_tokens)
-    torch._dynamo.reset()
-    patch_deepseek(model, verbose=False)
-    print("fp4moe compiled (CUDA graphs):")
-    profile_generate(model, args.batch, args.new_tokens)
-
+          f"batch {args.batch}, {args.decode_steps} decode steps")
+    if "bf16" in variants:
+        print("HF BF16 compiled (CUDA graphs):")
+        profile_decode(model, args.batch, args.decode_steps)
+    for variant in [v for v in variants if v.startswith("fp4moe")]:
+        torch._dynamo.reset()
+        if variant == "fp4moe":
+            patch_deepseek(model, verbose=False)
+        else:  # fp4moe-dense: the shared experts too (after "fp4moe" if both are listed)
+            if not any(n.endswith("gate_up_proj_packed") for n, _ in model.named_buffers()):
+                patch_deepseek(model, verbose=False)
+            for parent, attr, m in _dense_gated_mlps(model):
+                setattr(parent, attr, _quantize_dense_mlp(m, "auto"))
+        print(f"{variant} compiled (CUDA graphs):")
+        profile_decode(model, args.batch, args.decode_steps)
 
 if __name__ == "__main__":
     main()

@@ -8,13 +8,14 @@ Typical use::
     out = experts(hidden [T, H] bf16, topk_ids [T, k], topk_weights [T, k] fp32)
 """
 
-from . import nvfp4
+from . import nvfp4, routing
 from .backends import AUTO_ORDER, BACKENDS, available_backends, resolve_backend
 from .moe_weights import NVFP4MoEWeights, quantize_moe_weights
 from .op import ACT_SCALE_MODES, PreparedExperts, activation_scales, fused_moe, prepare_experts
+from .routing import grouped_topk
 
 __all__ = [
     "ACT_SCALE_MODES", "AUTO_ORDER", "BACKENDS", "NVFP4MoEWeights", "PreparedExperts",
-    "activation_scales", "available_backends", "fused_moe", "nvfp4", "prepare_experts",
-    "quantize_moe_weights", "resolve_backend",
+    "activation_scales", "available_backends", "fused_moe", "grouped_topk", "nvfp4", "prepare_experts",
+    "quantize_moe_weights", "resolve_backend", "routing",
 ]

@@ -4,8 +4,11 @@
 Plugs in through Transformers' public experts machinery: every experts module decorated with
 ``@use_experts_implementation`` (DeepSeek-V2/V3, Kimi-K2, GLM4-MoE, Qwen3-MoE, Mixtral, ...)
 dispatches its forward through ``ExpertsInterface``; we register ``"fp4moe"`` there and switch
-the model with ``model.set_experts_implementation("fp4moe")``. Router, shared experts,
-attention and dense MLPs are untouched.
+the model with ``model.set_experts_implementation("fp4moe")``. Attention, shared experts and
+dense MLPs are untouched (the last two can be quantized too, by option). DeepSeek-V3-style
+group-limited routers (DeepSeek-V3/R1, Kimi-K2, GLM4-MoE) are swapped for
+:class:`GroupedTopkRouter`: the same parameters and state-dict keys, the routing in one kernel
+(``torch.ops.fp4moe.grouped_topk``) instead of Transformers' ~10 small ones.
 
 Each patched experts module trades its BF16 parameters ``gate_up_proj [E, 2I, H]`` and
 ``down_proj [E, H, I]`` for NVFP4 buffers (ModelOpt-style names, so state dicts read naturally)::
@@ -188,6 +191,54 @@ def _quantize_dense_mlp(m: nn.Module, backend: str) -> NVFP4GatedMLP:
     return NVFP4GatedMLP(w, backend)
 
 
+# Transformers routers that compute exactly fp4moe::grouped_topk's definition (sigmoid scores,
+# correction bias for choosing, group score = sum of the top 2, renormalize, scale).
+GROUPED_TOPK_ROUTERS = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter")
+
+
+class GroupedTopkRouter(nn.Module):
+    """Drop-in for a DeepSeek-V3-style router (:data:`GROUPED_TOPK_ROUTERS`): the same
+    ``weight [E, H]`` float32 parameter and ``e_score_correction_bias [E]`` buffer (so the same
+    state-dict keys) and the same outputs ``(logits [T, E], weights [T, k] float32, ids [T, k]
+    int64)``; the group-limited top-k runs as one ``fp4moe::grouped_topk`` op."""
+
+    def __init__(self, router: nn.Module):
+        super().__init__()
+        self.weight = router.weight
+        persistent = "e_score_correction_bias" not in router._non_persistent_buffers_set
+        self.register_buffer("e_score_correction_bias", router.e_score_correction_bias, persistent=persistent)
+        for name in ("hidden_dim", "num_experts", "num_group", "topk_group", "top_k", "norm_topk_prob",
+                     "routed_scaling_factor"):
+            setattr(self, name, getattr(router, name))
+
+    def forward(self, hidden_states: torch.Tensor):
+        logits = nn.functional.linear(hidden_states.view(-1, self.hidden_dim).float(), self.weight.float())
+        weights, ids = torch.ops.fp4moe.grouped_topk(
+            logits, self.e_score_correction_bias, self.num_group, self.topk_group, self.top_k,
+            bool(self.norm_topk_prob), float(self.routed_scaling_factor))
+        return logits, weights, ids
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, groups={self.num_group}, topk_group={self.topk_group}, "
+                f"top_k={self.top_k}, op=fp4moe::grouped_topk")
+
+
+def _grouped_topk_routers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, router) of the routers :class:`GroupedTopkRouter` replaces."""
+    return [(parent, attr, m) for parent in model.modules() for attr, m in parent.named_children()
+            if type(m).__name__ in GROUPED_TOPK_ROUTERS]
+
+
+def _replace_module(parent: nn.Module, attr: str, new: nn.Module) -> None:
+    """``parent.attr = new``, keeping an accelerate hook (device_map dispatch) the old one had."""
+    old = getattr(parent, attr)
+    setattr(parent, attr, new)
+    if hasattr(old, "_hf_hook"):
+        from accelerate.hooks import add_hook_to_module
+
+        add_hook_to_module(new, old._hf_hook)
+
+
 # --- patching -----------------------------------------------------------------------------
 
 
@@ -221,7 +272,7 @@ def _check_experts(name: str, m: nn.Module) -> None:
 
 
 def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | None = None,
-              quantize_dense_mlps: bool = False, verbose: bool = True) -> nn.Module:
+              quantize_dense_mlps: bool = False, fuse_router: bool = True, verbose: bool = True) -> nn.Module:
     """Quantize every routed-experts module of ``model`` to NVFP4 and run it through the op.
 
     Args:
@@ -234,6 +285,8 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         quantize_dense_mlps: also run dense gated MLPs (shared experts, DeepSeek's first dense
             layers) in NVFP4 through the op, as one-expert MoEs. Off by default: the checkpoint's
             own format for them is kept.
+        fuse_router: replace DeepSeek-V3-style routers by :class:`GroupedTopkRouter` (same
+            parameters and results, one kernel instead of ~10). Off: Transformers' router runs.
         verbose: log one progress line per layer.
 
     Quantizes expert by expert on the experts' own device and frees each layer's BF16 weights
@@ -264,7 +317,10 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         if verbose:
             logger.info("fp4moe: %s -> NVFP4 (%d/%d, backend %s)", name, i + 1, len(modules), m.fp4moe_backend)
     for parent, attr, m in dense:
-        setattr(parent, attr, _quantize_dense_mlp(m, backend))
+        _replace_module(parent, attr, _quantize_dense_mlp(m, backend))
+    if fuse_router:
+        for parent, attr, m in _grouped_topk_routers(model):
+            _replace_module(parent, attr, GroupedTopkRouter(m))
     use_fp4moe(model)
     return model
 
@@ -295,7 +351,7 @@ def use_fp4moe(model: nn.Module) -> None:
 
 
 def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | None = None,
-                   quantize_dense_mlps: bool = False, verbose: bool = True) -> nn.Module:
+                   quantize_dense_mlps: bool = False, fuse_router: bool = True, verbose: bool = True) -> nn.Module:
     """:func:`patch_moe` for DeepSeek-V3/R1 and kin (Kimi-K2, DeepSeek-V2, GLM4-MoE).
 
     ``model = patch_deepseek(AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16))``
@@ -306,7 +362,7 @@ def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: s
             f"patch_deepseek supports model types {DEEPSEEK_FAMILY}, got {model_type!r}; "
             "use hf_integration.patch_moe for other MoE models with Transformers experts modules")
     return patch_moe(model, backend=backend, act_scale_mode=act_scale_mode,
-                     quantize_dense_mlps=quantize_dense_mlps, verbose=verbose)
+                     quantize_dense_mlps=quantize_dense_mlps, fuse_router=fuse_router, verbose=verbose)
 
 
 def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = None) -> nn.Module:

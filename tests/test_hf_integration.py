@@ -99,6 +99,29 @@ def test_repr_state_dict_and_memory():
     assert after <= 0.3 * before  # NVFP4: 0.5 + 1/16 bytes per weight vs 2
 
 
+@pytest.mark.parametrize("make", [tiny_deepseek_v3, tiny_glm4_moe])
+def test_router_swapped_for_one_op_with_same_keys_and_results(make):
+    """fuse_router (the default) swaps DeepSeek-V3-style routers for GroupedTopkRouter: same
+    state-dict keys and values; on CPU the op's torch path makes Transformers' own calls, so the
+    logits are bitwise those of the model patched with Transformers' router."""
+    from hf_integration.patch import GroupedTopkRouter
+
+    model = make()
+    hf_routed = patch_moe(copy.deepcopy(model), fuse_router=False)
+    keys = hf_routed.state_dict().keys()
+    patch_moe(model)
+    routers = [m for m in model.modules() if isinstance(m, GroupedTopkRouter)]
+    assert len(routers) == sum(1 for m in hf_routed.modules() if type(m).__name__.endswith("TopkRouter")) > 0
+    assert "op=fp4moe::grouped_topk" in repr(model)
+    assert model.state_dict().keys() == keys
+    for k, v in hf_routed.state_dict().items():
+        if ".gate." in k:
+            assert torch.equal(model.state_dict()[k], v), k
+    ids = torch.randint(1, 256, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, hf_routed(ids).logits)
+
+
 def test_compile_fullgraph_no_graph_breaks_and_dynamic_lengths():
     import torch._dynamo.testing
 

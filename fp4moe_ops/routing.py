@@ -1,0 +1,161 @@
+"""Group-limited top-k routing (DeepSeek-V3's "noaux_tc" router, also Kimi-K2 and GLM4-MoE) as
+one op: ``torch.ops.fp4moe.grouped_topk``.
+
+The router's definition, per token, from logits ``[E]`` over ``E`` experts in ``G`` groups of
+``E/G``::
+
+    score  = sigmoid(logit)                       # the routing weight source
+    choice = score + correction_bias              # only for *choosing* experts
+    group score = sum of the 2 largest choices in the group
+    keep the topk_group best groups; among their experts take the top_k largest choices
+    weight = score of each chosen expert, / (sum of the k weights + 1e-20) if renormalize,
+             * scaling_factor
+
+Transformers computes this with ~10 small kernels per layer (three ``topk``, a scatter, a
+``masked_fill``, a gather, reductions); at decode they cost more GPU time than the router's
+GEMV. On CUDA the op runs it in one Triton launch (one program per token); elsewhere it runs the
+same torch ops Transformers runs. Ties between equal choices go to the lower expert id (group:
+lower group id); ``torch.topk`` leaves that order unspecified, so on exact ties the two may pick
+different (equal-valued) experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton
+    triton = None
+
+
+def _check(router_logits, correction_bias, n_group, topk_group, top_k):
+    if router_logits.dim() != 2 or router_logits.dtype != torch.float32:
+        raise TypeError(f"router_logits must be [T, E] float32, got {router_logits.dtype} "
+                        f"{list(router_logits.shape)}")
+    e = router_logits.shape[1]
+    if correction_bias.shape != (e,) or correction_bias.dtype != torch.float32:
+        raise TypeError(f"correction_bias must be float32 [{e}], got {correction_bias.dtype} "
+                        f"{list(correction_bias.shape)}")
+    if correction_bias.device != router_logits.device:
+        raise ValueError(f"correction_bias is on {correction_bias.device}, router_logits on {router_logits.device}")
+    if n_group < 1 or e % n_group or e // n_group < 2:
+        raise ValueError(f"{e} experts cannot form {n_group} groups of at least 2 (group scores sum the top 2)")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    if not 1 <= top_k <= topk_group * (e // n_group):
+        raise ValueError(f"top_k={top_k} must be in [1, {topk_group * (e // n_group)}] "
+                         f"(the experts of the {topk_group} kept groups)")
+
+
+def grouped_topk_torch(router_logits, correction_bias, n_group, topk_group, top_k, renormalize, scaling_factor):
+    """The router's definition in torch ops (the op's path off CUDA): the calls Transformers'
+    router makes, in its order, so results are bitwise the unpatched model's. Returns
+    ``(weights [T, k] float32, ids [T, k] int64)``."""
+    t, e = router_logits.shape
+    scores = router_logits.sigmoid()
+    choice = scores + correction_bias
+    group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    keep = keep[:, :, None].expand(t, n_group, e // n_group).reshape(t, e)
+    ids = choice.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, ids
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, scaling_factor,
+                             NUM_EXPERTS: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                             TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                             GROUPS_P2: tl.constexpr, GROUP_P2: tl.constexpr, TOP_K_P2: tl.constexpr):
+        """One token per program. The token's experts are held as a [groups, group size] tile
+        (padded to powers of two with -inf), so the group step is a row reduction."""
+        t = tl.program_id(0).to(tl.int64)
+        g = tl.arange(0, GROUPS_P2)
+        j = tl.arange(0, GROUP_P2)[None, :]
+        valid = (g[:, None] < N_GROUP) & (j < GROUP_SIZE)
+        expert = g[:, None] * GROUP_SIZE + j
+        logit = tl.load(logits_ptr + t * NUM_EXPERTS + expert, mask=valid, other=0.0)
+        score = tl.where(valid, tl.sigmoid(logit), 0.0)  # padding aliases real ids: it must add 0
+        choice = tl.where(valid, score + tl.load(bias_ptr + expert, mask=valid, other=0.0), float("-inf"))
+
+        # group score: the two largest choices (a tie counts both, as topk(2) does)
+        top1 = tl.max(choice, axis=1)
+        top1_at = tl.min(tl.where(choice == top1[:, None], j, GROUP_P2), axis=1)
+        top2 = tl.max(tl.where(j == top1_at[:, None], float("-inf"), choice), axis=1)
+        group_score = tl.where(g < N_GROUP, top1 + top2, float("-inf"))
+
+        kept = g < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            candidate = tl.where(kept, float("-inf"), group_score)
+            best = tl.max(candidate, axis=0)
+            pick = tl.min(tl.where((candidate == best) & ~kept & (g < N_GROUP), g, GROUPS_P2), axis=0)
+            kept = kept | (g == pick)
+        choice = tl.where(kept[:, None], choice, float("-inf"))
+
+        slot = tl.arange(0, TOP_K_P2)
+        ids = tl.zeros([TOP_K_P2], dtype=tl.int32)
+        weights = tl.zeros([TOP_K_P2], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            best = tl.max(tl.max(choice, axis=1), axis=0)
+            pick = tl.min(tl.min(tl.where(choice == best, expert, NUM_EXPERTS), axis=1), axis=0)
+            hit = expert == pick
+            weight = tl.sum(tl.sum(tl.where(hit, score, 0.0), axis=1), axis=0)
+            ids = tl.where(slot == k, pick, ids)
+            weights = tl.where(slot == k, weight, weights)
+            choice = tl.where(hit, float("-inf"), choice)
+        if RENORMALIZE:
+            weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+        out = t * TOP_K + slot
+        tl.store(weights_ptr + out, weights * scaling_factor, mask=slot < TOP_K)
+        tl.store(ids_ptr + out, ids.to(tl.int64), mask=slot < TOP_K)
+
+
+def grouped_topk_triton(router_logits, correction_bias, n_group, topk_group, top_k, renormalize, scaling_factor):
+    """The Triton kernel (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``); same contract as
+    :func:`grouped_topk_torch`."""
+    t, e = router_logits.shape
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    if t:
+        _grouped_topk_kernel[(t,)](
+            router_logits.contiguous(), correction_bias.contiguous(), weights, ids, float(scaling_factor),
+            NUM_EXPERTS=e, N_GROUP=n_group, GROUP_SIZE=e // n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
+            RENORMALIZE=renormalize, GROUPS_P2=triton.next_power_of_2(n_group),
+            GROUP_P2=triton.next_power_of_2(e // n_group), TOP_K_P2=triton.next_power_of_2(top_k),
+            num_warps=1 if e <= 256 else 4)
+    return weights, ids
+
+
+@torch.library.custom_op("fp4moe::grouped_topk", mutates_args=())
+def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, n_group: int, topk_group: int,
+                 top_k: int, renormalize: bool, scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-limited top-k routing (see the module docstring).
+
+    Args:
+        router_logits: ``[T, E]`` float32, the router's ``hidden @ W.T``.
+        correction_bias: ``[E]`` float32, added to the sigmoid scores for choosing only.
+        n_group, topk_group: ``E`` experts form ``n_group`` groups; ``topk_group`` are kept.
+        top_k: experts per token.
+        renormalize: divide each token's weights by their sum (DeepSeek's ``norm_topk_prob``).
+        scaling_factor: multiplies the weights (``routed_scaling_factor``).
+
+    Returns:
+        ``(weights [T, k] float32, ids [T, k] int64)``; order within a row is not specified.
+    """
+    _check(router_logits, correction_bias, n_group, topk_group, top_k)
+    run = grouped_topk_triton if router_logits.is_cuda and triton is not None else grouped_topk_torch
+    return run(router_logits, correction_bias, n_group, topk_group, top_k, renormalize, scaling_factor)
+
+
+@grouped_topk.register_fake
+def _(router_logits, correction_bias, n_group, topk_group, top_k, renormalize, scaling_factor):
+    _check(router_logits, correction_bias, n_group, topk_group, top_k)
+    t = router_logits.shape[0]
+    return (router_logits.new_empty(t, top_k), router_logits.new_empty(t, top_k, dtype=torch.int64))
