@@ -7,8 +7,10 @@ decoder layers, random weights) on one GPU, side by side in one process:
 
     python benchmarks/bench_e2e.py --layers 2 --batches 1,8,32 --out benchmarks/out
 
-Decode tokens/s = batch * new tokens / generate() time (prompt of 16 tokens, prefill included),
-median of 3 timed runs after a warm-up (which compiles). Peak memory: torch.cuda max allocated.
+Decode tokens/s = batch * new tokens / decode time, where decode time is the time of generate()
+with 1 + new tokens minus that with 1 (prompt of 16 tokens; so prefill and setup cancel), each the
+median of 3 timed runs after a warm-up (which compiles). generate() tokens/s with the prefill
+included is recorded too. Peak memory: torch.cuda max allocated.
 Writes ``e2e.json`` and ``e2e.md`` to ``--out`` after every measurement.
 """
 
@@ -25,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_integration import patch_deepseek  # noqa: E402
+from hf_integration.patch import _grouped_topk_routers  # noqa: E402
 
 
 def deepseek_v3_layers(num_layers: int):
@@ -42,24 +45,37 @@ def deepseek_v3_layers(num_layers: int):
     return model.eval()
 
 
-def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[float, torch.Tensor]:
+def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[float, float, torch.Tensor]:
+    """(decode tokens/s, generate() tokens/s with prefill, output of the long run).
+
+    Decode tokens/s = batch * new_tokens / (time of generate(1 + new_tokens) - time of
+    generate(1)): the prefill step and generate()'s setup cancel. Each time is the median of 3
+    runs after a warm-up run of each length (which compiles and records the CUDA graphs)."""
     from transformers import CompileConfig
 
     prompt = torch.randint(1, 1000, (batch, 16), device="cuda")
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    kw = dict(do_sample=False)
     if compiled:
         kw.update(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
     else:
         kw.update(disable_compile=True)
-    out = model.generate(prompt, **kw)  # warm-up / compile
-    times = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = model.generate(prompt, **kw)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return batch * new_tokens / statistics.median(times), out
+
+    def run(n):
+        return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+
+    run(1 + new_tokens), run(1)  # warm-up / compile
+    seconds = {}
+    for n in (1, 1 + new_tokens):
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = run(n)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        seconds[n] = statistics.median(times)
+    decode = batch * new_tokens / (seconds[1 + new_tokens] - seconds[1])
+    return decode, batch * (1 + new_tokens) / seconds[1 + new_tokens], out
 
 
 def expert_bytes(model) -> int:
@@ -77,6 +93,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--out", default="benchmarks/out")
     ap.add_argument("--time-budget", type=float, default=420, help="seconds; later cases are skipped past it")
+    ap.add_argument("--router-ab", action="store_true",
+                    help="also time fp4moe with Transformers' router (batch first and last), then the fused one again")
     ap.add_argument("--replot", metavar="E2E_JSON", help="only draw e2e.png next to a saved e2e.json")
     args = ap.parse_args()
     if args.replot:
@@ -90,10 +108,12 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "layers": args.layers,
               "new_tokens": args.new_tokens, "torch": torch.__version__, "rows": []}
 
-    def record(variant, batch, tps, peak, note=""):
-        row = {"variant": variant, "batch": batch, "tokens_per_s": tps, "peak_GB": peak, "note": note}
+    def record(variant, batch, tps, generate_tps, peak, note=""):
+        row = {"variant": variant, "batch": batch, "tokens_per_s": tps, "generate_tokens_per_s": generate_tps,
+               "peak_GB": peak, "note": note}
         result["rows"].append(row)
-        print(f"{variant:18s} batch {batch:3d}: {tps:9.1f} tok/s, peak {peak:6.1f} GB {note}", flush=True)
+        print(f"{variant:18s} batch {batch:3d}: decode {tps:9.1f} tok/s (generate() with prefill "
+              f"{generate_tps:8.1f}), peak {peak:6.1f} GB {note}", flush=True)
         (out_dir / "e2e.json").write_text(json.dumps(result, indent=1))
 
     model = deepseek_v3_layers(args.layers)
@@ -107,10 +127,11 @@ def main() -> None:
                 print(f"skipping {variant} batch {b}: time budget", flush=True)
                 continue
             torch.cuda.reset_peak_memory_stats()
-            tps, _ = time_generate(model, b, args.new_tokens, compiled)
-            record(variant, b, tps, torch.cuda.max_memory_allocated() / 1e9)
+            tps, generate_tps, _ = time_generate(model, b, args.new_tokens, compiled)
+            record(variant, b, tps, generate_tps, torch.cuda.max_memory_allocated() / 1e9)
         torch._dynamo.reset()
 
+    hf_routers = _grouped_topk_routers(model)  # kept for the --router-ab rows
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     patch_deepseek(model, verbose=False)
@@ -127,18 +148,31 @@ def main() -> None:
             print(f"skipping fp4moe batch {b}: time budget", flush=True)
             continue
         torch.cuda.reset_peak_memory_stats()
-        tps, out = time_generate(model, b, args.new_tokens, compiled=True)
-        _, eager_out = time_generate(model, b, 4, compiled=False) if b == batches[0] else (None, None)
+        tps, generate_tps, out = time_generate(model, b, args.new_tokens, compiled=True)
+        eager_out = time_generate(model, b, 4, compiled=False)[2] if b == batches[0] else None
         note = ""
         if eager_out is not None:
             same = torch.equal(out[:, :eager_out.shape[1]], eager_out)
             note = f"(first 4 greedy tokens {'match' if same else 'DIFFER from'} eager fp4moe)"
-        record(f"fp4moe compiled ({backend})", b, tps, torch.cuda.max_memory_allocated() / 1e9, note)
+        record(f"fp4moe compiled ({backend})", b, tps, generate_tps, torch.cuda.max_memory_allocated() / 1e9, note)
+
+    if args.router_ab:  # same process, same weights: Transformers' router, then the fused one again
+        fused_routers = [(parent, attr, getattr(parent, attr)) for parent, attr, _ in hf_routers]
+        for name, routers in (("Transformers router", hf_routers), ("fused router, again", fused_routers)):
+            for parent, attr, router in routers:
+                setattr(parent, attr, router)
+            torch._dynamo.reset()
+            for b in (batches[0], batches[-1]) if name.startswith("Transformers") else batches[:1]:
+                torch.cuda.reset_peak_memory_stats()
+                tps, generate_tps, _ = time_generate(model, b, args.new_tokens, compiled=True)
+                record(f"fp4moe compiled, {name}", b, tps, generate_tps, torch.cuda.max_memory_allocated() / 1e9)
 
     lines = [f"{result['device']}, {result['date']}: {args.layers} DeepSeek-V3 MoE layers (E=256, H=7168, I=2048, "
-             f"top-8; random weights), {args.new_tokens} new tokens after a 16-token prompt",
-             "", "| variant | batch | decode tokens/s | peak GB |", "|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['peak_GB']:.1f} |" for r in result["rows"]]
+             f"top-8; random weights), decode of {args.new_tokens} tokens after a 16-token prompt",
+             "", "| variant | batch | decode tokens/s | generate() tokens/s (prefill incl.) | peak GB |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r.get('generate_tokens_per_s', 0):.1f} "
+              f"| {r['peak_GB']:.1f} |" for r in result["rows"]]
     lines += ["", f"Expert weights: {result['expert_GB_bf16']:.1f} GB BF16 -> {result.get('expert_GB_nvfp4', 0):.2f} GB NVFP4."]
     (out_dir / "e2e.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -169,7 +203,7 @@ def plot_e2e(result: dict, path) -> None:
                                 ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax.set_yscale("log")
-    ax.set_ylabel("decode tokens/s (generate, 16 new tokens)")
+    ax.set_ylabel(f"decode tokens/s ({result['new_tokens']} tokens, prefill excluded)")
     ax.set_title(f"{result['device']}, {result['date']}: {result['layers']} DeepSeek-V3 MoE layers")
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.legend(fontsize=8)

@@ -7,7 +7,10 @@ tokens and one of 1 new token, divided by D, so the prefill step and generate()'
 
     python3 benchmarks/profile_decode_step.py --layers 2 --batch 1 [--variants bf16,fp4moe,fp4moe-dense]
 
-``fp4moe-dense`` also quantizes the shared experts (``quantize_dense_mlps=True``).
+Variants apply in the order given, each on top of the last: ``fp4moe-hf-router`` patches the
+experts and keeps Transformers' router, ``fp4moe`` is ``patch_deepseek``'s default (router as one
+``fp4moe::grouped_topk`` op), ``fp4moe-dense`` also quantizes the shared experts
+(``quantize_dense_mlps=True``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_integration import patch_deepseek  # noqa: E402
-from hf_integration.patch import _dense_gated_mlps, _quantize_dense_mlp  # noqa: E402
+from hf_integration.patch import (  # noqa: E402
+    GroupedTopkRouter, _dense_gated_mlps, _grouped_topk_routers, _quantize_dense_mlp)
 from bench_e2e import deepseek_v3_layers  # noqa: E402
 
 GROUPS = [  # first match wins; lower-case substrings of kernel names
@@ -52,7 +56,7 @@ def kernels(prof, name_chars: int = 90) -> dict[str, list[float]]:
     return out
 
 
-def profile_decode(model, batch: int, decode_steps: int) -> dict:
+def profile_decode(model, batch: int, decode_steps: int, host_profile: bool = False) -> dict:
     from transformers import CompileConfig
 
     prompt = torch.randint(1, 1000, (batch, 16), device="cuda")
@@ -82,6 +86,14 @@ def profile_decode(model, batch: int, decode_steps: int) -> dict:
     for name, (count, ms) in profiles[1 + decode_steps].items():
         c0, ms0 = profiles[1].get(name, [0, 0.0])
         per_step[name] = ((count - c0) / decode_steps, (ms - ms0) / decode_steps)
+    if host_profile:  # where the host's time per step goes (Python functions, by own time)
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as host:
+            generate(1 + decode_steps)
+            torch.cuda.synchronize()
+        pstats.Stats(host).sort_stats("tottime").print_stats(25)
     wall = (walls[1 + decode_steps] - walls[1]) * 1e3 / decode_steps
     gpu = sum(ms for _, ms in per_step.values())
     launches = sum(c for c, _ in per_step.values())
@@ -105,7 +117,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--decode-steps", type=int, default=32)
-    ap.add_argument("--variants", default="bf16,fp4moe")
+    ap.add_argument("--variants", default="bf16,fp4moe-hf-router,fp4moe")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile one generate() of the last variant")
     args = ap.parse_args()
     variants = args.variants.split(",")
     model = deepseek_v3_layers(args.layers)
@@ -114,17 +127,19 @@ def main() -> None:
     if "bf16" in variants:
         print("HF BF16 compiled (CUDA graphs):")
         profile_decode(model, args.batch, args.decode_steps)
-    for variant in [v for v in variants if v.startswith("fp4moe")]:
+    for variant in [v for v in variants if v.startswith("fp4moe")]:  # applied in order, cumulatively
         torch._dynamo.reset()
-        if variant == "fp4moe":
-            patch_deepseek(model, verbose=False)
-        else:  # fp4moe-dense: the shared experts too (after "fp4moe" if both are listed)
-            if not any(n.endswith("gate_up_proj_packed") for n, _ in model.named_buffers()):
-                patch_deepseek(model, verbose=False)
+        patched = any(n.endswith("gate_up_proj_packed") for n, _ in model.named_buffers())
+        if not patched:
+            patch_deepseek(model, verbose=False, fuse_router=variant != "fp4moe-hf-router")
+        if variant in ("fp4moe", "fp4moe-dense"):
+            for parent, attr, m in _grouped_topk_routers(model):
+                setattr(parent, attr, GroupedTopkRouter(m))
+        if variant == "fp4moe-dense":
             for parent, attr, m in _dense_gated_mlps(model):
                 setattr(parent, attr, _quantize_dense_mlp(m, "auto"))
         print(f"{variant} compiled (CUDA graphs):")
-        profile_decode(model, args.batch, args.decode_steps)
+        profile_decode(model, args.batch, args.decode_steps, args.host_profile and variant == variants[-1])
 
 if __name__ == "__main__":
     main()

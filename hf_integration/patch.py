@@ -212,9 +212,17 @@ class GroupedTopkRouter(nn.Module):
             setattr(self, name, getattr(router, name))
 
     def forward(self, hidden_states: torch.Tensor):
-        logits = nn.functional.linear(hidden_states.view(-1, self.hidden_dim).float(), self.weight.float())
-        weights, ids = torch.ops.fp4moe.grouped_topk(
-            logits, self.e_score_correction_bias, self.num_group, self.topk_group, self.top_k,
+        x = hidden_states.view(-1, self.hidden_dim)
+        if x.is_cuda and x.dtype == self.weight.dtype == torch.bfloat16:
+            # Transformers casts both to float32 first (a float32 copy of the weight per call, and
+            # an fp32 GEMM: 0.6 ms per layer at 8192 tokens). bf16 x bf16 products are exact in
+            # fp32, so one bf16 GEMM with fp32 accumulation and output gives the same logits up
+            # to summation order.
+            logits = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        else:
+            logits = nn.functional.linear(x.float(), self.weight.float())
+        weights, ids = torch.ops.fp4moe.grouped_topk(  # bias: float32 math, as Transformers' add promotes
+            logits, self.e_score_correction_bias.float(), self.num_group, self.topk_group, self.top_k,
             bool(self.norm_topk_prob), float(self.routed_scaling_factor))
         return logits, weights, ids
 
