@@ -9,7 +9,7 @@ decoder layers, random weights) on one GPU, side by side in one process:
 
 Decode tokens/s = batch * new tokens / decode time, where decode time is the time of generate()
 with 1 + new tokens minus that with 1 (prompt of 16 tokens; so prefill and setup cancel), each the
-median of 3 timed runs after a warm-up (which compiles). generate() tokens/s with the prefill
+median of 5 timed runs after a warm-up (which compiles). generate() tokens/s with the prefill
 included is recorded too. Peak memory: torch.cuda max allocated.
 Writes ``e2e.json`` and ``e2e.md`` to ``--out`` after every measurement.
 """
@@ -49,7 +49,7 @@ def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[f
     """(decode tokens/s, generate() tokens/s with prefill, output of the long run).
 
     Decode tokens/s = batch * new_tokens / (time of generate(1 + new_tokens) - time of
-    generate(1)): the prefill step and generate()'s setup cancel. Each time is the median of 3
+    generate(1)): the prefill step and generate()'s setup cancel. Each time is the median of 5
     runs after a warm-up run of each length (which compiles and records the CUDA graphs)."""
     from transformers import CompileConfig
 
@@ -67,7 +67,7 @@ def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[f
     seconds = {}
     for n in (1, 1 + new_tokens):
         times = []
-        for _ in range(3):
+        for _ in range(5):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = run(n)
@@ -162,7 +162,7 @@ def main() -> None:
             for parent, attr, router in routers:
                 setattr(parent, attr, router)
             torch._dynamo.reset()
-            for b in (batches[0], batches[-1]) if name.startswith("Transformers") else batches[:1]:
+            for b in (batches[0], batches[-1]):
                 torch.cuda.reset_peak_memory_stats()
                 tps, generate_tps, _ = time_generate(model, b, args.new_tokens, compiled=True)
                 record(f"fp4moe compiled, {name}", b, tps, generate_tps, torch.cuda.max_memory_allocated() / 1e9)
@@ -198,7 +198,7 @@ def plot_e2e(result: dict, path) -> None:
         if v.startswith("fp4moe"):
             for bar, b in zip(bars, batches):
                 base = tps.get(("HF BF16 compiled", b))
-                if base:
+                if base and (v, b) in tps:
                     ax.annotate(f"{tps[(v, b)] / base:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                                 ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
