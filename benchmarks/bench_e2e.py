@@ -53,7 +53,8 @@ def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[f
     runs after a warm-up run of each length (which compiles and records the CUDA graphs)."""
     from transformers import CompileConfig
 
-    prompt = torch.randint(1, 1000, (batch, 16), device="cuda")
+    # the same prompt for every variant at a batch size (the routing, hence the work, follows the tokens)
+    prompt = torch.randint(1, 1000, (batch, 16), generator=torch.Generator().manual_seed(batch)).cuda()
     kw = dict(do_sample=False)
     if compiled:
         kw.update(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
