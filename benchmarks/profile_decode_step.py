@@ -93,7 +93,8 @@ def profile_decode(model, batch: int, decode_steps: int, host_profile: bool = Fa
         with cProfile.Profile() as host:
             generate(1 + decode_steps)
             torch.cuda.synchronize()
-        pstats.Stats(host).sort_stats("tottime").print_stats(25)
+        pstats.Stats(host).sort_stats("tottime").print_stats(30)
+        pstats.Stats(host).sort_stats("cumulative").print_stats(40)
     wall = (walls[1 + decode_steps] - walls[1]) * 1e3 / decode_steps
     gpu = sum(ms for _, ms in per_step.values())
     launches = sum(c for c, _ in per_step.values())
@@ -118,7 +119,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--variants", default="bf16,fp4moe-hf-router,fp4moe")
-    ap.add_argument("--host-profile", action="store_true", help="cProfile one generate() of the last variant")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile one generate() of each fp4moe variant")
     args = ap.parse_args()
     variants = args.variants.split(",")
     model = deepseek_v3_layers(args.layers)
@@ -139,7 +140,7 @@ def main() -> None:
             for parent, attr, m in _dense_gated_mlps(model):
                 setattr(parent, attr, _quantize_dense_mlp(m, "auto"))
         print(f"{variant} compiled (CUDA graphs):")
-        profile_decode(model, args.batch, args.decode_steps, args.host_profile and variant == variants[-1])
+        profile_decode(model, args.batch, args.decode_steps, args.host_profile)
 
 if __name__ == "__main__":
     main()
