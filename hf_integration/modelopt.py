@@ -37,7 +37,7 @@ from torch import nn
 from fp4moe_ops import NVFP4MoEWeights, nvfp4
 
 from .device_map import auto_device_map, device_for, dispatch, materialize, normalize_device_map
-from .patch import NVFP4GatedMLP, find_experts_modules, install_nvfp4_experts, use_fp4moe
+from .patch import NVFP4GatedMLP, find_experts_modules, fuse_routers, install_nvfp4_experts, use_fp4moe
 
 logger = logging.getLogger("fp4moe")
 
@@ -212,7 +212,7 @@ def _load_experts(ckpt: _Checkpoint, prefix: str, experts: range, hidden: int, i
 @torch.no_grad()
 def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                         device_map: str | dict | None = None, backend: str = "auto", expert_parallel: bool = False,
-                        verbose: bool = True) -> nn.Module:
+                        fuse_router: bool = True, verbose: bool = True) -> nn.Module:
     """Load a ModelOpt NVFP4 checkpoint directory as a Transformers model with NVFP4 experts.
 
     Args:
@@ -230,6 +230,7 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
             :func:`hf_integration.expert_parallel.shard_experts` does. Every rank must call
             this; the ranks first check that they read the same checkpoint, and a failure on
             any rank (a missing expert tensor, say) is raised on every rank, naming it.
+        fuse_router: run DeepSeek-V3-style routers as one op (see :func:`hf_integration.patch_moe`).
 
     Returns:
         the model, experts computed by ``torch.ops.fp4moe.fused_moe``; calibrated input scales
@@ -242,7 +243,7 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
         return read_quant_config(path), _model_config(path), _Checkpoint(path)
 
     def build(quant, config, ckpt, expert_shard_of=None):
-        return _build(quant, config, ckpt, dtype, device, device_map, backend, expert_shard_of, verbose)
+        return _build(quant, config, ckpt, dtype, device, device_map, backend, expert_shard_of, fuse_router, verbose)
 
     if not expert_parallel:
         return build(*read())
@@ -266,7 +267,8 @@ def _fingerprint(quant: ModelOptNVFP4Config, config, ckpt: "_Checkpoint") -> str
     return hashlib.sha256(repr((config.to_json_string(), quant, layout)).encode()).hexdigest()[:16]
 
 
-def _build(quant, config, ckpt, dtype, device, device_map, backend, expert_shard_of, verbose) -> nn.Module:
+def _build(quant, config, ckpt, dtype, device, device_map, backend, expert_shard_of, fuse_router,
+           verbose) -> nn.Module:
     """Build the model on meta, place it, and fill it from ``ckpt`` (see :func:`load_modelopt_nvfp4`);
     ``expert_shard_of(num_experts)`` gives this rank's experts under expert parallelism."""
     from transformers import AutoModelForCausalLM
@@ -330,6 +332,8 @@ def _build(quant, config, ckpt, dtype, device, device_map, backend, expert_shard
     _reinit_non_persistent_buffers(model, placement)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
+    if fuse_router:
+        fuse_routers(model)
     use_fp4moe(model)
     return dispatch(model.eval())
 

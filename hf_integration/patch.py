@@ -237,6 +237,14 @@ def _grouped_topk_routers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Mod
             if type(m).__name__ in GROUPED_TOPK_ROUTERS]
 
 
+def fuse_routers(model: nn.Module) -> int:
+    """Swap every DeepSeek-V3-style router for a :class:`GroupedTopkRouter`; returns how many."""
+    routers = _grouped_topk_routers(model)
+    for parent, attr, m in routers:
+        _replace_module(parent, attr, GroupedTopkRouter(m))
+    return len(routers)
+
+
 def _replace_module(parent: nn.Module, attr: str, new: nn.Module) -> None:
     """``parent.attr = new``, keeping an accelerate hook (device_map dispatch) the old one had."""
     old = getattr(parent, attr)
@@ -327,8 +335,7 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
     for parent, attr, m in dense:
         _replace_module(parent, attr, _quantize_dense_mlp(m, backend))
     if fuse_router:
-        for parent, attr, m in _grouped_topk_routers(model):
-            _replace_module(parent, attr, GroupedTopkRouter(m))
+        fuse_routers(model)
     use_fp4moe(model)
     return model
 

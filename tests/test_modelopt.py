@@ -42,6 +42,9 @@ def test_loaded_experts_equal_file_bytes(checkpoint):
     assert torch.equal(attn.o_proj.weight, tensors["model.layers.1.self_attn.o_proj.weight"])
     assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
     assert "weights=NVFP4" in repr(experts)
+    router = model.model.layers[1].mlp.gate  # swapped for the one-op router, holding the file's tensors
+    assert "op=fp4moe::grouped_topk" in repr(router)
+    assert torch.equal(router.weight, tensors["model.layers.1.mlp.gate.weight"])
 
 
 def float64_reference_model(tensors, original):
