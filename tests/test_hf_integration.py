@@ -125,6 +125,19 @@ def test_router_swapped_for_one_op_with_same_keys_and_results(make):
         assert torch.equal(model(ids).logits, hf_routed(ids).logits)
 
 
+def test_swapped_router_keeps_accelerate_hook():
+    """A router that accelerate's dispatch gave a hook (device_map) keeps it after the swap."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    model = tiny_deepseek_v3()
+    add_hook_to_module(model.model.layers[1].mlp.gate, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+    patch_deepseek(model)
+    router = model.model.layers[1].mlp.gate
+    assert type(router).__name__ == "GroupedTopkRouter" and isinstance(router._hf_hook, AlignDevicesHook)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(1, 256, (1, 5))).logits).all()
+
+
 def test_compile_fullgraph_no_graph_breaks_and_dynamic_lengths():
     import torch._dynamo.testing
 
