@@ -34,6 +34,7 @@ SHAPES = {  # name: (E local, H, I, top_k, E routed over)
     "ep32": (32, 7168, 2048, 8, 256),  # expert-parallel shard: ids >= 32 are other ranks'
     "tp256": (256, 7168, 256, 8, 256),  # tensor-parallel shard (TP=8)
     "small": (8, 256, 128, 2, 8),
+    "shared": (1, 7168, 2048, 1, 1),  # DeepSeek-V3's shared expert as a one-expert MoE (quantize_dense_mlps)
 }
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
 INPUT_SETS = 4
