@@ -247,3 +247,16 @@ def test_scale_ptx_on_the_gpu_every_e4m3_byte():
         out = torch.empty(256, dtype=torch.bfloat16, device="cuda")
         convert[(1,)](data, out, FAST=fast)
         assert torch.equal(out.float(), want), fast
+
+
+def test_fragment_order_config_with_narrow_tiles_is_refused():
+    """BN below 64 with fragment order gave wrong sums on H200 (the CPU interpreter's portable
+    decode does not show it): such a config must fail loudly, not run."""
+    w = layer(4, 512, 256)
+    dev = [x.to(DEVICE) for x in BACKENDS["triton"].prepare(w)]
+    x = torch.randn(2, 512, dtype=torch.bfloat16, device=DEVICE)
+    ids = torch.tensor([[0, 1], [2, 3]], device=DEVICE)
+    cfg = kernel_config(4, 4, 512, 256) | dict(BN1=32)
+    assert cfg["FRAGMENT_ORDER"]
+    with pytest.raises(ValueError, match="multiples of 64"):
+        triton_fused_moe(x, ids, torch.rand(2, 2, device=DEVICE), dev, cfg)

@@ -665,6 +665,10 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     if paired and not (cfg.get("TMA") and cfg.get("FRAGMENT_ORDER")):
         raise ValueError("paired-layout weights need a TMA + FRAGMENT_ORDER config; pass canonical "
                          "uint8 weights for other configs")
+    if cfg.get("FRAGMENT_ORDER") and (cfg["BN1"] % 64 or cfg["BN2"] % 64):
+        # the GPU decode maps a 64-row weight tile onto the warpgroup's MMA fragments; narrower
+        # tiles compile but give wrong sums on H200 (benchmarks/results/sweep_narrow_*.log)
+        raise ValueError(f"fragment-order configs need BN1 and BN2 multiples of 64, got {cfg['BN1']} and {cfg['BN2']}")
     x = hidden_states.contiguous()
     fragment = cfg.get("FRAGMENT_ORDER", False)
     if fragment:  # GEMM1 reads x with K in fragment order
