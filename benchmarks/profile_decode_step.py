@@ -25,9 +25,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hf_integration import patch_deepseek  # noqa: E402
-from hf_integration.patch import (  # noqa: E402
-    GroupedTopkRouter, _dense_gated_mlps, _grouped_topk_routers, _quantize_dense_mlp)
+from hf_integration import fuse_routers, patch_deepseek  # noqa: E402
+from hf_integration.patch import _dense_gated_mlps, _quantize_dense_mlp  # noqa: E402
 from bench_e2e import deepseek_v3_layers  # noqa: E402
 
 GROUPS = [  # first match wins; lower-case substrings of kernel names
@@ -134,8 +133,7 @@ def main() -> None:
         if not patched:
             patch_deepseek(model, verbose=False, fuse_router=variant != "fp4moe-hf-router")
         if variant in ("fp4moe", "fp4moe-dense"):
-            for parent, attr, m in _grouped_topk_routers(model):
-                setattr(parent, attr, GroupedTopkRouter(m))
+            fuse_routers(model)
         if variant == "fp4moe-dense":
             for parent, attr, m in _dense_gated_mlps(model):
                 setattr(parent, attr, _quantize_dense_mlp(m, "auto"))

@@ -198,9 +198,11 @@ GROUPED_TOPK_ROUTERS = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter")
 
 class GroupedTopkRouter(nn.Module):
     """Drop-in for a DeepSeek-V3-style router (:data:`GROUPED_TOPK_ROUTERS`): the same
-    ``weight [E, H]`` float32 parameter and ``e_score_correction_bias [E]`` buffer (so the same
-    state-dict keys) and the same outputs ``(logits [T, E], weights [T, k] float32, ids [T, k]
-    int64)``; the group-limited top-k runs as one ``fp4moe::grouped_topk`` op."""
+    ``weight [E, H]`` parameter (float32 or the model's dtype) and ``e_score_correction_bias [E]``
+    buffer, so the same state-dict keys, and the same outputs ``(logits [T, E] float32,
+    weights [T, k] float32, ids [T, k] int64)``; the group-limited top-k runs as one
+    ``fp4moe::grouped_topk`` op. Off CUDA the results are bitwise Transformers'; on CUDA the
+    logits' summation order differs, so a near-tied token may pick another expert."""
 
     def __init__(self, router: nn.Module):
         super().__init__()
@@ -302,7 +304,8 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
             layers) in NVFP4 through the op, as one-expert MoEs. Off by default: the checkpoint's
             own format for them is kept.
         fuse_router: replace DeepSeek-V3-style routers by :class:`GroupedTopkRouter` (same
-            parameters and results, one kernel instead of ~10). Off: Transformers' router runs.
+            parameters, same experts chosen up to near ties, one kernel instead of ~10). Off:
+            Transformers' router runs.
         verbose: log one progress line per layer.
 
     Quantizes expert by expert on the experts' own device and frees each layer's BF16 weights
