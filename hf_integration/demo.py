@@ -2,7 +2,8 @@
 
     python -m hf_integration.demo            # CPU: reference backend; GPU: the GPU backend
 
-Prints what ran: the backend, the experts' error against BF16, compile graph breaks, tokens/s.
+Prints what ran: the backend, the router op, the experts' error against BF16, compile graph breaks,
+tokens/s.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def main() -> None:
     patch_deepseek(model, backend=args.backend, verbose=False)
     experts = find_experts_modules(model)
     print(f"patched {len(experts)} MoE layer(s) in {time.perf_counter() - t0:.2f}s: {experts[0][1].extra_repr()}")
+    routers = [m for m in model.modules() if "grouped_topk" in m.extra_repr()]
+    print(f"routers: {len(routers)} run as one fp4moe::grouped_topk op each "
+          f"({'Triton kernel' if device == 'cuda' else 'torch ops'})")
 
     prompt = torch.randint(1, 256, (1, 8), device=device)
     seen = {}
