@@ -172,16 +172,21 @@ class NVFP4GatedMLP(nn.Module):
         return out.reshape(x.shape)
 
 
+def _children_where(model: nn.Module, predicate) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, module) of every submodule for which ``predicate(module)`` holds:
+    what :func:`_replace_module` needs to swap it."""
+    return [(parent, attr, m) for parent in model.modules() for attr, m in parent.named_children() if predicate(m)]
+
+
+def _is_dense_gated_mlp(m: nn.Module) -> bool:
+    lin = [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    return all(isinstance(x, nn.Linear) and x.bias is None for x in lin) and isinstance(
+        getattr(m, "act_fn", None), nn.Module) and type(m.act_fn).__name__ in ("SiLUActivation", "SiLU")
+
+
 def _dense_gated_mlps(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, attribute, module) of bias-free SiLU gated MLPs outside the routed experts."""
-    found = []
-    for parent in model.modules():
-        for attr, m in parent.named_children():
-            lin = [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-            if all(isinstance(x, nn.Linear) and x.bias is None for x in lin) and isinstance(
-                    getattr(m, "act_fn", None), nn.Module) and type(m.act_fn).__name__ in ("SiLUActivation", "SiLU"):
-                found.append((parent, attr, m))
-    return found
+    return _children_where(model, _is_dense_gated_mlp)
 
 
 def _quantize_dense_mlp(m: nn.Module, backend: str) -> NVFP4GatedMLP:
@@ -235,8 +240,7 @@ class GroupedTopkRouter(nn.Module):
 
 def _grouped_topk_routers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, attribute, router) of the routers :class:`GroupedTopkRouter` replaces."""
-    return [(parent, attr, m) for parent in model.modules() for attr, m in parent.named_children()
-            if type(m).__name__ in GROUPED_TOPK_ROUTERS]
+    return _children_where(model, lambda m: type(m).__name__ in GROUPED_TOPK_ROUTERS)
 
 
 def fuse_routers(model: nn.Module) -> int:
