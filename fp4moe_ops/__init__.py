@@ -4,14 +4,20 @@ Typical use::
 
     from fp4moe_ops import quantize_moe_weights, prepare_experts
     weights = quantize_moe_weights(gate_up [E, 2I, H], down [E, H, I])
-    experts = prepare_experts(weights, backend="auto")
+    experts = prepare_experts(weights, backend="auto")     # a PreparedExperts module
     out = experts(hidden [T, H] bf16, topk_ids [T, k], topk_weights [T, k] fp32)
+
+Modules: ``nvfp4`` the format, ``moe_weights`` a layer's canonical experts, ``op`` the op,
+``prepared`` the prepared layer, ``backends`` the kernels behind the op, ``moe_math`` the
+pure-torch MoE math, ``routing`` the router op, ``flashinfer_sim`` a CPU model of FlashInfer's
+NVFP4 kernel (a test oracle).
 """
 
 from . import nvfp4, routing
 from .backends import AUTO_ORDER, BACKENDS, available_backends, resolve_backend
 from .moe_weights import NVFP4MoEWeights, quantize_moe_weights
-from .op import ACT_SCALE_MODES, PreparedExperts, activation_scales, fused_moe, prepare_experts
+from .op import fused_moe
+from .prepared import ACT_SCALE_MODES, PreparedExperts, activation_scales, prepare_experts
 from .routing import grouped_topk
 
 __all__ = [

@@ -76,6 +76,38 @@ class NVFP4MoEWeights:
         """Bytes of packed weights plus block and global scales (what a kernel must read)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def check_values(self, describe=None) -> None:
+        """Raise ValueError if a scale's value would give wrong numbers: a global scale that is not
+        finite and > 0, an E4M3 NaN byte (0x7F / 0xFF) or a negative block scale, a calibrated
+        input scale that is NaN, Inf or negative (0 is allowed: an expert calibration never
+        routed to; NVFP4 activations refuse it, see :func:`fp4moe_ops.activation_scales`).
+
+        ``describe(tensor_name, expert)`` names the culprit in the message (e.g. its checkpoint
+        key); default ``"w13_global[3]"``. One host sync per tensor: for load time, not per call.
+        """
+        describe = describe or (lambda name, e: f"{name}[{e}]")
+        for name in ("w13_global", "w2_global"):
+            t = getattr(self, name)
+            _first_bad(name, ~(torch.isfinite(t) & (t > 0)), t, describe, "must be finite and > 0")
+        for name in ("fc1_input_scale", "fc2_input_scale"):
+            t = getattr(self, name)
+            if t is not None:
+                _first_bad(name, ~(torch.isfinite(t) & (t >= 0)), t, describe, "must be finite and >= 0")
+        for name in ("w13_scale", "w2_scale"):
+            b = getattr(self, name).view(torch.uint8)
+            # sign bit set (a negative scale; 0x80 is -0, harmless) or all exponent and mantissa bits (NaN)
+            bad = ((b & 0x7F) == 0x7F) | ((b & 0x80) != 0) & (b != 0x80)
+            _first_bad(name, bad.flatten(1).any(1), None, describe,
+                       "holds an E4M3 NaN byte (0x7F/0xFF) or a negative block scale")
+
+
+def _first_bad(name: str, bad: torch.Tensor, values, describe, what: str) -> None:
+    """Raise naming the first expert where ``bad [E]`` holds."""
+    if bool(bad.any()):
+        e = int(bad.nonzero()[0, 0])
+        value = f" (got {values[e].item()})" if values is not None else ""
+        raise ValueError(f"{describe(name, e)} {what}{value}; {int(bad.sum())} expert(s) affected")
+
 
 def quantize_moe_weights(gate_up: torch.Tensor, down: torch.Tensor) -> NVFP4MoEWeights:
     """Quantize float experts to NVFP4 with ModelOpt's recipe.
@@ -106,6 +138,8 @@ def _check_expert_stack(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor) or t.dim() != 3:
         shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{name} must be a 3-D expert stack [E, N, K], got {shape}")
+    if 0 in t.shape:
+        raise ValueError(f"{name} {tuple(t.shape)} is empty: an expert stack needs E, N, K > 0")
     if t.shape[-1] % BLOCK_SIZE:
         raise ValueError(
             f"{name} {tuple(t.shape)}: the reduction dim K={t.shape[-1]} must be a multiple of "
@@ -117,7 +151,9 @@ def _expect(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype} (shape {tuple(t.shape)})")
+        hint = " (raw E4M3 bytes? pass t.view(torch.float8_e4m3fn))" if dtype == torch.float8_e4m3fn and \
+            t.dtype == torch.uint8 else ""
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype} (shape {tuple(t.shape)}){hint}")
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if t.device != device:
@@ -129,6 +165,8 @@ def validate_moe_weights(w: NVFP4MoEWeights) -> None:
     if not isinstance(w.w13, torch.Tensor) or w.w13.dim() != 3:
         raise ValueError("w13 must be [E, 2I, H/2] uint8")
     e, two_i, h_half = w.w13.shape
+    if 0 in w.w13.shape:
+        raise ValueError(f"w13 {list(w.w13.shape)} is empty: E, 2I and H must be > 0")
     if two_i % 2 or two_i // 2 % BLOCK_SIZE:
         raise ValueError(f"w13 rows 2I={two_i}: I must be a multiple of {BLOCK_SIZE}")
     h, i, dev = h_half * 2, two_i // 2, w.w13.device

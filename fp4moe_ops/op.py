@@ -2,18 +2,15 @@
 
 Dynamo traces the op as a single opaque node (its fake function gives the output shape), so
 ``torch.compile(fullgraph=True)`` never graph-breaks on it and never traces into a kernel
-library's Python. Prepared tensors are made once by :func:`prepare_experts`; the op itself
-only validates metadata (no host syncs) and dispatches.
+library's Python. Its tensors are prepared once (:class:`fp4moe_ops.prepared.PreparedExperts`);
+the op itself only validates metadata (no host syncs) and dispatches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .backends import get_backend, resolve_backend
-from .moe_weights import NVFP4MoEWeights
+from .backends import get_backend
 
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -56,9 +53,10 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
     if b.activation_scales == "required" and len(scales) != 2:
         raise ValueError(f"backend {backend!r} needs both fc1_act_scale and fc2_act_scale")
     for s in scales:
-        if s.dtype != torch.float32 or s.numel() not in (1, num_experts) or s.dim() > 1:
+        # a [1]-shaped scale is refused too: FlashInfer reads every 1-D scale as per-expert [E]
+        if s.dtype != torch.float32 or not (s.dim() == 0 or tuple(s.shape) == (num_experts,)):
             raise ValueError(
-                f"activation scales must be float32 scalars or [E={num_experts}], got "
+                f"activation scales must be float32 0-dim scalars or [E={num_experts}], got "
                 f"{s.dtype} {list(s.shape)}"
             )
 
@@ -108,75 +106,3 @@ def _(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_
     _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
                   routed_experts)
     return torch.empty_like(hidden_states)
-
-
-@dataclass
-class PreparedExperts:
-    """A backend's prepared tensors for one MoE layer, ready to call.
-
-    Made by :func:`prepare_experts`; call it as ``prepared(hidden [T,H], ids [T,k], w [T,k])``.
-    """
-
-    backend: str
-    tensors: list[torch.Tensor]
-    fc1_act_scale: torch.Tensor | None = None
-    fc2_act_scale: torch.Tensor | None = None
-    routed_experts: int = 0  # the op's hint: experts routed over when these are a shard; 0 = all
-
-    def __call__(self, hidden_states, topk_ids, topk_weights) -> torch.Tensor:
-        return torch.ops.fp4moe.fused_moe(
-            hidden_states, topk_ids, topk_weights, self.tensors,
-            self.fc1_act_scale, self.fc2_act_scale, self.backend, self.routed_experts,
-        )
-
-
-ACT_SCALE_MODES = ("per_expert", "global_max")
-
-
-def activation_scales(fc1_input_scale: torch.Tensor | None, fc2_input_scale: torch.Tensor | None,
-                      mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's activation scales from calibrated per-expert input scales ``[E]``.
-
-    ``per_expert``: each expert quantizes its inputs with its own scale (the seed change).
-    ``global_max``: one scale, the max over experts (vLLM / SGLang / TRT-LLM today); never
-    saturates a block scale and keeps all experts on one grid.
-    """
-    if mode not in ACT_SCALE_MODES:
-        raise ValueError(f"act_scale_mode must be one of {ACT_SCALE_MODES}, got {mode!r}")
-    if fc1_input_scale is None or fc2_input_scale is None:
-        raise ValueError("activation scales need calibrated fc1_input_scale and fc2_input_scale")
-    if mode == "per_expert":
-        return fc1_input_scale, fc2_input_scale
-    return fc1_input_scale.max().reshape(()), fc2_input_scale.max().reshape(())
-
-
-def prepare_experts(
-    weights: NVFP4MoEWeights, backend: str = "auto", act_scale_mode: str | None = None
-) -> PreparedExperts:
-    """Prepare one layer's NVFP4 experts for ``backend`` on their own device (once, at load).
-
-    Args:
-        weights: canonical NVFP4 experts.
-        backend: ``"auto"`` picks the fastest exact backend the device runs (see
-            :data:`fp4moe_ops.backends.AUTO_ORDER`), or a name from ``BACKENDS``.
-        act_scale_mode: None keeps activations in 16 bits (W4A16), except on a backend that
-            always quantizes them (``flashinfer_nvfp4``), which then uses ``"per_expert"``.
-            ``"per_expert"`` / ``"global_max"``: NVFP4 activations with the calibrated scales
-            (``weights.fc1_input_scale`` / ``fc2_input_scale``); backends ``flashinfer_nvfp4``
-            and ``reference`` only.
-    """
-    have_scales = weights.fc1_input_scale is not None and weights.fc2_input_scale is not None
-    b = resolve_backend(backend, weights.device, have_activation_scales=have_scales)
-    mode = act_scale_mode or ("per_expert" if b.activation_scales == "required" else None)
-    if mode is None:
-        return PreparedExperts(b.name, b.prepare(weights))
-    if b.activation_scales == "forbidden":
-        raise ValueError(
-            f"backend {b.name!r} keeps activations in 16 bits; act_scale_mode={mode!r} needs "
-            "'flashinfer_nvfp4' (Blackwell) or 'reference'")
-    if not have_scales:
-        raise ValueError(
-            f"act_scale_mode={mode!r} needs calibrated activation scales (fc1_input_scale / "
-            "fc2_input_scale): run hf_integration.calibrate_activation_scales first")
-    fc1, fc2 = activation_scales(weights.fc1_input_scale, weights.fc2_input_scale, mode)
-    return PreparedExperts(b.name, b.prepare(weights), fc1, fc2)

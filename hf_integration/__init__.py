@@ -1,18 +1,35 @@
-"""fp4moe's Hugging Face Transformers integration: ``patch_deepseek(model)`` and friends."""
+"""fp4moe's Hugging Face Transformers integration.
 
+Importing it registers fp4moe's ``"modelopt"`` quantizer with Transformers, so
+``AutoModelForCausalLM.from_pretrained(<ModelOpt NVFP4 checkpoint>)`` loads NVFP4 experts and
+``save_pretrained`` writes them back. Modules, one concept each:
+
+* ``modelopt_format``: the ModelOpt checkpoint format (config, tensor names, ``CheckpointError``);
+* ``quantizer``: the Transformers quantizer (loading, saving, marking a model quantized);
+* ``experts``: the modules that hold NVFP4 weights in a model;
+* ``router``: the fused DeepSeek-V3-style router;
+* ``patch``: ``patch_moe`` / ``patch_deepseek`` / ``set_backend`` on a loaded BF16 model;
+* ``calibration``: activation scales for NVFP4 x NVFP4;
+* ``expert_parallel``: experts split over ``torch.distributed`` ranks;
+* ``surgery``: finding and swapping modules; ``saving``: atomic ``save_pretrained``;
+* ``modelopt``: ``load_modelopt_nvfp4`` (``from_pretrained`` plus what it cannot know by itself);
+* ``tiny_models``, ``demo``: tiny random models for tests and the demo.
+"""
+
+from .calibration import calibrate_activation_scales
+from .experts import NVFP4Experts, NVFP4GatedMLP
 from .expert_parallel import shard_experts
-from .modelopt import CheckpointError, load_modelopt_nvfp4, save_modelopt_nvfp4
-from .patch import (
-    calibrate_activation_scales,
-    find_experts_modules,
-    fp4moe_experts_forward,
-    fuse_routers,
-    patch_deepseek,
-    patch_moe,
-    set_backend,
-)
+from .modelopt import load_modelopt_nvfp4, save_modelopt_nvfp4
+from .modelopt_format import CheckpointError, ModelOptConfig
+from .patch import patch_deepseek, patch_moe, set_backend
+from .quantizer import ModelOptQuantizer, register
+from .router import GroupedTopkRouter, fuse_routers
+from .surgery import find_experts_modules
+
+register()
 
 __all__ = [
-    "CheckpointError", "calibrate_activation_scales", "find_experts_modules", "fp4moe_experts_forward", "fuse_routers",
-    "load_modelopt_nvfp4", "patch_deepseek", "patch_moe", "save_modelopt_nvfp4", "set_backend", "shard_experts",
+    "CheckpointError", "GroupedTopkRouter", "ModelOptConfig", "ModelOptQuantizer", "NVFP4Experts", "NVFP4GatedMLP",
+    "calibrate_activation_scales", "find_experts_modules", "fuse_routers", "load_modelopt_nvfp4", "patch_deepseek",
+    "patch_moe", "save_modelopt_nvfp4", "set_backend", "shard_experts",
 ]

@@ -1,13 +1,14 @@
 """Expert parallelism over ``torch.distributed``: each rank keeps ``E / world_size`` experts of
-every patched MoE layer and the partial outputs are summed with an all-reduce.
+every NVFP4 MoE layer; a dispatch step around the op shifts the router's ids to the rank's experts
+and all-reduces the ranks' partial outputs.
 
     torchrun --nproc-per-node 2 my_script.py
         dist.init_process_group("nccl")            # "gloo" on CPU
-        model = patch_deepseek(load(...))           # or load_modelopt_nvfp4(..., expert_shard=...)
-        shard_experts(model)
+        model = load_modelopt_nvfp4(path, expert_parallel=True)   # reads only this rank's experts
+        # or: shard_experts(patch_deepseek(model))
 
-Rank r holds global experts ``[r*E/N, (r+1)*E/N)``. The router still sees all ``E`` experts;
-each rank shifts the ids by its offset, so other ranks' experts fall outside ``[0, E/N)`` and
+Rank r holds global experts ``[r*E/N, (r+1)*E/N)``. The router still sees all ``E`` experts; each
+rank shifts the ids by its offset, so other ranks' experts fall outside ``[0, E/N)`` and
 contribute nothing in ``fp4moe::fused_moe`` (the op's sentinel rule). Attention, router, shared
 experts and dense layers stay replicated. The all-reduce is a functional collective, so
 ``torch.compile(fullgraph=True)`` traces it.
@@ -23,18 +24,35 @@ from torch import nn
 
 from fp4moe_ops import NVFP4MoEWeights
 
-from .patch import find_experts_modules, install_nvfp4_experts
+from .modelopt_format import CheckpointError
+from .surgery import nvfp4_experts
 
 
 @dataclass(frozen=True)
 class ExpertShard:
-    """Which global experts this rank computes: ``[offset, offset + count)``."""
+    """This rank's experts ``[offset, offset + count)`` of every layer, as the dispatch step of
+    :class:`hf_integration.experts.NVFP4Experts`."""
 
     rank: int
     world_size: int
     offset: int
     count: int
     group: object = None
+
+    @property
+    def routed_experts(self) -> int:
+        return self.count * self.world_size
+
+    def prepare(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this rank's local ids (others' experts fall outside ``[0, count)``)."""
+        return top_k_index - self.offset
+
+    def finalize(self, out: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial MoE outputs (in float32)."""
+        import torch.distributed._functional_collectives as funcol
+
+        total = funcol.all_reduce(out.float(), "sum", self.group if self.group is not None else dist.group.WORLD)
+        return funcol.wait_tensor(total).to(out.dtype)
 
 
 def expert_shard(num_experts: int, rank: int, world_size: int, group=None) -> ExpertShard:
@@ -48,12 +66,14 @@ def expert_shard(num_experts: int, rank: int, world_size: int, group=None) -> Ex
     return ExpertShard(rank, world_size, rank * count, count, group)
 
 
+def this_rank_shard(num_experts: int, group=None) -> ExpertShard:
+    return expert_shard(num_experts, dist.get_rank(group), dist.get_world_size(group), group)
+
+
 def same_outcome_on_every_rank(what: str, fn, group=None):
     """Run ``fn()`` on every rank and return its result; if it raised on any rank, raise the
     first failing rank's error on every rank. A collective, so no rank is left waiting in a
     later collective for a rank that failed."""
-    from .modelopt import CheckpointError
-
     try:
         result, failure = fn(), None
     except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
@@ -86,30 +106,30 @@ def shard_weights(weights: NVFP4MoEWeights, shard: ExpertShard) -> NVFP4MoEWeigh
 
 
 def shard_experts(model: nn.Module, group=None) -> nn.Module:
-    """Keep this rank's experts in every patched experts module and all-reduce their outputs.
+    """Keep this rank's experts in every NVFP4 experts module and all-reduce their outputs.
 
     Every module is checked before anything changes, and the check depends only on the model
     (the same on every rank), so a bad world size fails everywhere alike instead of hanging.
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    modules = [m for _, m in find_experts_modules(model) if "gate_up_proj_packed" in m._buffers]
+    modules = [m for _, m in nvfp4_experts(model)]
     if not modules:
-        raise ValueError("shard_experts needs a model patched by fp4moe (patch_deepseek / load_modelopt_nvfp4)")
-    if any(getattr(m, "fp4moe_shard", None) is not None for m in modules):
+        raise ValueError("shard_experts needs a model with fp4moe NVFP4 experts (patch_deepseek / from_pretrained)")
+    if any(isinstance(m.dispatch, ExpertShard) for m in modules):
         raise ValueError("model's experts are already sharded")
-    shards = [expert_shard(m.nvfp4_weights().num_experts, rank, world, group) for m in modules]
+    shards = [this_rank_shard(m.num_experts, group) for m in modules]
     for m, shard in zip(modules, shards):
-        local = shard_weights(m.nvfp4_weights(), shard)
-        for name in list(m._buffers):
-            del m._buffers[name]
-        install_nvfp4_experts(m, local, m.fp4moe_backend)
-        m.fp4moe_shard = shard
+        backend, mode = m.backend, m.act_scale_mode
+        m.set_weights(shard_weights(m.canonical(), shard))
+        m.set_backend(backend, mode)
+        use_shard(m, shard)
     return model
 
 
-def reduce_partial_outputs(out: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
-    """Sum the ranks' partial MoE outputs (in float32: one rounding, like a single process)."""
-    import torch.distributed._functional_collectives as funcol
+def use_shard(module: nn.Module, shard: ExpertShard) -> None:
+    """Make ``module`` (holding ``shard``'s experts) dispatch as that shard."""
+    module.dispatch = shard
+    module.routed_experts = shard.routed_experts
 
-    total = funcol.all_reduce(out.float(), "sum", shard.group if shard.group is not None else dist.group.WORLD)
-    return funcol.wait_tensor(total).to(out.dtype)
+
+__all__ = ["ExpertShard", "expert_shard", "same_on_every_rank", "same_outcome_on_every_rank", "shard_experts",
+           "this_rank_shard", "use_shard"]

@@ -89,10 +89,11 @@ QUANTIZED_MLP = re.compile(r"\.(mlp|shared_experts)\.(gate_proj|up_proj|down_pro
 
 @torch.no_grad()
 def write_modelopt_checkpoint(model, path, *, equal_gate_up_scales: bool = True, shards: int = 2,
-                              model_type: str | None = None) -> dict:
-    """Write ``model`` (a BF16 Transformers MoE model) as a ModelOpt NVFP4 checkpoint: routed
-    experts per expert, dense/shared MLP linears NVFP4, everything else as is; random (but
-    ModelOpt-like) per-linear input scales. Returns the tensors written (name -> tensor).
+                              model_type: str | None = None, input_scales: bool = True) -> dict:
+    """Write ``model`` (a BF16 Transformers MoE model) as a ModelOpt NVFP4 checkpoint in the layout of
+    :mod:`hf_integration.modelopt_format`: routed experts per expert, dense/shared MLP linears NVFP4,
+    everything else as is; random (but ModelOpt-like) per-linear input scales (none with
+    ``input_scales=False``, a W4A16 export). Returns the tensors written (name -> tensor).
 
     ``equal_gate_up_scales`` mimics ModelOpt's fused gate/up amax; False writes different
     ``weight_scale_2`` for gate and up (a loader must reconcile them).
@@ -104,16 +105,18 @@ def write_modelopt_checkpoint(model, path, *, equal_gate_up_scales: bool = True,
 
     from fp4moe_ops import nvfp4
 
+    from .modelopt_format import ModelOptConfig, linear_tensors
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
 
     def put_linear(name, w, global_scale=None, input_scale=None):
         q = nvfp4.quantize_nvfp4(w.float(), global_scale)
-        tensors[f"{name}.weight"] = q.packed
-        tensors[f"{name}.weight_scale"] = q.block_scale
-        tensors[f"{name}.weight_scale_2"] = q.global_scale.reshape(())
-        tensors[f"{name}.input_scale"] = (torch.rand(()) * 4 + 1) / (6 * 448) if input_scale is None else input_scale
+        if input_scale is None:
+            input_scale = (torch.rand(()) * 4 + 1) / (6 * 448)
+        tensors.update(linear_tensors(name, q.packed, q.block_scale, q.global_scale,
+                                      input_scale if input_scales else None))
 
     experts = {}
     for name, m in model.named_modules():
@@ -132,23 +135,26 @@ def write_modelopt_checkpoint(model, path, *, equal_gate_up_scales: bool = True,
             put_linear(name, m.weight)
     for key, t in model.state_dict().items():
         module = key.rsplit(".", 1)[0]
-        if module in experts or f"{key[:-len('.weight')]}.weight" in tensors:
+        if module in experts or f"{key[:-len('.weight')]}.weight_scale" in tensors:
             continue
         tensors[key] = t.clone()
     if getattr(model.config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
 
     keys = sorted(tensors)
-    for i in range(shards):
-        part = {k: tensors[k].contiguous().clone() for k in keys[i::shards]}
-        save_file(part, str(path / f"model-{i + 1:05d}-of-{shards:05d}.safetensors"))
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)] if shards > 1 else ["model.safetensors"]
+    for i, name in enumerate(names):
+        save_file({k: tensors[k].contiguous().clone() for k in keys[i::shards]}, str(path / name))
+    if shards > 1:  # the index Transformers reads to find each tensor's shard
+        weight_map = {k: names[i % shards] for i, k in enumerate(keys)}
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     cfg = model.config.to_dict()
     cfg.pop("_experts_implementation", None)
+    cfg.pop("quantization_config", None)  # like NVIDIA's DeepSeek exports: the config is in hf_quant_config.json
     if model_type:
         cfg["model_type"] = model_type
     (path / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
-    exclude = ["lm_head", "*self_attn*", "*mlp.gate"]
-    (path / "hf_quant_config.json").write_text(json.dumps(
-        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
-                                                             "exclude_modules": exclude}}, indent=1))
+    quant = ModelOptConfig(quant_algo="NVFP4" if input_scales else "W4A16_NVFP4",
+                           exclude_modules=["lm_head", "*self_attn*", "*mlp.gate"], producer={"name": "modelopt"})
+    (path / "hf_quant_config.json").write_text(json.dumps(quant.hf_quant_config(), indent=1))
     return tensors

@@ -1,9 +1,11 @@
 """Backend contract and registry for ``torch.ops.fp4moe.fused_moe``.
 
-A backend turns canonical :class:`~fp4moe_ops.moe_weights.NVFP4MoEWeights` into its own list
-of prepared tensors once (``prepare``), and computes the MoE layer from them on every call
-(``run``). ``backend="auto"`` picks the first backend in :data:`AUTO_ORDER` that the device
-can run.
+A backend computes the MoE layer from its prepared tensors on every call (``run``). Most take
+the canonical tensors (:func:`canonical_layout`), possibly with the packed weights in a packed
+layout of their own (registered here with :func:`register_packed_layout`, converted expert by
+expert both ways); others build tensors of their own once (``prepare``).
+:class:`~fp4moe_ops.prepared.PreparedExperts` holds whichever applies. ``backend="auto"`` picks
+the first backend in :data:`AUTO_ORDER` that the device can run.
 """
 
 from __future__ import annotations
@@ -64,39 +66,34 @@ def check_specs(expected: dict, hidden_size: int) -> None:
 
 class Backend:
     """Base class. Subclasses set the class attributes, implement ``unavailable_reason`` and
-    ``run``, and override ``prepare``/``check_expert_tensors`` if they need a layout other than
-    the canonical one (:func:`canonical_layout`).
+    ``run``; a backend with tensors of its own sets ``tensors = "own"`` and implements
+    ``prepare`` and ``check_expert_tensors``.
 
     Attributes:
         name: the string users pass as ``backend=``.
         activation_scales: ``"required"`` (NVFP4 x NVFP4: activations are quantized with the
             calibrated scales), ``"forbidden"`` (the backend keeps activations in 16 bits and
             passing scales would silently be ignored), or ``"optional"`` (reference).
+        tensors: ``"canonical"``: the op gets :func:`canonical_layout` of the held weights, with
+            the packed weights in :meth:`packed_layout`; ``"own"``: the op gets ``prepare``'s
+            tensors, built once (the canonical weights are kept beside them).
     """
 
     name: str = ""
     activation_scales: str = "optional"
-    # True if ``prepare`` returns the canonical tensors except for the packed weights
-    # (``w13``, ``w2``), which it re-lays out with ``relayout_packed`` (inverse:
-    # ``canonical_packed``). A patched module then keeps only the prepared copy.
-    owns_packed_layout: bool = False
+    tensors: str = "canonical"
 
-    def relayout_packed(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Canonical packed weights ``w13 [E, 2I, H/2]``, ``w2 [E, H, I/2]`` uint8 -> this
-        backend's layout."""
-        return w13, w2
-
-    def canonical_packed(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inverse of :meth:`relayout_packed` (canonical input is returned as is)."""
-        return w13, w2
+    def packed_layout(self, hidden_size: int, intermediate_size: int) -> str:
+        """The layout this backend wants the packed weights in (a :data:`PACKED_LAYOUTS` name)."""
+        return CANONICAL
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """None if this backend can run on ``device``, else a one-line reason."""
         raise NotImplementedError
 
     def prepare(self, weights: NVFP4MoEWeights) -> list[torch.Tensor]:
-        """Build the backend's tensors from canonical weights, once, at load time."""
-        return canonical_layout(weights.tensors())
+        """``tensors == "own"`` only: build the backend's tensors from canonical weights, once."""
+        raise NotImplementedError(f"backend {self.name!r} runs on the canonical tensors")
 
     def run(
         self,
@@ -115,6 +112,44 @@ class Backend:
     def check_expert_tensors(self, expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
         """Validate the prepared tensors' shapes/dtypes (fake tensors too); return E."""
         return check_canonical_tensors(expert_tensors, hidden_size)
+
+
+CANONICAL = "canonical"
+
+# Packed-weight layouts other than the canonical ``[E, N, K/2] uint8``, by name: functions that
+# convert ONE expert's ``[N, K/2]`` uint8 matrix to the layout and back (so a layer is converted
+# expert by expert, never all at once), registered by the backend that owns the layout.
+PACKED_LAYOUTS: dict[str, tuple] = {}
+
+
+def register_packed_layout(name: str, to_layout, to_canonical) -> None:
+    PACKED_LAYOUTS[name] = (to_layout, to_canonical)
+
+
+def convert_packed(packed: torch.Tensor, source: str, target: str, *, in_place: bool = False) -> torch.Tensor:
+    """``[E, ...]`` packed weights in layout ``source`` -> layout ``target``, expert by expert.
+
+    Every layout holds the same bytes per expert, so with ``in_place`` the result reuses
+    ``packed``'s memory (one expert of scratch instead of a second copy of the layer); only for
+    a tensor nobody else holds.
+    """
+    if source == target:
+        return packed
+    steps = ([PACKED_LAYOUTS[source][1]] if source != CANONICAL else []) + \
+            ([PACKED_LAYOUTS[target][0]] if target != CANONICAL else [])
+
+    def convert(expert: torch.Tensor) -> torch.Tensor:
+        for step in steps:
+            expert = step(expert)
+        return expert
+
+    if not in_place:
+        return torch.stack([convert(p) for p in packed])
+    flat = packed.contiguous().view(torch.uint8).reshape(packed.shape[0], -1)
+    for e in range(packed.shape[0]):
+        converted = convert(packed[e].clone())  # read expert e before its bytes are overwritten
+        flat[e].copy_(converted.contiguous().view(torch.uint8).reshape(-1))
+    return flat.view(converted.dtype).reshape(packed.shape[0], *converted.shape)
 
 
 BACKENDS: dict[str, Backend] = {}

@@ -10,13 +10,19 @@
   :func:`fp4moe_ops.nvfp4.mxfp4_requant_error`), FlashInfer's SM90 BF16 x MXFP4 W4A16 kernel.
 
 FlashInfer's contract that matters here: fc1 rows are ``[up; gate]`` (Transformers and our
-canonical layout are ``[gate; up]``); ids outside ``[0, E)`` are not skipped with
-``ep_size=1``, so we route them to expert 0 with weight 0.
+canonical layout are ``[gate; up]``); ids outside ``[0, E)`` are skipped by the kernel (probed on
+the H200 with -1, E, E+5 and 2^20), so expert-parallel sentinels go in as they are; the 4over6
+activation recipe is switched off explicitly (``nvfp4_4over6=None``), since left unset FlashInfer
+reads it from ``FLASHINFER_NVFP4_4OVER6*`` environment variables, and its E4M3-256 variant does
+not fit our 448-based global scales; an intermediate size that is not a multiple of 128 is padded
+with zero rows/columns (the CUTLASS kernels need 128-row FC1 tiles).
 """
 
 from __future__ import annotations
 
 import torch
+
+import torch.nn.functional as F
 
 from ..moe_weights import NVFP4MoEWeights
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor, nvfp4_to_mxfp4, swizzle_block_scale
@@ -24,6 +30,26 @@ from .base import Backend, register_backend
 
 MIN_FLASHINFER = (0, 7)
 DEFAULT_MAX_TOKENS = 8192  # workspace is sized for this many tokens per call
+
+
+def pad_intermediate(w: NVFP4MoEWeights, multiple: int = 128) -> NVFP4MoEWeights:
+    """The same experts with I padded up to a multiple of ``multiple``: zero gate and up rows
+    (zero bytes, zero block scales: exactly 0, and ``silu(0) * 0 = 0``) and zero down columns.
+    The layer's output is unchanged."""
+    inter = w.intermediate_size
+    pad = -inter % multiple
+    if pad == 0:
+        return w
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [E, 2I, *] -> [E, 2(I + pad), *], per half
+        gate, up = t.view(torch.uint8).chunk(2, dim=1)
+        return torch.cat([F.pad(gate, (0, 0, 0, pad)), F.pad(up, (0, 0, 0, pad))], dim=1).view(t.dtype)
+
+    def cols(t: torch.Tensor, per_byte: int) -> torch.Tensor:  # [E, H, I/per_byte] -> padded along I
+        return F.pad(t.view(torch.uint8), (0, pad // per_byte)).view(t.dtype)
+
+    return NVFP4MoEWeights(rows(w.w13), rows(w.w13_scale), w.w13_global, cols(w.w2, 2), cols(w.w2_scale, BLOCK_SIZE),
+                           w.w2_global, w.fc1_input_scale, w.fc2_input_scale)
 
 
 def up_gate_order(w: torch.Tensor) -> torch.Tensor:
@@ -97,13 +123,9 @@ def _import_flashinfer():
     return fused_moe
 
 
-def _safe_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
-    valid = (topk_ids >= 0) & (topk_ids < num_experts)
-    return torch.where(valid, topk_ids, 0).int(), torch.where(valid, topk_weights, 0.0)
-
-
 class _FlashInferBackend(Backend):
     activation_scales = "forbidden"
+    tensors = "own"
     min_capability: tuple[int, int] = (9, 0)
     max_capability: tuple[int, int] = (99, 0)
 
@@ -134,15 +156,15 @@ class _FlashInferBackend(Backend):
 
     def workspace(self, device, hidden, inter, num_experts, top_k, x_dtype, weight_dtype, num_tokens):
         """One scratch buffer per device and shape, allocated outside any CUDA-graph capture
-        (call :func:`warmup` before capturing) and reused by every layer."""
+        (run the model once eagerly, or :func:`autotune`, before capturing) and reused by every layer."""
         fused_moe = _import_flashinfer()
         key = (device, hidden, inter, num_experts, top_k, x_dtype, weight_dtype)
         ws = self._workspaces.get(key)
         if ws is None or ws[0] < num_tokens:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
-                    "FlashInfer workspace must be allocated before CUDA-graph capture: run the "
-                    "model once eagerly (or fp4moe_ops.warmup) with the largest token count")
+                    "FlashInfer workspace must be allocated before CUDA-graph capture: run the model once "
+                    "eagerly with the largest token count, or fp4moe_ops.backends.flashinfer_cutlass.autotune")
             max_tokens = max(num_tokens, DEFAULT_MAX_TOKENS if ws is None else ws[0])
             size = fused_moe.cutlass_fused_moe_workspace_size(
                 max_tokens, hidden, inter, num_experts, top_k, x_dtype=x_dtype,
@@ -161,16 +183,18 @@ class _FlashInferBackend(Backend):
         fused_moe = _import_flashinfer()
         fc1, fc2 = self.kernel_weights(expert_tensors)
         num_experts = fc1.shape[0]
-        ids, weights = _safe_routing(topk_ids, topk_weights, num_experts)
+        ids = topk_ids.to(torch.int32)  # ids outside [0, E) are skipped by the kernel
         hidden, inter = hidden_states.shape[1], fc1.shape[1] // 2
         ws = self.workspace(hidden_states.device, hidden, inter, num_experts, ids.shape[1],
                             hidden_states.dtype, fc1.dtype, hidden_states.shape[0])
         with torch.cuda.device(hidden_states.device):  # layers may sit on different GPUs
             out = fused_moe.cutlass_fused_moe(
-                hidden_states.contiguous(), ids, weights, fc1, fc2, hidden_states.dtype,
+                hidden_states.contiguous(), ids, topk_weights, fc1, fc2, hidden_states.dtype,
                 quant_scales=self.quant_scales(expert_tensors, fc1_act_scale, fc2_act_scale),
                 workspace_buffer=ws, use_fused_finalize=self.use_fused_finalize,
-                tune_max_num_tokens=max(DEFAULT_MAX_TOKENS, hidden_states.shape[0]), **self.weight_kwargs,
+                tune_max_num_tokens=max(DEFAULT_MAX_TOKENS, hidden_states.shape[0]),
+                nvfp4_4over6=None,  # not the environment's recipe: our scales are 448-based
+                **self.weight_kwargs,
             )
         return out[0] if isinstance(out, (list, tuple)) else out
 
@@ -203,11 +227,12 @@ class FlashInferMXFP4Backend(_FlashInferBackend):
     weight_kwargs = {"use_w4_group_scaling": True}
 
     def prepare(self, weights):
-        hidden, inter = weights.hidden_size, weights.intermediate_size
-        if inter % 128 or hidden % 128:
+        hidden = weights.hidden_size
+        if hidden % 128:
             # weights need n % 16 and k % 64; the folded E8M0 scales need rows % 64, k % 128
-            raise ValueError(f"{self.name}: SM90 W4A16 needs H and I multiples of 128; got H={hidden}, "
-                             f"I={inter}; use backend 'triton' (exact) or 'reference'")
+            raise ValueError(f"{self.name}: SM90 W4A16 needs H a multiple of 128 (I is padded); got H={hidden}; "
+                             "use backend 'triton' (exact) or 'reference'")
+        weights = pad_intermediate(weights)
         from flashinfer.fused_moe import (
             interleave_moe_scales_for_sm90_mixed_gemm as interleave_scales,
             interleave_moe_weights_for_sm90_mixed_gemm as interleave_weights,
@@ -245,11 +270,11 @@ class FlashInferNVFP4Backend(_FlashInferBackend):
     min_capability = (10, 0)
 
     def prepare(self, weights):
-        if weights.hidden_size % 128 or weights.intermediate_size % 128:
+        if weights.hidden_size % 128:
             raise ValueError(
-                f"{self.name}: CUTLASS NVFP4 needs H and I multiples of 128 (got H={weights.hidden_size}, "
-                f"I={weights.intermediate_size}); use backend 'triton' or 'reference'")
-        return nvfp4_weight_arguments(weights)
+                f"{self.name}: CUTLASS NVFP4 needs H a multiple of 128 (I is padded; got H={weights.hidden_size}); "
+                "use backend 'triton' or 'reference'")
+        return nvfp4_weight_arguments(pad_intermediate(weights))
 
     def kernel_weights(self, expert_tensors):
         return expert_tensors[0], expert_tensors[3]

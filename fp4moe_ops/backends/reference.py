@@ -1,19 +1,23 @@
-"""Pure-PyTorch reference backend: runs anywhere (CPU included), no host syncs.
+"""Pure-PyTorch reference backend: runs anywhere (CPU included).
 
-It computes what a fused kernel computes, one expert at a time over all tokens (dense, so no
-data-dependent shapes): dequantized NVFP4 weights in float32, float32 accumulation, the
-gated-SiLU intermediate rounded to the activation dtype (as kernels store it). With activation
-scales it also rounds each expert's GEMM inputs through NVFP4 with that expert's scale (what
-FlashInfer does after permuting tokens to experts, in its formulation:
+It computes what a fused kernel computes, expert by expert over the tokens routed to it
+(:func:`fp4moe_ops.moe_math.routed_moe`): dequantized NVFP4 weights in float32, float32
+accumulation, the gated-SiLU intermediate rounded to the activation dtype (as kernels store it).
+With activation scales it also rounds each expert's GEMM inputs through NVFP4 with that expert's
+scale (what FlashInfer does after permuting tokens to experts, in its formulation:
 :func:`~fp4moe_ops.nvfp4.quantize_activation_nvfp4`); without them it is W4A16.
-Slow (E dense expert passes): meant for correctness, CPU use and tiny models.
+
+:func:`reference_moe` with ``cutlass_rounding=True`` also rounds each GEMM's output to the
+activation dtype, where FlashInfer's CUTLASS kernel writes BF16: the kernel-faithful comparison
+for ``flashinfer_nvfp4``. Slow and host-syncing (one sync per expert hit): for correctness, CPU
+use and tiny models, not for CUDA graphs.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ..moe_math import gated_silu, routed_moe
 from ..nvfp4 import dequantize_nvfp4, quantize_activation_nvfp4
 from .base import Backend, register_backend
 
@@ -29,6 +33,34 @@ def _fake_quantize(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     return quantize_activation_nvfp4(x, 1.0 / input_scale) * input_scale
 
 
+def reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale=None, fc2_act_scale=None, *,
+                  cutlass_rounding: bool = False, observe=None) -> torch.Tensor:
+    """The MoE layer on canonical tensors ``[w13, w13_scale (uint8 bytes or float8), w13_global,
+    w2, w2_scale, w2_global]``; ``[T, H]`` in ``hidden_states.dtype``.
+
+    ``cutlass_rounding``: round GEMM1's and GEMM2's outputs to the activation dtype, as
+    FlashInfer's CUTLASS kernel does (its BF16 stores), instead of keeping them in float32.
+    ``observe(e, gemm1_input, gemm2_input)``: called with each expert's inputs (calibration).
+    """
+    w13, s13, g13, w2, s2, g2 = expert_tensors
+    s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
+    dtype = hidden_states.dtype
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).float() if cutlass_rounding else t
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        fc1_scale, fc2_scale = _expert_scale(fc1_act_scale, e), _expert_scale(fc2_act_scale, e)
+        a1 = rows.float() if fc1_scale is None else _fake_quantize(rows, fc1_scale)
+        act = gated_silu(rounded(a1 @ dequantize_nvfp4(w13[e], s13[e], g13[e]).T), dtype)
+        if observe is not None:
+            observe(e, rows, act)
+        a2 = act.float() if fc2_scale is None else _fake_quantize(act, fc2_scale)
+        return rounded(a2 @ dequantize_nvfp4(w2[e], s2[e], g2[e]).T)
+
+    return routed_moe(hidden_states, topk_ids, topk_weights, w13.shape[0], expert).to(dtype)
+
+
 class ReferenceBackend(Backend):
     """Pure PyTorch, any device; float32 math on dequantized weights (slow)."""
 
@@ -40,26 +72,7 @@ class ReferenceBackend(Backend):
 
     def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
             routed_experts=0):
-        w13, s13, g13, w2, s2, g2 = expert_tensors
-        s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
-        num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
-        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-        x = hidden_states.float()
-        for e in range(num_experts):
-            # Routing weight of expert e for each token; 0 where e is not chosen (ids outside
-            # [0, E), e.g. expert-parallel sentinels, never match any e).
-            route = (topk_weights.float() * (topk_ids == e)).sum(dim=-1)  # [T]
-            a1 = x
-            fc1_scale = _expert_scale(fc1_act_scale, e)
-            if fc1_scale is not None:
-                a1 = _fake_quantize(hidden_states, fc1_scale)
-            gate_up = a1 @ dequantize_nvfp4(w13[e], s13[e], g13[e]).T  # [T, 2I] fp32
-            act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-            a2 = act.to(hidden_states.dtype)
-            fc2_scale = _expert_scale(fc2_act_scale, e)
-            a2 = _fake_quantize(a2, fc2_scale) if fc2_scale is not None else a2.float()
-            out += route[:, None] * (a2 @ dequantize_nvfp4(w2[e], s2[e], g2[e]).T)
-        return out.to(hidden_states.dtype)
+        return reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale)
 
 
 register_backend(ReferenceBackend())

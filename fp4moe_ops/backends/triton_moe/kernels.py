@@ -1,0 +1,403 @@
+"""The Triton backend's GPU code: Triton jit kernels and the inline-PTX decode routines.
+
+Launched by :mod:`.launch`; the weight layouts they read are defined in :mod:`.layout`. Imported
+only where Triton is installed.
+"""
+
+import triton
+import triton.language as tl
+
+from .layout import fragment_column, fragment_source
+
+
+
+@triton.jit
+def _e2m1_f32(codes):
+    """E2M1 codes (0..15, any int dtype) -> float32 value * 2^-14, exact."""
+    c = codes.to(tl.int16)
+    return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+
+@triton.jit
+def _e4m3_f32(sbytes):
+    """E4M3 bytes (non-negative scales) -> float32 value * 2^-8, exact."""
+    return ((sbytes & 0x7F).to(tl.int16) << 7).to(tl.float16, bitcast=True).to(tl.float32)
+
+@triton.jit
+def _finish(values, OUT_DTYPE: tl.constexpr):
+    # values carry a 2^-22 factor: exact in bf16 (folded into the global scale later);
+    # fp16 lacks the range, so undo it there (exact too).
+    if OUT_DTYPE == tl.float16:
+        values = values * 4194304.0
+    return values.to(OUT_DTYPE)
+
+# PTX for 4 packed bytes (8 E2M1 codes) -> 8 bf16, times a bf16x2 block scale, 2.25
+# instructions per element: spread bytes 0,1 (then 2,3) into the two 16-bit halves, keep one
+# nibble per half, multiply by 2^6 + 2^12 to copy it to bits 9..6 and 15..12 (the copies do
+# not overlap), and keep bits 8..6 (exponent/mantissa) and 15 (sign): that bf16 bit pattern is
+# value * 2^-126, subnormal 0.5 included. Then one mul.bf16x2 by the block scale
+# pre-multiplied by 2^104 (exact): the result is value * scale * 2^-22. Strictly elementwise
+# (Triton packs a thread's elements 4 at a time in register order, which need not be 4
+# adjacent bytes of one row): $0..$3 are lo(b0,b1), lo(b2,b3), hi(b0,b1), hi(b2,b3) and the
+# scales of elements 0,1 are in $5, of elements 2,3 in $6.
+_E2M1X8_TO_BF16 = tl.constexpr("""
+{
+.reg .b32 t0, t1, m, z;
+mov.b32 z, 0;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+and.b32 m, t0, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 $0, m, 0x81C081C0;
+and.b32 m, t1, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 $1, m, 0x81C081C0;
+and.b32 m, t0, 0x00F000F0; mul.lo.u32 m, m, 0x104;  and.b32 $2, m, 0x81C081C0;
+and.b32 m, t1, 0x00F000F0; mul.lo.u32 m, m, 0x104;  and.b32 $3, m, 0x81C081C0;
+mul.rn.bf16x2 $0, $0, $5;
+mul.rn.bf16x2 $1, $1, $6;
+mul.rn.bf16x2 $2, $2, $5;
+mul.rn.bf16x2 $3, $3, $6;
+}
+""")
+
+# PTX for one word of the paired layout (:func:`paired_weight_layout`: rows r and r+8, 4 codes
+# each, bits pre-permuted) -> 8 bf16, 1.5 instructions per element: one register is a mask,
+# two are a rotate and a mask, one is mask / multiply / mask (the multiply adds three shifted
+# copies of 4 bits that cannot carry into each other); each leaves bits 8..6 and 15 of both
+# halves as above. $0 = lo(row r), $1 = lo(row r+8), $2 = hi(row r), $3 = hi(row r+8); the
+# scales of row r are in $5, of row r+8 in $6. Not elementwise: it relies on Triton packing
+# the word's 4 bytes in order (checked by the GPU tests against the reference).
+_PAIRED_WORD_TO_BF16 = tl.constexpr("""
+{
+.reg .b32 t;
+and.b32 $0, $4, 0x81C081C0;
+shf.l.wrap.b32 t, $4, $4, 10; and.b32 $1, t, 0x81C081C0;
+shf.l.wrap.b32 t, $4, $4, 13; and.b32 $2, t, 0x81C081C0;
+and.b32 t, $4, 0x001B001B; mul.lo.u32 t, t, 0x4108; and.b32 $3, t, 0x81C081C0;
+mul.rn.bf16x2 $0, $0, $5;
+mul.rn.bf16x2 $1, $1, $6;
+mul.rn.bf16x2 $2, $2, $5;
+mul.rn.bf16x2 $3, $3, $6;
+}
+""")
+
+# PTX for 4 E4M3 block-scale bytes -> 4 bf16 ``scale * 2^104``, 2.5 instructions per scale:
+# spread two bytes into the 16-bit halves, drop the sign bit (scales are >= 0; this keeps a
+# -0 byte at 0), shift left by 4 (an E4M3 bit pattern moved into bf16's exponent and mantissa
+# fields reads as ``scale * 2^-120``, subnormals included), and two exact multiplies by 2^112.
+_E4M3X4_TO_BF16 = tl.constexpr("""
+{
+.reg .b32 t, z, c;
+mov.b32 z, 0;
+mov.b32 c, 0x77807780;
+prmt.b32 t, $2, z, 0x4140; and.b32 t, t, 0x007F007F; shl.b32 t, t, 4;
+mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $0, t, c;
+prmt.b32 t, $2, z, 0x4342; and.b32 t, t, 0x007F007F; shl.b32 t, t, 4;
+mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $1, t, c;
+}
+""")
+
+@triton.jit
+def _scales_bf16(sbytes, FAST_SCALES: tl.constexpr):
+    """E4M3 scale bytes -> bf16 ``scale * 2^104`` (exact): the PTX above, or (FAST_SCALES
+    off, for comparison) through fp16 and fp32 as in :func:`_e4m3_f32`."""
+    if FAST_SCALES:
+        return tl.inline_asm_elementwise(_E4M3X4_TO_BF16, "=r,=r,r", [sbytes], dtype=tl.bfloat16,
+                                         is_pure=True, pack=4)
+    return (_e4m3_f32(sbytes) * 2.0**112).to(tl.bfloat16)
+
+@triton.jit
+def _pairs_to_rows(x, BN: tl.constexpr, BK: tl.constexpr):
+    """``[BN/2, BK/4, 2, 2]`` (row pair, 2-byte unit, row of the pair, last dim) ->
+    ``[BN, 4, BK/16, 2]`` (row, t, j, last dim) with unit ``(BK/16)t + j``; pair ``p`` holds
+    rows ``16(p // 8) + p % 8`` and that + 8."""
+    x = x.reshape(BN // 16, 8, 4, BK // 16, 2, 2)
+    return tl.permute(x, (0, 4, 1, 2, 3, 5)).reshape(BN, 4, BK // 16, 2)
+
+@triton.jit
+def _pattern_codes(x):
+    """bf16x2 bit patterns as the PTX leaves them (bits 8..6 and 15 per half) -> the two E2M1
+    codes (low half, high half)."""
+    return ((x >> 6) & 7) | ((x >> 12) & 8), ((x >> 22) & 7) | ((x >> 28) & 8)
+
+@triton.jit
+def _paired_codes(words, BN: tl.constexpr, BK: tl.constexpr):
+    """Portable decode of a paired-layout tile ``[BN/2, BK]`` bytes -> E2M1 codes ``(low
+    nibbles, high nibbles)``, each ``[BN, 4, BK/16, 2]`` like the canonical bytes' nibbles:
+    the PTX's bit moves in plain integer ops, then the codes read back from the patterns."""
+    e0, e1 = tl.split(words.reshape(BN // 2, BK // 4, 2, 2))  # [pair, unit, row of the pair]
+    b0, b2 = tl.split(e0)
+    b1, b3 = tl.split(e1)
+    w = b0.to(tl.uint32) | (b1.to(tl.uint32) << 8) | (b2.to(tl.uint32) << 16) | (b3.to(tl.uint32) << 24)
+    r0l, r0h = _pattern_codes(w & 0x81C081C0)
+    r1l, r1h = _pattern_codes(((w << 10) | (w >> 22)) & 0x81C081C0)
+    r2l, r2h = _pattern_codes(((w << 13) | (w >> 19)) & 0x81C081C0)
+    r3l, r3h = _pattern_codes(((w & 0x001B001B) * 0x4108) & 0x81C081C0)
+    lo = tl.join(tl.join(r0l, r1l), tl.join(r0h, r1h))  # [pair, unit, row of the pair, e]
+    hi = tl.join(tl.join(r2l, r3l), tl.join(r2h, r3h))
+    return _pairs_to_rows(lo, BN, BK), _pairs_to_rows(hi, BN, BK)
+
+@triton.jit
+def _decode_tile(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                 FAST_DECODE: tl.constexpr):
+    """``packed [BN, BK/2]`` uint8 + ``sbytes [BN, BK/16]`` E4M3 -> ``[BN, BK]`` OUT_DTYPE
+    (bf16: times 2^-22, exact). PTX fast path for bf16 on the GPU; portable path otherwise."""
+    if FAST_DECODE and OUT_DTYPE == tl.bfloat16:
+        scale = (_e4m3_f32(sbytes) * 2.0**112).to(tl.bfloat16)  # scale * 2^104, exact
+        scale = tl.broadcast_to(scale[:, :, None], (BN, BK // 16, 8))
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed.reshape(BN, BK // 16, 8), scale],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return tl.join(lo.reshape(BN, BK // 2), hi.reshape(BN, BK // 2)).reshape(BN, BK)
+    values = _e2m1_f32(tl.join(packed & 0xF, packed >> 4).reshape(BN, BK))
+    values = (values.reshape(BN, BK // 16, 16) * _e4m3_f32(sbytes)[:, :, None]).reshape(BN, BK)
+    return _finish(values, OUT_DTYPE)
+
+@triton.jit
+def _decode_tile_fragment_order(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                                FAST_DECODE: tl.constexpr, PAIRED: tl.constexpr = False,
+                                FAST_SCALES: tl.constexpr = True):
+    """:func:`_decode_tile` with the K axis in MMA-fragment order (see :func:`fragment_order`):
+    ``[BN, BK]`` whose column ``16j + 8s + 2t + e`` is the weight at ``k = (BK/4)t + 4j + 2e + s``.
+
+    Why: a tensor-core operand gives each thread of a quad ``t`` the k pairs ``2t, 2t+1`` and
+    ``2t+8, 2t+9`` of every 16-wide step. In natural order those come from bytes all over the
+    row (one byte load each, then byte shuffles); in this order a thread's bytes are one
+    contiguous ``BK/8``-byte run per row (vector loads) and span only 4 scale blocks. The
+    activations are fed in the same order, so the dot product is unchanged.
+
+    With PAIRED, ``packed`` is a ``[BN/2, BK]`` tile of :func:`paired_weight_layout` words.
+    """
+    if FAST_DECODE and OUT_DTYPE == tl.bfloat16:
+        scale = _scales_bf16(sbytes, FAST_SCALES).reshape(BN, 4, BK // 64, 1, 1)  # block of byte b is b // 8
+        scale = tl.broadcast_to(scale, (BN, 4, BK // 64, 4, 2)).reshape(BN, 4, BK // 16, 2)
+        if PAIRED:
+            p = _pairs_to_rows(packed.reshape(BN // 2, BK // 4, 2, 2), BN, BK)
+            lo, hi = tl.inline_asm_elementwise(_PAIRED_WORD_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, scale],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            p = packed.reshape(BN, 4, BK // 16, 2)  # byte (BK/8)t + 2j + e -> [row, t, j, e]
+            lo, hi = tl.inline_asm_elementwise(_E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, scale],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        scale = _e4m3_f32(sbytes).reshape(BN, 4, BK // 64, 1, 1)
+        scale = tl.broadcast_to(scale, (BN, 4, BK // 64, 4, 2)).reshape(BN, 4, BK // 16, 2)
+        if PAIRED:
+            lo_codes, hi_codes = _paired_codes(packed, BN, BK)
+        else:
+            p = packed.reshape(BN, 4, BK // 16, 2)
+            lo_codes, hi_codes = p & 0xF, p >> 4
+        lo = _finish(_e2m1_f32(lo_codes) * scale, OUT_DTYPE)
+        hi = _finish(_e2m1_f32(hi_codes) * scale, OUT_DTYPE)
+    w = tl.join(lo, hi)  # [row, t, j, e, s]: the low nibble is s = 0
+    return tl.permute(w, (0, 2, 4, 1, 3)).reshape(BN, BK)  # column 16j + 8s + 2t + e
+
+# The fragment-order permutation is written once, in .layout (plain index arithmetic); the
+# kernels compile the same functions.
+_fragment_position = triton.jit(fragment_column)
+_fragment_source = triton.jit(fragment_source)
+
+
+@triton.jit
+def _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM: tl.constexpr):
+    r0 = tl.load(block_row_start_ptr + b)
+    r1 = tl.load(block_row_end_ptr + b)
+    rows = r0 + tl.arange(0, BM)
+    row_mask = rows < r1
+    slots = tl.load(sorted_slot_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    return slots, row_mask
+
+@triton.jit
+def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
+                   BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
+                   w_desc=None, s_desc=None, desc_row=0, TMA: tl.constexpr = False,
+                   FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
+                   FAST_SCALES: tl.constexpr = True):
+    """``acc [BN, BM] += W[rows, :K] @ A[a_rows, :K]^T`` with W NVFP4 ``[*, K/2]`` bytes
+    (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk).
+
+    The weight tile is the MMA's M side ("swap AB"): decode's few tokens sit on the narrow
+    N side. With PREFETCH the next tile's bytes are loaded before this tile is decoded, so
+    the memory latency overlaps the decode and the dot.
+    """
+    dtype = a_ptr.dtype.element_ty
+    kb = tl.arange(0, BK // 2)
+    ks = tl.arange(0, BK // 16)
+    kk = tl.arange(0, BK)
+    w_ptrs = w_ptr + rows[:, None] * (K // 2) + kb[None, :]
+    s_ptrs = s_ptr + rows[:, None] * (K // 16) + ks[None, :]
+    a_ptrs = a_ptr + a_rows[None, :] * K + kk[:, None]
+    if not TMA:
+        packed = tl.load(w_ptrs)
+        sbytes = tl.load(s_ptrs)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
+        if TMA:  # bulk tensor copies, which Triton pipelines over num_stages
+            if PAIRED:  # [BN/2, BK] bytes of row-pair words
+                packed = w_desc.load([desc_row // 2, k0])
+            else:
+                packed = w_desc.load([desc_row, k0 // 2])
+            if BK >= 256:
+                sbytes = s_desc.load([desc_row, k0 // 16])
+            else:  # a scale box row under 16 bytes is not allowed: plain loads (BK/16 bytes per row)
+                sbytes = tl.load(s_ptrs + k0 // 16)
+        elif PREFETCH:
+            more = (k0 + BK) < K  # the last iteration loads nothing
+            packed_next = tl.load(w_ptrs + (k0 + BK) // 2, mask=(kb[None, :] * 0 + more) != 0, other=0)
+            sbytes_next = tl.load(s_ptrs + (k0 + BK) // 16, mask=(ks[None, :] * 0 + more) != 0, other=0)
+        else:
+            packed = tl.load(w_ptrs + k0 // 2)
+            sbytes = tl.load(s_ptrs + k0 // 16)
+        if FRAGMENT_ORDER:
+            w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED, FAST_SCALES)
+        else:
+            w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE)
+        if INTERPRET:  # Triton's CPU interpreter mis-multiplies bf16 dots
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(w, a, acc)
+        if PREFETCH and not TMA:
+            packed, sbytes = packed_next, sbytes_next
+    return acc
+
+@triton.jit
+def _gemm1_swiglu_kernel(
+    x_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
+    sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+    H, I, TOPK, w_desc, s_desc,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
+    SPLIT_GATE_UP: tl.constexpr = False, PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
+):
+    """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
+    SPLIT_GATE_UP a program computes only the gate or the up tile and stores it, scaled, in
+    fp32 ``out [S, 2I]`` (twice the programs, for batches too small to fill the GPU);
+    :func:`_silu_mul_kernel` finishes."""
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b)
+    if e >= 0:
+        slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
+        tokens = slots // TOPK
+        e64 = e.to(tl.int64)
+        w_e = w_ptr + e64 * (2 * I) * (H // 2)
+        s_e = s_ptr + e64 * (2 * I) * (H // 16)
+        zero = tl.zeros((BN, BM), dtype=tl.float32)
+        g = tl.load(g_ptr + e)
+        if x_ptr.dtype.element_ty == tl.bfloat16:
+            g = g * 4194304.0  # the tiles' 2^-22
+        if SPLIT_GATE_UP:
+            cols = tl.program_id(1) * BN + tl.arange(0, BN)  # rows of [gate; up], 0..2I
+            acc = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
+                                 INTERPRET, w_desc, s_desc, e * (2 * I) + tl.program_id(1) * BN, TMA,
+                                 FRAGMENT_ORDER, PAIRED, FAST_SCALES)
+            tl.store(out_ptr + slots[None, :] * (2 * I) + cols[:, None], acc * g, mask=row_mask[None, :])
+            return
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
+        acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
+                                  INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES)
+        acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
+                                INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES)
+        gate = acc_gate * g
+        up = acc_up * g
+        h = gate * tl.sigmoid(gate) * up  # [BN, BM]
+        if FRAGMENT_ORDER:  # GEMM2 reads its K axis (our columns) in fragment order
+            cols = _fragment_position(cols, OUT_CHUNK)
+        tl.store(out_ptr + slots[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[None, :])
+
+@triton.jit
+def _silu_mul_kernel(pre_ptr, ids_ptr, out_ptr, I, E, FRAGMENT_ORDER: tl.constexpr, OUT_CHUNK: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """``out[s, c] = silu(pre[s, c]) * pre[s, I + c]`` (``pre [S, 2I]`` fp32, ``out [S, I]``),
+    columns in fragment order if asked; slots with an invalid expert id (never written by
+    GEMM1, never read by GEMM2) are skipped."""
+    s = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + s)
+    if (e < 0) | (e >= E):
+        return
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    gate = tl.load(pre_ptr + s * (2 * I) + cols)
+    up = tl.load(pre_ptr + s * (2 * I) + I + cols)
+    if FRAGMENT_ORDER:
+        cols = _fragment_position(cols, OUT_CHUNK)
+    tl.store(out_ptr + s * I + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty))
+
+@triton.jit
+def _gemm2_kernel(
+    a_ptr, w_ptr, s_ptr, g_ptr, topk_weights_ptr, out_ptr,
+    sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+    H, I, w_desc, s_desc,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
+    FAST_SCALES: tl.constexpr = True,
+):
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b)
+    if e >= 0:
+        slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
+        e64 = e.to(tl.int64)
+        w_e = w_ptr + e64 * H * (I // 2)
+        s_e = s_ptr + e64 * H * (I // 16)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
+                             BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
+                             e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES)
+        g = tl.load(g_ptr + e)
+        if a_ptr.dtype.element_ty == tl.bfloat16:
+            g = g * 4194304.0
+        route = tl.load(topk_weights_ptr + slots, mask=row_mask, other=0.0)
+        y = acc * g * route[None, :]
+        tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
+
+@triton.jit
+def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+                  S, E, NUM_BLOCKS, x_ptr, x_fragment_ptr, X_NUMEL, H,
+                  BM: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, B_PAD: tl.constexpr,
+                  CHUNK: tl.constexpr, X_BLOCK: tl.constexpr, ROUTE: tl.constexpr = True):
+    """:func:`route` in program 0 (decode-sized S): one launch instead of ~12 torch ops. The
+    other programs (if any) copy ``x [T, H]`` into :func:`fragment_order` with ``CHUNK``-wide
+    chunks, which saves the permute's own launch. ROUTE=False: only the copy (prefill, where
+    torch ops route)."""
+    if tl.program_id(0) > 0:
+        idx = (tl.program_id(0) - 1) * X_BLOCK + tl.arange(0, X_BLOCK)
+        mask = idx < X_NUMEL
+        c = idx % H
+        natural = _fragment_source(c, CHUNK)
+        tl.store(x_fragment_ptr + idx, tl.load(x_ptr + idx - c + natural, mask=mask), mask=mask)
+    elif ROUTE:
+        _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+                       S, E, NUM_BLOCKS, BM, S_PAD, E_PAD, B_PAD)
+
+@triton.jit
+def _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+                   S, E, NUM_BLOCKS,
+                   BM: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, B_PAD: tl.constexpr):
+    offs = tl.arange(0, S_PAD)
+    key = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
+    key = tl.where((key >= 0) & (key < E), key, E)  # invalid ids and padding sort last
+    # sort (expert, slot) pairs: slot order is kept within an expert
+    order = tl.sort(key * S_PAD + offs)
+    tl.store(sorted_slot_ptr + offs, order % S_PAD, mask=offs < S)
+
+    bins = tl.arange(0, E_PAD)
+    counts = tl.where(bins < E, tl.histogram(key, E_PAD), 0)
+    row_start = tl.cumsum(counts, 0) - counts
+    blocks = (counts + BM - 1) // BM
+    block_start = tl.cumsum(blocks, 0) - blocks
+    b = tl.arange(0, B_PAD)
+    tl.store(block_expert_ptr + b, tl.full((B_PAD,), -1, tl.int32), mask=b < NUM_BLOCKS)
+    tl.debug_barrier()  # the -1 fill lands before the real entries below
+    for j in range(0, tl.max(blocks, 0)):
+        used = j < blocks
+        r0 = row_start + j * BM
+        tl.store(block_expert_ptr + block_start + j, bins, mask=used)
+        tl.store(block_row_start_ptr + block_start + j, r0, mask=used)
+        tl.store(block_row_end_ptr + block_start + j, tl.minimum(r0 + BM, row_start + counts), mask=used)
+
+@triton.jit
+def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    col_mask = cols < H
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        e = tl.load(ids_ptr + t * TOPK + j) + tl.zeros((BH,), dtype=tl.int32)
+        valid = col_mask & (e >= 0) & (e < E)  # unused slots were never written
+        acc += tl.load(y_ptr + (t * TOPK + j) * H + cols, mask=valid, other=0.0)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)

@@ -1,0 +1,211 @@
+"""Launching the Triton backend's kernels: routing (slots grouped by expert into row blocks),
+the tile table by shape bucket, and the launch sequence of one call."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .layout import fits_tma, fragment_order
+
+try:
+    import triton
+
+    from .kernels import _gemm1_swiglu_kernel, _gemm2_kernel, _route_kernel, _silu_mul_kernel, _sum_topk_kernel
+except ImportError:  # pragma: no cover - CPU installs without triton
+    triton = None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+FAST_ROUTE_MAX_SLOTS = 4096  # one-program routing up to here; torch ops beyond (prefill)
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: torch.Tensor | None = None,
+          fragment_chunk: int = 0):
+    """Group slots by expert and cut them into ``block_m``-row blocks, on the device.
+
+    Returns ``(sorted_slot [S] int32, block_expert [B] int32 (-1 unused), block_row_start [B],
+    block_row_end [B])`` with ``B = min(S, E) + S // block_m`` (a bound on the blocks needed:
+    each expert hit adds at most one partial block). Invalid ids are dropped. With
+    ``activations [T, H]`` and ``fragment_chunk``, also returns them in :func:`fragment_order`
+    (in the same launch on the one-program path).
+    """
+    flat = topk_ids.reshape(-1)
+    num_slots = flat.numel()
+    num_blocks = min(num_slots, num_experts) + num_slots // block_m
+    on_triton = triton is not None and (flat.is_cuda or interpreting())
+    fast = num_slots <= FAST_ROUTE_MAX_SLOTS and on_triton
+    copy = activations is not None and on_triton  # the permute runs in _route_kernel's programs 1..
+    if fast:
+        out = torch.empty(num_slots + 3 * num_blocks, dtype=torch.int32, device=flat.device)
+        routed = tuple(out.split([num_slots] + [num_blocks] * 3))
+    else:
+        routed = _route_torch(flat, num_experts, block_m, num_blocks)
+    if fast or copy:
+        x = activations.contiguous() if copy else routed[0]  # (unused without the copy)
+        x_fragment = torch.empty_like(x) if copy else x
+        x_block = 1024
+        _route_kernel[(1 + (triton.cdiv(x.numel(), x_block) if copy else 0),)](
+            flat, *routed, num_slots, num_experts, num_blocks, x, x_fragment, x.numel() if copy else 0, x.shape[-1],
+            BM=block_m, S_PAD=triton.next_power_of_2(num_slots) if fast else 1,
+            E_PAD=triton.next_power_of_2(num_experts + 1) if fast else 1,
+            B_PAD=triton.next_power_of_2(num_blocks) if fast else 1, CHUNK=max(fragment_chunk, 16),
+            X_BLOCK=x_block, ROUTE=fast, num_warps=4,
+        )
+    if activations is None:
+        return routed
+    if not copy:
+        x_fragment = fragment_order(activations.contiguous(), fragment_chunk)
+    return (*routed, x_fragment)
+
+
+def _route_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks: int):
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts).to(torch.int32)
+    _, sorted_slot = torch.sort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, key.long(), torch.ones_like(key))
+    counts = counts[:num_experts]
+    expert_row_start = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0, dtype=torch.int32)
+    block = torch.arange(num_blocks, dtype=torch.int32, device=flat.device)
+    block_expert = torch.searchsorted(block_end, block, right=True).to(torch.int32)
+    used = block_expert < num_experts
+    e = block_expert.clamp(max=num_experts - 1)
+    row_start = expert_row_start[e] + (block - (block_end[e] - blocks[e])) * block_m
+    row_end = torch.minimum(row_start + block_m, expert_row_start[e] + counts[e])
+    block_expert = torch.where(used, block_expert, -1)
+    return sorted_slot.to(torch.int32), block_expert, row_start, row_end
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap that divides n (n is a multiple of 16)."""
+    d = 16
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, routed_experts: int = 0) -> dict:
+    """Tile sizes by shape bucket, chosen from H200 sweeps (benchmarks/sweep_triton.py,
+    numbers in benchmarks/NOTES.md). Static: nothing is tuned at call time or in graph capture.
+
+    The bucket is the expected rows per expert: slots over the experts the router chooses among
+    (``routed_experts``, e.g. 256 on an expert-parallel rank holding 32; 0: ``num_experts``).
+    Counting only local experts would put an EP=8 rank's decode batches of 64+ tokens, ~2 real
+    rows per expert, in the prefill bucket."""
+    rows_per_expert = num_slots / max(1, min(routed_experts or num_experts, num_slots))
+    decode = rows_per_expert <= 16  # memory-bound, one M block per expert
+    tma = fits_tma(hidden, inter)
+    if decode:
+        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 16, 64, 256, 64, 256, 4, 3, False
+    elif tma:  # prefill, tensor-core bound: 1.8x / 1.37x over the plain-load tiles at 2048 / 8192 tokens;
+        # 256-row weight tiles (half the programs; GEMM2's K loop is short, I / 256 steps; GEMM1
+        # decodes each weight tile for 2x the MMA work per instruction): 1.08-1.10x more
+        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 64, 256, 256, 256, 256, 8, 3, False
+    else:
+        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 128, 128, 128, 128, 128, 8, 2, True
+    cfg = dict(
+        BM=bm, BN1=_pow2_divisor(inter, bn1), BK1=_pow2_divisor(hidden, bk1),
+        BN2=_pow2_divisor(hidden, bn2), BK2=_pow2_divisor(inter, bk2),
+        num_warps=warps, num_stages=stages, PREFETCH=prefetch,
+    )
+    # Weights through TMA (bulk copies pipelined over num_stages, 1.2x at decode on H200), and K
+    # in MMA-fragment order: vector loads of each thread's weight bytes instead of byte loads and
+    # shuffles (933 -> 562 instructions per K step of the decode GEMM2 loop, sm90 SASS; 1.4-1.5x);
+    # with the paired weight layout of TritonBackend.prepare, 462 (0.88-0.93x the time at decode).
+    cfg["TMA"] = cfg["FRAGMENT_ORDER"] = tma
+    # Gate and up tiles in separate programs: 2x the programs for GEMM1, which at decode has too
+    # few to fill 132 SMs (1.07-1.09x at 1 and 8 tokens, within 4% elsewhere in the bucket).
+    # Costs an fp32 scratch of S x 2I (at most 16 rows x E: 67 MB for DeepSeek-V3 at 512 tokens).
+    cfg["SPLIT_GATE_UP"] = decode
+    return cfg
+
+
+def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, config: dict | None = None,
+                     routed_experts: int = 0):
+    """Run the Triton kernels. ``expert_tensors``: :meth:`TritonBackend.prepare`'s (packed
+    weights in :func:`paired_weight_layout`, int32) or the canonical layout (uint8; any config).
+    The tiles come from :func:`kernel_config` (``routed_experts``: see ``fp4moe::fused_moe``)
+    unless ``config`` is given."""
+    w13, s13, g13, w2, s2, g2 = expert_tensors
+    num_tokens, hidden = hidden_states.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inter = s13.shape[0], s13.shape[1] // 2
+    num_slots = num_tokens * top_k
+    cfg = config or kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
+    paired = w13.dtype == torch.int32
+    if paired and not (cfg.get("TMA") and cfg.get("FRAGMENT_ORDER")):
+        raise ValueError("paired-layout weights need a TMA + FRAGMENT_ORDER config; pass canonical "
+                         "uint8 weights for other configs")
+    if cfg.get("FRAGMENT_ORDER") and (cfg["BN1"] % 64 or cfg["BN2"] % 64):
+        # the GPU decode maps a 64-row weight tile onto the warpgroup's MMA fragments; narrower
+        # tiles compile but give wrong sums on H200 (benchmarks/results/sweep_narrow_*.log)
+        raise ValueError(f"fragment-order configs need BN1 and BN2 multiples of 64, got {cfg['BN1']} and {cfg['BN2']}")
+    x = hidden_states.contiguous()
+    fragment = cfg.get("FRAGMENT_ORDER", False)
+    if fragment:  # GEMM1 reads x with K in fragment order
+        sorted_slot, block_expert, row_start, row_end, x_gemm1 = route(topk_ids, num_experts, cfg["BM"], x, cfg["BK1"])
+    else:
+        sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
+        x_gemm1 = x
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PREFETCH=cfg.get("PREFETCH", True),
+                  FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting(),
+                  FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True))
+
+    inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
+    tma = cfg.get("TMA", False)
+    split = cfg.get("SPLIT_GATE_UP", False)
+    desc1 = _descriptors(w13, s13, cfg["BN1"], cfg["BK1"]) if tma else (w13, s13)
+    desc2 = _descriptors(w2, s2, cfg["BN2"], cfg["BK2"]) if tma else (w2, s2)
+    grid1 = (block_expert.numel(), (2 if split else 1) * inter // cfg["BN1"])
+    pre_act = torch.empty(num_slots, 2 * inter, dtype=torch.float32, device=x.device) if split else inter_act
+    _gemm1_swiglu_kernel[grid1](
+        x_gemm1, w13, s13, g13, pre_act, sorted_slot, block_expert,
+        row_start, row_end, hidden, inter, top_k, *desc1, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
+        OUT_CHUNK=cfg["BK2"], SPLIT_GATE_UP=split, **launch,
+    )
+    if split:
+        block = _pow2_divisor(inter, 1024)
+        _silu_mul_kernel[(num_slots, inter // block)](pre_act, topk_ids.contiguous(), inter_act, inter, num_experts,
+                                                       FRAGMENT_ORDER=fragment, OUT_CHUNK=cfg["BK2"], BLOCK=block)
+    grid2 = (block_expert.numel(), hidden // cfg["BN2"])
+    _gemm2_kernel[grid2](
+        inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end,
+        hidden, inter, *desc2, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma, **launch,
+    )
+    return _sum_topk(y, topk_ids, x, num_experts)
+
+
+def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int):
+    """TMA descriptors over ``w [E, N, K/2]`` and ``s [E, N, K/16]`` as 2-D ``[E*N, *]`` with
+    ``[bn, bk/2]`` / ``[bn, bk/16]`` boxes; paired ``w [E, N/2, K/4]`` int32 as bytes
+    ``[E*N/2, K]`` with ``[bn/2, bk]`` boxes. A box row must be >= 16 bytes: with ``bk < 256``
+    the kernel loads scales with plain loads and gets ``s`` itself."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if w.dtype == torch.int32:
+        w_box = TensorDescriptor.from_tensor(w.view(torch.uint8).reshape(-1, 4 * w.shape[-1]), [bn // 2, bk])
+    else:
+        w_box = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[-1]), [bn, bk // 2])
+    if bk < 256:
+        return w_box, s
+    return w_box, TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [bn, bk // 16])
+
+
+def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``out [T, H]`` (x's dtype) = sum over each token's valid slots (ids in ``[0, num_experts)``)
+    of ``y [T*k, H]`` fp32."""
+    num_tokens, hidden = x.shape
+    out = torch.empty_like(x)
+    bh = min(1024, triton.next_power_of_2(hidden))
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, bh))](
+        y, topk_ids.contiguous(), out, hidden, num_experts, TOPK=topk_ids.shape[1], BH=bh,
+    )
+    return out

@@ -1,0 +1,45 @@
+"""A CPU model of FlashInfer's CUTLASS NVFP4 x NVFP4 fused MoE: a test oracle, not a backend.
+
+It consumes the exact prepared arguments (``nvfp4_weight_arguments`` + ``nvfp4_quant_scales``
+of :mod:`fp4moe_ops.backends.flashinfer_cutlass`) in FlashInfer's semantics. We have no
+Blackwell GPU, so this is how the Blackwell path's arguments are checked: tests run it against
+the reference backend, and the accuracy study uses it for the activation-scale modes (including
+the pre-seed bug). It reads the kernel's tensors as FlashInfer does: int64-packed E2M1, swizzled
+int32 block scales, activations quantized with ``act_global`` (the reciprocal of ModelOpt's
+``input_scale``), GEMM outputs rescaled by ``alpha[e]`` and stored in the activation dtype (the
+kernel's BF16 outputs), fc1 rows ``[up; gate]``, ids outside ``[0, E)`` skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .moe_math import gated_silu, routed_moe
+from .nvfp4 import BLOCK_SIZE, e2m1_decode, quantize_activation_nvfp4, unpack_e2m1, unswizzle_block_scale
+
+
+def _per_expert(v: torch.Tensor, e: int) -> torch.Tensor:
+    return v.reshape(-1)[e] if v.numel() > 1 else v.reshape(())
+
+
+def _weight(packed_i64: torch.Tensor, sf_i32: torch.Tensor, e: int) -> torch.Tensor:
+    """Expert e's ``e2m1 * block_scale`` (no global scale) from the kernel's tensors."""
+    packed = packed_i64[e].view(torch.uint8)
+    rows, k = packed.shape[0], packed.shape[1] * 2
+    sf = unswizzle_block_scale(sf_i32[e].view(torch.uint8), rows, k // BLOCK_SIZE)
+    sf = sf.view(torch.float8_e4m3fn).float().repeat_interleave(BLOCK_SIZE, -1)
+    return e2m1_decode(unpack_e2m1(packed)) * sf
+
+
+def simulate_cutlass_nvfp4_moe(hidden_states, topk_ids, topk_weights, fc1_weights, fc2_weights, quant_scales):
+    """``cutlass_fused_moe`` NVFP4 semantics on CPU; returns ``[T, H]`` float32."""
+    fc1_act_global, fc1_sf, fc1_alpha, fc2_act_global, fc2_sf, fc2_alpha = quant_scales
+    dtype = hidden_states.dtype
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        a1 = quantize_activation_nvfp4(rows, _per_expert(fc1_act_global, e))
+        h = ((a1 @ _weight(fc1_weights, fc1_sf, e).T) * fc1_alpha[e]).to(dtype).float()
+        a2 = quantize_activation_nvfp4(gated_silu(h, dtype, up_first=True), _per_expert(fc2_act_global, e))
+        return ((a2 @ _weight(fc2_weights, fc2_sf, e).T) * fc2_alpha[e]).to(dtype).float()
+
+    return routed_moe(hidden_states, topk_ids, topk_weights, fc1_weights.shape[0], expert)

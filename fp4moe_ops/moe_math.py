@@ -1,0 +1,51 @@
+"""The gated-SiLU MoE math that every pure-PyTorch path shares: the reference backend, the
+FlashInfer simulator and calibration.
+
+    out[t] = sum_j  w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),   e = ids[t, j]
+
+computed for the routed (token, expert) pairs only. A token never meets the weights of an
+expert it was not routed to, so a bad expert (NaN or Inf in its weights or scales) cannot reach
+other tokens; ids outside ``[0, E)`` (expert-parallel sentinels) contribute nothing.
+
+Each path supplies ``expert(e, rows [n, H]) -> [n, H] float32``: how expert ``e``'s two GEMMs
+are computed (dequantized weights, activation fake-quantization, FlashInfer's alphas, ...).
+This is eager code with one host sync per expert hit: correctness paths, not kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def routed_moe(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+               expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``[T, H]`` float32: the routing-weighted sum of ``expert(e, rows)`` over each token's experts.
+
+    Args:
+        hidden_states: ``[T, H]``.
+        topk_ids: ``[T, k]`` integer expert ids; ids outside ``[0, num_experts)`` are skipped.
+        topk_weights: ``[T, k]`` routing weights, applied in float32 as given.
+        expert: ``expert(e, rows [n, H]) -> [n, H]`` float32, for the rows routed to ``e``.
+    """
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    valid = (topk_ids >= 0) & (topk_ids < num_experts)
+    for e in torch.unique(topk_ids[valid]).tolist():
+        token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        y = expert(e, hidden_states[token])
+        out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+    return out
+
+
+def gated_silu(h: torch.Tensor, dtype: torch.dtype, *, up_first: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused GEMM1 output ``h [n, 2I]`` (rows ``[gate; up]``, or
+    ``[up; gate]`` with ``up_first`` as FlashInfer lays them out), rounded to ``dtype`` as a
+    kernel stores its intermediate."""
+    first, second = h.chunk(2, dim=-1)
+    gate, up = (second, first) if up_first else (first, second)
+    return (F.silu(gate) * up).to(dtype)
+
+
+__all__ = ["gated_silu", "routed_moe"]

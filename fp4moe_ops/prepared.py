@@ -1,0 +1,289 @@
+"""``PreparedExperts``: one MoE layer's NVFP4 experts, prepared for a backend, as the module that
+owns them.
+
+It holds the layer's tensors as buffers, the resolved backend, the layout of the packed weights
+in memory, the activation-scale mode with its scales, and makes the one op call. The state dict
+is always the canonical, checkpoint-like layout whatever the backend keeps in memory::
+
+    gate_up_proj_packed        [E, 2I, H/2]  uint8          E2M1 pairs, low nibble first, rows [gate; up]
+    gate_up_proj_scale         [E, 2I, H/16] float8_e4m3fn  block scales
+    gate_up_proj_global_scale  [E]           float32
+    down_proj_packed / down_proj_scale / down_proj_global_scale   (the same for [E, H, I])
+    fc1_input_scale, fc2_input_scale  [E] float32   calibrated activation scales, if any
+
+In memory the ``*_packed`` buffers are in the backend's packed layout (``layout``, e.g. the
+Triton backend's ``"paired"`` words: the weights are held once). A backend with tensors of its
+own (FlashInfer) gets them as non-persistent ``prepared_<i>`` buffers beside the canonical ones.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .backends import get_backend, resolve_backend
+from .backends.base import CANONICAL, canonical_layout, convert_packed
+from .moe_weights import NVFP4MoEWeights
+from .nvfp4 import BLOCK_SIZE
+
+CANONICAL_BUFFERS = ("gate_up_proj_packed", "gate_up_proj_scale", "gate_up_proj_global_scale",
+                     "down_proj_packed", "down_proj_scale", "down_proj_global_scale")
+INPUT_SCALE_BUFFERS = ("fc1_input_scale", "fc2_input_scale")
+ACT_SCALE_MODES = ("per_expert", "global_max")
+_PACKED = (CANONICAL_BUFFERS[0], CANONICAL_BUFFERS[3])
+
+
+def activation_scales(fc1_input_scale: torch.Tensor | None, fc2_input_scale: torch.Tensor | None,
+                      mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's activation scales from calibrated per-expert input scales ``[E]``.
+
+    ``per_expert``: each expert quantizes its inputs with its own scale (the seed change).
+    ``global_max``: one scale, the max over experts (vLLM / SGLang / TRT-LLM today); never
+    saturates a block scale and keeps all experts on one grid. A zero scale (an expert that
+    calibration never routed to) would turn that expert's inputs into zeros: refused in
+    ``per_expert`` mode.
+    """
+    if mode not in ACT_SCALE_MODES:
+        raise ValueError(f"act_scale_mode must be one of {ACT_SCALE_MODES}, got {mode!r}")
+    if fc1_input_scale is None or fc2_input_scale is None:
+        raise ValueError("activation scales need calibrated fc1_input_scale and fc2_input_scale: run "
+                         "hf_integration.calibrate_activation_scales first")
+    if mode == "global_max":
+        fc1, fc2 = fc1_input_scale.max().reshape(()), fc2_input_scale.max().reshape(())
+        if not bool((fc1 > 0) & (fc2 > 0)):
+            raise ValueError("act_scale_mode='global_max': every calibrated input scale is 0; calibrate first")
+        return fc1, fc2
+    for name, s in (("fc1_input_scale", fc1_input_scale), ("fc2_input_scale", fc2_input_scale)):
+        zero = (s <= 0).nonzero().flatten().tolist()
+        if zero:
+            raise ValueError(f"act_scale_mode='per_expert': {name} is 0 for experts {zero[:8]} (never calibrated), "
+                             "which would zero their inputs; use act_scale_mode='global_max' or calibrate "
+                             "with data that reaches them")
+    return fc1_input_scale, fc2_input_scale
+
+
+class PreparedExperts(nn.Module):
+    """One MoE layer's NVFP4 experts, ready to call: ``experts(hidden [T, H], ids [T, k], weights [T, k] fp32)``.
+
+    Args:
+        weights: the canonical NVFP4 experts; None declares empty buffers of the given sizes
+            (``num_experts``, ``hidden_size``, ``intermediate_size``, ``input_scales``) to be filled
+            by a checkpoint loader, then prepared with :meth:`set_backend`.
+        backend, act_scale_mode: see :meth:`set_backend`; ``backend=None`` leaves it unprepared.
+        owns_weights: the module may re-lay out the weights' packed tensors in place (saves a
+            copy of the layer); only for tensors nobody else holds.
+
+    Attributes:
+        backend: the resolved backend name (None until prepared).
+        layout: the layout of the ``*_packed`` buffers in memory (``"canonical"``, ``"paired"``).
+        act_scale_mode: None (16-bit activations), ``"per_expert"`` or ``"global_max"``.
+        routed_experts: the op's hint when this is a shard of the router's experts (0: all).
+    """
+
+    def __init__(self, weights: NVFP4MoEWeights | None = None, backend: str | None = "auto",
+                 act_scale_mode: str | None = None, *, owns_weights: bool = False, num_experts: int = 0,
+                 hidden_size: int = 0, intermediate_size: int = 0, input_scales: bool = False):
+        super().__init__()
+        if weights is None:
+            e, h, i = num_experts, hidden_size, intermediate_size
+            f32 = dict(dtype=torch.float32)
+            weights = NVFP4MoEWeights(
+                torch.empty(e, 2 * i, h // 2, dtype=torch.uint8), torch.empty(e, 2 * i, h // BLOCK_SIZE, dtype=torch.float8_e4m3fn),
+                torch.empty(e, **f32), torch.empty(e, h, i // 2, dtype=torch.uint8),
+                torch.empty(e, h, i // BLOCK_SIZE, dtype=torch.float8_e4m3fn), torch.empty(e, **f32),
+                *((torch.empty(e, **f32), torch.empty(e, **f32)) if input_scales else ()))
+            owns_weights = True
+        self.backend: str | None = None
+        self.layout = CANONICAL
+        self.act_scale_mode: str | None = None
+        self.routed_experts = 0
+        self._owns_packed = owns_weights
+        self._own_tensors = 0
+        self.set_weights(weights)
+        if backend is not None:
+            self.set_backend(backend, act_scale_mode)
+        self._register_state_dict_hook(_canonical_state_dict)
+        self._register_load_state_dict_pre_hook(_load_into_layout, with_module=True)
+        self.register_load_state_dict_post_hook(_reprepare_after_load)
+
+    # --- the weights ------------------------------------------------------------------------
+
+    def set_weights(self, weights: NVFP4MoEWeights) -> None:
+        """Hold ``weights`` (canonical layout) in the buffers; the module is unprepared after this."""
+        for name, t in zip(CANONICAL_BUFFERS, weights.tensors()):
+            self.register_buffer(name, t)
+        for name in INPUT_SCALE_BUFFERS:
+            t = getattr(weights, name)
+            if t is not None:
+                self.register_buffer(name, t)
+            else:
+                self._buffers.pop(name, None)
+        self._drop_prepared()
+        self.backend, self.layout, self.act_scale_mode = None, CANONICAL, None
+
+    def canonical(self) -> NVFP4MoEWeights:
+        """The weights in the canonical layout (the packed weights converted back, expert by expert,
+        if the backend keeps its own layout)."""
+        b = self._buffers
+        tensors = [b[n] for n in CANONICAL_BUFFERS]
+        for i in (0, 3):
+            tensors[i] = convert_packed(tensors[i], self.layout, CANONICAL)
+        return NVFP4MoEWeights(*tensors, b.get(INPUT_SCALE_BUFFERS[0]), b.get(INPUT_SCALE_BUFFERS[1]))
+
+    @contextmanager
+    def canonical_layout(self):
+        """Hold the packed weights in the canonical layout for the duration of the block (converted
+        in place, expert by expert, where the module owns them), e.g. so that a save reads them as
+        views instead of a converted copy of every layer."""
+        layout = self.layout
+        if layout == CANONICAL or not self._owns_packed:
+            yield
+            return
+        for name in _PACKED:
+            self._buffers[name] = convert_packed(self._buffers[name], layout, CANONICAL, in_place=True)
+        self.layout = CANONICAL
+        try:
+            yield
+        finally:
+            for name in _PACKED:
+                self._buffers[name] = convert_packed(self._buffers[name], CANONICAL, layout, in_place=True)
+            self.layout = layout
+
+    @property
+    def num_experts(self) -> int:
+        return self._buffers["gate_up_proj_scale"].shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self._buffers["gate_up_proj_scale"].shape[2] * BLOCK_SIZE
+
+    @property
+    def intermediate_size(self) -> int:
+        return self._buffers["gate_up_proj_scale"].shape[1] // 2
+
+    # --- the backend ------------------------------------------------------------------------
+
+    def set_backend(self, backend: str = "auto", act_scale_mode: str | None = None) -> None:
+        """Prepare the experts for ``backend`` on their own device. Everything is checked first:
+        on an error the module is left as it was.
+
+        Args:
+            backend: ``"auto"`` picks the fastest exact backend the device runs (see
+                :data:`fp4moe_ops.backends.AUTO_ORDER`), or a name from ``BACKENDS``.
+            act_scale_mode: None keeps activations in 16 bits (W4A16), except on a backend that
+                always quantizes them (``flashinfer_nvfp4``), which then uses ``"per_expert"``.
+                ``"per_expert"`` / ``"global_max"``: NVFP4 activations with the calibrated scales
+                (``fc1_input_scale`` / ``fc2_input_scale``, see :func:`activation_scales`);
+                backends ``flashinfer_nvfp4`` and ``reference`` only.
+        """
+        weights = self.canonical()
+        have_scales = weights.fc1_input_scale is not None and weights.fc2_input_scale is not None
+        b = resolve_backend(backend, weights.device, have_activation_scales=have_scales)
+        mode = act_scale_mode or ("per_expert" if b.activation_scales == "required" else None)
+        act = (None, None)
+        if mode is not None:
+            if b.activation_scales == "forbidden":
+                raise ValueError(f"backend {b.name!r} keeps activations in 16 bits; act_scale_mode={mode!r} needs "
+                                 "'flashinfer_nvfp4' (Blackwell) or 'reference'")
+            act = activation_scales(weights.fc1_input_scale, weights.fc2_input_scale, mode)
+        own = b.prepare(weights) if b.tensors == "own" else []
+        layout = b.packed_layout(weights.hidden_size, weights.intermediate_size) if b.tensors == "canonical" else CANONICAL
+        # checks done, the backend's tensors built: now change the module
+        self._drop_prepared()
+        for name in _PACKED:
+            self._buffers[name] = convert_packed(self._buffers[name], self.layout, layout, in_place=self._owns_packed)
+        self._owns_packed = self._owns_packed or layout != self.layout
+        for i, t in enumerate(own):
+            self.register_buffer(f"prepared_{i}", t, persistent=False)
+        self._own_tensors = len(own)
+        if mode == "global_max":
+            self.register_buffer("fc1_act_scale", act[0], persistent=False)
+            self.register_buffer("fc2_act_scale", act[1], persistent=False)
+        self.backend, self.layout, self.act_scale_mode = b.name, layout, mode
+
+    def _drop_prepared(self) -> None:
+        for i in range(self._own_tensors):
+            self._buffers.pop(f"prepared_{i}", None)
+        self._own_tensors = 0
+        for name in ("fc1_act_scale", "fc2_act_scale"):
+            self._buffers.pop(name, None)
+
+    # --- the call ---------------------------------------------------------------------------
+
+    def op_tensors(self) -> list[torch.Tensor]:
+        """The op's ``expert_tensors`` for this backend (views of the buffers; no checks, no copies)."""
+        if self._own_tensors:
+            return [self._buffers[f"prepared_{i}"] for i in range(self._own_tensors)]
+        return canonical_layout([self._buffers[n] for n in CANONICAL_BUFFERS])
+
+    def activation_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The op's ``(fc1_act_scale, fc2_act_scale)``: None in 16-bit activation mode."""
+        if self.act_scale_mode is None:
+            return None, None
+        if self.act_scale_mode == "per_expert":
+            return self._buffers["fc1_input_scale"], self._buffers["fc2_input_scale"]
+        return self._buffers["fc1_act_scale"], self._buffers["fc2_act_scale"]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return self.op_tensors()
+
+    def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` bf16/fp16, ``[T, k]`` ids, ``[T, k]`` float32 weights -> ``[T, H]``."""
+        if self.backend is None:
+            raise RuntimeError("these experts are not prepared for a backend yet: call set_backend(...)")
+        fc1, fc2 = self.activation_scales()
+        return torch.ops.fp4moe.fused_moe(hidden_states, topk_ids, topk_weights, self.op_tensors(), fc1, fc2,
+                                          self.backend, self.routed_experts)
+
+    # --- module behaviour -------------------------------------------------------------------
+
+    def _apply(self, fn, recurse=True):
+        """Moves apply; dtype casts do not: ``model.to(torch.bfloat16)`` / ``.half()`` must not
+        round the FP8 block scales or the float32 scales (or reinterpret the packed bytes)."""
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, new in self._buffers.items():
+            old = before.get(name)
+            if old is not None and new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
+    def extra_repr(self) -> str:
+        acts = f"NVFP4 ({self.act_scale_mode})" if self.act_scale_mode else "bf16"
+        return (f"num_experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
+                f"weights=NVFP4, activations={acts}, backend={self.backend!r}, layout={self.layout!r}")
+
+
+def _canonical_state_dict(module: PreparedExperts, state_dict, prefix, local_metadata):
+    """State dicts always hold canonical packed weights, whatever layout the backend keeps."""
+    for name in _PACKED:
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = convert_packed(state_dict[key], module.layout, CANONICAL)
+
+
+def _load_into_layout(module: PreparedExperts, state_dict, prefix, *args):
+    """Canonical packed weights in, the module's layout kept."""
+    for name in _PACKED:
+        key = prefix + name
+        if key in state_dict and module.layout != CANONICAL:
+            state_dict[key] = convert_packed(state_dict[key], CANONICAL, module.layout)
+
+
+def _reprepare_after_load(module: PreparedExperts, incompatible_keys) -> None:
+    """A backend's own tensors are built from the canonical ones: rebuild them after a load."""
+    if module._own_tensors:
+        module.set_backend(module.backend, module.act_scale_mode)
+
+
+def prepare_experts(weights: NVFP4MoEWeights, backend: str = "auto", act_scale_mode: str | None = None) -> PreparedExperts:
+    """Prepare one layer's NVFP4 experts for ``backend`` on their own device (once, at load); see
+    :meth:`PreparedExperts.set_backend`. ``weights`` are left as they are."""
+    return PreparedExperts(weights, backend, act_scale_mode)
+
+
+__all__ = ["ACT_SCALE_MODES", "CANONICAL_BUFFERS", "INPUT_SCALE_BUFFERS", "PreparedExperts", "activation_scales",
+           "prepare_experts"]

@@ -1,0 +1,91 @@
+"""Calibrating activation scales for NVFP4 x NVFP4 (Blackwell's ``flashinfer_nvfp4``): each routed
+expert's GEMM1 and GEMM2 input amax is observed while the model runs on calibration data through
+the reference MoE math, then stored as ModelOpt's ``input_scale = amax / (6*448)``."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from fp4moe_ops import nvfp4
+from fp4moe_ops.backends.reference import reference_moe
+
+from .surgery import nvfp4_experts
+
+logger = logging.get_logger("fp4moe")
+
+
+class _Observer:
+    """Running per-expert amax of one experts module's GEMM inputs."""
+
+    def __init__(self, name: str, num_experts: int, device):
+        self.name = name
+        self.amax1 = torch.zeros(num_experts, device=device)
+        self.amax2 = torch.zeros(num_experts, device=device)
+
+    def __call__(self, e: int, gemm1_input: torch.Tensor, gemm2_input: torch.Tensor) -> None:
+        self.amax1[e] = torch.maximum(self.amax1[e], gemm1_input.float().abs().max())
+        self.amax2[e] = torch.maximum(self.amax2[e], gemm2_input.float().abs().max())
+
+
+def _observed_forward(module, hidden_states, top_k_index, top_k_weights):
+    """The experts forward during calibration: reference W4A16 math with the observer on."""
+    ids = module.dispatch.prepare(top_k_index)
+    out = reference_moe(hidden_states, ids, top_k_weights.float(), module.op_tensors(), observe=module._fp4moe_observer)
+    return module.dispatch.finalize(out)
+
+
+@torch.no_grad()
+def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Module:
+    """Record per-expert activation amax for GEMM1 and GEMM2 inputs over ``batches`` and store
+    ModelOpt's ``input_scale = amax / (6*448)`` as ``fc1_input_scale`` / ``fc2_input_scale``.
+
+    ``batches``: dicts of model kwargs (e.g. tokenizer output) or ``input_ids`` tensors. Experts
+    no batch routed to get the layer's largest scale (logged). NaN or Inf activations raise,
+    naming the layer, and leave the model as it was. Needed only by
+    ``backend="flashinfer_nvfp4"``; then ``set_backend(model, "flashinfer_nvfp4")``.
+    """
+    modules = nvfp4_experts(model)
+    if not modules:
+        raise ValueError("model is not patched by fp4moe; call patch_moe / patch_deepseek first")
+    backends = [(m.backend, m.act_scale_mode) for _, m in modules]
+    observers = []
+    try:
+        for name, m in modules:
+            m.set_backend("reference")  # the observed math reads the canonical tensors
+            m._fp4moe_observer = _Observer(name, m.num_experts, m.gate_up_proj_scale.device)
+            m.forward = types.MethodType(_observed_forward, m)
+            observers.append(m._fp4moe_observer)
+        n = 0
+        for batch in batches:
+            model(**batch) if isinstance(batch, dict) else model(batch)
+            n += 1
+        if n == 0:
+            raise ValueError("calibrate_activation_scales got no batches")
+        for obs in observers:
+            if not bool(torch.isfinite(obs.amax1).all() & torch.isfinite(obs.amax2).all()):
+                raise ValueError(f"calibration: {obs.name} saw NaN or Inf activations; check the calibration batches")
+    finally:
+        for (_, m), (backend, mode) in zip(modules, backends):
+            m.__dict__.pop("forward", None)
+            m.__dict__.pop("_fp4moe_observer", None)
+            if backend is not None:
+                m.set_backend(backend, mode)
+    unseen = 0
+    denom = nvfp4.E2M1_MAX * nvfp4.E4M3_MAX
+    for (_, m), obs in zip(modules, observers):
+        unseen += int((obs.amax1 == 0).sum())
+        amax1 = torch.where(obs.amax1 > 0, obs.amax1, obs.amax1.max()).clamp_min(1e-12)
+        amax2 = torch.where(obs.amax2 > 0, obs.amax2, obs.amax2.max()).clamp_min(1e-12)
+        m.register_buffer("fc1_input_scale", (amax1 / denom).float())
+        m.register_buffer("fc2_input_scale", (amax2 / denom).float())
+    if unseen:
+        logger.warning("fp4moe calibration: %d experts saw no tokens; they use their layer's largest scale", unseen)
+    return model
+
+
+__all__ = ["calibrate_activation_scales"]

@@ -1,0 +1,118 @@
+"""The modules that hold NVFP4 weights inside a Transformers model.
+
+* :class:`NVFP4Experts` replaces a Transformers fused-experts module (``DeepseekV3NaiveMoe``,
+  ``Qwen3MoeExperts``, ...): the same call ``(hidden [T, H], top_k_index [T, k], top_k_weights
+  [T, k]) -> [T, H]``, computed by ``torch.ops.fp4moe.fused_moe`` on NVFP4 weights held as a
+  :class:`fp4moe_ops.PreparedExperts` (buffers ``gate_up_proj_packed`` ...). Expert parallelism
+  plugs in as a dispatch step around the op (:mod:`hf_integration.expert_parallel`).
+* :class:`NVFP4GatedMLP`: a dense gated MLP ``down(silu(gate(x)) * up(x))`` in NVFP4, run by the
+  same op as a one-expert MoE (``patch_moe(..., quantize_dense_mlps=True)``).
+* :class:`NVFP4Linear`: a checkpoint's NVFP4 linear outside the routed experts, as its file bytes
+  (``weight`` uint8, ``weight_scale`` float8, ``weight_scale_2``, ``input_scale``); the loader turns
+  it into an ``nn.Linear`` with the dequantized weight once it is filled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp4moe_ops import PreparedExperts, nvfp4, quantize_moe_weights
+
+
+class LocalExperts:
+    """The default dispatch of :class:`NVFP4Experts`: every expert is here, nothing to exchange."""
+
+    routed_experts = 0
+
+    def prepare(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        return top_k_index
+
+    def finalize(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+
+LOCAL = LocalExperts()
+
+
+class NVFP4Experts(PreparedExperts):
+    """A layer's routed experts in NVFP4, in place of a Transformers fused-experts module.
+
+    ``dispatch`` prepares the router's ids for this module's experts and finalizes the output
+    (:class:`LocalExperts`, or an expert-parallel shard).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dispatch = LOCAL
+
+    @classmethod
+    def empty_like(cls, experts: nn.Module, *, num_experts: int | None = None, input_scales: bool = True) -> NVFP4Experts:
+        """Unfilled NVFP4 buffers of ``experts``'s sizes (``gate_up_proj [E, 2I, H]``), on the current
+        default device (meta inside ``from_pretrained``); a loader fills and then prepares them."""
+        e, two_i, h = experts.gate_up_proj.shape
+        return cls(None, None, num_experts=num_experts or e, hidden_size=h, intermediate_size=two_i // 2,
+                   input_scales=input_scales)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        ids = self.dispatch.prepare(top_k_index)
+        out = super().forward(hidden_states, ids, top_k_weights.float())
+        return self.dispatch.finalize(out)
+
+
+class NVFP4GatedMLP(PreparedExperts):
+    """A dense gated MLP ``down(silu(gate(x)) * up(x))`` (DeepSeek's dense layers and shared
+    experts) in NVFP4, computed by the same op as a one-expert MoE with every token routed to it
+    with weight 1. Buffers as in :class:`NVFP4Experts`, with E = 1."""
+
+    @classmethod
+    def quantize(cls, mlp: nn.Module, backend: str = "auto") -> NVFP4GatedMLP:
+        """The NVFP4 version of a bias-free ``gate_proj``/``up_proj``/``down_proj`` MLP."""
+        with torch.no_grad():
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])[None]
+            weights = quantize_moe_weights(gate_up, mlp.down_proj.weight[None])
+        return cls(weights, backend, owns_weights=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        ids = torch.zeros(flat.shape[0], 1, dtype=torch.int32, device=x.device)
+        ones = torch.ones(flat.shape[0], 1, dtype=torch.float32, device=x.device)
+        return super().forward(flat, ids, ones).reshape(x.shape)
+
+
+class NVFP4Linear(nn.Module):
+    """A checkpoint's NVFP4 linear ``y = x W^T (+ b)``, held as its file tensors until the loader
+    dequantizes it (:meth:`dequantized`).
+
+    Buffers: ``weight [N, K/2] uint8``, ``weight_scale [N, K/16] float8_e4m3fn``,
+    ``weight_scale_2 [] float32``, and ``input_scale [] float32`` if the checkpoint has one.
+    """
+
+    def __init__(self, linear: nn.Linear, input_scale: bool):
+        super().__init__()
+        n, k = linear.out_features, linear.in_features
+        self.in_features, self.out_features = k, n
+        self.register_buffer("weight", torch.empty(n, k // 2, dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.empty(n, k // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale_2", torch.empty((), dtype=torch.float32))
+        if input_scale:
+            self.register_buffer("input_scale", torch.empty((), dtype=torch.float32))
+        self.bias = linear.bias
+        self.dtype = linear.weight.dtype
+
+    def dequantized(self) -> nn.Linear:
+        """An ``nn.Linear`` of the original dtype holding ``e2m1 * weight_scale * weight_scale_2``
+        (exact up to one rounding of the fp32 scale product to the dtype)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        weight = nvfp4.dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, self.dtype)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if self.bias is not None:
+            linear.bias = self.bias
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # only before the loader has swapped it
+        return nn.functional.linear(x, nvfp4.dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2,
+                                                               x.dtype), self.bias)
+
+
+__all__ = ["LOCAL", "LocalExperts", "NVFP4Experts", "NVFP4GatedMLP", "NVFP4Linear"]

@@ -1,0 +1,219 @@
+"""The ModelOpt NVFP4 checkpoint format: its quantization config and its tensor scheme, as NVIDIA's
+exports (``nvidia/DeepSeek-R1-FP4``, ``nvidia/Qwen3-30B-A3B-NVFP4``, ...) write them. Used by the
+loader (:mod:`hf_integration.quantizer`), the saver and the tiny-checkpoint generator.
+
+Config: ``hf_quant_config.json`` ``{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo",
+"group_size", "exclude_modules"}}``, and in newer exports the same fields (with ``ignore`` for the
+exclusions) under ``config.json`` ``quantization_config`` with ``quant_method: "modelopt"``.
+
+Tensors of one quantized linear ``<name>`` (W [N, K])::
+
+    <name>.weight          U8       [N, K/2]   E2M1 pairs, low nibble = even column, bit 3 = sign
+    <name>.weight_scale    F8_E4M3  [N, K/16]  block scales (linear layout)
+    <name>.weight_scale_2  F32      []         global scale (multiplies)
+    <name>.input_scale     F32      []         calibrated activation scale amax / (6*448); absent in
+                                               weights-only (W4A16_NVFP4) exports
+
+Routed experts are per-expert linears ``<experts>.<e>.<gate>|<up>|<down>`` (``gate_proj`` /
+``up_proj`` / ``down_proj``; Mixtral-style checkpoints use ``w1`` / ``w3`` / ``w2``); gate and up
+normally share one ``weight_scale_2``. FP8 KV-cache exports add ``<attn>.k_proj.k_scale`` and
+``<attn>.v_proj.v_scale``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from fp4moe_ops import nvfp4
+
+QUANT_METHOD = "modelopt"
+LINEAR_TENSORS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+KV_CACHE_SCALES = ("k_scale", "v_scale")
+# the published algorithm names fp4moe reads (upper-cased: some exports write them lower case)
+NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or tensor is missing, unexpected, malformed, mis-shaped, of the wrong
+    dtype or holds a bad value; the message names the file and the tensor."""
+
+
+@dataclass(frozen=True)
+class ExpertLeaves:
+    """The names of an expert's three linears in a checkpoint: ``<experts>.<e>.<gate>`` ..."""
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+    def __iter__(self):
+        return iter((self.gate, self.up, self.down))
+
+
+def linear_specs(name: str, out_features: int, in_features: int, input_scale: bool) -> dict:
+    """``{key: (shape, dtype)}`` of one NVFP4 linear's checkpoint tensors."""
+    specs = {
+        f"{name}.weight": ((out_features, in_features // 2), torch.uint8),
+        f"{name}.weight_scale": ((out_features, in_features // nvfp4.BLOCK_SIZE), torch.float8_e4m3fn),
+        f"{name}.weight_scale_2": ((), torch.float32),
+    }
+    if input_scale:
+        specs[f"{name}.input_scale"] = ((), torch.float32)
+    return specs
+
+
+def linear_tensors(name: str, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                   input_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """One NVFP4 linear's checkpoint tensors, with the dtypes and 0-dim scalars of ModelOpt's files."""
+    # the scalars are copies: gate and up share theirs, and a file holds each tensor once
+    tensors = {
+        f"{name}.weight": packed,
+        f"{name}.weight_scale": block_scale.view(torch.float8_e4m3fn),
+        f"{name}.weight_scale_2": global_scale.reshape(()).float().clone(),
+    }
+    if input_scale is not None:
+        tensors[f"{name}.input_scale"] = input_scale.reshape(()).float().clone()
+    return tensors
+
+
+def expert_tensors(prefix: str, weights, leaves: ExpertLeaves = ExpertLeaves()) -> dict[str, torch.Tensor]:
+    """A layer's experts (:class:`fp4moe_ops.NVFP4MoEWeights`, canonical) as ModelOpt's per-expert
+    tensors ``<prefix>.<e>.<leaf>.*``: gate and up rows of ``w13`` share its global scale and
+    ``fc1_input_scale``; down gets ``w2``'s and ``fc2_input_scale``."""
+    inter = weights.intermediate_size
+    out = {}
+    for e in range(weights.num_experts):
+        fc1_in = None if weights.fc1_input_scale is None else weights.fc1_input_scale[e]
+        fc2_in = None if weights.fc2_input_scale is None else weights.fc2_input_scale[e]
+        for leaf, rows in ((leaves.gate, slice(0, inter)), (leaves.up, slice(inter, 2 * inter))):
+            out |= linear_tensors(f"{prefix}.{e}.{leaf}", weights.w13[e, rows], weights.w13_scale[e, rows],
+                                  weights.w13_global[e], fc1_in)
+        out |= linear_tensors(f"{prefix}.{e}.{leaves.down}", weights.w2[e], weights.w2_scale[e], weights.w2_global[e],
+                              fc2_in)
+    return out
+
+
+class ModelOptConfig(QuantizationConfigMixin):
+    """ModelOpt's quantization config (``quant_method: "modelopt"``), plus fp4moe's loading options.
+
+    Checkpoint fields (as exported): ``quant_algo`` (``"NVFP4"``, ``"W4A16_NVFP4"``; any case),
+    ``group_size`` (16), ``exclude_modules`` (``ignore`` in newer configs: exact names, ``*``
+    wildcards or plain substrings), ``kv_cache_quant_algo`` (``"FP8"`` or None), ``producer``.
+
+    Loading options (``from_pretrained(..., quantization_config=ModelOptConfig(backend="triton"))``
+    overrides them for a checkpoint that has its own config):
+        backend: fp4moe backend for the routed experts (``"auto"``: by device).
+        act_scale_mode: None (16-bit activations) or ``"per_expert"`` / ``"global_max"`` (NVFP4
+            activations with the checkpoint's input scales; Blackwell's ``flashinfer_nvfp4``).
+        fuse_router: run DeepSeek-V3-style routers as one op (:class:`hf_integration.router.GroupedTopkRouter`).
+        expert_parallel: load only this rank's ``E / world_size`` experts of each layer and sum the
+            ranks' outputs (``torch.distributed`` must be initialized).
+    """
+
+    LOADING_ATTRIBUTES = ("backend", "act_scale_mode", "fuse_router", "expert_parallel")
+
+    def __init__(self, quant_algo: str = "NVFP4", group_size: int = nvfp4.BLOCK_SIZE,
+                 exclude_modules: list[str] | None = None, kv_cache_quant_algo: str | None = None,
+                 producer: dict | None = None, backend: str = "auto", act_scale_mode: str | None = None,
+                 fuse_router: bool = True, expert_parallel: bool = False, **kwargs):
+        self.quant_method = QUANT_METHOD
+        self.quant_algo = str(quant_algo).upper()
+        self.group_size = int(group_size)
+        self.exclude_modules = list(exclude_modules or [])
+        self.kv_cache_quant_algo = kv_cache_quant_algo.upper() if isinstance(kv_cache_quant_algo, str) else None
+        self.producer = producer
+        self.backend, self.act_scale_mode = backend, act_scale_mode
+        self.fuse_router, self.expert_parallel = fuse_router, expert_parallel
+        self.post_init()
+
+    def post_init(self):
+        if self.quant_algo not in NVFP4_ALGOS:
+            raise ValueError(f"ModelOpt quant_algo {self.quant_algo!r} is not supported by fp4moe (supported: "
+                             f"{', '.join(NVFP4_ALGOS)})")
+        if self.group_size != nvfp4.BLOCK_SIZE:
+            raise ValueError(f"ModelOpt group_size {self.group_size} is not supported (NVFP4 uses {nvfp4.BLOCK_SIZE})")
+
+    @property
+    def weights_only(self) -> bool:
+        """W4A16 export: the checkpoint has no input scales."""
+        return self.quant_algo == "W4A16_NVFP4"
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, return_unused_kwargs: bool = False, **kwargs):
+        """From ``config.json``'s ``quantization_config`` or ``hf_quant_config.json``'s ``quantization``."""
+        d = dict(config_dict)
+        if "quantization" in d and isinstance(d["quantization"], dict):  # the whole hf_quant_config.json
+            d = {"producer": d.get("producer"), **d["quantization"]}
+        if "exclude_modules" not in d and "ignore" in d:
+            d["exclude_modules"] = d.pop("ignore")
+        known = {"quant_algo", "group_size", "exclude_modules", "kv_cache_quant_algo", "producer",
+                 *cls.LOADING_ATTRIBUTES}
+        config = cls(**{k: v for k, v in d.items() if k in known})
+        return (config, kwargs) if return_unused_kwargs else config
+
+    def to_dict(self) -> dict:
+        """The ``quantization_config`` written to ``config.json`` (ModelOpt's fields; fp4moe's loading
+        options are not part of a checkpoint)."""
+        return {"quant_method": QUANT_METHOD, "quant_algo": self.quant_algo, "group_size": self.group_size,
+                "kv_cache_quant_algo": self.kv_cache_quant_algo, "exclude_modules": list(self.exclude_modules),
+                "producer": self.producer or {"name": "fp4moe"}}
+
+    def hf_quant_config(self) -> dict:
+        """The ``hf_quant_config.json`` that ModelOpt writes beside it (what vLLM and SGLang read)."""
+        d = self.to_dict()
+        return {"producer": d["producer"], "quantization": {k: d[k] for k in (
+            "quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules")}}
+
+    def get_loading_attributes(self) -> dict:
+        return {k: getattr(self, k) for k in self.LOADING_ATTRIBUTES}
+
+    def is_excluded(self, module_name: str) -> bool:
+        """Exact name, wildcard pattern (``*``/``?``), or a plain substring of the name."""
+        for pattern in self.exclude_modules:
+            if module_name == pattern or fnmatch.fnmatchcase(module_name, pattern):
+                return True
+            if not any(c in pattern for c in "*?[") and pattern in module_name:
+                return True
+        return False
+
+
+def read_json(path: Path, expect=dict):
+    """A JSON file, or a :class:`CheckpointError` naming it if it is not valid JSON of the expected type."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(value, expect):
+        raise CheckpointError(f"{path}: expected a JSON {expect.__name__}, found {type(value).__name__}")
+    return value
+
+
+def read_quant_config(folder: str | Path) -> ModelOptConfig:
+    """The ModelOpt config of a checkpoint folder: ``hf_quant_config.json``, else ``config.json``'s
+    ``quantization_config`` with ``quant_method: "modelopt"``."""
+    folder = Path(folder)
+    if (folder / "hf_quant_config.json").exists():
+        raw = read_json(folder / "hf_quant_config.json")
+        if not isinstance(raw.get("quantization"), dict):
+            raise CheckpointError(f"{folder / 'hf_quant_config.json'}: no 'quantization' object")
+        where = folder / "hf_quant_config.json"
+    else:
+        raw = read_json(folder / "config.json").get("quantization_config") or {}
+        if raw.get("quant_method") != QUANT_METHOD:
+            raise CheckpointError(f"{folder} has no ModelOpt quantization config (hf_quant_config.json or config.json "
+                                  "quantization_config with quant_method 'modelopt')")
+        where = folder / "config.json"
+    try:
+        return ModelOptConfig.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: {exc}") from exc
+
+
+__all__ = ["CheckpointError", "ExpertLeaves", "ModelOptConfig", "expert_tensors", "linear_specs", "linear_tensors",
+           "read_quant_config"]

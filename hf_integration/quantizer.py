@@ -1,0 +1,584 @@
+"""fp4moe's Transformers quantizer: ``AutoModelForCausalLM.from_pretrained`` of ModelOpt NVFP4
+checkpoints, and ``save_pretrained`` back to the same format.
+
+Importing :mod:`hf_integration` registers :class:`ModelOptQuantizer` for ``quant_method:
+"modelopt"``. Transformers then does what it does for any checkpoint (download and cache,
+index and shards, ``device_map`` placement through accelerate, the LOAD REPORT, progress bars) and
+calls this quantizer at its plug-in points:
+
+* before loading, on the meta model: read every safetensors header (no tensor bytes), decide from
+  the files which modules are NVFP4, check every NVFP4 tensor's presence, dtype and shape (a
+  :class:`~hf_integration.modelopt_format.CheckpointError` naming file and tensor otherwise), and
+  swap in :class:`~hf_integration.experts.NVFP4Experts` for the routed experts and
+  :class:`~hf_integration.experts.NVFP4Linear` for other NVFP4 linears;
+* the weight conversion: Transformers' own per-expert -> stacked-experts converters are replaced
+  by one that stacks the per-expert NVFP4 tensors as they are read (:class:`StackNVFP4Experts`:
+  file bytes straight into the stacked buffers, never BF16);
+* after loading: NVFP4 linears outside the experts become ``nn.Linear`` with dequantized weights,
+  the experts are prepared for a backend, routers are fused, and the model is marked quantized
+  (``model.hf_quantizer``): dtype casts keep the scales, switching the experts implementation away
+  from fp4moe fails at the call, ``save_pretrained`` writes a ModelOpt checkpoint atomically.
+
+Which quantizer wins if Transformers ever ships its own ``"modelopt"``: fp4moe's, once
+``hf_integration`` is imported (a log line says it replaced Transformers' entry).
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.quantizers import HfQuantizer
+from transformers.utils import logging
+
+from fp4moe_ops import NVFP4MoEWeights, nvfp4
+from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS
+
+from .experts import NVFP4Experts, NVFP4GatedMLP, NVFP4Linear
+from .modelopt_format import (
+    KV_CACHE_SCALES,
+    LINEAR_TENSORS,
+    QUANT_METHOD,
+    CheckpointError,
+    ExpertLeaves,
+    ModelOptConfig,
+    expert_tensors,
+    linear_specs,
+    linear_tensors,
+)
+from .router import fuse_routers
+from .surgery import children_where, is_transformers_experts, replace_module
+
+logger = logging.get_logger("fp4moe")
+
+# safetensors' dtype names -> torch
+_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+           "BOOL": torch.bool, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+           "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+# --- reading the checkpoint's layout --------------------------------------------------------------
+
+
+class CheckpointScan:
+    """Every tensor's file, dtype and shape, from the safetensors headers (safetensors' own
+    parser and checks; no tensor bytes are read): ``tensors[key] = (file name, dtype, shape)``."""
+
+    def __init__(self, files: list[str]):
+        from safetensors import safe_open
+
+        self.tensors: dict[str, tuple[str, torch.dtype | str, tuple]] = {}
+        for f in files:
+            name = Path(f).name
+            try:
+                with safe_open(f, framework="pt") as handle:
+                    for key in handle.keys():
+                        piece = handle.get_slice(key)
+                        if key in self.tensors:
+                            raise CheckpointError(f"tensor {key!r} is in two files: {self.tensors[key][0]} and {name}")
+                        dtype = piece.get_dtype()
+                        self.tensors[key] = (name, _DTYPES.get(dtype, dtype), tuple(piece.get_shape()))
+            except CheckpointError:
+                raise
+            except Exception as exc:  # safetensors' SafetensorError, OSError: a truncated or malformed file
+                raise CheckpointError(f"{f}: not a valid safetensors file ({exc})") from exc
+
+    def check(self, key: str, shape: tuple, dtype: torch.dtype, what: str = "") -> None:
+        """Raise naming ``key`` (and its file) unless it exists with ``shape`` and ``dtype``."""
+        if key not in self.tensors:
+            raise CheckpointError(f"checkpoint tensor {key!r} is missing{what}")
+        file, found_dtype, found_shape = self.tensors[key]
+        if found_dtype != dtype:
+            raise CheckpointError(f"checkpoint tensor {key!r} in {file}: expected dtype {dtype}, found {found_dtype}")
+        if found_shape != tuple(shape):
+            raise CheckpointError(f"checkpoint tensor {key!r} in {file}: expected shape {list(shape)}, "
+                                  f"found {list(found_shape)}")
+
+
+@dataclass
+class ExpertsPlan:
+    """One routed-experts module to load as NVFP4."""
+
+    name: str               # module path in the model
+    checkpoint_prefix: str  # the same in checkpoint keys (before Transformers' renamings)
+    leaves: ExpertLeaves
+    total: int              # experts of the layer
+    ids: range              # global expert ids held here: all, or this rank's
+    hidden: int
+    inter: int
+    input_scales: bool
+
+    def key(self, e: int, leaf: str, tensor: str) -> str:
+        return f"{self.checkpoint_prefix}.{e}.{leaf}.{tensor}"
+
+
+@dataclass
+class LoadPlan:
+    experts: dict[str, ExpertsPlan] = field(default_factory=dict)
+    linears: dict[str, bool] = field(default_factory=dict)  # module path -> has an input_scale
+    files: dict[str, str] = field(default_factory=dict)     # checkpoint key -> file
+
+
+def _model_conversions(model: nn.Module):
+    """Transformers' renamings and converters for this model (no quantizer involved)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    return renamings, converters
+
+
+def _expert_converter_targets(converter) -> tuple[str, list[str]] | None:
+    """``(experts module suffix, source stems)`` of a Transformers converter that merges per-expert
+    tensors into ``<suffix>.gate_up_proj`` or ``<suffix>.down_proj``, else None."""
+    targets = getattr(converter, "_original_target_patterns", converter.target_patterns)
+    sources = getattr(converter, "_original_source_patterns", converter.source_patterns)
+    if len(targets) != 1 or not re.search(r"experts\.(gate_up_proj|down_proj)$", targets[0]):
+        return None
+    if not all(s.endswith(".weight") and "*" in s for s in sources):
+        return None
+    return targets[0].rsplit(".", 1)[0].lstrip("."), [s[:-len(".weight")].rsplit(".", 1)[1] for s in sources]
+
+
+def _expert_leaves(experts_name: str, converters) -> ExpertLeaves:
+    """The checkpoint's names of the experts' linears: from the model's own expert converters
+    (``gate_proj``/``up_proj``/``down_proj``, Mixtral-style ``w1``/``w3``/``w2``)."""
+    gate_up = down = None
+    for c in converters:
+        found = _expert_converter_targets(c)
+        if found is None or not experts_name.endswith(found[0]):
+            continue
+        if c.target_patterns[0].endswith("gate_up_proj") and len(found[1]) == 2:
+            gate_up = found[1]
+        elif len(found[1]) == 1:
+            down = found[1][0]
+    if gate_up and down:
+        return ExpertLeaves(gate_up[0], gate_up[1], down)
+    return ExpertLeaves()
+
+
+def _to_model_key(key: str, renamings, prefix: str, owners: set[str]) -> str:
+    """A checkpoint key in model terms: Transformers' renamings, then its base-model prefix rule
+    (``owners``: module paths that own tensors, per-expert paths included)."""
+    for renaming in renamings:
+        key, _ = renaming.rename_source_key(key)
+    owner = key.rsplit(".", 1)[0]
+    if owner not in owners:
+        if key.startswith(prefix + ".") and key[len(prefix) + 1:].rsplit(".", 1)[0] in owners:
+            return key[len(prefix) + 1:]
+        if f"{prefix}.{owner}" in owners:
+            return f"{prefix}.{key}"
+    return key
+
+
+def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, shard_of=None) -> LoadPlan:
+    """Decide from the checkpoint which modules load as NVFP4 and check all their tensors.
+
+    ``shard_of(num_experts) -> ExpertShard`` under expert parallelism. Raises
+    :class:`CheckpointError` for any NVFP4 tensor missing, unexpected, mis-shaped or of the wrong
+    dtype."""
+    renamings, converters = _model_conversions(model)
+    modules = dict(model.named_modules())
+    experts = {n: m for n, m in modules.items() if is_transformers_experts(m)}
+    owners = set(modules)
+    leaves = {n: _expert_leaves(n, converters) for n in experts}
+    for n, m in experts.items():
+        owners.update(f"{n}.{e}.{leaf}" for e in range(m.gate_up_proj.shape[0]) for leaf in leaves[n])
+    prefix = getattr(model, "base_model_prefix", "model")
+    in_model = {_to_model_key(k, renamings, prefix, owners): k for k in scan.tensors}
+    plan = LoadPlan(files={k: v[0] for k, v in scan.tensors.items()})
+    claimed: set[str] = set()
+
+    for name, m in experts.items():
+        e_total, two_i, hidden = m.gate_up_proj.shape
+        inter = two_i // 2
+        lv = leaves[name]
+        first = in_model.get(f"{name}.0.{lv.gate}.weight_scale")
+        if first is None:
+            if f"{name}.0.{lv.gate}.weight" in in_model:
+                continue  # this layer's experts are not NVFP4 in the checkpoint: loaded as they are
+            raise CheckpointError(f"checkpoint has no tensors for the experts of {name} "
+                                  f"(looked for {name}.<e>.{lv.gate}.weight_scale ...)")
+        ckpt_prefix = first[:-len(f".0.{lv.gate}.weight_scale")]
+        shard = shard_of(e_total) if shard_of else None
+        ids = range(shard.offset, shard.offset + shard.count) if shard else range(e_total)
+        p = ExpertsPlan(name, ckpt_prefix, lv, e_total, ids, hidden, inter, input_scales=False)
+        p.input_scales = not config.weights_only and f"{ckpt_prefix}.0.{lv.gate}.input_scale" in scan.tensors
+        for e in ids:
+            for leaf, (n_out, k_in) in ((lv.gate, (inter, hidden)), (lv.up, (inter, hidden)), (lv.down, (hidden, inter))):
+                specs = linear_specs(f"{ckpt_prefix}.{e}.{leaf}", n_out, k_in, p.input_scales)
+                for key, (shape, dtype) in specs.items():
+                    what = " (the other experts of this layer have input scales)" if key.endswith("input_scale") else ""
+                    scan.check(key, shape, dtype, what)
+                claimed.update(specs)
+        # every expert tensor of this layer is accounted for: ours, or (expert parallelism) another rank's
+        layer_keys = [k for k in scan.tensors if k.startswith(ckpt_prefix + ".")]
+        pattern = re.compile(rf"{re.escape(ckpt_prefix)}\.(\d+)\.({'|'.join(map(re.escape, lv))})\.(\w+)$")
+        for k in layer_keys:
+            match = pattern.match(k)
+            if match is None or int(match.group(1)) >= e_total or match.group(3) not in LINEAR_TENSORS:
+                raise CheckpointError(f"unexpected checkpoint tensor {k!r} in {plan.files[k]}: {name} has "
+                                      f"{e_total} experts with linears {list(lv)}")
+            if shard and int(match.group(1)) not in ids:
+                claimed.add(k)  # another rank's expert: never read here
+        plan.experts[name] = p
+
+    for name, m in modules.items():
+        if not isinstance(m, nn.Linear) or f"{name}.weight_scale" not in in_model:
+            continue
+        ckpt_name = in_model[f"{name}.weight_scale"][:-len(".weight_scale")]
+        has_input = f"{ckpt_name}.input_scale" in scan.tensors
+        specs = linear_specs(ckpt_name, m.out_features, m.in_features, has_input)
+        for key, (shape, dtype) in specs.items():
+            scan.check(key, shape, dtype)
+        claimed.update(specs)
+        plan.linears[name] = has_input
+
+    ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    stray = [k for k in scan.tensors if k not in claimed and k.rsplit(".", 1)[-1] in LINEAR_TENSORS[1:]
+             and not any(p.search(k) for p in ignored)]
+    if stray:
+        raise CheckpointError(f"unexpected quantized checkpoint tensors (no NVFP4 module of the model takes them): "
+                              f"{[f'{k} in {plan.files[k]}' for k in stray[:6]]}{' ...' if len(stray) > 6 else ''}")
+    return plan
+
+
+# --- the weight conversion --------------------------------------------------------------------
+
+
+try:
+    from transformers.core_model_loading import ConversionOps
+except ImportError:  # pragma: no cover - Transformers without the v5 loader
+    ConversionOps = object
+
+
+class StackNVFP4Experts(ConversionOps):
+    """Transformers conversion op: one layer's per-expert ModelOpt tensors (as read from the files)
+    -> the stacked buffers of :class:`NVFP4Experts`. Gate and up global scales that differ are
+    reconciled (their max, the other side's block scales rescaled and re-rounded, logged); every
+    scale value is checked (:meth:`fp4moe_ops.NVFP4MoEWeights.check_values`), naming the tensor."""
+
+    # (leaf index into ExpertLeaves, tensor) of each source pattern, in order
+    SOURCES = tuple((leaf, t) for leaf in range(3) for t in LINEAR_TENSORS)
+
+    def __init__(self, hf_quantizer: ModelOptQuantizer):
+        # Transformers (>= 5.22) keeps the checkpoint dtypes of tensors that an op with an
+        # ``hf_quantizer`` consumes; older versions keep them for every renamed key
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, **kwargs):
+        module_name = full_layer_name.rsplit(".", 1)[0]
+        plan = self.hf_quantizer.plan.experts[module_name]
+        got = {self.SOURCES[source_patterns.index(p)]: tensors for p, tensors in input_dict.items()}
+        count = len(plan.ids)
+        for (leaf, t), tensors in got.items():
+            if len(tensors) != count:
+                raise CheckpointError(f"{module_name}: read {len(tensors)} '{list(plan.leaves)[leaf]}.{t}' tensors "
+                                      f"for {count} experts")
+
+        def stacked(leaf: int, t: str) -> torch.Tensor:
+            return torch.stack(got.pop((leaf, t)))
+
+        inter = plan.inter
+        g_gate, g_up = stacked(0, "weight_scale_2"), stacked(1, "weight_scale_2")
+        w13 = torch.cat([stacked(0, "weight"), stacked(1, "weight")], dim=1)
+        s13 = torch.cat([stacked(0, "weight_scale"), stacked(1, "weight_scale")], dim=1)
+        g13 = torch.maximum(g_gate, g_up)
+        differ = g_gate != g_up
+        if bool(differ.any()):
+            # one global scale for [gate; up]: rescale the smaller side's block scales (re-rounded)
+            s13[:, :inter] = (s13[:, :inter].float() * (g_gate / g13)[:, None, None]).to(torch.float8_e4m3fn)
+            s13[:, inter:] = (s13[:, inter:].float() * (g_up / g13)[:, None, None]).to(torch.float8_e4m3fn)
+            logger.warning("fp4moe: %s: %d experts had different gate/up weight_scale_2; used their max and "
+                           "rescaled the other's block scales (re-rounded to E4M3)", module_name, int(differ.sum()))
+        fc1_in = fc2_in = None
+        if plan.input_scales:
+            fc1_in = torch.maximum(stacked(0, "input_scale"), stacked(1, "input_scale"))
+            fc2_in = stacked(2, "input_scale")
+        weights = NVFP4MoEWeights(w13, s13, g13, stacked(2, "weight"), stacked(2, "weight_scale"),
+                                  stacked(2, "weight_scale_2"), fc1_in, fc2_in)
+        self._check_values(weights, plan)
+        base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
+        out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, weights.tensors())}
+        if plan.input_scales:
+            out |= {base + INPUT_SCALE_BUFFERS[0]: fc1_in, base + INPUT_SCALE_BUFFERS[1]: fc2_in}
+        return out
+
+    def _check_values(self, weights: NVFP4MoEWeights, plan: ExpertsPlan) -> None:
+        lv = list(plan.leaves)
+        leaf_of = {"w13_global": (0, "weight_scale_2"), "w2_global": (2, "weight_scale_2"),
+                   "w13_scale": (0, "weight_scale"), "w2_scale": (2, "weight_scale"),
+                   "fc1_input_scale": (0, "input_scale"), "fc2_input_scale": (2, "input_scale")}
+
+        def describe(name: str, e: int) -> str:
+            leaf, t = leaf_of[name]
+            key = plan.key(plan.ids[e], lv[leaf], t)
+            if leaf == 0:
+                key += f" (or {lv[1]})"
+            return f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(plan.key(plan.ids[e], lv[leaf], t))}"
+
+        try:
+            weights.check_values(describe)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+
+    @property
+    def reverse_op(self):
+        # Saving goes through ModelOptQuantizer.get_state_dict_and_metadata, and the loader drops
+        # this converter from the model's conversions once loaded: nothing to reverse.
+        raise NotImplementedError("NVFP4 experts are saved by the fp4moe quantizer, not by reverse conversion")
+
+
+def _converters_for(plan: LoadPlan, quantizer: ModelOptQuantizer) -> list:
+    """One converter per distinct experts naming (e.g. ``mlp.experts`` with ``gate_proj`` ...), whose
+    sources are the per-expert NVFP4 tensors in model terms (after Transformers' renamings)."""
+    from transformers.core_model_loading import WeightConverter
+
+    converters, seen = [], set()
+    for p in plan.experts.values():
+        base = ".".join(p.name.split(".")[-2:])  # e.g. "mlp.experts": what the layer-independent pattern needs
+        ids = r"\d+" if len(p.ids) == p.total else "|".join(str(e) for e in p.ids)  # a shard: its ids only
+        key = (base, tuple(p.leaves), ids)
+        if key in seen:
+            continue
+        seen.add(key)
+        sources = [rf"{re.escape(base)}\.(?:{ids})\.{re.escape(list(p.leaves)[leaf])}\.{t}$"
+                   for leaf, t in StackNVFP4Experts.SOURCES]
+        converters.append(WeightConverter(sources, f"{base}.{CANONICAL_BUFFERS[0]}", [StackNVFP4Experts(quantizer)]))
+    return converters
+
+
+# --- the quantizer ------------------------------------------------------------------------------
+
+
+class ModelOptQuantizer(HfQuantizer):
+    """Loads ModelOpt NVFP4 checkpoints with NVFP4 routed experts; see the module docstring."""
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config: ModelOptConfig, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.plan: LoadPlan | None = None
+
+    def validate_environment(self, *args, device_map=None, **kwargs):
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise ValueError("fp4moe cannot offload NVFP4 experts to disk; use GPU or CPU devices in device_map")
+
+    def update_dtype(self, dtype):
+        if dtype not in (torch.bfloat16, torch.float16):
+            logger.warning("fp4moe: NVFP4 experts run with 16-bit activations; loading in bfloat16 instead of %s "
+                           "(pass dtype=torch.bfloat16 or torch.float16)", dtype)
+            return torch.bfloat16
+        return dtype
+
+    def param_element_size(self, model, param_name, param):
+        # an NVFP4 linear becomes a 16-bit nn.Linear after loading: 2 weights per packed byte
+        if self.plan is not None and param_name.endswith(".weight") and param_name[:-len(".weight")] in self.plan.linears:
+            return 2 * torch.finfo(model.dtype).bits // 8
+        return param.element_size()
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
+            raise CheckpointError(f"fp4moe loads ModelOpt checkpoints from .safetensors files, got {checkpoint_files}")
+        self.pre_quantized = True  # also when the config came from hf_quant_config.json
+        shard_of = None
+        if self.quantization_config.expert_parallel:
+            from .expert_parallel import this_rank_shard
+
+            shard_of = this_rank_shard
+        self.plan = plan_load(model, CheckpointScan([str(f) for f in checkpoint_files]), self.quantization_config,
+                              shard_of)
+        for name, m in list(model.named_modules()):
+            parent_name, _, attr = name.rpartition(".")
+            if name in self.plan.experts:
+                p = self.plan.experts[name]
+                new = NVFP4Experts.empty_like(m, num_experts=len(p.ids), input_scales=p.input_scales)
+                if shard_of is not None:
+                    from .expert_parallel import use_shard
+
+                    use_shard(new, shard_of(p.total))
+                replace_module(model.get_submodule(parent_name), attr, new)
+            elif name in self.plan.linears:
+                replace_module(model.get_submodule(parent_name), attr, NVFP4Linear(m, input_scale=self.plan.linears[name]))
+        ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+        model._keys_to_ignore_on_load_unexpected = set(ignore or [])
+        if self.quantization_config.kv_cache_quant_algo:
+            model._keys_to_ignore_on_load_unexpected.add(rf"\.({'|'.join(KV_CACHE_SCALES)})$")
+            logger.warning_once("fp4moe: the checkpoint's FP8 KV-cache scales (k_scale, v_scale) are not used; "
+                                "the KV cache stays in the model dtype")
+        if shard_of is not None:  # other ranks' experts: never read, not reported
+            for p in self.plan.experts.values():
+                model._keys_to_ignore_on_load_unexpected.add(rf"{re.escape(p.name.split('.')[-1])}\.\d+\.")
+        return model
+
+    def update_weight_conversions(self, weight_conversions, model=None):
+        """Transformers' per-expert -> stacked converters of the NVFP4 experts give way to ours."""
+        kept = []
+        for c in weight_conversions:
+            found = _expert_converter_targets(c) if hasattr(c, "operations") else None
+            if found is not None and any(name.endswith(found[0]) for name in self.plan.experts):
+                continue
+            kept.append(c)
+        return _converters_for(self.plan, self) + kept
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        self._check_all_loaded(model)
+        for parent, attr, m in children_where(model, lambda m: isinstance(m, NVFP4Linear)):
+            replace_module(parent, attr, m.dequantized())
+        config = self.quantization_config
+        for _, m in _nvfp4_modules(model, NVFP4Experts):
+            m.set_backend(config.backend, config.act_scale_mode)
+        if config.fuse_router:
+            fuse_routers(model)
+        conversions = getattr(model, "_weight_conversions", None)
+        if conversions:  # saving goes through get_state_dict_and_metadata, not reverse conversion
+            model._weight_conversions = [c for c in conversions if not _is_ours(c)]
+        attach(model, self)
+        return model
+
+    def _check_all_loaded(self, model) -> None:
+        """Every NVFP4 tensor was filled from the checkpoint (Transformers marks what it loads):
+        none is left as uninitialized memory."""
+        for name, m in model.named_modules():
+            if isinstance(m, (NVFP4Experts, NVFP4Linear)):
+                for buf_name, buf in m.named_buffers(recurse=False):
+                    if not getattr(buf, "_is_hf_initialized", False) and buf_name in (*CANONICAL_BUFFERS, *INPUT_SCALE_BUFFERS,
+                                                                                     *LINEAR_TENSORS):
+                        raise CheckpointError(f"{name}.{buf_name} was not filled from the checkpoint")
+
+    def get_state_dict_and_metadata(self, model):
+        return modelopt_state_dict(model), {}
+
+    def is_serializable(self, *args, **kwargs):
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def _is_ours(conversion) -> bool:
+    return any(isinstance(op, StackNVFP4Experts) for op in getattr(conversion, "operations", ()))
+
+
+def _nvfp4_modules(model: nn.Module, kind) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, kind)]
+
+
+# --- saving -------------------------------------------------------------------------------------
+
+
+def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict in ModelOpt's layout: NVFP4 experts and dense MLPs as per-expert /
+    per-linear ModelOpt tensors (canonical bytes, as views where the layout allows), the rest as
+    the model holds it."""
+    from .expert_parallel import ExpertShard
+
+    experts = _nvfp4_modules(model, NVFP4Experts)
+    dense = _nvfp4_modules(model, NVFP4GatedMLP)
+    if not experts and not dense:
+        raise ValueError("the model holds no fp4moe NVFP4 modules: nothing to save as a ModelOpt NVFP4 checkpoint")
+    if any(isinstance(m.dispatch, ExpertShard) for _, m in experts):
+        raise ValueError("an expert-parallel model holds only this rank's experts; save the unsharded model")
+    _, converters = _model_conversions(model)
+    state = {}
+    for name, m in experts:
+        state |= expert_tensors(name, m.canonical(), _expert_leaves(name, converters))
+    for name, m in dense:
+        w = m.canonical()
+        inter = w.intermediate_size
+        for leaf, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
+            state |= linear_tensors(f"{name}.{leaf}", w.w13[0, rows], w.w13_scale[0, rows], w.w13_global[0])
+        state |= linear_tensors(f"{name}.down_proj", w.w2[0], w.w2_scale[0], w.w2_global[0])
+    nvfp4_names = [n for n, _ in experts + dense]
+    for key, t in model.state_dict().items():
+        if not any(key.startswith(f"{n}.") for n in nvfp4_names):
+            state[key] = t
+    return state
+
+
+def saved_config(model: nn.Module, config: ModelOptConfig) -> ModelOptConfig:
+    """The quantization config a save writes: every module kept in 16 bits (attention, dequantized
+    linears, routers, LM head) listed in ``exclude_modules``, so vLLM and SGLang read them as such."""
+    kept = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) or (
+        not isinstance(m, nn.Embedding) and isinstance(m._parameters.get("weight"), torch.Tensor)
+        and m._parameters["weight"].dim() == 2))
+    return ModelOptConfig(quant_algo="NVFP4" if _has_input_scales(model) else "W4A16_NVFP4",
+                          exclude_modules=kept, kv_cache_quant_algo=None, producer={"name": "fp4moe"},
+                          backend=config.backend, act_scale_mode=config.act_scale_mode,
+                          fuse_router=config.fuse_router)
+
+
+def _has_input_scales(model: nn.Module) -> bool:
+    experts = _nvfp4_modules(model, NVFP4Experts)
+    return bool(experts) and all(INPUT_SCALE_BUFFERS[0] in m._buffers for _, m in experts)
+
+
+# --- marking a model quantized ------------------------------------------------------------------
+
+
+def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
+    """Mark ``model`` quantized the Hugging Face way and give it fp4moe's guards:
+
+    * ``model.hf_quantizer`` / ``is_quantized`` / ``config.quantization_config``: Transformers then
+      refuses ``.half()`` / ``.float()``, compiles ``generate`` (``is_compileable``) and saves through
+      the quantizer (the NVFP4 modules also keep their dtypes under ``model.to(dtype)``);
+    * ``set_experts_implementation`` away from fp4moe raises at the call;
+    * ``save_pretrained`` writes a ModelOpt checkpoint atomically (:mod:`hf_integration.saving`).
+    """
+    from .saving import atomic_save_pretrained
+
+    model.hf_quantizer = quantizer
+    model.is_quantized = True
+    model.quantization_method = QUANT_METHOD
+    model.config.quantization_config = quantizer.quantization_config
+    model.config._is_quantized = True
+    model.set_experts_implementation = types.MethodType(_guarded_set_experts_implementation, model)
+    model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
+
+
+def _guarded_set_experts_implementation(model, experts_implementation):
+    raise ValueError(
+        f"set_experts_implementation({experts_implementation!r}): this model's routed experts are fp4moe "
+        "NVFP4Experts modules, which only fp4moe's op can run; Transformers' implementations need BF16 weights. "
+        "Choose the kernel with hf_integration.set_backend(model, ...)")
+
+
+def quantizer_for(config: ModelOptConfig) -> ModelOptQuantizer:
+    return ModelOptQuantizer(config, pre_quantized=True)
+
+
+# --- registration -------------------------------------------------------------------------------
+
+
+def register() -> None:
+    """Register ``"modelopt"`` with Transformers (idempotent). If Transformers ships its own
+    ``"modelopt"`` quantizer, fp4moe's replaces it (logged once)."""
+    from transformers.quantizers import auto
+
+    current = auto.AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD)
+    if current is ModelOptQuantizer:
+        return
+    if current is not None:
+        logger.warning("fp4moe: replacing Transformers' own %r quantizer (%s) with fp4moe's", QUANT_METHOD,
+                       current.__name__)
+    auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = ModelOptQuantizer
+    auto.AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = ModelOptConfig
+    # options passed to from_pretrained(quantization_config=ModelOptConfig(...)) override the
+    # checkpoint's, as for Transformers' own FP8 and MXFP4 configs
+    if ModelOptConfig not in auto.LOADING_ATTRIBUTES_CONFIG_TYPES:
+        auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*auto.LOADING_ATTRIBUTES_CONFIG_TYPES, ModelOptConfig)
+
+
+__all__ = ["CheckpointScan", "ModelOptQuantizer", "StackNVFP4Experts", "attach", "modelopt_state_dict", "plan_load",
+           "quantizer_for", "register", "saved_config"]
