@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fp4moe_ops  # noqa: E402
 from fp4moe_ops import NVFP4MoEWeights, nvfp4  # noqa: E402
 from fp4moe_ops.backends.flashinfer_cutlass import nvfp4_quant_scales, nvfp4_weight_arguments  # noqa: E402
-from fp4moe_ops.backends.flashinfer_sim import simulate_cutlass_nvfp4_moe  # noqa: E402
+from fp4moe_ops.flashinfer_sim import simulate_cutlass_nvfp4_moe  # noqa: E402
 
 E, H, I, K = 16, 512, 256, 4
 

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_integration import patch_deepseek  # noqa: E402
-from hf_integration.patch import _grouped_topk_routers  # noqa: E402
+from hf_integration.router import grouped_topk_routers  # noqa: E402
 
 
 def deepseek_v3_layers(num_layers: int):
@@ -132,7 +132,7 @@ def main() -> None:
             record(variant, b, tps, generate_tps, torch.cuda.max_memory_allocated() / 1e9)
         torch._dynamo.reset()
 
-    hf_routers = _grouped_topk_routers(model)  # kept for the --router-ab rows
+    hf_routers = grouped_topk_routers(model)  # kept for the --router-ab rows
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     patch_deepseek(model, verbose=False)
@@ -140,7 +140,7 @@ def main() -> None:
     result["patch_s"] = time.time() - t0
     result["patch_peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
     result["expert_GB_nvfp4"] = expert_bytes(model) / 1e9
-    backend = [m for m in model.modules() if hasattr(m, "fp4moe_backend")][0].fp4moe_backend
+    backend = [m for m in model.modules() if type(m).__name__ == "NVFP4Experts"][0].backend
     print(f"patched in {result['patch_s']:.1f}s (peak {result['patch_peak_GB']:.1f} GB), experts now "
           f"{result['expert_GB_nvfp4']:.2f} GB ({result['expert_GB_nvfp4'] / result['expert_GB_bf16']:.3f}x), "
           f"backend {backend}", flush=True)

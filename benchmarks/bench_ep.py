@@ -51,9 +51,9 @@ def checkpoint_check(rank: int) -> float:
         path[0] = tempfile.mkdtemp(prefix="fp4moe-ep-")
         write_modelopt_checkpoint(tiny_deepseek_v3(seed=0, num_hidden_layers=2), path[0])
     dist.broadcast_object_list(path)
-    ep = load_modelopt_nvfp4(path[0], device="cuda", expert_parallel=True, verbose=False)
-    one = load_modelopt_nvfp4(path[0], device="cuda", verbose=False)
-    local = ep.model.layers[-1].mlp.experts.nvfp4_weights().num_experts
+    ep = load_modelopt_nvfp4(path[0], device="cuda", expert_parallel=True)
+    one = load_modelopt_nvfp4(path[0], device="cuda")
+    local = ep.model.layers[-1].mlp.experts.num_experts
     ids = torch.randint(1, 256, (2, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     with torch.no_grad():
         diff = (ep(ids).logits.float() - one(ids).logits.float()).abs().max().item()

@@ -100,7 +100,7 @@ import torch
 from hf_integration.modelopt import load_modelopt_nvfp4
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.time()
-model = load_modelopt_nvfp4({path!r}, verbose=False)
+model = load_modelopt_nvfp4({path!r})
 dt = time.time() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 kept = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))

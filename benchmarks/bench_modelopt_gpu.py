@@ -38,13 +38,13 @@ from hf_integration.modelopt import load_modelopt_nvfp4
 
 res = {{}}
 t0 = time.time()
-model = load_modelopt_nvfp4({path!r}, device="cuda", verbose=False)
+model = load_modelopt_nvfp4({path!r}, device="cuda")
 torch.cuda.synchronize()
 res["load_s"] = time.time() - t0
 res["peak_rss_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 res["gpu_allocated_GB"] = torch.cuda.memory_allocated() / 1e9
 res["gpu_peak_load_GB"] = torch.cuda.max_memory_allocated() / 1e9
-res["backend"] = find_experts_modules(model)[0][1].fp4moe_backend
+res["backend"] = find_experts_modules(model)[0][1].backend
 print("loaded", res, flush=True)
 
 vocab = min(1000, model.config.vocab_size)

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fp4moe_ops  # noqa: E402,F401  (registers the ops)
-from hf_integration.patch import GroupedTopkRouter  # noqa: E402
+from hf_integration.router import GroupedTopkRouter  # noqa: E402
 from bench_moe import graph_time_ms  # noqa: E402
 
 

@@ -26,7 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_integration import fuse_routers, patch_deepseek  # noqa: E402
-from hf_integration.patch import _dense_gated_mlps, _quantize_dense_mlp  # noqa: E402
+from hf_integration.experts import NVFP4GatedMLP  # noqa: E402
+from hf_integration.surgery import children_where, is_dense_gated_mlp, replace_module  # noqa: E402
 from bench_e2e import deepseek_v3_layers  # noqa: E402
 
 GROUPS = [  # first match wins; lower-case substrings of kernel names
@@ -135,8 +136,8 @@ def main() -> None:
         if variant in ("fp4moe", "fp4moe-dense"):
             fuse_routers(model)
         if variant == "fp4moe-dense":
-            for parent, attr, m in _dense_gated_mlps(model):
-                setattr(parent, attr, _quantize_dense_mlp(m, "auto"))
+            for parent, attr, m in children_where(model, is_dense_gated_mlp):
+                replace_module(parent, attr, NVFP4GatedMLP.quantize(m, "auto"))
         print(f"{variant} compiled (CUDA graphs):")
         profile_decode(model, args.batch, args.decode_steps, args.host_profile)
 

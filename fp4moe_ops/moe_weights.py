@@ -77,36 +77,50 @@ class NVFP4MoEWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def check_values(self, describe=None) -> None:
-        """Raise ValueError if a scale's value would give wrong numbers: a global scale that is not
-        finite and > 0, an E4M3 NaN byte (0x7F / 0xFF) or a negative block scale, a calibrated
-        input scale that is NaN, Inf or negative (0 is allowed: an expert calibration never
-        routed to; NVFP4 activations refuse it, see :func:`fp4moe_ops.activation_scales`).
+        """Raise ValueError if a scale's value would give wrong numbers (see :data:`SCALE_CHECKS`):
+        a global scale that is not finite and > 0, an E4M3 NaN byte (0x7F / 0xFF) or a negative
+        block scale, a calibrated input scale that is NaN, Inf or negative (0 is allowed: an expert
+        calibration never routed to; NVFP4 activations refuse it, see
+        :func:`fp4moe_ops.activation_scales`).
 
         ``describe(tensor_name, expert)`` names the culprit in the message (e.g. its checkpoint
         key); default ``"w13_global[3]"``. One host sync per tensor: for load time, not per call.
         """
         describe = describe or (lambda name, e: f"{name}[{e}]")
-        for name in ("w13_global", "w2_global"):
-            t = getattr(self, name)
-            _first_bad(name, ~(torch.isfinite(t) & (t > 0)), t, describe, "must be finite and > 0")
-        for name in ("fc1_input_scale", "fc2_input_scale"):
+        for name, kind in (("w13_global", "global"), ("w2_global", "global"), ("w13_scale", "block"),
+                           ("w2_scale", "block"), ("fc1_input_scale", "input"), ("fc2_input_scale", "input")):
             t = getattr(self, name)
             if t is not None:
-                _first_bad(name, ~(torch.isfinite(t) & (t >= 0)), t, describe, "must be finite and >= 0")
-        for name in ("w13_scale", "w2_scale"):
-            b = getattr(self, name).view(torch.uint8)
-            # sign bit set (a negative scale; 0x80 is -0, harmless) or all exponent and mantissa bits (NaN)
-            bad = ((b & 0x7F) == 0x7F) | ((b & 0x80) != 0) & (b != 0x80)
-            _first_bad(name, bad.flatten(1).any(1), None, describe,
-                       "holds an E4M3 NaN byte (0x7F/0xFF) or a negative block scale")
+                check_scale_values(t, kind, lambda e, name=name: describe(name, e))
 
 
-def _first_bad(name: str, bad: torch.Tensor, values, describe, what: str) -> None:
-    """Raise naming the first expert where ``bad [E]`` holds."""
+def _bad_global(t):
+    return ~(torch.isfinite(t) & (t > 0)), "must be finite and > 0"
+
+
+def _bad_input(t):
+    return ~(torch.isfinite(t) & (t >= 0)), "must be finite and >= 0"
+
+
+def _bad_block(t):
+    b = t.view(torch.uint8)
+    # all exponent and mantissa bits set (NaN), or the sign bit (a negative scale; 0x80 is -0, harmless)
+    bad = ((b & 0x7F) == 0x7F) | (((b & 0x80) != 0) & (b != 0x80))
+    return bad.flatten(1).any(1), "holds an E4M3 NaN byte (0x7F/0xFF) or a negative block scale"
+
+
+# kind -> (per-expert "bad" mask [E], what the values must be)
+SCALE_CHECKS = {"global": _bad_global, "block": _bad_block, "input": _bad_input}
+
+
+def check_scale_values(t: torch.Tensor, kind: str, describe) -> None:
+    """Raise ValueError naming ``describe(e)`` of the first expert whose ``kind`` scales (``t``:
+    ``[E]`` or ``[E, N, K/16]``) are bad; one host sync."""
+    bad, what = SCALE_CHECKS[kind](t)
     if bool(bad.any()):
         e = int(bad.nonzero()[0, 0])
-        value = f" (got {values[e].item()})" if values is not None else ""
-        raise ValueError(f"{describe(name, e)} {what}{value}; {int(bad.sum())} expert(s) affected")
+        value = f" (got {t[e].item()})" if t.dim() == 1 else ""
+        raise ValueError(f"{describe(e)} {what}{value}; {int(bad.sum())} expert(s) affected")
 
 
 def quantize_moe_weights(gate_up: torch.Tensor, down: torch.Tensor) -> NVFP4MoEWeights:

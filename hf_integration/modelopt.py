@@ -13,6 +13,7 @@ Everything else is Transformers' ``from_pretrained`` with :class:`~hf_integratio
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -80,8 +81,10 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
     def load(config, model_config):
         kwargs = dict(from_pretrained_kwargs)
         kwargs.setdefault("device_map", device_map if device_map is not None else device)
-        return AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=dtype, quantization_config=config,
-                                                    **kwargs)
+        with warnings.catch_warnings():  # "you passed quantization_config ...": on purpose, for the options
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+            return AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=dtype,
+                                                        quantization_config=config, **kwargs)
 
     if not expert_parallel:
         return load(*read())

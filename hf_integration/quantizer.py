@@ -35,7 +35,7 @@ from torch import nn
 from transformers.quantizers import HfQuantizer
 from transformers.utils import logging
 
-from fp4moe_ops import NVFP4MoEWeights, nvfp4
+from fp4moe_ops.moe_weights import check_scale_values
 from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS
 
 from .experts import NVFP4Experts, NVFP4GatedMLP, NVFP4Linear
@@ -51,7 +51,7 @@ from .modelopt_format import (
     linear_tensors,
 )
 from .router import fuse_routers
-from .surgery import children_where, is_transformers_experts, replace_module
+from .surgery import is_transformers_experts, replace_module
 
 logger = logging.get_logger("fp4moe")
 
@@ -261,34 +261,43 @@ except ImportError:  # pragma: no cover - Transformers without the v5 loader
 class StackNVFP4Experts(ConversionOps):
     """Transformers conversion op: one layer's per-expert ModelOpt tensors (as read from the files)
     -> the stacked buffers of :class:`NVFP4Experts`. Gate and up global scales that differ are
-    reconciled (their max, the other side's block scales rescaled and re-rounded, logged); every
-    scale value is checked (:meth:`fp4moe_ops.NVFP4MoEWeights.check_values`), naming the tensor."""
+    reconciled (their max, the other side's block scales rescaled and re-rounded, logged).
+
+    Every scale value is checked here, by its checkpoint name. Transformers turns any exception
+    inside a conversion into a generic report entry, so a bad value is recorded on the quantizer
+    and raised as a :class:`CheckpointError` naming the tensor once loading is done."""
 
     # (leaf index into ExpertLeaves, tensor) of each source pattern, in order
     SOURCES = tuple((leaf, t) for leaf in range(3) for t in LINEAR_TENSORS)
+    KIND = {"weight_scale_2": "global", "weight_scale": "block", "input_scale": "input"}
 
     def __init__(self, hf_quantizer: ModelOptQuantizer):
         # Transformers (>= 5.22) keeps the checkpoint dtypes of tensors that an op with an
         # ``hf_quantizer`` consumes; older versions keep them for every renamed key
         self.hf_quantizer = hf_quantizer
 
+    def __deepcopy__(self, memo):
+        # Transformers deep-copies a converter per layer: the op holds no per-layer state, and the
+        # quantizer (its plan, the errors found) must stay the one shared object
+        return self
+
     def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, **kwargs):
         module_name = full_layer_name.rsplit(".", 1)[0]
         plan = self.hf_quantizer.plan.experts[module_name]
-        got = {self.SOURCES[source_patterns.index(p)]: tensors for p, tensors in input_dict.items()}
-        count = len(plan.ids)
-        for (leaf, t), tensors in got.items():
-            if len(tensors) != count:
-                raise CheckpointError(f"{module_name}: read {len(tensors)} '{list(plan.leaves)[leaf]}.{t}' tensors "
-                                      f"for {count} experts")
-
-        def stacked(leaf: int, t: str) -> torch.Tensor:
-            return torch.stack(got.pop((leaf, t)))
+        got = {self.SOURCES[source_patterns.index(p)]: torch.stack(tensors) for p, tensors in input_dict.items()}
+        input_dict.clear()  # the per-expert tensors go as soon as they are stacked
+        leaves = list(plan.leaves)
+        for (leaf, t), stacked in got.items():
+            if stacked.shape[0] != len(plan.ids):
+                raise CheckpointError(f"{module_name}: read {stacked.shape[0]} '{leaves[leaf]}.{t}' tensors "
+                                      f"for {len(plan.ids)} experts")
+            if t in self.KIND:
+                self._check(stacked, self.KIND[t], plan, leaves[leaf], t)
 
         inter = plan.inter
-        g_gate, g_up = stacked(0, "weight_scale_2"), stacked(1, "weight_scale_2")
-        w13 = torch.cat([stacked(0, "weight"), stacked(1, "weight")], dim=1)
-        s13 = torch.cat([stacked(0, "weight_scale"), stacked(1, "weight_scale")], dim=1)
+        g_gate, g_up = got.pop((0, "weight_scale_2")), got.pop((1, "weight_scale_2"))
+        w13 = torch.cat([got.pop((0, "weight")), got.pop((1, "weight"))], dim=1)
+        s13 = torch.cat([got.pop((0, "weight_scale")), got.pop((1, "weight_scale"))], dim=1)
         g13 = torch.maximum(g_gate, g_up)
         differ = g_gate != g_up
         if bool(differ.any()):
@@ -297,36 +306,23 @@ class StackNVFP4Experts(ConversionOps):
             s13[:, inter:] = (s13[:, inter:].float() * (g_up / g13)[:, None, None]).to(torch.float8_e4m3fn)
             logger.warning("fp4moe: %s: %d experts had different gate/up weight_scale_2; used their max and "
                            "rescaled the other's block scales (re-rounded to E4M3)", module_name, int(differ.sum()))
-        fc1_in = fc2_in = None
-        if plan.input_scales:
-            fc1_in = torch.maximum(stacked(0, "input_scale"), stacked(1, "input_scale"))
-            fc2_in = stacked(2, "input_scale")
-        weights = NVFP4MoEWeights(w13, s13, g13, stacked(2, "weight"), stacked(2, "weight_scale"),
-                                  stacked(2, "weight_scale_2"), fc1_in, fc2_in)
-        self._check_values(weights, plan)
+        tensors = [w13, s13, g13, got.pop((2, "weight")), got.pop((2, "weight_scale")), got.pop((2, "weight_scale_2"))]
         base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
-        out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, weights.tensors())}
+        out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, tensors)}
         if plan.input_scales:
-            out |= {base + INPUT_SCALE_BUFFERS[0]: fc1_in, base + INPUT_SCALE_BUFFERS[1]: fc2_in}
+            out[base + INPUT_SCALE_BUFFERS[0]] = torch.maximum(got.pop((0, "input_scale")), got.pop((1, "input_scale")))
+            out[base + INPUT_SCALE_BUFFERS[1]] = got.pop((2, "input_scale"))
         return out
 
-    def _check_values(self, weights: NVFP4MoEWeights, plan: ExpertsPlan) -> None:
-        lv = list(plan.leaves)
-        leaf_of = {"w13_global": (0, "weight_scale_2"), "w2_global": (2, "weight_scale_2"),
-                   "w13_scale": (0, "weight_scale"), "w2_scale": (2, "weight_scale"),
-                   "fc1_input_scale": (0, "input_scale"), "fc2_input_scale": (2, "input_scale")}
-
-        def describe(name: str, e: int) -> str:
-            leaf, t = leaf_of[name]
-            key = plan.key(plan.ids[e], lv[leaf], t)
-            if leaf == 0:
-                key += f" (or {lv[1]})"
-            return f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(plan.key(plan.ids[e], lv[leaf], t))}"
+    def _check(self, stacked: torch.Tensor, kind: str, plan: ExpertsPlan, leaf: str, tensor: str) -> None:
+        def describe(e: int) -> str:
+            key = plan.key(plan.ids[e], leaf, tensor)
+            return f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(key)}"
 
         try:
-            weights.check_values(describe)
+            check_scale_values(stacked, kind, describe)
         except ValueError as exc:
-            raise CheckpointError(str(exc)) from None
+            self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
 
     @property
     def reverse_op(self):
@@ -365,6 +361,7 @@ class ModelOptQuantizer(HfQuantizer):
     def __init__(self, quantization_config: ModelOptConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.plan: LoadPlan | None = None
+        self.load_errors: list[CheckpointError] = []  # found while converting, raised once loading is done
 
     def validate_environment(self, *args, device_map=None, **kwargs):
         if isinstance(device_map, dict) and "disk" in device_map.values():
@@ -428,9 +425,22 @@ class ModelOptQuantizer(HfQuantizer):
         return _converters_for(self.plan, self) + kept
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.load_errors:
+            raise self.load_errors[0]
         self._check_all_loaded(model)
-        for parent, attr, m in children_where(model, lambda m: isinstance(m, NVFP4Linear)):
-            replace_module(parent, attr, m.dequantized())
+        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Linear)]
+        for name, m in linears:  # every value checked before any module changes
+            for tensor, kind in (("weight_scale_2", "global"), ("weight_scale", "block"), ("input_scale", "input")):
+                if tensor in m._buffers:
+                    key = f"{name}.{tensor}"
+                    try:
+                        check_scale_values(m._buffers[tensor][None], kind, lambda e, key=key: (
+                            f"checkpoint tensor {key!r} in {self.plan.files.get(key)}"))
+                    except ValueError as exc:
+                        raise CheckpointError(str(exc)) from None
+        for name, m in linears:
+            parent, _, attr = name.rpartition(".")
+            replace_module(model.get_submodule(parent), attr, m.dequantized())
         config = self.quantization_config
         for _, m in _nvfp4_modules(model, NVFP4Experts):
             m.set_backend(config.backend, config.act_scale_mode)

@@ -107,7 +107,7 @@ def test_decode_ptx_matches_the_e2m1_definition():
             s[position] = scales[byte % len(scales)]  # sweeps subnormal and large scales too
             # the kernel passes scale * 2^104 in bf16 (exact: E4M3 has 3 mantissa bits)
             sbits = [float_to_bf16(v * 2.0**104) for v in s]
-            regs = run_ptx(triton_moe._E2M1X8_TO_BF16.value, {
+            regs = run_ptx(triton_moe.kernels._E2M1X8_TO_BF16.value, {
                 "$4": sum(b << (8 * i) for i, b in enumerate(data)),
                 "$5": sbits[0] | (sbits[1] << 16), "$6": sbits[2] | (sbits[3] << 16),
             })
@@ -141,7 +141,7 @@ def test_paired_word_ptx_matches_the_e2m1_definition():
             word = int(triton_moe.paired_weight_layout(packed[None])[0, r, 0]) & MASK32
             s = [rng.choice(scales), scales[byte % len(scales)]]  # rows r, r+8
             sbits = [float_to_bf16(v * 2.0**104) for v in s]
-            regs = run_ptx(triton_moe._PAIRED_WORD_TO_BF16.value, {
+            regs = run_ptx(triton_moe.kernels._PAIRED_WORD_TO_BF16.value, {
                 "$4": word, "$5": sbits[0] | (sbits[0] << 16), "$6": sbits[1] | (sbits[1] << 16)})
             for reg, row, codes in (("$0", 0, (0, 2)), ("$1", 1, (0, 2)), ("$2", 0, (1, 3)), ("$3", 1, (1, 3))):
                 unit = packed[r + 8 * row]
@@ -163,7 +163,7 @@ def test_scale_ptx_matches_the_e4m3_definition():
         for byte in [b for b in range(256) if b & 0x7F != 0x7F]:
             data = [rng.randrange(0x7F) for _ in range(4)]
             data[position] = byte
-            regs = run_ptx(triton_moe._E4M3X4_TO_BF16.value, {"$2": sum(b << (8 * i) for i, b in enumerate(data))})
+            regs = run_ptx(triton_moe.kernels._E4M3X4_TO_BF16.value, {"$2": sum(b << (8 * i) for i, b in enumerate(data))})
             got = [bf16_to_float(regs["$0"]), bf16_to_float(regs["$0"] >> 16),
                    bf16_to_float(regs["$1"]), bf16_to_float(regs["$1"] >> 16)]
             for i in range(4):

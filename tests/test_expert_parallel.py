@@ -24,13 +24,13 @@ def worker(rank, world, port, ids, out_dir, compile_too, checkpoint=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        from hf_integration import load_modelopt_nvfp4
         from hf_integration.expert_parallel import shard_experts
-        from hf_integration.modelopt import load_modelopt_nvfp4
 
         try:
             if checkpoint:  # each rank reads only its experts from the checkpoint (or its own path)
                 path = checkpoint[rank] if isinstance(checkpoint, list) else checkpoint
-                model = load_modelopt_nvfp4(path, expert_parallel=True, verbose=False)
+                model = load_modelopt_nvfp4(path, expert_parallel=True)
             else:
                 model = patch_deepseek(tiny_deepseek_v3(seed=0, num_hidden_layers=2), verbose=False)  # same weights everywhere
                 shard_experts(model)
@@ -43,7 +43,7 @@ def worker(rank, world, port, ids, out_dir, compile_too, checkpoint=None):
             tokens = model.generate(ids, max_new_tokens=5, do_sample=False)
             compiled = torch.compile(model, fullgraph=True)(ids).logits if compile_too else None
         torch.save({"logits": logits, "tokens": tokens, "compiled": compiled,
-                    "local_experts": experts.nvfp4_weights().num_experts}, f"{out_dir}/rank{rank}.pt")
+                    "local_experts": experts.num_experts}, f"{out_dir}/rank{rank}.pt")
     finally:
         # no collective left in flight on either rank before teardown: gloo can abort the
         # process when a peer tears down while its worker threads still hold work
@@ -82,13 +82,13 @@ def test_world_size_not_dividing_experts_fails_alike_on_every_rank(tmp_path):
 
 
 def test_expert_parallel_loading_from_modelopt_checkpoint(tmp_path):
-    from hf_integration.modelopt import load_modelopt_nvfp4
+    from hf_integration import load_modelopt_nvfp4
     from hf_integration.tiny_models import write_modelopt_checkpoint
 
     ckpt = tmp_path / "ckpt"
     write_modelopt_checkpoint(tiny_deepseek_v3(seed=1, num_hidden_layers=2), ckpt)
     ids, results = run(2, tmp_path, checkpoint=str(ckpt))
-    single = load_modelopt_nvfp4(ckpt, verbose=False)
+    single = load_modelopt_nvfp4(ckpt)
     with torch.no_grad():
         want = single(ids).logits.double()
         want_tokens = single.generate(ids, max_new_tokens=5, do_sample=False)

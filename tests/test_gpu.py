@@ -210,11 +210,11 @@ def test_modelopt_device_map_auto_over_two_gpus(tmp_path):
     from hf_integration.tiny_models import tiny_deepseek_v3, write_modelopt_checkpoint
 
     write_modelopt_checkpoint(tiny_deepseek_v3(seed=0, num_hidden_layers=5), tmp_path)
-    spread = load_modelopt_nvfp4(tmp_path, device_map="auto", verbose=False)
+    spread = load_modelopt_nvfp4(tmp_path, device_map="auto")
     devices = {m._buffers["gate_up_proj_packed"].device.index for _, m in find_experts_modules(spread)}
     assert devices == {0, 1}
     assert {v for v in spread.hf_device_map.values()} == {"cuda:0", "cuda:1"}
-    one = load_modelopt_nvfp4(tmp_path, device="cuda:0", verbose=False)
+    one = load_modelopt_nvfp4(tmp_path, device="cuda:0")
     ids = torch.randint(1, 256, (2, 9), device="cuda:0")
     # same kernels on the same weights, only on other devices: equal bit for bit
     torch.testing.assert_close(spread(ids).logits.to("cuda:0"), one(ids).logits, rtol=0, atol=0)

@@ -1,50 +1,97 @@
-"""ModelOpt NVFP4 checkpoints: tiny checkpoints written in the exact ModelOpt layout (per-expert
-names, dtypes, shapes; valid FP4/FP8 bytes from quantizing random weights), loaded and checked
-against the file bytes and a float64 reference built from the raw tensors."""
+"""ModelOpt NVFP4 checkpoints through Transformers: ``from_pretrained`` with fp4moe's quantizer,
+``save_pretrained`` back, on tiny checkpoints written in ModelOpt's exact layout (per-expert names,
+dtypes, shapes; valid FP4/FP8 bytes from quantizing random weights). Genuine ModelOpt exports are
+in tests/test_real_exports.py."""
 
 import json
-import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
-from hf_integration.modelopt import CheckpointError, load_modelopt_nvfp4, read_quant_config, save_modelopt_nvfp4
+from hf_integration import CheckpointError, ModelOptConfig, load_modelopt_nvfp4, patch_deepseek
+from hf_integration.modelopt_format import read_quant_config
 from hf_integration.tiny_models import tiny_deepseek_v3, write_modelopt_checkpoint
 from moe_reference64 import dequant64
+
+E3 = "model.layers.1.mlp.experts.3.up_proj"
 
 
 @pytest.fixture
 def checkpoint(tmp_path):
     model = tiny_deepseek_v3(num_hidden_layers=2)  # layer 0 dense NVFP4 MLP, layer 1 MoE (last)
-    tensors = write_modelopt_checkpoint(model, tmp_path)
-    return tmp_path, model, tensors
+    tensors = write_modelopt_checkpoint(model, tmp_path / "ckpt")
+    return tmp_path / "ckpt", model, tensors
 
 
-def test_loaded_experts_equal_file_bytes(checkpoint):
+def with_config_json_quantization(path):
+    """The newer export form: the ModelOpt config in config.json, no hf_quant_config.json."""
+    cfg = json.loads((path / "config.json").read_text())
+    quant = json.loads((path / "hf_quant_config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", **quant["quantization"], "producer": quant["producer"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "hf_quant_config.json").unlink()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def file_tensors(folder):
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def bytes_of(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_from_pretrained_loads_experts_straight_from_the_file_bytes(checkpoint, monkeypatch):
+    from hf_integration.quantizer import StackNVFP4Experts
+
     path, _, tensors = checkpoint
-    model = load_modelopt_nvfp4(path)
+    with_config_json_quantization(path)
+    seen = []
+    convert = StackNVFP4Experts.convert
+
+    def recording(self, input_dict, *args, **kwargs):  # what the loader hands the experts: file dtypes
+        seen.extend(t.dtype for ts in input_dict.values() for t in ts)
+        return convert(self, input_dict, *args, **kwargs)
+
+    monkeypatch.setattr(StackNVFP4Experts, "convert", recording)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)  # plain Transformers call
+    assert set(seen) == {torch.uint8, torch.float8_e4m3fn, torch.float32}  # never a 16-bit expert tensor
     experts = model.model.layers[1].mlp.experts
-    w = experts.nvfp4_weights()
+    assert type(experts).__name__ == "NVFP4Experts" and model.is_quantized and model.hf_quantizer.is_compileable
+    w = experts.canonical()
     prefix = "model.layers.1.mlp.experts"
     for e in range(8):
         assert torch.equal(w.w13[e, :32], tensors[f"{prefix}.{e}.gate_proj.weight"])
         assert torch.equal(w.w13[e, 32:], tensors[f"{prefix}.{e}.up_proj.weight"])
-        assert torch.equal(w.w13_scale[e, 32:].view(torch.uint8), tensors[f"{prefix}.{e}.up_proj.weight_scale"].view(torch.uint8))
+        assert torch.equal(bytes_of(w.w13_scale[e, 32:]), bytes_of(tensors[f"{prefix}.{e}.up_proj.weight_scale"]))
         assert torch.equal(w.w2[e], tensors[f"{prefix}.{e}.down_proj.weight"])
-        assert torch.equal(w.w2_scale[e].view(torch.uint8), tensors[f"{prefix}.{e}.down_proj.weight_scale"].view(torch.uint8))
+        assert torch.equal(bytes_of(w.w2_scale[e]), bytes_of(tensors[f"{prefix}.{e}.down_proj.weight_scale"]))
         assert w.w13_global[e] == tensors[f"{prefix}.{e}.gate_proj.weight_scale_2"]
         assert w.w2_global[e] == tensors[f"{prefix}.{e}.down_proj.weight_scale_2"]
         assert w.fc2_input_scale[e] == tensors[f"{prefix}.{e}.down_proj.input_scale"]
     # excluded modules (attention, router, lm_head) are loaded as they are
-    attn = model.model.layers[1].self_attn
-    assert torch.equal(attn.o_proj.weight, tensors["model.layers.1.self_attn.o_proj.weight"])
+    assert torch.equal(model.model.layers[1].self_attn.o_proj.weight, tensors["model.layers.1.self_attn.o_proj.weight"])
     assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
-    assert "weights=NVFP4" in repr(experts)
     router = model.model.layers[1].mlp.gate  # swapped for the one-op router, holding the file's tensors
     assert "op=fp4moe::grouped_topk" in repr(router)
-    assert torch.equal(router.weight, tensors["model.layers.1.mlp.gate.weight"])
+    assert torch.equal(router.weight.to(tensors["model.layers.1.mlp.gate.weight"].dtype),
+                       tensors["model.layers.1.mlp.gate.weight"])
+    # NVFP4 linears outside the experts: dequantized at load, exactly the file's values in bf16
+    dense = model.model.layers[0].mlp.down_proj
+    assert type(dense) is torch.nn.Linear and dense.weight.dtype == torch.bfloat16
+    want = dequant64(tensors["model.layers.0.mlp.down_proj.weight"], tensors["model.layers.0.mlp.down_proj.weight_scale"],
+                     tensors["model.layers.0.mlp.down_proj.weight_scale_2"])
+    assert torch.equal(dense.weight, want.to(torch.bfloat16))
 
 
 def float64_reference_model(tensors, original):
@@ -74,72 +121,200 @@ def float64_reference_model(tensors, original):
 
 def test_logits_match_float64_dequantized_reference(checkpoint):
     path, original, tensors = checkpoint
-    model = load_modelopt_nvfp4(path)
+    model = load_modelopt_nvfp4(path)  # hf_quant_config.json only, as NVIDIA's DeepSeek exports
     ref = float64_reference_model(tensors, original)
     ids = torch.randint(1, 256, (2, 9))
-    with torch.no_grad():
-        got, want = model(ids).logits.double(), ref(ids).logits.double()
+    got, want = logits(model, ids).double(), logits(ref, ids).double()
     # bf16 model (fp32 expert math) vs fp32 model on the same dequantized weights; one MoE
     # layer at the end so no router sees a perturbed input
     per_token = (got - want).norm(dim=-1) / want.norm(dim=-1)
     assert per_token.median() < 3e-2, per_token
 
 
-def test_save_round_trip_is_byte_exact(checkpoint, tmp_path_factory):
+def test_hf_quant_config_only_checkpoint_through_from_pretrained(checkpoint):
+    path, _, _ = checkpoint
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=ModelOptConfig())
+    wrapped = load_modelopt_nvfp4(path)
+    ids = torch.randint(1, 256, (1, 5))
+    assert torch.equal(logits(plain, ids), logits(wrapped, ids))
+
+
+def test_save_round_trip_is_bit_identical(checkpoint, tmp_path):
     path, _, tensors = checkpoint
     model = load_modelopt_nvfp4(path)
-    out = tmp_path_factory.mktemp("saved")
-    save_modelopt_nvfp4(model, out)
-    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        for key in f.keys():
-            if ".mlp.experts." in key:
-                bytes_of = lambda t: t.reshape(-1).view(torch.uint8)
-                assert torch.equal(bytes_of(f.get_tensor(key)), bytes_of(tensors[key])), key
-        assert sum(".mlp.experts." in k for k in f.keys()) == sum(".mlp.experts." in k for k in tensors)
-    again = load_modelopt_nvfp4(out)
+    out = tmp_path / "saved"
+    model.save_pretrained(out)
+    saved = file_tensors(out)
+    for key, t in tensors.items():
+        if ".mlp.experts." in key:  # experts written back byte for byte, same names and dtypes
+            assert saved[key].dtype == t.dtype and torch.equal(bytes_of(saved[key]), bytes_of(t)), key
+    assert sum(".mlp.experts." in k for k in saved) == sum(".mlp.experts." in k for k in tensors)
+    quant = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "NVFP4" and quant["group_size"] == 16 and "kv_cache_quant_algo" in quant
+    assert "model.layers.0.mlp.down_proj" in quant["exclude_modules"]  # dequantized at load, saved in bf16
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "modelopt"
+    again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)  # plain: config.json says modelopt
     ids = torch.randint(1, 256, (1, 5))
-    with torch.no_grad():
-        torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert torch.equal(logits(again, ids), logits(model, ids))
 
 
-def test_kimi_k2_config_and_config_json_quantization(checkpoint, tmp_path):
+def test_patched_bf16_model_saves_as_modelopt_and_loads_bit_identical(tmp_path):
+    model = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=3))
+    model.save_pretrained(tmp_path / "out")
+    saved = file_tensors(tmp_path / "out")
+    assert saved["model.layers.2.mlp.experts.5.down_proj.weight"].dtype == torch.uint8
+    assert saved["model.layers.2.mlp.experts.5.gate_proj.weight_scale"].dtype == torch.float8_e4m3fn
+    assert saved["model.layers.2.mlp.experts.5.up_proj.weight_scale_2"].shape == ()
+    assert not any(k.endswith("input_scale") for k in saved)  # uncalibrated: a W4A16 export
+    assert json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "W4A16_NVFP4"
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    ids = torch.randint(1, 256, (2, 6))
+    assert torch.equal(logits(again, ids), logits(model, ids))
+
+
+def test_sharded_save_has_an_index_and_loads(checkpoint, tmp_path):
+    model = load_modelopt_nvfp4(checkpoint[0])
+    model.save_pretrained(tmp_path / "out", max_shard_size="100KB")
+    shards = sorted((tmp_path / "out").glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "out" / "model.safetensors.index.json").exists()
+    ids = torch.randint(1, 256, (1, 5))
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16), ids),
+                       logits(model, ids))
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(checkpoint, tmp_path, monkeypatch):
+    import transformers.modeling_utils as mu
+
+    model = load_modelopt_nvfp4(checkpoint[0])
+    out = tmp_path / "out"
+    model.save_pretrained(out, max_shard_size="100KB")
+    (out / "tokenizer.json").write_text("{}")  # a file of the user's beside the checkpoint
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    ids = torch.randint(1, 256, (1, 5))
+    want = logits(model, ids)
+    calls = []
+    real = mu.safe_save_file
+
+    def disk_full(*args, **kwargs):  # the second shard fails, after the first was written
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mu, "safe_save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        model.save_pretrained(out, max_shard_size="50KB")
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # byte for byte, nothing added
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no staging folder left behind
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16), ids), want)
+    monkeypatch.setattr(mu, "safe_save_file", real)
+    model.save_pretrained(out)  # one shard now: the old shards and index go, the user's file stays
+    names = sorted(f.name for f in out.iterdir())
+    assert names == ["config.json", "generation_config.json", "hf_quant_config.json", "model.safetensors",
+                     "tokenizer.json"]
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16), ids), want)
+
+
+def test_hub_id_from_a_local_cache_snapshot_offline(checkpoint, tmp_path):
+    """A Hub id resolves through Transformers' download and cache; with HF_HUB_OFFLINE=1 it must
+    come from the cache alone (no network here)."""
+    path, _, _ = checkpoint
+    with_config_json_quantization(path)
+    snapshot = tmp_path / "hub" / "models--nvidia--Tiny-DeepSeek-NVFP4"
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    (snapshot / "refs").mkdir(parents=True)
+    (snapshot / "refs" / "main").write_text(sha)
+    (snapshot / "snapshots").mkdir()
+    os.symlink(path, snapshot / "snapshots" / sha)
+    script = ("import torch, hf_integration\nfrom transformers import AutoModelForCausalLM\n"
+              "m = AutoModelForCausalLM.from_pretrained('nvidia/Tiny-DeepSeek-NVFP4', dtype=torch.bfloat16)\n"
+              "print(type(m.model.layers[1].mlp.experts).__name__)\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"), HF_HOME=str(tmp_path / "home"))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("NVFP4Experts")
+
+
+def test_kimi_k2_config_loads_as_deepseek_v3(checkpoint):
     path, _, _ = checkpoint
     cfg = json.loads((path / "config.json").read_text())
     cfg["model_type"] = "kimi_k2"
-    quant = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
-    cfg["quantization_config"] = {"quant_method": "modelopt", **quant}
     (path / "config.json").write_text(json.dumps(cfg))
-    (path / "hf_quant_config.json").unlink()
-    assert read_quant_config(path).exclude_modules == quant["exclude_modules"]
     model = load_modelopt_nvfp4(path)
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
 
 
 def test_exclude_module_matching():
-    from hf_integration.modelopt import ModelOptNVFP4Config
-
-    q = ModelOptNVFP4Config(["lm_head", "*self_attn*", "model.layers.0.mlp"])
+    q = ModelOptConfig(exclude_modules=["lm_head", "*self_attn*", "model.layers.0.mlp"])
     assert q.is_excluded("lm_head")
     assert q.is_excluded("model.layers.3.self_attn.o_proj")
     assert q.is_excluded("model.layers.0.mlp.down_proj")  # substring
     assert not q.is_excluded("model.layers.1.mlp.down_proj")
 
 
-def test_gate_up_scale_reconciliation_logs_and_stays_close(tmp_path, caplog):
+def test_quant_config_forms_and_names():
+    a = ModelOptConfig.from_dict({"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "nvfp4", "group_size": 16, "exclude_modules": ["lm_head"], "kv_cache_quant_algo": None}})
+    b = ModelOptConfig.from_dict({"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["lm_head"]})
+    assert a.quant_algo == b.quant_algo == "NVFP4" and a.exclude_modules == b.exclude_modules == ["lm_head"]
+    assert ModelOptConfig.from_dict({"quant_algo": "W4A16_NVFP4"}).weights_only
+    with pytest.raises(ValueError, match="quant_algo 'FP8' is not supported"):
+        ModelOptConfig.from_dict({"quant_algo": "FP8"})
+    with pytest.raises(ValueError, match="group_size 32"):
+        ModelOptConfig.from_dict({"quant_algo": "NVFP4", "group_size": 32})
+
+
+def test_gate_up_scale_reconciliation_logs_and_is_deterministic(tmp_path, caplog):
+    import logging
+
     original = tiny_deepseek_v3(num_hidden_layers=2)
     write_modelopt_checkpoint(original, tmp_path, equal_gate_up_scales=False)
     with caplog.at_level(logging.WARNING, logger="fp4moe"):
         model = load_modelopt_nvfp4(tmp_path)
     assert "different gate/up weight_scale_2" in caplog.text
-    ref = load_modelopt_nvfp4(tmp_path)  # same file: deterministic
     ids = torch.randint(1, 256, (1, 6))
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
+    assert torch.equal(logits(model, ids), logits(load_modelopt_nvfp4(tmp_path), ids))
+
+
+def test_weights_only_export_loads_and_refuses_nvfp4_activations(tmp_path):
+    write_modelopt_checkpoint(tiny_deepseek_v3(num_hidden_layers=2), tmp_path, input_scales=False)
+    assert read_quant_config(tmp_path).weights_only
+    model = load_modelopt_nvfp4(tmp_path)
+    assert "fc1_input_scale" not in model.model.layers[1].mlp.experts._buffers
+    with pytest.raises(ValueError, match="calibrate"):
+        load_modelopt_nvfp4(tmp_path, act_scale_mode="global_max")
+
+
+def test_model_is_marked_quantized_the_hf_way(checkpoint):
+    model = load_modelopt_nvfp4(checkpoint[0])
+    experts = model.model.layers[1].mlp.experts
+    scale_before = experts.gate_up_proj_scale.clone()
+    with pytest.raises(ValueError, match="not supported for quantized model"):
+        model.half()
+    model.to(torch.float16)  # the 16-bit parts move; the NVFP4 bytes and scales keep their dtypes
+    assert experts.gate_up_proj_scale.dtype == torch.float8_e4m3fn
+    assert torch.equal(bytes_of(experts.gate_up_proj_scale), bytes_of(scale_before))
+    assert experts.gate_up_proj_global_scale.dtype == torch.float32
+    assert model.model.embed_tokens.weight.dtype == torch.float16
+    assert torch.isfinite(logits(model, torch.randint(1, 256, (1, 4)))).all()  # fp16 activations run
+    with pytest.raises(ValueError, match="only fp4moe's op can run"):
+        model.set_experts_implementation("eager")
+
+
+def test_device_map_dict_places_modules(checkpoint):
+    path, _, _ = checkpoint
+    plain = load_modelopt_nvfp4(path)
+    mapped = load_modelopt_nvfp4(path, device_map={"model.embed_tokens": "cpu", "model.layers": "cpu",
+                                                   "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"})
+    ids = torch.randint(1, 100, (2, 7))
+    assert torch.equal(logits(mapped, ids), logits(plain, ids))
+    assert not any(t.is_meta for t in list(mapped.parameters()) + list(mapped.buffers()))
 
 
 def corrupt(path, key, new_value=None, *, drop=False, add=None):
-    """Rewrite the shard holding ``key`` (or the first shard, to add a tensor)."""
+    """Rewrite the shard holding ``key`` (or the first shard, to add a tensor) and its index."""
     shards = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
     for shard in shards:
         with safe_open(str(shard), framework="pt") as f:
             data = {k: f.get_tensor(k) for k in f.keys()}
@@ -151,71 +326,65 @@ def corrupt(path, key, new_value=None, *, drop=False, add=None):
             else:
                 data[key] = new_value
             save_file(data, str(shard))
+            if index.exists():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map.pop(key, None) if drop else weight_map.setdefault(add[0] if add else key, shard.name)
+                index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
             return
 
 
-E0 = "model.layers.1.mlp.experts.3.up_proj"
-
-
 @pytest.mark.parametrize("case,match", [
-    ("missing", f"{E0}.weight_scale' is missing"),
-    ("shape", f"{E0}.weight': expected shape \\[32, 32\\], found \\[32, 30\\]"),
-    ("dtype", f"{E0}.weight_scale': expected dtype torch.float8_e4m3fn, found torch.float32"),
-    ("unexpected", "unexpected checkpoint tensors.*model.layers.1.mlp.experts.8.up_proj.weight"),
-    ("missing_dense", "model.layers.0.self_attn.o_proj.weight' is missing"),
-    ("missing_input", f"{E0}.input_scale' is missing"),
+    ("missing", f"{E3}.weight_scale' is missing"),
+    ("shape", f"{E3}.weight' in model-0000.-of-00002.safetensors: expected shape \\[32, 32\\], found \\[32, 30\\]"),
+    ("dtype", f"{E3}.weight_scale' in .*: expected dtype torch.float8_e4m3fn, found torch.float32"),
+    ("unexpected", "unexpected checkpoint tensor 'model.layers.1.mlp.experts.8.up_proj.weight'"),
+    ("missing_input", f"{E3}.input_scale' is missing \\(the other experts of this layer have input scales\\)"),
+    ("nan_scale", f"{E3[:-len('up_proj')]}gate_proj.weight_scale_2' .*must be finite and > 0"),
 ])
 def test_corrupted_checkpoints_fail_with_the_tensor_named(checkpoint, case, match):
     path, _, tensors = checkpoint
     if case == "missing":
-        corrupt(path, f"{E0}.weight_scale", drop=True)
+        corrupt(path, f"{E3}.weight_scale", drop=True)
     elif case == "shape":
-        corrupt(path, f"{E0}.weight", tensors[f"{E0}.weight"][:, :30].clone())
+        corrupt(path, f"{E3}.weight", tensors[f"{E3}.weight"][:, :30].clone())
     elif case == "dtype":
-        corrupt(path, f"{E0}.weight_scale", tensors[f"{E0}.weight_scale"].float())
+        corrupt(path, f"{E3}.weight_scale", tensors[f"{E3}.weight_scale"].float())
     elif case == "unexpected":
         corrupt(path, None, add=("model.layers.1.mlp.experts.8.up_proj.weight", torch.zeros(32, 32, dtype=torch.uint8)))
-    elif case == "missing_dense":
-        corrupt(path, "model.layers.0.self_attn.o_proj.weight", drop=True)
     elif case == "missing_input":
-        corrupt(path, f"{E0}.input_scale", drop=True)
+        corrupt(path, f"{E3}.input_scale", drop=True)
+    elif case == "nan_scale":
+        corrupt(path, f"{E3[:-len('up_proj')]}gate_proj.weight_scale_2", torch.tensor(float("nan")))
     with pytest.raises(CheckpointError, match=match):
         load_modelopt_nvfp4(path)
 
 
 def test_save_patched_model_with_nvfp4_dense_mlps_and_reload(tmp_path):
-    from hf_integration import patch_deepseek
-
     model = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2), quantize_dense_mlps=True)
-    save_modelopt_nvfp4(model, tmp_path)
-    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
-        keys = set(f.keys())
-        packed = f.get_tensor("model.layers.0.mlp.down_proj.weight")
-    assert "model.layers.0.mlp.gate_proj.weight_scale" in keys  # ModelOpt names for the dense MLP
-    assert torch.equal(packed, model.model.layers[0].mlp.nvfp4_weights().w2[0])
-    again = load_modelopt_nvfp4(tmp_path)  # dense NVFP4 MLPs come back dequantized (BF16)
+    model.save_pretrained(tmp_path)
+    saved = file_tensors(tmp_path)
+    assert "model.layers.0.mlp.gate_proj.weight_scale" in saved  # ModelOpt names for the dense MLP
+    assert torch.equal(saved["model.layers.0.mlp.down_proj.weight"], model.model.layers[0].mlp.canonical().w2[0])
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)  # dense NVFP4 MLPs: dequantized
     ids = torch.randint(1, 256, (1, 6))
-    with torch.no_grad():
-        per_token = (again(ids).logits.double() - model(ids).logits.double()).norm(dim=-1)
-        per_token /= model(ids).logits.double().norm(dim=-1)
+    got, want = logits(again, ids).double(), logits(model, ids).double()
+    per_token = (got - want).norm(dim=-1) / want.norm(dim=-1)
     assert per_token.median() < 3e-2, per_token  # same weights; bf16 vs fp32 dense math
 
 
 def test_checkpoint_fingerprint_sees_layout_not_file_split(tmp_path):
     # expert-parallel ranks compare this digest: equal for the same tensors split into other
     # files, different when a tensor's shape differs
-    from safetensors.torch import load_file
-
-    from hf_integration.modelopt import _Checkpoint, _fingerprint, _model_config
+    from hf_integration.modelopt import _model_config, checkpoint_fingerprint
 
     a, b = tmp_path / "a", tmp_path / "b"
     write_modelopt_checkpoint(tiny_deepseek_v3(seed=0, num_hidden_layers=2), a, shards=2)
     b.mkdir()
-    merged = {k: v for f in sorted(a.glob("*.safetensors")) for k, v in load_file(f).items()}
+    merged = file_tensors(a)
     save_file(merged, str(b / "model.safetensors"))
     for name in ("config.json", "hf_quant_config.json"):
         (b / name).write_text((a / name).read_text())
-    digest = lambda p: _fingerprint(read_quant_config(p), _model_config(p), _Checkpoint(p))  # noqa: E731
+    digest = lambda p: checkpoint_fingerprint(p, read_quant_config(p), _model_config(p / "config.json"))  # noqa: E731
     assert len(list(a.glob("*.safetensors"))) > 1 and digest(a) == digest(b)
     key = "model.layers.1.mlp.experts.3.down_proj.weight_scale_2"
     merged[key] = merged[key].reshape(1)

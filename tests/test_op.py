@@ -57,8 +57,9 @@ def test_reference_nvfp4_activations_per_expert_and_global():
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel < 4e-3, (mode, rel)
     # prepare_experts: W4A16 unless asked; asked on a 16-bit-activation backend, a clear error
-    assert fp4moe_ops.prepare_experts(w, "reference").fc1_act_scale is None
-    assert fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="global_max").fc1_act_scale.numel() == 1
+    assert fp4moe_ops.prepare_experts(w, "reference").activation_scales() == (None, None)
+    fc1, fc2 = fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="global_max").activation_scales()
+    assert fc1.shape == fc2.shape == ()
     w.fc2_input_scale = None
     with pytest.raises(ValueError, match="calibrate_activation_scales"):
         fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="per_expert")
@@ -127,8 +128,10 @@ def test_bad_inputs_have_clear_errors():
         op(x[:, :32], ids, rw, p.tensors, None, None, "reference")
     with pytest.raises(ValueError, match="is on meta"):
         op(x, ids.to("meta"), rw, p.tensors, None, None, "reference")
-    with pytest.raises(ValueError, match=r"float32 scalars or \[E=6\]"):
+    with pytest.raises(ValueError, match=r"float32 0-dim scalars or \[E=6\]"):
         op(x, ids, rw, p.tensors, torch.ones(5), None, "reference")
+    with pytest.raises(ValueError, match=r"float32 0-dim scalars or \[E=6\], got torch.float32 \[1\]"):
+        op(x, ids, rw, p.tensors, torch.ones(1), torch.ones(1), "reference")  # FlashInfer reads [1] as per-expert
     with pytest.raises(ValueError, match="unknown fp4moe backend"):
         op(x, ids, rw, p.tensors, None, None, "nope")
     with pytest.raises(ValueError, match="expected 6 expert tensors"):

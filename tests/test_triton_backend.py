@@ -9,6 +9,17 @@ from fp4moe_ops.backends import BACKENDS
 from fp4moe_ops.backends.triton_moe import kernel_config, route, triton_fused_moe
 from moe_reference64 import moe64
 
+
+def kernel_tensors(w):
+    """The op's tensors for the Triton backend: canonical, the packed weights in its layout
+    (paired where the tiles come through TMA)."""
+    from fp4moe_ops.backends.base import CANONICAL, canonical_layout, convert_packed
+
+    tensors = canonical_layout(w.tensors())
+    layout = BACKENDS["triton"].packed_layout(w.hidden_size, w.intermediate_size)
+    tensors[0], tensors[3] = (convert_packed(tensors[i], CANONICAL, layout) for i in (0, 3))
+    return tensors
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -47,7 +58,7 @@ def test_triton_matches_float64(dtype, e, h, i, t, k):
     ids[0, -1] = -1  # expert-parallel sentinel
     ids[1, -1] = e
     rw = torch.rand(t, k)
-    dev = [x.to(DEVICE) for x in BACKENDS["triton"].prepare(w)]  # paired layout where TMA fits
+    dev = [x.to(DEVICE) for x in kernel_tensors(w)]  # paired layout where TMA fits
     assert (dev[0].dtype == torch.int32) == kernel_config(t * k, e, h, i)["TMA"]
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), dev).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
@@ -97,7 +108,7 @@ def test_fast_and_torch_routing_agree(slots_per_token, tokens):
     ids = torch.randint(-2, 9, (tokens, slots_per_token))
     fast = route(ids.to(DEVICE), 8, 4)
     flat = ids.reshape(-1).to(DEVICE)
-    slow = triton_moe._route_torch(flat, 8, 4, min(flat.numel(), 8) + flat.numel() // 4)
+    slow = triton_moe.launch._route_torch(flat, 8, 4, min(flat.numel(), 8) + flat.numel() // 4)
     fast = [t.cpu() for t in fast]
     slow = [t.cpu().to(torch.int32) for t in slow]
     assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
@@ -137,7 +148,7 @@ def test_triton_decode_variants(fragment, paired, split):
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     ids[0, -1] = -1  # an unused slot: its rows of the split's fp32 scratch are never written
     rw = torch.rand(t, k)
-    tensors = BACKENDS["triton"].prepare(w) if paired else fp4moe_ops.prepare_experts(w, "reference").tensors
+    tensors = kernel_tensors(w) if paired else fp4moe_ops.prepare_experts(w, "reference").tensors
     cfg = kernel_config(t * k, e, h, i) | {"FRAGMENT_ORDER": fragment, "SPLIT_GATE_UP": split}
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in tensors], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
@@ -155,7 +166,7 @@ def test_triton_prefill_tiles_with_bk128(paired):
     x = torch.randn(t, h, dtype=torch.bfloat16)
     ids = torch.randint(0, e, (t, k))
     rw = torch.rand(t, k)
-    tensors = BACKENDS["triton"].prepare(w) if paired else fp4moe_ops.prepare_experts(w, "reference").tensors
+    tensors = kernel_tensors(w) if paired else fp4moe_ops.prepare_experts(w, "reference").tensors
     cfg = kernel_config(t * k, e, h, i) | dict(BM=64, BN1=128, BK1=128, BN2=128, BK2=128, TMA=True,
                                                FRAGMENT_ORDER=True, SPLIT_GATE_UP=False)
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in tensors], cfg).cpu()
@@ -194,7 +205,7 @@ def test_paired_layout_round_trip_and_checks():
     from fp4moe_ops.backends.triton_moe import canonical_from_paired, paired_weight_layout
 
     w = layer(3, 256, 256)
-    prepared = BACKENDS["triton"].prepare(w)
+    prepared = kernel_tensors(w)
     assert prepared[0].dtype == torch.int32 and prepared[0].shape == (3, 256, 64)
     assert torch.equal(canonical_from_paired(prepared[0]), w.w13) and torch.equal(canonical_from_paired(prepared[3]), w.w2)
     assert not torch.equal(prepared[0].view(torch.uint8).reshape(w.w13.shape), w.w13)  # really permuted
@@ -237,7 +248,7 @@ def test_scale_ptx_on_the_gpu_every_e4m3_byte():
     @triton.jit
     def convert(src, dst, FAST: tl.constexpr):
         offs = tl.arange(0, 256)
-        tl.store(dst + offs, triton_moe._scales_bf16(tl.load(src + offs), FAST))
+        tl.store(dst + offs, triton_moe.kernels._scales_bf16(tl.load(src + offs), FAST))
 
     nan = torch.tensor([0x7F, 0xFF])
     data = torch.arange(256, dtype=torch.uint8)
@@ -253,7 +264,7 @@ def test_fragment_order_config_with_narrow_tiles_is_refused():
     """BN below 64 with fragment order gave wrong sums on H200 (the CPU interpreter's portable
     decode does not show it): such a config must fail loudly, not run."""
     w = layer(4, 512, 256)
-    dev = [x.to(DEVICE) for x in BACKENDS["triton"].prepare(w)]
+    dev = [x.to(DEVICE) for x in kernel_tensors(w)]
     x = torch.randn(2, 512, dtype=torch.bfloat16, device=DEVICE)
     ids = torch.tensor([[0, 1], [2, 3]], device=DEVICE)
     cfg = kernel_config(4, 4, 512, 256) | dict(BN1=32)

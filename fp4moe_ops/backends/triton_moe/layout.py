@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import torch
 
+try:  # triton.jit compiles fragment_column / fragment_source and wants triton.language in their globals
+    import triton.language as tl  # noqa: F401
+except ImportError:  # pragma: no cover - CPU installs without triton
+    tl = None
+
 # --- the paired packed-weight layout -----------------------------------------------------------
 #
 # Where tiles come through TMA, the packed weights are stored as "row-pair words" so that the GPU
