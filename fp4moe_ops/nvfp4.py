@@ -10,8 +10,9 @@ NVFP4 (as written by NVIDIA ModelOpt, e.g. ``nvidia/DeepSeek-R1-FP4``) stores a 
 and ``W[n, k] = e2m1(packed)[n, k] * float(block_scale[n, k // 16]) * global_scale``.
 
 ModelOpt's recipe: ``global_scale = amax(W) / (6 * 448)``, and each block scale is
-``amax(block) / 6 / global_scale`` rounded to E4M3, so the largest element of a block maps
-near the top of the E2M1 range (6) and the largest block scale near the top of E4M3 (448).
+``amax(block) / (6 * global_scale)`` in float32 (an all-zero block gets 1.0), clamped to E4M3's
+``[2^-9, 448]`` and rounded to E4M3, so the largest element of a block maps near the top of the
+E2M1 range (6) and the largest block scale near the top of E4M3 (448).
 
 Every function here is vectorized torch (CPU or CUDA) and works on stacks of matrices:
 any leading dims (e.g. experts ``[E, N, K]``) are carried through.
@@ -25,6 +26,7 @@ import torch
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+E4M3_MIN_SUBNORMAL = 2.0**-9
 BLOCK_SIZE = 16  # NVFP4 elements per E4M3 block scale
 MX_BLOCK_SIZE = 32  # MXFP4 elements per E8M0 block scale
 
@@ -137,12 +139,13 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) ->
 
     blocks = x.unflatten(-1, (-1, BLOCK_SIZE))  # [..., N, K/16, 16]
     block_amax = blocks.abs().amax(dim=-1)  # [..., N, K/16]
-    block_scale = (block_amax / E2M1_MAX / g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    step = block_scale.float() * g  # the dequantized size of one E2M1 unit
-    # A block whose scale rounds to 0 is below E4M3's range relative to the tensor: encode 0.
-    safe_step = torch.where(step > 0, step, torch.ones_like(step))
-    scaled = torch.where(step[..., None] > 0, blocks / safe_step[..., None], 0.0)
-    codes = e2m1_encode(scaled.flatten(-2))
+    # ModelOpt's exact float32 steps (dividing by the product, not twice, decides E4M3 ties the
+    # same way), so a model quantized here is byte-identical to ModelOpt's export of it
+    block_scale = block_amax / (E2M1_MAX * g)
+    block_scale = torch.where(block_scale == 0, 1.0, block_scale)
+    block_scale = block_scale.clamp(min=E4M3_MIN_SUBNORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    step = block_scale.float() * g  # the dequantized size of one E2M1 unit (> 0: scales are clamped)
+    codes = e2m1_encode((blocks / step[..., None]).flatten(-2))
     return NVFP4Tensor(pack_e2m1(codes), block_scale, global_scale.contiguous())
 
 

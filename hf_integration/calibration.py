@@ -16,7 +16,7 @@ from fp4moe_ops.backends.reference import reference_moe
 
 from .surgery import nvfp4_experts
 
-logger = logging.get_logger("fp4moe")
+logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
 
 
 class _Observer:

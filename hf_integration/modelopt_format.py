@@ -146,29 +146,42 @@ class ModelOptConfig(QuantizationConfigMixin):
 
     @classmethod
     def from_dict(cls, config_dict: dict, return_unused_kwargs: bool = False, **kwargs):
-        """From ``config.json``'s ``quantization_config`` or ``hf_quant_config.json``'s ``quantization``."""
+        """From ``config.json``'s ``quantization_config`` (ModelOpt's newer layout: ``ignore``,
+        ``config_groups``, ``kv_cache_scheme``), or ``hf_quant_config.json`` (whole, or its
+        ``quantization`` object)."""
         d = dict(config_dict)
-        if "quantization" in d and isinstance(d["quantization"], dict):  # the whole hf_quant_config.json
+        if isinstance(d.get("quantization"), dict):  # the whole hf_quant_config.json
             d = {"producer": d.get("producer"), **d["quantization"]}
         if "exclude_modules" not in d and "ignore" in d:
             d["exclude_modules"] = d.pop("ignore")
+        weights = ((d.get("config_groups") or {}).get("group_0") or {}).get("weights") or {}
+        if "group_size" not in d and weights.get("group_size") is not None:
+            d["group_size"] = weights["group_size"]
+        kv = d.get("kv_cache_scheme")
+        if d.get("kv_cache_quant_algo") is None and isinstance(kv, dict):
+            d["kv_cache_quant_algo"] = "FP8" if (kv.get("type"), kv.get("num_bits")) == ("float", 8) else str(kv)
         known = {"quant_algo", "group_size", "exclude_modules", "kv_cache_quant_algo", "producer",
                  *cls.LOADING_ATTRIBUTES}
         config = cls(**{k: v for k, v in d.items() if k in known})
         return (config, kwargs) if return_unused_kwargs else config
 
     def to_dict(self) -> dict:
-        """The ``quantization_config`` written to ``config.json`` (ModelOpt's fields; fp4moe's loading
-        options are not part of a checkpoint)."""
-        return {"quant_method": QUANT_METHOD, "quant_algo": self.quant_algo, "group_size": self.group_size,
-                "kv_cache_quant_algo": self.kv_cache_quant_algo, "exclude_modules": list(self.exclude_modules),
-                "producer": self.producer or {"name": "fp4moe"}}
+        """The ``quantization_config`` of ``config.json``, in ModelOpt's own (newer) layout; fp4moe's
+        loading options are not part of a checkpoint."""
+        fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": self.group_size}
+        d = {"config_groups": {"group_0": {"input_activations": None if self.weights_only else fp4, "weights": fp4,
+                                           "targets": ["Linear"]}},
+             "ignore": list(self.exclude_modules), "quant_algo": self.quant_algo}
+        if self.kv_cache_quant_algo == "FP8":
+            d["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+        return d | {"producer": self.producer or {"name": "fp4moe"}, "quant_method": QUANT_METHOD}
 
     def hf_quant_config(self) -> dict:
-        """The ``hf_quant_config.json`` that ModelOpt writes beside it (what vLLM and SGLang read)."""
-        d = self.to_dict()
-        return {"producer": d["producer"], "quantization": {k: d[k] for k in (
-            "quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules")}}
+        """The ``hf_quant_config.json`` that ModelOpt writes beside it, every field that vLLM
+        requires of it present (null allowed)."""
+        return {"producer": self.producer or {"name": "fp4moe"}, "quantization": {
+            "quant_algo": self.quant_algo, "kv_cache_quant_algo": self.kv_cache_quant_algo,
+            "group_size": self.group_size, "exclude_modules": list(self.exclude_modules)}}
 
     def get_loading_attributes(self) -> dict:
         return {k: getattr(self, k) for k in self.LOADING_ATTRIBUTES}

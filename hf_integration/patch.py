@@ -28,7 +28,7 @@ from .router import fuse_routers
 from .surgery import children_where, find_experts_modules, is_dense_gated_mlp, is_silu, is_transformers_experts, \
     nvfp4_experts, replace_module
 
-logger = logging.get_logger("fp4moe")
+logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
 
 DEEPSEEK_FAMILY = ("deepseek_v3", "kimi_k2", "deepseek_v2", "glm4_moe")
 

@@ -53,7 +53,7 @@ from .modelopt_format import (
 from .router import fuse_routers
 from .surgery import is_transformers_experts, replace_module
 
-logger = logging.get_logger("fp4moe")
+logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
 
 # safetensors' dtype names -> torch
 _DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
@@ -407,7 +407,7 @@ class ModelOptQuantizer(HfQuantizer):
         model._keys_to_ignore_on_load_unexpected = set(ignore or [])
         if self.quantization_config.kv_cache_quant_algo:
             model._keys_to_ignore_on_load_unexpected.add(rf"\.({'|'.join(KV_CACHE_SCALES)})$")
-            logger.warning_once("fp4moe: the checkpoint's FP8 KV-cache scales (k_scale, v_scale) are not used; "
+            logger.warning("fp4moe: the checkpoint's FP8 KV-cache scales (k_scale, v_scale) are not used; "
                                 "the KV cache stays in the model dtype")
         if shard_of is not None:  # other ranks' experts: never read, not reported
             for p in self.plan.experts.values():

@@ -30,3 +30,19 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed_per_test(request):
     torch.manual_seed(RUN_SEED ^ zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def hf_logs(caplog):
+    """caplog for fp4moe's log lines, which go through transformers.logging (logger
+    ``transformers.fp4moe``; Transformers' loggers do not propagate to the root logger by default)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.INFO, logger="transformers.fp4moe"):
+            yield caplog
+    finally:
+        hf_logging.disable_propagation()
