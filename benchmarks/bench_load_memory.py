@@ -5,7 +5,7 @@ DeepSeek-V3 MoE layer (256 experts, H=7168, I=2048: ~6.3 GB of NVFP4 experts).
 
 Writes the checkpoint shard by shard (random but valid NVFP4 bytes, E4M3 scales, fp32 global
 and input scales; a small vocabulary so the experts dominate), then loads it with
-``load_modelopt_nvfp4`` in a fresh process and reports that process's peak RSS
+``AutoModelForCausalLM.from_pretrained`` in a fresh process and reports that process's peak RSS
 (``ru_maxrss``) against the checkpoint size, next to the RSS of the same process after only the
 imports (the Python/torch/Transformers baseline).
 """
@@ -62,11 +62,14 @@ def write_checkpoint(path: Path, num_layers: int = 1, first_k_dense: int = 0, vo
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
+    from hf_integration.modelopt_format import ModelOptConfig
+
     path.mkdir(parents=True, exist_ok=True)
     cfg = config_dict(num_layers, first_k_dense, vocab_size)
-    (path / "config.json").write_text(json.dumps(cfg, default=str))
-    (path / "hf_quant_config.json").write_text(json.dumps({"quantization": {
-        "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "*self_attn*", "*mlp.gate"]}}))
+    quant = ModelOptConfig(exclude_modules=["lm_head", "*self_attn*", "*mlp.gate"], producer={"name": "modelopt"})
+    # both places, as ModelOpt's newer exports: plain from_pretrained reads config.json's
+    (path / "config.json").write_text(json.dumps(cfg | {"quantization_config": quant.to_dict()}, default=str))
+    (path / "hf_quant_config.json").write_text(json.dumps(quant.hf_quant_config()))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(DeepseekV3Config(**cfg), dtype=torch.bfloat16)
     other = {}
@@ -75,6 +78,7 @@ def write_checkpoint(path: Path, num_layers: int = 1, first_k_dense: int = 0, vo
             continue
         other[name] = (torch.randn(t.shape, device=device) * 0.02).to(t.dtype).cpu()
     projections = lambda inter: {"gate_proj": (inter, H), "up_proj": (inter, H), "down_proj": (H, inter)}  # noqa: E731
+    weight_map = {}
     for layer in range(num_layers):
         mlp = f"model.layers.{layer}.mlp"
         if layer < first_k_dense:
@@ -88,8 +92,12 @@ def write_checkpoint(path: Path, num_layers: int = 1, first_k_dense: int = 0, vo
             for e in range(e0, e0 + 16):
                 for proj, (n, k) in projections(I).items():
                     shard.update(nvfp4_linear(f"{mlp}.experts.{e}.{proj}", n, k, device))
-            save_file(shard, str(path / f"model-layer{layer:02d}-experts-{e0:03d}.safetensors"))
+            name = f"model-layer{layer:02d}-experts-{e0:03d}.safetensors"
+            save_file(shard, str(path / name))
+            weight_map.update(dict.fromkeys(shard, name))
     save_file(other, str(path / "model-other.safetensors"))
+    weight_map.update(dict.fromkeys(other, "model-other.safetensors"))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
@@ -97,10 +105,11 @@ CHILD = """
 import resource, sys, time
 sys.path.insert(0, {root!r})
 import torch
-from hf_integration.modelopt import load_modelopt_nvfp4
+import hf_integration
+from transformers import AutoModelForCausalLM
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.time()
-model = load_modelopt_nvfp4({path!r})
+model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16, device_map={device!r})
 dt = time.time() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 kept = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
@@ -111,16 +120,17 @@ print(base * 1024, peak * 1024, kept, dt)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/fp4moe-ckpt")
+    ap.add_argument("--device-map", default="cpu", help="where from_pretrained puts the model (cpu, cuda, auto)")
     args = ap.parse_args()
     path = Path(args.dir)
     t0 = time.time()
-    size = write_checkpoint(path)
+    size = write_checkpoint(path, device="cuda" if torch.cuda.is_available() else "cpu")
     print(f"wrote {size / 1e9:.2f} GB checkpoint to {path} in {time.time() - t0:.0f}s", flush=True)
     root = str(Path(__file__).resolve().parent.parent)
-    out = subprocess.run([sys.executable, "-c", CHILD.format(root=root, path=str(path))],
+    out = subprocess.run([sys.executable, "-c", CHILD.format(root=root, path=str(path), device=args.device_map)],
                          capture_output=True, text=True, check=True).stdout.split()
     base, peak, kept, dt = int(out[0]), int(out[1]), int(out[2]), float(out[3])
-    print(f"load: {dt:.1f}s; peak RSS {peak / 1e9:.2f} GB = {peak / size:.2f}x the checkpoint "
+    print(f"from_pretrained(device_map={args.device_map!r}): {dt:.1f}s; peak RSS {peak / 1e9:.2f} GB = {peak / size:.2f}x the checkpoint "
           f"({(peak - base) / size:.2f}x above the {base / 1e9:.2f} GB import baseline); model tensors {kept / 1e9:.2f} GB")
 
 

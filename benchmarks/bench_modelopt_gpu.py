@@ -5,7 +5,8 @@ generate with the GPU backend; reports load time, memory and decode speed.
 
 The checkpoint (random but valid NVFP4 bytes; layer 0 a dense NVFP4 MLP as in DeepSeek-V3's
 first layers, the rest MoE layers with 256 full-size experts and a shared expert) is written
-first; a fresh process then loads it with ``load_modelopt_nvfp4(device="cuda")`` and reports:
+first; a fresh process then loads it with ``AutoModelForCausalLM.from_pretrained(path,
+device_map="cuda")`` (fp4moe's registered quantizer) and reports:
 load seconds, peak host RSS, GPU memory, the relative difference of the first MoE layer's
 output (and of the logits) between the GPU backend and the reference backend on the same
 loaded weights, greedy tokens eager vs compiled (static cache + CUDA graphs), and decode
@@ -33,12 +34,12 @@ import json, resource, statistics, sys, time
 sys.path.insert(0, {root!r})
 import torch
 from transformers import CompileConfig
+from transformers import AutoModelForCausalLM
 from hf_integration import find_experts_modules, set_backend
-from hf_integration.modelopt import load_modelopt_nvfp4
 
 res = {{}}
 t0 = time.time()
-model = load_modelopt_nvfp4({path!r}, device="cuda")
+model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16, device_map="cuda")
 torch.cuda.synchronize()
 res["load_s"] = time.time() - t0
 res["peak_rss_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9

@@ -228,6 +228,8 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             f"quantize_mxfp4: x must be [..., N, K] with K a multiple of {MX_BLOCK_SIZE}, "
             f"got shape {tuple(x.shape)}"
         )
+    if not torch.isfinite(x).all():
+        raise ValueError(f"quantize_mxfp4: x {tuple(x.shape)} contains NaN or Inf")
     blocks = x.float().unflatten(-1, (-1, MX_BLOCK_SIZE))
     amax = blocks.abs().amax(dim=-1)
     exponent = torch.ceil(torch.log2(amax.clamp_min(2.0**-126) / E2M1_MAX)).clamp(-127, 127)

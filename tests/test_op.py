@@ -181,3 +181,23 @@ def test_routed_experts_hint_is_checked_and_changes_no_result():
     with FakeTensorMode() as mode, pytest.raises(ValueError, match="routed_experts"):  # at trace time too
         fake = [mode.from_tensor(v) for v in (x, ids, rw)]
         torch.ops.fp4moe.fused_moe(*fake, [mode.from_tensor(v) for v in tensors], None, None, "reference", -1)
+
+
+def test_a_nan_expert_never_reaches_tokens_not_routed_to_it():
+    """The reference backend computes only the routed (token, expert) pairs: an expert with NaN
+    scales (which the loaders refuse; this is the op's own isolation) changes nothing for the
+    other tokens, expert-parallel sentinels included, and makes its own tokens NaN."""
+    w = make_layer()
+    bad = fp4moe_ops.NVFP4MoEWeights(*(t.clone() for t in w.tensors()))
+    bad.w13_global[2] = float("nan")
+    bad.w2_global[2] = float("inf")
+    x = torch.randn(10, 64, dtype=torch.bfloat16)
+    ids, rw = routing(10, 6, 2)
+    ids = torch.where(ids == 2, 4, ids)
+    ids[0, 1] = -1
+    clean = fp4moe_ops.prepare_experts(w, "reference")(x, ids, rw)
+    dirty = fp4moe_ops.prepare_experts(bad, "reference")(x, ids, rw)
+    assert torch.isfinite(dirty).all() and torch.equal(dirty, clean)
+    ids[3, 0] = 2
+    out = fp4moe_ops.prepare_experts(bad, "reference")(x, ids, rw)
+    assert torch.isnan(out[3]).all() and torch.equal(out[4:], clean[4:])

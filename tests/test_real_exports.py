@@ -89,11 +89,21 @@ def _dequantized_source(folder: Path):
 def test_modelopt_oracle_is_exactly_modelopt(name):
     """The fixture's reference logits are what the file's bytes mean: the BF16 source with the
     file's weights decoded by the format definition gives ModelOpt's logits exactly."""
+    import json
+
+    import transformers
+    from safetensors import safe_open
+
     folder = FIXTURES / "modelopt" / name
     ref = load_file(folder / "reference_logits.safetensors")
+    with safe_open(str(folder / "reference_logits.safetensors"), "pt") as f:
+        made_with = json.loads(f.metadata()["fixture_info"])["transformers"]
     with torch.no_grad():
         got = _dequantized_source(folder)(ref["input_ids"]).logits
-    assert torch.equal(got.float(), ref["logits_weights_only"])
+    if transformers.__version__ == made_with:
+        assert torch.equal(got.float(), ref["logits_weights_only"])
+    else:  # another Transformers' BF16 model code rounds differently (e.g. 5.17 vs the fixtures' 5.24)
+        assert per_token_error(got, ref["logits_weights_only"]).median() < 2e-2
 
 
 @pytest.mark.parametrize("name,dense", [("deepseek_v3_nvfp4_mlp_only", True), ("qwen3_moe_nvfp4_default", False)])

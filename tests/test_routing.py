@@ -99,7 +99,7 @@ def test_router_module_bf16_gemm_matches_transformers_on_gpu():
     output: the same exact products as Transformers' fp32 GEMM, summed in another order, so
     logits agree to fp32 rounding of a 7168-term sum (rtol 1e-5, atol 1e-5 * max |logit|);
     the experts chosen are the same for all but near-tied tokens (at most 1 in 1000)."""
-    from hf_integration.patch import GroupedTopkRouter
+    from hf_integration.router import GroupedTopkRouter
 
     hf = hf_router(256, 8, 4, 8, True, 2.5, hidden=7168).cuda().to(torch.bfloat16)
     ours = GroupedTopkRouter(hf)
