@@ -284,20 +284,45 @@ class StackNVFP4Experts(ConversionOps):
     def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, **kwargs):
         module_name = full_layer_name.rsplit(".", 1)[0]
         plan = self.hf_quantizer.plan.experts[module_name]
-        got = {self.SOURCES[source_patterns.index(p)]: torch.stack(tensors) for p, tensors in input_dict.items()}
-        input_dict.clear()  # the per-expert tensors go as soon as they are stacked
-        leaves = list(plan.leaves)
-        for (leaf, t), stacked in got.items():
-            if stacked.shape[0] != len(plan.ids):
-                raise CheckpointError(f"{module_name}: read {stacked.shape[0]} '{leaves[leaf]}.{t}' tensors "
-                                      f"for {len(plan.ids)} experts")
-            if t in self.KIND:
-                self._check(stacked, self.KIND[t], plan, leaves[leaf], t)
+        got = {self.SOURCES[source_patterns.index(p)]: tensors for p, tensors in input_dict.items()}
+        input_dict.clear()
+        leaves, count, inter = list(plan.leaves), len(plan.ids), plan.inter
+        for (leaf, t), tensors in got.items():
+            if len(tensors) != count:
+                raise CheckpointError(f"{module_name}: read {len(tensors)} '{leaves[leaf]}.{t}' tensors for {count} experts")
 
-        inter = plan.inter
-        g_gate, g_up = got.pop((0, "weight_scale_2")), got.pop((1, "weight_scale_2"))
-        w13 = torch.cat([got.pop((0, "weight")), got.pop((1, "weight"))], dim=1)
-        s13 = torch.cat([got.pop((0, "weight_scale")), got.pop((1, "weight_scale"))], dim=1)
+        def stack(parts: list[tuple[int, str]]) -> torch.Tensor:
+            """The experts' tensors of ``parts`` (concatenated along rows), each per-expert tensor
+            dropped as soon as it is copied: one layer plus one expert tensor in memory, not two layers."""
+            lists = [got.pop(p) for p in parts]
+            first = lists[0][0]
+            rows = [ts[0].shape[0] if ts[0].dim() else 0 for ts in lists]
+            out = torch.empty(count, *((sum(rows),) if first.dim() else ()), *first.shape[1:], dtype=first.dtype,
+                              device=first.device)
+            for e in range(count):
+                r0 = 0
+                for ts, n in zip(lists, rows):
+                    if first.dim():
+                        out[e, r0:r0 + n] = ts[e]
+                    else:
+                        out[e] = ts[e]
+                    ts[e], r0 = None, r0 + n
+            return out
+
+        g_gate, g_up = stack([(0, "weight_scale_2")]), stack([(1, "weight_scale_2")])
+        fc1_gate = stack([(0, "input_scale")]) if plan.input_scales else None
+        fc1_up = stack([(1, "input_scale")]) if plan.input_scales else None
+        w13 = stack([(0, "weight"), (1, "weight")])
+        s13 = stack([(0, "weight_scale"), (1, "weight_scale")])
+        w2, s2, g2 = stack([(2, "weight")]), stack([(2, "weight_scale")]), stack([(2, "weight_scale_2")])
+        fc2_in = stack([(2, "input_scale")]) if plan.input_scales else None
+        for leaf, tensor, values in ((0, "weight_scale_2", g_gate), (1, "weight_scale_2", g_up), (2, "weight_scale_2", g2),
+                                     (0, "weight_scale", s13[:, :inter]), (1, "weight_scale", s13[:, inter:]),
+                                     (2, "weight_scale", s2), (0, "input_scale", fc1_gate), (1, "input_scale", fc1_up),
+                                     (2, "input_scale", fc2_in)):
+            if values is not None:
+                self._check(values, self.KIND[tensor], plan, leaves[leaf], tensor)
+
         g13 = torch.maximum(g_gate, g_up)
         differ = g_gate != g_up
         if bool(differ.any()):
@@ -306,12 +331,11 @@ class StackNVFP4Experts(ConversionOps):
             s13[:, inter:] = (s13[:, inter:].float() * (g_up / g13)[:, None, None]).to(torch.float8_e4m3fn)
             logger.warning("fp4moe: %s: %d experts had different gate/up weight_scale_2; used their max and "
                            "rescaled the other's block scales (re-rounded to E4M3)", module_name, int(differ.sum()))
-        tensors = [w13, s13, g13, got.pop((2, "weight")), got.pop((2, "weight_scale")), got.pop((2, "weight_scale_2"))]
         base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
-        out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, tensors)}
+        out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, (w13, s13, g13, w2, s2, g2))}
         if plan.input_scales:
-            out[base + INPUT_SCALE_BUFFERS[0]] = torch.maximum(got.pop((0, "input_scale")), got.pop((1, "input_scale")))
-            out[base + INPUT_SCALE_BUFFERS[1]] = got.pop((2, "input_scale"))
+            out[base + INPUT_SCALE_BUFFERS[0]] = torch.maximum(fc1_gate, fc1_up)
+            out[base + INPUT_SCALE_BUFFERS[1]] = fc2_in
         return out
 
     def _check(self, stacked: torch.Tensor, kind: str, plan: ExpertsPlan, leaf: str, tensor: str) -> None:
@@ -553,11 +577,36 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
     model.quantization_method = QUANT_METHOD
     model.config.quantization_config = quantizer.quantization_config
     model.config._is_quantized = True
+    register_experts_implementation()
+    if getattr(type(model), "set_experts_implementation", None) is not None and model._can_set_experts_implementation():
+        # says what runs, and keeps generate() from switching grouped_mm -> batched_mm around decoding
+        type(model).set_experts_implementation(model, EXPERTS_IMPLEMENTATION)
     model.set_experts_implementation = types.MethodType(_guarded_set_experts_implementation, model)
     model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
 
 
+EXPERTS_IMPLEMENTATION = "fp4moe"
+
+
+def _bf16_experts_forward(self, *args, **kwargs):
+    """``"fp4moe"`` in Transformers' ExpertsInterface: fp4moe's NVFP4Experts never dispatch through
+    it; an experts module still holding BF16 weights (not NVFP4 in the checkpoint) runs
+    Transformers' grouped_mm."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    return ExpertsInterface._global_mapping["grouped_mm"](self, *args, **kwargs)
+
+
+def register_experts_implementation() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, _bf16_experts_forward)
+
+
 def _guarded_set_experts_implementation(model, experts_implementation):
+    values = experts_implementation.values() if isinstance(experts_implementation, dict) else [experts_implementation]
+    if all(v == EXPERTS_IMPLEMENTATION for v in values):
+        return
     raise ValueError(
         f"set_experts_implementation({experts_implementation!r}): this model's routed experts are fp4moe "
         "NVFP4Experts modules, which only fp4moe's op can run; Transformers' implementations need BF16 weights. "

@@ -296,6 +296,9 @@ def test_model_is_marked_quantized_the_hf_way(checkpoint):
     assert torch.isfinite(logits(model, torch.randint(1, 256, (1, 4)))).all()  # fp16 activations run
     with pytest.raises(ValueError, match="only fp4moe's op can run"):
         model.set_experts_implementation("eager")
+    # what runs is "fp4moe" (so generate() on a GPU does not switch grouped_mm -> batched_mm around decoding)
+    assert model.get_experts_implementation() == {"": "fp4moe"}
+    model.set_experts_implementation("fp4moe")
 
 
 def test_device_map_dict_places_modules(checkpoint):
