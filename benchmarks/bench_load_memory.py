@@ -102,18 +102,30 @@ def write_checkpoint(path: Path, num_layers: int = 1, first_k_dense: int = 0, vo
 
 
 CHILD = """
-import resource, sys, time
+import resource, sys, threading, time
 sys.path.insert(0, {root!r})
 import torch
 import hf_integration
 from transformers import AutoModelForCausalLM
+
+peak_anon = [0]
+def sample():  # RssAnon: the process's own memory; ru_maxrss also counts the mapped checkpoint pages
+    while True:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                peak_anon[0] = max(peak_anon[0], int(line.split()[1]) * 1024)
+        time.sleep(0.02)
+threading.Thread(target=sample, daemon=True).start()
+time.sleep(0.1)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base_anon = peak_anon[0]
 t0 = time.time()
 model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16, device_map={device!r})
 dt = time.time() - t0
+time.sleep(0.1)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 kept = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-print(base * 1024, peak * 1024, kept, dt)
+print(base * 1024, peak * 1024, kept, dt, base_anon, peak_anon[0])
 """
 
 
@@ -129,9 +141,11 @@ def main() -> None:
     root = str(Path(__file__).resolve().parent.parent)
     out = subprocess.run([sys.executable, "-c", CHILD.format(root=root, path=str(path), device=args.device_map)],
                          capture_output=True, text=True, check=True).stdout.split()
-    base, peak, kept, dt = int(out[0]), int(out[1]), int(out[2]), float(out[3])
-    print(f"from_pretrained(device_map={args.device_map!r}): {dt:.1f}s; peak RSS {peak / 1e9:.2f} GB = {peak / size:.2f}x the checkpoint "
-          f"({(peak - base) / size:.2f}x above the {base / 1e9:.2f} GB import baseline); model tensors {kept / 1e9:.2f} GB")
+    base, peak, kept, dt, base_anon, peak_anon = int(out[0]), int(out[1]), int(out[2]), float(out[3]), int(out[4]), int(out[5])
+    print(f"from_pretrained(device_map={args.device_map!r}): {dt:.1f}s; peak RSS {peak / 1e9:.2f} GB = {peak / size:.2f}x the "
+          f"checkpoint ({(peak - base) / size:.2f}x above the {base / 1e9:.2f} GB import baseline; RSS counts the "
+          f"memory-mapped checkpoint pages too); peak anonymous memory {peak_anon / 1e9:.2f} GB = {peak_anon / size:.2f}x "
+          f"({(peak_anon - base_anon) / size:.2f}x above the baseline); model tensors {kept / 1e9:.2f} GB")
 
 
 if __name__ == "__main__":

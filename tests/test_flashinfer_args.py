@@ -9,7 +9,7 @@ import fp4moe_ops
 from fp4moe_ops.backends.flashinfer_cutlass import nvfp4_quant_scales, nvfp4_weight_arguments, up_gate_order
 from fp4moe_ops.backends.reference import reference_moe
 from fp4moe_ops.flashinfer_sim import simulate_cutlass_nvfp4_moe
-from moe_reference64 import dequant64
+from fp4moe_ops.oracle64 import dequant64
 
 
 def calibrated_layer(e=8, h=128, i=128, x=None):

@@ -17,7 +17,7 @@ from hf_integration.tiny_models import (
     tiny_qwen3_moe,
     tiny_tokenizer,
 )
-from moe_reference64 import moe64
+from fp4moe_ops.oracle64 import moe64
 
 
 def rel(a, b):

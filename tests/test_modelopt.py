@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from hf_integration import CheckpointError, ModelOptConfig, load_modelopt_nvfp4, patch_deepseek
 from hf_integration.modelopt_format import read_quant_config
 from hf_integration.tiny_models import tiny_deepseek_v3, write_modelopt_checkpoint
-from moe_reference64 import dequant64
+from fp4moe_ops.oracle64 import dequant64
 
 E3 = "model.layers.1.mlp.experts.3.up_proj"
 
@@ -96,7 +96,7 @@ def test_from_pretrained_loads_experts_straight_from_the_file_bytes(checkpoint, 
 
 def float64_reference_model(tensors, original):
     """The same architecture in float32 with every NVFP4 tensor dequantized in float64 from the
-    raw checkpoint tensors (independent decode: tests/moe_reference64.dequant64)."""
+    raw checkpoint tensors (independent decode: fp4moe_ops.oracle64.dequant64)."""
     import copy
 
     ref = copy.deepcopy(original).float()

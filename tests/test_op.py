@@ -5,7 +5,7 @@ import torch
 
 import fp4moe_ops
 from fp4moe_ops import nvfp4
-from moe_reference64 import moe64
+from fp4moe_ops.oracle64 import moe64
 
 
 def make_layer(e=6, h=64, i=32, scale_spread=True, with_act_scales=False):

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_integration  # noqa: F401  (registers the "modelopt" quantizer)
 from hf_integration import patch_moe
-from moe_reference64 import CODEBOOK
+from fp4moe_ops.oracle64 import CODEBOOK
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODELOPT = ["deepseek_v3_nvfp4_mlp_only", "deepseek_v3_nvfp4_default", "qwen3_moe_nvfp4_default",
@@ -52,7 +52,7 @@ def test_modelopt_fp8_kv_cache_scales_are_accepted_and_reported_unused(hf_logs):
 
 def _decode32(packed, block_scale, global_scale):
     """The format definition in ModelOpt's float32 arithmetic: ``e2m1 * (float(block) * global)``
-    (the codebook and nibble order of tests/moe_reference64)."""
+    (the codebook and nibble order of fp4moe_ops.oracle64)."""
     p = packed.long()
     codes = torch.stack([p & 15, p >> 4], dim=-1).flatten(-2)
     values = (CODEBOOK[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()).float()

@@ -7,7 +7,7 @@ import torch
 import fp4moe_ops
 from fp4moe_ops.backends import BACKENDS
 from fp4moe_ops.backends.triton_moe import kernel_config, route, triton_fused_moe
-from moe_reference64 import moe64
+from fp4moe_ops.oracle64 import moe64
 
 
 def kernel_tensors(w):

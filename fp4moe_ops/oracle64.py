@@ -1,5 +1,6 @@
-"""Independent float64 MoE math for tests: decodes NVFP4 bytes from the format definition
-(its own codebook and bit twiddling, not fp4moe_ops.nvfp4) and loops over tokens."""
+"""The float64 oracle of the tests and the self-test: independent MoE math that decodes NVFP4 bytes
+from the format definition (its own codebook and bit twiddling, not :mod:`fp4moe_ops.nvfp4`) and
+loops over tokens. Slow by design; nothing in the library computes with it."""
 
 import torch
 import torch.nn.functional as F
