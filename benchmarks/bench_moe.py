@@ -27,7 +27,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fp4moe_ops  # noqa: E402
 from fp4moe_ops import nvfp4  # noqa: E402
-from fp4moe_ops.backends.flashinfer_cutlass import up_gate_order  # noqa: E402
 
 SHAPES = {  # name: (E local, H, I, top_k, E routed over)
     "deepseek": (256, 7168, 2048, 8, 256),

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .backends import get_backend, resolve_backend
+from .backends import resolve_backend
 from .backends.base import CANONICAL, canonical_layout, convert_packed
 from .moe_weights import NVFP4MoEWeights
 from .nvfp4 import BLOCK_SIZE

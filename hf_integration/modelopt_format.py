@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,6 +197,49 @@ class ModelOptConfig(QuantizationConfigMixin):
         return False
 
 
+# --- the checkpoint names of a model's experts, from Transformers' own conversion mapping -----
+
+
+def model_conversions(model):
+    """Transformers' renamings and converters for this model (no quantizer involved)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    return renamings, converters
+
+
+def expert_converter_targets(converter) -> tuple[str, list[str]] | None:
+    """``(experts module suffix, source stems)`` of a Transformers converter that merges per-expert
+    tensors into ``<suffix>.gate_up_proj`` or ``<suffix>.down_proj``, else None."""
+    targets = getattr(converter, "_original_target_patterns", converter.target_patterns)
+    sources = getattr(converter, "_original_source_patterns", converter.source_patterns)
+    if len(targets) != 1 or not re.search(r"experts\.(gate_up_proj|down_proj)$", targets[0]):
+        return None
+    if not all(s.endswith(".weight") and "*" in s for s in sources):
+        return None
+    return targets[0].rsplit(".", 1)[0].lstrip("."), [s[:-len(".weight")].rsplit(".", 1)[1] for s in sources]
+
+
+def expert_leaves(experts_name: str, converters) -> ExpertLeaves:
+    """The checkpoint's names of the experts' linears: from the model's own expert converters
+    (``gate_proj``/``up_proj``/``down_proj``, Mixtral-style ``w1``/``w3``/``w2``)."""
+    gate_up = down = None
+    for c in converters:
+        found = expert_converter_targets(c)
+        if found is None or not experts_name.endswith(found[0]):
+            continue
+        if c.target_patterns[0].endswith("gate_up_proj") and len(found[1]) == 2:
+            gate_up = found[1]
+        elif len(found[1]) == 1:
+            down = found[1][0]
+    if gate_up and down:
+        return ExpertLeaves(gate_up[0], gate_up[1], down)
+    return ExpertLeaves()
+
+
 def read_json(path: Path, expect=dict):
     """A JSON file, or a :class:`CheckpointError` naming it if it is not valid JSON of the expected type."""
     try:
@@ -228,5 +272,5 @@ def read_quant_config(folder: str | Path) -> ModelOptConfig:
         raise CheckpointError(f"{where}: {exc}") from exc
 
 
-__all__ = ["CheckpointError", "ExpertLeaves", "ModelOptConfig", "expert_tensors", "linear_specs", "linear_tensors",
-           "read_quant_config"]
+__all__ = ["CheckpointError", "ExpertLeaves", "ModelOptConfig", "expert_converter_targets", "expert_leaves",
+           "expert_tensors", "linear_specs", "linear_tensors", "model_conversions", "read_quant_config"]

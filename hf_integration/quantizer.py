@@ -38,7 +38,7 @@ from transformers.utils import logging
 from fp4moe_ops.moe_weights import check_scale_values
 from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS
 
-from .experts import NVFP4Experts, NVFP4GatedMLP, NVFP4Linear
+from .experts import NVFP4Experts, NVFP4Linear
 from .modelopt_format import (
     KV_CACHE_SCALES,
     LINEAR_TENSORS,
@@ -46,9 +46,10 @@ from .modelopt_format import (
     CheckpointError,
     ExpertLeaves,
     ModelOptConfig,
-    expert_tensors,
+    expert_converter_targets,
+    expert_leaves,
     linear_specs,
-    linear_tensors,
+    model_conversions,
 )
 from .router import fuse_routers
 from .surgery import is_transformers_experts, replace_module
@@ -123,46 +124,6 @@ class LoadPlan:
     files: dict[str, str] = field(default_factory=dict)     # checkpoint key -> file
 
 
-def _model_conversions(model: nn.Module):
-    """Transformers' renamings and converters for this model (no quantizer involved)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter
-
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    return renamings, converters
-
-
-def _expert_converter_targets(converter) -> tuple[str, list[str]] | None:
-    """``(experts module suffix, source stems)`` of a Transformers converter that merges per-expert
-    tensors into ``<suffix>.gate_up_proj`` or ``<suffix>.down_proj``, else None."""
-    targets = getattr(converter, "_original_target_patterns", converter.target_patterns)
-    sources = getattr(converter, "_original_source_patterns", converter.source_patterns)
-    if len(targets) != 1 or not re.search(r"experts\.(gate_up_proj|down_proj)$", targets[0]):
-        return None
-    if not all(s.endswith(".weight") and "*" in s for s in sources):
-        return None
-    return targets[0].rsplit(".", 1)[0].lstrip("."), [s[:-len(".weight")].rsplit(".", 1)[1] for s in sources]
-
-
-def _expert_leaves(experts_name: str, converters) -> ExpertLeaves:
-    """The checkpoint's names of the experts' linears: from the model's own expert converters
-    (``gate_proj``/``up_proj``/``down_proj``, Mixtral-style ``w1``/``w3``/``w2``)."""
-    gate_up = down = None
-    for c in converters:
-        found = _expert_converter_targets(c)
-        if found is None or not experts_name.endswith(found[0]):
-            continue
-        if c.target_patterns[0].endswith("gate_up_proj") and len(found[1]) == 2:
-            gate_up = found[1]
-        elif len(found[1]) == 1:
-            down = found[1][0]
-    if gate_up and down:
-        return ExpertLeaves(gate_up[0], gate_up[1], down)
-    return ExpertLeaves()
-
-
 def _to_model_key(key: str, renamings, prefix: str, owners: set[str]) -> str:
     """A checkpoint key in model terms: Transformers' renamings, then its base-model prefix rule
     (``owners``: module paths that own tensors, per-expert paths included)."""
@@ -183,11 +144,11 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
     ``shard_of(num_experts) -> ExpertShard`` under expert parallelism. Raises
     :class:`CheckpointError` for any NVFP4 tensor missing, unexpected, mis-shaped or of the wrong
     dtype."""
-    renamings, converters = _model_conversions(model)
+    renamings, converters = model_conversions(model)
     modules = dict(model.named_modules())
     experts = {n: m for n, m in modules.items() if is_transformers_experts(m)}
     owners = set(modules)
-    leaves = {n: _expert_leaves(n, converters) for n in experts}
+    leaves = {n: expert_leaves(n, converters) for n in experts}
     for n, m in experts.items():
         owners.update(f"{n}.{e}.{leaf}" for e in range(m.gate_up_proj.shape[0]) for leaf in leaves[n])
     prefix = getattr(model, "base_model_prefix", "model")
@@ -442,7 +403,7 @@ class ModelOptQuantizer(HfQuantizer):
         """Transformers' per-expert -> stacked converters of the NVFP4 experts give way to ours."""
         kept = []
         for c in weight_conversions:
-            found = _expert_converter_targets(c) if hasattr(c, "operations") else None
+            found = expert_converter_targets(c) if hasattr(c, "operations") else None
             if found is not None and any(name.endswith(found[0]) for name in self.plan.experts):
                 continue
             kept.append(c)
@@ -466,7 +427,9 @@ class ModelOptQuantizer(HfQuantizer):
             parent, _, attr = name.rpartition(".")
             replace_module(model.get_submodule(parent), attr, m.dequantized())
         config = self.quantization_config
-        for _, m in _nvfp4_modules(model, NVFP4Experts):
+        for m in model.modules():
+            if not isinstance(m, NVFP4Experts):
+                continue
             m.set_backend(config.backend, config.act_scale_mode)
         if config.fuse_router:
             fuse_routers(model)
@@ -487,6 +450,8 @@ class ModelOptQuantizer(HfQuantizer):
                         raise CheckpointError(f"{name}.{buf_name} was not filled from the checkpoint")
 
     def get_state_dict_and_metadata(self, model):
+        from .saving import modelopt_state_dict
+
         return modelopt_state_dict(model), {}
 
     def is_serializable(self, *args, **kwargs):
@@ -503,59 +468,6 @@ class ModelOptQuantizer(HfQuantizer):
 
 def _is_ours(conversion) -> bool:
     return any(isinstance(op, StackNVFP4Experts) for op in getattr(conversion, "operations", ()))
-
-
-def _nvfp4_modules(model: nn.Module, kind) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, kind)]
-
-
-# --- saving -------------------------------------------------------------------------------------
-
-
-def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict in ModelOpt's layout: NVFP4 experts and dense MLPs as per-expert /
-    per-linear ModelOpt tensors (canonical bytes, as views where the layout allows), the rest as
-    the model holds it."""
-    from .expert_parallel import ExpertShard
-
-    experts = _nvfp4_modules(model, NVFP4Experts)
-    dense = _nvfp4_modules(model, NVFP4GatedMLP)
-    if not experts and not dense:
-        raise ValueError("the model holds no fp4moe NVFP4 modules: nothing to save as a ModelOpt NVFP4 checkpoint")
-    if any(isinstance(m.dispatch, ExpertShard) for _, m in experts):
-        raise ValueError("an expert-parallel model holds only this rank's experts; save the unsharded model")
-    _, converters = _model_conversions(model)
-    state = {}
-    for name, m in experts:
-        state |= expert_tensors(name, m.canonical(), _expert_leaves(name, converters))
-    for name, m in dense:
-        w = m.canonical()
-        inter = w.intermediate_size
-        for leaf, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
-            state |= linear_tensors(f"{name}.{leaf}", w.w13[0, rows], w.w13_scale[0, rows], w.w13_global[0])
-        state |= linear_tensors(f"{name}.down_proj", w.w2[0], w.w2_scale[0], w.w2_global[0])
-    nvfp4_names = [n for n, _ in experts + dense]
-    for key, t in model.state_dict().items():
-        if not any(key.startswith(f"{n}.") for n in nvfp4_names):
-            state[key] = t
-    return state
-
-
-def saved_config(model: nn.Module, config: ModelOptConfig) -> ModelOptConfig:
-    """The quantization config a save writes: every module kept in 16 bits (attention, dequantized
-    linears, routers, LM head) listed in ``exclude_modules``, so vLLM and SGLang read them as such."""
-    kept = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) or (
-        not isinstance(m, nn.Embedding) and isinstance(m._parameters.get("weight"), torch.Tensor)
-        and m._parameters["weight"].dim() == 2))
-    return ModelOptConfig(quant_algo="NVFP4" if _has_input_scales(model) else "W4A16_NVFP4",
-                          exclude_modules=kept, kv_cache_quant_algo=None, producer={"name": "fp4moe"},
-                          backend=config.backend, act_scale_mode=config.act_scale_mode,
-                          fuse_router=config.fuse_router)
-
-
-def _has_input_scales(model: nn.Module) -> bool:
-    experts = _nvfp4_modules(model, NVFP4Experts)
-    return bool(experts) and all(INPUT_SCALE_BUFFERS[0] in m._buffers for _, m in experts)
 
 
 # --- marking a model quantized ------------------------------------------------------------------
@@ -639,5 +551,5 @@ def register() -> None:
         auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*auto.LOADING_ATTRIBUTES_CONFIG_TYPES, ModelOptConfig)
 
 
-__all__ = ["CheckpointScan", "ModelOptQuantizer", "StackNVFP4Experts", "attach", "modelopt_state_dict", "plan_load",
-           "quantizer_for", "register", "saved_config"]
+__all__ = ["CheckpointScan", "ModelOptQuantizer", "StackNVFP4Experts", "attach", "plan_load", "quantizer_for",
+           "register"]

@@ -1,4 +1,5 @@
-"""Saving an fp4moe model as a ModelOpt NVFP4 checkpoint, atomically.
+"""Saving an fp4moe model as a ModelOpt NVFP4 checkpoint: the state dict in ModelOpt's layout, the
+quantization config it declares, and the atomic write.
 
 ``model.save_pretrained(path)`` of a model that fp4moe loaded or patched runs Transformers' own
 ``save_pretrained`` (the quantizer supplies the ModelOpt state dict; shards, index, config and
@@ -19,20 +20,72 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from fp4moe_ops import PreparedExperts
+from fp4moe_ops.prepared import INPUT_SCALE_BUFFERS
+
+from .experts import NVFP4Experts, NVFP4GatedMLP
+from .expert_parallel import ExpertShard
+from .modelopt_format import ModelOptConfig, expert_leaves, expert_tensors, linear_tensors, model_conversions
 
 # what a save rewrites or Transformers deletes as stale in the folder it saves into
 _REPLACED = re.compile(r"^(config\.json|generation_config\.json|hf_quant_config\.json|"
                        r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)|(model|pytorch_model)\.(safetensors|bin)\.index\.json)$")
 
 
+def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict in ModelOpt's layout: NVFP4 experts and dense MLPs as per-expert /
+    per-linear ModelOpt tensors (canonical bytes, as views where the layout allows), the rest as
+    the model holds it."""
+    experts = nvfp4_modules(model, NVFP4Experts)
+    dense = nvfp4_modules(model, NVFP4GatedMLP)
+    if not experts and not dense:
+        raise ValueError("the model holds no fp4moe NVFP4 modules: nothing to save as a ModelOpt NVFP4 checkpoint")
+    if any(isinstance(m.dispatch, ExpertShard) for _, m in experts):
+        raise ValueError("an expert-parallel model holds only this rank's experts; save the unsharded model")
+    _, converters = model_conversions(model)
+    state = {}
+    for name, m in experts:
+        state |= expert_tensors(name, m.canonical(), expert_leaves(name, converters))
+    for name, m in dense:
+        w = m.canonical()
+        inter = w.intermediate_size
+        for leaf, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
+            state |= linear_tensors(f"{name}.{leaf}", w.w13[0, rows], w.w13_scale[0, rows], w.w13_global[0])
+        state |= linear_tensors(f"{name}.down_proj", w.w2[0], w.w2_scale[0], w.w2_global[0])
+    nvfp4_names = [n for n, _ in experts + dense]
+    for key, t in model.state_dict().items():
+        if not any(key.startswith(f"{n}.") for n in nvfp4_names):
+            state[key] = t
+    return state
+
+
+def saved_config(model: nn.Module, config: ModelOptConfig) -> ModelOptConfig:
+    """The quantization config a save writes: every module kept in 16 bits (attention, dequantized
+    linears, routers, LM head) listed in ``exclude_modules``, so vLLM and SGLang read them as such."""
+    kept = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) or (
+        not isinstance(m, nn.Embedding) and isinstance(m._parameters.get("weight"), torch.Tensor)
+        and m._parameters["weight"].dim() == 2))
+    return ModelOptConfig(quant_algo="NVFP4" if _has_input_scales(model) else "W4A16_NVFP4",
+                          exclude_modules=kept, kv_cache_quant_algo=None, producer={"name": "fp4moe"},
+                          backend=config.backend, act_scale_mode=config.act_scale_mode,
+                          fuse_router=config.fuse_router)
+
+
+def _has_input_scales(model: nn.Module) -> bool:
+    experts = nvfp4_modules(model, NVFP4Experts)
+    return bool(experts) and all(INPUT_SCALE_BUFFERS[0] in m._buffers for _, m in experts)
+
+
+def nvfp4_modules(model: nn.Module, kind) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, kind)]
+
+
 def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub: bool = False, **kwargs):
     """``save_pretrained`` for fp4moe models (installed on the model by
     :func:`hf_integration.quantizer.attach`); arguments as Transformers'. See the module docstring."""
-    from .quantizer import saved_config
-
     cls_save = type(model).save_pretrained
     if push_to_hub:  # the Hub upload is Transformers' own business (it stages in a folder of its own)
         return cls_save(model, save_directory, *args, push_to_hub=True, **kwargs)
@@ -90,4 +143,4 @@ def _swap_in(staging: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-__all__ = ["atomic_save_pretrained"]
+__all__ = ["atomic_save_pretrained", "modelopt_state_dict", "saved_config"]

@@ -5,7 +5,6 @@ before the sum, and with a later router such a rounding could flip a near-tied e
 import os
 import socket
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
