@@ -159,6 +159,15 @@ def dequantize_nvfp4(
 
     Computed in float32 (float64 if ``dtype`` is float64), then cast.
     """
+    if block_scale.dtype != torch.float8_e4m3fn:
+        hint = " (raw E4M3 bytes? pass .view(torch.float8_e4m3fn))" if block_scale.dtype == torch.uint8 else ""
+        raise TypeError(f"block_scale must be float8_e4m3fn, got {block_scale.dtype}{hint}")
+    if block_scale.shape[:-1] != packed.shape[:-1] or block_scale.shape[-1] * BLOCK_SIZE != packed.shape[-1] * 2:
+        raise ValueError(f"block_scale {list(block_scale.shape)} does not match packed {list(packed.shape)}: "
+                         f"expected {list(packed.shape[:-1]) + [packed.shape[-1] * 2 // BLOCK_SIZE]}")
+    if tuple(global_scale.shape) not in ((), tuple(packed.shape[:-2])):
+        raise ValueError(f"global_scale {list(global_scale.shape)} must be [] or one per matrix "
+                         f"{list(packed.shape[:-2])}")
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     values = e2m1_decode(unpack_e2m1(packed)).to(compute)
     scale = block_scale.to(compute).repeat_interleave(BLOCK_SIZE, dim=-1)
@@ -201,7 +210,13 @@ def unswizzle_block_scale(swizzled: torch.Tensor, rows: int, cols: int) -> torch
     ``swizzled`` may be the ``[..., M_pad, S_pad]`` tensor or its flat per-matrix buffer.
     """
     mp, sp = _round_up(rows, 128), _round_up(cols, 4)
-    lead = swizzled.shape[:-2] if swizzled.shape[-2:] == (mp, sp) else swizzled.shape[:-1]
+    if swizzled.shape[-2:] == (mp, sp):
+        lead = swizzled.shape[:-2]
+    elif swizzled.dim() >= 1 and swizzled.shape[-1] == mp * sp:
+        lead = swizzled.shape[:-1]
+    else:
+        raise ValueError(f"unswizzle_block_scale: {list(swizzled.shape)} holds no [{rows}, {cols}] scales: expected "
+                         f"[..., {mp}, {sp}] or a flat [..., {mp * sp}] buffer (rows padded to 128, columns to 4)")
     tiles = swizzled.reshape(*lead, mp // 128, sp // 4, 32, 4, 4)
     n = len(lead)
     # inverse of the permutation in swizzle_block_scale

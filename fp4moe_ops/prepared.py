@@ -74,6 +74,8 @@ class PreparedExperts(nn.Module):
         backend, act_scale_mode: see :meth:`set_backend`; ``backend=None`` leaves it unprepared.
         owns_weights: the module may re-lay out the weights' packed tensors in place (saves a
             copy of the layer); only for tensors nobody else holds.
+        check_values: check every scale's value first (:meth:`NVFP4MoEWeights.check_values`: one
+            host sync per tensor, here and never per call); off only to study a bad expert.
 
     Attributes:
         backend: the resolved backend name (None until prepared).
@@ -84,7 +86,8 @@ class PreparedExperts(nn.Module):
 
     def __init__(self, weights: NVFP4MoEWeights | None = None, backend: str | None = "auto",
                  act_scale_mode: str | None = None, *, owns_weights: bool = False, num_experts: int = 0,
-                 hidden_size: int = 0, intermediate_size: int = 0, input_scales: bool = False):
+                 hidden_size: int = 0, intermediate_size: int = 0, input_scales: bool = False,
+                 check_values: bool = True):
         super().__init__()
         if weights is None:
             e, h, i = num_experts, hidden_size, intermediate_size
@@ -95,6 +98,8 @@ class PreparedExperts(nn.Module):
                 torch.empty(e, h, i // BLOCK_SIZE, dtype=torch.float8_e4m3fn), torch.empty(e, **f32),
                 *((torch.empty(e, **f32), torch.empty(e, **f32)) if input_scales else ()))
             owns_weights = True
+        elif check_values:
+            weights.check_values()
         self.backend: str | None = None
         self.layout = CANONICAL
         self.act_scale_mode: str | None = None
@@ -279,10 +284,12 @@ def _reprepare_after_load(module: PreparedExperts, incompatible_keys) -> None:
         module.set_backend(module.backend, module.act_scale_mode)
 
 
-def prepare_experts(weights: NVFP4MoEWeights, backend: str = "auto", act_scale_mode: str | None = None) -> PreparedExperts:
+def prepare_experts(weights: NVFP4MoEWeights, backend: str = "auto", act_scale_mode: str | None = None, *,
+                    check_values: bool = True) -> PreparedExperts:
     """Prepare one layer's NVFP4 experts for ``backend`` on their own device (once, at load); see
-    :meth:`PreparedExperts.set_backend`. ``weights`` are left as they are."""
-    return PreparedExperts(weights, backend, act_scale_mode)
+    :meth:`PreparedExperts.set_backend`. ``weights`` are left as they are; their scale values are
+    checked first unless ``check_values=False``."""
+    return PreparedExperts(weights, backend, act_scale_mode, check_values=check_values)
 
 
 __all__ = ["ACT_SCALE_MODES", "CANONICAL_BUFFERS", "INPUT_SCALE_BUFFERS", "PreparedExperts", "activation_scales",

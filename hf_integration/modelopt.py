@@ -112,7 +112,13 @@ def checkpoint_fingerprint(path, config: ModelOptConfig, model_config) -> str:
 
 
 def save_modelopt_nvfp4(model: nn.Module, path: str | Path, **kwargs) -> None:
-    """``model.save_pretrained(path)``: kept as a name for the same thing."""
+    """``model.save_pretrained(path)`` of an fp4moe model (kept as a name for the same thing); a
+    model without fp4moe's NVFP4 modules is refused rather than saved unlabelled in BF16."""
+    from .quantizer import ModelOptQuantizer
+
+    if not isinstance(getattr(model, "hf_quantizer", None), ModelOptQuantizer):
+        raise ValueError("save_modelopt_nvfp4 saves fp4moe models (loaded NVFP4 or patched): this model has no fp4moe "
+                         "quantizer; patch it with patch_moe / patch_deepseek first")
     model.save_pretrained(path, **kwargs)
 
 

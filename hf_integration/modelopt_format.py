@@ -126,6 +126,8 @@ class ModelOptConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         self.quant_algo = str(quant_algo).upper()
         self.group_size = int(group_size)
+        if exclude_modules is not None and not isinstance(exclude_modules, (list, tuple)):
+            raise ValueError(f"exclude_modules must be a list of module names, got {type(exclude_modules).__name__}")
         self.exclude_modules = list(exclude_modules or [])
         self.kv_cache_quant_algo = kv_cache_quant_algo.upper() if isinstance(kv_cache_quant_algo, str) else None
         self.producer = producer
@@ -134,6 +136,8 @@ class ModelOptConfig(QuantizationConfigMixin):
         self.post_init()
 
     def post_init(self):
+        if not all(isinstance(m, str) for m in self.exclude_modules):
+            raise ValueError(f"exclude_modules must be a list of module names, got {self.exclude_modules!r}")
         if self.quant_algo not in NVFP4_ALGOS:
             raise ValueError(f"ModelOpt quant_algo {self.quant_algo!r} is not supported by fp4moe (supported: "
                              f"{', '.join(NVFP4_ALGOS)})")

@@ -88,6 +88,38 @@ class CheckpointScan:
             except Exception as exc:  # safetensors' SafetensorError, OSError: a truncated or malformed file
                 raise CheckpointError(f"{f}: not a valid safetensors file ({exc})") from exc
 
+    def check_index(self, files: list[str]) -> None:
+        """The shards agree with their index: every key is in the file the index names, and no
+        other ``.safetensors`` file in the folder holds a tensor of this checkpoint (a stale shard
+        of an interrupted save, say), which Transformers would otherwise silently skip."""
+        folder = Path(files[0]).parent
+        listed = {Path(f).name for f in files}
+        for index_file in folder.glob("*.safetensors.index.json"):
+            from .modelopt_format import read_json
+
+            weight_map = read_json(index_file).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index_file}: no 'weight_map' object")
+            if not set(weight_map.values()) & listed:
+                continue  # another variant's index
+            for key, file in weight_map.items():
+                found = self.tensors.get(key)
+                if found is None or found[0] != file:
+                    where = f"it is in {found[0]}" if found else "no listed shard holds it"
+                    raise CheckpointError(f"{index_file.name} maps tensor {key!r} to {file}, but {where}")
+            from safetensors import safe_open
+
+            for other in sorted(set(folder.glob("*.safetensors")) - {folder / f for f in listed}):
+                try:
+                    with safe_open(str(other), framework="pt") as handle:
+                        keys = list(handle.keys())
+                except Exception:  # noqa: BLE001 - not a readable shard: certainly not one of ours
+                    keys = []
+                clash = [k for k in keys if k in self.tensors or k.rsplit(".", 1)[-1] in LINEAR_TENSORS[1:]]
+                if clash:
+                    raise CheckpointError(f"{other.name} holds {clash[0]!r} but {index_file.name} does not list the "
+                                          "file (a stale shard?); remove it or fix the index")
+
     def check(self, key: str, shape: tuple, dtype: torch.dtype, what: str = "") -> None:
         """Raise naming ``key`` (and its file) unless it exists with ``shape`` and ``dtype``."""
         if key not in self.tensors:
@@ -374,8 +406,10 @@ class ModelOptQuantizer(HfQuantizer):
             from .expert_parallel import this_rank_shard
 
             shard_of = this_rank_shard
-        self.plan = plan_load(model, CheckpointScan([str(f) for f in checkpoint_files]), self.quantization_config,
-                              shard_of)
+        files = [str(f) for f in checkpoint_files]
+        scan = CheckpointScan(files)
+        scan.check_index(files)
+        self.plan = plan_load(model, scan, self.quantization_config, shard_of)
         for name, m in list(model.named_modules()):
             parent_name, _, attr = name.rpartition(".")
             if name in self.plan.experts:

@@ -242,10 +242,10 @@ def test_a_nan_expert_never_reaches_tokens_not_routed_to_it(backend):
     clean = fp4moe_ops.prepare_experts(w, backend)(x, ids, rw)
     if backend == "flashinfer_mxfp4":  # re-quantizing to MXFP4 refuses NaN weights up front
         with pytest.raises(ValueError, match="NaN"):
-            fp4moe_ops.prepare_experts(bad, backend)
+            fp4moe_ops.prepare_experts(bad, backend, check_values=False)
         return
-    dirty = fp4moe_ops.prepare_experts(bad, backend)(x, ids, rw)
+    dirty = fp4moe_ops.prepare_experts(bad, backend, check_values=False)(x, ids, rw)
     assert torch.isfinite(dirty).all()
     torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
     ids[2, 0] = 3
-    assert torch.isnan(fp4moe_ops.prepare_experts(bad, backend)(x, ids, rw)[2]).all()
+    assert torch.isnan(fp4moe_ops.prepare_experts(bad, backend, check_values=False)(x, ids, rw)[2]).all()

@@ -196,8 +196,8 @@ def test_a_nan_expert_never_reaches_tokens_not_routed_to_it():
     ids = torch.where(ids == 2, 4, ids)
     ids[0, 1] = -1
     clean = fp4moe_ops.prepare_experts(w, "reference")(x, ids, rw)
-    dirty = fp4moe_ops.prepare_experts(bad, "reference")(x, ids, rw)
+    dirty = fp4moe_ops.prepare_experts(bad, "reference", check_values=False)(x, ids, rw)
     assert torch.isfinite(dirty).all() and torch.equal(dirty, clean)
     ids[3, 0] = 2
-    out = fp4moe_ops.prepare_experts(bad, "reference")(x, ids, rw)
+    out = fp4moe_ops.prepare_experts(bad, "reference", check_values=False)(x, ids, rw)
     assert torch.isnan(out[3]).all() and torch.equal(out[4:], clean[4:])

@@ -1,0 +1,786 @@
+"""Bad values and bad files, as a hostile user would bring them: every case gets an error of a
+stated type whose message names the culprit (tensor, file, layer), or the documented correct
+result; a failed patch leaves the model exactly as it was (it still runs and gives its old
+logits); a failed save leaves the previous checkpoint loadable with its old logits."""
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import fp4moe_ops
+from fp4moe_ops import NVFP4MoEWeights, nvfp4
+from hf_integration import (
+    CheckpointError,
+    calibrate_activation_scales,
+    load_modelopt_nvfp4,
+    patch_deepseek,
+    patch_moe,
+    save_modelopt_nvfp4,
+    set_backend,
+)
+from hf_integration.tiny_models import tiny_deepseek_v3, tiny_qwen3_moe, write_modelopt_checkpoint
+
+E3 = "model.layers.1.mlp.experts.3"
+
+
+def layer(e=4, h=64, i=32, scales=False):
+    w = fp4moe_ops.quantize_moe_weights(torch.randn(e, 2 * i, h) / h**0.5, torch.randn(e, h, i) / i**0.5)
+    if scales:
+        w.fc1_input_scale, w.fc2_input_scale = torch.rand(e) * 1e-3 + 1e-4, torch.rand(e) * 1e-3 + 1e-4
+    return w
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+IDS = torch.arange(1, 10).reshape(1, 9)
+
+
+# --- 1. format functions ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_quantize_nvfp4_rejects_non_finite(value):
+    x = torch.randn(4, 32)
+    x[1, 5] = value
+    with pytest.raises(ValueError, match=r"x \(4, 32\) contains NaN or Inf"):
+        nvfp4.quantize_nvfp4(x)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_quantize_mxfp4_rejects_non_finite_like_nvfp4(value):
+    x = torch.randn(4, 64)
+    x[0, 0] = value
+    with pytest.raises(ValueError, match=r"quantize_mxfp4: x \(4, 64\) contains NaN or Inf"):
+        nvfp4.quantize_mxfp4(x)
+
+
+@pytest.mark.parametrize("x,error,match", [
+    (torch.randn(4, 40), ValueError, "K a multiple of 16"),
+    (torch.randn(64), ValueError, r"\[\.\.\., N, K\]"),
+    (torch.randint(0, 5, (4, 32)), TypeError, "float32/bfloat16/float16"),
+    (torch.randn(4, 32).to(torch.float8_e4m3fn), TypeError, "float32/bfloat16/float16"),
+])
+def test_quantize_nvfp4_bad_shapes_and_dtypes(x, error, match):
+    with pytest.raises(error, match=match):
+        nvfp4.quantize_nvfp4(x)
+
+
+@pytest.mark.parametrize("g", [torch.tensor(float("nan")), torch.tensor(0.0), torch.tensor(-1e-3),
+                               torch.tensor(float("inf"))])
+def test_quantize_nvfp4_rejects_bad_global_scales(g):
+    with pytest.raises(ValueError, match="global_scale must be finite and > 0"):
+        nvfp4.quantize_nvfp4(torch.randn(4, 32), g)
+
+
+@pytest.mark.parametrize("x,error,match", [
+    (torch.randn(4, 48), ValueError, "K a multiple of 32"),
+    (torch.randint(0, 5, (4, 64)), TypeError, "float32/bfloat16/float16"),
+])
+def test_quantize_mxfp4_bad_shapes_and_dtypes(x, error, match):
+    with pytest.raises(error, match=match):
+        nvfp4.quantize_mxfp4(x)
+
+
+def test_pack_and_unpack_bad_input():
+    with pytest.raises(ValueError, match="even last dim"):
+        nvfp4.pack_e2m1(torch.zeros(3, 5, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="packed E2M1 must be uint8"):
+        nvfp4.unpack_e2m1(torch.zeros(3, 4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("shape", [(100, 4), (128, 3), (256 * 8,), (3, 127, 8)])
+def test_unswizzle_with_shapes_that_do_not_fit(shape):
+    with pytest.raises(ValueError, match=r"holds no \[128, 8\] scales"):
+        nvfp4.unswizzle_block_scale(torch.zeros(shape, dtype=torch.uint8), 128, 8)
+
+
+def test_dequantize_with_raw_scale_bytes_or_mismatched_scales():
+    q = nvfp4.quantize_nvfp4(torch.randn(2, 8, 32))
+    with pytest.raises(TypeError, match=r"block_scale must be float8_e4m3fn, got torch.uint8 \(raw E4M3 bytes"):
+        nvfp4.dequantize_nvfp4(q.packed, q.block_scale.view(torch.uint8), q.global_scale)
+    with pytest.raises(ValueError, match="does not match packed"):
+        nvfp4.dequantize_nvfp4(q.packed, q.block_scale[:, :, :1], q.global_scale)
+    with pytest.raises(ValueError, match=r"global_scale \[3\] must be \[\] or one per matrix \[2\]"):
+        nvfp4.dequantize_nvfp4(q.packed, q.block_scale, torch.ones(3))
+
+
+# --- 2. NVFP4MoEWeights and quantize_moe_weights ---------------------------------------------------
+
+
+FIELDS = ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_moe_weights_wrong_dtype_names_the_tensor(field):
+    w = layer()
+    tensors = dict(zip(FIELDS, w.tensors()))
+    t = tensors[field]
+    tensors[field] = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.to(torch.float16)
+    with pytest.raises(TypeError, match=f"{field} must be"):
+        NVFP4MoEWeights(**tensors)
+
+
+def test_moe_weights_raw_scale_bytes_get_a_hint():
+    w = layer()
+    with pytest.raises(TypeError, match=r"raw E4M3 bytes\? pass t.view\(torch.float8_e4m3fn\)"):
+        NVFP4MoEWeights(w.w13, w.w13_scale.view(torch.uint8), w.w13_global, w.w2, w.w2_scale, w.w2_global)
+
+
+@pytest.mark.parametrize("field", FIELDS[1:])
+def test_moe_weights_wrong_shape_names_the_tensor(field):
+    w = layer()
+    tensors = dict(zip(FIELDS, w.tensors()))
+    tensors[field] = tensors[field][:3]  # one expert short
+    with pytest.raises(ValueError, match=f"{field} must have shape"):
+        NVFP4MoEWeights(**tensors)
+
+
+@pytest.mark.parametrize("field", ["w2", "w13_global"])
+def test_moe_weights_on_another_device(field):
+    w = layer()
+    tensors = dict(zip(FIELDS, w.tensors()))
+    tensors[field] = tensors[field].to("meta")
+    with pytest.raises(ValueError, match=f"{field} is on meta"):
+        NVFP4MoEWeights(**tensors)
+
+
+@pytest.mark.parametrize("which", ["gate_up", "down", "weights"])
+def test_empty_expert_stacks(which):
+    if which == "weights":
+        w = layer()
+        with pytest.raises(ValueError, match="is empty"):
+            NVFP4MoEWeights(*(t[:0] for t in w.tensors()))
+        return
+    gate_up, down = torch.randn(2, 64, 32), torch.randn(2, 32, 32)
+    if which == "gate_up":
+        gate_up = gate_up[:0]
+    else:
+        down = down[:0]
+    with pytest.raises(ValueError, match=f"{which} .* is empty"):
+        fp4moe_ops.quantize_moe_weights(gate_up, down)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("w13_global", float("nan"), r"w13_global\[2\] must be finite and > 0 \(got nan\)"),
+    ("w13_global", float("inf"), r"w13_global\[2\] must be finite and > 0 \(got inf\)"),
+    ("w13_global", 0.0, r"w13_global\[2\] must be finite and > 0 \(got 0.0\)"),
+    ("w13_global", -1e-3, r"w13_global\[2\] must be finite and > 0"),
+    ("w2_global", float("nan"), r"w2_global\[2\] must be finite and > 0"),
+    ("w2_global", 0.0, r"w2_global\[2\] must be finite and > 0"),
+    ("fc1_input_scale", float("nan"), r"fc1_input_scale\[2\] must be finite and >= 0"),
+    ("fc2_input_scale", float("inf"), r"fc2_input_scale\[2\] must be finite and >= 0"),
+    ("fc2_input_scale", -1.0, r"fc2_input_scale\[2\] must be finite and >= 0"),
+])
+def test_scale_values_are_checked_before_use(field, value, match):
+    w = layer(scales=True)
+    getattr(w, field)[2] = value
+    with pytest.raises(ValueError, match=match):
+        w.check_values()
+    with pytest.raises(ValueError, match=match):  # prepare checks them too (once, not per call)
+        fp4moe_ops.prepare_experts(w, "reference")
+
+
+@pytest.mark.parametrize("field", ["w13_scale", "w2_scale"])
+@pytest.mark.parametrize("byte", [0x7F, 0xFF, 0x81, 0xC0])
+def test_e4m3_nan_bytes_and_negative_block_scales(field, byte):
+    w = layer()
+    getattr(w, field).view(torch.uint8)[1, 3, 0] = byte
+    with pytest.raises(ValueError, match=rf"{field}\[1\] holds an E4M3 NaN byte \(0x7F/0xFF\) or a negative block scale"):
+        w.check_values()
+
+
+def test_zero_input_scales_and_negative_zero_block_scales_are_valid():
+    w = layer(scales=True)
+    w.fc1_input_scale[1] = 0.0  # an expert calibration never reached
+    w.w13_scale.view(torch.uint8)[0, 0, 0] = 0x80  # -0
+    w.check_values()
+
+
+@pytest.mark.parametrize("tensor", ["gate_up", "down"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_quantize_moe_weights_rejects_non_finite(tensor, value):
+    gate_up, down = torch.randn(2, 64, 32), torch.randn(2, 32, 32)
+    (gate_up if tensor == "gate_up" else down)[1, 2, 3] = value
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fp4moe_ops.quantize_moe_weights(gate_up, down)
+
+
+# --- 3. the op: metadata checked on every call (no host syncs) ------------------------------------
+
+
+def op_args():
+    w = layer(scales=True)
+    p = fp4moe_ops.prepare_experts(w, "reference")
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    ids = torch.randint(0, 4, (5, 2))
+    return w, p, x, ids, torch.rand(5, 2)
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("hidden_fp32", TypeError, "hidden_states must be .* bfloat16/float16"),
+    ("hidden_3d", TypeError, "hidden_states must be"),
+    ("ids_float", TypeError, "topk_ids must be"),
+    ("ids_1d", TypeError, "topk_ids must be"),
+    ("ids_rows", ValueError, "must have T=5 rows"),
+    ("weights_bf16", TypeError, "topk_weights must be float32"),
+    ("weights_shape", TypeError, "topk_weights must be float32"),
+    ("device", ValueError, "topk_weights is on meta"),
+    ("scale_shape1", ValueError, r"0-dim scalars or \[E=4\], got torch.float32 \[1\]"),
+    ("scale_dtype", ValueError, "float32 0-dim scalars"),
+    ("scale_len", ValueError, r"\[E=4\], got torch.float32 \[5\]"),
+    ("one_scale", ValueError, None),
+    ("backend", ValueError, "unknown fp4moe backend 'cuda9000'"),
+    ("five_tensors", ValueError, "expected 6 expert tensors"),
+    ("hidden_size", ValueError, "hidden size 32"),
+    ("routed_negative", ValueError, "routed_experts must be >= 0"),
+])
+def test_op_metadata_errors(case, error, match):
+    w, p, x, ids, rw = op_args()
+    tensors, fc1, fc2, backend, routed = p.tensors, None, None, "reference", 0
+    if case == "hidden_fp32":
+        x = x.float()
+    elif case == "hidden_3d":
+        x = x[None]
+    elif case == "ids_float":
+        ids = ids.float()
+    elif case == "ids_1d":
+        ids = ids[:, 0]
+    elif case == "ids_rows":
+        ids, rw = ids[:4], rw[:4]
+    elif case == "weights_bf16":
+        rw = rw.bfloat16()
+    elif case == "weights_shape":
+        rw = rw[:, :1]
+    elif case == "device":
+        rw = rw.to("meta")
+    elif case == "scale_shape1":
+        fc1, fc2 = torch.ones(1), torch.ones(1)
+    elif case == "scale_dtype":
+        fc1, fc2 = torch.ones((), dtype=torch.float16), torch.ones(())
+    elif case == "scale_len":
+        fc1, fc2 = torch.ones(5), torch.ones(4)
+    elif case == "one_scale":  # the reference takes scales optionally: one without the other is allowed
+        out = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, w.fc1_input_scale, None, backend)
+        assert torch.isfinite(out).all()
+        return
+    elif case == "backend":
+        backend = "cuda9000"
+    elif case == "five_tensors":
+        tensors = tensors[:5]
+    elif case == "hidden_size":
+        x = x[:, :32]
+    elif case == "routed_negative":
+        routed = -1
+    with pytest.raises(error, match=match):
+        torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, fc1, fc2, backend, routed)
+
+
+def test_op_refuses_activation_scales_on_a_16_bit_backend(monkeypatch):
+    from fp4moe_ops.backends import BACKENDS
+
+    monkeypatch.setattr(type(BACKENDS["triton"]), "unavailable_reason", lambda self, device: None)
+    w, p, x, ids, rw = op_args()
+    with pytest.raises(ValueError, match="keeps activations in 16 bits"):
+        torch.ops.fp4moe.fused_moe(x, ids, rw, p.tensors, w.fc1_input_scale, w.fc2_input_scale, "triton")
+
+
+# --- 4. activation-scale modes and backends ---------------------------------------------------------
+
+
+def test_per_expert_mode_refuses_zero_scales_naming_the_experts():
+    w = layer(scales=True)
+    w.fc2_input_scale[[1, 3]] = 0.0
+    with pytest.raises(ValueError, match=r"fc2_input_scale is 0 for experts \[1, 3\].*global_max"):
+        fp4moe_ops.prepare_experts(w, "reference", "per_expert")
+    fc1, fc2 = fp4moe_ops.prepare_experts(w, "reference", "global_max").activation_scales()  # the documented way out
+    assert fc2 == w.fc2_input_scale.max()
+
+
+def test_global_max_with_every_scale_zero():
+    w = layer(scales=True)
+    w.fc1_input_scale.zero_()
+    with pytest.raises(ValueError, match="every calibrated input scale is 0"):
+        fp4moe_ops.prepare_experts(w, "reference", "global_max")
+
+
+@pytest.mark.parametrize("mode", ["per_expert", "global_max", "per_token"])
+def test_activation_modes_without_scales_or_unknown(mode):
+    w = layer()
+    match = "calibrate_activation_scales" if mode != "per_token" else "act_scale_mode must be one of"
+    with pytest.raises(ValueError, match=match):
+        fp4moe_ops.prepare_experts(w, "reference", mode)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer_bf16", "flashinfer_mxfp4", "flashinfer_nvfp4"])
+def test_backends_this_device_cannot_run(backend):
+    if torch.cuda.is_available():
+        pytest.skip("a CPU-machine case")
+    with pytest.raises(ValueError, match=rf"'{backend}' cannot run on cpu.*Backends that can: \['reference'\]"):
+        fp4moe_ops.prepare_experts(layer(scales=True), backend)
+
+
+def test_a_failed_set_backend_leaves_the_experts_as_they_were():
+    w = layer(scales=True)
+    p = fp4moe_ops.prepare_experts(w, "reference")
+    x, ids, rw = torch.randn(3, 64, dtype=torch.bfloat16), torch.randint(0, 4, (3, 2)), torch.rand(3, 2)
+    before = p(x, ids, rw)
+    w.fc1_input_scale.zero_()  # the module holds these tensors
+    with pytest.raises(ValueError, match="fc1_input_scale is 0"):
+        p.set_backend("reference", "per_expert")
+    assert p.backend == "reference" and p.act_scale_mode is None and torch.equal(p(x, ids, rw), before)
+
+
+# --- 5. patching is atomic ----------------------------------------------------------------------------
+
+
+def untouched(model, before):
+    """The model is exactly as it was: BF16 experts, same logits, still runs."""
+    from hf_integration import find_experts_modules
+
+    assert all(type(m).__name__ != "NVFP4Experts" for _, m in find_experts_modules(model))
+    assert not getattr(model, "is_quantized", False)
+    assert torch.equal(logits(model, IDS), before)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("float32", "are torch.float32: NVFP4 experts run with 16-bit activations, load the model with dtype=torch.bfloat16"),
+    ("nan_last_layer", r"cannot patch model.layers.2.mlp.experts .*gate_up_proj holds NaN or Inf"),
+    ("inf_down", r"cannot patch model.layers.1.mlp.experts .*down_proj holds NaN or Inf"),
+    ("backend", "'triton' cannot run on cpu"),
+    ("act_scale_mode", "needs calibrated activation scales: patch first"),
+    ("not_deepseek", "patch_deepseek supports model types"),
+])
+def test_patch_failures_leave_the_model_as_it_was(case, match):
+    model = tiny_deepseek_v3(dtype=torch.float32 if case == "float32" else torch.bfloat16)
+    if case == "nan_last_layer":
+        model.model.layers[2].mlp.experts.gate_up_proj.data[5, 3, 1] = float("nan")
+    if case == "inf_down":
+        model.model.layers[1].mlp.experts.down_proj.data[0, 0, 0] = float("inf")
+    with torch.no_grad():
+        before = logits(model, IDS)
+    kwargs = {"backend": "triton"} if case == "backend" else {"act_scale_mode": "per_expert"} if case == "act_scale_mode" else {}
+    if case == "not_deepseek":
+        model.config.model_type = "qwen3_moe"
+    with pytest.raises(ValueError, match=match):
+        patch_deepseek(model, **kwargs)
+    if case != "nan_last_layer" and case != "inf_down":  # NaN weights give NaN logits, before and after
+        untouched(model, before)
+    else:
+        assert all(type(layer.mlp).__name__ != "NVFP4Experts" for layer in model.model.layers)
+
+
+def test_patch_refuses_unloaded_and_odd_sized_experts():
+    odd = tiny_deepseek_v3(moe_intermediate_size=24)
+    before = logits(odd, IDS)
+    with pytest.raises(ValueError, match="intermediate 24 must be multiples of 16"):
+        patch_deepseek(odd)
+    untouched(odd, before)
+    with torch.device("meta"):
+        meta = tiny_deepseek_v3()
+    with pytest.raises(ValueError, match="meta device"):
+        patch_deepseek(meta)
+
+
+def test_patch_twice_and_non_moe_models():
+    from transformers import LlamaConfig
+
+    model = patch_deepseek(tiny_deepseek_v3())
+    with pytest.raises(ValueError, match="already patched by fp4moe"):
+        patch_moe(model)
+    llama = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                         num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match="has no Transformers experts modules"):
+        patch_moe(llama)
+
+
+def test_patching_does_not_touch_a_config_shared_with_another_model(tmp_path):
+    """Today's models from one config object: patching one must not change the other (it used to fail
+    with "has no attribute 'fp4moe_act_scales'")."""
+    a = tiny_deepseek_v3(seed=1)
+    b = AutoModelForCausalLM.from_config(a.config, dtype=torch.bfloat16)
+    b.load_state_dict(a.state_dict())
+    before = logits(b, IDS)
+    patch_deepseek(a)
+    assert torch.equal(logits(b, IDS), before)
+    assert getattr(b.config, "quantization_config", None) is None and b.config._experts_implementation != "fp4moe"
+    b.save_pretrained(tmp_path)  # the unpatched one saves as the BF16 model it is
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    assert not (tmp_path / "hf_quant_config.json").exists()
+
+
+def test_dense_mlp_quantization_checks_every_size_first():
+    model = tiny_deepseek_v3()
+    before = logits(model, IDS)
+    model.model.layers[0].mlp.gate_proj = torch.nn.Linear(64, 120, bias=False).to(torch.bfloat16)
+    model.model.layers[0].mlp.up_proj = torch.nn.Linear(64, 120, bias=False).to(torch.bfloat16)
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(120, 64, bias=False).to(torch.bfloat16)
+    before = logits(model, IDS)
+    with pytest.raises(ValueError, match="cannot quantize dense MLP mlp: sizes 64, 120 must be multiples of 16"):
+        patch_deepseek(model, quantize_dense_mlps=True)
+    untouched(model, before)
+
+
+def test_set_backend_and_calibration_on_a_model_without_nvfp4_experts():
+    model = tiny_deepseek_v3()
+    with pytest.raises(ValueError, match="no fp4moe NVFP4 experts"):
+        set_backend(model, "reference")
+    with pytest.raises(ValueError, match="not patched by fp4moe"):
+        calibrate_activation_scales(model, [IDS])
+
+
+def test_set_backend_checks_every_layer_first():
+    model = patch_deepseek(tiny_deepseek_v3())
+    calibrate_activation_scales(model, [torch.randint(1, 256, (2, 12))])
+    before = logits(model, IDS)
+    model.model.layers[2].mlp.experts.fc2_input_scale[4] = 0.0  # the last layer cannot run per_expert
+    with pytest.raises(ValueError, match=r"fc2_input_scale is 0 for experts \[4\]"):
+        set_backend(model, "reference", "per_expert")
+    assert all(layer.mlp.experts.act_scale_mode is None for layer in model.model.layers[1:])
+    assert torch.equal(logits(model, IDS), before)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_calibration_with_non_finite_activations_leaves_the_model_as_it_was(bad):
+    model = patch_deepseek(tiny_deepseek_v3())
+    before = logits(model, IDS)
+    emb = model.model.embed_tokens.weight
+    saved = emb.data[7].clone()
+    emb.data[7] = float(bad)  # token 7's activations become non-finite
+    with pytest.raises(ValueError, match=r"calibration: model.layers.1.mlp.experts saw NaN or Inf activations"):
+        calibrate_activation_scales(model, [torch.tensor([[5, 6, 7, 8]])])
+    emb.data[7] = saved
+    experts = model.model.layers[1].mlp.experts
+    assert "fc1_input_scale" not in experts._buffers and experts.backend == "reference"
+    assert torch.equal(logits(model, IDS), before)
+
+
+def test_calibration_without_batches():
+    model = patch_deepseek(tiny_deepseek_v3())
+    with pytest.raises(ValueError, match="got no batches"):
+        calibrate_activation_scales(model, [])
+
+
+# --- 6. checkpoint files ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    model = tiny_deepseek_v3(num_hidden_layers=2, seed=3)
+    tensors = write_modelopt_checkpoint(model, tmp_path / "ckpt", shards=2)
+    return tmp_path / "ckpt", tensors
+
+
+def shard_of(path, key):
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    return path / index[key]
+
+
+def rewrite(path, key, value=None, drop=False):
+    f = shard_of(path, key)
+    data = load_file(f)
+    if drop:
+        del data[key]
+    else:
+        data[key] = value
+    save_file(data, str(f))
+    if drop:
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        del index["weight_map"][key]
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("leaf", ["gate_proj", "up_proj", "down_proj"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -2e-4])
+def test_bad_global_scale_values_in_a_checkpoint_name_the_key_and_file(ckpt, leaf, value):
+    path, _ = ckpt
+    key = f"{E3}.{leaf}.weight_scale_2"
+    rewrite(path, key, torch.tensor(value))
+    with pytest.raises(CheckpointError, match=rf"'{key}' in {shard_of(path, key).name} must be finite and > 0"):
+        load_modelopt_nvfp4(path)
+
+
+@pytest.mark.parametrize("leaf", ["up_proj", "down_proj"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_bad_input_scale_values_in_a_checkpoint(ckpt, leaf, value):
+    path, _ = ckpt
+    key = f"{E3}.{leaf}.input_scale"
+    rewrite(path, key, torch.tensor(value))
+    with pytest.raises(CheckpointError, match=rf"'{key}' in .* must be finite and >= 0"):
+        load_modelopt_nvfp4(path)
+
+
+@pytest.mark.parametrize("leaf", ["gate_proj", "down_proj"])
+@pytest.mark.parametrize("byte", [0x7F, 0xFF, 0x90])
+def test_e4m3_nan_and_negative_block_scales_in_a_checkpoint(ckpt, leaf, byte):
+    path, tensors = ckpt
+    key = f"{E3}.{leaf}.weight_scale"
+    scale = tensors[key].clone()
+    scale.view(torch.uint8)[2, 1] = byte
+    rewrite(path, key, scale)
+    with pytest.raises(CheckpointError, match=rf"'{key}' in .* holds an E4M3 NaN byte"):
+        load_modelopt_nvfp4(path)
+
+
+@pytest.mark.parametrize("tensor,value", [("weight_scale_2", torch.tensor(float("nan"))),
+                                          ("weight_scale_2", torch.tensor(0.0))])
+def test_bad_scales_of_a_dequantized_linear(ckpt, tensor, value):
+    path, _ = ckpt
+    key = f"model.layers.0.mlp.down_proj.{tensor}"
+    rewrite(path, key, value)
+    with pytest.raises(CheckpointError, match=rf"'{key}' in .* must be finite and > 0"):
+        load_modelopt_nvfp4(path)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    (f"{E3}.gate_proj.weight_scale_2", torch.tensor([1e-3]), r"expected shape \[\], found \[1\]"),
+    (f"{E3}.gate_proj.weight_scale_2", torch.tensor(1e-3, dtype=torch.float16), "expected dtype torch.float32"),
+    (f"{E3}.down_proj.weight", torch.zeros(64, 16, dtype=torch.int8), "expected dtype torch.uint8, found torch.int8"),
+    (f"{E3}.down_proj.weight_scale", torch.zeros(64, 2, dtype=torch.uint8), "expected dtype torch.float8_e4m3fn"),
+    ("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 30, dtype=torch.uint8), r"expected shape \[128, 32\]"),
+])
+def test_mis_shaped_and_wrongly_typed_tensors(ckpt, key, value, match):
+    path, _ = ckpt
+    rewrite(path, key, value)
+    with pytest.raises(CheckpointError, match=rf"'{key}' in model-0000.-of-00002.safetensors: {match}"):
+        load_modelopt_nvfp4(path)
+
+
+@pytest.mark.parametrize("key", [f"{E3}.gate_proj.weight", f"{E3}.up_proj.weight_scale_2", f"{E3}.down_proj.input_scale",
+                                 "model.layers.0.mlp.gate_proj.weight_scale_2"])
+def test_missing_quantized_tensors(ckpt, key):
+    path, _ = ckpt
+    rewrite(path, key, drop=True)
+    with pytest.raises(CheckpointError, match=rf"'{key}' is missing"):
+        load_modelopt_nvfp4(path)
+
+
+def test_config_that_lies_about_the_number_of_experts(ckpt):
+    path, _ = ckpt
+    cfg = json.loads((path / "config.json").read_text())
+    for n, match in ((6, r"unexpected checkpoint tensor 'model.layers.1.mlp.experts.[67]\..*' in .*has 6 experts"),
+                     (10, "'model.layers.1.mlp.experts.8.gate_proj.weight' is missing")):
+        (path / "config.json").write_text(json.dumps(cfg | {"n_routed_experts": n}))
+        with pytest.raises(CheckpointError, match=match):
+            load_modelopt_nvfp4(path)
+
+
+def test_unexpected_quantized_tensor_of_no_module(ckpt):
+    path, _ = ckpt
+    shard = sorted(path.glob("model-*.safetensors"))[0]
+    data = load_file(shard)
+    data["model.layers.1.self_attn.o_proj.weight_scale_2"] = torch.tensor(1e-3)
+    save_file(data, str(shard))
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.1.self_attn.o_proj.weight_scale_2"] = shard.name
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="unexpected quantized checkpoint tensors.*self_attn.o_proj.weight_scale_2"):
+        load_modelopt_nvfp4(path)
+
+
+def header(path):
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return raw, n, json.loads(raw[8:8 + n])
+
+
+def write_header(path, raw, n, h):
+    text = json.dumps(h).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage", "header_too_long", "overlap", "alias",
+                                    "short_data", "bad_dtype"])
+def test_malformed_safetensors_files_name_the_file(ckpt, damage):
+    path, _ = ckpt
+    f = shard_of(path, f"{E3}.gate_proj.weight")
+    raw, n, h = header(f)
+    keys = [k for k in h if k != "__metadata__"]
+    if damage == "truncated":
+        f.write_bytes(raw[:len(raw) - 100])
+    elif damage == "empty":
+        f.write_bytes(b"")
+    elif damage == "garbage":
+        f.write_bytes(b"\x00" * 64)
+    elif damage == "header_too_long":
+        f.write_bytes(struct.pack("<Q", 10**9) + raw[8:])
+    elif damage in ("overlap", "alias"):
+        a, b = sorted(keys, key=lambda k: h[k]["data_offsets"][0])[:2]
+        if damage == "overlap":
+            h[b]["data_offsets"] = [h[b]["data_offsets"][0] - 1, h[b]["data_offsets"][1]]
+        else:
+            h[b] = dict(h[b], data_offsets=h[a]["data_offsets"], shape=h[a]["shape"], dtype=h[a]["dtype"])
+        write_header(f, raw, n, h)
+    elif damage == "short_data":
+        k = keys[0]
+        h[k] = dict(h[k], shape=[s * 2 for s in h[k]["shape"]] or [2])
+        write_header(f, raw, n, h)
+    elif damage == "bad_dtype":
+        h[keys[0]]["dtype"] = "Q9"
+        write_header(f, raw, n, h)
+    with pytest.raises(CheckpointError, match=rf"{f.name}: not a valid safetensors file"):
+        load_modelopt_nvfp4(path)
+
+
+def test_index_that_points_to_the_wrong_shard(ckpt):
+    path, _ = ckpt
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    key = f"{E3}.gate_proj.weight"
+    index["weight_map"][key] = "model-00001-of-00002.safetensors" if index["weight_map"][key].startswith(
+        "model-00002") else "model-00002-of-00002.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"maps tensor '{key}' to model-0000.-of-00002.safetensors, but it is in"):
+        load_modelopt_nvfp4(path)
+
+
+def test_a_shard_the_index_does_not_list(ckpt):
+    path, tensors = ckpt
+    save_file({f"{E3}.gate_proj.weight": tensors[f"{E3}.gate_proj.weight"]}, str(path / "model-00003-of-00002.safetensors"))
+    with pytest.raises(CheckpointError, match="model-00003-of-00002.safetensors holds .* does not list the file"):
+        load_modelopt_nvfp4(path)
+
+
+def test_the_same_tensor_in_two_files(ckpt):
+    path, tensors = ckpt
+    key = f"{E3}.gate_proj.weight"
+    other = [f for f in sorted(path.glob("model-*.safetensors")) if f != shard_of(path, key)][0]
+    data = load_file(other)
+    data[key] = tensors[key]
+    save_file(data, str(other))
+    with pytest.raises(CheckpointError, match=rf"tensor '{key}' is in two files"):
+        load_modelopt_nvfp4(path)
+
+
+@pytest.mark.parametrize("name,content,match", [
+    ("config.json", "{not json", "config.json: not a readable JSON file"),
+    ("config.json", "[]", "config.json: expected a JSON dict, found list"),
+    ("hf_quant_config.json", "{not json", "hf_quant_config.json: not a readable JSON file"),
+    ("hf_quant_config.json", "[]", "hf_quant_config.json: expected a JSON dict, found list"),
+    ("hf_quant_config.json", '{"producer": {}}', "hf_quant_config.json: no 'quantization' object"),
+    ("hf_quant_config.json", '{"quantization": {"quant_algo": "FP8"}}', "quant_algo 'FP8' is not supported"),
+    ("hf_quant_config.json", '{"quantization": {"quant_algo": "NVFP4", "group_size": 32}}', "group_size 32"),
+    ("hf_quant_config.json", '{"quantization": {"quant_algo": "NVFP4", "bogus_field": 1, "exclude_modules": 5}}',
+     "hf_quant_config.json: exclude_modules must be a list of module names, got int"),
+])
+def test_malformed_or_wrong_configs(ckpt, name, content, match):
+    path, _ = ckpt
+    (path / name).write_text(content)
+    with pytest.raises(CheckpointError, match=match):
+        load_modelopt_nvfp4(path)
+
+
+def test_from_pretrained_with_a_broken_config_json_names_the_file(ckpt):
+    path, _ = ckpt
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(OSError, match="config.json"):  # Transformers' own error, before any quantizer runs
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_pickle_files_are_never_unpickled(tmp_path):
+    """A folder with a pickled checkpoint: fp4moe's quantizer refuses it before anything reads it, so a
+    malicious pickle never runs."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    model = tiny_deepseek_v3(num_hidden_layers=2)
+    folder = tmp_path / "ckpt"
+    write_modelopt_checkpoint(model, folder, shards=1)
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Evil()}))
+    cfg = json.loads((folder / "config.json").read_text())
+    quant = json.loads((folder / "hf_quant_config.json").read_text())["quantization"]
+    (folder / "config.json").write_text(json.dumps(cfg | {"quantization_config": {"quant_method": "modelopt", **quant}}))
+    with pytest.raises(Exception) as info:
+        AutoModelForCausalLM.from_pretrained(folder, use_safetensors=False)
+    assert ".safetensors" in str(info.value) or "pickle" in str(info.value).lower() or "weights_only" in str(info.value)
+    assert not marker.exists()
+
+
+# --- 7. saving ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=5))
+    out = tmp_path / "out"
+    model.save_pretrained(out)
+    return model, out, logits(model, IDS), {f.name: f.read_bytes() for f in out.iterdir()}
+
+
+def still_there(out, files, want):
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == files
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16), IDS), want)
+
+
+@pytest.mark.parametrize("where", ["config", "hf_quant_config", "swap", "copy_user_file"])
+def test_a_save_failing_at_any_step_leaves_the_old_checkpoint(saved, tmp_path, monkeypatch, where):
+    import hf_integration.saving as saving
+
+    model, out, want, files = saved
+    (out / "README.md").write_text("mine")
+    files["README.md"] = b"mine"
+    other = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=6))  # a different model saves over it
+    if where == "config":
+        monkeypatch.setattr(type(other.config), "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError("EIO")))
+    elif where == "hf_quant_config":
+        real = saving.Path.write_text
+        monkeypatch.setattr(saving.Path, "write_text", lambda self, *a, **k: (_ for _ in ()).throw(PermissionError(
+            "denied")) if self.name == "hf_quant_config.json" else real(self, *a, **k))
+    elif where == "swap":
+        real_replace = os.replace
+        calls = []
+
+        def replace(src, dst):
+            calls.append(src)
+            if len(calls) == 2:  # the new folder into place: fails after the old one moved aside
+                raise OSError("EXDEV")
+            return real_replace(src, dst)
+
+        monkeypatch.setattr(saving.os, "replace", replace)
+    elif where == "copy_user_file":
+        monkeypatch.setattr(saving, "_copy", lambda src, dst: (_ for _ in ()).throw(OSError("ENOSPC")))
+    with pytest.raises(OSError):
+        other.save_pretrained(out)
+    monkeypatch.undo()
+    still_there(out, files, want)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # nothing left beside it
+    other.save_pretrained(out)  # and the same save works once the fault is gone
+    assert (out / "README.md").read_text() == "mine"
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16), IDS), logits(other, IDS))
+
+
+def test_saving_into_a_file_path_and_unquantized_models(saved, tmp_path):
+    model, out, want, files = saved
+    f = tmp_path / "a_file"
+    f.write_text("keep me")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        model.save_pretrained(f)
+    assert f.read_text() == "keep me"
+    with pytest.raises(ValueError, match="has no fp4moe quantizer"):
+        save_modelopt_nvfp4(tiny_deepseek_v3(), tmp_path / "plain")
+    assert not (tmp_path / "plain").exists()
+
+
+def test_saving_over_a_bigger_sharded_checkpoint_leaves_no_stale_shards(saved, tmp_path):
+    model, out, want, files = saved
+    big = tmp_path / "big"
+    model.save_pretrained(big, max_shard_size="50KB")
+    assert len(list(big.glob("model-*.safetensors"))) > 2
+    small = patch_moe(tiny_qwen3_moe())
+    small.save_pretrained(big)
+    assert sorted(f.name for f in big.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (big / "model.safetensors.index.json").exists()
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(big, dtype=torch.bfloat16), IDS), logits(small, IDS))
