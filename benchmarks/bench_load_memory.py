@@ -62,7 +62,7 @@ def write_checkpoint(path: Path, num_layers: int = 1, first_k_dense: int = 0, vo
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-    from hf_integration.modelopt_format import ModelOptConfig
+    from hf_integration.checkpoint_format import ModelOptConfig
 
     path.mkdir(parents=True, exist_ok=True)
     cfg = config_dict(num_layers, first_k_dense, vocab_size)

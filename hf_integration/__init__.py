@@ -4,7 +4,7 @@ Importing it registers fp4moe's ``"modelopt"`` quantizer with Transformers, so
 ``AutoModelForCausalLM.from_pretrained(<ModelOpt NVFP4 checkpoint>)`` loads NVFP4 experts and
 ``save_pretrained`` writes them back. Modules, one concept each:
 
-* ``modelopt_format``: the ModelOpt checkpoint format (config, tensor names, ``CheckpointError``);
+* ``checkpoint_format``: the ModelOpt checkpoint format (config, tensor names, ``CheckpointError``);
 * ``quantizer``: the Transformers quantizer (loading, saving, marking a model quantized);
 * ``experts``: the modules that hold NVFP4 weights in a model;
 * ``router``: the fused DeepSeek-V3-style router;
@@ -20,7 +20,7 @@ from .calibration import calibrate_activation_scales
 from .experts import NVFP4Experts, NVFP4GatedMLP
 from .expert_parallel import shard_experts
 from .modelopt import load_modelopt_nvfp4, save_modelopt_nvfp4
-from .modelopt_format import CheckpointError, ModelOptConfig
+from .checkpoint_format import CheckpointError, ModelOptConfig
 from .patch import patch_deepseek, patch_moe, set_backend
 from .quantizer import ModelOptQuantizer, register
 from .router import GroupedTopkRouter, fuse_routers

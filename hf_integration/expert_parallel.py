@@ -24,7 +24,7 @@ from torch import nn
 
 from fp4moe_ops import NVFP4MoEWeights
 
-from .modelopt_format import CheckpointError
+from .checkpoint_format import CheckpointError
 from .surgery import nvfp4_experts
 
 

@@ -7,9 +7,9 @@
   plugs in as a dispatch step around the op (:mod:`hf_integration.expert_parallel`).
 * :class:`NVFP4GatedMLP`: a dense gated MLP ``down(silu(gate(x)) * up(x))`` in NVFP4, run by the
   same op as a one-expert MoE (``patch_moe(..., quantize_dense_mlps=True)``).
-* :class:`NVFP4Linear`: a checkpoint's NVFP4 linear outside the routed experts, as its file bytes
-  (``weight`` uint8, ``weight_scale`` float8, ``weight_scale_2``, ``input_scale``); the loader turns
-  it into an ``nn.Linear`` with the dequantized weight once it is filled.
+* :class:`NVFP4Linear` / :class:`FP8Linear`: a checkpoint's quantized linear outside the routed
+  experts, as its file tensors; the loader turns it into an ``nn.Linear`` with the dequantized weight
+  once it is filled.
 """
 
 from __future__ import annotations
@@ -81,38 +81,79 @@ class NVFP4GatedMLP(PreparedExperts):
 
 
 class NVFP4Linear(nn.Module):
-    """A checkpoint's NVFP4 linear ``y = x W^T (+ b)``, held as its file tensors until the loader
-    dequantizes it (:meth:`dequantized`).
+    """A checkpoint's NVFP4 linear ``y = x W^T (+ b)``, held as its file tensors, named as the file's
+    format names them (:class:`~hf_integration.checkpoint_format.TensorScheme`: ModelOpt's
+    ``weight`` / ``weight_scale`` / ``weight_scale_2`` / ``input_scale``, or compressed-tensors'
+    ``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` / ``input_global_scale``), until
+    the loader dequantizes it (:meth:`dequantized`)."""
 
-    Buffers: ``weight [N, K/2] uint8``, ``weight_scale [N, K/16] float8_e4m3fn``,
-    ``weight_scale_2 [] float32``, and ``input_scale [] float32`` if the checkpoint has one.
-    """
+    def __init__(self, linear: nn.Linear, scheme, input_scale: bool):
+        super().__init__()
+        n, k = linear.out_features, linear.in_features
+        self.in_features, self.out_features, self.scheme = k, n, scheme
+        self.register_buffer(scheme.packed, torch.empty(n, k // 2, dtype=torch.uint8))
+        self.register_buffer(scheme.block_scale, torch.empty(n, k // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn))
+        self.register_buffer(scheme.global_scale, torch.empty(scheme.scalar_shape, dtype=torch.float32))
+        if input_scale:
+            self.register_buffer(scheme.input_scale, torch.empty(scheme.scalar_shape, dtype=torch.float32))
+        self.bias = linear.bias
+        self.dtype = linear.weight.dtype
+
+    def scale_checks(self) -> list[tuple[str, str]]:
+        """``(buffer, kind)`` of the scales whose values the loader checks (see ``check_scale_values``)."""
+        s = self.scheme
+        checks = [(s.global_scale, "global"), (s.block_scale, "block")]
+        if s.input_scale in self._buffers:  # a compressed-tensors input scale divides: 0 is not allowed
+            checks.append((s.input_scale, "global" if s.reciprocal else "input"))
+        return checks
+
+    def weight_value(self) -> torch.Tensor:
+        b, s = self._buffers, self.scheme
+        return nvfp4.dequantize_nvfp4(b[s.packed], b[s.block_scale], s.multiplier(b[s.global_scale]), self.dtype)
+
+    def dequantized(self) -> nn.Linear:
+        """An ``nn.Linear`` of the original dtype holding ``e2m1 * block scale * global scale``
+        (exact up to one rounding of the float32 scale product to the dtype)."""
+        return _linear_like(self, self.weight_value())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # only before the loader has swapped it
+        return nn.functional.linear(x, self.weight_value().to(x.dtype), self.bias)
+
+
+class FP8Linear(nn.Module):
+    """An FP8 linear of a ModelOpt ``MIXED_PRECISION`` export (``weight [N, K] float8_e4m3fn``,
+    ``weight_scale [] float32`` that multiplies, ``input_scale``), held until the loader dequantizes it
+    to the model dtype: fp4moe runs FP8 layers in 16 bits."""
 
     def __init__(self, linear: nn.Linear, input_scale: bool):
         super().__init__()
-        n, k = linear.out_features, linear.in_features
-        self.in_features, self.out_features = k, n
-        self.register_buffer("weight", torch.empty(n, k // 2, dtype=torch.uint8))
-        self.register_buffer("weight_scale", torch.empty(n, k // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn))
-        self.register_buffer("weight_scale_2", torch.empty((), dtype=torch.float32))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", torch.empty(linear.out_features, linear.in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", torch.empty((), dtype=torch.float32))
         if input_scale:
             self.register_buffer("input_scale", torch.empty((), dtype=torch.float32))
         self.bias = linear.bias
         self.dtype = linear.weight.dtype
 
+    def scale_checks(self) -> list[tuple[str, str]]:
+        return [("weight_scale", "global")] + ([("input_scale", "input")] if "input_scale" in self._buffers else [])
+
+    def weight_value(self) -> torch.Tensor:
+        return (self.weight.float() * self.weight_scale).to(self.dtype)
+
     def dequantized(self) -> nn.Linear:
-        """An ``nn.Linear`` of the original dtype holding ``e2m1 * weight_scale * weight_scale_2``
-        (exact up to one rounding of the fp32 scale product to the dtype)."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        weight = nvfp4.dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, self.dtype)
-        linear.weight = nn.Parameter(weight, requires_grad=False)
-        if self.bias is not None:
-            linear.bias = self.bias
-        return linear
+        return _linear_like(self, self.weight_value())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # only before the loader has swapped it
-        return nn.functional.linear(x, nvfp4.dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2,
-                                                               x.dtype), self.bias)
+        return nn.functional.linear(x, self.weight_value().to(x.dtype), self.bias)
 
 
-__all__ = ["LOCAL", "LocalExperts", "NVFP4Experts", "NVFP4GatedMLP", "NVFP4Linear"]
+def _linear_like(m: nn.Module, weight: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if m.bias is not None:
+        linear.bias = m.bias
+    return linear
+
+
+__all__ = ["FP8Linear", "LOCAL", "LocalExperts", "NVFP4Experts", "NVFP4GatedMLP", "NVFP4Linear"]

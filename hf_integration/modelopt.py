@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .modelopt_format import CheckpointError, ModelOptConfig, read_json, read_quant_config
+from .checkpoint_format import CheckpointError, ModelOptConfig, read_json, read_quant_config
 
 
 def _resolve(path_or_id: str | Path, filename: str, **hub_kwargs) -> Path | None:
@@ -56,7 +56,7 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
         device / device_map: where the model goes (``device_map`` as in ``from_pretrained``:
             ``"auto"``, ``"cuda"``, ``{module prefix: device}``; ``max_memory`` also passes through).
         backend, act_scale_mode, fuse_router, expert_parallel: see
-            :class:`~hf_integration.modelopt_format.ModelOptConfig`.
+            :class:`~hf_integration.checkpoint_format.ModelOptConfig`.
         from_pretrained_kwargs: anything else ``from_pretrained`` takes (``revision``, ``max_memory``, ...).
 
     Returns:

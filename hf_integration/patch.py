@@ -22,7 +22,7 @@ from fp4moe_ops import nvfp4
 from fp4moe_ops.backends import resolve_backend
 
 from .experts import NVFP4Experts, NVFP4GatedMLP
-from .modelopt_format import ModelOptConfig
+from .checkpoint_format import ModelOptConfig
 from .quantizer import attach, quantizer_for
 from .router import fuse_routers
 from .surgery import children_where, find_experts_modules, is_dense_gated_mlp, is_silu, is_transformers_experts, \

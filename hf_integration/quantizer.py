@@ -8,7 +8,7 @@ calls this quantizer at its plug-in points:
 
 * before loading, on the meta model: read every safetensors header (no tensor bytes), decide from
   the files which modules are NVFP4, check every NVFP4 tensor's presence, dtype and shape (a
-  :class:`~hf_integration.modelopt_format.CheckpointError` naming file and tensor otherwise), and
+  :class:`~hf_integration.checkpoint_format.CheckpointError` naming file and tensor otherwise), and
   swap in :class:`~hf_integration.experts.NVFP4Experts` for the routed experts and
   :class:`~hf_integration.experts.NVFP4Linear` for other NVFP4 linears;
 * the weight conversion: Transformers' own per-expert -> stacked-experts converters are replaced
@@ -25,6 +25,7 @@ Which quantizer wins if Transformers ever ships its own ``"modelopt"``: fp4moe's
 
 from __future__ import annotations
 
+import itertools
 import re
 import types
 from dataclasses import dataclass, field
@@ -38,23 +39,28 @@ from transformers.utils import logging
 from fp4moe_ops.moe_weights import check_scale_values
 from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS
 
-from .experts import NVFP4Experts, NVFP4Linear
-from .modelopt_format import (
+from .experts import FP8Linear, NVFP4Experts, NVFP4Linear
+from .checkpoint_format import (
+    COMPRESSED_TENSORS,
     KV_CACHE_SCALES,
-    LINEAR_TENSORS,
+    MODELOPT,
     QUANT_METHOD,
     CheckpointError,
+    CompressedTensorsNVFP4Config,
     ExpertLeaves,
     ModelOptConfig,
+    TensorScheme,
     expert_converter_targets,
     expert_leaves,
-    linear_specs,
     model_conversions,
 )
 from .router import fuse_routers
 from .surgery import is_transformers_experts, replace_module
 
 logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
+
+# the per-tensor names that only quantized linears have, in either format
+QUANTIZED_TENSOR_NAMES = {*MODELOPT.tensors[1:], *COMPRESSED_TENSORS.tensors}
 
 # safetensors' dtype names -> torch
 _DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
@@ -95,7 +101,7 @@ class CheckpointScan:
         folder = Path(files[0]).parent
         listed = {Path(f).name for f in files}
         for index_file in folder.glob("*.safetensors.index.json"):
-            from .modelopt_format import read_json
+            from .checkpoint_format import read_json
 
             weight_map = read_json(index_file).get("weight_map")
             if not isinstance(weight_map, dict):
@@ -115,7 +121,7 @@ class CheckpointScan:
                         keys = list(handle.keys())
                 except Exception:  # noqa: BLE001 - not a readable shard: certainly not one of ours
                     keys = []
-                clash = [k for k in keys if k in self.tensors or k.rsplit(".", 1)[-1] in LINEAR_TENSORS[1:]]
+                clash = [k for k in keys if k in self.tensors or k.rsplit(".", 1)[-1] in QUANTIZED_TENSOR_NAMES]
                 if clash:
                     raise CheckpointError(f"{other.name} holds {clash[0]!r} but {index_file.name} does not list the "
                                           "file (a stale shard?); remove it or fix the index")
@@ -151,9 +157,10 @@ class ExpertsPlan:
 
 @dataclass
 class LoadPlan:
+    scheme: TensorScheme
     experts: dict[str, ExpertsPlan] = field(default_factory=dict)
-    linears: dict[str, bool] = field(default_factory=dict)  # module path -> has an input_scale
-    files: dict[str, str] = field(default_factory=dict)     # checkpoint key -> file
+    linears: dict[str, tuple[str, bool]] = field(default_factory=dict)  # module path -> ("nvfp4"|"fp8", input scale?)
+    files: dict[str, str] = field(default_factory=dict)                 # checkpoint key -> file
 
 
 def _to_model_key(key: str, renamings, prefix: str, owners: set[str]) -> str:
@@ -176,6 +183,8 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
     ``shard_of(num_experts) -> ExpertShard`` under expert parallelism. Raises
     :class:`CheckpointError` for any NVFP4 tensor missing, unexpected, mis-shaped or of the wrong
     dtype."""
+    scheme = config.scheme
+    packed, block, global_, input_ = scheme.tensors
     renamings, converters = model_conversions(model)
     modules = dict(model.named_modules())
     experts = {n: m for n, m in modules.items() if is_transformers_experts(m)}
@@ -185,29 +194,29 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
         owners.update(f"{n}.{e}.{leaf}" for e in range(m.gate_up_proj.shape[0]) for leaf in leaves[n])
     prefix = getattr(model, "base_model_prefix", "model")
     in_model = {_to_model_key(k, renamings, prefix, owners): k for k in scan.tensors}
-    plan = LoadPlan(files={k: v[0] for k, v in scan.tensors.items()})
+    plan = LoadPlan(scheme, files={k: v[0] for k, v in scan.tensors.items()})
     claimed: set[str] = set()
 
     for name, m in experts.items():
         e_total, two_i, hidden = m.gate_up_proj.shape
         inter = two_i // 2
         lv = leaves[name]
-        first = in_model.get(f"{name}.0.{lv.gate}.weight_scale")
-        if first is None:
+        first = in_model.get(f"{name}.0.{lv.gate}.{block}")
+        if first is None or scan.tensors[first][1] != torch.float8_e4m3fn:
             if f"{name}.0.{lv.gate}.weight" in in_model:
                 continue  # this layer's experts are not NVFP4 in the checkpoint: loaded as they are
-            raise CheckpointError(f"checkpoint has no tensors for the experts of {name} "
-                                  f"(looked for {name}.<e>.{lv.gate}.weight_scale ...)")
-        ckpt_prefix = first[:-len(f".0.{lv.gate}.weight_scale")]
+            raise CheckpointError(f"checkpoint has no NVFP4 tensors for the experts of {name} "
+                                  f"(looked for {name}.<e>.{lv.gate}.{block} ...)")
+        ckpt_prefix = first[:-len(f".0.{lv.gate}.{block}")]
         shard = shard_of(e_total) if shard_of else None
         ids = range(shard.offset, shard.offset + shard.count) if shard else range(e_total)
         p = ExpertsPlan(name, ckpt_prefix, lv, e_total, ids, hidden, inter, input_scales=False)
-        p.input_scales = not config.weights_only and f"{ckpt_prefix}.0.{lv.gate}.input_scale" in scan.tensors
+        p.input_scales = not config.weights_only and f"{ckpt_prefix}.0.{lv.gate}.{input_}" in scan.tensors
         for e in ids:
             for leaf, (n_out, k_in) in ((lv.gate, (inter, hidden)), (lv.up, (inter, hidden)), (lv.down, (hidden, inter))):
-                specs = linear_specs(f"{ckpt_prefix}.{e}.{leaf}", n_out, k_in, p.input_scales)
+                specs = scheme.specs(f"{ckpt_prefix}.{e}.{leaf}", n_out, k_in, p.input_scales)
                 for key, (shape, dtype) in specs.items():
-                    what = " (the other experts of this layer have input scales)" if key.endswith("input_scale") else ""
+                    what = " (the other experts of this layer have input scales)" if key.endswith(input_) else ""
                     scan.check(key, shape, dtype, what)
                 claimed.update(specs)
         # every expert tensor of this layer is accounted for: ours, or (expert parallelism) another rank's
@@ -215,7 +224,7 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
         pattern = re.compile(rf"{re.escape(ckpt_prefix)}\.(\d+)\.({'|'.join(map(re.escape, lv))})\.(\w+)$")
         for k in layer_keys:
             match = pattern.match(k)
-            if match is None or int(match.group(1)) >= e_total or match.group(3) not in LINEAR_TENSORS:
+            if match is None or int(match.group(1)) >= e_total or match.group(3) not in scheme.tensors:
                 raise CheckpointError(f"unexpected checkpoint tensor {k!r} in {plan.files[k]}: {name} has "
                                       f"{e_total} experts with linears {list(lv)}")
             if shard and int(match.group(1)) not in ids:
@@ -223,18 +232,26 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
         plan.experts[name] = p
 
     for name, m in modules.items():
-        if not isinstance(m, nn.Linear) or f"{name}.weight_scale" not in in_model:
+        if not isinstance(m, nn.Linear) or f"{name}.{block}" not in in_model:
             continue
-        ckpt_name = in_model[f"{name}.weight_scale"][:-len(".weight_scale")]
-        has_input = f"{ckpt_name}.input_scale" in scan.tensors
-        specs = linear_specs(ckpt_name, m.out_features, m.in_features, has_input)
+        ckpt_name = in_model[f"{name}.{block}"][:-len(f".{block}")]
+        has_input = f"{ckpt_name}.{input_}" in scan.tensors
+        if scan.tensors.get(f"{ckpt_name}.weight", (None, None))[1] == torch.float8_e4m3fn and not scheme.reciprocal:
+            # an FP8 layer of a MIXED_PRECISION export: weight [N, K] float8, one float32 scale
+            specs = {f"{ckpt_name}.weight": ((m.out_features, m.in_features), torch.float8_e4m3fn),
+                     f"{ckpt_name}.weight_scale": ((), torch.float32)}
+            if has_input:
+                specs[f"{ckpt_name}.input_scale"] = ((), torch.float32)
+            kind = "fp8"
+        else:
+            specs, kind = scheme.specs(ckpt_name, m.out_features, m.in_features, has_input), "nvfp4"
         for key, (shape, dtype) in specs.items():
             scan.check(key, shape, dtype)
         claimed.update(specs)
-        plan.linears[name] = has_input
+        plan.linears[name] = (kind, has_input)
 
     ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
-    stray = [k for k in scan.tensors if k not in claimed and k.rsplit(".", 1)[-1] in LINEAR_TENSORS[1:]
+    stray = [k for k in scan.tensors if k not in claimed and k.rsplit(".", 1)[-1] in scheme.tensors[1:]
              and not any(p.search(k) for p in ignored)]
     if stray:
         raise CheckpointError(f"unexpected quantized checkpoint tensors (no NVFP4 module of the model takes them): "
@@ -260,9 +277,9 @@ class StackNVFP4Experts(ConversionOps):
     inside a conversion into a generic report entry, so a bad value is recorded on the quantizer
     and raised as a :class:`CheckpointError` naming the tensor once loading is done."""
 
-    # (leaf index into ExpertLeaves, tensor) of each source pattern, in order
-    SOURCES = tuple((leaf, t) for leaf in range(3) for t in LINEAR_TENSORS)
-    KIND = {"weight_scale_2": "global", "weight_scale": "block", "input_scale": "input"}
+    # (leaf index into ExpertLeaves, tensor role) of each source pattern, in order
+    ROLES = ("packed", "block", "global", "input")
+    SOURCES = tuple(itertools.product(range(3), ROLES))
 
     def __init__(self, hf_quantizer: ModelOptQuantizer):
         # Transformers (>= 5.22) keeps the checkpoint dtypes of tensors that an op with an
@@ -277,19 +294,22 @@ class StackNVFP4Experts(ConversionOps):
     def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, **kwargs):
         module_name = full_layer_name.rsplit(".", 1)[0]
         plan = self.hf_quantizer.plan.experts[module_name]
+        scheme = self.hf_quantizer.plan.scheme
+        names = dict(zip(self.ROLES, scheme.tensors))
         got = {self.SOURCES[source_patterns.index(p)]: tensors for p, tensors in input_dict.items()}
         input_dict.clear()
         leaves, count, inter = list(plan.leaves), len(plan.ids), plan.inter
-        for (leaf, t), tensors in got.items():
+        for (leaf, role), tensors in got.items():
             if len(tensors) != count:
-                raise CheckpointError(f"{module_name}: read {len(tensors)} '{leaves[leaf]}.{t}' tensors for {count} experts")
+                raise CheckpointError(f"{module_name}: read {len(tensors)} '{leaves[leaf]}.{names[role]}' tensors "
+                                      f"for {count} experts")
 
         def stack(parts: list[tuple[int, str]]) -> torch.Tensor:
             """The experts' tensors of ``parts`` (concatenated along rows), each per-expert tensor
             dropped as soon as it is copied: one layer plus one expert tensor in memory, not two layers."""
             lists = [got.pop(p) for p in parts]
             first = lists[0][0]
-            rows = [ts[0].shape[0] if ts[0].dim() else 0 for ts in lists]
+            rows = [ts[0].shape[0] if ts[0].dim() else 0 for ts in lists]  # scalars: [] (ModelOpt) or [1]
             out = torch.empty(count, *((sum(rows),) if first.dim() else ()), *first.shape[1:], dtype=first.dtype,
                               device=first.device)
             for e in range(count):
@@ -302,19 +322,26 @@ class StackNVFP4Experts(ConversionOps):
                     ts[e], r0 = None, r0 + n
             return out
 
-        g_gate, g_up = stack([(0, "weight_scale_2")]), stack([(1, "weight_scale_2")])
-        fc1_gate = stack([(0, "input_scale")]) if plan.input_scales else None
-        fc1_up = stack([(1, "input_scale")]) if plan.input_scales else None
-        w13 = stack([(0, "weight"), (1, "weight")])
-        s13 = stack([(0, "weight_scale"), (1, "weight_scale")])
-        w2, s2, g2 = stack([(2, "weight")]), stack([(2, "weight_scale")]), stack([(2, "weight_scale_2")])
-        fc2_in = stack([(2, "input_scale")]) if plan.input_scales else None
-        for leaf, tensor, values in ((0, "weight_scale_2", g_gate), (1, "weight_scale_2", g_up), (2, "weight_scale_2", g2),
-                                     (0, "weight_scale", s13[:, :inter]), (1, "weight_scale", s13[:, inter:]),
-                                     (2, "weight_scale", s2), (0, "input_scale", fc1_gate), (1, "input_scale", fc1_up),
-                                     (2, "input_scale", fc2_in)):
+        g_gate, g_up = stack([(0, "global")]), stack([(1, "global")])
+        fc1_gate = stack([(0, "input")]) if plan.input_scales else None
+        fc1_up = stack([(1, "input")]) if plan.input_scales else None
+        w13 = stack([(0, "packed"), (1, "packed")])
+        s13 = stack([(0, "block"), (1, "block")])
+        w2, s2, g2 = stack([(2, "packed")]), stack([(2, "block")]), stack([(2, "global")])
+        fc2_in = stack([(2, "input")]) if plan.input_scales else None
+        # values as the file has them: ModelOpt's input scales may be 0 (never calibrated), a
+        # compressed-tensors input global scale (it divides) may not
+        input_kind = "global" if scheme.reciprocal else "input"
+        for leaf, role, kind, values in ((0, "global", "global", g_gate), (1, "global", "global", g_up),
+                                         (2, "global", "global", g2), (0, "block", "block", s13[:, :inter]),
+                                         (1, "block", "block", s13[:, inter:]), (2, "block", "block", s2),
+                                         (0, "input", input_kind, fc1_gate), (1, "input", input_kind, fc1_up),
+                                         (2, "input", input_kind, fc2_in)):
             if values is not None:
-                self._check(values, self.KIND[tensor], plan, leaves[leaf], tensor)
+                self._check(values, kind, plan, leaves[leaf], names[role])
+        g_gate, g_up, g2 = scheme.multiplier(g_gate), scheme.multiplier(g_up), scheme.multiplier(g2)
+        if plan.input_scales:
+            fc1_gate, fc1_up, fc2_in = scheme.multiplier(fc1_gate), scheme.multiplier(fc1_up), scheme.multiplier(fc2_in)
 
         g13 = torch.maximum(g_gate, g_up)
         differ = g_gate != g_up
@@ -361,8 +388,9 @@ def _converters_for(plan: LoadPlan, quantizer: ModelOptQuantizer) -> list:
         if key in seen:
             continue
         seen.add(key)
-        sources = [rf"{re.escape(base)}\.(?:{ids})\.{re.escape(list(p.leaves)[leaf])}\.{t}$"
-                   for leaf, t in StackNVFP4Experts.SOURCES]
+        names = dict(zip(StackNVFP4Experts.ROLES, plan.scheme.tensors))
+        sources = [rf"{re.escape(base)}\.(?:{ids})\.{re.escape(list(p.leaves)[leaf])}\.{names[role]}$"
+                   for leaf, role in StackNVFP4Experts.SOURCES]
         converters.append(WeightConverter(sources, f"{base}.{CANONICAL_BUFFERS[0]}", [StackNVFP4Experts(quantizer)]))
     return converters
 
@@ -392,9 +420,11 @@ class ModelOptQuantizer(HfQuantizer):
         return dtype
 
     def param_element_size(self, model, param_name, param):
-        # an NVFP4 linear becomes a 16-bit nn.Linear after loading: 2 weights per packed byte
-        if self.plan is not None and param_name.endswith(".weight") and param_name[:-len(".weight")] in self.plan.linears:
-            return 2 * torch.finfo(model.dtype).bits // 8
+        # a checkpoint linear becomes a 16-bit nn.Linear after loading: 2 weights per packed NVFP4 byte
+        module, _, tensor = param_name.rpartition(".")
+        kind = self.plan.linears.get(module, (None,))[0] if self.plan is not None else None
+        if kind is not None and tensor in ("weight", self.plan.scheme.packed):
+            return (2 if kind == "nvfp4" else 1) * torch.finfo(model.dtype).bits // 8
         return param.element_size()
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
@@ -421,7 +451,9 @@ class ModelOptQuantizer(HfQuantizer):
                     use_shard(new, shard_of(p.total))
                 replace_module(model.get_submodule(parent_name), attr, new)
             elif name in self.plan.linears:
-                replace_module(model.get_submodule(parent_name), attr, NVFP4Linear(m, input_scale=self.plan.linears[name]))
+                kind, has_input = self.plan.linears[name]
+                new = NVFP4Linear(m, self.plan.scheme, has_input) if kind == "nvfp4" else FP8Linear(m, has_input)
+                replace_module(model.get_submodule(parent_name), attr, new)
         ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
         model._keys_to_ignore_on_load_unexpected = set(ignore or [])
         if self.quantization_config.kv_cache_quant_algo:
@@ -447,16 +479,16 @@ class ModelOptQuantizer(HfQuantizer):
         if self.load_errors:
             raise self.load_errors[0]
         self._check_all_loaded(model)
-        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Linear)]
+        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, (NVFP4Linear, FP8Linear))]
         for name, m in linears:  # every value checked before any module changes
-            for tensor, kind in (("weight_scale_2", "global"), ("weight_scale", "block"), ("input_scale", "input")):
-                if tensor in m._buffers:
-                    key = f"{name}.{tensor}"
-                    try:
-                        check_scale_values(m._buffers[tensor][None], kind, lambda e, key=key: (
-                            f"checkpoint tensor {key!r} in {self.plan.files.get(key)}"))
-                    except ValueError as exc:
-                        raise CheckpointError(str(exc)) from None
+            for tensor, kind in m.scale_checks():
+                key = f"{name}.{tensor}"
+                values = m._buffers[tensor]
+                try:
+                    check_scale_values(values[None] if kind == "block" else values.reshape(-1), kind,
+                                       lambda e, key=key: f"checkpoint tensor {key!r} in {self.plan.files.get(key)}")
+                except ValueError as exc:
+                    raise CheckpointError(str(exc)) from None
         for name, m in linears:
             parent, _, attr = name.rpartition(".")
             replace_module(model.get_submodule(parent), attr, m.dequantized())
@@ -477,10 +509,9 @@ class ModelOptQuantizer(HfQuantizer):
         """Every NVFP4 tensor was filled from the checkpoint (Transformers marks what it loads):
         none is left as uninitialized memory."""
         for name, m in model.named_modules():
-            if isinstance(m, (NVFP4Experts, NVFP4Linear)):
+            if isinstance(m, (NVFP4Experts, NVFP4Linear, FP8Linear)):
                 for buf_name, buf in m.named_buffers(recurse=False):
-                    if not getattr(buf, "_is_hf_initialized", False) and buf_name in (*CANONICAL_BUFFERS, *INPUT_SCALE_BUFFERS,
-                                                                                     *LINEAR_TENSORS):
+                    if not getattr(buf, "_is_hf_initialized", False):
                         raise CheckpointError(f"{name}.{buf_name} was not filled from the checkpoint")
 
     def get_state_dict_and_metadata(self, model):
@@ -567,22 +598,54 @@ def quantizer_for(config: ModelOptConfig) -> ModelOptQuantizer:
 
 
 def register() -> None:
-    """Register ``"modelopt"`` with Transformers (idempotent). If Transformers ships its own
-    ``"modelopt"`` quantizer, fp4moe's replaces it (logged once)."""
+    """Register ``"modelopt"`` with Transformers, and route NVFP4 compressed-tensors checkpoints to
+    fp4moe (idempotent). If Transformers ships its own ``"modelopt"`` quantizer, fp4moe's replaces
+    it (logged once); every other compressed-tensors checkpoint still goes to Transformers' own
+    compressed-tensors quantizer."""
     from transformers.quantizers import auto
 
     current = auto.AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD)
-    if current is ModelOptQuantizer:
-        return
-    if current is not None:
-        logger.warning("fp4moe: replacing Transformers' own %r quantizer (%s) with fp4moe's", QUANT_METHOD,
-                       current.__name__)
-    auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = ModelOptQuantizer
-    auto.AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = ModelOptConfig
+    if current is not ModelOptQuantizer:
+        if current is not None:
+            logger.warning("fp4moe: replacing Transformers' own %r quantizer (%s) with fp4moe's", QUANT_METHOD,
+                           getattr(current, "__name__", current))
+        auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = ModelOptQuantizer
+        auto.AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = ModelOptConfig
     # options passed to from_pretrained(quantization_config=ModelOptConfig(...)) override the
     # checkpoint's, as for Transformers' own FP8 and MXFP4 configs
     if ModelOptConfig not in auto.LOADING_ATTRIBUTES_CONFIG_TYPES:
         auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*auto.LOADING_ATTRIBUTES_CONFIG_TYPES, ModelOptConfig)
+    ct = "compressed-tensors"
+    if not isinstance(auto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(ct), _NVFP4CompressedTensorsConfigs):
+        auto.AUTO_QUANTIZATION_CONFIG_MAPPING[ct] = _NVFP4CompressedTensorsConfigs(auto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(ct))
+        auto.AUTO_QUANTIZER_MAPPING[ct] = _NVFP4CompressedTensorsQuantizers(auto.AUTO_QUANTIZER_MAPPING.get(ct))
+
+
+class _NVFP4CompressedTensorsConfigs:
+    """Transformers' ``"compressed-tensors"`` config entry: NVFP4 configs (every group
+    ``nvfp4-pack-quantized``) become fp4moe's :class:`CompressedTensorsNVFP4Config`, any other goes
+    to Transformers' own class (as without fp4moe: dense and non-NVFP4 checkpoints are untouched)."""
+
+    def __init__(self, transformers_config):
+        self.transformers_config = transformers_config
+
+    def from_dict(self, config_dict, **kwargs):
+        if CompressedTensorsNVFP4Config.is_nvfp4(config_dict):
+            return CompressedTensorsNVFP4Config.from_dict(config_dict, **kwargs)
+        return self.transformers_config.from_dict(config_dict, **kwargs)
+
+
+class _NVFP4CompressedTensorsQuantizers:
+    """Transformers' ``"compressed-tensors"`` quantizer entry: fp4moe's loader for
+    :class:`CompressedTensorsNVFP4Config`, Transformers' own quantizer for anything else."""
+
+    def __init__(self, transformers_quantizer):
+        self.transformers_quantizer = transformers_quantizer
+
+    def __call__(self, quantization_config, **kwargs):
+        if isinstance(quantization_config, CompressedTensorsNVFP4Config):
+            return ModelOptQuantizer(quantization_config, **kwargs)
+        return self.transformers_quantizer(quantization_config, **kwargs)
 
 
 __all__ = ["CheckpointScan", "ModelOptQuantizer", "StackNVFP4Experts", "attach", "plan_load", "quantizer_for",

@@ -28,7 +28,7 @@ from fp4moe_ops.prepared import INPUT_SCALE_BUFFERS
 
 from .experts import NVFP4Experts, NVFP4GatedMLP
 from .expert_parallel import ExpertShard
-from .modelopt_format import ModelOptConfig, expert_leaves, expert_tensors, linear_tensors, model_conversions
+from .checkpoint_format import ModelOptConfig, expert_leaves, expert_tensors, linear_tensors, model_conversions
 
 # what a save rewrites or Transformers deletes as stale in the folder it saves into
 _REPLACED = re.compile(r"^(config\.json|generation_config\.json|hf_quant_config\.json|"

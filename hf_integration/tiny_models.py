@@ -91,7 +91,7 @@ QUANTIZED_MLP = re.compile(r"\.(mlp|shared_experts)\.(gate_proj|up_proj|down_pro
 def write_modelopt_checkpoint(model, path, *, equal_gate_up_scales: bool = True, shards: int = 2,
                               model_type: str | None = None, input_scales: bool = True) -> dict:
     """Write ``model`` (a BF16 Transformers MoE model) as a ModelOpt NVFP4 checkpoint in the layout of
-    :mod:`hf_integration.modelopt_format`: routed experts per expert, dense/shared MLP linears NVFP4,
+    :mod:`hf_integration.checkpoint_format`: routed experts per expert, dense/shared MLP linears NVFP4,
     everything else as is; random (but ModelOpt-like) per-linear input scales (none with
     ``input_scales=False``, a W4A16 export). Returns the tensors written (name -> tensor).
 
@@ -105,7 +105,7 @@ def write_modelopt_checkpoint(model, path, *, equal_gate_up_scales: bool = True,
 
     from fp4moe_ops import nvfp4
 
-    from .modelopt_format import ModelOptConfig, linear_tensors
+    from .checkpoint_format import ModelOptConfig, linear_tensors
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hf_integration import CheckpointError, ModelOptConfig, load_modelopt_nvfp4, patch_deepseek
-from hf_integration.modelopt_format import read_quant_config
+from hf_integration.checkpoint_format import read_quant_config
 from hf_integration.tiny_models import tiny_deepseek_v3, write_modelopt_checkpoint
 from fp4moe_ops.oracle64 import dequant64
 

@@ -1,12 +1,13 @@
-"""The ModelOpt NVFP4 checkpoint format: its quantization config and its tensor scheme, as NVIDIA's
-exports (``nvidia/DeepSeek-R1-FP4``, ``nvidia/Qwen3-30B-A3B-NVFP4``, ...) write them. Used by the
-loader (:mod:`hf_integration.quantizer`), the saver and the tiny-checkpoint generator.
+"""The NVFP4 checkpoint formats fp4moe reads, as the real tools write them: their quantization
+configs and their tensor schemes. Used by the loader (:mod:`hf_integration.quantizer`), the saver
+(:mod:`hf_integration.saving`, which always writes ModelOpt) and the tiny-checkpoint generator.
 
-Config: ``hf_quant_config.json`` ``{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo",
-"group_size", "exclude_modules"}}``, and in newer exports the same fields (with ``ignore`` for the
-exclusions) under ``config.json`` ``quantization_config`` with ``quant_method: "modelopt"``.
-
-Tensors of one quantized linear ``<name>`` (W [N, K])::
+**ModelOpt** (``nvidia/DeepSeek-R1-FP4``, ``nvidia/Qwen3-30B-A3B-NVFP4``, ...). Config:
+``hf_quant_config.json`` ``{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo",
+"group_size", "exclude_modules"}}``, and in newer exports ``config.json`` ``quantization_config``
+with ``quant_method: "modelopt"`` in a compressed-tensors-like layout (``config_groups``,
+``ignore``, ``kv_cache_scheme``; ``quantized_layers`` for ``MIXED_PRECISION``). Tensors of one
+quantized linear ``<name>`` (W [N, K])::
 
     <name>.weight          U8       [N, K/2]   E2M1 pairs, low nibble = even column, bit 3 = sign
     <name>.weight_scale    F8_E4M3  [N, K/16]  block scales (linear layout)
@@ -14,9 +15,18 @@ Tensors of one quantized linear ``<name>`` (W [N, K])::
     <name>.input_scale     F32      []         calibrated activation scale amax / (6*448); absent in
                                                weights-only (W4A16_NVFP4) exports
 
-Routed experts are per-expert linears ``<experts>.<e>.<gate>|<up>|<down>`` (``gate_proj`` /
-``up_proj`` / ``down_proj``; Mixtral-style checkpoints use ``w1`` / ``w3`` / ``w2``); gate and up
-normally share one ``weight_scale_2``. FP8 KV-cache exports add ``<attn>.k_proj.k_scale`` and
+FP8 layers of a ``MIXED_PRECISION`` export: ``weight`` F8_E4M3 [N, K], ``weight_scale`` F32 []
+(multiplies), ``input_scale``.
+
+**compressed-tensors** (llm-compressor's ``NVFP4`` / ``NVFP4A16`` schemes, ``RedHatAI/*-NVFP4``):
+``quant_method: "compressed-tensors"``, format ``nvfp4-pack-quantized``; per linear
+``weight_packed`` (as ModelOpt's ``weight``), ``weight_scale``, ``weight_global_scale`` F32 [1]
+and (W4A4) ``input_global_scale`` F32 [1]. **Their global scales divide**: W = e2m1 * scale /
+weight_global_scale, so fp4moe's (multiplying) global scale is its reciprocal.
+
+In both, routed experts are per-expert linears ``<experts>.<e>.<gate>|<up>|<down>`` (``gate_proj``
+/ ``up_proj`` / ``down_proj``; Mixtral-style checkpoints use ``w1`` / ``w3`` / ``w2``); gate and up
+normally share one global scale. FP8 KV-cache exports add ``<attn>.k_proj.k_scale`` and
 ``<attn>.v_proj.v_scale``.
 """
 
@@ -34,10 +44,49 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from fp4moe_ops import nvfp4
 
 QUANT_METHOD = "modelopt"
-LINEAR_TENSORS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 KV_CACHE_SCALES = ("k_scale", "v_scale")
 # the published algorithm names fp4moe reads (upper-cased: some exports write them lower case)
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+LAYER_ALGOS = (*NVFP4_ALGOS, "FP8")  # per layer, in MIXED_PRECISION exports
+
+
+@dataclass(frozen=True)
+class TensorScheme:
+    """How a format names and scales one NVFP4 linear's tensors."""
+
+    packed: str
+    block_scale: str
+    global_scale: str
+    input_scale: str
+    scalar_shape: tuple   # shape of the two per-tensor scales in the file
+    reciprocal: bool      # the file's global and input scales divide (compressed-tensors)
+
+    @property
+    def tensors(self) -> tuple[str, str, str, str]:
+        return (self.packed, self.block_scale, self.global_scale, self.input_scale)
+
+    def specs(self, name: str, out_features: int, in_features: int, input_scale: bool) -> dict:
+        """``{key: (shape, dtype)}`` of one NVFP4 linear's checkpoint tensors."""
+        specs = {
+            f"{name}.{self.packed}": ((out_features, in_features // 2), torch.uint8),
+            f"{name}.{self.block_scale}": ((out_features, in_features // nvfp4.BLOCK_SIZE), torch.float8_e4m3fn),
+            f"{name}.{self.global_scale}": (self.scalar_shape, torch.float32),
+        }
+        if input_scale:
+            specs[f"{name}.{self.input_scale}"] = (self.scalar_shape, torch.float32)
+        return specs
+
+    def multiplier(self, t: torch.Tensor) -> torch.Tensor:
+        """The file's per-tensor scale(s) (``[...]`` or ``[..., 1]``) as fp4moe's multiplying scale
+        ``[...]`` float32: ModelOpt's as they are, compressed-tensors' reciprocal."""
+        t = t.float().reshape(t.shape[:t.dim() - len(self.scalar_shape)])
+        return 1.0 / t if self.reciprocal else t
+
+
+MODELOPT = TensorScheme("weight", "weight_scale", "weight_scale_2", "input_scale", (), reciprocal=False)
+COMPRESSED_TENSORS = TensorScheme("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", (1,),
+                                  reciprocal=True)
+LINEAR_TENSORS = MODELOPT.tensors
 
 
 class CheckpointError(ValueError):
@@ -55,18 +104,6 @@ class ExpertLeaves:
 
     def __iter__(self):
         return iter((self.gate, self.up, self.down))
-
-
-def linear_specs(name: str, out_features: int, in_features: int, input_scale: bool) -> dict:
-    """``{key: (shape, dtype)}`` of one NVFP4 linear's checkpoint tensors."""
-    specs = {
-        f"{name}.weight": ((out_features, in_features // 2), torch.uint8),
-        f"{name}.weight_scale": ((out_features, in_features // nvfp4.BLOCK_SIZE), torch.float8_e4m3fn),
-        f"{name}.weight_scale_2": ((), torch.float32),
-    }
-    if input_scale:
-        specs[f"{name}.input_scale"] = ((), torch.float32)
-    return specs
 
 
 def linear_tensors(name: str, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
@@ -118,13 +155,16 @@ class ModelOptConfig(QuantizationConfigMixin):
     """
 
     LOADING_ATTRIBUTES = ("backend", "act_scale_mode", "fuse_router", "expert_parallel")
+    scheme = MODELOPT
 
     def __init__(self, quant_algo: str = "NVFP4", group_size: int = nvfp4.BLOCK_SIZE,
                  exclude_modules: list[str] | None = None, kv_cache_quant_algo: str | None = None,
-                 producer: dict | None = None, backend: str = "auto", act_scale_mode: str | None = None,
-                 fuse_router: bool = True, expert_parallel: bool = False, **kwargs):
+                 producer: dict | None = None, quantized_layers: dict | None = None, backend: str = "auto",
+                 act_scale_mode: str | None = None, fuse_router: bool = True, expert_parallel: bool = False,
+                 **kwargs):
         self.quant_method = QUANT_METHOD
         self.quant_algo = str(quant_algo).upper()
+        self.quantized_layers = quantized_layers
         self.group_size = int(group_size)
         if exclude_modules is not None and not isinstance(exclude_modules, (list, tuple)):
             raise ValueError(f"exclude_modules must be a list of module names, got {type(exclude_modules).__name__}")
@@ -138,9 +178,19 @@ class ModelOptConfig(QuantizationConfigMixin):
     def post_init(self):
         if not all(isinstance(m, str) for m in self.exclude_modules):
             raise ValueError(f"exclude_modules must be a list of module names, got {self.exclude_modules!r}")
-        if self.quant_algo not in NVFP4_ALGOS:
+        if self.quant_algo == "MIXED_PRECISION":
+            layers = self.quantized_layers
+            if not isinstance(layers, dict) or not layers:
+                raise ValueError("ModelOpt quant_algo MIXED_PRECISION needs a non-empty 'quantized_layers' object")
+            algos = {str((v or {}).get("quant_algo")).upper() for v in layers.values()}
+            if not algos <= set(LAYER_ALGOS):
+                raise ValueError(f"MIXED_PRECISION layers use {sorted(algos - set(LAYER_ALGOS))}: fp4moe reads "
+                                 f"{', '.join(LAYER_ALGOS)} layers")
+            if not algos & set(NVFP4_ALGOS):
+                raise ValueError("MIXED_PRECISION export without NVFP4 layers: not an NVFP4 checkpoint")
+        elif self.quant_algo not in NVFP4_ALGOS:
             raise ValueError(f"ModelOpt quant_algo {self.quant_algo!r} is not supported by fp4moe (supported: "
-                             f"{', '.join(NVFP4_ALGOS)})")
+                             f"{', '.join(NVFP4_ALGOS)}, MIXED_PRECISION of {', '.join(LAYER_ALGOS)})")
         if self.group_size != nvfp4.BLOCK_SIZE:
             raise ValueError(f"ModelOpt group_size {self.group_size} is not supported (NVFP4 uses {nvfp4.BLOCK_SIZE})")
 
@@ -165,7 +215,10 @@ class ModelOptConfig(QuantizationConfigMixin):
         kv = d.get("kv_cache_scheme")
         if d.get("kv_cache_quant_algo") is None and isinstance(kv, dict):
             d["kv_cache_quant_algo"] = "FP8" if (kv.get("type"), kv.get("num_bits")) == ("float", 8) else str(kv)
-        known = {"quant_algo", "group_size", "exclude_modules", "kv_cache_quant_algo", "producer",
+        if "group_size" not in d and isinstance(d.get("quantized_layers"), dict):
+            sizes = {v.get("group_size") for v in d["quantized_layers"].values() if isinstance(v, dict)} - {None}
+            d["group_size"] = sizes.pop() if len(sizes) == 1 else nvfp4.BLOCK_SIZE
+        known = {"quant_algo", "group_size", "exclude_modules", "kv_cache_quant_algo", "producer", "quantized_layers",
                  *cls.LOADING_ATTRIBUTES}
         config = cls(**{k: v for k, v in d.items() if k in known})
         return (config, kwargs) if return_unused_kwargs else config
@@ -177,6 +230,8 @@ class ModelOptConfig(QuantizationConfigMixin):
         d = {"config_groups": {"group_0": {"input_activations": None if self.weights_only else fp4, "weights": fp4,
                                            "targets": ["Linear"]}},
              "ignore": list(self.exclude_modules), "quant_algo": self.quant_algo}
+        if self.quantized_layers:
+            d["quantized_layers"] = self.quantized_layers
         if self.kv_cache_quant_algo == "FP8":
             d["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
         return d | {"producer": self.producer or {"name": "fp4moe"}, "quant_method": QUANT_METHOD}
@@ -184,9 +239,11 @@ class ModelOptConfig(QuantizationConfigMixin):
     def hf_quant_config(self) -> dict:
         """The ``hf_quant_config.json`` that ModelOpt writes beside it, every field that vLLM
         requires of it present (null allowed)."""
-        return {"producer": self.producer or {"name": "fp4moe"}, "quantization": {
-            "quant_algo": self.quant_algo, "kv_cache_quant_algo": self.kv_cache_quant_algo,
-            "group_size": self.group_size, "exclude_modules": list(self.exclude_modules)}}
+        quantization = {"quant_algo": self.quant_algo, "kv_cache_quant_algo": self.kv_cache_quant_algo,
+                        "group_size": self.group_size, "exclude_modules": list(self.exclude_modules)}
+        if self.quantized_layers:
+            quantization["quantized_layers"] = self.quantized_layers
+        return {"producer": self.producer or {"name": "fp4moe"}, "quantization": quantization}
 
     def get_loading_attributes(self) -> dict:
         return {k: getattr(self, k) for k in self.LOADING_ATTRIBUTES}
@@ -199,6 +256,46 @@ class ModelOptConfig(QuantizationConfigMixin):
             if not any(c in pattern for c in "*?[") and pattern in module_name:
                 return True
         return False
+
+
+class CompressedTensorsNVFP4Config(ModelOptConfig):
+    """An NVFP4 compressed-tensors config (``quant_method: "compressed-tensors"``, format
+    ``nvfp4-pack-quantized``, as llm-compressor writes it), read into fp4moe's loader; the loading
+    options are :class:`ModelOptConfig`'s. A model loaded from it saves as ModelOpt."""
+
+    scheme = COMPRESSED_TENSORS
+
+    def __init__(self, raw: dict | None = None, **kwargs):
+        self.raw = dict(raw or {})
+        super().__init__(**kwargs)
+        self.quant_method = "compressed-tensors"
+
+    @staticmethod
+    def is_nvfp4(d: dict) -> bool:
+        """Every config group is NVFP4 (4-bit float weights in 16-element groups, nvfp4-pack-quantized)."""
+        groups = (d.get("config_groups") or {}).values()
+        formats = {g.get("format") or d.get("format") for g in groups}
+        weights = [g.get("weights") or {} for g in groups]
+        return bool(groups) and formats == {"nvfp4-pack-quantized"} and all(
+            (w.get("num_bits"), w.get("type"), w.get("group_size")) == (4, "float", 16) for w in weights)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, return_unused_kwargs: bool = False, **kwargs):
+        d = dict(config_dict)
+        if not cls.is_nvfp4(d):
+            raise ValueError("not an NVFP4 compressed-tensors config (every group nvfp4-pack-quantized, 4-bit float "
+                             "weights in groups of 16)")
+        weights_only = all(g.get("input_activations") is None for g in d["config_groups"].values())
+        kv = d.get("kv_cache_scheme")
+        config = cls(raw=d, quant_algo="W4A16_NVFP4" if weights_only else "NVFP4",
+                     exclude_modules=[m for m in d.get("ignore") or [] if isinstance(m, str)],
+                     kv_cache_quant_algo="FP8" if isinstance(kv, dict) and kv.get("num_bits") == 8 else None,
+                     producer={"name": "compressed-tensors", "version": d.get("version")},
+                     **{k: v for k, v in d.items() if k in cls.LOADING_ATTRIBUTES})
+        return (config, kwargs) if return_unused_kwargs else config
+
+    def to_dict(self) -> dict:
+        return dict(self.raw)
 
 
 # --- the checkpoint names of a model's experts, from Transformers' own conversion mapping -----
@@ -276,5 +373,6 @@ def read_quant_config(folder: str | Path) -> ModelOptConfig:
         raise CheckpointError(f"{where}: {exc}") from exc
 
 
-__all__ = ["CheckpointError", "ExpertLeaves", "ModelOptConfig", "expert_converter_targets", "expert_leaves",
-           "expert_tensors", "linear_specs", "linear_tensors", "model_conversions", "read_quant_config"]
+__all__ = ["COMPRESSED_TENSORS", "CheckpointError", "CompressedTensorsNVFP4Config", "ExpertLeaves", "MODELOPT",
+           "ModelOptConfig", "TensorScheme", "expert_converter_targets", "expert_leaves", "expert_tensors",
+           "linear_tensors", "model_conversions", "read_quant_config"]
