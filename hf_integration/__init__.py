@@ -13,9 +13,11 @@ Importing it registers fp4moe's ``"modelopt"`` quantizer with Transformers, so
 * ``expert_parallel``: experts split over ``torch.distributed`` ranks;
 * ``surgery``: finding and swapping modules; ``saving``: atomic ``save_pretrained``;
 * ``modelopt``: ``load_modelopt_nvfp4`` (``from_pretrained`` plus what it cannot know by itself);
+* ``architectures``: published model types Transformers runs under another name (Kimi-K2);
 * ``tiny_models``, ``demo``: tiny random models for tests and the demo.
 """
 
+from . import architectures
 from .calibration import calibrate_activation_scales
 from .experts import NVFP4Experts, NVFP4GatedMLP
 from .expert_parallel import shard_experts
@@ -27,6 +29,7 @@ from .router import GroupedTopkRouter, fuse_routers
 from .surgery import find_experts_modules
 
 register()
+architectures.register()
 
 __all__ = [
     "CheckpointError", "GroupedTopkRouter", "ModelOptConfig", "ModelOptQuantizer", "NVFP4Experts", "NVFP4GatedMLP",

@@ -3,7 +3,6 @@ for what plain ``from_pretrained`` cannot know by itself:
 
 * checkpoints whose ModelOpt config is only in ``hf_quant_config.json`` (NVIDIA's DeepSeek
   exports drop ``config.json``'s ``quantization_config``): the config is read and passed on;
-* Kimi-K2 configs (``model_type: kimi_k2``, remote code upstream) load as DeepSeek-V3;
 * expert parallelism: every rank checks that all ranks read the same checkpoint, and a failure on
   any rank is raised on every rank (no rank is left waiting in a collective).
 
@@ -34,13 +33,13 @@ def _resolve(path_or_id: str | Path, filename: str, **hub_kwargs) -> Path | None
 
 
 def _model_config(config_file: Path):
-    """Transformers' config, with Kimi-K2's read as DeepSeek-V3 (the same architecture)."""
-    from transformers import AutoConfig, DeepseekV3Config
+    """Transformers' config of the checkpoint (a malformed file: a CheckpointError naming it)."""
+    from transformers import AutoConfig
 
-    raw = read_json(config_file)
-    if raw.get("model_type") == "kimi_k2":
-        keys = set(DeepseekV3Config().to_dict())
-        return DeepseekV3Config(**{k: v for k, v in raw.items() if k in keys and k != "model_type"})
+    from .architectures import register
+
+    register()  # Kimi-K2 as DeepSeek-V3
+    read_json(config_file)
     return AutoConfig.from_pretrained(config_file.parent)
 
 

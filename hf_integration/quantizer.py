@@ -251,6 +251,16 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
         plan.linears[name] = (kind, has_input)
 
     ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    fused = [k for k in scan.tensors if k not in claimed and re.search(r"_(weight_scale_2|weight_scale|input_scale)$", k)]
+    if fused:
+        raise CheckpointError(f"{fused[0]!r} in {plan.files[fused[0]]}: fused 3-D NVFP4 experts (the Llama-4 layout "
+                              "of ModelOpt exports) are not supported by fp4moe yet")
+    packed_bytes = [k for k in scan.tensors if k not in claimed and scan.tensors[k][1] == torch.uint8
+                    and not any(p.search(k) for p in ignored)]
+    if packed_bytes:  # would be cast into a 16-bit parameter, or dropped: never load that silently
+        raise CheckpointError(f"checkpoint tensor {packed_bytes[0]!r} in {plan.files[packed_bytes[0]]} holds packed "
+                              f"bytes (uint8) that no NVFP4 module of {type(model).__name__} takes: an NVFP4 layout "
+                              "fp4moe does not read")
     stray = [k for k in scan.tensors if k not in claimed and k.rsplit(".", 1)[-1] in scheme.tensors[1:]
              and not any(p.search(k) for p in ignored)]
     if stray:

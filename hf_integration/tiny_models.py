@@ -48,6 +48,26 @@ def tiny_qwen3_moe(dtype=torch.bfloat16):
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0)
 
 
+def tiny_minimax_m2(dtype=torch.bfloat16):
+    """MiniMax-M2's layout: sigmoid top-k router with a correction bias, checkpoint keys
+    ``block_sparse_moe.experts.<e>.w1/w2/w3`` (Transformers maps them to ``mlp.experts``)."""
+    return _tiny("MiniMaxM2Config", dtype, vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                 max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_llama4_text(dtype=torch.bfloat16):
+    """Llama-4's text MoE: fused experts stored transposed (``gate_up_proj [E, H, 2I]``), a shared
+    expert, sigmoid top-1 routing."""
+    import transformers
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+        max_position_embeddings=256, pad_token_id=0)
+    return transformers.Llama4ForCausalLM(config).to(dtype).eval()
+
+
 def tiny_mixtral(dtype=torch.bfloat16):
     return _tiny("MixtralConfig", dtype, vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                  num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
@@ -84,14 +104,16 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
 
 
-QUANTIZED_MLP = re.compile(r"\.(mlp|shared_experts)\.(gate_proj|up_proj|down_proj)$")
+QUANTIZED_MLP = re.compile(r"\.(mlp|shared_experts)\.(gate_proj|up_proj|down_proj)$")  # dense MLP linears
 
 
 @torch.no_grad()
 def write_modelopt_checkpoint(model, path, *, equal_gate_up_scales: bool = True, shards: int = 2,
                               model_type: str | None = None, input_scales: bool = True) -> dict:
     """Write ``model`` (a BF16 Transformers MoE model) as a ModelOpt NVFP4 checkpoint in the layout of
-    :mod:`hf_integration.checkpoint_format`: routed experts per expert, dense/shared MLP linears NVFP4,
+    :mod:`hf_integration.checkpoint_format`, under the checkpoint's own names (Transformers' reverse
+    weight conversion: per-expert keys, Mixtral-style ``block_sparse_moe.experts.<e>.w1`` where the
+    architecture's checkpoints use them): routed experts per expert, dense/shared MLP linears NVFP4,
     everything else as is; random (but ModelOpt-like) per-linear input scales (none with
     ``input_scales=False``, a W4A16 export). Returns the tensors written (name -> tensor).
 
@@ -118,24 +140,33 @@ def write_modelopt_checkpoint(model, path, *, equal_gate_up_scales: bool = True,
         tensors.update(linear_tensors(name, q.packed, q.block_scale, q.global_scale,
                                       input_scale if input_scales else None))
 
-    experts = {}
-    for name, m in model.named_modules():
-        e3 = getattr(m, "gate_up_proj", None)
-        if isinstance(e3, torch.Tensor) and e3.dim() == 3:
-            experts[name] = m
-            inter = e3.shape[1] // 2
-            for e in range(e3.shape[0]):
-                gate, up = e3[e, :inter], e3[e, inter:]
-                shared = nvfp4.global_scale_from_amax(torch.maximum(gate.abs().max(), up.abs().max()).float())
-                same_input = (torch.rand(()) * 4 + 1) / (6 * 448)  # gate and up read the same input
-                put_linear(f"{name}.{e}.gate_proj", gate, shared if equal_gate_up_scales else None, same_input)
-                put_linear(f"{name}.{e}.up_proj", up, shared if equal_gate_up_scales else None, same_input.clone())
-                put_linear(f"{name}.{e}.down_proj", m.down_proj[e])
-        elif isinstance(m, torch.nn.Linear) and QUANTIZED_MLP.search(name):
-            put_linear(name, m.weight)
-    for key, t in model.state_dict().items():
-        module = key.rsplit(".", 1)[0]
-        if module in experts or f"{key[:-len('.weight')]}.weight_scale" in tensors:
+    # The checkpoint's own names (e.g. MiniMax-M2's block_sparse_moe.experts.<e>.w1): Transformers'
+    # reverse weight conversion of the BF16 model, the same one its save_pretrained applies.
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from .checkpoint_format import expert_leaves, model_conversions
+
+    _, converters = model_conversions(model)
+    leaves = [expert_leaves(name, converters) for name, m in model.named_modules()
+              if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)]
+    gate, up, down = (leaves[0].gate, leaves[0].up, leaves[0].down) if leaves else ("gate_proj", "up_proj", "down_proj")
+    expert_key = re.compile(rf"^(.*\.experts)\.(\d+)\.({gate}|{up}|{down})\.weight$")
+    state = revert_weight_conversion(model, dict(model.state_dict()))
+    for key, t in state.items():
+        match = expert_key.match(key)
+        if match and match.group(3) == gate:
+            prefix, e = match.group(1), match.group(2)
+            w_gate, w_up = t, state[f"{prefix}.{e}.{up}.weight"]
+            shared = nvfp4.global_scale_from_amax(torch.maximum(w_gate.abs().max(), w_up.abs().max()).float())
+            same_input = (torch.rand(()) * 4 + 1) / (6 * 448)  # gate and up read the same input
+            put_linear(f"{prefix}.{e}.{gate}", w_gate, shared if equal_gate_up_scales else None, same_input)
+            put_linear(f"{prefix}.{e}.{up}", w_up, shared if equal_gate_up_scales else None, same_input.clone())
+        elif match and match.group(3) == down:
+            put_linear(key[:-len(".weight")], t)
+        elif not match and key.endswith(".weight") and QUANTIZED_MLP.search(key[:-len(".weight")]):
+            put_linear(key[:-len(".weight")], t)
+    for key, t in state.items():
+        if expert_key.match(key) or f"{key[:-len('.weight')]}.weight_scale" in tensors:
             continue
         tensors[key] = t.clone()
     if getattr(model.config, "tie_word_embeddings", False):

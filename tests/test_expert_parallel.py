@@ -2,6 +2,7 @@
 against one process. One MoE layer, the last: the ranks' partial outputs are rounded to bf16
 before the sum, and with a later router such a rounding could flip a near-tied expert choice."""
 
+import json
 import os
 import socket
 
@@ -110,6 +111,9 @@ def test_a_rank_missing_its_expert_fails_on_every_rank(tmp_path):
         tensors = load_file(f)
         if tensors.pop(missing, None) is not None:
             save_file(tensors, f)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    del index["weight_map"][missing]  # a consistent checkpoint that lacks one tensor
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     _, results = run(2, tmp_path, checkpoint=str(ckpt))
     messages = {r.get("error") for r in results}
     assert len(messages) == 1  # rank 0 loaded its half fine, and still stops with rank 1's error

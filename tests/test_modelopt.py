@@ -241,7 +241,9 @@ def test_kimi_k2_config_loads_as_deepseek_v3(checkpoint):
     cfg["model_type"] = "kimi_k2"
     (path / "config.json").write_text(json.dumps(cfg))
     model = load_modelopt_nvfp4(path)
-    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert isinstance(model, __import__("transformers").DeepseekV3ForCausalLM)
+    assert type(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                    quantization_config=ModelOptConfig())).__name__ == "KimiK2ForCausalLM"
 
 
 def test_exclude_module_matching():
