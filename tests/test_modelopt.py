@@ -392,3 +392,31 @@ def test_checkpoint_fingerprint_sees_layout_not_file_split(tmp_path):
     merged[key] = merged[key].reshape(1)
     save_file(merged, str(b / "model.safetensors"))
     assert digest(a) != digest(b)
+
+
+def test_mixed_precision_export_with_fp8_layers(checkpoint):
+    """``quant_algo: MIXED_PRECISION`` (per-layer algos under ``quantized_layers``): NVFP4 layers as
+    usual; an FP8 layer (weight float8_e4m3fn [N, K], one float32 ``weight_scale``) is dequantized to
+    the model dtype at load, like every non-expert linear."""
+    path, _, tensors = checkpoint
+    name = "model.layers.1.mlp.shared_experts.down_proj"
+    w = dequant64(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"], tensors[f"{name}.weight_scale_2"]).float()
+    scale = w.abs().max() / 448
+    fp8 = (w / scale).to(torch.float8_e4m3fn)
+    corrupt(path, f"{name}.weight_scale_2", drop=True)
+    corrupt(path, f"{name}.weight", fp8)
+    corrupt(path, f"{name}.weight_scale", scale.reshape(()))
+    layers = {f"model.layers.1.mlp.experts.{e}.{p}": {"quant_algo": "NVFP4", "group_size": 16}
+              for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")}
+    layers[name] = {"quant_algo": "FP8"}
+    (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "quantized_layers": layers,
+        "exclude_modules": ["lm_head"]}}))
+    model = load_modelopt_nvfp4(path)
+    assert model.config.quantization_config.quant_algo == "MIXED_PRECISION"
+    got = model.model.layers[1].mlp.shared_experts.down_proj.weight
+    assert type(model.model.layers[1].mlp.shared_experts.down_proj) is torch.nn.Linear
+    assert torch.equal(got, (fp8.float() * scale).to(torch.bfloat16))
+    assert type(model.model.layers[1].mlp.experts).__name__ == "NVFP4Experts"
+    with pytest.raises(ValueError, match="MIXED_PRECISION layers use \\['INT4_AWQ'\\]"):
+        ModelOptConfig.from_dict({"quant_algo": "MIXED_PRECISION", "quantized_layers": {"x": {"quant_algo": "int4_awq"}}})
