@@ -202,3 +202,22 @@ def test_nvfp4_call_contract_with_a_recording_flashinfer(monkeypatch):
     assert kw["use_fused_finalize"] is False and kw["workspace_buffer"].numel() == 1024
     # the activation recipe is ours, not FLASHINFER_NVFP4_4OVER6* from the environment
     assert "nvfp4_4over6" in kw and kw["nvfp4_4over6"] is None
+
+
+def test_kernel_faithful_reference_is_what_the_cutlass_kernel_computes():
+    """The CUTLASS kernel stores GEMM1's and GEMM2's outputs in BF16; the reference in its
+    kernel-faithful mode does the same, and is then measurably closer to the simulated kernel than
+    the float32 reference (which a tight hardware comparison would wrongly fail)."""
+    t, k = 64, 3
+    x = torch.randn(t, 128).bfloat16()
+    w = calibrated_layer(x=x)
+    ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)])
+    rw = torch.rand(t, k)
+    args = nvfp4_weight_arguments(w)
+    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], w.fc1_input_scale, w.fc2_input_scale)
+    sim = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs)
+    tensors = fp4moe_ops.prepare_experts(w, "reference").tensors
+    faithful = reference_moe(x, ids, rw, tensors, w.fc1_input_scale, w.fc2_input_scale, cutlass_rounding=True).float()
+    fp32 = reference_moe(x, ids, rw, tensors, w.fc1_input_scale, w.fc2_input_scale).float()
+    err = lambda ref: ((sim - ref).norm(dim=1) / ref.norm(dim=1)).median().item()  # noqa: E731
+    assert err(faithful) < 0.6 * err(fp32), (err(faithful), err(fp32))
