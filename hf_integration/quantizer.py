@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers.quantizers import HfQuantizer
 from transformers.utils import logging
@@ -53,6 +54,7 @@ from .checkpoint_format import (
     expert_converter_targets,
     expert_leaves,
     model_conversions,
+    read_json,
 )
 from .router import fuse_routers
 from .surgery import is_transformers_experts, replace_module
@@ -76,8 +78,6 @@ class CheckpointScan:
     parser and checks; no tensor bytes are read): ``tensors[key] = (file name, dtype, shape)``."""
 
     def __init__(self, files: list[str]):
-        from safetensors import safe_open
-
         self.tensors: dict[str, tuple[str, torch.dtype | str, tuple]] = {}
         for f in files:
             name = Path(f).name
@@ -101,8 +101,6 @@ class CheckpointScan:
         folder = Path(files[0]).parent
         listed = {Path(f).name for f in files}
         for index_file in folder.glob("*.safetensors.index.json"):
-            from .checkpoint_format import read_json
-
             weight_map = read_json(index_file).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index_file}: no 'weight_map' object")
@@ -113,8 +111,6 @@ class CheckpointScan:
                 if found is None or found[0] != file:
                     where = f"it is in {found[0]}" if found else "no listed shard holds it"
                     raise CheckpointError(f"{index_file.name} maps tensor {key!r} to {file}, but {where}")
-            from safetensors import safe_open
-
             for other in sorted(set(folder.glob("*.safetensors")) - {folder / f for f in listed}):
                 try:
                     with safe_open(str(other), framework="pt") as handle:
