@@ -57,15 +57,26 @@ def tiny_minimax_m2(dtype=torch.bfloat16):
 
 
 def tiny_llama4_text(dtype=torch.bfloat16):
-    """Llama-4's text MoE: fused experts stored transposed (``gate_up_proj [E, H, 2I]``), a shared
-    expert, sigmoid top-1 routing."""
+    """Llama-4's text MoE: fused experts stored transposed (``gate_up_proj [E, H, 2I]``, input dim
+    first), a shared expert, sigmoid top-1 routing; both layers MoE."""
     import transformers
 
     config = transformers.Llama4TextConfig(
         vocab_size=256, hidden_size=64, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
         max_position_embeddings=256, pad_token_id=0)
-    return transformers.Llama4ForCausalLM(config).to(dtype).eval()
+    # from_config keeps RoPE's inv_freq in float32 as from_pretrained does (a .to(bfloat16) would not).
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        lm_head = model.get_output_embeddings()
+        lm_head.weight.normal_(0, 8 * lm_head.weight.shape[-1] ** -0.5)
+        for layer in model.model.layers:
+            moe = layer.feed_forward
+            # bmm layout: the fan-in is dim 1 (H for gate_up_proj, I for down_proj).
+            moe.experts.gate_up_proj.normal_(0, moe.experts.gate_up_proj.shape[1] ** -0.5)
+            moe.experts.down_proj.normal_(0, moe.experts.down_proj.shape[1] ** -0.5)
+            moe.router.weight.normal_(0, 4 * moe.router.weight.shape[-1] ** -0.5)
+    return model.eval()
 
 
 def tiny_mixtral(dtype=torch.bfloat16):
