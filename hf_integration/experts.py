@@ -46,14 +46,6 @@ class NVFP4Experts(PreparedExperts):
         super().__init__(*args, **kwargs)
         self.dispatch = LOCAL
 
-    @classmethod
-    def empty_like(cls, experts: nn.Module, *, num_experts: int | None = None, input_scales: bool = True) -> NVFP4Experts:
-        """Unfilled NVFP4 buffers of ``experts``'s sizes (``gate_up_proj [E, 2I, H]``), on the current
-        default device (meta inside ``from_pretrained``); a loader fills and then prepares them."""
-        e, two_i, h = experts.gate_up_proj.shape
-        return cls(None, None, num_experts=num_experts or e, hidden_size=h, intermediate_size=two_i // 2,
-                   input_scales=input_scales)
-
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         ids = self.dispatch.prepare(top_k_index)
         out = super().forward(hidden_states, ids, top_k_weights.float())

@@ -23,6 +23,7 @@ from fp4moe_ops.backends import resolve_backend
 
 from .experts import NVFP4Experts, NVFP4GatedMLP
 from .checkpoint_format import ModelOptConfig
+from .llama4 import is_llama4_experts
 from .quantizer import attach, quantizer_for
 from .router import fuse_routers
 from .surgery import children_where, find_experts_modules, is_dense_gated_mlp, is_silu, is_transformers_experts, \
@@ -85,6 +86,10 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
     if nvfp4_experts(model):
         raise ValueError(f"model is already patched by fp4moe ({nvfp4_experts(model)[0][0]} holds NVFP4 experts)")
     if not modules:
+        if any(is_llama4_experts(m) for m in model.modules()):
+            raise ValueError(f"{type(model).__name__}: patch_moe does not quantize Llama-4's bmm-layout experts "
+                             "(one global scale per layer in ModelOpt's format); load a ModelOpt NVFP4 export of "
+                             "the model with from_pretrained instead")
         raise ValueError(f"{type(model).__name__} has no Transformers experts modules to patch")
     for name, m in modules:
         _check_experts(name, m)

@@ -56,6 +56,7 @@ from .checkpoint_format import (
     model_conversions,
     read_json,
 )
+from .llama4 import FUSED_LEAVES, NVFP4Llama4TextMoe, canonical_from_fused, fused_key, fused_specs, is_llama4_experts
 from .router import fuse_routers
 from .surgery import is_transformers_experts, replace_module
 
@@ -140,12 +141,16 @@ class ExpertsPlan:
 
     name: str               # module path in the model
     checkpoint_prefix: str  # the same in checkpoint keys (before Transformers' renamings)
-    leaves: ExpertLeaves
+    leaves: ExpertLeaves | None  # None: Llama-4's fused 3-D tensors (:mod:`hf_integration.llama4`)
     total: int              # experts of the layer
     ids: range              # global expert ids held here: all, or this rank's
     hidden: int
     inter: int
     input_scales: bool
+
+    @property
+    def fused(self) -> bool:
+        return self.leaves is None
 
     def key(self, e: int, leaf: str, tensor: str) -> str:
         return f"{self.checkpoint_prefix}.{e}.{leaf}.{tensor}"
@@ -227,6 +232,23 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
                 claimed.add(k)  # another rank's expert: never read here
         plan.experts[name] = p
 
+    for name, m in modules.items():  # Llama-4: all experts in two 3-D tensors, bmm layout [E, K, N]
+        if not is_llama4_experts(m):
+            continue
+        e_total, hidden, two_i = m.gate_up_proj.shape
+        first = in_model.get(f"{name}.gate_up_proj")
+        if first is None or scan.tensors[first][1] != torch.uint8 or scheme is not MODELOPT:
+            continue  # BF16 experts (or a layout checked below as unknown packed bytes)
+        ckpt_prefix = first[:-len(".gate_up_proj")]
+        shard = shard_of(e_total) if shard_of else None
+        ids = range(shard.offset, shard.offset + shard.count) if shard else range(e_total)
+        input_scales = not config.weights_only and fused_key(ckpt_prefix, "gate_up_proj", "input") in scan.tensors
+        specs = fused_specs(ckpt_prefix, e_total, hidden, two_i // 2, input_scales)
+        for key, (shape, dtype) in specs.items():
+            scan.check(key, shape, dtype)
+        claimed.update(specs)
+        plan.experts[name] = ExpertsPlan(name, ckpt_prefix, None, e_total, ids, hidden, two_i // 2, input_scales)
+
     for name, m in modules.items():
         if not isinstance(m, nn.Linear) or f"{name}.{block}" not in in_model:
             continue
@@ -249,8 +271,8 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
     ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
     fused = [k for k in scan.tensors if k not in claimed and re.search(r"_(weight_scale_2|weight_scale|input_scale)$", k)]
     if fused:
-        raise CheckpointError(f"{fused[0]!r} in {plan.files[fused[0]]}: fused 3-D NVFP4 experts (the Llama-4 layout "
-                              "of ModelOpt exports) are not supported by fp4moe yet")
+        raise CheckpointError(f"{fused[0]!r} in {plan.files[fused[0]]}: fused NVFP4 tensors that no module of "
+                              f"{type(model).__name__} takes (fp4moe reads them for Llama-4's experts only)")
     packed_bytes = [k for k in scan.tensors if k not in claimed and scan.tensors[k][1] == torch.uint8
                     and not any(p.search(k) for p in ignored)]
     if packed_bytes:  # would be cast into a 16-bit parameter, or dropped: never load that silently
@@ -381,6 +403,46 @@ class StackNVFP4Experts(ConversionOps):
         raise NotImplementedError("NVFP4 experts are saved by the fp4moe quantizer, not by reverse conversion")
 
 
+class UnfuseNVFP4Experts(StackNVFP4Experts):
+    """Transformers conversion op for Llama-4's fused 3-D NVFP4 experts: one layer's eight file
+    tensors (:mod:`hf_integration.llama4`) -> the canonical buffers of :class:`NVFP4Experts`, every
+    scale value checked by its checkpoint name (errors raised after loading, as for the per-expert op)."""
+
+    SOURCES = tuple(itertools.product(FUSED_LEAVES, StackNVFP4Experts.ROLES))
+
+    def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, **kwargs):
+        module_name = full_layer_name.rsplit(".", 1)[0]
+        plan = self.hf_quantizer.plan.experts[module_name]
+        got = {}
+        for p, tensors in input_dict.items():
+            leaf, role = self.SOURCES[source_patterns.index(p)]
+            if len(tensors) != 1:
+                raise CheckpointError(f"{module_name}: read {len(tensors)} {fused_key(plan.checkpoint_prefix, leaf, role)!r} tensors")
+            got[f"{leaf}.{role}"] = tensors[0]
+        input_dict.clear()
+        if not plan.input_scales:  # a weights-only load of a W4A4 export: the input scales go unused
+            got = {k: v for k, v in got.items() if not k.endswith(".input")}
+        checks = {"packed": None, "block": "block", "global": "global", "input": "input"}
+        for name, t in got.items():
+            leaf, role = name.split(".")
+            if checks[role] is None:
+                continue
+            key = fused_key(plan.checkpoint_prefix, leaf, role)
+            describe = (lambda e, key=key: f"checkpoint tensor {key!r} (expert {e}) in "
+                        f"{self.hf_quantizer.plan.files.get(key)}")
+            try:  # per expert: [E, K/16, N] block scales, a scalar as [1]
+                check_scale_values(t.reshape(1) if t.dim() == 0 else t, checks[role], describe)
+            except ValueError as exc:
+                self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
+        weights = canonical_from_fused(got, plan.ids if len(plan.ids) != plan.total else None)
+        base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
+        out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, weights.tensors())}
+        if plan.input_scales:
+            out[base + INPUT_SCALE_BUFFERS[0]] = weights.fc1_input_scale
+            out[base + INPUT_SCALE_BUFFERS[1]] = weights.fc2_input_scale
+        return out
+
+
 def _converters_for(plan: LoadPlan, quantizer: ModelOptQuantizer) -> list:
     """One converter per distinct experts naming (e.g. ``mlp.experts`` with ``gate_proj`` ...), whose
     sources are the per-expert NVFP4 tensors in model terms (after Transformers' renamings)."""
@@ -389,6 +451,13 @@ def _converters_for(plan: LoadPlan, quantizer: ModelOptQuantizer) -> list:
     converters, seen = [], set()
     for p in plan.experts.values():
         base = ".".join(p.name.split(".")[-2:])  # e.g. "mlp.experts": what the layer-independent pattern needs
+        if p.fused:
+            if base not in seen:
+                seen.add(base)
+                sources = [rf"{re.escape(base)}\.{re.escape(fused_key('', leaf, role)[1:])}$"
+                           for leaf, role in UnfuseNVFP4Experts.SOURCES]
+                converters.append(WeightConverter(sources, f"{base}.{CANONICAL_BUFFERS[0]}", [UnfuseNVFP4Experts(quantizer)]))
+            continue
         ids = r"\d+" if len(p.ids) == p.total else "|".join(str(e) for e in p.ids)  # a shard: its ids only
         key = (base, tuple(p.leaves), ids)
         if key in seen:
@@ -450,12 +519,18 @@ class ModelOptQuantizer(HfQuantizer):
             parent_name, _, attr = name.rpartition(".")
             if name in self.plan.experts:
                 p = self.plan.experts[name]
-                new = NVFP4Experts.empty_like(m, num_experts=len(p.ids), input_scales=p.input_scales)
+                new = NVFP4Experts(None, None, num_experts=len(p.ids), hidden_size=p.hidden, intermediate_size=p.inter,
+                                   input_scales=p.input_scales)
                 if shard_of is not None:
                     from .expert_parallel import use_shard
 
                     use_shard(new, shard_of(p.total))
-                replace_module(model.get_submodule(parent_name), attr, new)
+                if p.fused:  # Llama-4: the whole MoE block changes (the router score scales the input)
+                    block_name, _, block_attr = parent_name.rpartition(".")
+                    new = NVFP4Llama4TextMoe(model.get_submodule(parent_name), new)
+                    replace_module(model.get_submodule(block_name), block_attr, new)
+                else:
+                    replace_module(model.get_submodule(parent_name), attr, new)
             elif name in self.plan.linears:
                 kind, has_input = self.plan.linears[name]
                 new = NVFP4Linear(m, self.plan.scheme, has_input) if kind == "nvfp4" else FP8Linear(m, has_input)
@@ -537,7 +612,7 @@ class ModelOptQuantizer(HfQuantizer):
         return True
 
 
-def _is_ours(conversion) -> bool:
+def _is_ours(conversion) -> bool:  # UnfuseNVFP4Experts included
     return any(isinstance(op, StackNVFP4Experts) for op in getattr(conversion, "operations", ()))
 
 

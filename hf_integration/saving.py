@@ -29,6 +29,7 @@ from fp4moe_ops.prepared import INPUT_SCALE_BUFFERS
 from .experts import NVFP4Experts, NVFP4GatedMLP
 from .expert_parallel import ExpertShard
 from .checkpoint_format import ModelOptConfig, expert_leaves, expert_tensors, linear_tensors, model_conversions
+from .llama4 import NVFP4Llama4TextMoe, fused_from_canonical
 
 # what a save rewrites or Transformers deletes as stale in the folder it saves into
 _REPLACED = re.compile(r"^(config\.json|generation_config\.json|hf_quant_config\.json|"
@@ -47,8 +48,12 @@ def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         raise ValueError("an expert-parallel model holds only this rank's experts; save the unsharded model")
     _, converters = model_conversions(model)
     state = {}
+    fused = {f"{n}.experts" for n, _ in nvfp4_modules(model, NVFP4Llama4TextMoe)}
     for name, m in experts:
-        state |= expert_tensors(name, m.canonical(), expert_leaves(name, converters))
+        if name in fused:  # Llama-4: ModelOpt's fused 3-D layout, as the checkpoints have it
+            state |= fused_from_canonical(name, m.canonical())
+        else:
+            state |= expert_tensors(name, m.canonical(), expert_leaves(name, converters))
     for name, m in dense:
         w = m.canonical()
         inter = w.intermediate_size

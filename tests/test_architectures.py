@@ -6,6 +6,7 @@ own reverse conversion: ``mlp.experts.<e>.gate_proj`` for DeepSeek / Kimi-K2 / G
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_integration  # noqa: F401  (registers the quantizer and kimi_k2)
 from fp4moe_ops.oracle64 import dequant64
-from hf_integration import CheckpointError, ModelOptConfig
+from hf_integration import CheckpointError, ModelOptConfig, patch_moe
 from hf_integration.tiny_models import (
     tiny_deepseek_v2,
     tiny_deepseek_v3,
@@ -84,24 +85,57 @@ def test_architecture_loads_and_matches_its_decoded_weights(arch, tmp_path):
     assert per_token.median() < 3e-2, per_token
 
 
-def test_llama4_fused_experts_are_refused_naming_the_layout(tmp_path):
-    """ModelOpt keeps Llama-4's fused, transposed experts 3-D (``feed_forward.experts.gate_up_proj``
-    packed, ``gate_up_proj_weight_scale`` ...): not read yet, and it must not load with random experts."""
+LLAMA4_EXPORT = Path(__file__).parent / "fixtures" / "modelopt" / "llama4_text_nvfp4_mlp_only"
+L4 = "model.layers.0.feed_forward.experts"
+
+
+def _edited_llama4_export(tmp_path, edit):
+    """A copy of the genuine ModelOpt Llama-4 export with ``edit(tensors)`` applied to its weights."""
+    import shutil
+
     from safetensors.torch import save_file
 
-    model = tiny_llama4_text()
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    for layer in range(2):
-        prefix = f"model.layers.{layer}.feed_forward.experts"
-        e, h, two_i = state[f"{prefix}.gate_up_proj"].shape
-        state[f"{prefix}.gate_up_proj"] = torch.zeros(e, h, two_i // 2, dtype=torch.uint8)
-        state[f"{prefix}.gate_up_proj_weight_scale"] = torch.ones(e, h // 16, two_i).to(torch.float8_e4m3fn)
-        state[f"{prefix}.gate_up_proj_weight_scale_2"] = torch.ones(e)
-    save_file(state, str(tmp_path / "model.safetensors"))
-    cfg = model.config.to_dict() | {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}
-    (tmp_path / "config.json").write_text(json.dumps(cfg, default=str))
-    with pytest.raises(CheckpointError, match="fused 3-D NVFP4 experts .*Llama-4.* not supported"):
-        AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    shutil.copytree(LLAMA4_EXPORT, tmp_path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("source"))
+    tensors = load_file(tmp_path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    return tmp_path
+
+
+@pytest.mark.parametrize("edit,match", [
+    # a per-expert global scale [E] where ModelOpt writes one scalar per 3-D tensor
+    (lambda t: t.__setitem__(f"{L4}.gate_up_proj_weight_scale_2", torch.ones(4)),
+     r"'model.layers.0.feed_forward.experts.gate_up_proj_weight_scale_2' in model.safetensors: expected shape \[\]"),
+    # the packed bytes in the per-expert Linear orientation [E, 2I, H/2] instead of [E, H/2, 2I]
+    (lambda t: t.__setitem__(f"{L4}.gate_up_proj", t[f"{L4}.gate_up_proj"].transpose(1, 2).contiguous()),
+     r"'model.layers.0.feed_forward.experts.gate_up_proj' in model.safetensors: expected shape \[4, 32, 64\]"),
+    (lambda t: t.pop(f"{L4}.down_proj_weight_scale"), r"'model.layers.0.feed_forward.experts.down_proj_weight_scale' is missing"),
+    (lambda t: t.__setitem__(f"{L4}.down_proj_weight_scale_2", torch.tensor(float("nan"))),
+     r"'model.layers.0.feed_forward.experts.down_proj_weight_scale_2' \(expert 0\) in model.safetensors"),
+])
+def test_llama4_fused_experts_bad_tensors_name_the_tensor(tmp_path, edit, match):
+    with pytest.raises(CheckpointError, match=match):
+        AutoModelForCausalLM.from_pretrained(_edited_llama4_export(tmp_path, edit), dtype=torch.bfloat16)
+
+
+def test_fused_scale_tensors_no_module_takes_are_refused(tmp_path):
+    """A ``<name>_weight_scale`` tensor of another model (here Qwen3-MoE, which has no fused experts)
+    is not dropped silently."""
+    model = tiny_qwen3_moe()
+    write_modelopt_checkpoint(model, tmp_path, shards=1)
+    data = load_file(tmp_path / "model.safetensors")
+    data["model.layers.0.self_attn.qkv_proj_weight_scale"] = torch.ones(4, 96).to(torch.float8_e4m3fn)
+    from safetensors.torch import save_file
+
+    save_file(data, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="qkv_proj_weight_scale' in model.safetensors: fused NVFP4 tensors "
+                                              "that no module of Qwen3MoeForCausalLM takes"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, quantization_config=ModelOptConfig())
+
+
+def test_patch_moe_refuses_llama4_naming_the_way_in():
+    with pytest.raises(ValueError, match="Llama-4's bmm-layout experts .* load a ModelOpt NVFP4 export"):
+        patch_moe(tiny_llama4_text())
 
 
 def test_unknown_packed_tensors_are_refused(tmp_path):

@@ -16,7 +16,7 @@ from fp4moe_ops.oracle64 import CODEBOOK
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODELOPT = ["deepseek_v3_nvfp4_mlp_only", "deepseek_v3_nvfp4_default", "qwen3_moe_nvfp4_default",
-            "qwen3_moe_nvfp4_fp8kv"]
+            "qwen3_moe_nvfp4_fp8kv", "llama4_text_nvfp4_mlp_only"]
 
 
 def per_token_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -29,7 +29,8 @@ def test_modelopt_export_through_from_pretrained_matches_modelopt_fake_quant(nam
     folder = FIXTURES / "modelopt" / name
     ref = load_file(folder / "reference_logits.safetensors")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)  # plain Transformers
-    assert type(model.model.layers[1].mlp.experts).__name__ == "NVFP4Experts"
+    assert type(model.model.layers[1].get_submodule("feed_forward" if "llama4" in name else "mlp").experts).__name__ \
+        == "NVFP4Experts"
     with torch.no_grad():
         got = model(ref["input_ids"]).logits
     want = ref["logits_weights_only"]  # ModelOpt's weights-only fake quant (16-bit activations, as ours)
@@ -69,7 +70,13 @@ def _dequantized_source(folder: Path):
     tensors = load_file(folder / "model.safetensors")
     state = model.state_dict()
     for key in list(tensors):
-        if key.endswith(".weight_scale"):
+        if key.endswith(".experts.gate_up_proj_weight_scale") or key.endswith(".experts.down_proj_weight_scale"):
+            # Llama-4's fused 3-D tensors [E, K/2, N]: pairs and 16-blocks run along dim 1 (the
+            # input dim K of the bmm layout), so decode the transpose and transpose back
+            name = key[:-len("_weight_scale")]
+            w = _decode32(tensors[name].transpose(1, 2), tensors[key].transpose(1, 2), tensors[f"{name}_weight_scale_2"])
+            state[name].copy_(w.transpose(1, 2).to(torch.bfloat16))
+        elif key.endswith(".weight_scale"):
             name = key[:-len(".weight_scale")]
             w = _decode32(tensors[f"{name}.weight"], tensors[key], tensors[f"{name}.weight_scale_2"]).to(torch.bfloat16)
             expert = name.rsplit(".", 2)
@@ -86,7 +93,7 @@ def _dequantized_source(folder: Path):
     return model
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3_nvfp4_mlp_only", "qwen3_moe_nvfp4_default"])
+@pytest.mark.parametrize("name", ["deepseek_v3_nvfp4_mlp_only", "qwen3_moe_nvfp4_default", "llama4_text_nvfp4_mlp_only"])
 def test_modelopt_oracle_is_exactly_modelopt(name):
     """The fixture's reference logits are what the file's bytes mean: the BF16 source with the
     file's weights decoded by the format definition gives ModelOpt's logits exactly."""
@@ -125,6 +132,29 @@ def test_fp4moe_quantizer_is_byte_identical_to_modelopt(name, dense, tmp_path):
             compared += 1
     experts = sum(1 for k in theirs if ".experts." in k and k.endswith(".weight_scale"))
     assert compared >= 3 * experts  # every expert linear's weight, block and global scales
+
+
+def test_llama4_fused_experts_load_to_the_oracles_weights_and_save_to_modelopts_bytes(tmp_path):
+    """Llama-4's fused 3-D experts (``experts.gate_up_proj`` U8 [E, H/2, 2I] ...): every expert fp4moe
+    loads decodes to exactly the weight the oracle above reads from the file (which reproduces
+    ModelOpt's logits), and ``save_pretrained`` writes ModelOpt's file again, byte for byte."""
+    folder = FIXTURES / "modelopt" / "llama4_text_nvfp4_mlp_only"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    oracle = _dequantized_source(folder).state_dict()
+    for layer in range(2):
+        experts = model.model.layers[layer].feed_forward.experts
+        w = experts.canonical()
+        prefix = f"model.layers.{layer}.feed_forward.experts"
+        gate_up = _decode32(w.w13, w.w13_scale, w.w13_global[:, None, None])  # [E, 2I, H]: canonical
+        down = _decode32(w.w2, w.w2_scale, w.w2_global[:, None, None])
+        assert torch.equal(gate_up.transpose(1, 2).to(torch.bfloat16), oracle[f"{prefix}.gate_up_proj"])
+        assert torch.equal(down.transpose(1, 2).to(torch.bfloat16), oracle[f"{prefix}.down_proj"])
+    model.save_pretrained(tmp_path)
+    ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(folder / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key, t in theirs.items():
+        assert ours[key].dtype == t.dtype and ours[key].shape == t.shape, key
+        assert torch.equal(ours[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), key
 
 
 # --- compressed-tensors (llm-compressor) --------------------------------------------------------------
