@@ -149,3 +149,41 @@ def test_unknown_packed_tensors_are_refused(tmp_path):
     save_file(data, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="q_proj.weight' .*holds packed bytes"):
         AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, quantization_config=ModelOptConfig())
+
+
+def test_llama4_multimodal_checkpoint_with_language_model_prefix(tmp_path):
+    """Llama-4 Scout / Maverick checkpoints are ``Llama4ForConditionalGeneration``: the text model's
+    keys under ``language_model.`` beside a vision tower. The genuine text export's tensors, moved
+    under that prefix next to a tiny BF16 vision tower, load through plain ``from_pretrained``
+    (NVFP4 experts inside ``language_model``), give the text model's logits exactly, and save back
+    byte for byte."""
+    import transformers
+    from safetensors.torch import save_file
+
+    text_config = json.loads((LLAMA4_EXPORT / "config.json").read_text())
+    quantization_config = text_config.pop("quantization_config")
+    text_config = {k: v for k, v in text_config.items() if k not in ("architectures", "model_type")}
+    vision_config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                         image_size=56, patch_size=14, vision_output_dim=64, projector_input_dim=64,
+                         projector_output_dim=64)
+    config = transformers.Llama4Config(vision_config=vision_config, text_config=text_config)
+    torch.manual_seed(0)
+    vision = {k: v.to(torch.bfloat16).contiguous() for k, v in
+              transformers.Llama4ForConditionalGeneration(config).state_dict().items() if not k.startswith("language_model.")}
+    text = {f"language_model.{k}": v for k, v in load_file(LLAMA4_EXPORT / "model.safetensors").items()}
+    save_file(vision | text, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    saved = config.to_dict() | {"quantization_config": quantization_config,
+                                "architectures": ["Llama4ForConditionalGeneration"]}
+    (tmp_path / "config.json").write_text(json.dumps(saved, default=str))
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert type(model.language_model.model.layers[0].feed_forward).__name__ == "NVFP4Llama4TextMoe"
+    text_model = AutoModelForCausalLM.from_pretrained(LLAMA4_EXPORT, dtype=torch.bfloat16)
+    ids = load_file(LLAMA4_EXPORT / "reference_logits.safetensors")["input_ids"]
+    with torch.no_grad():  # Transformers 5.24's multimodal forward fails without pixel_values (image_outputs)
+        assert torch.equal(model.language_model(input_ids=ids).logits, text_model(input_ids=ids).logits)
+    model.save_pretrained(tmp_path / "saved")
+    ours, theirs = load_file(tmp_path / "saved" / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key in text:
+        assert torch.equal(ours[key].reshape(-1).view(torch.uint8), theirs[key].reshape(-1).view(torch.uint8)), key
