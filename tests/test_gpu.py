@@ -249,3 +249,34 @@ def test_a_nan_expert_never_reaches_tokens_not_routed_to_it(backend):
     torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
     ids[2, 0] = 3
     assert torch.isnan(fp4moe_ops.prepare_experts(bad, backend, check_values=False)(x, ids, rw)[2]).all()
+
+
+def test_llama4_export_on_gpu_eager_and_compiled():
+    """The genuine ModelOpt Llama-4 export on the GPU (Triton backend): logits as on CPU against
+    ModelOpt's fake quant (the same 2% / 5% as tests/test_real_exports.py), and the compiled model
+    (fullgraph: the MoE block and the op, no graph break) gives the eager logits."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import hf_integration  # noqa: F401
+
+    folder = Path(__file__).parent / "fixtures" / "modelopt" / "llama4_text_nvfp4_mlp_only"
+    ref = load_file(folder / "reference_logits.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda")
+    assert model.model.layers[0].feed_forward.experts.backend == "triton"
+    ids = ref["input_ids"].cuda()
+    with torch.no_grad():
+        got = model(ids).logits.float().cpu()
+        moe = model.model.layers[1].feed_forward
+        x = torch.randn(24, moe.hidden_dim, device="cuda", dtype=torch.bfloat16)
+        compiled = torch.compile(moe, fullgraph=True)
+        out, logits = compiled(x)
+        want, want_logits = moe(x)
+    want_model = ref["logits_weights_only"]
+    err = (got.double() - want_model.double()).flatten(0, 1).norm(dim=-1) / want_model.double().flatten(0, 1).norm(dim=-1)
+    print(f"llama4 on GPU vs ModelOpt fake quant: median {err.median():.4f}, max {err.max():.4f}")
+    assert err.median() < 2e-2 and err.max() < 5e-2
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=0)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)  # compiled glue may fuse bf16 ops differently
