@@ -497,23 +497,19 @@ def rewrite(path, key, value=None, drop=False):
         (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("leaf", ["gate_proj", "up_proj", "down_proj"])
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -2e-4])
-def test_bad_global_scale_values_in_a_checkpoint_name_the_key_and_file(ckpt, leaf, value):
-    path, _ = ckpt
-    key = f"{E3}.{leaf}.weight_scale_2"
-    rewrite(path, key, torch.tensor(value))
-    with pytest.raises(CheckpointError, match=rf"'{key}' in {shard_of(path, key).name} must be finite and > 0"):
-        load_modelopt_nvfp4(path)
+# a global scale multiplies every weight: it must be > 0; an input scale may be 0 (never calibrated)
+BAD_SCALAR_VALUES = [(leaf, "weight_scale_2", v, "finite and > 0") for leaf in ("gate_proj", "up_proj", "down_proj")
+                     for v in (float("nan"), float("inf"), 0.0, -2e-4)] + \
+                    [(leaf, "input_scale", v, "finite and >= 0") for leaf in ("up_proj", "down_proj")
+                     for v in (float("nan"), float("inf"), -1.0)]
 
 
-@pytest.mark.parametrize("leaf", ["up_proj", "down_proj"])
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
-def test_bad_input_scale_values_in_a_checkpoint(ckpt, leaf, value):
+@pytest.mark.parametrize("leaf,tensor,value,rule", BAD_SCALAR_VALUES)
+def test_bad_scalar_scale_values_in_a_checkpoint_name_the_key_and_file(ckpt, leaf, tensor, value, rule):
     path, _ = ckpt
-    key = f"{E3}.{leaf}.input_scale"
+    key = f"{E3}.{leaf}.{tensor}"
     rewrite(path, key, torch.tensor(value))
-    with pytest.raises(CheckpointError, match=rf"'{key}' in .* must be finite and >= 0"):
+    with pytest.raises(CheckpointError, match=rf"'{key}' in {shard_of(path, key).name} must be {rule}"):
         load_modelopt_nvfp4(path)
 
 
