@@ -4,9 +4,11 @@ Importing it registers fp4moe's ``"modelopt"`` quantizer with Transformers, so
 ``AutoModelForCausalLM.from_pretrained(<ModelOpt NVFP4 checkpoint>)`` loads NVFP4 experts and
 ``save_pretrained`` writes them back. Modules, one concept each:
 
-* ``checkpoint_format``: the ModelOpt checkpoint format (config, tensor names, ``CheckpointError``);
+* ``checkpoint_format``: the NVFP4 checkpoint formats read (ModelOpt, compressed-tensors): configs,
+  tensor names, ``CheckpointError``;
 * ``quantizer``: the Transformers quantizer (loading, saving, marking a model quantized);
 * ``experts``: the modules that hold NVFP4 weights in a model;
+* ``llama4``: Llama-4's fused 3-D NVFP4 experts and the MoE block that runs them;
 * ``router``: the fused DeepSeek-V3-style router;
 * ``patch``: ``patch_moe`` / ``patch_deepseek`` / ``set_backend`` on a loaded BF16 model;
 * ``calibration``: activation scales for NVFP4 x NVFP4;

@@ -60,23 +60,21 @@ def fused_specs(prefix: str, num_experts: int, hidden: int, inter: int, input_sc
     return specs
 
 
-def canonical_from_fused(tensors: dict[str, torch.Tensor], experts: range | None = None) -> NVFP4MoEWeights:
-    """The canonical NVFP4 experts from one layer's fused file tensors.
+def canonical_from_fused(tensors: dict[str, torch.Tensor], experts: range) -> NVFP4MoEWeights:
+    """The canonical NVFP4 experts ``experts`` (all, or an expert-parallel shard) from one layer's
+    fused file tensors.
 
     ``tensors`` maps ``"<leaf>.<role>"`` (leaf ``gate_up_proj`` / ``down_proj``, role ``packed`` /
-    ``block`` / ``global`` / ``input``) to the file's tensor; ``experts``: the ids to keep (an
-    expert-parallel shard), all by default. The per-layer scalars become per-expert ``[E]``.
+    ``block`` / ``global`` / ``input``) to the file's tensor. The per-layer scalars become per-expert ``[E]``.
     """
     def part(leaf: str, role: str) -> torch.Tensor | None:
         t = tensors.get(f"{leaf}.{role}")
         if t is None:
             return None
         if t.dim() == 0:
-            return t.float().reshape(1).expand(count).contiguous()
-        t = t[experts.start:experts.stop] if experts is not None else t
-        return t.transpose(1, 2).contiguous()  # [E, K/2, N] -> [E, N, K/2]: per-expert Linear layout
+            return t.float().reshape(1).expand(len(experts)).contiguous()
+        return t[experts.start:experts.stop].transpose(1, 2).contiguous()  # [E, K/2, N] -> [E, N, K/2]
 
-    count = len(experts) if experts is not None else tensors["gate_up_proj.packed"].shape[0]
     return NVFP4MoEWeights(
         part("gate_up_proj", "packed"), part("gate_up_proj", "block"), part("gate_up_proj", "global"),
         part("down_proj", "packed"), part("down_proj", "block"), part("down_proj", "global"),

@@ -422,19 +422,18 @@ class UnfuseNVFP4Experts(StackNVFP4Experts):
         input_dict.clear()
         if not plan.input_scales:  # a weights-only load of a W4A4 export: the input scales go unused
             got = {k: v for k, v in got.items() if not k.endswith(".input")}
-        checks = {"packed": None, "block": "block", "global": "global", "input": "input"}
         for name, t in got.items():
             leaf, role = name.split(".")
-            if checks[role] is None:
+            if role == "packed":
                 continue
             key = fused_key(plan.checkpoint_prefix, leaf, role)
-            describe = (lambda e, key=key: f"checkpoint tensor {key!r} (expert {e}) in "
-                        f"{self.hf_quantizer.plan.files.get(key)}")
-            try:  # per expert: [E, K/16, N] block scales, a scalar as [1]
-                check_scale_values(t.reshape(1) if t.dim() == 0 else t, checks[role], describe)
+            where = f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(key)}"
+            describe = (lambda e: f"{where} (expert {e})") if t.dim() else (lambda e: where)
+            try:  # the roles name their checks: block scales [E, K/16, N] per expert, scalars once
+                check_scale_values(t if t.dim() else t.reshape(1), role, describe)
             except ValueError as exc:
                 self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
-        weights = canonical_from_fused(got, plan.ids if len(plan.ids) != plan.total else None)
+        weights = canonical_from_fused(got, plan.ids)
         base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
         out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, weights.tensors())}
         if plan.input_scales:

@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from .llama4 import is_llama4_experts
 
 # Shared by the tiny DeepSeek-family configs: 2 layers (the first dense), 8 experts, top-2.
 _DEEPSEEK_LIKE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -59,24 +60,9 @@ def tiny_minimax_m2(dtype=torch.bfloat16):
 def tiny_llama4_text(dtype=torch.bfloat16):
     """Llama-4's text MoE: fused experts stored transposed (``gate_up_proj [E, H, 2I]``, input dim
     first), a shared expert, sigmoid top-1 routing; both layers MoE."""
-    import transformers
-
-    config = transformers.Llama4TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
-        max_position_embeddings=256, pad_token_id=0)
-    # from_config keeps RoPE's inv_freq in float32 as from_pretrained does (a .to(bfloat16) would not).
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    with torch.no_grad():
-        lm_head = model.get_output_embeddings()
-        lm_head.weight.normal_(0, 8 * lm_head.weight.shape[-1] ** -0.5)
-        for layer in model.model.layers:
-            moe = layer.feed_forward
-            # bmm layout: the fan-in is dim 1 (H for gate_up_proj, I for down_proj).
-            moe.experts.gate_up_proj.normal_(0, moe.experts.gate_up_proj.shape[1] ** -0.5)
-            moe.experts.down_proj.normal_(0, moe.experts.down_proj.shape[1] ** -0.5)
-            moe.router.weight.normal_(0, 4 * moe.router.weight.shape[-1] ** -0.5)
-    return model.eval()
+    return _tiny("Llama4TextConfig", dtype, vocab_size=256, hidden_size=64, intermediate_size=32,
+                 intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, num_local_experts=4, num_experts_per_tok=1, max_position_embeddings=256, pad_token_id=0)
 
 
 def tiny_mixtral(dtype=torch.bfloat16):
@@ -97,9 +83,10 @@ def _randomize_experts(model) -> None:
     for m in model.modules():
         experts = getattr(m, "experts", None)
         if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and experts.gate_up_proj.dim() == 3:
-            experts.gate_up_proj.normal_(0, experts.gate_up_proj.shape[-1] ** -0.5)
-            experts.down_proj.normal_(0, experts.down_proj.shape[-1] ** -0.5)
-            gate = getattr(m, "gate", None)
+            fan_in = 1 if is_llama4_experts(experts) else -1  # Llama-4's bmm layout [E, K, N]
+            experts.gate_up_proj.normal_(0, experts.gate_up_proj.shape[fan_in] ** -0.5)
+            experts.down_proj.normal_(0, experts.down_proj.shape[fan_in] ** -0.5)
+            gate = getattr(m, "gate", None) if hasattr(m, "gate") else getattr(m, "router", None)
             if gate is not None and getattr(gate, "weight", None) is not None:
                 gate.weight.normal_(0, 4 * gate.weight.shape[-1] ** -0.5)
 

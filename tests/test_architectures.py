@@ -111,7 +111,9 @@ def _edited_llama4_export(tmp_path, edit):
      r"'model.layers.0.feed_forward.experts.gate_up_proj' in model.safetensors: expected shape \[4, 32, 64\]"),
     (lambda t: t.pop(f"{L4}.down_proj_weight_scale"), r"'model.layers.0.feed_forward.experts.down_proj_weight_scale' is missing"),
     (lambda t: t.__setitem__(f"{L4}.down_proj_weight_scale_2", torch.tensor(float("nan"))),
-     r"'model.layers.0.feed_forward.experts.down_proj_weight_scale_2' \(expert 0\) in model.safetensors"),
+     r"'model.layers.0.feed_forward.experts.down_proj_weight_scale_2' in model.safetensors must be finite and > 0"),
+    (lambda t: t[f"{L4}.gate_up_proj_weight_scale"][2, 1, 5].view(torch.uint8).fill_(0x7F),  # an E4M3 NaN
+     r"'model.layers.0.feed_forward.experts.gate_up_proj_weight_scale' in model.safetensors \(expert 2\)"),
 ])
 def test_llama4_fused_experts_bad_tensors_name_the_tensor(tmp_path, edit, match):
     with pytest.raises(CheckpointError, match=match):
