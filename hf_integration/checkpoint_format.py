@@ -32,7 +32,6 @@ normally share one global scale. FP8 KV-cache exports add ``<attn>.k_proj.k_scal
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import re
 from dataclasses import dataclass
@@ -86,7 +85,6 @@ class TensorScheme:
 MODELOPT = TensorScheme("weight", "weight_scale", "weight_scale_2", "input_scale", (), reciprocal=False)
 COMPRESSED_TENSORS = TensorScheme("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", (1,),
                                   reciprocal=True)
-LINEAR_TENSORS = MODELOPT.tensors
 
 
 class CheckpointError(ValueError):
@@ -141,8 +139,9 @@ class ModelOptConfig(QuantizationConfigMixin):
     """ModelOpt's quantization config (``quant_method: "modelopt"``), plus fp4moe's loading options.
 
     Checkpoint fields (as exported): ``quant_algo`` (``"NVFP4"``, ``"W4A16_NVFP4"``; any case),
-    ``group_size`` (16), ``exclude_modules`` (``ignore`` in newer configs: exact names, ``*``
-    wildcards or plain substrings), ``kv_cache_quant_algo`` (``"FP8"`` or None), ``producer``.
+    ``group_size`` (16), ``exclude_modules`` (``ignore`` in newer configs; kept and written back,
+    but which modules are NVFP4 is read from the files' tensors), ``kv_cache_quant_algo``
+    (``"FP8"`` or None), ``producer``.
 
     Loading options (``from_pretrained(..., quantization_config=ModelOptConfig(backend="triton"))``
     overrides them for a checkpoint that has its own config):
@@ -247,15 +246,6 @@ class ModelOptConfig(QuantizationConfigMixin):
 
     def get_loading_attributes(self) -> dict:
         return {k: getattr(self, k) for k in self.LOADING_ATTRIBUTES}
-
-    def is_excluded(self, module_name: str) -> bool:
-        """Exact name, wildcard pattern (``*``/``?``), or a plain substring of the name."""
-        for pattern in self.exclude_modules:
-            if module_name == pattern or fnmatch.fnmatchcase(module_name, pattern):
-                return True
-            if not any(c in pattern for c in "*?[") and pattern in module_name:
-                return True
-        return False
 
 
 class CompressedTensorsNVFP4Config(ModelOptConfig):

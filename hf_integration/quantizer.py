@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from transformers.modeling_utils import str_to_torch_dtype  # safetensors' dtype names -> torch
 from transformers.quantizers import HfQuantizer
 from transformers.utils import logging
 
@@ -65,12 +66,6 @@ logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_ve
 # the per-tensor names that only quantized linears have, in either format
 QUANTIZED_TENSOR_NAMES = {*MODELOPT.tensors[1:], *COMPRESSED_TENSORS.tensors}
 
-# safetensors' dtype names -> torch
-_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-           "BOOL": torch.bool, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-           "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
 # --- reading the checkpoint's layout --------------------------------------------------------------
 
 
@@ -89,7 +84,7 @@ class CheckpointScan:
                         if key in self.tensors:
                             raise CheckpointError(f"tensor {key!r} is in two files: {self.tensors[key][0]} and {name}")
                         dtype = piece.get_dtype()
-                        self.tensors[key] = (name, _DTYPES.get(dtype, dtype), tuple(piece.get_shape()))
+                        self.tensors[key] = (name, str_to_torch_dtype.get(dtype, dtype), tuple(piece.get_shape()))
             except CheckpointError:
                 raise
             except Exception as exc:  # safetensors' SafetensorError, OSError: a truncated or malformed file
