@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
     e, h, i, k, routed = SHAPES[args.shape]
-    tensors = fp4moe_ops.prepare_experts(random_weights(e, h, i, "cuda"), "triton").tensors
+    tensors = fp4moe_ops.prepare_experts(random_weights(e, h, i, "cuda"), "triton").op_tensors()
     for t in (int(x) for x in args.tokens.split(",")):
         inputs = make_inputs(t, h, k, routed, "cuda")
         for args_ in inputs:  # compile and warm up

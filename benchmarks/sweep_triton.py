@@ -24,8 +24,8 @@ def main():
     args = ap.parse_args()
     e, h, i, k, routed = SHAPES[args.shape]
     w = random_weights(e, h, i, "cuda")
-    paired = fp4moe_ops.prepare_experts(w, "triton").tensors  # the backend's layout
-    canonical = fp4moe_ops.prepare_experts(w, "reference").tensors
+    paired = fp4moe_ops.prepare_experts(w, "triton").op_tensors()  # the backend's layout
+    canonical = fp4moe_ops.prepare_experts(w, "reference").op_tensors()
     for t in (int(x) for x in args.tokens.split(",")):
         inputs = make_inputs(t, h, k, routed, "cuda")
         base = kernel_config(t * k, e, h, i)

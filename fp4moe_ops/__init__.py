@@ -10,7 +10,8 @@ Typical use::
 Modules: ``nvfp4`` the format, ``moe_weights`` a layer's canonical experts, ``op`` the op,
 ``prepared`` the prepared layer, ``backends`` the kernels behind the op, ``moe_math`` the
 pure-torch MoE math, ``routing`` the router op, ``flashinfer_sim`` a CPU model of FlashInfer's
-NVFP4 kernel (a test oracle).
+NVFP4 kernel (a test oracle), ``oracle64`` the float64 oracle, ``selftest`` ``python -m
+fp4moe_ops.selftest``.
 """
 
 from . import nvfp4, routing

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .moe_math import gated_silu, routed_moe
+from .moe_math import expert_scale, gated_silu, routed_moe
 from .nvfp4 import BLOCK_SIZE, e2m1_decode, quantize_activation_nvfp4, unpack_e2m1, unswizzle_block_scale
-
-
-def _per_expert(v: torch.Tensor, e: int) -> torch.Tensor:
-    return v.reshape(-1)[e] if v.numel() > 1 else v.reshape(())
 
 
 def _weight(packed_i64: torch.Tensor, sf_i32: torch.Tensor, e: int) -> torch.Tensor:
@@ -37,9 +33,9 @@ def simulate_cutlass_nvfp4_moe(hidden_states, topk_ids, topk_weights, fc1_weight
     dtype = hidden_states.dtype
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        a1 = quantize_activation_nvfp4(rows, _per_expert(fc1_act_global, e))
+        a1 = quantize_activation_nvfp4(rows, expert_scale(fc1_act_global, e))
         h = ((a1 @ _weight(fc1_weights, fc1_sf, e).T) * fc1_alpha[e]).to(dtype).float()
-        a2 = quantize_activation_nvfp4(gated_silu(h, dtype, up_first=True), _per_expert(fc2_act_global, e))
+        a2 = quantize_activation_nvfp4(gated_silu(h, dtype, up_first=True), expert_scale(fc2_act_global, e))
         return ((a2 @ _weight(fc2_weights, fc2_sf, e).T) * fc2_alpha[e]).to(dtype).float()
 
     return routed_moe(hidden_states, topk_ids, topk_weights, fc1_weights.shape[0], expert)

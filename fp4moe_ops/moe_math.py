@@ -9,7 +9,7 @@ other tokens; ids outside ``[0, E)`` (expert-parallel sentinels) contribute noth
 
 Each path supplies ``expert(e, rows [n, H]) -> [n, H] float32``: how expert ``e``'s two GEMMs
 are computed (dequantized weights, activation fake-quantization, FlashInfer's alphas, ...).
-This is eager code with one host sync per expert hit: correctness paths, not kernels.
+This is eager code with one host sync per call (the experts' row counts): correctness paths, not kernels.
 """
 
 from __future__ import annotations
@@ -31,12 +31,26 @@ def routed_moe(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights
         expert: ``expert(e, rows [n, H]) -> [n, H]`` float32, for the rows routed to ``e``.
     """
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-    valid = (topk_ids >= 0) & (topk_ids < num_experts)
-    for e in torch.unique(topk_ids[valid]).tolist():
-        token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        y = expert(e, hidden_states[token])
-        out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+    flat = topk_ids.reshape(-1).long()
+    expert_of = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # invalid ids: one bin past the end
+    pairs = torch.argsort(expert_of, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
+    counts = torch.bincount(expert_of, minlength=num_experts + 1)[:num_experts].tolist()  # the one host sync
+    weights = topk_weights.reshape(-1, 1).float()
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            routed = pairs[start:start + n]
+            token = routed // topk_ids.shape[1]
+            out.index_add_(0, token, expert(e, hidden_states[token]) * weights[routed])
+        start += n
     return out
+
+
+def expert_scale(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    """Expert ``e``'s entry of a per-expert scale ``[E]``, or the shared scalar (0-dim)."""
+    if scale is None:
+        return None
+    return scale.reshape(-1)[e] if scale.numel() > 1 else scale.reshape(())
 
 
 def gated_silu(h: torch.Tensor, dtype: torch.dtype, *, up_first: bool = False) -> torch.Tensor:
@@ -48,4 +62,4 @@ def gated_silu(h: torch.Tensor, dtype: torch.dtype, *, up_first: bool = False) -
     return (F.silu(gate) * up).to(dtype)
 
 
-__all__ = ["gated_silu", "routed_moe"]
+__all__ = ["expert_scale", "gated_silu", "routed_moe"]

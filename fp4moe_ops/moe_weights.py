@@ -1,8 +1,8 @@
 """NVFP4 expert weights of one MoE layer, in the canonical (checkpoint-like) layout.
 
 This is the backend-neutral form: what a ModelOpt checkpoint holds, stacked over experts.
-Each backend turns it into its own prepared tensors once, at load time
-(:func:`fp4moe_ops.prepare_experts`).
+Backends run on these tensors (the Triton backend with its packed weights re-laid out in place)
+or build their own from them once, at load time (FlashInfer; :func:`fp4moe_ops.prepare_experts`).
 """
 
 from __future__ import annotations
@@ -76,22 +76,21 @@ class NVFP4MoEWeights:
         """Bytes of packed weights plus block and global scales (what a kernel must read)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def check_values(self, describe=None) -> None:
+    def check_values(self) -> None:
         """Raise ValueError if a scale's value would give wrong numbers (see :data:`SCALE_CHECKS`):
         a global scale that is not finite and > 0, an E4M3 NaN byte (0x7F / 0xFF) or a negative
         block scale, a calibrated input scale that is NaN, Inf or negative (0 is allowed: an expert
         calibration never routed to; NVFP4 activations refuse it, see
         :func:`fp4moe_ops.activation_scales`).
 
-        ``describe(tensor_name, expert)`` names the culprit in the message (e.g. its checkpoint
-        key); default ``"w13_global[3]"``. One host sync per tensor: for load time, not per call.
+        The message names the tensor and expert (``"w13_global[3]"``). One host sync per tensor:
+        for load time, not per call.
         """
-        describe = describe or (lambda name, e: f"{name}[{e}]")
         for name, kind in (("w13_global", "global"), ("w2_global", "global"), ("w13_scale", "block"),
                            ("w2_scale", "block"), ("fc1_input_scale", "input"), ("fc2_input_scale", "input")):
             t = getattr(self, name)
             if t is not None:
-                check_scale_values(t, kind, lambda e, name=name: describe(name, e))
+                check_scale_values(t, kind, lambda e, name=name: f"{name}[{e}]")
 
 
 def _bad_global(t):

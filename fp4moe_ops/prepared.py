@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from .backends import resolve_backend
-from .backends.base import CANONICAL, canonical_layout, convert_packed
+from .backends.base import CANONICAL, convert_packed
+from .backends.base import canonical_layout as op_layout  # contiguous + views; not the context manager below
 from .moe_weights import NVFP4MoEWeights
 from .nvfp4 import BLOCK_SIZE
 
@@ -50,6 +51,10 @@ def activation_scales(fc1_input_scale: torch.Tensor | None, fc2_input_scale: tor
     if fc1_input_scale is None or fc2_input_scale is None:
         raise ValueError("activation scales need calibrated fc1_input_scale and fc2_input_scale: run "
                          "hf_integration.calibrate_activation_scales first")
+    for name, s in (("fc1_input_scale", fc1_input_scale), ("fc2_input_scale", fc2_input_scale)):
+        bad = (~torch.isfinite(s) | (s < 0)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"{name} is NaN, Inf or negative for experts {bad[:8]}")
     if mode == "global_max":
         fc1, fc2 = fc1_input_scale.max().reshape(()), fc2_input_scale.max().reshape(())
         if not bool((fc1 > 0) & (fc2 > 0)):
@@ -104,9 +109,8 @@ class PreparedExperts(nn.Module):
         self.layout = CANONICAL
         self.act_scale_mode: str | None = None
         self.routed_experts = 0
-        self._owns_packed = owns_weights
         self._own_tensors = 0
-        self.set_weights(weights)
+        self.set_weights(weights, owns_weights=owns_weights)
         if backend is not None:
             self.set_backend(backend, act_scale_mode)
         self._register_state_dict_hook(_canonical_state_dict)
@@ -115,8 +119,9 @@ class PreparedExperts(nn.Module):
 
     # --- the weights ------------------------------------------------------------------------
 
-    def set_weights(self, weights: NVFP4MoEWeights) -> None:
-        """Hold ``weights`` (canonical layout) in the buffers; the module is unprepared after this."""
+    def set_weights(self, weights: NVFP4MoEWeights, *, owns_weights: bool = False) -> None:
+        """Hold ``weights`` (canonical layout) in the buffers; the module is unprepared after this.
+        ``owns_weights``: as in the constructor (else a later backend keeps its layout in a copy)."""
         for name, t in zip(CANONICAL_BUFFERS, weights.tensors()):
             self.register_buffer(name, t)
         for name in INPUT_SCALE_BUFFERS:
@@ -126,6 +131,7 @@ class PreparedExperts(nn.Module):
             else:
                 self._buffers.pop(name, None)
         self._drop_prepared()
+        self._owns_packed = owns_weights
         self.backend, self.layout, self.act_scale_mode = None, CANONICAL, None
 
     def canonical(self) -> NVFP4MoEWeights:
@@ -143,9 +149,10 @@ class PreparedExperts(nn.Module):
         in place, expert by expert, where the module owns them), e.g. so that a save reads them as
         views instead of a converted copy of every layer."""
         layout = self.layout
-        if layout == CANONICAL or not self._owns_packed:
+        if layout == CANONICAL:
             yield
             return
+        # a non-canonical layout is always the module's own converted copy: convert it in place
         for name in _PACKED:
             self._buffers[name] = convert_packed(self._buffers[name], layout, CANONICAL, in_place=True)
         self.layout = CANONICAL
@@ -183,18 +190,9 @@ class PreparedExperts(nn.Module):
                 (``fc1_input_scale`` / ``fc2_input_scale``, see :func:`activation_scales`);
                 backends ``flashinfer_nvfp4`` and ``reference`` only.
         """
-        weights = self.canonical()
-        have_scales = weights.fc1_input_scale is not None and weights.fc2_input_scale is not None
-        b = resolve_backend(backend, weights.device, have_activation_scales=have_scales)
-        mode = act_scale_mode or ("per_expert" if b.activation_scales == "required" else None)
-        act = (None, None)
-        if mode is not None:
-            if b.activation_scales == "forbidden":
-                raise ValueError(f"backend {b.name!r} keeps activations in 16 bits; act_scale_mode={mode!r} needs "
-                                 "'flashinfer_nvfp4' (Blackwell) or 'reference'")
-            act = activation_scales(weights.fc1_input_scale, weights.fc2_input_scale, mode)
-        own = b.prepare(weights) if b.tensors == "own" else []
-        layout = b.packed_layout(weights.hidden_size, weights.intermediate_size) if b.tensors == "canonical" else CANONICAL
+        b, mode, act = self.check_backend(backend, act_scale_mode)
+        own = b.prepare(self.canonical()) if b.tensors == "own" else []
+        layout = b.packed_layout(self.hidden_size, self.intermediate_size) if b.tensors == "canonical" else CANONICAL
         # checks done, the backend's tensors built: now change the module
         self._drop_prepared()
         for name in _PACKED:
@@ -207,6 +205,20 @@ class PreparedExperts(nn.Module):
             self.register_buffer("fc1_act_scale", act[0], persistent=False)
             self.register_buffer("fc2_act_scale", act[1], persistent=False)
         self.backend, self.layout, self.act_scale_mode = b.name, layout, mode
+
+    def check_backend(self, backend: str = "auto", act_scale_mode: str | None = None):
+        """Everything :meth:`set_backend` checks, without changing the module: ``(backend object,
+        activation mode, (fc1, fc2) activation scales or Nones)``; raises ValueError otherwise."""
+        fc1, fc2 = self._buffers.get(INPUT_SCALE_BUFFERS[0]), self._buffers.get(INPUT_SCALE_BUFFERS[1])
+        b = resolve_backend(backend, self._buffers[CANONICAL_BUFFERS[1]].device,
+                            have_activation_scales=fc1 is not None and fc2 is not None)
+        mode = act_scale_mode or ("per_expert" if b.activation_scales == "required" else None)
+        if mode is None:
+            return b, None, (None, None)
+        if b.activation_scales == "forbidden":
+            raise ValueError(f"backend {b.name!r} keeps activations in 16 bits; act_scale_mode={mode!r} needs "
+                             "'flashinfer_nvfp4' (Blackwell) or 'reference'")
+        return b, mode, activation_scales(fc1, fc2, mode)
 
     def _drop_prepared(self) -> None:
         for i in range(self._own_tensors):
@@ -221,7 +233,7 @@ class PreparedExperts(nn.Module):
         """The op's ``expert_tensors`` for this backend (views of the buffers; no checks, no copies)."""
         if self._own_tensors:
             return [self._buffers[f"prepared_{i}"] for i in range(self._own_tensors)]
-        return canonical_layout([self._buffers[n] for n in CANONICAL_BUFFERS])
+        return op_layout([self._buffers[n] for n in CANONICAL_BUFFERS])
 
     def activation_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The op's ``(fc1_act_scale, fc2_act_scale)``: None in 16-bit activation mode."""
@@ -230,10 +242,6 @@ class PreparedExperts(nn.Module):
         if self.act_scale_mode == "per_expert":
             return self._buffers["fc1_input_scale"], self._buffers["fc2_input_scale"]
         return self._buffers["fc1_act_scale"], self._buffers["fc2_act_scale"]
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return self.op_tensors()
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` bf16/fp16, ``[T, k]`` ids, ``[T, k]`` float32 weights -> ``[T, H]``."""
@@ -279,8 +287,9 @@ def _load_into_layout(module: PreparedExperts, state_dict, prefix, *args):
 
 
 def _reprepare_after_load(module: PreparedExperts, incompatible_keys) -> None:
-    """A backend's own tensors are built from the canonical ones: rebuild them after a load."""
-    if module._own_tensors:
+    """A backend's own tensors and a ``global_max`` activation scale are derived from the
+    canonical buffers: rebuild (and re-check) them after a load."""
+    if module._own_tensors or module.act_scale_mode is not None:
         module.set_backend(module.backend, module.act_scale_mode)
 
 

@@ -2,8 +2,8 @@
 independent answer on a few shapes, token counts and activation-scale modes, one table row per case.
 
 * CPU: the reference backend against the float64 oracle (:mod:`fp4moe_ops.oracle64`).
-* A GPU: each GPU backend (``triton``, ``flashinfer_bf16``, ``flashinfer_mxfp4``; on Blackwell
-  ``flashinfer_nvfp4``) against the reference backend on the same NVFP4 weights; for
+* A GPU: each GPU backend it runs (on Hopper ``triton``, ``flashinfer_bf16``, ``flashinfer_mxfp4``;
+  on Blackwell ``triton``, ``flashinfer_bf16``, ``flashinfer_nvfp4``) against the reference backend on the same NVFP4 weights; for
   ``flashinfer_nvfp4`` the kernel-faithful reference (GEMM outputs rounded to BF16 where the CUTLASS
   kernel stores them). On a Blackwell GPU this is the first hardware check of the NVFP4 x NVFP4 path:
   run it first, and if a row says FAIL, send the whole output (and ``nvidia-smi``, ``pip list``).
@@ -101,7 +101,7 @@ def run(shapes, tokens, device) -> list[dict]:
         torch.manual_seed(0)
         w = make_layer(e, h, i, device)
         inputs = {t: make_inputs(t, e, h, k, device) for t in tokens}
-        answers = {}  # (T, mode, kernel-faithful) -> the comparison's output, shared by the backends
+        answers = {}  # (T, None) -> the float64 / reference answer at T, shared by the backends
         for backend in backends:
             modes = {"reference": [None, *ACT_SCALE_MODES], "flashinfer_nvfp4": list(ACT_SCALE_MODES)}.get(backend, [None])
             w4a16 = None  # one preparation per backend (FlashInfer's are costly); act modes per batch

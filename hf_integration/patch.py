@@ -146,14 +146,7 @@ def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = Non
         raise ValueError("model has no fp4moe NVFP4 experts; call patch_moe / patch_deepseek or load an NVFP4 "
                          "checkpoint first")
     for m in modules:  # validate every layer first
-        have_scales = "fc1_input_scale" in m._buffers and "fc2_input_scale" in m._buffers
-        b = resolve_backend(backend, m.gate_up_proj_scale.device, have_activation_scales=have_scales)
-        mode = act_scale_mode or ("per_expert" if b.activation_scales == "required" else None)
-        if mode is not None:
-            if b.activation_scales == "forbidden":
-                raise ValueError(f"backend {b.name!r} keeps activations in 16 bits; act_scale_mode={mode!r} needs "
-                                 "'flashinfer_nvfp4' (Blackwell) or 'reference'")
-            fp4moe_ops.activation_scales(m._buffers.get("fc1_input_scale"), m._buffers.get("fc2_input_scale"), mode)
+        m.check_backend(backend, act_scale_mode)
     for m in modules:
         m.set_backend(backend, act_scale_mode)
     if getattr(model, "hf_quantizer", None) is not None:

@@ -244,7 +244,7 @@ def op_args():
 ])
 def test_op_metadata_errors(case, error, match):
     w, p, x, ids, rw = op_args()
-    tensors, fc1, fc2, backend, routed = p.tensors, None, None, "reference", 0
+    tensors, fc1, fc2, backend, routed = p.op_tensors(), None, None, "reference", 0
     if case == "hidden_fp32":
         x = x.float()
     elif case == "hidden_3d":
@@ -289,7 +289,7 @@ def test_op_refuses_activation_scales_on_a_16_bit_backend(monkeypatch):
     monkeypatch.setattr(type(BACKENDS["triton"]), "unavailable_reason", lambda self, device: None)
     w, p, x, ids, rw = op_args()
     with pytest.raises(ValueError, match="keeps activations in 16 bits"):
-        torch.ops.fp4moe.fused_moe(x, ids, rw, p.tensors, w.fc1_input_scale, w.fc2_input_scale, "triton")
+        torch.ops.fp4moe.fused_moe(x, ids, rw, p.op_tensors(), w.fc1_input_scale, w.fc2_input_scale, "triton")
 
 
 # --- 4. activation-scale modes and backends ---------------------------------------------------------

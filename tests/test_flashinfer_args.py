@@ -59,7 +59,7 @@ def test_simulation_of_prepared_args_matches_reference_backend(mode):
     args = nvfp4_weight_arguments(w)
     qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s)
     sim = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs)
-    tensors = fp4moe_ops.prepare_experts(w, "reference").tensors
+    tensors = fp4moe_ops.prepare_experts(w, "reference").op_tensors()
     # the kernel-faithful reference: GEMM outputs rounded to bf16 where the CUTLASS kernel stores them
     ref = reference_moe(x, ids, rw, tensors, fc1_s, fc2_s, cutlass_rounding=True).float()
     w4a16 = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, "reference").float()
@@ -216,7 +216,7 @@ def test_kernel_faithful_reference_is_what_the_cutlass_kernel_computes():
     args = nvfp4_weight_arguments(w)
     qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], w.fc1_input_scale, w.fc2_input_scale)
     sim = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs)
-    tensors = fp4moe_ops.prepare_experts(w, "reference").tensors
+    tensors = fp4moe_ops.prepare_experts(w, "reference").op_tensors()
     faithful = reference_moe(x, ids, rw, tensors, w.fc1_input_scale, w.fc2_input_scale, cutlass_rounding=True).float()
     fp32 = reference_moe(x, ids, rw, tensors, w.fc1_input_scale, w.fc2_input_scale).float()
     err = lambda ref: ((sim - ref).norm(dim=1) / ref.norm(dim=1)).median().item()  # noqa: E731

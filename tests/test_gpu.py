@@ -101,7 +101,7 @@ def test_triton_tma_loads_match_reference_on_gpu(t):
     ids, rw = routing(t, e, k)
     ids[0, 0] = -1
     cfg = kernel_config(t * k, e, h, i) | dict(TMA=True, BK1=256, BK2=256, PREFETCH=False, num_stages=4)
-    ours = triton_fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "triton").tensors, cfg)
+    ours = triton_fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "triton").op_tensors(), cfg)
     sub = slice(0, min(t, 16))
     ref = fp4moe_ops.prepare_experts(w, "reference")(x[sub], ids[sub], rw[sub])
     err = rel_err(ours[sub], ref)  # as test_triton_matches_reference_on_gpu

@@ -331,3 +331,37 @@ def test_backend_layout_is_held_once_and_state_dict_stays_canonical(monkeypatch)
 
     user = fp4moe_ops.prepare_experts(w, "triton")  # the caller's weights are not touched
     assert user.layout == "paired" and w.w13.dtype == torch.uint8 and torch.equal(user.canonical().w13, w.w13)
+
+
+def test_set_weights_never_re_lays_out_the_callers_tensors(monkeypatch):
+    """After ``set_weights(caller's weights)`` on a module that owned its previous ones, the next
+    backend with its own layout converts a copy, not the caller's tensors."""
+    import fp4moe_ops
+    from fp4moe_ops.backends import BACKENDS
+
+    monkeypatch.setattr(type(BACKENDS["triton"]), "unavailable_reason", lambda self, device: None)
+    w = fp4moe_ops.quantize_moe_weights(torch.randn(3, 512, 256), torch.randn(3, 256, 256))
+    m = fp4moe_ops.PreparedExperts(fp4moe_ops.NVFP4MoEWeights(*(t.clone() for t in w.tensors())), "triton",
+                                   owns_weights=True)
+    callers = fp4moe_ops.NVFP4MoEWeights(*(t.clone() for t in w.tensors()))
+    m.set_weights(callers)
+    m.set_backend("triton")
+    assert m.layout == "paired" and callers.w13.dtype == torch.uint8 and torch.equal(callers.w13, w.w13)
+    assert torch.equal(m.canonical().w13, w.w13)
+
+
+def test_global_max_activation_scale_follows_a_loaded_state_dict():
+    """``global_max`` derives one activation scale from the input scales: loading new input scales
+    re-derives it (and re-checks them), instead of running on the old one."""
+    import fp4moe_ops
+
+    w = fp4moe_ops.quantize_moe_weights(torch.randn(4, 64, 64), torch.randn(4, 64, 32))
+    w = fp4moe_ops.NVFP4MoEWeights(*w.tensors(), torch.full((4,), 0.01), torch.full((4,), 0.02))
+    m = fp4moe_ops.PreparedExperts(w, "reference", "global_max")
+    sd = m.state_dict()
+    sd["fc1_input_scale"] = torch.tensor([0.01, 0.5, 0.01, 0.01])
+    m.load_state_dict(sd)
+    assert m.activation_scales()[0].item() == 0.5
+    sd["fc2_input_scale"] = torch.tensor([float("nan"), 0.02, 0.02, 0.02])
+    with pytest.raises(ValueError, match="fc2_input_scale"):
+        m.load_state_dict(sd)

@@ -51,7 +51,7 @@ def test_reference_nvfp4_activations_per_expert_and_global():
     quant = lambda v, s: nvfp4.quantize_activation_nvfp4(v, 1.0 / s) * s
     for mode in fp4moe_ops.ACT_SCALE_MODES:
         fc1, fc2 = fp4moe_ops.activation_scales(w.fc1_input_scale, w.fc2_input_scale, mode)
-        out = torch.ops.fp4moe.fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "reference").tensors,
+        out = torch.ops.fp4moe.fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "reference").op_tensors(),
                                          fc1, fc2, "reference")
         ref = moe64(x, ids, rw, *w.tensors(), fc1_scale=fc1, fc2_scale=fc2, quant=quant)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
@@ -84,8 +84,8 @@ def test_opcheck():
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     ids, rw = routing(4, 6, 2)
     op = torch.ops.fp4moe.fused_moe.default
-    torch.library.opcheck(op, (x, ids, rw, p.tensors, None, None, "reference"))
-    torch.library.opcheck(op, (x, ids, rw, p.tensors, w.fc1_input_scale, w.fc2_input_scale, "reference"))
+    torch.library.opcheck(op, (x, ids, rw, p.op_tensors(), None, None, "reference"))
+    torch.library.opcheck(op, (x, ids, rw, p.op_tensors(), w.fc1_input_scale, w.fc2_input_scale, "reference"))
 
 
 def test_compile_fullgraph_dynamic_tokens_no_recompile():
@@ -117,25 +117,25 @@ def test_bad_inputs_have_clear_errors():
     ids, rw = routing(4, 6, 2)
     op = torch.ops.fp4moe.fused_moe
     with pytest.raises(TypeError, match="hidden_states must be"):
-        op(x.float(), ids, rw, p.tensors, None, None, "reference")
+        op(x.float(), ids, rw, p.op_tensors(), None, None, "reference")
     with pytest.raises(TypeError, match="topk_ids must be"):
-        op(x, ids.float(), rw, p.tensors, None, None, "reference")
+        op(x, ids.float(), rw, p.op_tensors(), None, None, "reference")
     with pytest.raises(TypeError, match="topk_weights must be float32"):
-        op(x, ids, rw.bfloat16(), p.tensors, None, None, "reference")
+        op(x, ids, rw.bfloat16(), p.op_tensors(), None, None, "reference")
     with pytest.raises(ValueError, match="T=4 rows"):
-        op(x, ids[:3], rw[:3], p.tensors, None, None, "reference")
+        op(x, ids[:3], rw[:3], p.op_tensors(), None, None, "reference")
     with pytest.raises(ValueError, match="hidden size 32"):
-        op(x[:, :32], ids, rw, p.tensors, None, None, "reference")
+        op(x[:, :32], ids, rw, p.op_tensors(), None, None, "reference")
     with pytest.raises(ValueError, match="is on meta"):
-        op(x, ids.to("meta"), rw, p.tensors, None, None, "reference")
+        op(x, ids.to("meta"), rw, p.op_tensors(), None, None, "reference")
     with pytest.raises(ValueError, match=r"float32 0-dim scalars or \[E=6\]"):
-        op(x, ids, rw, p.tensors, torch.ones(5), None, "reference")
+        op(x, ids, rw, p.op_tensors(), torch.ones(5), None, "reference")
     with pytest.raises(ValueError, match=r"float32 0-dim scalars or \[E=6\], got torch.float32 \[1\]"):
-        op(x, ids, rw, p.tensors, torch.ones(1), torch.ones(1), "reference")  # FlashInfer reads [1] as per-expert
+        op(x, ids, rw, p.op_tensors(), torch.ones(1), torch.ones(1), "reference")  # FlashInfer reads [1] as per-expert
     with pytest.raises(ValueError, match="unknown fp4moe backend"):
-        op(x, ids, rw, p.tensors, None, None, "nope")
+        op(x, ids, rw, p.op_tensors(), None, None, "nope")
     with pytest.raises(ValueError, match="expected 6 expert tensors"):
-        op(x, ids, rw, p.tensors[:5], None, None, "reference")
+        op(x, ids, rw, p.op_tensors()[:5], None, None, "reference")
 
 
 def test_bad_weights_have_clear_errors():
@@ -168,7 +168,7 @@ def test_backend_selection():
 
 def test_routed_experts_hint_is_checked_and_changes_no_result():
     w = make_layer()
-    tensors = fp4moe_ops.prepare_experts(w, "reference").tensors
+    tensors = fp4moe_ops.prepare_experts(w, "reference").op_tensors()
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     ids, rw = routing(5, 6, 2)
     plain = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, "reference")

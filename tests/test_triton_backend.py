@@ -1,5 +1,5 @@
-"""The Triton (Hopper) backend. On CPU the kernels run in Triton's interpreter (with fp32 dots,
-see triton_moe.DOT_F32); on a GPU the same tests run the compiled kernels."""
+"""The Triton (Hopper) backend. On CPU the kernels run in Triton's interpreter; on a GPU the same
+tests run the compiled kernels."""
 
 import pytest
 import torch
@@ -79,7 +79,7 @@ def test_triton_multiple_blocks_per_expert():
     rw = torch.rand(40, 2)
     p = fp4moe_ops.prepare_experts(w, "reference")
     cfg = kernel_config(80, 4, 64, 32) | {"BM": 16, "PREFETCH": False}
-    out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [t.to(DEVICE) for t in p.tensors], cfg).cpu()
+    out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [t.to(DEVICE) for t in p.op_tensors()], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
@@ -148,7 +148,7 @@ def test_triton_decode_variants(fragment, paired, split):
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     ids[0, -1] = -1  # an unused slot: its rows of the split's fp32 scratch are never written
     rw = torch.rand(t, k)
-    tensors = kernel_tensors(w) if paired else fp4moe_ops.prepare_experts(w, "reference").tensors
+    tensors = kernel_tensors(w) if paired else fp4moe_ops.prepare_experts(w, "reference").op_tensors()
     cfg = kernel_config(t * k, e, h, i) | {"FRAGMENT_ORDER": fragment, "SPLIT_GATE_UP": split}
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in tensors], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
@@ -166,7 +166,7 @@ def test_triton_prefill_tiles_with_bk128(paired):
     x = torch.randn(t, h, dtype=torch.bfloat16)
     ids = torch.randint(0, e, (t, k))
     rw = torch.rand(t, k)
-    tensors = kernel_tensors(w) if paired else fp4moe_ops.prepare_experts(w, "reference").tensors
+    tensors = kernel_tensors(w) if paired else fp4moe_ops.prepare_experts(w, "reference").op_tensors()
     cfg = kernel_config(t * k, e, h, i) | dict(BM=64, BN1=128, BK1=128, BN2=128, BK2=128, TMA=True,
                                                FRAGMENT_ORDER=True, SPLIT_GATE_UP=False)
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in tensors], cfg).cpu()
@@ -193,7 +193,7 @@ def test_triton_expert_parallel_shard_with_routed_hint():
     ids[:4, 0] = torch.tensor([0, 1, 0, 1])  # some local slots for sure
     rw = torch.rand(t, k)
     assert kernel_config(t * k, e, h, i)["BM"] != kernel_config(t * k, e, h, i, routed_experts=8)["BM"]
-    tensors = [v.to(DEVICE) for v in fp4moe_ops.prepare_experts(w, "reference").tensors]
+    tensors = [v.to(DEVICE) for v in fp4moe_ops.prepare_experts(w, "reference").op_tensors()]
     ref = moe64(x, ids, rw, *w.tensors())
     for hint in (0, 8):
         out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), tensors, routed_experts=hint).cpu()

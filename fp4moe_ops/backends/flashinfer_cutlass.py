@@ -330,8 +330,8 @@ def autotune(prepared, hidden_size: int, top_k: int, max_num_tokens: int = DEFAU
         raise RuntimeError("autotune must run before CUDA-graph capture, not inside it")
     import flashinfer
 
-    num_experts = backend.check_expert_tensors(prepared.tensors, hidden_size)
-    device = prepared.tensors[0].device
+    num_experts = backend.check_expert_tensors(prepared.op_tensors(), hidden_size)
+    device = prepared.op_tensors()[0].device
     x = torch.randn(max_num_tokens, hidden_size, dtype=dtype, device=device)
     ids = torch.rand(max_num_tokens, num_experts, device=device).argsort(dim=1)[:, :top_k].int()
     weights = torch.softmax(torch.randn(max_num_tokens, top_k, device=device), -1)

@@ -9,7 +9,7 @@ scale (what FlashInfer does after permuting tokens to experts, in its formulatio
 
 :func:`reference_moe` with ``cutlass_rounding=True`` also rounds each GEMM's output to the
 activation dtype, where FlashInfer's CUTLASS kernel writes BF16: the kernel-faithful comparison
-for ``flashinfer_nvfp4``. Slow and host-syncing (one sync per expert hit): for correctness, CPU
+for ``flashinfer_nvfp4``. Slow and host-syncing (one sync per call): for correctness, CPU
 use and tiny models, not for CUDA graphs.
 """
 
@@ -17,15 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ..moe_math import gated_silu, routed_moe
+from ..moe_math import expert_scale, gated_silu, routed_moe
 from ..nvfp4 import dequantize_nvfp4, quantize_activation_nvfp4
 from .base import Backend, register_backend
-
-
-def _expert_scale(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
-    if scale is None:
-        return None
-    return scale.reshape(-1)[e] if scale.numel() > 1 else scale.reshape(())
 
 
 def _fake_quantize(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
@@ -50,7 +44,7 @@ def reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
         return t.to(dtype).float() if cutlass_rounding else t
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        fc1_scale, fc2_scale = _expert_scale(fc1_act_scale, e), _expert_scale(fc2_act_scale, e)
+        fc1_scale, fc2_scale = expert_scale(fc1_act_scale, e), expert_scale(fc2_act_scale, e)
         a1 = rows.float() if fc1_scale is None else _fake_quantize(rows, fc1_scale)
         act = gated_silu(rounded(a1 @ dequantize_nvfp4(w13[e], s13[e], g13[e]).T), dtype)
         if observe is not None:

@@ -118,7 +118,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # Weights through TMA (bulk copies pipelined over num_stages, 1.2x at decode on H200), and K
     # in MMA-fragment order: vector loads of each thread's weight bytes instead of byte loads and
     # shuffles (933 -> 562 instructions per K step of the decode GEMM2 loop, sm90 SASS; 1.4-1.5x);
-    # with the paired weight layout of TritonBackend.prepare, 462 (0.88-0.93x the time at decode).
+    # with the paired weight layout (layout.py, held by PreparedExperts), 462 (0.88-0.93x the time at decode).
     cfg["TMA"] = cfg["FRAGMENT_ORDER"] = tma
     # Gate and up tiles in separate programs: 2x the programs for GEMM1, which at decode has too
     # few to fill 132 SMs (1.07-1.09x at 1 and 8 tokens, within 4% elsewhere in the bucket).
@@ -129,8 +129,8 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
 
 def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, config: dict | None = None,
                      routed_experts: int = 0):
-    """Run the Triton kernels. ``expert_tensors``: :meth:`TritonBackend.prepare`'s (packed
-    weights in :func:`paired_weight_layout`, int32) or the canonical layout (uint8; any config).
+    """Run the Triton kernels. ``expert_tensors``: the op's tensors (packed weights in
+    :func:`paired_weight_layout`, int32, as :class:`~fp4moe_ops.PreparedExperts` holds them) or the canonical layout (uint8; any config).
     The tiles come from :func:`kernel_config` (``routed_experts``: see ``fp4moe::fused_moe``)
     unless ``config`` is given."""
     w13, s13, g13, w2, s2, g2 = expert_tensors
