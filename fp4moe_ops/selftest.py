@@ -69,8 +69,7 @@ def calibrate(w: NVFP4MoEWeights, x, ids, rw) -> NVFP4MoEWeights:
         amax2[e] = torch.maximum(amax2[e], a2.float().abs().max())
 
     reference_moe(x, ids, rw, w.tensors(), observe=observe)
-    denom = nvfp4.E2M1_MAX * nvfp4.E4M3_MAX
-    seen = lambda a: torch.where(a > 0, a, a.max()) / denom  # noqa: E731  experts no token reached
+    seen = lambda a: nvfp4.global_scale_from_amax(torch.where(a > 0, a, a.max()))  # noqa: E731  experts no token reached
     return NVFP4MoEWeights(*w.tensors(), seen(amax1), seen(amax2))
 
 

@@ -76,13 +76,10 @@ def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Modul
             if backend is not None:
                 m.set_backend(backend, mode)
     unseen = 0
-    denom = nvfp4.E2M1_MAX * nvfp4.E4M3_MAX
     for (_, m), obs in zip(modules, observers):
         unseen += int((obs.amax1 == 0).sum())
-        amax1 = torch.where(obs.amax1 > 0, obs.amax1, obs.amax1.max()).clamp_min(1e-12)
-        amax2 = torch.where(obs.amax2 > 0, obs.amax2, obs.amax2.max()).clamp_min(1e-12)
-        m.register_buffer("fc1_input_scale", (amax1 / denom).float())
-        m.register_buffer("fc2_input_scale", (amax2 / denom).float())
+        for buffer, amax in (("fc1_input_scale", obs.amax1), ("fc2_input_scale", obs.amax2)):
+            m.register_buffer(buffer, nvfp4.global_scale_from_amax(torch.where(amax > 0, amax, amax.max())))
     if unseen:
         logger.warning("fp4moe calibration: %d experts saw no tokens; they use their layer's largest scale", unseen)
     return model

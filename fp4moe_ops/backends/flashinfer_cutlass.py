@@ -11,7 +11,9 @@
 
 FlashInfer's contract that matters here: fc1 rows are ``[up; gate]`` (Transformers and our
 canonical layout are ``[gate; up]``); ids outside ``[0, E)`` are skipped by the kernel (probed on
-the H200 with -1, E, E+5 and 2^20), so expert-parallel sentinels go in as they are; the 4over6
+the H200 with -1, E, E+5 and 2^20 through the SM90 backends; ``flashinfer_nvfp4`` shares that
+routing code in FlashInfer but is unprobed, and the self-test sends such ids on Blackwell), so
+expert-parallel sentinels go in as they are; the 4over6
 activation recipe is switched off explicitly (``nvfp4_4over6=None``), since left unset FlashInfer
 reads it from ``FLASHINFER_NVFP4_4OVER6*`` environment variables, and its E4M3-256 variant does
 not fit our 448-based global scales; an intermediate size that is not a multiple of 128 is padded
