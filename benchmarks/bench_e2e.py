@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: an older tree can go first
 from hf_integration import patch_deepseek  # noqa: E402
 from hf_integration.router import grouped_topk_routers  # noqa: E402
 

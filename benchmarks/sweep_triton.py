@@ -21,6 +21,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="deepseek", choices=sorted(SHAPES))
     ap.add_argument("--tokens", default="1,8,64")
+    ap.add_argument("--middle", action="store_true",
+                    help="try the decode and prefill tile families with BM 16/32/64 at every token count "
+                         "(for the bucket boundary, ~512 tokens on DeepSeek-V3)")
     args = ap.parse_args()
     e, h, i, k, routed = SHAPES[args.shape]
     w = random_weights(e, h, i, "cuda")
@@ -34,7 +37,11 @@ def main():
         results = []
         decode = t * k / min(e, t * k) <= 16
         # (BM, BN1, BK1, BN2, BK2, warps, stages, prefetch, tma, fragment order, split gate/up, paired)
-        if decode:
+        if args.middle:
+            tiles = [(bm, 64, 256, 64, 256, 4, 3, 0, 1, 1, split, 1) for bm in (16, 32, 64) for split in (1, 0)]
+            tiles += [(bm, 128, 256, 128, 256, 4, 3, 0, 1, 1, 0, 1) for bm in (32, 64)]
+            tiles += [(bm, 256, 256, 256, 256, 8, 3, 0, 1, 1, 0, 1) for bm in (32, 64)]
+        elif decode:
             tiles = [(16, 64, 256, 64, 256, 4, 3, 0, 1, 1, 1, 0), (16, 64, 256, 64, 256, 4, 3, 0, 1, 1, 1, 1),
                      (16, 64, 256, 128, 256, 4, 3, 0, 1, 1, 1, 1), (16, 128, 256, 64, 256, 4, 3, 0, 1, 1, 1, 1)]
         # (BN 16/32 with fragment order gave wrong sums on H200 and are refused: results/sweep_narrow_*.log)

@@ -47,6 +47,44 @@ def test_route_matches_python_grouping():
     assert block_expert.numel() >= len(got)
 
 
+@pytest.mark.parametrize("num_experts,block_m,slots", [(256, 16, 8), (256, 16, 1000), (256, 16, 4096),
+                                                       (3, 64, 130), (5, 4, 1)])
+def test_route_matches_python_grouping_across_chunks(num_experts, block_m, slots):
+    # the routing program places 64 slots per step: several steps, a partial last one, more
+    # blocks than expert bins (the -1 fill loops), one slot, and the largest one-program batch
+    ids = torch.randint(-1, num_experts + 1, (slots,))
+    sorted_slot, block_expert, start, end = route(ids.to(DEVICE), num_experts, block_m)
+    got = [(int(e), sorted_slot[int(a):int(b)].tolist()) for e, a, b in zip(block_expert, start, end) if e >= 0]
+    assert got == python_route(ids, num_experts, block_m)
+    valid = ((ids >= 0) & (ids < num_experts)).sum().item()
+    assert sorted(sorted_slot.tolist()) == list(range(slots))  # invalid slots placed after the valid ones
+    assert set(sorted_slot[valid:].tolist()) == set(torch.nonzero((ids < 0) | (ids >= num_experts)).flatten().tolist())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")
+def test_route_compiles_one_variant_for_every_token_count():
+    # issue 17: a constexpr per padded size compiled a new routing kernel (seconds each) for
+    # every new size class of a prompt; the kernels' alignment specializations must not follow
+    # the token count either
+    from fp4moe_ops.backends.triton_moe import kernels
+
+    def variants(fn):
+        return sum(len(c[0]) for c in fn.device_caches.values())
+
+    kernel_fns = (kernels._route_kernel, kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel,
+                  kernels._silu_mul_kernel, kernels._sum_topk_kernel)
+    before = [variants(fn) for fn in kernel_fns]  # (earlier tests may have compiled some of these)
+    w = layer(8, 512, 256)
+    tensors = [t.cuda() for t in kernel_tensors(w)]
+    for t in (1, 2, 3, 5, 20, 57, 63):  # all decode-bucket, TMA config (8 experts x 16 rows)
+        ids = torch.randint(0, 8, (t, 2), device="cuda")
+        triton_fused_moe(torch.randn(t, 512, dtype=torch.bfloat16, device="cuda"), ids, torch.rand(t, 2, device="cuda"),
+                         tensors)
+    for fn, n in zip(kernel_fns, before):
+        assert variants(fn) - n <= 1, (fn.__name__, variants(fn) - n)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("e,h,i,t,k", [(6, 64, 32, 5, 2), (8, 128, 64, 33, 3),
                                        (4, 512, 256, 3, 2),  # decode with TMA loads, fragment order

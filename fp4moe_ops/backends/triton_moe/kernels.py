@@ -345,15 +345,19 @@ def _gemm2_kernel(
         y = acc * g * route[None, :]
         tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
 
-@triton.jit
-def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+@triton.jit(do_not_specialize=["S", "NUM_BLOCKS", "X_NUMEL", "H"])
+def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr, cursor_ptr,
                   S, E, NUM_BLOCKS, x_ptr, x_fragment_ptr, X_NUMEL, H,
-                  BM: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, B_PAD: tl.constexpr,
+                  BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr,
                   CHUNK: tl.constexpr, X_BLOCK: tl.constexpr, ROUTE: tl.constexpr = True):
-    """:func:`route` in program 0 (decode-sized S): one launch instead of ~12 torch ops. The
-    other programs (if any) copy ``x [T, H]`` into :func:`fragment_order` with ``CHUNK``-wide
-    chunks, which saves the permute's own launch. ROUTE=False: only the copy (prefill, where
-    torch ops route)."""
+    """:func:`route` in program 0: one launch instead of ~12 torch ops. The other programs (if
+    any) copy ``x [T, H]`` into :func:`fragment_order` with ``CHUNK``-wide chunks, which saves the
+    permute's own launch. ROUTE=False: only the copy (prefill, where torch ops route).
+
+    No size is a constexpr and S, NUM_BLOCKS and X_NUMEL are not specialized: one compiled
+    variant serves every token count (a tl.sort over a power-of-two padded S compiled one
+    variant per power of two, up to 15 s each on the CPU machine, paid on the first call of
+    every new size class)."""
     if tl.program_id(0) > 0:
         idx = (tl.program_id(0) - 1) * X_BLOCK + tl.arange(0, X_BLOCK)
         mask = idx < X_NUMEL
@@ -362,33 +366,55 @@ def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_pt
         tl.store(x_fragment_ptr + idx, tl.load(x_ptr + idx - c + natural, mask=mask), mask=mask)
     elif ROUTE:
         _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                       S, E, NUM_BLOCKS, BM, S_PAD, E_PAD, B_PAD)
+                       cursor_ptr, S, E, NUM_BLOCKS, BM, E_PAD, R_CHUNK)
+
+@triton.jit
+def _chunk_keys(ids_ptr, c0, S, E, R_CHUNK: tl.constexpr):
+    """Expert ids of slots ``c0 .. c0 + R_CHUNK``, invalid ids and padding mapped to bin E."""
+    offs = c0 + tl.arange(0, R_CHUNK)
+    key = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
+    return offs, tl.where((key >= 0) & (key < E), key, E)
 
 @triton.jit
 def _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                   S, E, NUM_BLOCKS,
-                   BM: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, B_PAD: tl.constexpr):
-    offs = tl.arange(0, S_PAD)
-    key = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
-    key = tl.where((key >= 0) & (key < E), key, E)  # invalid ids and padding sort last
-    # sort (expert, slot) pairs: slot order is kept within an expert
-    order = tl.sort(key * S_PAD + offs)
-    tl.store(sorted_slot_ptr + offs, order % S_PAD, mask=offs < S)
-
+                   cursor_ptr, S, E, NUM_BLOCKS,
+                   BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr):
+    """A stable counting sort of the slots by expert, R_CHUNK slots at a time: count per expert,
+    then place each slot at its expert's cursor plus its rank among the chunk's slots of that
+    expert. Bin E collects invalid ids (and padding), so those slots land after every valid one."""
     bins = tl.arange(0, E_PAD)
-    counts = tl.where(bins < E, tl.histogram(key, E_PAD), 0)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, S, R_CHUNK):
+        _, key = _chunk_keys(ids_ptr, c0, S, E, R_CHUNK)
+        counts += tl.histogram(key, E_PAD)
     row_start = tl.cumsum(counts, 0) - counts
+    tl.store(cursor_ptr + bins, row_start)
+
+    counts = tl.where(bins < E, counts, 0)
     blocks = (counts + BM - 1) // BM
     block_start = tl.cumsum(blocks, 0) - blocks
-    b = tl.arange(0, B_PAD)
-    tl.store(block_expert_ptr + b, tl.full((B_PAD,), -1, tl.int32), mask=b < NUM_BLOCKS)
-    tl.debug_barrier()  # the -1 fill lands before the real entries below
+    for b0 in range(0, NUM_BLOCKS, E_PAD):
+        b = b0 + bins
+        tl.store(block_expert_ptr + b, tl.full((E_PAD,), -1, tl.int32), mask=b < NUM_BLOCKS)
+    tl.debug_barrier()  # the -1 fill lands before the real entries below, the cursors before their reads
     for j in range(0, tl.max(blocks, 0)):
         used = j < blocks
         r0 = row_start + j * BM
         tl.store(block_expert_ptr + block_start + j, bins, mask=used)
         tl.store(block_row_start_ptr + block_start + j, r0, mask=used)
         tl.store(block_row_end_ptr + block_start + j, tl.minimum(r0 + BM, row_start + counts), mask=used)
+
+    lane = tl.arange(0, R_CHUNK)
+    for c0 in range(0, S, R_CHUNK):
+        offs, key = _chunk_keys(ids_ptr, c0, S, E, R_CHUNK)
+        before = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
+        rank = tl.sum(before.to(tl.int32), axis=1)  # earlier slots of this chunk with the same key
+        base = tl.load(cursor_ptr + key, volatile=True)
+        tl.store(sorted_slot_ptr + base + rank, offs, mask=offs < S)
+        tl.debug_barrier()  # every cursor read before the update
+        cursor = tl.load(cursor_ptr + bins, volatile=True)
+        tl.store(cursor_ptr + bins, cursor + tl.histogram(key, E_PAD))
+        tl.debug_barrier()
 
 @triton.jit
 def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr):

@@ -22,6 +22,11 @@ def interpreting() -> bool:
 
 
 FAST_ROUTE_MAX_SLOTS = 4096  # one-program routing up to here; torch ops beyond (prefill)
+ROUTE_CHUNK = 64  # slots the routing program places per step
+
+
+def _round4(n: int) -> int:
+    return (n + 3) // 4 * 4
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: torch.Tensor | None = None,
@@ -40,9 +45,14 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
     on_triton = triton is not None and (flat.is_cuda or interpreting())
     fast = num_slots <= FAST_ROUTE_MAX_SLOTS and on_triton
     copy = activations is not None and on_triton  # the permute runs in _route_kernel's programs 1..
+    e_pad = triton.next_power_of_2(num_experts + 1) if on_triton else 0
     if fast:
-        out = torch.empty(num_slots + 3 * num_blocks, dtype=torch.int32, device=flat.device)
-        routed = tuple(out.split([num_slots] + [num_blocks] * 3))
+        # one allocation, each part starting on a 16-byte boundary: the kernels reading these
+        # pointers are specialized on alignment, which must not change with the token count
+        sizes = [num_slots] + [num_blocks] * 3 + [e_pad]
+        out = torch.empty(sum(_round4(n) for n in sizes), dtype=torch.int32, device=flat.device)
+        parts = [p[:n] for p, n in zip(out.split([_round4(n) for n in sizes]), sizes)]
+        routed, cursor = tuple(parts[:4]), parts[4]
     else:
         routed = _route_torch(flat, num_experts, block_m, num_blocks)
     if fast or copy:
@@ -50,11 +60,9 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
         x_fragment = torch.empty_like(x) if copy else x
         x_block = 1024
         _route_kernel[(1 + (triton.cdiv(x.numel(), x_block) if copy else 0),)](
-            flat, *routed, num_slots, num_experts, num_blocks, x, x_fragment, x.numel() if copy else 0, x.shape[-1],
-            BM=block_m, S_PAD=triton.next_power_of_2(num_slots) if fast else 1,
-            E_PAD=triton.next_power_of_2(num_experts + 1) if fast else 1,
-            B_PAD=triton.next_power_of_2(num_blocks) if fast else 1, CHUNK=max(fragment_chunk, 16),
-            X_BLOCK=x_block, ROUTE=fast, num_warps=4,
+            flat, *routed, cursor if fast else routed[0], num_slots, num_experts, num_blocks, x, x_fragment,
+            x.numel() if copy else 0, x.shape[-1] if copy else 1, BM=block_m, E_PAD=e_pad, R_CHUNK=ROUTE_CHUNK,
+            CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, ROUTE=fast, num_warps=4,
         )
     if activations is None:
         return routed
