@@ -346,7 +346,7 @@ def _gemm2_kernel(
         tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
 
 @triton.jit(do_not_specialize=["S", "NUM_BLOCKS", "X_NUMEL", "H"])
-def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr, cursor_ptr,
+def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr, scratch_ptr,
                   S, E, NUM_BLOCKS, x_ptr, x_fragment_ptr, X_NUMEL, H,
                   BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr,
                   CHUNK: tl.constexpr, X_BLOCK: tl.constexpr, ROUTE: tl.constexpr = True):
@@ -366,7 +366,7 @@ def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_pt
         tl.store(x_fragment_ptr + idx, tl.load(x_ptr + idx - c + natural, mask=mask), mask=mask)
     elif ROUTE:
         _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                       cursor_ptr, S, E, NUM_BLOCKS, BM, E_PAD, R_CHUNK)
+                       scratch_ptr, S, E, NUM_BLOCKS, BM, E_PAD, R_CHUNK)
 
 @triton.jit
 def _chunk_keys(ids_ptr, c0, S, E, R_CHUNK: tl.constexpr):
@@ -377,18 +377,22 @@ def _chunk_keys(ids_ptr, c0, S, E, R_CHUNK: tl.constexpr):
 
 @triton.jit
 def _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                   cursor_ptr, S, E, NUM_BLOCKS,
+                   scratch_ptr, S, E, NUM_BLOCKS,
                    BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr):
-    """A stable counting sort of the slots by expert, R_CHUNK slots at a time: count per expert,
-    then place each slot at its expert's cursor plus its rank among the chunk's slots of that
-    expert. Bin E collects invalid ids (and padding), so those slots land after every valid one."""
+    """A stable counting sort of the slots by expert, R_CHUNK slots at a time. A slot's row is
+    its expert's first row + the expert's slots in earlier chunks + its rank among this chunk's
+    slots of that expert. Bin E collects invalid ids (and padding): those slots land after every
+    valid one. ``scratch [1 + S / R_CHUNK, E_PAD]``: row 0 the experts' first rows, row 1 + c the
+    counts before chunk c, both written in the first pass, so the second pass has no
+    loop-carried dependence (no barrier per step)."""
     bins = tl.arange(0, E_PAD)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for c0 in range(0, S, R_CHUNK):
         _, key = _chunk_keys(ids_ptr, c0, S, E, R_CHUNK)
+        tl.store(scratch_ptr + (c0 // R_CHUNK + 1) * E_PAD + bins, counts)
         counts += tl.histogram(key, E_PAD)
     row_start = tl.cumsum(counts, 0) - counts
-    tl.store(cursor_ptr + bins, row_start)
+    tl.store(scratch_ptr + bins, row_start)
 
     counts = tl.where(bins < E, counts, 0)
     blocks = (counts + BM - 1) // BM
@@ -396,7 +400,7 @@ def _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_p
     for b0 in range(0, NUM_BLOCKS, E_PAD):
         b = b0 + bins
         tl.store(block_expert_ptr + b, tl.full((E_PAD,), -1, tl.int32), mask=b < NUM_BLOCKS)
-    tl.debug_barrier()  # the -1 fill lands before the real entries below, the cursors before their reads
+    tl.debug_barrier()  # the -1 fill lands before the real entries below, the scratch before its reads
     for j in range(0, tl.max(blocks, 0)):
         used = j < blocks
         r0 = row_start + j * BM
@@ -409,12 +413,8 @@ def _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_p
         offs, key = _chunk_keys(ids_ptr, c0, S, E, R_CHUNK)
         before = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
         rank = tl.sum(before.to(tl.int32), axis=1)  # earlier slots of this chunk with the same key
-        base = tl.load(cursor_ptr + key, volatile=True)
-        tl.store(sorted_slot_ptr + base + rank, offs, mask=offs < S)
-        tl.debug_barrier()  # every cursor read before the update
-        cursor = tl.load(cursor_ptr + bins, volatile=True)
-        tl.store(cursor_ptr + bins, cursor + tl.histogram(key, E_PAD))
-        tl.debug_barrier()
+        row = tl.load(scratch_ptr + key) + tl.load(scratch_ptr + (c0 // R_CHUNK + 1) * E_PAD + key) + rank
+        tl.store(sorted_slot_ptr + row, offs, mask=offs < S)
 
 @triton.jit
 def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr):

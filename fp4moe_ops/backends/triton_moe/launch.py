@@ -49,10 +49,10 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
     if fast:
         # one allocation, each part starting on a 16-byte boundary: the kernels reading these
         # pointers are specialized on alignment, which must not change with the token count
-        sizes = [num_slots] + [num_blocks] * 3 + [e_pad]
+        sizes = [num_slots] + [num_blocks] * 3 + [(1 + triton.cdiv(num_slots, ROUTE_CHUNK)) * e_pad]  # + scratch
         out = torch.empty(sum(_round4(n) for n in sizes), dtype=torch.int32, device=flat.device)
         parts = [p[:n] for p, n in zip(out.split([_round4(n) for n in sizes]), sizes)]
-        routed, cursor = tuple(parts[:4]), parts[4]
+        routed, scratch = tuple(parts[:4]), parts[4]
     else:
         routed = _route_torch(flat, num_experts, block_m, num_blocks)
     if fast or copy:
@@ -60,7 +60,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
         x_fragment = torch.empty_like(x) if copy else x
         x_block = 1024
         _route_kernel[(1 + (triton.cdiv(x.numel(), x_block) if copy else 0),)](
-            flat, *routed, cursor if fast else routed[0], num_slots, num_experts, num_blocks, x, x_fragment,
+            flat, *routed, scratch if fast else routed[0], num_slots, num_experts, num_blocks, x, x_fragment,
             x.numel() if copy else 0, x.shape[-1] if copy else 1, BM=block_m, E_PAD=e_pad, R_CHUNK=ROUTE_CHUNK,
             CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, ROUTE=fast, num_warps=4,
         )
