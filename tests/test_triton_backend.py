@@ -88,6 +88,7 @@ def test_route_compiles_one_variant_for_every_token_count():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("e,h,i,t,k", [(6, 64, 32, 5, 2), (8, 128, 64, 33, 3),
                                        (4, 512, 256, 3, 2),  # decode with TMA loads, fragment order
+                                       (4, 512, 256, 24, 2),  # middle bucket (12 rows per expert)
                                        (2, 256, 256, 40, 1)])  # prefill bucket (20 rows per expert), TMA
 def test_triton_matches_float64(dtype, e, h, i, t, k):
     w = layer(e, h, i)
@@ -120,6 +121,12 @@ def test_triton_multiple_blocks_per_expert():
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [t.to(DEVICE) for t in p.op_tensors()], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+
+
+def test_kernel_config_buckets():
+    # rows per expert: <= 8 decode (16-row blocks), 8-16 middle (32-row blocks, TMA shapes only), > 16 prefill
+    assert [kernel_config(t * 8, 256, 7168, 2048)["BM"] for t in (1, 256, 257, 512, 513)] == [16, 16, 32, 32, 64]
+    assert kernel_config(512 * 8, 256, 64, 32)["BM"] == 16  # no TMA: no middle bucket
 
 
 def test_kernel_config_uses_tma_only_where_boxes_fit():

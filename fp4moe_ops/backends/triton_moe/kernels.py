@@ -348,73 +348,87 @@ def _gemm2_kernel(
 @triton.jit(do_not_specialize=["S", "NUM_BLOCKS", "X_NUMEL", "H"])
 def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr, scratch_ptr,
                   S, E, NUM_BLOCKS, x_ptr, x_fragment_ptr, X_NUMEL, H,
-                  BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr,
+                  BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
                   CHUNK: tl.constexpr, X_BLOCK: tl.constexpr, ROUTE: tl.constexpr = True):
-    """:func:`route` in program 0: one launch instead of ~12 torch ops. The other programs (if
-    any) copy ``x [T, H]`` into :func:`fragment_order` with ``CHUNK``-wide chunks, which saves the
-    permute's own launch. ROUTE=False: only the copy (prefill, where torch ops route).
+    """:func:`route` (decode-sized S) in the first ``S / R_CHUNK`` programs: one launch instead
+    of ~12 torch ops. The other programs (if any) copy ``x [T, H]`` into :func:`fragment_order`
+    with ``CHUNK``-wide chunks, which saves the permute's own launch. ROUTE=False: only the copy
+    (prefill, where torch ops route).
 
-    No size is a constexpr and S, NUM_BLOCKS and X_NUMEL are not specialized: one compiled
-    variant serves every token count (a tl.sort over a power-of-two padded S compiled one
-    variant per power of two, up to 15 s each on the CPU machine, paid on the first call of
-    every new size class)."""
-    if tl.program_id(0) > 0:
-        idx = (tl.program_id(0) - 1) * X_BLOCK + tl.arange(0, X_BLOCK)
+    No size is a constexpr and S, NUM_BLOCKS, X_NUMEL and H are not specialized: one compiled
+    variant serves every token count (a tl.sort over a power-of-two padded S compiled a variant
+    per power of two, up to 15 s each on the CPU machine, paid on the first call of every new
+    size class)."""
+    route_programs = 0
+    if ROUTE:
+        route_programs = tl.cdiv(S, R_CHUNK)
+    p = tl.program_id(0)
+    if p >= route_programs:
+        idx = (p - route_programs) * X_BLOCK + tl.arange(0, X_BLOCK)
         mask = idx < X_NUMEL
         c = idx % H
         natural = _fragment_source(c, CHUNK)
         tl.store(x_fragment_ptr + idx, tl.load(x_ptr + idx - c + natural, mask=mask), mask=mask)
-    elif ROUTE:
-        _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                       scratch_ptr, S, E, NUM_BLOCKS, BM, E_PAD, R_CHUNK)
+    else:
+        _route_program(p, ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+                       scratch_ptr, S, E, NUM_BLOCKS, BM, E_PAD, R_CHUNK, COUNT_BLOCK)
 
 @triton.jit
-def _chunk_keys(ids_ptr, c0, S, E, R_CHUNK: tl.constexpr):
-    """Expert ids of slots ``c0 .. c0 + R_CHUNK``, invalid ids and padding mapped to bin E."""
-    offs = c0 + tl.arange(0, R_CHUNK)
-    key = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
-    return offs, tl.where((key >= 0) & (key < E), key, E)
+def _expert_keys(ids_ptr, start, end, E, BLOCK: tl.constexpr):
+    """Expert ids of slots ``start .. start + BLOCK``: invalid ids -> bin E, slots at or past
+    ``end`` -> bin E + 1 (counted nowhere that matters)."""
+    offs = start + tl.arange(0, BLOCK)
+    key = tl.load(ids_ptr + offs, mask=offs < end, other=-1).to(tl.int32)
+    return offs, tl.where(offs < end, tl.where((key >= 0) & (key < E), key, E), E + 1)
 
 @triton.jit
-def _route_program(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                   scratch_ptr, S, E, NUM_BLOCKS,
-                   BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr):
-    """A stable counting sort of the slots by expert, R_CHUNK slots at a time. A slot's row is
-    its expert's first row + the expert's slots in earlier chunks + its rank among this chunk's
-    slots of that expert. Bin E collects invalid ids (and padding): those slots land after every
-    valid one. ``scratch [1 + S / R_CHUNK, E_PAD]``: row 0 the experts' first rows, row 1 + c the
-    counts before chunk c, both written in the first pass, so the second pass has no
-    loop-carried dependence (no barrier per step)."""
-    bins = tl.arange(0, E_PAD)
+def _count(ids_ptr, end, E, E_PAD: tl.constexpr, COUNT_BLOCK: tl.constexpr):
+    """Slots per bin among slots ``0 .. end``."""
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for c0 in range(0, S, R_CHUNK):
-        _, key = _chunk_keys(ids_ptr, c0, S, E, R_CHUNK)
-        tl.store(scratch_ptr + (c0 // R_CHUNK + 1) * E_PAD + bins, counts)
+    for c0 in range(0, end, COUNT_BLOCK):
+        _, key = _expert_keys(ids_ptr, c0, end, E, COUNT_BLOCK)
         counts += tl.histogram(key, E_PAD)
+    return counts
+
+@triton.jit
+def _route_program(p, ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+                   scratch_ptr, S, E, NUM_BLOCKS,
+                   BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr, COUNT_BLOCK: tl.constexpr):
+    """A stable counting sort of the slots by expert; program ``p`` places slots ``p R_CHUNK ..
+    (p + 1) R_CHUNK``: a slot's row is its expert's first row + the expert's slots before this
+    chunk + its rank among the chunk's slots of that expert. Every program counts all slots and
+    those before its chunk itself (S <= 4096 ids, a few COUNT_BLOCK steps), so the programs need
+    nothing from each other. Bin E collects invalid ids: those slots land after every valid one.
+    Program 0 also writes the block table. ``scratch [S / R_CHUNK, E_PAD]`` holds each program's
+    per-bin base row, to gather by key."""
+    bins = tl.arange(0, E_PAD)
+    counts = _count(ids_ptr, S, E, E_PAD, COUNT_BLOCK)
     row_start = tl.cumsum(counts, 0) - counts
-    tl.store(scratch_ptr + bins, row_start)
-
-    counts = tl.where(bins < E, counts, 0)
-    blocks = (counts + BM - 1) // BM
-    block_start = tl.cumsum(blocks, 0) - blocks
-    for b0 in range(0, NUM_BLOCKS, E_PAD):
-        b = b0 + bins
-        tl.store(block_expert_ptr + b, tl.full((E_PAD,), -1, tl.int32), mask=b < NUM_BLOCKS)
-    tl.debug_barrier()  # the -1 fill lands before the real entries below, the scratch before its reads
-    for j in range(0, tl.max(blocks, 0)):
-        used = j < blocks
-        r0 = row_start + j * BM
-        tl.store(block_expert_ptr + block_start + j, bins, mask=used)
-        tl.store(block_row_start_ptr + block_start + j, r0, mask=used)
-        tl.store(block_row_end_ptr + block_start + j, tl.minimum(r0 + BM, row_start + counts), mask=used)
-
+    c0 = p * R_CHUNK
+    base = row_start + _count(ids_ptr, c0, E, E_PAD, COUNT_BLOCK)
+    tl.store(scratch_ptr + p * E_PAD + bins, base)
+    tl.debug_barrier()  # the bases land before the gathers below (one program's own writes)
+    offs, key = _expert_keys(ids_ptr, c0, S, E, R_CHUNK)
     lane = tl.arange(0, R_CHUNK)
-    for c0 in range(0, S, R_CHUNK):
-        offs, key = _chunk_keys(ids_ptr, c0, S, E, R_CHUNK)
-        before = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
-        rank = tl.sum(before.to(tl.int32), axis=1)  # earlier slots of this chunk with the same key
-        row = tl.load(scratch_ptr + key) + tl.load(scratch_ptr + (c0 // R_CHUNK + 1) * E_PAD + key) + rank
-        tl.store(sorted_slot_ptr + row, offs, mask=offs < S)
+    before = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
+    rank = tl.sum(before.to(tl.int32), axis=1)  # earlier slots of this chunk with the same key
+    row = tl.load(scratch_ptr + p * E_PAD + key) + rank
+    tl.store(sorted_slot_ptr + row, offs, mask=offs < S)
+
+    if p == 0:
+        counts = tl.where(bins < E, counts, 0)
+        blocks = (counts + BM - 1) // BM
+        block_start = tl.cumsum(blocks, 0) - blocks
+        for b0 in range(0, NUM_BLOCKS, E_PAD):
+            b = b0 + bins
+            tl.store(block_expert_ptr + b, tl.full((E_PAD,), -1, tl.int32), mask=b < NUM_BLOCKS)
+        tl.debug_barrier()  # the -1 fill lands before the real entries below
+        for j in range(0, tl.max(blocks, 0)):
+            used = j < blocks
+            r0 = row_start + j * BM
+            tl.store(block_expert_ptr + block_start + j, bins, mask=used)
+            tl.store(block_row_start_ptr + block_start + j, r0, mask=used)
+            tl.store(block_row_end_ptr + block_start + j, tl.minimum(r0 + BM, row_start + counts), mask=used)
 
 @triton.jit
 def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr):

@@ -22,7 +22,7 @@ def interpreting() -> bool:
 
 
 FAST_ROUTE_MAX_SLOTS = 4096  # one-program routing up to here; torch ops beyond (prefill)
-ROUTE_CHUNK = 64  # slots the routing program places per step
+ROUTE_CHUNK = 64  # slots each routing program places
 
 
 def _round4(n: int) -> int:
@@ -37,19 +37,20 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
     block_row_end [B])`` with ``B = min(S, E) + S // block_m`` (a bound on the blocks needed:
     each expert hit adds at most one partial block). Invalid ids are dropped. With
     ``activations [T, H]`` and ``fragment_chunk``, also returns them in :func:`fragment_order`
-    (in the same launch on the one-program path).
+    (in the same launch as the routing kernel).
     """
     flat = topk_ids.reshape(-1)
     num_slots = flat.numel()
     num_blocks = min(num_slots, num_experts) + num_slots // block_m
     on_triton = triton is not None and (flat.is_cuda or interpreting())
     fast = num_slots <= FAST_ROUTE_MAX_SLOTS and on_triton
-    copy = activations is not None and on_triton  # the permute runs in _route_kernel's programs 1..
-    e_pad = triton.next_power_of_2(num_experts + 1) if on_triton else 0
+    copy = activations is not None and on_triton  # the permute runs in _route_kernel's last programs
+    e_pad = triton.next_power_of_2(num_experts + 2) if on_triton else 0  # + bins for invalid ids, padding
+    route_programs = triton.cdiv(num_slots, ROUTE_CHUNK) if fast else 0
     if fast:
         # one allocation, each part starting on a 16-byte boundary: the kernels reading these
         # pointers are specialized on alignment, which must not change with the token count
-        sizes = [num_slots] + [num_blocks] * 3 + [(1 + triton.cdiv(num_slots, ROUTE_CHUNK)) * e_pad]  # + scratch
+        sizes = [num_slots] + [num_blocks] * 3 + [route_programs * e_pad]  # + scratch
         out = torch.empty(sum(_round4(n) for n in sizes), dtype=torch.int32, device=flat.device)
         parts = [p[:n] for p, n in zip(out.split([_round4(n) for n in sizes]), sizes)]
         routed, scratch = tuple(parts[:4]), parts[4]
@@ -59,11 +60,13 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
         x = activations.contiguous() if copy else routed[0]  # (unused without the copy)
         x_fragment = torch.empty_like(x) if copy else x
         x_block = 1024
-        _route_kernel[(1 + (triton.cdiv(x.numel(), x_block) if copy else 0),)](
-            flat, *routed, scratch if fast else routed[0], num_slots, num_experts, num_blocks, x, x_fragment,
-            x.numel() if copy else 0, x.shape[-1] if copy else 1, BM=block_m, E_PAD=e_pad, R_CHUNK=ROUTE_CHUNK,
-            CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, ROUTE=fast, num_warps=4,
-        )
+        grid = route_programs + (triton.cdiv(x.numel(), x_block) if copy else 0)
+        if grid:
+            _route_kernel[(grid,)](
+                flat, *routed, scratch if fast else routed[0], num_slots, num_experts, num_blocks, x, x_fragment,
+                x.numel() if copy else 0, x.shape[-1] if copy else 1, BM=block_m, E_PAD=e_pad, R_CHUNK=ROUTE_CHUNK,
+                COUNT_BLOCK=1024, CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, ROUTE=fast, num_warps=4,
+            )
     if activations is None:
         return routed
     if not copy:
@@ -108,9 +111,14 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     Counting only local experts would put an EP=8 rank's decode batches of 64+ tokens, ~2 real
     rows per expert, in the prefill bucket."""
     rows_per_expert = num_slots / max(1, min(routed_experts or num_experts, num_slots))
-    decode = rows_per_expert <= 16  # memory-bound, one M block per expert
     tma = fits_tma(hidden, inter)
-    if decode:
+    # memory-bound, one M block per expert; past 8 rows on average (random routing) a 16-row
+    # block leaves many experts with a second block that re-reads their weights
+    middle = tma and 8 < rows_per_expert <= 16
+    decode = rows_per_expert <= 16 and not middle
+    if middle:  # 0.90x the decode tiles' time at 512 tokens on DeepSeek-V3 (results/sweep_middle_2026-12-01.log)
+        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 32, 128, 256, 128, 256, 4, 3, False
+    elif decode:
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 16, 64, 256, 64, 256, 4, 3, False
     elif tma:  # prefill, tensor-core bound: 1.8x / 1.37x over the plain-load tiles at 2048 / 8192 tokens;
         # 256-row weight tiles (half the programs; GEMM2's K loop is short, I / 256 steps; GEMM1
