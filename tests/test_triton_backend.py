@@ -77,7 +77,7 @@ def test_route_compiles_one_variant_for_every_token_count():
     before = [variants(fn) for fn in kernel_fns]  # (earlier tests may have compiled some of these)
     w = layer(8, 512, 256)
     tensors = [t.cuda() for t in kernel_tensors(w)]
-    for t in (1, 2, 3, 5, 20, 57, 63):  # all decode-bucket, TMA config (8 experts x 16 rows)
+    for t in (1, 2, 3, 5, 20, 27, 32):  # all in the decode bucket (<= 8 rows per expert), TMA config
         ids = torch.randint(0, 8, (t, 2), device="cuda")
         triton_fused_moe(torch.randn(t, 512, dtype=torch.bfloat16, device="cuda"), ids, torch.rand(t, 2, device="cuda"),
                          tensors)

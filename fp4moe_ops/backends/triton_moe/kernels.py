@@ -346,7 +346,7 @@ def _gemm2_kernel(
         tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
 
 @triton.jit(do_not_specialize=["S", "NUM_BLOCKS", "X_NUMEL", "H"])
-def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr, scratch_ptr,
+def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
                   S, E, NUM_BLOCKS, x_ptr, x_fragment_ptr, X_NUMEL, H,
                   BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
                   CHUNK: tl.constexpr, X_BLOCK: tl.constexpr, ROUTE: tl.constexpr = True):
@@ -371,7 +371,7 @@ def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_pt
         tl.store(x_fragment_ptr + idx, tl.load(x_ptr + idx - c + natural, mask=mask), mask=mask)
     else:
         _route_program(p, ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                       scratch_ptr, S, E, NUM_BLOCKS, BM, E_PAD, R_CHUNK, COUNT_BLOCK)
+                       S, E, NUM_BLOCKS, BM, E_PAD, R_CHUNK, COUNT_BLOCK)
 
 @triton.jit
 def _expert_keys(ids_ptr, start, end, E, BLOCK: tl.constexpr):
@@ -392,27 +392,24 @@ def _count(ids_ptr, end, E, E_PAD: tl.constexpr, COUNT_BLOCK: tl.constexpr):
 
 @triton.jit
 def _route_program(p, ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                   scratch_ptr, S, E, NUM_BLOCKS,
+                   S, E, NUM_BLOCKS,
                    BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr, COUNT_BLOCK: tl.constexpr):
     """A stable counting sort of the slots by expert; program ``p`` places slots ``p R_CHUNK ..
     (p + 1) R_CHUNK``: a slot's row is its expert's first row + the expert's slots before this
     chunk + its rank among the chunk's slots of that expert. Every program counts all slots and
     those before its chunk itself (S <= 4096 ids, a few COUNT_BLOCK steps), so the programs need
     nothing from each other. Bin E collects invalid ids: those slots land after every valid one.
-    Program 0 also writes the block table. ``scratch [S / R_CHUNK, E_PAD]`` holds each program's
-    per-bin base row, to gather by key."""
+    Program 0 also writes the block table."""
     bins = tl.arange(0, E_PAD)
     counts = _count(ids_ptr, S, E, E_PAD, COUNT_BLOCK)
     row_start = tl.cumsum(counts, 0) - counts
     c0 = p * R_CHUNK
     base = row_start + _count(ids_ptr, c0, E, E_PAD, COUNT_BLOCK)
-    tl.store(scratch_ptr + p * E_PAD + bins, base)
-    tl.debug_barrier()  # the bases land before the gathers below (one program's own writes)
     offs, key = _expert_keys(ids_ptr, c0, S, E, R_CHUNK)
     lane = tl.arange(0, R_CHUNK)
     before = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
     rank = tl.sum(before.to(tl.int32), axis=1)  # earlier slots of this chunk with the same key
-    row = tl.load(scratch_ptr + p * E_PAD + key) + rank
+    row = tl.gather(base, key, 0) + rank
     tl.store(sorted_slot_ptr + row, offs, mask=offs < S)
 
     if p == 0:

@@ -50,10 +50,9 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
     if fast:
         # one allocation, each part starting on a 16-byte boundary: the kernels reading these
         # pointers are specialized on alignment, which must not change with the token count
-        sizes = [num_slots] + [num_blocks] * 3 + [route_programs * e_pad]  # + scratch
+        sizes = [num_slots] + [num_blocks] * 3
         out = torch.empty(sum(_round4(n) for n in sizes), dtype=torch.int32, device=flat.device)
-        parts = [p[:n] for p, n in zip(out.split([_round4(n) for n in sizes]), sizes)]
-        routed, scratch = tuple(parts[:4]), parts[4]
+        routed = tuple(p[:n] for p, n in zip(out.split([_round4(n) for n in sizes]), sizes))
     else:
         routed = _route_torch(flat, num_experts, block_m, num_blocks)
     if fast or copy:
@@ -63,7 +62,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
         grid = route_programs + (triton.cdiv(x.numel(), x_block) if copy else 0)
         if grid:
             _route_kernel[(grid,)](
-                flat, *routed, scratch if fast else routed[0], num_slots, num_experts, num_blocks, x, x_fragment,
+                flat, *routed, num_slots, num_experts, num_blocks, x, x_fragment,
                 x.numel() if copy else 0, x.shape[-1] if copy else 1, BM=block_m, E_PAD=e_pad, R_CHUNK=ROUTE_CHUNK,
                 COUNT_BLOCK=1024, CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, ROUTE=fast, num_warps=4,
             )
@@ -138,7 +137,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     cfg["TMA"] = cfg["FRAGMENT_ORDER"] = tma
     # Gate and up tiles in separate programs: 2x the programs for GEMM1, which at decode has too
     # few to fill 132 SMs (1.07-1.09x at 1 and 8 tokens, within 4% elsewhere in the bucket).
-    # Costs an fp32 scratch of S x 2I (at most 16 rows x E: 67 MB for DeepSeek-V3 at 512 tokens).
+    # Costs an fp32 scratch of S x 2I (at most 8 rows x E: 34 MB for DeepSeek-V3 at 256 tokens).
     cfg["SPLIT_GATE_UP"] = decode
     return cfg
 
