@@ -8,6 +8,7 @@ Typical use::
     out = experts(hidden [T, H] bf16, topk_ids [T, k], topk_weights [T, k] fp32)
 
 Modules: ``nvfp4`` the format, ``moe_weights`` a layer's canonical experts, ``op`` the op,
+``linear`` the NVFP4 linear-layer op,
 ``prepared`` the prepared layer, ``backends`` the kernels behind the op, ``moe_math`` the
 pure-torch MoE math, ``routing`` the router op, ``flashinfer_sim`` a CPU model of FlashInfer's
 NVFP4 kernel (a test oracle), ``oracle64`` the float64 oracle, ``selftest`` ``python -m
@@ -17,12 +18,13 @@ fp4moe_ops.selftest``.
 from . import nvfp4, routing
 from .backends import AUTO_ORDER, BACKENDS, available_backends, resolve_backend
 from .moe_weights import NVFP4MoEWeights, quantize_moe_weights
+from .linear import nvfp4_linear
 from .op import fused_moe
 from .prepared import ACT_SCALE_MODES, PreparedExperts, activation_scales, prepare_experts
 from .routing import grouped_topk
 
 __all__ = [
     "ACT_SCALE_MODES", "AUTO_ORDER", "BACKENDS", "NVFP4MoEWeights", "PreparedExperts",
-    "activation_scales", "available_backends", "fused_moe", "grouped_topk", "nvfp4", "prepare_experts",
+    "activation_scales", "available_backends", "fused_moe", "grouped_topk", "nvfp4", "nvfp4_linear", "prepare_experts",
     "quantize_moe_weights", "resolve_backend", "routing",
 ]

@@ -17,6 +17,12 @@ def dequant64(packed: torch.Tensor, scale_e4m3: torch.Tensor, global_scale) -> t
     return vals * s * float(global_scale)
 
 
+def linear64(x, packed, scale_e4m3, global_scale, bias=None) -> torch.Tensor:
+    """``x [..., K]`` times the NVFP4 linear ``[N, K/2]`` bytes (+ bias), in float64: ``[..., N]``."""
+    y = x.double() @ dequant64(packed, scale_e4m3, global_scale).T
+    return y if bias is None else y + bias.double()
+
+
 def moe64(x, ids, weights, w13, s13, g13, w2, s2, g2, fc1_scale=None, fc2_scale=None, quant=None):
     """out[t] = sum_j weights[t,j] * down(silu(gate x) * up x), float64, gate rows first.
 

@@ -21,10 +21,10 @@ Importing it registers fp4moe's ``"modelopt"`` quantizer with Transformers, so
 
 from . import architectures
 from .calibration import calibrate_activation_scales
-from .experts import NVFP4Experts, NVFP4GatedMLP
+from .experts import NVFP4Experts, NVFP4GatedMLP, NVFP4Linear
 from .expert_parallel import shard_experts
 from .modelopt import load_modelopt_nvfp4, save_modelopt_nvfp4
-from .checkpoint_format import CheckpointError, ModelOptConfig
+from .checkpoint_format import CheckpointError, CompressedTensorsNVFP4Config, ModelOptConfig
 from .patch import patch_deepseek, patch_moe, set_backend
 from .quantizer import ModelOptQuantizer, register
 from .router import GroupedTopkRouter, fuse_routers
@@ -34,7 +34,8 @@ register()
 architectures.register()
 
 __all__ = [
-    "CheckpointError", "GroupedTopkRouter", "ModelOptConfig", "ModelOptQuantizer", "NVFP4Experts", "NVFP4GatedMLP",
+    "CheckpointError", "CompressedTensorsNVFP4Config", "GroupedTopkRouter", "ModelOptConfig", "ModelOptQuantizer",
+    "NVFP4Experts", "NVFP4GatedMLP", "NVFP4Linear",
     "calibrate_activation_scales", "find_experts_modules", "fuse_routers", "load_modelopt_nvfp4", "patch_deepseek",
     "patch_moe", "save_modelopt_nvfp4", "set_backend", "shard_experts",
 ]

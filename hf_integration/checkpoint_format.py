@@ -151,16 +151,23 @@ class ModelOptConfig(QuantizationConfigMixin):
         fuse_router: run DeepSeek-V3-style routers as one op (:class:`hf_integration.router.GroupedTopkRouter`).
         expert_parallel: load only this rank's ``E / world_size`` experts of each layer and sum the
             ranks' outputs (``torch.distributed`` must be initialized).
+        nvfp4_linears: what becomes of the checkpoint's NVFP4 linears outside the routed experts
+            (attention, shared experts, dense MLPs): ``"dequantize"`` (default) to ``nn.Linear`` in
+            the model dtype, or ``"nvfp4"`` to keep them in 4 bits as
+            :class:`~hf_integration.experts.NVFP4Linear` (a quarter of the memory; computed by
+            ``fp4moe::nvfp4_linear``, whose only backend so far is the pure-torch reference:
+            slower than BF16 on a GPU).
     """
 
-    LOADING_ATTRIBUTES = ("backend", "act_scale_mode", "fuse_router", "expert_parallel")
+    LOADING_ATTRIBUTES = ("backend", "act_scale_mode", "fuse_router", "expert_parallel", "nvfp4_linears")
+    NVFP4_LINEARS = ("dequantize", "nvfp4")
     scheme = MODELOPT
 
     def __init__(self, quant_algo: str = "NVFP4", group_size: int = nvfp4.BLOCK_SIZE,
                  exclude_modules: list[str] | None = None, kv_cache_quant_algo: str | None = None,
                  producer: dict | None = None, quantized_layers: dict | None = None, backend: str = "auto",
                  act_scale_mode: str | None = None, fuse_router: bool = True, expert_parallel: bool = False,
-                 **kwargs):
+                 nvfp4_linears: str = "dequantize", **kwargs):
         self.quant_method = QUANT_METHOD
         self.quant_algo = str(quant_algo).upper()
         self.quantized_layers = quantized_layers
@@ -172,9 +179,13 @@ class ModelOptConfig(QuantizationConfigMixin):
         self.producer = producer
         self.backend, self.act_scale_mode = backend, act_scale_mode
         self.fuse_router, self.expert_parallel = fuse_router, expert_parallel
+        self.nvfp4_linears = nvfp4_linears
         self.post_init()
 
     def post_init(self):
+        if self.nvfp4_linears not in self.NVFP4_LINEARS:
+            raise ValueError(f"nvfp4_linears must be one of {', '.join(map(repr, self.NVFP4_LINEARS))}, "
+                             f"got {self.nvfp4_linears!r}")
         if not all(isinstance(m, str) for m in self.exclude_modules):
             raise ValueError(f"exclude_modules must be a list of module names, got {self.exclude_modules!r}")
         if self.quant_algo == "MIXED_PRECISION":

@@ -75,14 +75,19 @@ class NVFP4GatedMLP(PreparedExperts):
 class NVFP4Linear(nn.Module):
     """A checkpoint's NVFP4 linear ``y = x W^T (+ b)``, held as its file tensors, named as the file's
     format names them (:class:`~hf_integration.checkpoint_format.TensorScheme`: ModelOpt's
-    ``weight`` / ``weight_scale`` / ``weight_scale_2`` / ``input_scale``, or compressed-tensors'
-    ``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` / ``input_global_scale``), until
-    the loader dequantizes it (:meth:`dequantized`)."""
+    ``weight [N, K/2] uint8`` / ``weight_scale [N, K/16] float8_e4m3fn`` / ``weight_scale_2 []`` /
+    ``input_scale []``, or compressed-tensors' ``weight_packed`` / ``weight_scale`` /
+    ``weight_global_scale [1]`` / ``input_global_scale [1]``, whose per-tensor scales divide).
 
-    def __init__(self, linear: nn.Linear, scheme, input_scale: bool):
+    The loader dequantizes it (:meth:`dequantized`) unless asked to keep NVFP4 linears
+    (``ModelOptConfig(nvfp4_linears="nvfp4")``); kept, it computes through
+    ``torch.ops.fp4moe.nvfp4_linear`` (:mod:`fp4moe_ops.linear`) and saves as ModelOpt tensors
+    (:meth:`modelopt_tensors`)."""
+
+    def __init__(self, linear: nn.Linear, scheme, input_scale: bool, backend: str = "reference"):
         super().__init__()
         n, k = linear.out_features, linear.in_features
-        self.in_features, self.out_features, self.scheme = k, n, scheme
+        self.in_features, self.out_features, self.scheme, self.backend = k, n, scheme, backend
         self.register_buffer(scheme.packed, torch.empty(n, k // 2, dtype=torch.uint8))
         self.register_buffer(scheme.block_scale, torch.empty(n, k // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn))
         self.register_buffer(scheme.global_scale, torch.empty(scheme.scalar_shape, dtype=torch.float32))
@@ -108,8 +113,22 @@ class NVFP4Linear(nn.Module):
         (exact up to one rounding of the float32 scale product to the dtype)."""
         return _linear_like(self, self.weight_value())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # only before the loader has swapped it
-        return nn.functional.linear(x, self.weight_value().to(x.dtype), self.bias)
+    def modelopt_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """This linear's tensors under ModelOpt's names (``{name}.weight`` ...): the file's own
+        bytes for a ModelOpt checkpoint; compressed-tensors' dividing scales as their reciprocals."""
+        b, s = self._buffers, self.scheme
+        out = {f"{name}.weight": b[s.packed], f"{name}.weight_scale": b[s.block_scale],
+               f"{name}.weight_scale_2": s.multiplier(b[s.global_scale]) if s.reciprocal else b[s.global_scale]}
+        if s.input_scale in b:
+            out[f"{name}.input_scale"] = s.multiplier(b[s.input_scale]) if s.reciprocal else b[s.input_scale]
+        if self.bias is not None:
+            out[f"{name}.bias"] = self.bias
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = self._buffers, self.scheme
+        return torch.ops.fp4moe.nvfp4_linear(x, b[s.packed], b[s.block_scale], s.multiplier(b[s.global_scale]),
+                                             self.bias, self.backend)
 
 
 class FP8Linear(nn.Module):

@@ -14,7 +14,8 @@ calls this quantizer at its plug-in points:
 * the weight conversion: Transformers' own per-expert -> stacked-experts converters are replaced
   by one that stacks the per-expert NVFP4 tensors as they are read (:class:`StackNVFP4Experts`:
   file bytes straight into the stacked buffers, never BF16);
-* after loading: NVFP4 linears outside the experts become ``nn.Linear`` with dequantized weights,
+* after loading: NVFP4 linears outside the experts become ``nn.Linear`` with dequantized weights
+  (or stay :class:`~hf_integration.experts.NVFP4Linear` with ``nvfp4_linears="nvfp4"``),
   the experts are prepared for a backend, routers are fused, and the model is marked quantized
   (``model.hf_quantizer``): dtype casts keep the scales, switching the experts implementation away
   from fp4moe fails at the call, ``save_pretrained`` writes a ModelOpt checkpoint atomically.
@@ -564,10 +565,12 @@ class ModelOptQuantizer(HfQuantizer):
                                        lambda e, key=key: f"checkpoint tensor {key!r} in {self.plan.files.get(key)}")
                 except ValueError as exc:
                     raise CheckpointError(str(exc)) from None
+        config = self.quantization_config
         for name, m in linears:
+            if isinstance(m, NVFP4Linear) and config.nvfp4_linears == "nvfp4":
+                continue  # kept in 4 bits: NVFP4Linear computes through fp4moe::nvfp4_linear
             parent, _, attr = name.rpartition(".")
             replace_module(model.get_submodule(parent), attr, m.dequantized())
-        config = self.quantization_config
         for m in model.modules():
             if not isinstance(m, NVFP4Experts):
                 continue

@@ -26,7 +26,7 @@ from torch import nn
 from fp4moe_ops import PreparedExperts
 from fp4moe_ops.prepared import INPUT_SCALE_BUFFERS
 
-from .experts import NVFP4Experts, NVFP4GatedMLP
+from .experts import NVFP4Experts, NVFP4GatedMLP, NVFP4Linear
 from .expert_parallel import ExpertShard
 from .checkpoint_format import ModelOptConfig, expert_leaves, expert_tensors, linear_tensors, model_conversions
 from .llama4 import NVFP4Llama4TextMoe, fused_from_canonical
@@ -37,11 +37,12 @@ _REPLACED = re.compile(r"^(config\.json|generation_config\.json|hf_quant_config\
 
 
 def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict in ModelOpt's layout: NVFP4 experts and dense MLPs as per-expert /
-    per-linear ModelOpt tensors (canonical bytes, as views where the layout allows), the rest as
-    the model holds it."""
+    """The model's state dict in ModelOpt's layout: NVFP4 experts, dense MLPs and kept NVFP4
+    linears as per-expert / per-linear ModelOpt tensors (canonical bytes, as views where the layout
+    allows), the rest as the model holds it."""
     experts = nvfp4_modules(model, NVFP4Experts)
     dense = nvfp4_modules(model, NVFP4GatedMLP)
+    linears = nvfp4_modules(model, NVFP4Linear)
     if not experts and not dense:
         raise ValueError("the model holds no fp4moe NVFP4 modules: nothing to save as a ModelOpt NVFP4 checkpoint")
     if any(isinstance(m.dispatch, ExpertShard) for _, m in experts):
@@ -60,7 +61,9 @@ def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         for leaf, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
             state |= linear_tensors(f"{name}.{leaf}", w.w13[0, rows], w.w13_scale[0, rows], w.w13_global[0])
         state |= linear_tensors(f"{name}.down_proj", w.w2[0], w.w2_scale[0], w.w2_global[0])
-    nvfp4_names = [n for n, _ in experts + dense]
+    for name, m in linears:
+        state |= m.modelopt_tensors(name)
+    nvfp4_names = [n for n, _ in experts + dense + linears]
     for key, t in model.state_dict().items():
         if not any(key.startswith(f"{n}.") for n in nvfp4_names):
             state[key] = t

@@ -1,0 +1,80 @@
+"""``torch.ops.fp4moe.nvfp4_linear``: one NVFP4 linear layer ``y = x W^T (+ b)`` as one graph node,
+for the NVFP4 tensors of a checkpoint outside the routed experts (attention, shared experts,
+dense MLPs), kept in 4 bits instead of dequantized at load.
+
+Weights as a ModelOpt checkpoint holds them::
+
+    weight        [N, K/2]  uint8          two E2M1 codes per byte, low nibble first
+    weight_scale  [N, K/16] float8_e4m3fn  one scale per 16 weights along K
+    weight_scale_2 []       float32        the per-tensor scale that multiplies
+
+Activations are not quantized (W4A16): ``x [..., K]`` bfloat16/float16 (float32 too) -> ``[..., N]`` of
+x's dtype.
+
+Backends: ``"reference"`` only, so far: pure torch on any device. It decodes the weight as
+``e2m1 * block scale * per-tensor scale`` in float32 rounded once to x's dtype (the weight that
+dequantizing at load gives, and that ModelOpt's and llm-compressor's fake quant compute with), then
+multiplies and adds the bias in float32 and rounds once to x's dtype: a model that keeps its NVFP4
+linears gives the dequantized model's logits (bit for bit on CPU, where ``nn.Linear`` also
+accumulates in float32). Memory stays NVFP4 between calls (the decoded copy lives for one call);
+speed is not its purpose. A Hopper kernel for the GEMV and GEMM regimes and
+FlashInfer's FP4 GEMM on Blackwell are not written yet (issue 21). Like
+:func:`fp4moe_ops.op.fused_moe`, the real and the fake function share their checks, which read
+metadata only (no host syncs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import nvfp4
+
+LINEAR_BACKENDS = ("reference",)
+_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend) -> None:
+    """Metadata checks shared by the real and the fake implementation; each error names the tensor."""
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"unknown nvfp4_linear backend {backend!r}; available: {', '.join(LINEAR_BACKENDS)}")
+    if x.dim() < 1 or x.dtype not in _X_DTYPES:
+        raise TypeError(f"x must be [..., K] bfloat16/float16/float32, got {x.dtype} {list(x.shape)}")
+    k = x.shape[-1]
+    if weight.dtype != torch.uint8 or weight.dim() != 2:
+        raise TypeError(f"weight must be [N, K/2] uint8 (packed E2M1), got {weight.dtype} {list(weight.shape)}")
+    n = weight.shape[0]
+    if k % nvfp4.BLOCK_SIZE or weight.shape[1] * 2 != k:
+        raise ValueError(f"weight {list(weight.shape)} does not match x's K={k}: expected [N, {k // 2}] "
+                         f"and K a multiple of {nvfp4.BLOCK_SIZE}")
+    if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (n, k // nvfp4.BLOCK_SIZE):
+        raise TypeError(f"weight_scale must be [N={n}, K/16={k // nvfp4.BLOCK_SIZE}] float8_e4m3fn, got "
+                        f"{weight_scale.dtype} {list(weight_scale.shape)}")
+    if weight_scale_2.dtype != torch.float32 or weight_scale_2.dim() != 0:
+        raise TypeError(f"weight_scale_2 must be a 0-dim float32 (the multiplying per-tensor scale), got "
+                        f"{weight_scale_2.dtype} {list(weight_scale_2.shape)}")
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
+        raise TypeError(f"bias must be [N={n}] {x.dtype} like x, got {bias.dtype} {list(bias.shape)}")
+    for name, t in (("weight", weight), ("weight_scale", weight_scale), ("weight_scale_2", weight_scale_2),
+                    ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+@torch.library.custom_op("fp4moe::nvfp4_linear", mutates_args=())
+def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                 bias: torch.Tensor | None = None, backend: str = "reference") -> torch.Tensor:
+    """``y = x (e2m1 * weight_scale * weight_scale_2)^T + bias``: ``x [..., K]`` -> ``[..., N]``
+    in x's dtype (tensors as in the module docstring)."""
+    _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend)
+    w = nvfp4.dequantize_nvfp4(weight, weight_scale, weight_scale_2, x.dtype)
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+@nvfp4_linear.register_fake
+def _(x, weight, weight_scale, weight_scale_2, bias=None, backend="reference"):
+    _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend)
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+__all__ = ["LINEAR_BACKENDS", "nvfp4_linear"]

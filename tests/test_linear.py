@@ -1,0 +1,180 @@
+"""``fp4moe::nvfp4_linear`` and NVFP4 linears kept in 4 bits through loading and saving: the op
+against the float64 oracle, under torch.compile, with bad inputs; genuine ModelOpt and
+llm-compressor exports loaded with ``nvfp4_linears="nvfp4"`` against the dequantized path and the
+tools' own fake quant, and saved back byte for byte."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import fp4moe_ops
+import hf_integration  # noqa: F401  (registers the quantizer)
+from fp4moe_ops import nvfp4
+from fp4moe_ops.oracle64 import dequant64, linear64
+from hf_integration.checkpoint_format import CompressedTensorsNVFP4Config, ModelOptConfig
+from hf_integration.experts import NVFP4Linear
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def nvfp4_weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = nvfp4.quantize_nvfp4(torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None])
+    return w.packed, w.block_scale, w.global_scale.reshape(())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,n,bias", [((5, 64), 48, False), ((2, 3, 128), 32, True), ((1, 32), 16, True)])
+def test_nvfp4_linear_matches_float64(dtype, shape, n, bias):
+    packed, scale, g = nvfp4_weight(n, shape[-1])
+    x = torch.randn(shape, dtype=dtype)
+    b = torch.randn(n, dtype=dtype) if bias else None
+    got = fp4moe_ops.nvfp4_linear(x, packed, scale, g, b)
+    want = linear64(x, packed, scale, g, b)
+    assert got.dtype == dtype and got.shape == (*shape[:-1], n)
+    # Two roundings to the dtype (unit roundoff u: bf16 2^-9, fp16 2^-12): each decoded weight
+    # (as dequantizing at load does), and the float32 sum at the end. So per output element
+    # |got - want| <= u * sum_k |x_k W_nk| + u * |want| (+ float32 summation, far below), with 2u
+    # as margin. fp16 covers these weights' range (largest 6 * 448 * global scale).
+    u = 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12
+    bound = 2 * u * (x.double().abs() @ dequant64(packed, scale, g).abs().T) + 2 * u * want.abs()
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_nvfp4_linear_compiles_without_graph_breaks_and_dynamic_tokens():
+    packed, scale, g = nvfp4_weight(32, 64)
+
+    def f(x):
+        return torch.relu(fp4moe_ops.nvfp4_linear(x, packed, scale, g)) * 2
+
+    explanation = torch._dynamo.explain(f)(torch.randn(3, 64, dtype=torch.bfloat16))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for t in (1, 7, 20):
+        x = torch.randn(t, 64, dtype=torch.bfloat16)
+        assert torch.equal(compiled(x), f(x))
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(weight=lambda w: w.view(torch.int8)), TypeError, "weight must be"),
+    (dict(weight=lambda w: w[:, :-1]), ValueError, "does not match x's K=64"),
+    (dict(weight_scale=lambda s: s.view(torch.uint8)), TypeError, "weight_scale must be"),
+    (dict(weight_scale=lambda s: s[:-1]), TypeError, "weight_scale must be"),
+    (dict(weight_scale_2=lambda g: g.reshape(1)), TypeError, "weight_scale_2 must be a 0-dim"),
+    (dict(weight_scale_2=lambda g: g.double()), TypeError, "weight_scale_2"),
+    (dict(x=lambda x: x.double()), TypeError, "x must be"),
+    (dict(bias=lambda b: torch.zeros(31, dtype=torch.bfloat16)), TypeError, "bias must be"),
+    (dict(bias=lambda b: torch.zeros(32)), TypeError, "bias must be"),
+    (dict(backend=lambda b: "triton"), ValueError, "unknown nvfp4_linear backend 'triton'"),
+])
+def test_nvfp4_linear_refuses_bad_inputs_by_name(change, error, words):
+    packed, scale, g = nvfp4_weight(32, 64)
+    args = dict(x=torch.randn(4, 64, dtype=torch.bfloat16), weight=packed, weight_scale=scale, weight_scale_2=g,
+                bias=None, backend="reference")
+    (name, fn), = change.items()
+    args[name] = fn(args[name])
+    with pytest.raises(error, match=words):
+        fp4moe_ops.nvfp4_linear(**args)
+    with pytest.raises(error, match=words), torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
+        fp4moe_ops.nvfp4_linear(**args)  # the fake function runs the same checks
+
+
+def test_nvfp4_linears_option_is_checked():
+    with pytest.raises(ValueError, match="nvfp4_linears must be one of"):
+        ModelOptConfig(nvfp4_linears="fp8")
+
+
+def _load(folder, nvfp4_linears):
+    """from_pretrained with the loading option (the config class must be the checkpoint's own)."""
+    cls = CompressedTensorsNVFP4Config if "llmcompressor" in str(folder) else ModelOptConfig
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                quantization_config=cls(nvfp4_linears=nvfp4_linears))
+
+
+def per_token_error(got, want):
+    got, want = got.double().flatten(0, -2), want.double().flatten(0, -2)
+    return (got - want).norm(dim=-1) / want.norm(dim=-1)
+
+
+@pytest.mark.parametrize("fmt,name", [("modelopt", "deepseek_v3_nvfp4_default"), ("modelopt", "qwen3_moe_nvfp4_default"),
+                                      ("llmcompressor", "qwen3_moe_nvfp4")])
+def test_kept_nvfp4_linears_match_the_dequantized_path_and_the_tools_fake_quant(fmt, name):
+    folder = FIXTURES / fmt / name
+    ref = load_file(folder / "reference_logits.safetensors")
+    kept, dequantized = _load(folder, "nvfp4"), _load(folder, "dequantize")
+    linears = [n for n, m in kept.named_modules() if isinstance(m, NVFP4Linear)]
+    assert linears, "this export has NVFP4 linears outside the experts"
+    assert not any(isinstance(m, NVFP4Linear) for m in dequantized.modules())
+    assert isinstance(kept.get_submodule(linears[0]).weight if fmt == "modelopt" else
+                      kept.get_submodule(linears[0]).weight_packed, torch.Tensor)
+    with torch.no_grad():
+        got, base = kept(ref["input_ids"]).logits, dequantized(ref["input_ids"]).logits
+    # the op decodes the weight as loading would and sums in float32 like nn.Linear on CPU
+    assert torch.equal(got, base)
+    err = per_token_error(got, ref["logits_weights_only"])
+    assert err.median() < 2e-2 and err.max() < 5e-2, err  # as tests/test_real_exports.py
+    bytes_kept = sum(b.numel() * b.element_size() for n in linears for b in kept.get_submodule(n).buffers())
+    params = sum(dequantized.get_submodule(n).weight.numel() * 2 for n in linears)
+    assert bytes_kept < 0.3 * params  # 0.5625 + scalars vs 2 bytes per weight
+
+
+@pytest.mark.parametrize("fmt,name", [("modelopt", "deepseek_v3_nvfp4_default"), ("llmcompressor", "qwen3_moe_nvfp4")])
+def test_every_kept_linear_matches_float64_from_the_file_bytes(fmt, name):
+    """Each kept linear against the oracle decoding the file's own tensors (compressed-tensors'
+    global scale divides), within the rounding bound of test_nvfp4_linear_matches_float64."""
+    folder = FIXTURES / fmt / name
+    files = load_file(folder / "model.safetensors")
+    model = _load(folder, "nvfp4")
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Linear)]
+    assert len(linears) >= 8
+    for n, m in linears:
+        if fmt == "modelopt":
+            packed, scale, g = files[f"{n}.weight"], files[f"{n}.weight_scale"], files[f"{n}.weight_scale_2"].item()
+        else:
+            packed, scale = files[f"{n}.weight_packed"], files[f"{n}.weight_scale"]
+            g = 1.0 / files[f"{n}.weight_global_scale"].double().item()
+        x = torch.randn(3, m.in_features, dtype=torch.bfloat16)
+        with torch.no_grad():
+            got = m(x).double()
+        want = linear64(x, packed, scale, g)
+        bound = 2 * 2.0**-9 * (x.double().abs() @ dequant64(packed, scale, g).abs().T + want.abs())
+        assert ((got - want).abs() <= bound).all(), n
+
+
+def test_kept_nvfp4_linears_save_back_byte_for_byte(tmp_path):
+    folder = FIXTURES / "modelopt" / "deepseek_v3_nvfp4_default"
+    model = _load(folder, "nvfp4")
+    model.save_pretrained(tmp_path)
+    original, saved = load_file(folder / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    linears = [n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)]
+    keys = [k for k in original if any(k.startswith(f"{n}.") for n in linears)]
+    assert keys and all(k in saved for k in keys)
+    for k in keys:
+        a, b = original[k], saved[k]
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), k
+    again = _load(tmp_path, "nvfp4")
+    ids = load_file(folder / "reference_logits.safetensors")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_kept_compressed_tensors_linears_save_as_modelopt(tmp_path):
+    folder = FIXTURES / "llmcompressor" / "qwen3_moe_nvfp4"
+    model = _load(folder, "nvfp4")
+    assert isinstance(model.config.quantization_config, CompressedTensorsNVFP4Config)
+    model.save_pretrained(tmp_path)
+    original, saved = load_file(folder / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    name = next(n for n, m in model.named_modules() if isinstance(m, NVFP4Linear))
+    assert torch.equal(saved[f"{name}.weight"], original[f"{name}.weight_packed"])
+    assert saved[f"{name}.weight_scale_2"].shape == ()
+    assert saved[f"{name}.weight_scale_2"] == 1.0 / original[f"{name}.weight_global_scale"][0]
+    assert saved[f"{name}.input_scale"] == 1.0 / original[f"{name}.input_global_scale"][0]
+    again = _load(tmp_path, "nvfp4")
+    ids = load_file(folder / "reference_logits.safetensors")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
