@@ -13,7 +13,16 @@ import torch
 
 from .nvfp4 import BLOCK_SIZE, NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 
-QUANTIZE_CHUNK = 8  # experts quantized at a time
+QUANTIZE_CHUNK_ELEMENTS = 1 << 22  # weights quantized at a time (whole experts, at least one)
+
+
+def expert_chunks(t: torch.Tensor, elements: int = QUANTIZE_CHUNK_ELEMENTS):
+    """``(start, stop)`` ranges of whole experts of ``t [E, N, K]``, ~``elements`` weights each: work
+    over a layer in pieces keeps its float32 and boolean temporaries at a few times the piece's
+    size instead of the layer's (a whole-layer ``isfinite`` of DeepSeek-V3's ``gate_up_proj``
+    alone is 7.5 G booleans)."""
+    step = max(1, elements // max(1, t[0].numel()))
+    return [(e0, min(e0 + step, t.shape[0])) for e0 in range(0, t.shape[0], step)]
 
 
 @dataclass
@@ -139,12 +148,21 @@ def quantize_moe_weights(gate_up: torch.Tensor, down: torch.Tensor) -> NVFP4MoEW
             f"down must be [E, H, I] = {[e, h, two_i // 2]} to match gate_up {list(gate_up.shape)}, "
             f"got {list(down.shape)}"
         )
-    parts = []
-    for e0 in range(0, e, QUANTIZE_CHUNK):  # bounded float32 scratch, on the weights' device
-        w13 = quantize_nvfp4(gate_up[e0:e0 + QUANTIZE_CHUNK])
-        w2 = quantize_nvfp4(down[e0:e0 + QUANTIZE_CHUNK])
-        parts.append((w13.packed, w13.block_scale, w13.global_scale, w2.packed, w2.block_scale, w2.global_scale))
-    return NVFP4MoEWeights(*(torch.cat(ts) for ts in zip(*parts)))
+    # filled in place, a chunk of experts at a time: the float32 scratch stays a chunk's, and the
+    # layer's NVFP4 bytes exist once (no list of parts to concatenate)
+    dev, f32 = gate_up.device, dict(dtype=torch.float32, device=gate_up.device)
+    out = NVFP4MoEWeights.__new__(NVFP4MoEWeights)
+    out.w13 = torch.empty(e, two_i, h // 2, dtype=torch.uint8, device=dev)
+    out.w13_scale = torch.empty(e, two_i, h // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=dev)
+    out.w2 = torch.empty(e, h, two_i // 4, dtype=torch.uint8, device=dev)
+    out.w2_scale = torch.empty(e, h, two_i // 2 // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=dev)
+    out.w13_global, out.w2_global = torch.empty(e, **f32), torch.empty(e, **f32)
+    for src, packed, scale, glob in ((gate_up, out.w13, out.w13_scale, out.w13_global),
+                                     (down, out.w2, out.w2_scale, out.w2_global)):
+        for e0, e1 in expert_chunks(src):
+            q = quantize_nvfp4(src[e0:e1])
+            packed[e0:e1], scale[e0:e1], glob[e0:e1] = q.packed, q.block_scale, q.global_scale
+    return NVFP4MoEWeights(out.w13, out.w13_scale, out.w13_global, out.w2, out.w2_scale, out.w2_global)
 
 
 def _check_expert_stack(name: str, t: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from transformers.utils import logging
 import fp4moe_ops
 from fp4moe_ops import nvfp4
 from fp4moe_ops.backends import resolve_backend
+from fp4moe_ops.moe_weights import expert_chunks
 
 from .experts import NVFP4Experts, NVFP4GatedMLP
 from .checkpoint_format import ModelOptConfig
@@ -51,7 +52,8 @@ def _check_experts(name: str, m: nn.Module) -> None:
                         "model with dtype=torch.bfloat16 (or float16)")
     else:
         for pname in ("gate_up_proj", "down_proj"):
-            if not bool(torch.isfinite(getattr(m, pname)).all()):
+            t = getattr(m, pname)
+            if not all(bool(torch.isfinite(t[e0:e1]).all()) for e0, e1 in expert_chunks(t)):
                 problems.append(f"{pname} holds NaN or Inf")
     if problems:
         raise ValueError(f"cannot patch {name} ({type(m).__name__}): " + "; ".join(problems))
@@ -78,8 +80,9 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
 
     Everything is checked first (architecture, dtypes, finite weights, dimensions, backend per
     device): on such an error nothing has changed. Then each layer is quantized on its own device
-    (8 experts at a time) and its BF16 weights are freed before the next, so peak memory stays near
-    the BF16 model's. The model is marked quantized (``model.hf_quantizer``); its config is copied
+    (whole experts, ~4 M weights at a time) and its BF16 weights are freed before the next, so the
+    peak is the BF16 model plus one layer's NVFP4 bytes and one chunk's scratch
+    (``benchmarks/bench_patch_memory.py``). The model is marked quantized (``model.hf_quantizer``); its config is copied
     first, so other models built from the same config object are untouched.
     """
     modules = [(n, m) for n, m in find_experts_modules(model) if is_transformers_experts(m)]

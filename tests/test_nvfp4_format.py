@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import fp4moe_ops
 from fp4moe_ops import nvfp4
 
 CODEBOOK = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -178,3 +179,22 @@ def test_mxfp4_requant_definition_and_error_report():
     x[..., ::32] = 6.0 * torch.pow(2.0, exact_scale.float() - 127)  # make each block's amax 6*2^e
     back = nvfp4.dequantize_mxfp4(*nvfp4.quantize_mxfp4(x))
     assert torch.equal(back, x)
+
+
+def test_quantize_moe_weights_in_chunks_equals_whole_stacks(monkeypatch):
+    # the layer is quantized a few experts at a time into preallocated tensors; per-matrix global
+    # scales make that identical to quantizing each whole stack at once
+    from fp4moe_ops import moe_weights
+    from fp4moe_ops.moe_weights import expert_chunks
+
+    monkeypatch.setattr(moe_weights, "expert_chunks", lambda t: expert_chunks(t, elements=3 * t[0].numel()))
+
+    gate_up = torch.randn(7, 64, 96, dtype=torch.bfloat16) * torch.logspace(-2, 2, 7)[:, None, None]
+    down = torch.randn(7, 96, 32, dtype=torch.bfloat16)
+    assert [c for c in expert_chunks(gate_up, elements=64 * 96 * 3)] == [(0, 3), (3, 6), (6, 7)]
+    assert expert_chunks(gate_up, elements=1) == [(e, e + 1) for e in range(7)]  # at least one expert
+    w = fp4moe_ops.quantize_moe_weights(gate_up, down)
+    for got, whole in ((w.w13, w.w13_scale, w.w13_global), nvfp4.quantize_nvfp4(gate_up)), \
+                      ((w.w2, w.w2_scale, w.w2_global), nvfp4.quantize_nvfp4(down)):
+        assert torch.equal(got[0], whole.packed) and torch.equal(got[2], whole.global_scale)
+        assert torch.equal(got[1].view(torch.uint8), whole.block_scale.view(torch.uint8))
