@@ -35,7 +35,7 @@ def main():
         # the reference: canonical weights, portable decode
         ref = triton_fused_moe(*inputs[0], canonical, base | {"FAST_DECODE": False})
         results = []
-        decode = t * k / min(e, t * k) <= 16
+        decode = kernel_config(t * k, e, h, i)["SPLIT_GATE_UP"]  # the decode bucket (not the middle one)
         # (BM, BN1, BK1, BN2, BK2, warps, stages, prefetch, tma, fragment order, split gate/up, paired)
         if args.middle:
             tiles = [(bm, 64, 256, 64, 256, 4, 3, 0, 1, 1, split, 1) for bm in (16, 32, 64) for split in (1, 0)]

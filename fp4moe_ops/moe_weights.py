@@ -148,21 +148,22 @@ def quantize_moe_weights(gate_up: torch.Tensor, down: torch.Tensor) -> NVFP4MoEW
             f"down must be [E, H, I] = {[e, h, two_i // 2]} to match gate_up {list(gate_up.shape)}, "
             f"got {list(down.shape)}"
         )
+    if down.device != gate_up.device:
+        raise ValueError(f"down is on {down.device} but gate_up is on {gate_up.device}")
     # filled in place, a chunk of experts at a time: the float32 scratch stays a chunk's, and the
     # layer's NVFP4 bytes exist once (no list of parts to concatenate)
-    dev, f32 = gate_up.device, dict(dtype=torch.float32, device=gate_up.device)
-    out = NVFP4MoEWeights.__new__(NVFP4MoEWeights)
-    out.w13 = torch.empty(e, two_i, h // 2, dtype=torch.uint8, device=dev)
-    out.w13_scale = torch.empty(e, two_i, h // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=dev)
-    out.w2 = torch.empty(e, h, two_i // 4, dtype=torch.uint8, device=dev)
-    out.w2_scale = torch.empty(e, h, two_i // 2 // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=dev)
-    out.w13_global, out.w2_global = torch.empty(e, **f32), torch.empty(e, **f32)
-    for src, packed, scale, glob in ((gate_up, out.w13, out.w13_scale, out.w13_global),
-                                     (down, out.w2, out.w2_scale, out.w2_global)):
+    i = two_i // 2
+    on = dict(device=gate_up.device)
+    w13 = torch.empty(e, two_i, h // 2, dtype=torch.uint8, **on)
+    w13_scale = torch.empty(e, two_i, h // BLOCK_SIZE, dtype=torch.float8_e4m3fn, **on)
+    w2 = torch.empty(e, h, i // 2, dtype=torch.uint8, **on)
+    w2_scale = torch.empty(e, h, i // BLOCK_SIZE, dtype=torch.float8_e4m3fn, **on)
+    w13_global, w2_global = torch.empty(e, dtype=torch.float32, **on), torch.empty(e, dtype=torch.float32, **on)
+    for src, packed, scale, glob in ((gate_up, w13, w13_scale, w13_global), (down, w2, w2_scale, w2_global)):
         for e0, e1 in expert_chunks(src):
             q = quantize_nvfp4(src[e0:e1])
             packed[e0:e1], scale[e0:e1], glob[e0:e1] = q.packed, q.block_scale, q.global_scale
-    return NVFP4MoEWeights(out.w13, out.w13_scale, out.w13_global, out.w2, out.w2_scale, out.w2_global)
+    return NVFP4MoEWeights(w13, w13_scale, w13_global, w2, w2_scale, w2_global)
 
 
 def _check_expert_stack(name: str, t: torch.Tensor) -> None:

@@ -69,7 +69,22 @@ def activation_scales(fc1_input_scale: torch.Tensor | None, fc2_input_scale: tor
     return fc1_input_scale, fc2_input_scale
 
 
-class PreparedExperts(nn.Module):
+class QuantizedBuffers(nn.Module):
+    """A module whose buffers are quantized bytes and their scales: moves apply, dtype casts do
+    not (``model.to(torch.bfloat16)`` / ``.half()`` must not round the FP8 block scales or the
+    float32 scales, or reinterpret the packed bytes). Parameters (a bias) follow casts as usual."""
+
+    def _apply(self, fn, recurse=True):
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, new in self._buffers.items():
+            old = before.get(name)
+            if old is not None and new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
+
+class PreparedExperts(QuantizedBuffers):
     """One MoE layer's NVFP4 experts, ready to call: ``experts(hidden [T, H], ids [T, k], weights [T, k] fp32)``.
 
     Args:
@@ -252,17 +267,6 @@ class PreparedExperts(nn.Module):
                                           self.backend, self.routed_experts)
 
     # --- module behaviour -------------------------------------------------------------------
-
-    def _apply(self, fn, recurse=True):
-        """Moves apply; dtype casts do not: ``model.to(torch.bfloat16)`` / ``.half()`` must not
-        round the FP8 block scales or the float32 scales (or reinterpret the packed bytes)."""
-        before = dict(self._buffers)
-        super()._apply(fn, recurse)
-        for name, new in self._buffers.items():
-            old = before.get(name)
-            if old is not None and new is not None and new.dtype != old.dtype:
-                self._buffers[name] = old.to(device=new.device)
-        return self
 
     def extra_repr(self) -> str:
         acts = f"NVFP4 ({self.act_scale_mode})" if self.act_scale_mode else "bf16"

@@ -9,7 +9,8 @@
   same op as a one-expert MoE (``patch_moe(..., quantize_dense_mlps=True)``).
 * :class:`NVFP4Linear` / :class:`FP8Linear`: a checkpoint's quantized linear outside the routed
   experts, as its file tensors; the loader turns it into an ``nn.Linear`` with the dequantized weight
-  once it is filled.
+  once it is filled (an NVFP4 one stays NVFP4, computed by ``fp4moe::nvfp4_linear``, with
+  ``nvfp4_linears="nvfp4"``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from fp4moe_ops import PreparedExperts, nvfp4, quantize_moe_weights
+from fp4moe_ops.prepared import QuantizedBuffers
 
 
 class LocalExperts:
@@ -72,7 +74,7 @@ class NVFP4GatedMLP(PreparedExperts):
         return super().forward(flat, ids, ones).reshape(x.shape)
 
 
-class NVFP4Linear(nn.Module):
+class NVFP4Linear(QuantizedBuffers):
     """A checkpoint's NVFP4 linear ``y = x W^T (+ b)``, held as its file tensors, named as the file's
     format names them (:class:`~hf_integration.checkpoint_format.TensorScheme`: ModelOpt's
     ``weight [N, K/2] uint8`` / ``weight_scale [N, K/16] float8_e4m3fn`` / ``weight_scale_2 []`` /
@@ -82,7 +84,9 @@ class NVFP4Linear(nn.Module):
     The loader dequantizes it (:meth:`dequantized`) unless asked to keep NVFP4 linears
     (``ModelOptConfig(nvfp4_linears="nvfp4")``); kept, it computes through
     ``torch.ops.fp4moe.nvfp4_linear`` (:mod:`fp4moe_ops.linear`) and saves as ModelOpt tensors
-    (:meth:`modelopt_tensors`)."""
+    (:meth:`modelopt_tensors`). Its buffers keep their dtypes under ``model.to(dtype)``; the bias
+    follows. Inference only: the op has no autograd formula and no autocast rule (under autocast
+    it needs activations, and a bias, of one 16-bit dtype)."""
 
     def __init__(self, linear: nn.Linear, scheme, input_scale: bool, backend: str = "reference"):
         super().__init__()

@@ -490,9 +490,12 @@ class ModelOptQuantizer(HfQuantizer):
         return dtype
 
     def param_element_size(self, model, param_name, param):
-        # a checkpoint linear becomes a 16-bit nn.Linear after loading: 2 weights per packed NVFP4 byte
+        # a checkpoint linear becomes a 16-bit nn.Linear after loading (2 weights per packed NVFP4
+        # byte), unless NVFP4 linears are kept as they are
         module, _, tensor = param_name.rpartition(".")
         kind = self.plan.linears.get(module, (None,))[0] if self.plan is not None else None
+        if kind == "nvfp4" and self.quantization_config.nvfp4_linears == "nvfp4":
+            return param.element_size()
         if kind is not None and tensor in ("weight", self.plan.scheme.packed):
             return (2 if kind == "nvfp4" else 1) * torch.finfo(model.dtype).bits // 8
         return param.element_size()

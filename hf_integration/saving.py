@@ -79,12 +79,23 @@ def saved_config(model: nn.Module, config: ModelOptConfig) -> ModelOptConfig:
     return ModelOptConfig(quant_algo="NVFP4" if _has_input_scales(model) else "W4A16_NVFP4",
                           exclude_modules=kept, kv_cache_quant_algo=None, producer={"name": "fp4moe"},
                           backend=config.backend, act_scale_mode=config.act_scale_mode,
-                          fuse_router=config.fuse_router)
+                          fuse_router=config.fuse_router, expert_parallel=config.expert_parallel,
+                          nvfp4_linears=config.nvfp4_linears)
 
 
 def _has_input_scales(model: nn.Module) -> bool:
+    """Whether the saved checkpoint is ``NVFP4`` (every NVFP4 tensor with an input scale) or
+    ``W4A16_NVFP4``; kept NVFP4 linears must agree with the experts, since readers of a ModelOpt
+    checkpoint take ``quant_algo`` to say which linears carry an ``input_scale``."""
     experts = nvfp4_modules(model, NVFP4Experts)
-    return bool(experts) and all(INPUT_SCALE_BUFFERS[0] in m._buffers for _, m in experts)
+    with_input = bool(experts) and all(INPUT_SCALE_BUFFERS[0] in m._buffers for _, m in experts)
+    for name, m in nvfp4_modules(model, NVFP4Linear):
+        if (m.scheme.input_scale in m._buffers) != with_input:
+            raise ValueError(
+                f"cannot save as one ModelOpt quant_algo: NVFP4 linear {name} {'has' if not with_input else 'has no'} "
+                f"input scale while the experts {'have none' if not with_input else 'have them'}; load with "
+                "nvfp4_linears='dequantize' to save this checkpoint")
+    return with_input
 
 
 def nvfp4_modules(model: nn.Module, kind) -> list[tuple[str, nn.Module]]:

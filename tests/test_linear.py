@@ -178,3 +178,33 @@ def test_kept_compressed_tensors_linears_save_as_modelopt(tmp_path):
     ids = load_file(folder / "reference_logits.safetensors")["input_ids"]
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_kept_linears_keep_their_dtypes_under_model_casts_and_still_save_byte_for_byte(tmp_path):
+    folder = FIXTURES / "modelopt" / "deepseek_v3_nvfp4_default"
+    model = _load(folder, "nvfp4")
+    name, linear = next((n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Linear))
+    model.to(torch.bfloat16)
+    assert linear.weight_scale.dtype == torch.float8_e4m3fn and linear.weight_scale_2.dtype == torch.float32
+    ids = load_file(folder / "reference_logits.safetensors")["input_ids"]
+    with torch.no_grad():
+        model(ids)
+    model.save_pretrained(tmp_path)
+    original, saved = load_file(folder / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert saved[f"{name}.weight_scale"].dtype == torch.float8_e4m3fn
+    assert torch.equal(saved[f"{name}.weight_scale_2"], original[f"{name}.weight_scale_2"])
+    # the loading options survive the save, and the size Transformers plans with is the file's
+    assert model.config.quantization_config.nvfp4_linears == "nvfp4"
+    assert model.hf_quantizer.param_element_size(model, f"{name}.weight", linear.weight) == 1
+
+
+def test_a_save_whose_linears_and_experts_disagree_on_input_scales_is_refused_and_writes_nothing(tmp_path):
+    folder = FIXTURES / "llmcompressor" / "qwen3_moe_nvfp4"  # W4A4: experts and linears with input scales
+    model = _load(folder, "nvfp4")
+    name, linear = next((n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Linear))
+    del linear._buffers[linear.scheme.input_scale]
+    target = tmp_path / "out"
+    with pytest.raises(ValueError, match=f"NVFP4 linear {name} has no input scale"):
+        model.save_pretrained(target)
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+    assert isinstance(model.config.quantization_config, CompressedTensorsNVFP4Config)  # restored

@@ -51,7 +51,7 @@ def test_route_matches_python_grouping():
                                                        (3, 64, 130), (5, 4, 1)])
 def test_route_matches_python_grouping_across_chunks(num_experts, block_m, slots):
     # the routing program places 64 slots per step: several steps, a partial last one, more
-    # blocks than expert bins (the -1 fill loops), one slot, and the largest one-program batch
+    # blocks than expert bins (the -1 fill loops), one slot, and the largest batch the kernel routes
     ids = torch.randint(-1, num_experts + 1, (slots,))
     sorted_slot, block_expert, start, end = route(ids.to(DEVICE), num_experts, block_m)
     got = [(int(e), sorted_slot[int(a):int(b)].tolist()) for e, a, b in zip(block_expert, start, end) if e >= 0]

@@ -26,7 +26,7 @@ the routing launch) and GEMM1 writes its output already permuted for GEMM2. The 
 those shapes' packed weights in its own paired layout (:func:`paired_weight_layout`: rows r and
 r+8 per 32-bit word, bits pre-permuted), which cuts the decode from 2.25 to 1.5 instructions per
 element (a further 0.88-0.93x at decode); canonical weights still run, a little slower.
-Routing for decode-sized batches is one single-program kernel (sort + histogram); prefill-sized
+Routing for decode-sized batches is one kernel (a counting sort, 64 slots per program); prefill-sized
 batches use a few torch ops.
 
 Weight decode (exact): every dequantized weight is ``e2m1 * e4m3 * 2^-22`` in bf16 (at most 6

@@ -350,7 +350,7 @@ def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_pt
                   S, E, NUM_BLOCKS, x_ptr, x_fragment_ptr, X_NUMEL, H,
                   BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
                   CHUNK: tl.constexpr, X_BLOCK: tl.constexpr, ROUTE: tl.constexpr = True):
-    """:func:`route` (decode-sized S) in the first ``S / R_CHUNK`` programs: one launch instead
+    """:func:`route` (decode-sized S) in the first ``ceil(S / R_CHUNK)`` programs: one launch instead
     of ~12 torch ops. The other programs (if any) copy ``x [T, H]`` into :func:`fragment_order`
     with ``CHUNK``-wide chunks, which saves the permute's own launch. ROUTE=False: only the copy
     (prefill, where torch ops route).

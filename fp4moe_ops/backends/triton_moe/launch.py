@@ -21,7 +21,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-FAST_ROUTE_MAX_SLOTS = 4096  # one-program routing up to here; torch ops beyond (prefill)
+FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (prefill)
 ROUTE_CHUNK = 64  # slots each routing program places
 
 
@@ -137,7 +137,8 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     cfg["TMA"] = cfg["FRAGMENT_ORDER"] = tma
     # Gate and up tiles in separate programs: 2x the programs for GEMM1, which at decode has too
     # few to fill 132 SMs (1.07-1.09x at 1 and 8 tokens, within 4% elsewhere in the bucket).
-    # Costs an fp32 scratch of S x 2I (at most 8 rows x E: 34 MB for DeepSeek-V3 at 256 tokens).
+    # Costs an fp32 scratch of S x 2I (at most 8 rows x E where TMA fits, 16 elsewhere: 34 MB for
+    # DeepSeek-V3 at 256 tokens).
     cfg["SPLIT_GATE_UP"] = decode
     return cfg
 
