@@ -13,11 +13,10 @@ x's dtype.
 
 Backends: ``"reference"`` only, so far: pure torch on any device. It decodes the weight as
 ``e2m1 * block scale * per-tensor scale`` in float32 rounded once to x's dtype (the weight that
-dequantizing at load gives, and that ModelOpt's and llm-compressor's fake quant compute with), then
-multiplies and adds the bias in float32 and rounds once to x's dtype: a model that keeps its NVFP4
-linears gives the dequantized model's logits (bit for bit on CPU, where ``nn.Linear`` also
-accumulates in float32). Memory stays NVFP4 between calls (the decoded copy lives for one call);
-speed is not its purpose. A Hopper kernel for the GEMV and GEMM regimes and
+dequantizing at load gives, and that ModelOpt's and llm-compressor's fake quant compute with) and
+calls ``F.linear`` with it: exactly the dequantized ``nn.Linear``'s arithmetic, so a model that
+keeps its NVFP4 linears gives the dequantized model's logits. Memory stays NVFP4 between calls
+(the decoded copy lives for one call); the decode costs time on every call. A Hopper kernel for the GEMV and GEMM regimes and
 FlashInfer's FP4 GEMM on Blackwell are not written yet (issue 21). Like
 :func:`fp4moe_ops.op.fused_moe`, the real and the fake function share their checks, which read
 metadata only (no host syncs).
@@ -67,8 +66,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     """``y = x (e2m1 * weight_scale * weight_scale_2)^T + bias``: ``x [..., K]`` -> ``[..., N]``
     in x's dtype (tensors as in the module docstring)."""
     _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend)
-    w = nvfp4.dequantize_nvfp4(weight, weight_scale, weight_scale_2, x.dtype)
-    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(x, nvfp4.dequantize_nvfp4(weight, weight_scale, weight_scale_2, x.dtype), bias)
 
 
 @nvfp4_linear.register_fake

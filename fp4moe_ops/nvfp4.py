@@ -169,10 +169,24 @@ def dequantize_nvfp4(
         raise ValueError(f"global_scale {list(global_scale.shape)} must be [] or one per matrix "
                          f"{list(packed.shape[:-2])}")
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    values = e2m1_decode(unpack_e2m1(packed)).to(compute)
-    scale = block_scale.to(compute).repeat_interleave(BLOCK_SIZE, dim=-1)
-    g = global_scale.to(compute)[..., None, None]
-    return (values * scale * g).to(dtype)
+    # one table lookup per byte (both nibbles' values) and the scales broadcast over their
+    # 16-weight blocks: no [..., N, K] code or repeated-scale temporaries
+    values = _byte_values(packed.device, compute)[packed.int()]  # [..., N, K/2, 2]
+    values = values.reshape(*packed.shape[:-1], -1, BLOCK_SIZE)  # [..., N, K/16, 16]
+    out = values * block_scale.to(compute)[..., None] * global_scale.to(compute)[..., None, None, None]
+    return out.flatten(-2).to(dtype)
+
+
+_BYTE_VALUES: dict = {}
+
+
+def _byte_values(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[256, 2]``: the E2M1 values of each byte's low and high nibble (cached per device)."""
+    key = (str(device), dtype)
+    if key not in _BYTE_VALUES:
+        codes = torch.arange(256, dtype=torch.uint8, device=device)
+        _BYTE_VALUES[key] = e2m1_decode(torch.stack((codes & 0xF, codes >> 4), dim=-1)).to(dtype)
+    return _BYTE_VALUES[key]
 
 
 # --- FlashInfer / CUTLASS 128x4 block-scale swizzle -------------------------------------
