@@ -61,6 +61,16 @@ def test_route_matches_python_grouping_across_chunks(num_experts, block_m, slots
     assert set(sorted_slot[valid:].tolist()) == set(torch.nonzero((ids < 0) | (ids >= num_experts)).flatten().tolist())
 
 
+def test_route_drops_int64_ids_that_would_alias_a_valid_expert_in_32_bits():
+    ids = torch.tensor([[2**32 + 3, 1], [-(2**32) + 2, 3], [2**31, 0]])  # low 32 bits: 3, 2, -2^31
+    sorted_slot, block_expert, start, end = route(ids.to(DEVICE), 4, 16)
+    got = [(int(e), sorted_slot[int(a):int(b)].tolist()) for e, a, b in zip(block_expert, start, end) if e >= 0]
+    assert got == [(0, [5]), (1, [1]), (3, [3])]
+    sorted_slot, block_expert, start, end = route(ids.repeat(700, 1).to(DEVICE), 4, 16)  # > 4096 slots: torch
+    covered = [s for e, a, b in zip(block_expert, start, end) if e >= 0 for s in sorted_slot[int(a):int(b)].tolist()]
+    assert sorted(covered) == [s for s in range(6 * 700) if s % 6 in (1, 3, 5)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")
 def test_route_compiles_one_variant_for_every_token_count():

@@ -378,8 +378,9 @@ def _expert_keys(ids_ptr, start, end, E, BLOCK: tl.constexpr):
     """Expert ids of slots ``start .. start + BLOCK``: invalid ids -> bin E, slots at or past
     ``end`` -> bin E + 1 (counted nowhere that matters)."""
     offs = start + tl.arange(0, BLOCK)
-    key = tl.load(ids_ptr + offs, mask=offs < end, other=-1).to(tl.int32)
-    return offs, tl.where(offs < end, tl.where((key >= 0) & (key < E), key, E), E + 1)
+    key = tl.load(ids_ptr + offs, mask=offs < end, other=-1)
+    key = tl.where((key >= 0) & (key < E), key, E).to(tl.int32)  # checked before narrowing int64 ids
+    return offs, tl.where(offs < end, key, E + 1)
 
 @triton.jit
 def _count(ids_ptr, end, E, E_PAD: tl.constexpr, COUNT_BLOCK: tl.constexpr):
