@@ -94,6 +94,14 @@ def _load(folder, nvfp4_linears):
                                                 quantization_config=cls(nvfp4_linears=nvfp4_linears))
 
 
+def assert_reloads_identically(model, saved_folder, source_folder):
+    """The saved checkpoint loads back (NVFP4 linears kept) to the same logits, bit for bit."""
+    again = _load(saved_folder, "nvfp4")
+    ids = load_file(source_folder / "reference_logits.safetensors")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+
+
 def per_token_error(got, want):
     got, want = got.double().flatten(0, -2), want.double().flatten(0, -2)
     return (got - want).norm(dim=-1) / want.norm(dim=-1)
@@ -157,10 +165,7 @@ def test_kept_nvfp4_linears_save_back_byte_for_byte(tmp_path):
         assert a.dtype == b.dtype and a.shape == b.shape, k
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), k
-    again = _load(tmp_path, "nvfp4")
-    ids = load_file(folder / "reference_logits.safetensors")["input_ids"]
-    with torch.no_grad():
-        assert torch.equal(again(ids).logits, model(ids).logits)
+    assert_reloads_identically(model, tmp_path, folder)
 
 
 def test_kept_compressed_tensors_linears_save_as_modelopt(tmp_path):
@@ -174,10 +179,7 @@ def test_kept_compressed_tensors_linears_save_as_modelopt(tmp_path):
     assert saved[f"{name}.weight_scale_2"].shape == ()
     assert saved[f"{name}.weight_scale_2"] == 1.0 / original[f"{name}.weight_global_scale"][0]
     assert saved[f"{name}.input_scale"] == 1.0 / original[f"{name}.input_global_scale"][0]
-    again = _load(tmp_path, "nvfp4")
-    ids = load_file(folder / "reference_logits.safetensors")["input_ids"]
-    with torch.no_grad():
-        assert torch.equal(again(ids).logits, model(ids).logits)
+    assert_reloads_identically(model, tmp_path, folder)
 
 
 def test_kept_linears_keep_their_dtypes_under_model_casts_and_still_save_byte_for_byte(tmp_path):
