@@ -21,6 +21,8 @@ from torch import nn
 from fp4moe_ops import PreparedExperts, nvfp4, quantize_moe_weights
 from fp4moe_ops.prepared import QuantizedBuffers
 
+from .checkpoint_format import linear_tensors
+
 
 class LocalExperts:
     """The default dispatch of :class:`NVFP4Experts`: every expert is here, nothing to exchange."""
@@ -88,10 +90,12 @@ class NVFP4Linear(QuantizedBuffers):
     follows. Inference only: the op has no autograd formula and no autocast rule (under autocast
     it needs activations, and a bias, of one 16-bit dtype)."""
 
-    def __init__(self, linear: nn.Linear, scheme, input_scale: bool, backend: str = "reference"):
+    backend = "reference"  # fp4moe::nvfp4_linear's only backend so far
+
+    def __init__(self, linear: nn.Linear, scheme, input_scale: bool):
         super().__init__()
         n, k = linear.out_features, linear.in_features
-        self.in_features, self.out_features, self.scheme, self.backend = k, n, scheme, backend
+        self.in_features, self.out_features, self.scheme = k, n, scheme
         self.register_buffer(scheme.packed, torch.empty(n, k // 2, dtype=torch.uint8))
         self.register_buffer(scheme.block_scale, torch.empty(n, k // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn))
         self.register_buffer(scheme.global_scale, torch.empty(scheme.scalar_shape, dtype=torch.float32))
@@ -121,13 +125,9 @@ class NVFP4Linear(QuantizedBuffers):
         """This linear's tensors under ModelOpt's names (``{name}.weight`` ...): the file's own
         bytes for a ModelOpt checkpoint; compressed-tensors' dividing scales as their reciprocals."""
         b, s = self._buffers, self.scheme
-        out = {f"{name}.weight": b[s.packed], f"{name}.weight_scale": b[s.block_scale],
-               f"{name}.weight_scale_2": s.multiplier(b[s.global_scale]) if s.reciprocal else b[s.global_scale]}
-        if s.input_scale in b:
-            out[f"{name}.input_scale"] = s.multiplier(b[s.input_scale]) if s.reciprocal else b[s.input_scale]
-        if self.bias is not None:
-            out[f"{name}.bias"] = self.bias
-        return out
+        out = linear_tensors(name, b[s.packed], b[s.block_scale], s.multiplier(b[s.global_scale]),
+                             s.multiplier(b[s.input_scale]) if s.input_scale in b else None)
+        return out if self.bias is None else out | {f"{name}.bias": self.bias}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s = self._buffers, self.scheme
