@@ -11,15 +11,24 @@ Weights as a ModelOpt checkpoint holds them::
 Activations are not quantized (W4A16): ``x [..., K]`` bfloat16/float16 (float32 too) -> ``[..., N]`` of
 x's dtype.
 
-Backends: ``"reference"`` only, so far: pure torch on any device. It decodes the weight as
-``e2m1 * block scale * per-tensor scale`` in float32 rounded once to x's dtype (the weight that
-dequantizing at load gives, and that ModelOpt's and llm-compressor's fake quant compute with) and
-calls ``F.linear`` with it: exactly the dequantized ``nn.Linear``'s arithmetic, so a model that
-keeps its NVFP4 linears gives the dequantized model's logits. Memory stays NVFP4 between calls
-(the decoded copy lives for one call); the decode costs time on every call. A Hopper kernel for the GEMV and GEMM regimes and
-FlashInfer's FP4 GEMM on Blackwell are not written yet (issue 21). Like
-:func:`fp4moe_ops.op.fused_moe`, the real and the fake function share their checks, which read
-metadata only (no host syncs).
+Backends:
+
+* ``"reference"``: pure torch on any device. It decodes the weight as ``e2m1 * block scale *
+  per-tensor scale`` in float32 rounded once to x's dtype (the weight that dequantizing at load
+  gives, and that ModelOpt's and llm-compressor's fake quant compute with) and calls ``F.linear``
+  with it: exactly the dequantized ``nn.Linear``'s arithmetic, so a model that keeps its NVFP4
+  linears gives the dequantized model's logits. Memory stays NVFP4 between calls (the decoded copy
+  lives for one call); the decode costs time on every call.
+* ``"triton"`` (CUDA, compute capability 9.0+, 16-bit x, N % 64 == 0, K % 256 == 0): up to 64
+  tokens a GEMV-shaped kernel that reads the 4-bit weight once, decodes it exactly in registers
+  and multiplies on the tensor cores (split along K where N alone gives too few programs), the
+  global scale applied to the float32 sum, so it is closer to float64 than the reference; past
+  64 tokens one kernel decodes the weight to 16 bits (bitwise the reference's weight) and cuBLAS
+  multiplies. See :mod:`fp4moe_ops.backends.triton_moe.launch`.
+* ``"auto"``: ``"triton"`` where it runs, else ``"reference"``.
+
+FlashInfer's FP4 GEMM on Blackwell is not wired (issue 21). Like :func:`fp4moe_ops.op.fused_moe`,
+the real and the fake function share their checks, which read metadata only (no host syncs).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import torch.nn.functional as F
 
 from . import nvfp4
 
-LINEAR_BACKENDS = ("reference",)
+LINEAR_BACKENDS = ("auto", "reference", "triton")
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -58,19 +67,41 @@ def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend) -> Non
                     ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if backend == "triton":
+        reason = _triton_refusal(x, weight)
+        if reason:
+            raise ValueError(f"nvfp4_linear backend 'triton' cannot run this call: {reason}")
+
+
+def _triton_refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    try:
+        from .backends.triton_moe.launch import linear_supported
+    except ImportError as e:  # pragma: no cover - a torch without triton
+        return str(e)
+    return linear_supported(x, weight)
+
+
+def _resolve(backend: str, x: torch.Tensor, weight: torch.Tensor) -> str:
+    if backend == "auto":
+        return "reference" if _triton_refusal(x, weight) else "triton"
+    return backend
 
 
 @torch.library.custom_op("fp4moe::nvfp4_linear", mutates_args=())
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
-                 bias: torch.Tensor | None = None, backend: str = "reference") -> torch.Tensor:
+                 bias: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """``y = x (e2m1 * weight_scale * weight_scale_2)^T + bias``: ``x [..., K]`` -> ``[..., N]``
     in x's dtype (tensors as in the module docstring)."""
     _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend)
+    if _resolve(backend, x, weight) == "triton":
+        from .backends.triton_moe.launch import triton_nvfp4_linear
+
+        return triton_nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias)
     return F.linear(x, nvfp4.dequantize_nvfp4(weight, weight_scale, weight_scale_2, x.dtype), bias)
 
 
 @nvfp4_linear.register_fake
-def _(x, weight, weight_scale, weight_scale_2, bias=None, backend="reference"):
+def _(x, weight, weight_scale, weight_scale_2, bias=None, backend="auto"):
     _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend)
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 

@@ -68,7 +68,7 @@ def test_nvfp4_linear_compiles_without_graph_breaks_and_dynamic_tokens():
     (dict(x=lambda x: x.double()), TypeError, "x must be"),
     (dict(bias=lambda b: torch.zeros(31, dtype=torch.bfloat16)), TypeError, "bias must be"),
     (dict(bias=lambda b: torch.zeros(32)), TypeError, "bias must be"),
-    (dict(backend=lambda b: "triton"), ValueError, "unknown nvfp4_linear backend 'triton'"),
+    (dict(backend=lambda b: "cutlass"), ValueError, "unknown nvfp4_linear backend 'cutlass'"),
 ])
 def test_nvfp4_linear_refuses_bad_inputs_by_name(change, error, words):
     packed, scale, g = nvfp4_weight(32, 64)
@@ -80,6 +80,111 @@ def test_nvfp4_linear_refuses_bad_inputs_by_name(change, error, words):
         fp4moe_ops.nvfp4_linear(**args)
     with pytest.raises(error, match=words), torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
         fp4moe_ops.nvfp4_linear(**args)  # the fake function runs the same checks
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def triton_linear(x, packed, scale, g, bias=None, config=None):
+    """The Triton backend: through the op on a GPU, the launcher itself in Triton's CPU interpreter."""
+    from fp4moe_ops.backends.triton_moe.launch import triton_nvfp4_linear
+
+    if config is None and x.is_cuda:
+        return fp4moe_ops.nvfp4_linear(x, packed, scale, g, bias, backend="triton")
+    return triton_nvfp4_linear(x, packed, scale, g, bias, config)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,parts,bias", [(1, None, False), (3, 1, True), (9, 4, False), (20, None, True),
+                                               (40, 2, False), (70, None, True)])
+def test_triton_linear_matches_float64(dtype, tokens, parts, bias):
+    # GEMV path at 1-64 tokens (16/32/64-row blocks, K split in 1, 2 or 4 parts or as chosen),
+    # dequantize + F.linear past 64; N = 192 is three 64-row tiles, K = 1024 four 256-wide steps
+    from fp4moe_ops.backends.triton_moe.launch import linear_config
+
+    n, k = 192, 1024
+    packed, scale, g = (t.to(DEVICE) for t in nvfp4_weight(n, k))
+    x = torch.randn(tokens, k, dtype=dtype, device=DEVICE)
+    b = torch.randn(n, dtype=dtype, device=DEVICE) if bias else None
+    config = linear_config(tokens, n, k)
+    if parts:
+        config["PARTS"] = parts
+    got = triton_linear(x, packed, scale, g, b, config).cpu()
+    want = linear64(x.cpu(), packed.cpu(), scale.cpu(), g.cpu(), None if b is None else b.cpu())
+    w64 = dequant64(packed.cpu(), scale.cpu(), g.cpu())
+    abs_products = x.cpu().double().abs() @ w64.abs().T
+    if config["path"] == "gemv":
+        # The weight decodes exactly; errors: float32 summation (<= K 2^-24 sum|x w|) and one
+        # rounding of the result to the dtype (half an ulp on a GPU; Triton's CPU interpreter
+        # truncates bf16: under one ulp, <= 2^-7 |y|; fp16 2^-10). The reference backend's weight
+        # rounding (u sum|x w|) is absent: any decode or pairing error is far above this bound.
+        out_round = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+        bound = k * 2.0**-24 * abs_products + out_round * want.abs() + 1e-30
+    else:  # the reference's arithmetic: the bound of test_nvfp4_linear_matches_float64
+        u = 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12
+        bound = 2 * u * abs_products + 4 * u * want.abs()
+    assert got.dtype == dtype and got.shape == (tokens, n)
+    assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_dequantize_kernel_is_bitwise_the_reference_weight(dtype):
+    from fp4moe_ops.backends.triton_moe.kernels import _dequant_kernel
+    from fp4moe_ops.backends.triton_moe.launch import interpreting
+
+    if dtype == torch.bfloat16 and not torch.cuda.is_available():
+        pytest.skip("Triton's CPU interpreter truncates float32 -> bf16 (the GPU rounds to nearest)")
+    packed, scale, g = (t.to(DEVICE) for t in nvfp4_weight(128, 512, seed=3))
+    out = torch.empty(128, 512, dtype=dtype, device=DEVICE)
+    _dequant_kernel[(2, 2)](packed, scale.view(torch.uint8), g, out, 512, BN=64, BK=256, FAST_DECODE=not interpreting())
+    assert torch.equal(out, nvfp4.dequantize_nvfp4(packed, scale, g, dtype))
+
+
+def test_linear_config_splits_k_to_fill_the_gpu_and_switches_to_cublas_past_64_tokens():
+    from fp4moe_ops.backends.triton_moe.launch import SM_COUNT_TARGET, linear_config
+
+    q_a = linear_config(1, 1536, 7168)  # DeepSeek-V3 q_a_proj: 24 weight tiles of 64 rows
+    assert q_a["path"] == "gemv" and q_a["PARTS"] == 4 and 7168 // 256 % q_a["PARTS"] == 0
+    o_proj = linear_config(8, 7168, 16384)  # 112 tiles
+    assert o_proj["PARTS"] == 4 and 112 * o_proj["PARTS"] >= SM_COUNT_TARGET
+    assert linear_config(1, 32768, 512)["PARTS"] == 1  # kv_b_proj: 512 tiles already
+    assert linear_config(64, 7168, 2048)["BM"] == 64 and linear_config(65, 7168, 2048)["path"] == "dequantize"
+
+
+def test_triton_linear_refusals_name_the_reason_and_auto_falls_back_to_the_reference():
+    packed, scale, g = nvfp4_weight(32, 64)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="backend 'triton' cannot run this call: .*(on cpu|multiple of 64)"):
+        fp4moe_ops.nvfp4_linear(x, packed, scale, g, backend="triton")
+    assert torch.equal(fp4moe_ops.nvfp4_linear(x, packed, scale, g), fp4moe_ops.nvfp4_linear(x, packed, scale, g,
+                                                                                             backend="reference"))
+    from fp4moe_ops.backends.triton_moe.launch import linear_supported
+
+    assert "multiple of 64" in linear_supported(x.to(DEVICE), torch.empty(48, 128, dtype=torch.uint8)) or not \
+        torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_linear_compiles_and_replays_in_a_cuda_graph():
+    packed, scale, g = (t.cuda() for t in nvfp4_weight(256, 512, seed=5))
+
+    def f(x):
+        return fp4moe_ops.nvfp4_linear(x, packed, scale, g, backend="auto") * 2
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for t in (1, 7, 33, 100):  # both paths
+        x = torch.randn(t, 512, dtype=torch.bfloat16, device="cuda")
+        assert torch.equal(compiled(x), f(x))
+    static = torch.randn(4, 512, dtype=torch.bfloat16, device="cuda")
+    f(static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f(static)
+    fresh = torch.randn(4, 512, dtype=torch.bfloat16, device="cuda")
+    static.copy_(fresh)
+    graph.replay()
+    assert torch.equal(out, f(fresh))
 
 
 def test_nvfp4_linears_option_is_checked():

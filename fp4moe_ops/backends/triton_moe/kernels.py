@@ -208,9 +208,9 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                    BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
                    w_desc=None, s_desc=None, desc_row=0, TMA: tl.constexpr = False,
                    FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
-                   FAST_SCALES: tl.constexpr = True):
-    """``acc [BN, BM] += W[rows, :K] @ A[a_rows, :K]^T`` with W NVFP4 ``[*, K/2]`` bytes
-    (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk).
+                   FAST_SCALES: tl.constexpr = True, k_lo=0, k_hi=0):
+    """``acc [BN, BM] += W[rows, k_lo:k_hi] @ A[a_rows, k_lo:k_hi]^T`` (``k_hi = 0``: K) with W NVFP4
+    ``[*, K/2]`` bytes (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk).
 
     The weight tile is the MMA's M side ("swap AB"): decode's few tokens sit on the narrow
     N side. With PREFETCH the next tile's bytes are loaded before this tile is decoded, so
@@ -223,10 +223,11 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     w_ptrs = w_ptr + rows[:, None] * (K // 2) + kb[None, :]
     s_ptrs = s_ptr + rows[:, None] * (K // 16) + ks[None, :]
     a_ptrs = a_ptr + a_rows[None, :] * K + kk[:, None]
+    k_end = K if k_hi == 0 else k_hi
     if not TMA:
-        packed = tl.load(w_ptrs)
-        sbytes = tl.load(s_ptrs)
-    for k0 in range(0, K, BK):
+        packed = tl.load(w_ptrs + k_lo // 2)
+        sbytes = tl.load(s_ptrs + k_lo // 16)
+    for k0 in range(k_lo, k_end, BK):
         a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
         if TMA:  # bulk tensor copies, which Triton pipelines over num_stages
             if PAIRED:  # [BN/2, BK] bytes of row-pair words
@@ -238,7 +239,7 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
             else:  # a scale box row under 16 bytes is not allowed: plain loads (BK/16 bytes per row)
                 sbytes = tl.load(s_ptrs + k0 // 16)
         elif PREFETCH:
-            more = (k0 + BK) < K  # the last iteration loads nothing
+            more = (k0 + BK) < k_end  # the last iteration loads nothing
             packed_next = tl.load(w_ptrs + (k0 + BK) // 2, mask=(kb[None, :] * 0 + more) != 0, other=0)
             sbytes_next = tl.load(s_ptrs + (k0 + BK) // 16, mask=(ks[None, :] * 0 + more) != 0, other=0)
         else:
@@ -439,3 +440,68 @@ def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.c
         valid = col_mask & (e >= 0) & (e < E)  # unused slots were never written
         acc += tl.load(y_ptr + (t * TOPK + j) * H + cols, mask=valid, other=0.0)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+# --- NVFP4 linear layers (fp4moe::nvfp4_linear) ------------------------------------------------
+
+@triton.jit(do_not_specialize=["T"])
+def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, T, N, K, K_PART, w_desc, s_desc,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST_DECODE: tl.constexpr,
+                   INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr):
+    """Per (N tile, M block, K part) program: ``W[cols, part] @ x[rows, part]^T`` (the weight tile on
+    the MMA's M side, as in the experts' decode) times the global scale. One part: + bias, stored
+    in x's dtype into ``out [T, N]``; several (split K, to fill the GPU when N / BN is small):
+    float32 partial sums into ``out [PARTS, T, N]``, finished by :func:`_linear_parts_kernel`.
+    ``x`` has its K axis in fragment order per BK chunk; weights and scales come through TMA."""
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    row_mask = rows < T
+    part = tl.program_id(2)
+    k_lo = part * K_PART
+    acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_ptr, s_ptr, cols, x_ptr, rows.to(tl.int64),
+                         row_mask, K, BN, BK, False, FAST_DECODE, INTERPRET, w_desc, s_desc, tl.program_id(0) * BN,
+                         True, True, False, True, k_lo, k_lo + K_PART)
+    g = tl.load(g_ptr)
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        g = g * 4194304.0  # the decoded tiles' 2^-22
+    y = acc * g
+    offs = rows[None, :].to(tl.int64) * N + cols[:, None]
+    if PARTS == 1:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=row_mask[None, :])
+    else:
+        tl.store(out_ptr + part.to(tl.int64) * T * N + offs, y, mask=row_mask[None, :])
+
+@triton.jit(do_not_specialize=["NUMEL"])
+def _linear_parts_kernel(parts_ptr, bias_ptr, out_ptr, NUMEL, N, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """``out = sum of the PARTS float32 partial sums (+ bias)``, in out's dtype; a fixed order, no atomics."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < NUMEL
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in tl.static_range(PARTS):
+        acc += tl.load(parts_ptr + p * NUMEL + idx, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + idx % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, g_ptr, out_ptr, K, BN: tl.constexpr, BK: tl.constexpr,
+                    FAST_DECODE: tl.constexpr):
+    """``out [N, K]`` (16-bit) = e2m1 * block scale * global scale, the product in float32 rounded
+    once: bitwise what :func:`fp4moe_ops.nvfp4.dequantize_nvfp4` gives (the exact decoded tile times
+    ``2^22 g`` is the same float32 product). For prefill, where cuBLAS then does the GEMM."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * BK
+    kb = tl.arange(0, BK // 2)
+    ks = tl.arange(0, BK // 16)
+    packed = tl.load(w_ptr + rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + kb[None, :])
+    sbytes = tl.load(s_ptr + rows[:, None].to(tl.int64) * (K // 16) + k0 // 16 + ks[None, :])
+    dtype = out_ptr.dtype.element_ty
+    w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE).to(tl.float32)
+    g = tl.load(g_ptr)
+    if dtype == tl.bfloat16:
+        g = g * 4194304.0
+    kk = k0 + tl.arange(0, BK)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + kk[None, :], (w * g).to(dtype))

@@ -1,5 +1,6 @@
 """Launching the Triton backend's kernels: routing (slots grouped by expert into row blocks),
-the tile table by shape bucket, and the launch sequence of one call."""
+the tile table by shape bucket, and the launch sequence of one call; the same for one NVFP4
+linear layer (``fp4moe::nvfp4_linear``'s ``"triton"`` backend)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from .layout import fits_tma, fragment_order
 try:
     import triton
 
-    from .kernels import _gemm1_swiglu_kernel, _gemm2_kernel, _route_kernel, _silu_mul_kernel, _sum_topk_kernel
+    from .kernels import _dequant_kernel, _gemm1_swiglu_kernel, _gemm2_kernel, _linear_kernel, _linear_parts_kernel, \
+        _route_kernel, _silu_mul_kernel, _sum_topk_kernel
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
@@ -223,5 +225,90 @@ def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_expe
     bh = min(1024, triton.next_power_of_2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, bh))](
         y, topk_ids.contiguous(), out, hidden, num_experts, TOPK=topk_ids.shape[1], BH=bh,
+    )
+    return out
+
+
+# --- NVFP4 linear layers -----------------------------------------------------------------------
+
+LINEAR_GEMV_MAX_TOKENS = 64  # past this, decode the weight to 16 bits once and let cuBLAS multiply
+SM_COUNT_TARGET = 264  # programs to aim for: two per SM of an H100/H200 (132 SMs)
+
+
+def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why the Triton linear cannot run these tensors, or None: a CUDA device of compute
+    capability 9.0+ (TMA), 16-bit activations, N a multiple of 64 and K of 256 (its tiles)."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    if triton is None:
+        return "Triton is not installed"
+    if not x.is_cuda:  # (tests call triton_nvfp4_linear itself in Triton's CPU interpreter)
+        return f"x is on {x.device}, the Triton linear runs on CUDA"
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return "the Triton linear needs TMA (compute capability 9.0+)"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"x is {x.dtype}; the Triton linear takes bfloat16 or float16"
+    if n % 64 or k % 256:
+        return f"weight [N={n}, K={k}]: the Triton linear needs N a multiple of 64 and K of 256"
+    return None
+
+
+def linear_config(tokens: int, n: int, k: int) -> dict:
+    """Tiles for ``[tokens, k] x [n, k]^T``: the GEMV path (up to LINEAR_GEMV_MAX_TOKENS tokens),
+    split along K until about SM_COUNT_TARGET programs run, or the dequantize + cuBLAS path."""
+    if tokens > LINEAR_GEMV_MAX_TOKENS:
+        return dict(path="dequantize", BN=64, BK=256)
+    bm = 16 if tokens <= 16 else 32 if tokens <= 32 else 64
+    bn, bk = 64, 256
+    tiles = (n // bn) * triton.cdiv(tokens, bm)
+    steps = k // bk
+    parts = 1
+    while tiles * parts < SM_COUNT_TARGET and parts * 2 <= 8 and steps % (parts * 2) == 0:
+        parts *= 2
+    return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, num_warps=4, num_stages=3)
+
+
+def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None,
+                        config: dict | None = None) -> torch.Tensor:
+    """``x [..., K]`` (bf16/fp16) x NVFP4 ``weight [N, K/2]`` -> ``[..., N]``; see
+    :func:`linear_supported` for what runs. No host syncs; the tiles depend on shapes only."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    x2 = x.reshape(-1, k).contiguous()
+    tokens = x2.shape[0]
+    cfg = config or linear_config(tokens, n, k)
+    fast = not interpreting()
+    if cfg["path"] == "dequantize":
+        w = torch.empty(n, k, dtype=x.dtype, device=x.device)
+        _dequant_kernel[(n // cfg["BN"], k // cfg["BK"])](weight, weight_scale.view(torch.uint8), weight_scale_2, w, k,
+                                                        BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast)
+        return torch.nn.functional.linear(x, w, bias)
+    out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out.reshape(*x.shape[:-1], n)
+    bm, bn, bk, parts = cfg["BM"], cfg["BN"], cfg["BK"], cfg["PARTS"]
+    x_fragment = _fragment_copy(x2, bk)
+    w_desc, s_desc = _descriptors(weight[None], weight_scale.view(torch.uint8)[None], bn, bk)
+    target = out if parts == 1 else torch.empty(parts, tokens, n, dtype=torch.float32, device=x.device)
+    has_bias = bias is not None
+    _linear_kernel[(n // bn, triton.cdiv(tokens, bm), parts)](
+        x_fragment, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out, target,
+        tokens, n, k, k // parts, w_desc, s_desc, BM=bm, BN=bn, BK=bk, FAST_DECODE=fast, INTERPRET=interpreting(),
+        HAS_BIAS=has_bias, PARTS=parts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if parts > 1:
+        block = 1024
+        _linear_parts_kernel[(triton.cdiv(tokens * n, block),)](target, bias if has_bias else out, out, tokens * n, n,
+                                                                PARTS=parts, HAS_BIAS=has_bias, BLOCK=block)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _fragment_copy(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``x [T, K]`` in :func:`fragment_order` (``chunk``-wide pieces): the routing kernel's copy-only mode."""
+    out = torch.empty_like(x)
+    unused = torch.empty(4, dtype=torch.int32, device=x.device)  # the routing pointers (not read)
+    block = 1024
+    _route_kernel[(triton.cdiv(x.numel(), block),)](
+        unused, unused, unused, unused, unused, 0, 1, 0, x, out, x.numel(), x.shape[-1], BM=16, E_PAD=4, R_CHUNK=ROUTE_CHUNK,
+        COUNT_BLOCK=1024, CHUNK=chunk, X_BLOCK=block, ROUTE=False, num_warps=4,
     )
     return out
