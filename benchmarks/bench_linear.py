@@ -1,13 +1,17 @@
 """``fp4moe::nvfp4_linear`` against BF16 ``F.linear`` at DeepSeek-V3's attention and shared-expert
-shapes (issue 21's acceptance table), in one process: median time per call, CUDA-graph replay
-over 4 input sets on a GPU (wall time on CPU), for 1-8192 tokens. Each call's output is checked
-against BF16 ``F.linear`` on the dequantized weight first (relative error printed).
+shapes (issue 21's acceptance table), all in one process: median time per call, CUDA-graph replay
+on a GPU (wall time on CPU), for 1-8192 tokens.
 
     python benchmarks/bench_linear.py --tokens 1,8,64,512,2048,8192      # GPU
     python benchmarks/bench_linear.py --tokens 1,8 --small                # CPU smoke run
 
-Floor: the NVFP4 weight bytes (N x K x 0.5625) at the measured copy bandwidth; BF16 reads 2 bytes
-per weight. Not run on the GPU yet (2026-12-01: no device time left when it was written).
+Columns: the op as ``"auto"`` chooses (the Triton kernel on a GPU), the Triton GEMV path and the
+dequantize + cuBLAS path forced (where they differ from auto), the ``"reference"`` backend (decode in
+torch every call), and BF16 ``F.linear`` on the dequantized weight. Each graph cycles through
+enough distinct weight copies (>= 150 MB of NVFP4 bytes, 3x the H200's 50 MB L2) that weights
+come from HBM, as they do in a model. Floor: NVFP4 weight + scale bytes (N K 0.5625) at the
+measured copy bandwidth, or the BF16 GEMM at ``--tflops`` where that is longer. Every output is
+checked against BF16 ``F.linear`` first (relative error printed).
 """
 
 import argparse
@@ -47,26 +51,63 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,8,64,512,2048,8192")
     ap.add_argument("--small", action="store_true", help="shapes / 8 (a CPU smoke run)")
+    ap.add_argument("--shapes", default="", help="comma-separated names from SHAPES (default: all)")
+    ap.add_argument("--tflops", type=float, default=790.0, help="BF16 dense tensor-core rate for the floor")
+    ap.add_argument("--reference", action="store_true", help="also time the reference backend")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}")
-    print("| layer | N | K | tokens | nvfp4_linear ms | F.linear BF16 ms | ratio | rel err vs BF16 F.linear |")
-    print("|---|---|---|---|---|---|---|---|")
+    from fp4moe_ops.backends.triton_moe.launch import linear_config, linear_supported, triton_nvfp4_linear
+
+    bw = float("nan")
+    if cuda:
+        from bench_moe import copy_bandwidth
+
+        bw = copy_bandwidth(device)
+    print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}, "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    print("| layer | N | K | tokens | floor ms | auto ms | x floor | GEMV ms | dequant+cuBLAS ms | reference ms "
+          "| F.linear BF16 ms | BF16 / auto | rel err vs BF16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    wanted = set(args.shapes.split(",")) if args.shapes else None
     for name, n, k in SHAPES:
+        if wanted and name not in wanted:
+            continue
         if args.small:
-            n, k = max(16, n // 8), max(16, k // 8)
-        q = nvfp4.quantize_nvfp4(torch.randn(n, k, device=device) / k**0.5)
-        w, s, g = q.packed, q.block_scale, q.global_scale.reshape(())
-        bf16 = nvfp4.dequantize_nvfp4(w, s, g, torch.bfloat16)
+            n, k = max(64, n // 8), max(256, k // 8)
+        fp4_bytes = n * k * 0.5625
+        copies = max(2, min(64, int(150e6 // fp4_bytes) + 1)) if cuda else 1
+        weights = []
+        for _ in range(copies):
+            q = nvfp4.quantize_nvfp4(torch.randn(n, k, device=device) / k**0.5)
+            w, s, g = q.packed, q.block_scale, q.global_scale.reshape(())
+            weights.append((w, s, g, nvfp4.dequantize_nvfp4(w, s, g, torch.bfloat16)))
         for t in (int(x) for x in args.tokens.split(",")):
-            inputs = [(torch.randn(t, k, device=device, dtype=torch.bfloat16),) for _ in range(4)]
-            ours = time_ms(lambda x: fp4moe_ops.nvfp4_linear(x, w, s, g), inputs, cuda)
-            base = time_ms(lambda x: F.linear(x, bf16), inputs, cuda)
-            x = inputs[0][0]
-            got, want = fp4moe_ops.nvfp4_linear(x, w, s, g).double(), F.linear(x, bf16).double()
+            inputs = [(torch.randn(t, k, device=device, dtype=torch.bfloat16), *weights[i]) for i in range(copies)]
+            floor = max(fp4_bytes / bw, 2 * t * n * k / (args.tflops * 1e12)) * 1e3
+            x, w, s, g, bf16 = inputs[0]
+            want = F.linear(x, bf16).double()
+            got = fp4moe_ops.nvfp4_linear(x, w, s, g).double()
             err = ((got - want).norm() / want.norm()).item()
-            print(f"| {name} | {n} | {k} | {t} | {ours:.4f} | {base:.4f} | {ours / base:.2f}x | {err:.1e} |", flush=True)
+            auto = time_ms(lambda x, w, s, g, b: fp4moe_ops.nvfp4_linear(x, w, s, g), inputs, cuda)
+            base = time_ms(lambda x, w, s, g, b: F.linear(x, b), inputs, cuda)
+            cols = {}
+            if linear_supported(x, w) is None:
+                for path in ("gemv", "dequantize"):
+                    cfg = linear_config(min(t, 64) if path == "gemv" else 65, n, k)
+                    if path == "gemv" and t > 64:
+                        continue  # the GEMV tiles stop at 64-row blocks
+                    cols[path] = time_ms(lambda x, w, s, g, b, c=cfg: triton_nvfp4_linear(x, w, s, g, None, c),
+                                         inputs, cuda)
+            ref = time_ms(lambda x, w, s, g, b: fp4moe_ops.nvfp4_linear(x, w, s, g, backend="reference"),
+                          inputs[:4], cuda) if args.reference or not cuda else float("nan")
+            fmt = lambda v: "" if v is None else f"{v:.4f}"  # noqa: E731
+            print(f"| {name} | {n} | {k} | {t} | {floor:.4f} | {auto:.4f} | {auto / floor:.2f}x | "
+                  f"{fmt(cols.get('gemv'))} | {fmt(cols.get('dequantize'))} | {ref:.4f} | {base:.4f} | "
+                  f"{base / auto:.2f}x | {err:.1e} |", flush=True)
+        del weights, inputs
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

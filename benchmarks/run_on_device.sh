@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu
 for step in "$@"; do
   case $step in
     smoke) python3 .device/smoke.py 2>&1 | tee "$OUT/smoke.log" ;;
-    tests) timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py tests/test_triton_backend.py 2>&1 | tee "$OUT/tests.log" | grep -E "rel err|passed|failed|Error|error" ;;
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_triton_backend.py} 2>&1 | tee "$OUT/tests.log" | grep -E "rel err|passed|failed|Error|error" ;;
     bench) timeout 400 python3 benchmarks/bench_moe.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     sweep) timeout 300 python3 benchmarks/sweep_triton.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" ;;
     profile) timeout 120 python3 benchmarks/profile_layer.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
@@ -19,7 +19,7 @@ for step in "$@"; do
     e2e) timeout ${E2E_TIMEOUT:-330} python3 benchmarks/bench_e2e.py --out "$OUT" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | grep -v -i warn ;;
     route) TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 benchmarks/bench_route.py 2>&1 | tee "$OUT/route.log" ;;
     firstpass) timeout 400 python3 benchmarks/bench_first_pass.py --out "$OUT" ${FIRSTPASS_ARGS:-} 2>&1 | tee "$OUT/first_pass.log" | grep "^|" ;;
-    linear) timeout 200 python3 benchmarks/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/linear.log" ;;
+    linear) timeout ${LINEAR_TIMEOUT:-200} python3 benchmarks/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/linear.log" ;;
     patchmem) timeout 200 python3 benchmarks/bench_patch_memory.py --device cuda ${PATCHMEM_ARGS:---layers 2 --experts 256 --hidden 7168 --inter 2048} 2>&1 | tee "$OUT/patch_memory.log" | grep -v -i warn ;;
   esac
 done
