@@ -208,9 +208,10 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                    BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
                    w_desc=None, s_desc=None, desc_row=0, TMA: tl.constexpr = False,
                    FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
-                   FAST_SCALES: tl.constexpr = True, k_lo=0, k_hi=0):
+                   FAST_SCALES: tl.constexpr = True, k_lo=0, k_hi=0, A_NATURAL: tl.constexpr = False):
     """``acc [BN, BM] += W[rows, k_lo:k_hi] @ A[a_rows, k_lo:k_hi]^T`` (``k_hi = 0``: K) with W NVFP4
-    ``[*, K/2]`` bytes (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk).
+    ``[*, K/2]`` bytes (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk,
+    or with A_NATURAL too, A is in natural order and read permuted: for small A, no copy to make).
 
     The weight tile is the MMA's M side ("swap AB"): decode's few tokens sit on the narrow
     N side. With PREFETCH the next tile's bytes are loaded before this tile is decoded, so
@@ -222,7 +223,10 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     kk = tl.arange(0, BK)
     w_ptrs = w_ptr + rows[:, None] * (K // 2) + kb[None, :]
     s_ptrs = s_ptr + rows[:, None] * (K // 16) + ks[None, :]
-    a_ptrs = a_ptr + a_rows[None, :] * K + kk[:, None]
+    if FRAGMENT_ORDER and A_NATURAL:
+        a_ptrs = a_ptr + a_rows[None, :] * K + _fragment_source(kk, BK)[:, None]
+    else:
+        a_ptrs = a_ptr + a_rows[None, :] * K + kk[:, None]
     k_end = K if k_hi == 0 else k_hi
     if not TMA:
         packed = tl.load(w_ptrs + k_lo // 2)
@@ -451,8 +455,9 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, T, N, K, K_PAR
     """Per (N tile, M block, K part) program: ``W[cols, part] @ x[rows, part]^T`` (the weight tile on
     the MMA's M side, as in the experts' decode) times the global scale. One part: + bias, stored
     in x's dtype into ``out [T, N]``; several (split K, to fill the GPU when N / BN is small):
-    float32 partial sums into ``out [PARTS, T, N]``, finished by :func:`_linear_parts_kernel`.
-    ``x`` has its K axis in fragment order per BK chunk; weights and scales come through TMA."""
+    float32 partial sums into ``out [PARTS, T, N]``, finished by :func:`_linear_parts_kernel` (a
+    part past K stores zeros). ``x [T, K]`` is in natural order (read in fragment order); weights
+    and scales come through TMA."""
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     row_mask = rows < T
@@ -460,7 +465,7 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, T, N, K, K_PAR
     k_lo = part * K_PART
     acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_ptr, s_ptr, cols, x_ptr, rows.to(tl.int64),
                          row_mask, K, BN, BK, False, FAST_DECODE, INTERPRET, w_desc, s_desc, tl.program_id(0) * BN,
-                         True, True, False, True, k_lo, k_lo + K_PART)
+                         True, True, False, True, k_lo, tl.minimum(k_lo + K_PART, K), True)
     g = tl.load(g_ptr)
     if x_ptr.dtype.element_ty == tl.bfloat16:
         g = g * 4194304.0  # the decoded tiles' 2^-22

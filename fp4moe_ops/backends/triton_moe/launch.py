@@ -233,6 +233,7 @@ def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_expe
 
 LINEAR_GEMV_MAX_TOKENS = 64  # past this, decode the weight to 16 bits once and let cuBLAS multiply
 SM_COUNT_TARGET = 264  # programs to aim for: two per SM of an H100/H200 (132 SMs)
+LINEAR_MAX_PARTS = 16  # K split at most this many ways (each part's float32 sums are written once)
 
 
 def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -261,9 +262,7 @@ def linear_config(tokens: int, n: int, k: int) -> dict:
     bn, bk = 64, 256
     tiles = (n // bn) * triton.cdiv(tokens, bm)
     steps = k // bk
-    parts = 1
-    while tiles * parts < SM_COUNT_TARGET and parts * 2 <= 8 and steps % (parts * 2) == 0:
-        parts *= 2
+    parts = max(1, min(LINEAR_MAX_PARTS, steps, triton.cdiv(SM_COUNT_TARGET, tiles)))
     return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, num_warps=4, num_stages=3)
 
 
@@ -286,13 +285,12 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if tokens == 0:
         return out.reshape(*x.shape[:-1], n)
     bm, bn, bk, parts = cfg["BM"], cfg["BN"], cfg["BK"], cfg["PARTS"]
-    x_fragment = _fragment_copy(x2, bk)
     w_desc, s_desc = _descriptors(weight[None], weight_scale.view(torch.uint8)[None], bn, bk)
     target = out if parts == 1 else torch.empty(parts, tokens, n, dtype=torch.float32, device=x.device)
     has_bias = bias is not None
     _linear_kernel[(n // bn, triton.cdiv(tokens, bm), parts)](
-        x_fragment, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out, target,
-        tokens, n, k, k // parts, w_desc, s_desc, BM=bm, BN=bn, BK=bk, FAST_DECODE=fast, INTERPRET=interpreting(),
+        x2, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out, target,
+        tokens, n, k, triton.cdiv(k // bk, parts) * bk, w_desc, s_desc, BM=bm, BN=bn, BK=bk, FAST_DECODE=fast, INTERPRET=interpreting(),
         HAS_BIAS=has_bias, PARTS=parts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if parts > 1:
@@ -300,15 +298,3 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         _linear_parts_kernel[(triton.cdiv(tokens * n, block),)](target, bias if has_bias else out, out, tokens * n, n,
                                                                 PARTS=parts, HAS_BIAS=has_bias, BLOCK=block)
     return out.reshape(*x.shape[:-1], n)
-
-
-def _fragment_copy(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``x [T, K]`` in :func:`fragment_order` (``chunk``-wide pieces): the routing kernel's copy-only mode."""
-    out = torch.empty_like(x)
-    unused = torch.empty(4, dtype=torch.int32, device=x.device)  # the routing pointers (not read)
-    block = 1024
-    _route_kernel[(triton.cdiv(x.numel(), block),)](
-        unused, unused, unused, unused, unused, 0, 1, 0, x, out, x.numel(), x.shape[-1], BM=16, E_PAD=4, R_CHUNK=ROUTE_CHUNK,
-        COUNT_BLOCK=1024, CHUNK=chunk, X_BLOCK=block, ROUTE=False, num_warps=4,
-    )
-    return out
