@@ -54,7 +54,11 @@ def main():
     ap.add_argument("--shapes", default="", help="comma-separated names from SHAPES (default: all)")
     ap.add_argument("--tflops", type=float, default=790.0, help="BF16 dense tensor-core rate for the floor")
     ap.add_argument("--reference", action="store_true", help="also time the reference backend")
+    ap.add_argument("--sweep", action="store_true",
+                    help="instead: GEMV tile variants (K parts, stages, warps, M block) against the chosen config")
     args = ap.parse_args()
+    if args.sweep:
+        return sweep(args)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     from fp4moe_ops.backends.triton_moe.launch import linear_config, linear_supported, triton_nvfp4_linear
@@ -108,6 +112,55 @@ def main():
         del weights, inputs
         if cuda:
             torch.cuda.empty_cache()
+
+
+def sweep(args):
+    """Time GEMV config variants per (shape, tokens) on the GPU; prints the chosen config's time and
+    the best variant's."""
+    from bench_moe import copy_bandwidth, graph_time_ms
+
+    from fp4moe_ops.backends.triton_moe.launch import linear_config, triton_nvfp4_linear
+
+    bw = copy_bandwidth("cuda")
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    print("| layer | tokens | floor ms | chosen | chosen ms | best | best ms |")
+    print("|---|---|---|---|---|---|---|")
+    wanted = set(args.shapes.split(",")) if args.shapes else None
+    for name, n, k in SHAPES:
+        if wanted and name not in wanted:
+            continue
+        fp4_bytes = n * k * 0.5625
+        copies = max(2, min(64, int(150e6 // fp4_bytes) + 1))
+        weights = []
+        for _ in range(copies):
+            q = nvfp4.quantize_nvfp4(torch.randn(n, k, device="cuda") / k**0.5)
+            weights.append((q.packed, q.block_scale, q.global_scale.reshape(())))
+        for t in (int(x) for x in args.tokens.split(",")):
+            if t > 64:
+                continue
+            inputs = [(torch.randn(t, k, device="cuda", dtype=torch.bfloat16), *weights[i]) for i in range(copies)]
+            chosen = linear_config(t, n, k)
+            variants = []
+            for parts in sorted({1, 2, 4, 8, 16, chosen["PARTS"], min(k // 256, 2 * chosen["PARTS"])}):
+                for stages in (2, 3, 4):
+                    for warps in (4, 8):
+                        for bm in sorted({chosen["BM"], 16 if t <= 16 else 32}):
+                            variants.append(dict(chosen, PARTS=parts, num_stages=stages, num_warps=warps, BM=bm))
+            times = []
+            for cfg in variants:
+                try:
+                    ms = graph_time_ms(lambda x, w, s, g, c=cfg: triton_nvfp4_linear(x, w, s, g, None, c), inputs)
+                except Exception as e:  # noqa: BLE001 - a variant that does not compile is skipped
+                    print(f"  {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                times.append((ms, cfg))
+            base = next(ms for ms, c in times if c == chosen)
+            best_ms, best = min(times, key=lambda r: r[0])
+            short = lambda c: f"P{c['PARTS']} S{c['num_stages']} W{c['num_warps']} BM{c['BM']}"  # noqa: E731
+            print(f"| {name} | {t} | {fp4_bytes / bw * 1e3:.4f} | {short(chosen)} | {base:.4f} | {short(best)} | "
+                  f"{best_ms:.4f} |", flush=True)
+        del weights
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

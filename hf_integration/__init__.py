@@ -10,6 +10,7 @@ Importing it registers fp4moe's ``"modelopt"`` quantizer with Transformers, so
 * ``experts``: the modules that hold NVFP4 weights in a model;
 * ``llama4``: Llama-4's fused 3-D NVFP4 experts and the MoE block that runs them;
 * ``router``: the fused DeepSeek-V3-style router;
+* ``shared_experts``: a shared expert run inside the routed experts' op call;
 * ``patch``: ``patch_moe`` / ``patch_deepseek`` / ``set_backend`` on a loaded BF16 model;
 * ``calibration``: activation scales for NVFP4 x NVFP4;
 * ``expert_parallel``: experts split over ``torch.distributed`` ranks;
@@ -28,6 +29,7 @@ from .checkpoint_format import CheckpointError, CompressedTensorsNVFP4Config, Mo
 from .patch import patch_deepseek, patch_moe, set_backend
 from .quantizer import ModelOptQuantizer, register
 from .router import GroupedTopkRouter, fuse_routers
+from .shared_experts import SharedExpertMoE, fuse_shared_experts
 from .surgery import find_experts_modules
 
 register()
@@ -35,7 +37,7 @@ architectures.register()
 
 __all__ = [
     "CheckpointError", "CompressedTensorsNVFP4Config", "GroupedTopkRouter", "ModelOptConfig", "ModelOptQuantizer",
-    "NVFP4Experts", "NVFP4GatedMLP", "NVFP4Linear",
-    "calibrate_activation_scales", "find_experts_modules", "fuse_routers", "load_modelopt_nvfp4", "patch_deepseek",
+    "NVFP4Experts", "NVFP4GatedMLP", "NVFP4Linear", "SharedExpertMoE",
+    "calibrate_activation_scales", "find_experts_modules", "fuse_routers", "fuse_shared_experts", "load_modelopt_nvfp4", "patch_deepseek",
     "patch_moe", "save_modelopt_nvfp4", "set_backend", "shard_experts",
 ]

@@ -118,6 +118,19 @@ def linear_tensors(name: str, packed: torch.Tensor, block_scale: torch.Tensor, g
     return tensors
 
 
+def dense_mlp_tensors(prefix: str, weights) -> dict[str, torch.Tensor]:
+    """A one-expert :class:`fp4moe_ops.NVFP4MoEWeights` (a dense MLP, a shared expert) as the
+    checkpoint's ``<prefix>.gate_proj`` / ``up_proj`` / ``down_proj`` NVFP4 linears."""
+    inter = weights.intermediate_size
+    fc1 = None if weights.fc1_input_scale is None else weights.fc1_input_scale[0]
+    fc2 = None if weights.fc2_input_scale is None else weights.fc2_input_scale[0]
+    out = {}
+    for leaf, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
+        out |= linear_tensors(f"{prefix}.{leaf}", weights.w13[0, rows], weights.w13_scale[0, rows],
+                              weights.w13_global[0], fc1)
+    return out | linear_tensors(f"{prefix}.down_proj", weights.w2[0], weights.w2_scale[0], weights.w2_global[0], fc2)
+
+
 def expert_tensors(prefix: str, weights, leaves: ExpertLeaves = ExpertLeaves()) -> dict[str, torch.Tensor]:
     """A layer's experts (:class:`fp4moe_ops.NVFP4MoEWeights`, canonical) as ModelOpt's per-expert
     tensors ``<prefix>.<e>.<leaf>.*``: gate and up rows of ``w13`` share its global scale and
@@ -155,11 +168,15 @@ class ModelOptConfig(QuantizationConfigMixin):
             (attention, shared experts, dense MLPs): ``"dequantize"`` (default) to ``nn.Linear`` in
             the model dtype, or ``"nvfp4"`` to keep them in 4 bits as
             :class:`~hf_integration.experts.NVFP4Linear` (a quarter of the memory; computed by
-            ``fp4moe::nvfp4_linear``, whose only backend so far is the pure-torch reference:
-            slower than BF16 on a GPU).
+            ``fp4moe::nvfp4_linear``: on Hopper a Triton kernel, faster than BF16 at decode for the
+            large linears, level with it past 2048 tokens; see benchmarks/RESULTS.md).
+        fuse_shared_experts: with ``nvfp4_linears="nvfp4"``, run a DeepSeek-V3-style block's NVFP4
+            shared expert inside the routed experts' op call
+            (:class:`~hf_integration.shared_experts.SharedExpertMoE`).
     """
 
-    LOADING_ATTRIBUTES = ("backend", "act_scale_mode", "fuse_router", "expert_parallel", "nvfp4_linears")
+    LOADING_ATTRIBUTES = ("backend", "act_scale_mode", "fuse_router", "expert_parallel", "nvfp4_linears",
+                          "fuse_shared_experts")
     NVFP4_LINEARS = ("dequantize", "nvfp4")
     scheme = MODELOPT
 
@@ -167,7 +184,7 @@ class ModelOptConfig(QuantizationConfigMixin):
                  exclude_modules: list[str] | None = None, kv_cache_quant_algo: str | None = None,
                  producer: dict | None = None, quantized_layers: dict | None = None, backend: str = "auto",
                  act_scale_mode: str | None = None, fuse_router: bool = True, expert_parallel: bool = False,
-                 nvfp4_linears: str = "dequantize", **kwargs):
+                 nvfp4_linears: str = "dequantize", fuse_shared_experts: bool = True, **kwargs):
         self.quant_method = QUANT_METHOD
         self.quant_algo = str(quant_algo).upper()
         self.quantized_layers = quantized_layers
@@ -180,6 +197,7 @@ class ModelOptConfig(QuantizationConfigMixin):
         self.backend, self.act_scale_mode = backend, act_scale_mode
         self.fuse_router, self.expert_parallel = fuse_router, expert_parallel
         self.nvfp4_linears = nvfp4_linears
+        self.fuse_shared_experts = fuse_shared_experts
         self.post_init()
 
     def post_init(self):

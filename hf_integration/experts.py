@@ -121,18 +121,22 @@ class NVFP4Linear(QuantizedBuffers):
         (exact up to one rounding of the float32 scale product to the dtype)."""
         return _linear_like(self, self.weight_value())
 
+    def linear_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(weight [N, K/2] uint8, weight_scale [N, K/16] float8, global scale, input scale or None)``,
+        the scales as ModelOpt's that multiply (compressed-tensors' dividing ones as reciprocals)."""
+        b, s = self._buffers, self.scheme
+        return (b[s.packed], b[s.block_scale], s.multiplier(b[s.global_scale]),
+                s.multiplier(b[s.input_scale]) if s.input_scale in b else None)
+
     def modelopt_tensors(self, name: str) -> dict[str, torch.Tensor]:
         """This linear's tensors under ModelOpt's names (``{name}.weight`` ...): the file's own
         bytes for a ModelOpt checkpoint; compressed-tensors' dividing scales as their reciprocals."""
-        b, s = self._buffers, self.scheme
-        out = linear_tensors(name, b[s.packed], b[s.block_scale], s.multiplier(b[s.global_scale]),
-                             s.multiplier(b[s.input_scale]) if s.input_scale in b else None)
+        out = linear_tensors(name, *self.linear_tensors())
         return out if self.bias is None else out | {f"{name}.bias": self.bias}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s = self._buffers, self.scheme
-        return torch.ops.fp4moe.nvfp4_linear(x, b[s.packed], b[s.block_scale], s.multiplier(b[s.global_scale]),
-                                             self.bias, self.backend)
+        packed, block_scale, global_scale, _ = self.linear_tensors()
+        return torch.ops.fp4moe.nvfp4_linear(x, packed, block_scale, global_scale, self.bias, self.backend)
 
 
 class FP8Linear(nn.Module):

@@ -27,6 +27,7 @@ from .checkpoint_format import ModelOptConfig
 from .llama4 import is_llama4_experts
 from .quantizer import attach, quantizer_for
 from .router import fuse_routers
+from .shared_experts import fuse_shared_experts as fuse_shared
 from .surgery import children_where, find_experts_modules, is_dense_gated_mlp, is_silu, is_transformers_experts, \
     nvfp4_experts, replace_module
 
@@ -60,7 +61,8 @@ def _check_experts(name: str, m: nn.Module) -> None:
 
 
 def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | None = None,
-              quantize_dense_mlps: bool = False, fuse_router: bool = True, verbose: bool = True) -> nn.Module:
+              quantize_dense_mlps: bool = False, fuse_router: bool = True, fuse_shared_experts: bool = True,
+              verbose: bool = True) -> nn.Module:
     """Quantize every routed-experts module of ``model`` to NVFP4 and run it through the op.
 
     Args:
@@ -75,6 +77,10 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         fuse_router: replace DeepSeek-V3-style routers by
             :class:`~hf_integration.router.GroupedTopkRouter` (same parameters, same experts chosen up
             to near ties, one kernel instead of ~10). Off: Transformers' router runs.
+        fuse_shared_experts: with ``quantize_dense_mlps``, run each DeepSeek-V3-style block's
+            shared expert as one more expert inside the routed experts' op call
+            (:class:`~hf_integration.shared_experts.SharedExpertMoE`; same state dict and saved
+            checkpoint as unfused).
         verbose: one progress line per layer through ``transformers.logging`` (logger ``"fp4moe"``,
             INFO: ``transformers.logging.set_verbosity_info()`` shows it).
 
@@ -121,12 +127,16 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         replace_module(parent, attr, NVFP4GatedMLP.quantize(m, backend))
     if fuse_router:
         fuse_routers(model)
-    attach(model, quantizer_for(ModelOptConfig(quant_algo="W4A16_NVFP4", backend=backend, fuse_router=fuse_router)))
+    if fuse_shared_experts:
+        fuse_shared(model)
+    attach(model, quantizer_for(ModelOptConfig(quant_algo="W4A16_NVFP4", backend=backend, fuse_router=fuse_router,
+                                               fuse_shared_experts=fuse_shared_experts)))
     return model
 
 
 def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | None = None,
-                   quantize_dense_mlps: bool = False, fuse_router: bool = True, verbose: bool = True) -> nn.Module:
+                   quantize_dense_mlps: bool = False, fuse_router: bool = True, fuse_shared_experts: bool = True,
+                   verbose: bool = True) -> nn.Module:
     """:func:`patch_moe` for DeepSeek-V3/R1 and kin (Kimi-K2, DeepSeek-V2, GLM4-MoE).
 
     ``model = patch_deepseek(AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16))``
@@ -137,7 +147,8 @@ def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: s
             f"patch_deepseek supports model types {DEEPSEEK_FAMILY}, got {model_type!r}; "
             "use hf_integration.patch_moe for other MoE models with Transformers experts modules")
     return patch_moe(model, backend=backend, act_scale_mode=act_scale_mode,
-                     quantize_dense_mlps=quantize_dense_mlps, fuse_router=fuse_router, verbose=verbose)
+                     quantize_dense_mlps=quantize_dense_mlps, fuse_router=fuse_router,
+                     fuse_shared_experts=fuse_shared_experts, verbose=verbose)
 
 
 def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = None) -> nn.Module:

@@ -60,6 +60,7 @@ from .checkpoint_format import (
 )
 from .llama4 import FUSED_LEAVES, NVFP4Llama4TextMoe, canonical_from_fused, fused_key, fused_specs, is_llama4_experts
 from .router import fuse_routers
+from .shared_experts import fuse_shared_experts
 from .surgery import is_transformers_experts, replace_module
 
 logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
@@ -580,6 +581,8 @@ class ModelOptQuantizer(HfQuantizer):
             m.set_backend(config.backend, config.act_scale_mode)
         if config.fuse_router:
             fuse_routers(model)
+        if getattr(config, "fuse_shared_experts", True) and config.nvfp4_linears == "nvfp4":
+            fuse_shared_experts(model)
         conversions = getattr(model, "_weight_conversions", None)
         if conversions:  # saving goes through get_state_dict_and_metadata, not reverse conversion
             model._weight_conversions = [c for c in conversions if not _is_ours(c)]

@@ -28,8 +28,9 @@ from fp4moe_ops.prepared import INPUT_SCALE_BUFFERS
 
 from .experts import NVFP4Experts, NVFP4GatedMLP, NVFP4Linear
 from .expert_parallel import ExpertShard
-from .checkpoint_format import ModelOptConfig, expert_leaves, expert_tensors, linear_tensors, model_conversions
+from .checkpoint_format import ModelOptConfig, dense_mlp_tensors, expert_leaves, expert_tensors, model_conversions
 from .llama4 import NVFP4Llama4TextMoe, fused_from_canonical
+from .shared_experts import SharedExpertMoE
 
 # what a save rewrites or Transformers deletes as stale in the folder it saves into
 _REPLACED = re.compile(r"^(config\.json|generation_config\.json|hf_quant_config\.json|"
@@ -37,15 +38,17 @@ _REPLACED = re.compile(r"^(config\.json|generation_config\.json|hf_quant_config\
 
 
 def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict in ModelOpt's layout: NVFP4 experts, dense MLPs and kept NVFP4
-    linears as per-expert / per-linear ModelOpt tensors (canonical bytes, as views where the layout
-    allows), the rest as the model holds it."""
-    experts = nvfp4_modules(model, NVFP4Experts)
+    """The model's state dict in ModelOpt's layout: NVFP4 experts, dense MLPs, shared experts run
+    inside the routed call and kept NVFP4 linears as per-expert / per-linear ModelOpt tensors
+    (canonical bytes, as views where the layout allows), the rest as the model holds it."""
+    shared = nvfp4_modules(model, SharedExpertMoE)
+    inside = {f"{n}.experts" for n, _ in shared}
+    experts = [(n, m) for n, m in nvfp4_modules(model, NVFP4Experts) if n not in inside]
     dense = nvfp4_modules(model, NVFP4GatedMLP)
     linears = nvfp4_modules(model, NVFP4Linear)
-    if not experts and not dense:
+    if not experts and not dense and not shared:
         raise ValueError("the model holds no fp4moe NVFP4 modules: nothing to save as a ModelOpt NVFP4 checkpoint")
-    if any(isinstance(m.dispatch, ExpertShard) for _, m in experts):
+    if any(isinstance(m.dispatch, ExpertShard) for _, m in experts):  # (never fused with a shared expert)
         raise ValueError("an expert-parallel model holds only this rank's experts; save the unsharded model")
     _, converters = model_conversions(model)
     state = {}
@@ -56,14 +59,14 @@ def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         else:
             state |= expert_tensors(name, m.canonical(), expert_leaves(name, converters))
     for name, m in dense:
-        w = m.canonical()
-        inter = w.intermediate_size
-        for leaf, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
-            state |= linear_tensors(f"{name}.{leaf}", w.w13[0, rows], w.w13_scale[0, rows], w.w13_global[0])
-        state |= linear_tensors(f"{name}.down_proj", w.w2[0], w.w2_scale[0], w.w2_global[0])
+        state |= dense_mlp_tensors(name, m.canonical())
+    for name, m in shared:  # the checkpoint's layout: routed experts, then the shared expert's linears
+        routed, one = m.split()
+        state |= expert_tensors(f"{name}.experts", routed, expert_leaves(f"{name}.experts", converters))
+        state |= dense_mlp_tensors(f"{name}.shared_experts", one)
     for name, m in linears:
         state |= m.modelopt_tensors(name)
-    nvfp4_names = [n for n, _ in experts + dense + linears]
+    nvfp4_names = [n for n, _ in experts + dense + linears] + [f"{n}.{c}experts" for n, _ in shared for c in ("", "shared_")]
     for key, t in model.state_dict().items():
         if not any(key.startswith(f"{n}.") for n in nvfp4_names):
             state[key] = t
@@ -80,7 +83,7 @@ def saved_config(model: nn.Module, config: ModelOptConfig) -> ModelOptConfig:
                           exclude_modules=kept, kv_cache_quant_algo=None, producer={"name": "fp4moe"},
                           backend=config.backend, act_scale_mode=config.act_scale_mode,
                           fuse_router=config.fuse_router, expert_parallel=config.expert_parallel,
-                          nvfp4_linears=config.nvfp4_linears)
+                          nvfp4_linears=config.nvfp4_linears, fuse_shared_experts=config.fuse_shared_experts)
 
 
 def _has_input_scales(model: nn.Module) -> bool:

@@ -277,7 +277,7 @@ def test_patch_model_loaded_with_device_map_auto(tmp_path):
 def test_quantize_dense_mlps_option():
     model = tiny_deepseek_v3()
     original = copy.deepcopy(model)
-    patch_deepseek(model, quantize_dense_mlps=True)
+    patch_deepseek(model, quantize_dense_mlps=True, fuse_shared_experts=False)  # fused: tests/test_shared_experts.py
     dense, shared = model.model.layers[0].mlp, model.model.layers[1].mlp.shared_experts
     assert type(dense).__name__ == type(shared).__name__ == "NVFP4GatedMLP"
     assert "weights=NVFP4" in repr(dense)

@@ -448,10 +448,10 @@ def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.c
 
 # --- NVFP4 linear layers (fp4moe::nvfp4_linear) ------------------------------------------------
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "K_PART"])
 def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, T, N, K, K_PART, w_desc, s_desc,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST_DECODE: tl.constexpr,
-                   INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr):
+                   INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     """Per (N tile, M block, K part) program: ``W[cols, part] @ x[rows, part]^T`` (the weight tile on
     the MMA's M side, as in the experts' decode) times the global scale. One part: + bias, stored
     in x's dtype into ``out [T, N]``; several (split K, to fill the GPU when N / BN is small):
@@ -471,21 +471,20 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, T, N, K, K_PAR
         g = g * 4194304.0  # the decoded tiles' 2^-22
     y = acc * g
     offs = rows[None, :].to(tl.int64) * N + cols[:, None]
-    if PARTS == 1:
+    if not SPLIT:
         if HAS_BIAS:
             y += tl.load(bias_ptr + cols).to(tl.float32)[:, None]
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=row_mask[None, :])
     else:
         tl.store(out_ptr + part.to(tl.int64) * T * N + offs, y, mask=row_mask[None, :])
 
-@triton.jit(do_not_specialize=["NUMEL"])
-def _linear_parts_kernel(parts_ptr, bias_ptr, out_ptr, NUMEL, N, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["NUMEL", "PARTS"])
+def _linear_parts_kernel(parts_ptr, bias_ptr, out_ptr, NUMEL, N, PARTS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """``out = sum of the PARTS float32 partial sums (+ bias)``, in out's dtype; a fixed order, no atomics."""
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < NUMEL
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for p in tl.static_range(PARTS):
+    for p in range(PARTS):
         acc += tl.load(parts_ptr + p * NUMEL + idx, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + idx % N, mask=mask, other=0.0).to(tl.float32)

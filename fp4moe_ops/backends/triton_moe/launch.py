@@ -291,10 +291,10 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     _linear_kernel[(n // bn, triton.cdiv(tokens, bm), parts)](
         x2, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out, target,
         tokens, n, k, triton.cdiv(k // bk, parts) * bk, w_desc, s_desc, BM=bm, BN=bn, BK=bk, FAST_DECODE=fast, INTERPRET=interpreting(),
-        HAS_BIAS=has_bias, PARTS=parts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_BIAS=has_bias, SPLIT=parts > 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if parts > 1:
         block = 1024
-        _linear_parts_kernel[(triton.cdiv(tokens * n, block),)](target, bias if has_bias else out, out, tokens * n, n,
-                                                                PARTS=parts, HAS_BIAS=has_bias, BLOCK=block)
+        _linear_parts_kernel[(triton.cdiv(tokens * n, block),)](target, bias if has_bias else out, out, tokens * n, n, parts,
+                                                                HAS_BIAS=has_bias, BLOCK=block)
     return out.reshape(*x.shape[:-1], n)

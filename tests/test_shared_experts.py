@@ -1,0 +1,150 @@
+"""The shared expert inside the routed call (:mod:`hf_integration.shared_experts`): the block's
+output against float64 and against the unfused block, the state dict and the saved checkpoint
+unchanged by fusing, fusing after loading (a genuine ModelOpt export and our own save), and the
+cases that must stay unfused."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from fp4moe_ops.oracle64 import moe64
+from hf_integration import ModelOptConfig, SharedExpertMoE, patch_deepseek
+from hf_integration.experts import NVFP4GatedMLP, NVFP4Linear
+from hf_integration.shared_experts import SHARED_EXPERT_BLOCKS
+from hf_integration.tiny_models import tiny_deepseek_v3, tiny_glm4_moe, write_modelopt_checkpoint
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def patched(model_fn=tiny_deepseek_v3, fuse=True):
+    return patch_deepseek(model_fn(), quantize_dense_mlps=True, fuse_shared_experts=fuse)
+
+
+def blocks(model, kind):
+    return [m for m in model.modules() if isinstance(m, kind)]
+
+
+def file_tensors(folder):
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("model_fn", [tiny_deepseek_v3, tiny_glm4_moe])
+def test_fused_block_matches_float64_and_the_unfused_block(model_fn):
+    torch.manual_seed(0)
+    unfused = patched(model_fn, fuse=False)
+    fused = copy.deepcopy(unfused)
+    from hf_integration import fuse_shared_experts
+
+    assert fuse_shared_experts(fused) == len(blocks(unfused, NVFP4GatedMLP)) - 1  # all but the dense layer's MLP
+    (name, block), = [(n, m) for n, m in fused.named_modules() if isinstance(m, SharedExpertMoE)][:1]
+    original = unfused.get_submodule(name)
+    assert type(original).__name__ in SHARED_EXPERT_BLOCKS
+    x = torch.randn(3, 7, original.experts.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got, want_unfused = block(x), original(x)
+        _, weights, ids = original.gate(x)
+    e = original.experts.num_experts
+    t = ids.shape[0]
+    w = block.experts.canonical()
+    ids_all = torch.cat([ids, torch.full((t, 1), e)], 1)
+    weights_all = torch.cat([weights.float(), torch.ones(t, 1)], 1)
+    want = moe64(x.reshape(t, -1), ids_all, weights_all, *w.tensors()).reshape(x.shape)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    # the op's reference backend against float64 (bf16 activations between the GEMMs and one
+    # rounding of the sum: the bound of tests/test_op.py); the unfused block adds two bf16 outputs
+    assert rel(got, want) < 4e-3
+    assert rel(want_unfused, want) < 8e-3 and rel(got, want_unfused) < 8e-3
+
+
+def test_state_dict_and_saved_checkpoint_are_the_unfused_ones(tmp_path):
+    unfused = patched(fuse=False)
+    fused = copy.deepcopy(unfused)
+    from hf_integration import fuse_shared_experts
+
+    fuse_shared_experts(fused)
+    a, b = unfused.state_dict(), fused.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    unfused.save_pretrained(tmp_path / "unfused")
+    fused.save_pretrained(tmp_path / "fused")
+    fa, fb = file_tensors(tmp_path / "unfused"), file_tensors(tmp_path / "fused")
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+    assert any(".shared_experts.gate_proj.weight_scale_2" in k for k in fb)
+    # load_state_dict takes the unfused layout back
+    again = copy.deepcopy(fused)
+    for m in again.modules():
+        if isinstance(m, SharedExpertMoE):
+            m.experts.gate_up_proj_global_scale.mul_(2)
+    again.load_state_dict(a)
+    assert all(torch.equal(v, fused.state_dict()[k]) for k, v in again.state_dict().items())
+
+
+def test_fused_model_compiles_without_graph_breaks_and_generates_like_unfused():
+    torch.manual_seed(1)
+    unfused = patched(fuse=False)
+    fused = copy.deepcopy(unfused)
+    from hf_integration import fuse_shared_experts
+
+    fuse_shared_experts(fused)
+    ids = torch.randint(1, 256, (2, 6))
+    explanation = torch._dynamo.explain(fused)(ids)
+    assert explanation.graph_break_count == 0
+    with torch.no_grad():
+        a, b = unfused(ids).logits.double(), fused(ids).logits.double()
+    per_token = (a - b).norm(dim=-1) / a.norm(dim=-1)
+    assert per_token.max() < 2e-2, per_token  # the same weights; only the order of bf16 roundings differs
+    assert fused.generate(ids, max_new_tokens=3, do_sample=False).shape == (2, 9)
+
+
+def test_fusing_is_optional_and_refused_where_one_expert_cannot_hold_the_shared_one(tmp_path):
+    assert not blocks(patched(fuse=False), SharedExpertMoE)
+    assert not blocks(patch_deepseek(tiny_deepseek_v3()), SharedExpertMoE)  # BF16 shared experts
+    # a shared expert of another width than the routed experts
+    wide = patch_deepseek(tiny_deepseek_v3(n_shared_experts=2), quantize_dense_mlps=True)
+    assert not blocks(wide, SharedExpertMoE) and blocks(wide, NVFP4GatedMLP)
+    # gate and up with different global scales in the file: kept as three linears
+    write_modelopt_checkpoint(tiny_deepseek_v3(seed=0), tmp_path, equal_gate_up_scales=False)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                  quantization_config=ModelOptConfig(nvfp4_linears="nvfp4"))
+    assert not blocks(loaded, SharedExpertMoE)
+    assert isinstance(loaded.model.layers[1].mlp.shared_experts.gate_proj, NVFP4Linear)
+
+
+@pytest.mark.parametrize("source", ["saved", "modelopt"])
+def test_loading_with_kept_nvfp4_linears_fuses_and_matches_the_unfused_load(tmp_path, source):
+    if source == "saved":
+        folder = tmp_path / "ckpt"
+        patched().save_pretrained(folder)
+    else:  # a genuine nvidia-modelopt export (default config: the shared experts are NVFP4)
+        folder = FIXTURES / "modelopt" / "deepseek_v3_nvfp4_default"
+    kw = dict(dtype=torch.bfloat16)
+    fused = AutoModelForCausalLM.from_pretrained(folder, quantization_config=ModelOptConfig(nvfp4_linears="nvfp4"), **kw)
+    unfused = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=ModelOptConfig(nvfp4_linears="nvfp4", fuse_shared_experts=False), **kw)
+    moe_layers = [m for m in unfused.modules() if type(m).__name__ in SHARED_EXPERT_BLOCKS]
+    assert moe_layers and len(blocks(fused, SharedExpertMoE)) == len(moe_layers)
+    shared = moe_layers[0].shared_experts
+    fused_block = blocks(fused, SharedExpertMoE)[0]
+    w = fused_block.split()[1]
+    assert torch.equal(w.w13[0], torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))  # the file's bytes
+    assert torch.equal(w.w2_global[0], shared.down_proj.weight_scale_2)
+    ids = torch.randint(1, 200, (1, 8))
+    with torch.no_grad():
+        a, b = unfused(ids).logits.double(), fused(ids).logits.double()
+    per_token = (a - b).norm(dim=-1) / a.norm(dim=-1)
+    # three NVFP4 linears (weight rounded to bf16 after the global scale) vs the expert kernel's
+    # arithmetic (exact decode, global scale on the float32 sum) on the same bytes
+    assert per_token.max() < 3e-2, per_token
+    saved = tmp_path / "again"
+    fused.save_pretrained(saved)
+    files = file_tensors(saved)
+    for leaf in ("gate_proj", "up_proj", "down_proj"):
+        key = f"model.layers.1.mlp.shared_experts.{leaf}.weight"
+        assert torch.equal(files[key], getattr(shared, leaf).weight)
