@@ -97,6 +97,9 @@ def main() -> None:
     ap.add_argument("--router-ab", action="store_true",
                     help="also time fp4moe with Transformers' router (batch first and last), then the fused one again")
     ap.add_argument("--replot", metavar="E2E_JSON", help="only draw e2e.png next to a saved e2e.json")
+    ap.add_argument("--variants", default="bf16-eager,bf16,fp4moe",
+                    help="comma-separated, in this order: bf16-eager, bf16 (compiled), fp4moe (routed experts "
+                         "NVFP4), fp4moe-shared (then the shared experts NVFP4 too, inside the routed call)")
     args = ap.parse_args()
     if args.replot:
         saved = Path(args.replot)
@@ -121,7 +124,8 @@ def main() -> None:
     result["expert_GB_bf16"] = expert_bytes(model) / 1e9
     print(f"model: {args.layers} DeepSeek-V3 MoE layers, experts {result['expert_GB_bf16']:.1f} GB bf16 "
           f"({time.time() - start:.0f}s)", flush=True)
-    cases = [("HF BF16 eager", False), ("HF BF16 compiled", True)]
+    variants = args.variants.split(",")
+    cases = [("HF BF16 eager", False)] * ("bf16-eager" in variants) + [("HF BF16 compiled", True)] * ("bf16" in variants)
     for variant, compiled in cases:
         for b in batches:
             if time.time() - start > args.time_budget:
@@ -144,18 +148,33 @@ def main() -> None:
     print(f"patched in {result['patch_s']:.1f}s (peak {result['patch_peak_GB']:.1f} GB), experts now "
           f"{result['expert_GB_nvfp4']:.2f} GB ({result['expert_GB_nvfp4'] / result['expert_GB_bf16']:.3f}x), "
           f"backend {backend}", flush=True)
-    for b in batches:
-        if time.time() - start > args.time_budget:
-            print(f"skipping fp4moe batch {b}: time budget", flush=True)
-            continue
-        torch.cuda.reset_peak_memory_stats()
-        tps, generate_tps, out = time_generate(model, b, args.new_tokens, compiled=True)
-        eager_out = time_generate(model, b, 4, compiled=False)[2] if b == batches[0] else None
-        note = ""
-        if eager_out is not None:
-            same = torch.equal(out[:, :eager_out.shape[1]], eager_out)
-            note = f"(first 4 greedy tokens {'match' if same else 'DIFFER from'} eager fp4moe)"
-        record(f"fp4moe compiled ({backend})", b, tps, generate_tps, torch.cuda.max_memory_allocated() / 1e9, note)
+    def fp4moe_rows(variant):
+        for b in batches:
+            if time.time() - start > args.time_budget:
+                print(f"skipping {variant} batch {b}: time budget", flush=True)
+                continue
+            torch.cuda.reset_peak_memory_stats()
+            tps, generate_tps, out = time_generate(model, b, args.new_tokens, compiled=True)
+            eager_out = time_generate(model, b, 4, compiled=False)[2] if b == batches[0] else None
+            note = ""
+            if eager_out is not None:
+                same = torch.equal(out[:, :eager_out.shape[1]], eager_out)
+                note = f"(first 4 greedy tokens {'match' if same else 'DIFFER from'} eager fp4moe)"
+            record(variant, b, tps, generate_tps, torch.cuda.max_memory_allocated() / 1e9, note)
+
+    if "fp4moe" in variants:
+        fp4moe_rows(f"fp4moe compiled ({backend})")
+    if "fp4moe-shared" in variants:  # the shared experts to NVFP4 as well, run inside the routed call
+        from hf_integration.experts import NVFP4GatedMLP
+        from hf_integration.shared_experts import fuse_shared_experts
+
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "shared_experts"):
+                layer.mlp.shared_experts = NVFP4GatedMLP.quantize(layer.mlp.shared_experts, backend)
+        fused = fuse_shared_experts(model)
+        torch._dynamo.reset()
+        print(f"{fused} shared experts now inside the routed call", flush=True)
+        fp4moe_rows(f"fp4moe + NVFP4 shared expert inside ({backend})")
 
     if args.router_ab:  # same process, same weights: Transformers' router, then the fused one again
         fused_routers = [(parent, attr, getattr(parent, attr)) for parent, attr, _ in hf_routers]

@@ -148,3 +148,13 @@ def test_loading_with_kept_nvfp4_linears_fuses_and_matches_the_unfused_load(tmp_
     for leaf in ("gate_proj", "up_proj", "down_proj"):
         key = f"model.layers.1.mlp.shared_experts.{leaf}.weight"
         assert torch.equal(files[key], getattr(shared, leaf).weight)
+
+
+def test_expert_parallelism_refuses_a_fused_model_before_changing_it():
+    from hf_integration import shard_experts
+
+    model = patched()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="shared expert inside the routed experts' call"):
+        shard_experts(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
