@@ -10,7 +10,7 @@ tokens and one of 1 new token, divided by D, so the prefill step and generate()'
 Variants apply in the order given, each on top of the last: ``fp4moe-hf-router`` patches the
 experts and keeps Transformers' router, ``fp4moe`` is ``patch_deepseek``'s default (router as one
 ``fp4moe::grouped_topk`` op), ``fp4moe-dense`` also quantizes the shared experts
-(``quantize_dense_mlps=True``).
+(``quantize_dense_mlps=True`` without fusing), ``fp4moe-shared`` runs them inside the routed call.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hf_integration import fuse_routers, patch_deepseek  # noqa: E402
+from hf_integration import fuse_routers, fuse_shared_experts, patch_deepseek  # noqa: E402
 from hf_integration.experts import NVFP4GatedMLP  # noqa: E402
 from hf_integration.surgery import children_where, is_dense_gated_mlp, replace_module  # noqa: E402
 from bench_e2e import deepseek_v3_layers  # noqa: E402
@@ -135,9 +135,11 @@ def main() -> None:
             patch_deepseek(model, verbose=False, fuse_router=variant != "fp4moe-hf-router")
         if variant in ("fp4moe", "fp4moe-dense"):
             fuse_routers(model)
-        if variant == "fp4moe-dense":
+        if variant in ("fp4moe-dense", "fp4moe-shared"):
             for parent, attr, m in children_where(model, is_dense_gated_mlp):
                 replace_module(parent, attr, NVFP4GatedMLP.quantize(m, "auto"))
+        if variant == "fp4moe-shared":
+            fuse_shared_experts(model)
         print(f"{variant} compiled (CUDA graphs):")
         profile_decode(model, args.batch, args.decode_steps, args.host_profile)
 
