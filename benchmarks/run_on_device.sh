@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU-machine call: smoke test, GPU test suite, benchmarks. Logs and results go to $OUT.
 #   source .device/setup-on-device.sh && bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e
-#   route firstpass linear patchmem profile_decode)
+#   route firstpass linear patchmem profile_decode decoder_layer)
 set -o pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -18,6 +18,7 @@ for step in "$@"; do
     modelopt) timeout ${MODELOPT_TIMEOUT:-420} python3 benchmarks/bench_modelopt_gpu.py --out "$OUT" ${MODELOPT_ARGS:-} 2>&1 | tee "$OUT/modelopt.log" | grep -v -i warn ;;
     e2e) timeout ${E2E_TIMEOUT:-330} python3 benchmarks/bench_e2e.py --out "$OUT" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | grep -v -i warn ;;
     profile_decode) timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/profile_decode_step.py ${PROFILE_DECODE_ARGS:-} 2>&1 | tee "$OUT/profile_decode.log" | grep -v -i warn ;;
+    decoder_layer) timeout ${LAYER_TIMEOUT:-400} python3 benchmarks/bench_decoder_layer.py --out "$OUT" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/decoder_layer.log" | grep -v -i "warn\|attention mask" ;;
     route) TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 benchmarks/bench_route.py 2>&1 | tee "$OUT/route.log" ;;
     firstpass) timeout 400 python3 benchmarks/bench_first_pass.py --out "$OUT" ${FIRSTPASS_ARGS:-} 2>&1 | tee "$OUT/first_pass.log" | grep "^|" ;;
     linear) timeout ${LINEAR_TIMEOUT:-200} python3 benchmarks/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/linear.log" ;;

@@ -1,0 +1,76 @@
+"""Decode time per decoder layer (issue 21's measure): one DeepSeek-V3-shaped model of 4 full-size
+layers (bench_e2e.py's), timed as its first 2 layers and as all 4, so that generate()'s host time,
+the embedding and the LM head cancel: per layer = (step time with 4 layers - with 2) / 2.
+
+Variants, in this order on the same weights (each on top of the last): HF BF16 compiled, fp4moe
+(routed experts NVFP4), fp4moe-shared (the shared expert NVFP4 too, inside the routed call). Step
+time = batch / decode tokens per second of bench_e2e.time_generate (compiled generate() with
+static cache and CUDA graphs; median of 5, 1 + D new tokens minus 1).
+
+    python benchmarks/bench_decoder_layer.py --batches 1,32 --new-tokens 48
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import deepseek_v3_layers, time_generate  # noqa: E402
+from hf_integration import fuse_shared_experts, patch_deepseek  # noqa: E402
+from hf_integration.experts import NVFP4GatedMLP  # noqa: E402
+
+
+def step_ms(model, layers, all_layers, batch, new_tokens) -> float:
+    model.model.layers = torch.nn.ModuleList(all_layers[:layers])
+    model.config.num_hidden_layers = layers
+    torch._dynamo.reset()
+    tps, _, _ = time_generate(model, batch, new_tokens, compiled=True)
+    return batch * 1e3 / tps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--variants", default="bf16,fp4moe,fp4moe-shared")
+    ap.add_argument("--out", default="benchmarks/out")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    model = deepseek_v3_layers(4)
+    all_layers = list(model.model.layers)
+    rows = []
+    print(f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}: DeepSeek-V3 layers (E=256, H=7168, I=2048), "
+          f"decode of {args.new_tokens} tokens, step ms with 2 and 4 layers", flush=True)
+    print("| variant | batch | step ms, 2 layers | step ms, 4 layers | ms per decoder layer |")
+    print("|---|---|---|---|---|", flush=True)
+    for variant in args.variants.split(","):
+        model.model.layers = torch.nn.ModuleList(all_layers)
+        model.config.num_hidden_layers = 4
+        if variant == "fp4moe":
+            patch_deepseek(model, verbose=False)
+        elif variant == "fp4moe-shared":
+            for layer in model.model.layers:
+                layer.mlp.shared_experts = NVFP4GatedMLP.quantize(layer.mlp.shared_experts, "auto")
+            fuse_shared_experts(model)
+        all_layers = list(model.model.layers)
+        for b in batches:
+            two, four = (step_ms(model, n, all_layers, b, args.new_tokens) for n in (2, 4))
+            rows.append(dict(variant=variant, batch=b, two=two, four=four, per_layer=(four - two) / 2))
+            print(f"| {variant} | {b} | {two:.3f} | {four:.3f} | {(four - two) / 2:.3f} |", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decoder_layer.json").write_text(json.dumps(rows, indent=1))
+    for b in batches:
+        base = next((r["per_layer"] for r in rows if r["variant"] == "bf16" and r["batch"] == b), None)
+        for r in rows:
+            if base and r["batch"] == b and r["variant"] != "bf16":
+                print(f"batch {b}: {r['variant']} per decoder layer {base / r['per_layer']:.2f}x HF BF16 compiled")
+
+
+if __name__ == "__main__":
+    main()
