@@ -98,7 +98,7 @@ def triton_linear(x, packed, scale, g, bias=None, config=None):
 @pytest.mark.parametrize("tokens,parts,bias", [(1, None, False), (3, 1, True), (9, 3, False), (20, None, True),
                                                (40, 2, False), (5, 16, True), (70, None, True)])
 def test_triton_linear_matches_float64(dtype, tokens, parts, bias):
-    # GEMV path at 1-64 tokens (16/32/64-row blocks; K's 4 steps split in 1, 2, 3 (2 + 2 + an empty
+    # GEMV path at 1-64 tokens (16/32-row blocks; K's 4 steps split in 1, 2, 3 (2 + 2 + an empty
     # part) or 16 parts (12 past K), or as chosen),
     # dequantize + F.linear past 64; N = 192 is three 64-row tiles, K = 1024 four 256-wide steps
     from fp4moe_ops.backends.triton_moe.launch import linear_config
@@ -150,7 +150,7 @@ def test_linear_config_splits_k_to_fill_the_gpu_and_switches_to_cublas_past_64_t
     assert o_proj["PARTS"] == 3 and 112 * o_proj["PARTS"] >= SM_COUNT_TARGET
     assert linear_config(1, 64, 512)["PARTS"] == 2  # never more parts than K steps
     assert linear_config(1, 32768, 512)["PARTS"] == 1  # kv_b_proj: 512 tiles already
-    assert linear_config(64, 7168, 2048)["BM"] == 64 and linear_config(65, 7168, 2048)["path"] == "dequantize"
+    assert linear_config(64, 7168, 2048)["BM"] == 32 and linear_config(65, 7168, 2048)["path"] == "dequantize"
 
 
 def test_triton_linear_refusals_name_the_reason_and_auto_falls_back_to_the_reference():

@@ -66,13 +66,21 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
             _route_kernel[(grid,)](
                 flat, *routed, num_slots, num_experts, num_blocks, x, x_fragment,
                 x.numel() if copy else 0, x.shape[-1] if copy else 1, BM=block_m, E_PAD=e_pad, R_CHUNK=ROUTE_CHUNK,
-                COUNT_BLOCK=1024, CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, ROUTE=fast, num_warps=4,
+                COUNT_BLOCK=_count_block(num_slots), CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, ROUTE=fast,
+                num_warps=4,
             )
     if activations is None:
         return routed
     if not copy:
         x_fragment = fragment_order(activations.contiguous(), fragment_chunk)
     return (*routed, x_fragment)
+
+
+def _count_block(num_slots: int) -> int:
+    """Slots each histogram step of the routing kernel reads: 64 for decode batches (at most 8
+    tokens of top-8; a 1024-wide step there cost ~2 us of the 1-token layer), 1024 beyond. Two
+    compiled variants in all."""
+    return 64 if num_slots <= 64 else 1024
 
 
 def _route_torch(flat: torch.Tensor, num_experts: int, block_m: int, num_blocks: int):
@@ -258,12 +266,14 @@ def linear_config(tokens: int, n: int, k: int) -> dict:
     split along K until about SM_COUNT_TARGET programs run, or the dequantize + cuBLAS path."""
     if tokens > LINEAR_GEMV_MAX_TOKENS:
         return dict(path="dequantize", BN=64, BK=256)
-    bm = 16 if tokens <= 16 else 32 if tokens <= 32 else 64
+    # 16- or 32-row token blocks: past 32 tokens two 32-row blocks beat one 64-row block (0.72-0.76x
+    # the time at 64 tokens), and 2 pipeline stages 3 (0.94-0.98x) (H200 sweep, benchmarks/NOTES.md)
+    bm = 16 if tokens <= 16 else 32
     bn, bk = 64, 256
     tiles = (n // bn) * triton.cdiv(tokens, bm)
     steps = k // bk
     parts = max(1, min(LINEAR_MAX_PARTS, steps, triton.cdiv(SM_COUNT_TARGET, tiles)))
-    return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, num_warps=4, num_stages=3)
+    return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, num_warps=4, num_stages=2)
 
 
 def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
