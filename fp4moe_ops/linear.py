@@ -25,10 +25,19 @@ Backends:
   global scale applied to the float32 sum, so it is closer to float64 than the reference; past
   64 tokens one kernel decodes the weight to 16 bits (bitwise the reference's weight) and cuBLAS
   multiplies. See :mod:`fp4moe_ops.backends.triton_moe.launch`.
-* ``"auto"``: ``"triton"`` where it runs, else ``"reference"``.
+* ``"flashinfer"`` (Blackwell, compute capability 10.0+, bf16 x, FlashInfer >= 0.7 with cuDNN >=
+  9.23.1): FlashInfer's W4A16 GEMM ``mm_bf16_fp4(..., backend="cudnn")``, which computes
+  ``(x @ (e2m1 * block scale)^T) * alpha`` from exactly the checkpoint's tensors: the packed
+  weight, the linear ``[N, K/16]`` E4M3 block scales (what ``prepare_bf16_fp4_weights(...,
+  backend="cudnn")`` makes of the 128x4-swizzled ones) and ``alpha = weight_scale_2``. **Never run
+  on Blackwell hardware** (we have none): the arguments are checked on CPU against the float64
+  oracle through a simulation of that definition, and on the H200 against FlashInfer's own
+  preparation (``tests/test_linear.py``).
+* ``"auto"``: ``"flashinfer"`` on Blackwell where FlashInfer is installed, else ``"triton"`` where it
+  runs, else ``"reference"``.
 
-FlashInfer's FP4 GEMM on Blackwell is not wired (issue 21). Like :func:`fp4moe_ops.op.fused_moe`,
-the real and the fake function share their checks, which read metadata only (no host syncs).
+Like :func:`fp4moe_ops.op.fused_moe`, the real and the fake function share their checks, which read
+metadata only (no host syncs).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import torch.nn.functional as F
 
 from . import nvfp4
 
-LINEAR_BACKENDS = ("auto", "reference", "triton")
+LINEAR_BACKENDS = ("auto", "reference", "triton", "flashinfer")
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -67,10 +76,10 @@ def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend) -> Non
                     ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    if backend == "triton":
-        reason = _triton_refusal(x, weight)
+    if backend in ("triton", "flashinfer"):
+        reason = _triton_refusal(x, weight) if backend == "triton" else _flashinfer_refusal(x)
         if reason:
-            raise ValueError(f"nvfp4_linear backend 'triton' cannot run this call: {reason}")
+            raise ValueError(f"nvfp4_linear backend {backend!r} cannot run this call: {reason}")
 
 
 def _triton_refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -81,10 +90,45 @@ def _triton_refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return linear_supported(x, weight)
 
 
+def _flashinfer_refusal(x: torch.Tensor) -> str | None:
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (10, 0):
+        return f"FlashInfer's FP4 GEMM needs a Blackwell GPU (compute capability 10.0+); x is on {x.device}"
+    if x.dtype != torch.bfloat16:
+        return f"FlashInfer's W4A16 GEMM takes bfloat16 activations, got {x.dtype}"
+    try:
+        from flashinfer import mm_bf16_fp4  # noqa: F401
+    except ImportError:
+        return "FlashInfer with mm_bf16_fp4 (0.7+) is not installed"
+    return None
+
+
 def _resolve(backend: str, x: torch.Tensor, weight: torch.Tensor) -> str:
     if backend == "auto":
+        if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (10, 0) and not _flashinfer_refusal(x):
+            return "flashinfer"
         return "reference" if _triton_refusal(x, weight) else "triton"
     return backend
+
+
+def flashinfer_linear_arguments(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                                weight_scale_2: torch.Tensor) -> dict:
+    """The arguments of ``flashinfer.mm_bf16_fp4(a, b, b_descale, alpha, backend="cudnn")`` for this
+    linear: ``a [M, K]`` bf16 (x flattened), ``b`` the packed weight as stored (low nibble first, as
+    FlashInfer's ``nvfp4_quantize`` packs), ``b_descale`` the ``[N, K/16]`` E4M3 block scales in
+    the linear (non-swizzled) layout the cuDNN path consumes, ``alpha [1]`` float32 the multiplying
+    per-tensor scale. All views: nothing is copied or prepared."""
+    return dict(a=x.reshape(-1, x.shape[-1]), b=weight, b_descale=weight_scale,
+                alpha=weight_scale_2.reshape(1), backend="cudnn", out_dtype=x.dtype)
+
+
+def _flashinfer_linear(x, weight, weight_scale, weight_scale_2, bias):
+    from flashinfer import mm_bf16_fp4
+
+    args = flashinfer_linear_arguments(x.contiguous(), weight, weight_scale, weight_scale_2)
+    out = mm_bf16_fp4(**args)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("fp4moe::nvfp4_linear", mutates_args=())
@@ -93,7 +137,10 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     """``y = x (e2m1 * weight_scale * weight_scale_2)^T + bias``: ``x [..., K]`` -> ``[..., N]``
     in x's dtype (tensors as in the module docstring)."""
     _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend)
-    if _resolve(backend, x, weight) == "triton":
+    resolved = _resolve(backend, x, weight)
+    if resolved == "flashinfer":
+        return _flashinfer_linear(x, weight, weight_scale, weight_scale_2, bias)
+    if resolved == "triton":
         from .backends.triton_moe.launch import triton_nvfp4_linear
 
         return triton_nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias)
@@ -106,4 +153,4 @@ def _(x, weight, weight_scale, weight_scale_2, bias=None, backend="auto"):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-__all__ = ["LINEAR_BACKENDS", "nvfp4_linear"]
+__all__ = ["LINEAR_BACKENDS", "flashinfer_linear_arguments", "nvfp4_linear"]

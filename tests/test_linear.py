@@ -189,6 +189,44 @@ def test_triton_linear_compiles_and_replays_in_a_cuda_graph():
     assert torch.equal(out, f(fresh))
 
 
+def test_flashinfer_linear_arguments_compute_the_linear_in_flashinfers_semantics():
+    # Blackwell's W4A16 GEMM (never run here): the exact arguments, consumed by a CPU model of
+    # mm_bf16_fp4's definition that enforces its argument contract, against the float64 oracle
+    from fp4moe_ops.flashinfer_sim import simulate_mm_bf16_fp4
+    from fp4moe_ops.linear import flashinfer_linear_arguments
+
+    packed, scale, g = nvfp4_weight(96, 256, seed=7)
+    x = torch.randn(2, 3, 256, dtype=torch.bfloat16)
+    args = flashinfer_linear_arguments(x, packed, scale, g)
+    assert args["b"].data_ptr() == packed.data_ptr() and args["b_descale"].data_ptr() == scale.data_ptr()  # views
+    got = simulate_mm_bf16_fp4(**args)
+    want = linear64(x, packed, scale, g).reshape(6, 96)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * want.abs().max().item())  # both float64
+    with pytest.raises(TypeError, match="linear"):  # the 128x4-swizzled scales are not what this path takes
+        simulate_mm_bf16_fp4(**(args | dict(b_descale=nvfp4.swizzle_block_scale(scale.view(torch.uint8)).view(
+            torch.float8_e4m3fn))))
+    with pytest.raises(ValueError, match="cannot run this call: FlashInfer's FP4 GEMM needs a Blackwell GPU"):
+        fp4moe_ops.nvfp4_linear(x, packed, scale, g, backend="flashinfer")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flashinfer_linear_arguments_are_what_flashinfers_own_preparation_makes():
+    # FlashInfer prepares the cuDNN path's weights from nvfp4_quantize's 128x4-swizzled scales;
+    # ours are the checkpoint's tensors as they are: the same bytes
+    flashinfer = pytest.importorskip("flashinfer")
+    from fp4moe_ops.linear import flashinfer_linear_arguments
+
+    packed, scale, g = (t.cuda() for t in nvfp4_weight(200, 512, seed=9))  # N not a multiple of 128
+    args = flashinfer_linear_arguments(torch.randn(3, 512, dtype=torch.bfloat16, device="cuda"), packed, scale, g)
+    swizzled = nvfp4.swizzle_block_scale(scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+    b, b_descale, alpha = flashinfer.prepare_bf16_fp4_weights(packed, swizzled, g.reshape(1), backend="cudnn")
+    assert torch.equal(b, args["b"])
+    assert b_descale.dtype == args["b_descale"].dtype and torch.equal(b_descale.view(torch.uint8),
+                                                                        args["b_descale"].view(torch.uint8))
+    assert torch.equal(alpha, args["alpha"])
+
+
 def test_nvfp4_linears_option_is_checked():
     with pytest.raises(ValueError, match="nvfp4_linears must be one of"):
         ModelOptConfig(nvfp4_linears="fp8")
