@@ -33,14 +33,16 @@ Backends:
   on Blackwell hardware** (we have none): the arguments are checked on CPU against the float64
   oracle through a simulation of that definition, and on the H200 against FlashInfer's own
   preparation (``tests/test_linear.py``).
-* ``"auto"``: ``"flashinfer"`` on Blackwell where FlashInfer is installed, else ``"triton"`` where it
-  runs, else ``"reference"``.
+* ``"auto"``: ``"triton"`` where it runs, else ``"reference"``. ``"flashinfer"`` is never chosen
+  for you until it has run on Blackwell hardware: ask for it by name.
 
 Like :func:`fp4moe_ops.op.fused_moe`, the real and the fake function share their checks, which read
 metadata only (no host syncs).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -95,17 +97,24 @@ def _flashinfer_refusal(x: torch.Tensor) -> str | None:
         return f"FlashInfer's FP4 GEMM needs a Blackwell GPU (compute capability 10.0+); x is on {x.device}"
     if x.dtype != torch.bfloat16:
         return f"FlashInfer's W4A16 GEMM takes bfloat16 activations, got {x.dtype}"
+    return _flashinfer_missing()
+
+
+@functools.cache
+def _flashinfer_missing() -> str | None:
+    """Checked once per process: FlashInfer's W4A16 GEMM and the cuDNN it needs (>= 9.23.1)."""
     try:
         from flashinfer import mm_bf16_fp4  # noqa: F401
-    except ImportError:
-        return "FlashInfer with mm_bf16_fp4 (0.7+) is not installed"
+        import cudnn
+    except ImportError as e:
+        return f"FlashInfer with mm_bf16_fp4 (0.7+) and cuDNN's Python frontend are needed: {e}"
+    if cudnn.backend_version() < 92301:
+        return f"FlashInfer's W4A16 GEMM needs cuDNN >= 9.23.1, found backend version {cudnn.backend_version()}"
     return None
 
 
 def _resolve(backend: str, x: torch.Tensor, weight: torch.Tensor) -> str:
     if backend == "auto":
-        if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (10, 0) and not _flashinfer_refusal(x):
-            return "flashinfer"
         return "reference" if _triton_refusal(x, weight) else "triton"
     return backend
 
@@ -124,6 +133,8 @@ def flashinfer_linear_arguments(x: torch.Tensor, weight: torch.Tensor, weight_sc
 def _flashinfer_linear(x, weight, weight_scale, weight_scale_2, bias):
     from flashinfer import mm_bf16_fp4
 
+    if x.numel() == 0:
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
     args = flashinfer_linear_arguments(x.contiguous(), weight, weight_scale, weight_scale_2)
     out = mm_bf16_fp4(**args)
     if bias is not None:

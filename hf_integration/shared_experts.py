@@ -7,10 +7,13 @@ with its own launches and a separate add; inside the routed call it costs one mo
 kernels that are already running, and its output is summed with the routed experts' in float32.
 
 :class:`SharedExpertMoE` replaces the block. Its ``experts`` hold ``E + 1`` experts (the shared one
-last); its state dict is the unfused block's (``experts.*`` with E experts, ``shared_experts.*`` as
-:class:`~hf_integration.experts.NVFP4GatedMLP` holds it), and a save writes the checkpoint layout
-(routed experts per expert, the shared expert as ``gate_proj``/``up_proj``/``down_proj`` NVFP4
-linears). Not with expert parallelism (each rank would add the shared expert once).
+last); its state dict is the unfused block's: ``experts.*`` with E experts, and ``shared_experts.*``
+under the names the shared expert had (an :class:`~hf_integration.experts.NVFP4GatedMLP`'s buffers,
+or a loaded checkpoint's ``gate_proj``/``up_proj``/``down_proj`` NVFP4 linears with the file's own
+scalars). A save writes the checkpoint layout (routed experts per expert, the shared expert as three
+NVFP4 linears). W4A16 only: NVFP4 activations would put the shared expert under the routed experts'
+activation scales (``global_max``), so a backend or mode that quantizes activations is refused, as
+is expert parallelism (each rank would add the shared expert once).
 """
 
 from __future__ import annotations
@@ -30,19 +33,40 @@ SHARED_EXPERT_BLOCKS = ("DeepseekV3MoE", "Glm4MoeMoE")
 _LEAVES = ("gate_proj", "up_proj", "down_proj")
 
 
+class ExpertsWithShared(NVFP4Experts):
+    """:class:`~hf_integration.experts.NVFP4Experts` whose last expert is a shared expert: 16-bit
+    activations only (see the module docstring)."""
+
+    def check_backend(self, backend: str = "auto", act_scale_mode: str | None = None):
+        checked = super().check_backend(backend, act_scale_mode)
+        if checked[1] is not None:
+            raise ValueError(
+                f"backend {checked[0].name!r} with NVFP4 activations ({checked[1]}) would quantize the shared "
+                "expert that runs inside these routed experts with their activation scales; patch or load "
+                "with fuse_shared_experts=False to run NVFP4 activations")
+        return checked
+
+
 class SharedExpertMoE(nn.Module):
     """A MoE block computing ``sum_j w_j routed_j(x) + shared(x)`` as one op call over ``E + 1`` experts.
 
     Children: ``gate`` (the block's router, unchanged) and ``experts`` (an
-    :class:`~hf_integration.experts.NVFP4Experts` whose last expert is the shared one).
-    ``num_routed`` = E.
+    :class:`ExpertsWithShared` whose last expert is the shared one). ``num_routed`` = E;
+    ``shared_scheme``: None if the shared expert was an ``NVFP4GatedMLP``, else the
+    :class:`~hf_integration.checkpoint_format.TensorScheme` of its three NVFP4 linears, whose file
+    scalars are kept (non-persistent ``shared_<leaf>_<tensor>`` buffers) so that the state dict
+    gives them back exactly.
     """
 
-    def __init__(self, gate: nn.Module, experts: NVFP4Experts, num_routed: int):
+    def __init__(self, gate: nn.Module, experts: ExpertsWithShared, num_routed: int, shared_scheme=None,
+                 shared_scalars: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.gate = gate
         self.experts = experts
         self.num_routed = num_routed
+        self.shared_scheme = shared_scheme
+        for key, t in (shared_scalars or {}).items():  # key "<leaf>.<tensor>"
+            self.register_buffer(_scalar_buffer(key), t, persistent=False)
         self._register_state_dict_hook(_split_state_dict)
         self._register_load_state_dict_pre_hook(_join_state_dict, with_module=True)
 
@@ -59,85 +83,158 @@ class SharedExpertMoE(nn.Module):
         """``(routed [E], shared [1])`` canonical weights (views of the fused tensors where the
         layout allows)."""
         w = self.experts.canonical()
-        e = self.num_routed
-        parts = [t if t is None else (t[:e], t[e:]) for t in (*w.tensors(), w.fc1_input_scale, w.fc2_input_scale)]
-        return tuple(NVFP4MoEWeights(*(None if p is None else p[i] for p in parts)) for i in (0, 1))
+        return _split_weights(w, self.num_routed)
 
     def extra_repr(self) -> str:
         return f"routed_experts={self.num_routed}, shared_experts=1 (inside the routed call)"
 
 
+def _scalar_buffer(key: str) -> str:
+    return "shared_" + key.replace(".", "_")
+
+
+def _split_weights(w: NVFP4MoEWeights, e: int) -> tuple[NVFP4MoEWeights, NVFP4MoEWeights]:
+    parts = [t if t is None else (t[:e], t[e:]) for t in (*w.tensors(), w.fc1_input_scale, w.fc2_input_scale)]
+    return tuple(NVFP4MoEWeights(*(None if p is None else p[i] for p in parts)) for i in (0, 1))
+
+
+def _linear_state(module: SharedExpertMoE, one: NVFP4MoEWeights) -> dict[str, torch.Tensor]:
+    """The shared expert ``[1]`` as its three linears' tensors, under the scheme's names, with the
+    file's scalars (``<leaf>.<tensor>`` keys)."""
+    s, i = module.shared_scheme, one.intermediate_size
+    rows = {"gate_proj": (one.w13[0, :i], one.w13_scale[0, :i]), "up_proj": (one.w13[0, i:], one.w13_scale[0, i:]),
+            "down_proj": (one.w2[0], one.w2_scale[0])}
+    out = {}
+    for leaf, (packed, block) in rows.items():
+        out[f"{leaf}.{s.packed}"], out[f"{leaf}.{s.block_scale}"] = packed, block
+        for tensor in (s.global_scale, s.input_scale):
+            name = _scalar_buffer(f"{leaf}.{tensor}")
+            if name in module._buffers:
+                out[f"{leaf}.{tensor}"] = module._buffers[name]
+    return out
+
+
 def _split_state_dict(module: SharedExpertMoE, state_dict, prefix, local_metadata):
-    """``experts.<buffer> [E + 1]`` -> ``experts.<buffer> [E]`` and ``shared_experts.<buffer> [1]``."""
+    """``experts.<buffer> [E + 1]`` -> ``experts.<buffer> [E]`` and the shared expert's own keys."""
     e = module.num_routed
-    for name in CANONICAL_BUFFERS + INPUT_SCALE_BUFFERS:
-        key = f"{prefix}experts.{name}"
-        if key in state_dict:
-            t = state_dict.pop(key)
-            state_dict[key], state_dict[f"{prefix}shared_experts.{name}"] = t[:e], t[e:]
+    fused = {name: state_dict.pop(f"{prefix}experts.{name}") for name in CANONICAL_BUFFERS + INPUT_SCALE_BUFFERS
+             if f"{prefix}experts.{name}" in state_dict}
+    for name, t in fused.items():
+        state_dict[f"{prefix}experts.{name}"] = t[:e]
+    if module.shared_scheme is None:  # as an NVFP4GatedMLP holds it
+        for name, t in fused.items():
+            state_dict[f"{prefix}shared_experts.{name}"] = t[e:]
+        return
+    w = NVFP4MoEWeights(*(fused[n] for n in CANONICAL_BUFFERS))
+    for key, t in _linear_state(module, _split_weights(w, e)[1]).items():
+        state_dict[f"{prefix}shared_experts.{key}"] = t
 
 
 def _join_state_dict(module: SharedExpertMoE, state_dict, prefix, *args):
-    for name in CANONICAL_BUFFERS + INPUT_SCALE_BUFFERS:
-        routed, shared = f"{prefix}experts.{name}", f"{prefix}shared_experts.{name}"
-        if routed in state_dict and shared in state_dict:
-            state_dict[routed] = torch.cat([state_dict[routed], state_dict.pop(shared)])
+    """The unfused layout in: the shared expert's tensors appended to the routed experts'."""
+    shared = f"{prefix}shared_experts."
+    if module.shared_scheme is None:
+        parts = {name: [state_dict.pop(shared + name)] for name in CANONICAL_BUFFERS + INPUT_SCALE_BUFFERS
+                 if shared + name in state_dict}
+    else:
+        s = module.shared_scheme
+        get = {k[len(shared):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(shared)]}
+        for key, t in get.items():  # the file's scalars, kept as they are
+            if _scalar_buffer(key) in module._buffers:
+                module._buffers[_scalar_buffer(key)].copy_(t)
+        if f"gate_proj.{s.packed}" not in get:
+            return  # nothing of the shared expert here: load_state_dict reports the missing keys
+        mult = s.multiplier
+        parts = {
+            "gate_up_proj_packed": [torch.cat([get[f"gate_proj.{s.packed}"], get[f"up_proj.{s.packed}"]])[None]],
+            "gate_up_proj_scale": [torch.cat([get[f"gate_proj.{s.block_scale}"], get[f"up_proj.{s.block_scale}"]])[None]],
+            "gate_up_proj_global_scale": [mult(get[f"gate_proj.{s.global_scale}"]).reshape(1)],
+            "down_proj_packed": [get[f"down_proj.{s.packed}"][None]],
+            "down_proj_scale": [get[f"down_proj.{s.block_scale}"][None]],
+            "down_proj_global_scale": [mult(get[f"down_proj.{s.global_scale}"]).reshape(1)],
+        }
+        if f"gate_proj.{s.input_scale}" in get:
+            parts["fc1_input_scale"] = [mult(get[f"gate_proj.{s.input_scale}"]).reshape(1)]
+            parts["fc2_input_scale"] = [mult(get[f"down_proj.{s.input_scale}"]).reshape(1)]
+    for name, (t,) in parts.items():
+        routed = f"{prefix}experts.{name}"
+        if routed in state_dict:
+            state_dict[routed] = torch.cat([state_dict[routed], t.to(state_dict[routed].device)])
 
 
-def shared_expert_weights(shared: nn.Module) -> NVFP4MoEWeights | None:
-    """The shared expert as a one-expert NVFP4 layer: from an
-    :class:`~hf_integration.experts.NVFP4GatedMLP`, or from ``gate_proj``/``up_proj``/``down_proj``
-    :class:`~hf_integration.experts.NVFP4Linear` s (a loaded checkpoint's) whose gate and up share
-    their global and input scales (ModelOpt's export makes them so); None if neither."""
+def shared_expert_weights(shared: nn.Module):
+    """The shared expert as a one-expert NVFP4 layer, with how it was held: ``(weights, scheme,
+    file scalars)`` from an :class:`~hf_integration.experts.NVFP4GatedMLP` (scheme None), or from
+    ``gate_proj``/``up_proj``/``down_proj`` :class:`~hf_integration.experts.NVFP4Linear` s (a loaded
+    checkpoint's) whose gate and up share their global and input scales (ModelOpt's export makes
+    them so); None if neither."""
     if isinstance(shared, NVFP4GatedMLP):
-        return shared.canonical()
+        with shared.canonical_layout():
+            w = shared.canonical()
+            return NVFP4MoEWeights(*(None if t is None else t.clone() for t in
+                                     (*w.tensors(), w.fc1_input_scale, w.fc2_input_scale))), None, {}
     lin = [getattr(shared, leaf, None) for leaf in _LEAVES]
     if not all(isinstance(m, NVFP4Linear) and m.bias is None for m in lin):
         return None
-    gate, up, down = lin
-    tensors = [m.linear_tensors() for m in lin]  # (packed, block scale, global scale, input scale or None)
-    (gp, gs, gg, gi), (up_, us, ug, ui), (dp, ds, dg, di) = tensors
+    if len({m.scheme for m in lin}) != 1:
+        return None
+    (gp, gs, gg, gi), (up, us, ug, ui), (dp, ds, dg, di) = (m.linear_tensors() for m in lin)
     if not torch.equal(gg, ug) or (gi is None) != (ui is None) or (gi is not None and not torch.equal(gi, ui)):
         return None  # gate and up on different scales: one expert cannot hold them
     if (gi is None) != (di is None):
         return None
-    return NVFP4MoEWeights(torch.cat([gp, up_])[None], torch.cat([gs, us])[None], gg.reshape(1), dp[None], ds[None],
-                           dg.reshape(1), None if gi is None else gi.reshape(1), None if di is None else di.reshape(1))
+    scheme = lin[0].scheme
+    scalars = {f"{leaf}.{t}": m._buffers[t].clone() for leaf, m in zip(_LEAVES, lin)
+               for t in (scheme.global_scale, scheme.input_scale) if t in m._buffers}
+    weights = NVFP4MoEWeights(torch.cat([gp, up])[None], torch.cat([gs, us])[None], gg.reshape(1), dp[None], ds[None],
+                              dg.reshape(1), None if gi is None else gi.reshape(1), None if di is None else di.reshape(1))
+    return weights, scheme, scalars
 
 
-def _fusable(block: nn.Module) -> NVFP4MoEWeights | None:
+def _fusable(block: nn.Module):
     experts = getattr(block, "experts", None)
     if type(block).__name__ not in SHARED_EXPERT_BLOCKS or not isinstance(experts, NVFP4Experts):
         return None
-    if not isinstance(experts.dispatch, LocalExperts) or experts.backend is None:  # (deepcopy copies LOCAL)
+    if not isinstance(experts.dispatch, LocalExperts) or experts.act_scale_mode is not None:  # (deepcopy copies LOCAL)
         return None
-    shared = shared_expert_weights(getattr(block, "shared_experts", None))
-    if shared is None or (shared.hidden_size, shared.intermediate_size) != (experts.hidden_size, experts.intermediate_size):
+    found = shared_expert_weights(getattr(block, "shared_experts", None))
+    if found is None:
+        return None
+    shared = found[0]
+    if (shared.hidden_size, shared.intermediate_size) != (experts.hidden_size, experts.intermediate_size):
         return None
     if (shared.fc1_input_scale is None) != (INPUT_SCALE_BUFFERS[0] not in experts._buffers):
         return None
-    return shared
+    return found
 
 
 def fuse_shared_experts(model: nn.Module) -> int:
     """Replace every MoE block that can run its shared expert inside the routed call (see the module
     docstring) by a :class:`SharedExpertMoE`; returns how many. Blocks that cannot (a BF16 shared
-    expert, another shape, gate and up on different scales, expert parallelism) stay as they are."""
+    expert, another shape, gate and up on different scales, NVFP4 activations, expert parallelism)
+    stay as they are. Experts not prepared for a backend yet (a loader's) stay unprepared."""
     blocks = [(parent, attr, m) for parent in model.modules() for attr, m in parent.named_children()]
     count = 0
     for parent, attr, block in blocks:
-        shared = _fusable(block)
-        if shared is None:
+        found = _fusable(block)
+        if found is None:
             continue
+        shared, scheme, scalars = found
         routed = block.experts
-        w = routed.canonical()
-        joined = [None if a is None else torch.cat([a, b.to(a.device)])
-                  for a, b in zip((*w.tensors(), w.fc1_input_scale, w.fc2_input_scale),
-                                  (*shared.tensors(), shared.fc1_input_scale, shared.fc2_input_scale))]
-        fused = NVFP4Experts(NVFP4MoEWeights(*joined), routed.backend, routed.act_scale_mode, owns_weights=True)
-        replace_module(parent, attr, SharedExpertMoE(block.gate, fused, w.num_experts))
+        with routed.canonical_layout():  # views of the routed bytes: the concatenation is the one copy
+            w = routed.canonical()
+            joined = [None if a is None else torch.cat([a, b.to(a.device)])
+                      for a, b in zip((*w.tensors(), w.fc1_input_scale, w.fc2_input_scale),
+                                      (*shared.tensors(), shared.fc1_input_scale, shared.fc2_input_scale))]
+        fused = ExpertsWithShared(NVFP4MoEWeights(*joined), routed.backend, owns_weights=True)
+        if hasattr(routed, "_hf_hook"):  # a device_map hook placed on the experts themselves
+            from accelerate.hooks import add_hook_to_module
+
+            add_hook_to_module(fused, routed._hf_hook)
+        replace_module(parent, attr, SharedExpertMoE(block.gate, fused, w.num_experts, scheme, scalars))
         count += 1
     return count
 
 
-__all__ = ["SHARED_EXPERT_BLOCKS", "SharedExpertMoE", "fuse_shared_experts", "shared_expert_weights"]
+__all__ = ["SHARED_EXPERT_BLOCKS", "ExpertsWithShared", "SharedExpertMoE", "fuse_shared_experts",
+           "shared_expert_weights"]

@@ -162,8 +162,49 @@ def test_triton_linear_refusals_name_the_reason_and_auto_falls_back_to_the_refer
                                                                                              backend="reference"))
     from fp4moe_ops.backends.triton_moe.launch import linear_supported
 
-    assert "multiple of 64" in linear_supported(x.to(DEVICE), torch.empty(48, 128, dtype=torch.uint8)) or not \
-        torch.cuda.is_available()
+    reason = linear_supported(x.to(DEVICE), torch.empty(48, 128, dtype=torch.uint8))
+    assert ("multiple of 64" if torch.cuda.is_available() else "runs on CUDA") in reason
+
+
+@pytest.mark.parametrize("tokens", [0, 5, 70])
+def test_triton_linear_with_no_tokens_and_with_a_strided_weight(tokens):
+    # an empty batch returns an empty result on both paths; a weight that is a strided view (every
+    # other row of a larger one) is read as the values it holds
+    from fp4moe_ops.backends.triton_moe.launch import linear_config
+
+    n, k = 64, 512
+    big, big_scale, g = (t.to(DEVICE) for t in nvfp4_weight(2 * n, k, seed=11))
+    packed, scale = big[::2], big_scale[::2]
+    assert not packed.is_contiguous()
+    x = torch.randn(2, tokens, k, dtype=torch.bfloat16, device=DEVICE)
+    got = triton_linear(x, packed, scale, g, None, None if x.is_cuda else linear_config(2 * tokens, n, k))
+    assert got.shape == (2, tokens, n)
+    if tokens:
+        want = linear64(x.cpu(), packed.cpu(), scale.cpu(), g.cpu())
+        w64 = dequant64(packed.cpu(), scale.cpu(), g.cpu())
+        bound = 2.0**-7 * want.abs() + 2.0**-7 * (x.cpu().double().abs() @ w64.abs().T)  # both paths (see above)
+        assert ((got.cpu().double() - want).abs() <= bound).all()
+
+
+def test_flashinfer_linear_call_adds_the_bias_and_keeps_the_leading_shape(monkeypatch):
+    # the call around mm_bf16_fp4, with FlashInfer replaced by the CPU model of its definition
+    import sys
+    import types
+
+    from fp4moe_ops.flashinfer_sim import simulate_mm_bf16_fp4
+    from fp4moe_ops.linear import _flashinfer_linear
+
+    fake = types.ModuleType("flashinfer")
+    fake.mm_bf16_fp4 = lambda **kw: simulate_mm_bf16_fp4(**kw).to(kw["out_dtype"])
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    packed, scale, g = nvfp4_weight(64, 256, seed=4)
+    x, b = torch.randn(2, 3, 256, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    got = _flashinfer_linear(x, packed, scale, g, b)
+    want = linear64(x, packed, scale, g, b)
+    assert got.shape == (2, 3, 64) and got.dtype == torch.bfloat16
+    # two bf16 roundings (the GEMM's output, then the bias add)
+    assert ((got.double() - want).abs() <= 2 * 2.0**-8 * (want.abs() + b.double().abs())).all()
+    assert _flashinfer_linear(x[:, :0], packed, scale, g, b).shape == (2, 0, 64)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from fp4moe_ops.oracle64 import moe64
-from hf_integration import ModelOptConfig, SharedExpertMoE, patch_deepseek
+from hf_integration import CompressedTensorsNVFP4Config, ModelOptConfig, SharedExpertMoE, patch_deepseek
 from hf_integration.experts import NVFP4GatedMLP, NVFP4Linear
 from hf_integration.shared_experts import SHARED_EXPERT_BLOCKS
 from hf_integration.tiny_models import tiny_deepseek_v3, tiny_glm4_moe, write_modelopt_checkpoint
@@ -158,3 +158,38 @@ def test_expert_parallelism_refuses_a_fused_model_before_changing_it():
     with pytest.raises(ValueError, match="shared expert inside the routed experts' call"):
         shard_experts(model)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("fmt,name", [("modelopt", "deepseek_v3_nvfp4_default"),
+                                      ("llmcompressor", "deepseek_v3_nvfp4a16")])
+def test_a_loaded_fused_model_has_the_unfused_state_dict_and_takes_it_back(fmt, name):
+    # the shared expert's keys are the file's three linears (compressed-tensors' own names and
+    # dividing scalars included), not the fused module's
+    folder = FIXTURES / fmt / name
+    cls = CompressedTensorsNVFP4Config if fmt == "llmcompressor" else ModelOptConfig
+    kw = dict(dtype=torch.bfloat16)
+    fused = AutoModelForCausalLM.from_pretrained(folder, quantization_config=cls(nvfp4_linears="nvfp4"), **kw)
+    unfused = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=cls(nvfp4_linears="nvfp4", fuse_shared_experts=False), **kw)
+    assert blocks(fused, SharedExpertMoE) and not blocks(unfused, SharedExpertMoE)
+    a, b = unfused.state_dict(), fused.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith("shared_experts.gate_proj.weight_scale") for k in b)
+    before = {k: v.clone() for k, v in b.items()}
+    for m in blocks(fused, SharedExpertMoE):  # change the fused tensors, then load the unfused state back
+        m.experts.gate_up_proj_global_scale.mul_(3)
+        m.experts.down_proj_scale.view(torch.uint8)[-1] ^= 1
+    fused.load_state_dict(a)
+    after = fused.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_nvfp4_activations_are_refused_on_fused_experts_and_change_nothing():
+    from hf_integration import calibrate_activation_scales, set_backend
+
+    model = patched()
+    calibrate_activation_scales(model, [torch.randint(1, 256, (2, 8))])
+    with pytest.raises(ValueError, match="fuse_shared_experts=False"):
+        set_backend(model, "reference", act_scale_mode="global_max")
+    assert all(m.experts.act_scale_mode is None for m in blocks(model, SharedExpertMoE))

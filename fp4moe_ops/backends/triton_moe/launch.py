@@ -270,7 +270,7 @@ def linear_config(tokens: int, n: int, k: int) -> dict:
     # the time at 64 tokens), and 2 pipeline stages 3 (0.94-0.98x) (H200 sweep, benchmarks/NOTES.md)
     bm = 16 if tokens <= 16 else 32
     bn, bk = 64, 256
-    tiles = (n // bn) * triton.cdiv(tokens, bm)
+    tiles = max(1, (n // bn) * triton.cdiv(tokens, bm))
     steps = k // bk
     parts = max(1, min(LINEAR_MAX_PARTS, steps, triton.cdiv(SM_COUNT_TARGET, tiles)))
     return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, num_warps=4, num_stages=2)
@@ -284,6 +284,9 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     n, k = weight.shape[0], weight.shape[1] * 2
     x2 = x.reshape(-1, k).contiguous()
     tokens = x2.shape[0]
+    if tokens == 0:
+        return x.new_empty(*x.shape[:-1], n)
+    weight, weight_scale = weight.contiguous(), weight_scale.contiguous()  # the kernels assume dense rows
     cfg = config or linear_config(tokens, n, k)
     fast = not interpreting()
     if cfg["path"] == "dequantize":
@@ -292,8 +295,6 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                                                         BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast)
         return torch.nn.functional.linear(x, w, bias)
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
-    if tokens == 0:
-        return out.reshape(*x.shape[:-1], n)
     bm, bn, bk, parts = cfg["BM"], cfg["BN"], cfg["BK"], cfg["PARTS"]
     w_desc, s_desc = _descriptors(weight[None], weight_scale.view(torch.uint8)[None], bn, bk)
     target = out if parts == 1 else torch.empty(parts, tokens, n, dtype=torch.float32, device=x.device)
