@@ -228,9 +228,10 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     else:
         a_ptrs = a_ptr + a_rows[None, :] * K + kk[:, None]
     k_end = K if k_hi == 0 else k_hi
-    if not TMA:  # (an empty K range loads nothing)
-        packed = tl.load(w_ptrs + k_lo // 2, mask=(kb[None, :] * 0 + (k_lo < k_end)) != 0, other=0)
-        sbytes = tl.load(s_ptrs + k_lo // 16, mask=(ks[None, :] * 0 + (k_lo < k_end)) != 0, other=0)
+    if not TMA:  # unmasked: without TMA the caller's range must not be empty (only the linear, always
+        # through TMA, has empty K parts)
+        packed = tl.load(w_ptrs + k_lo // 2)
+        sbytes = tl.load(s_ptrs + k_lo // 16)
     for k0 in range(k_lo, k_end, BK):
         a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
         if TMA:  # bulk tensor copies, which Triton pipelines over num_stages
