@@ -90,7 +90,7 @@ class NVFP4Linear(QuantizedBuffers):
     follows. Inference only: the op has no autograd formula and no autocast rule (under autocast
     it needs activations, and a bias, of one 16-bit dtype)."""
 
-    backend = "auto"  # fp4moe::nvfp4_linear: the Triton kernel where it runs, else the reference
+    backend = "auto"  # fp4moe::nvfp4_linear: Triton where it runs, else the reference ("flashinfer": set it)
 
     def __init__(self, linear: nn.Linear, scheme, input_scale: bool):
         super().__init__()

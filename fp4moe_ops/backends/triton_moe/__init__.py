@@ -1,6 +1,8 @@
 """Triton fused-MoE backend (a package: ``kernels`` the GPU code, ``layout`` the data layouts,
 ``launch`` routing and launches, ``backend`` the op's view): exact NVFP4 weights x 16-bit activations (W4A16), any CUDA GPU
-Triton supports, written for Hopper (SM90) where FlashInfer's NVFP4 kernel does not run.
+Triton supports, written for Hopper (SM90) where FlashInfer's NVFP4 kernel does not run. The same
+decode loop serves ``fp4moe::nvfp4_linear``'s ``"triton"`` backend (one weight, K split into parts:
+``launch.triton_nvfp4_linear``).
 
 Pipeline of one call (no host syncs, CUDA-graph capturable):
 
