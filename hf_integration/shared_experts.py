@@ -197,10 +197,14 @@ def _fusable(block: nn.Module):
         return None
     if not isinstance(experts.dispatch, LocalExperts) or experts.act_scale_mode is not None:  # (deepcopy copies LOCAL)
         return None
+    if any(b.device.type == "meta" for b in experts.buffers()):  # offloaded by a device_map: its hook owns them
+        return None
     found = shared_expert_weights(getattr(block, "shared_experts", None))
     if found is None:
         return None
     shared = found[0]
+    if any(t.device.type == "meta" for t in shared.tensors()):
+        return None
     if (shared.hidden_size, shared.intermediate_size) != (experts.hidden_size, experts.intermediate_size):
         return None
     if (shared.fc1_input_scale is None) != (INPUT_SCALE_BUFFERS[0] not in experts._buffers):
@@ -211,8 +215,8 @@ def _fusable(block: nn.Module):
 def fuse_shared_experts(model: nn.Module) -> int:
     """Replace every MoE block that can run its shared expert inside the routed call (see the module
     docstring) by a :class:`SharedExpertMoE`; returns how many. Blocks that cannot (a BF16 shared
-    expert, another shape, gate and up on different scales, NVFP4 activations, expert parallelism)
-    stay as they are. Experts not prepared for a backend yet (a loader's) stay unprepared."""
+    expert, another shape, gate and up on different scales, NVFP4 activations, expert parallelism,
+    tensors offloaded to the meta device) stay as they are."""
     blocks = [(parent, attr, m) for parent in model.modules() for attr, m in parent.named_children()]
     count = 0
     for parent, attr, block in blocks:
