@@ -241,7 +241,7 @@ def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_expe
 
 LINEAR_GEMV_MAX_TOKENS = 64  # past this, decode the weight to 16 bits once and let cuBLAS multiply
 SM_COUNT_TARGET = 264  # programs to aim for: two per SM of an H100/H200 (132 SMs)
-LINEAR_MAX_PARTS = 16  # K split at most this many ways (each part's float32 sums are written once)
+LINEAR_MAX_PARTS = 16  # K split at most this many ways (each part writes a float32 [T, N] of partial sums)
 
 
 def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -267,7 +267,7 @@ def linear_config(tokens: int, n: int, k: int) -> dict:
     if tokens > LINEAR_GEMV_MAX_TOKENS:
         return dict(path="dequantize", BN=64, BK=256)
     # 16- or 32-row token blocks: past 32 tokens two 32-row blocks beat one 64-row block (0.72-0.76x
-    # the time at 64 tokens), and 2 pipeline stages 3 (0.94-0.98x) (H200 sweep, benchmarks/NOTES.md)
+    # the time at 64 tokens), and 2 pipeline stages beat 3 (0.94-0.98x) (H200 sweep, benchmarks/NOTES.md)
     bm = 16 if tokens <= 16 else 32
     bn, bk = 64, 256
     tiles = max(1, (n // bn) * triton.cdiv(tokens, bm))
@@ -301,11 +301,12 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     has_bias = bias is not None
     _linear_kernel[(n // bn, triton.cdiv(tokens, bm), parts)](
         x2, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out, target,
-        tokens, n, k, triton.cdiv(k // bk, parts) * bk, w_desc, s_desc, BM=bm, BN=bn, BK=bk, FAST_DECODE=fast, INTERPRET=interpreting(),
-        HAS_BIAS=has_bias, SPLIT=parts > 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        tokens, n, k, triton.cdiv(k // bk, parts) * bk, w_desc, s_desc, BM=bm, BN=bn, BK=bk, FAST_DECODE=fast,
+        INTERPRET=interpreting(), HAS_BIAS=has_bias, SPLIT=parts > 1, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if parts > 1:
         block = 1024
-        _linear_parts_kernel[(triton.cdiv(tokens * n, block),)](target, bias if has_bias else out, out, tokens * n, n, parts,
-                                                                HAS_BIAS=has_bias, BLOCK=block)
+        _linear_parts_kernel[(triton.cdiv(tokens * n, block),)](
+            target, bias if has_bias else out, out, tokens * n, n, parts, HAS_BIAS=has_bias, BLOCK=block)
     return out.reshape(*x.shape[:-1], n)
