@@ -47,6 +47,19 @@ def time_ms(fn, inputs, cuda: bool) -> float:
     return graph_time_ms(fn, inputs)
 
 
+def weight_copies(n: int, k: int, device) -> list[tuple]:
+    """Distinct random NVFP4 weights ``(packed, block scale, global scale, BF16 dequantized)``: on a
+    GPU enough copies for >= 150 MB of NVFP4 bytes (3x the H200's L2), so a graph cycling through
+    them reads weights from HBM; one on CPU."""
+    copies = max(2, min(64, int(150e6 // (n * k * 0.5625)) + 1)) if device != "cpu" else 1
+    out = []
+    for _ in range(copies):
+        q = nvfp4.quantize_nvfp4(torch.randn(n, k, device=device) / k**0.5)
+        w, s, g = q.packed, q.block_scale, q.global_scale.reshape(())
+        out.append((w, s, g, nvfp4.dequantize_nvfp4(w, s, g, torch.bfloat16)))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,8,64,512,2048,8192")
@@ -80,12 +93,8 @@ def main():
         if args.small:
             n, k = max(64, n // 8), max(256, k // 8)
         fp4_bytes = n * k * 0.5625
-        copies = max(2, min(64, int(150e6 // fp4_bytes) + 1)) if cuda else 1
-        weights = []
-        for _ in range(copies):
-            q = nvfp4.quantize_nvfp4(torch.randn(n, k, device=device) / k**0.5)
-            w, s, g = q.packed, q.block_scale, q.global_scale.reshape(())
-            weights.append((w, s, g, nvfp4.dequantize_nvfp4(w, s, g, torch.bfloat16)))
+        weights = weight_copies(n, k, device)
+        copies = len(weights)
         for t in (int(x) for x in args.tokens.split(",")):
             inputs = [(torch.randn(t, k, device=device, dtype=torch.bfloat16), *weights[i]) for i in range(copies)]
             floor = max(fp4_bytes / bw, 2 * t * n * k / (args.tflops * 1e12)) * 1e3
@@ -130,11 +139,8 @@ def sweep(args):
         if wanted and name not in wanted:
             continue
         fp4_bytes = n * k * 0.5625
-        copies = max(2, min(64, int(150e6 // fp4_bytes) + 1))
-        weights = []
-        for _ in range(copies):
-            q = nvfp4.quantize_nvfp4(torch.randn(n, k, device="cuda") / k**0.5)
-            weights.append((q.packed, q.block_scale, q.global_scale.reshape(())))
+        weights = [c[:3] for c in weight_copies(n, k, "cuda")]
+        copies = len(weights)
         for t in (int(x) for x in args.tokens.split(",")):
             if t > 64:
                 continue

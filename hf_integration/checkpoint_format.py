@@ -169,7 +169,7 @@ class ModelOptConfig(QuantizationConfigMixin):
             the model dtype, or ``"nvfp4"`` to keep them in 4 bits as
             :class:`~hf_integration.experts.NVFP4Linear` (a quarter of the memory; computed by
             ``fp4moe::nvfp4_linear``: on Hopper a Triton kernel, faster than BF16 at decode for the
-            large linears, level with it past 2048 tokens; see benchmarks/RESULTS.md).
+            large linears, 0.88-1.0x its speed from 2048 tokens; H200, 2026-12-01, benchmarks/RESULTS.md).
         fuse_shared_experts: with ``nvfp4_linears="nvfp4"``, run a DeepSeek-V3-style block's NVFP4
             shared expert inside the routed experts' op call
             (:class:`~hf_integration.shared_experts.SharedExpertMoE`).

@@ -581,7 +581,7 @@ class ModelOptQuantizer(HfQuantizer):
             m.set_backend(config.backend, config.act_scale_mode)
         if config.fuse_router:
             fuse_routers(model)
-        if getattr(config, "fuse_shared_experts", True) and config.nvfp4_linears == "nvfp4":
+        if config.fuse_shared_experts and config.nvfp4_linears == "nvfp4":
             fuse_shared_experts(model)
         conversions = getattr(model, "_weight_conversions", None)
         if conversions:  # saving goes through get_state_dict_and_metadata, not reverse conversion
