@@ -3,7 +3,9 @@ layers (bench_e2e.py's), timed as its first 2 layers and as all 4, so that gener
 the embedding and the LM head cancel: per layer = (step time with 4 layers - with 2) / 2.
 
 Variants, in this order on the same weights (each on top of the last): HF BF16 compiled, fp4moe
-(routed experts NVFP4), fp4moe-shared (the shared expert NVFP4 too, inside the routed call). Step
+(routed experts NVFP4), fp4moe-linears (the shared expert's three linears NVFP4 too, through
+``fp4moe::nvfp4_linear``), fp4moe-shared (that shared expert inside the routed call), fp4moe-attn
+(the attention projections NVFP4 too: ``quantize_attention=True``, W4A16). Step
 time = batch / decode tokens per second of bench_e2e.time_generate (compiled generate() with
 static cache and CUDA graphs; median of 5, 1 + D new tokens minus 1).
 
@@ -21,8 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import deepseek_v3_layers, time_generate  # noqa: E402
-from hf_integration import fuse_shared_experts, patch_deepseek  # noqa: E402
-from hf_integration.experts import NVFP4GatedMLP  # noqa: E402
+from hf_integration import fuse_shared_experts, patch_deepseek, quantize_linears  # noqa: E402
 
 
 def step_ms(model, layers, all_layers, batch, new_tokens) -> float:
@@ -37,7 +38,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--variants", default="bf16,fp4moe,fp4moe-shared")
+    ap.add_argument("--variants", default="bf16,fp4moe,fp4moe-linears,fp4moe-shared,fp4moe-attn")
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -53,9 +54,13 @@ def main():
         model.config.num_hidden_layers = 4
         if variant == "fp4moe":
             patch_deepseek(model, verbose=False)
+        elif variant == "fp4moe-linears":
+            quantize_linears(model, dense_mlps=True)
         elif variant == "fp4moe-shared":
-            for layer in model.model.layers:
-                layer.mlp.shared_experts = NVFP4GatedMLP.quantize(layer.mlp.shared_experts, "auto")
+            quantize_linears(model, dense_mlps=True)  # (nothing left to do after fp4moe-linears)
+            fuse_shared_experts(model)
+        elif variant == "fp4moe-attn":
+            quantize_linears(model, dense_mlps=True, attention=True)
             fuse_shared_experts(model)
         all_layers = list(model.model.layers)
         for b in batches:

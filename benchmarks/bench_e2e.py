@@ -165,12 +165,9 @@ def main() -> None:
     if "fp4moe" in variants:
         fp4moe_rows(f"fp4moe compiled ({backend})")
     if "fp4moe-shared" in variants:  # the shared experts to NVFP4 as well, run inside the routed call
-        from hf_integration.experts import NVFP4GatedMLP
-        from hf_integration.shared_experts import fuse_shared_experts
+        from hf_integration import fuse_shared_experts, quantize_linears
 
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "shared_experts"):
-                layer.mlp.shared_experts = NVFP4GatedMLP.quantize(layer.mlp.shared_experts, backend)
+        quantize_linears(model, dense_mlps=True)
         fused = fuse_shared_experts(model)
         torch._dynamo.reset()
         print(f"{fused} shared experts now inside the routed call", flush=True)

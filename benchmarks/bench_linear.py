@@ -5,8 +5,9 @@ on a GPU (wall time on CPU), for 1-8192 tokens.
     python benchmarks/bench_linear.py --tokens 1,8,64,512,2048,8192      # GPU
     python benchmarks/bench_linear.py --tokens 1,8 --small                # CPU smoke run
 
-Columns: the op as ``"auto"`` chooses (the Triton kernel on a GPU), the Triton GEMV path and the
-dequantize + cuBLAS path forced (where they differ from auto), the ``"reference"`` backend (decode in
+Columns: the op as ``"auto"`` chooses (the Triton kernel on a GPU), the Triton GEMV path (split-K
+parts summed in the same launch), the same with a second kernel summing them (the 2026-12-01
+kernel) and the dequantize + cuBLAS path forced, the ``"reference"`` backend (decode in
 torch every call), and BF16 ``F.linear`` on the dequantized weight. Each graph cycles through
 enough distinct weight copies (>= 150 MB of NVFP4 bytes, 3x the H200's 50 MB L2) that weights
 come from HBM, as they do in a model. Floor: NVFP4 weight + scale bytes (N K 0.5625) at the
@@ -75,6 +76,9 @@ def main():
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     from fp4moe_ops.backends.triton_moe.launch import linear_config, linear_supported, triton_nvfp4_linear
+    from fp4moe_ops.linear import split_counters
+
+    table = split_counters(device)
 
     bw = float("nan")
     if cuda:
@@ -83,9 +87,9 @@ def main():
         bw = copy_bandwidth(device)
     print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}, "
           f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    print("| layer | N | K | tokens | floor ms | auto ms | x floor | GEMV ms | dequant+cuBLAS ms | reference ms "
-          "| F.linear BF16 ms | BF16 / auto | rel err vs BF16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| layer | N | K | tokens | floor ms | auto ms | x floor | GEMV ms | GEMV 2-launch ms | dequant+cuBLAS ms "
+          "| reference ms | F.linear BF16 ms | BF16 / auto | rel err vs BF16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     wanted = set(args.shapes.split(",")) if args.shapes else None
     for name, n, k in SHAPES:
         if wanted and name not in wanted:
@@ -100,23 +104,29 @@ def main():
             floor = max(fp4_bytes / bw, 2 * t * n * k / (args.tflops * 1e12)) * 1e3
             x, w, s, g, bf16 = inputs[0]
             want = F.linear(x, bf16).double()
-            got = fp4moe_ops.nvfp4_linear(x, w, s, g).double()
+            got = fp4moe_ops.nvfp4_linear(x, w, s, g, counters=table).double()
             err = ((got - want).norm() / want.norm()).item()
-            auto = time_ms(lambda x, w, s, g, b: fp4moe_ops.nvfp4_linear(x, w, s, g), inputs, cuda)
+            # as NVFP4Linear calls it: with its counter table (split-K parts summed in one launch)
+            auto = time_ms(lambda x, w, s, g, b: fp4moe_ops.nvfp4_linear(x, w, s, g, counters=table), inputs, cuda)
             base = time_ms(lambda x, w, s, g, b: F.linear(x, b), inputs, cuda)
             cols = {}
             if linear_supported(x, w) is None:
-                for path in ("gemv", "dequantize"):
-                    cfg = linear_config(min(t, 64) if path == "gemv" else 65, n, k)
-                    if path == "gemv" and t > 64:
+                for path in ("gemv", "gemv2", "dequantize"):
+                    cfg = linear_config(min(t, 64) if path != "dequantize" else 65, n, k)
+                    if path != "dequantize" and t > 64:
                         continue  # the GEMV tiles stop at 64-row blocks
-                    cols[path] = time_ms(lambda x, w, s, g, b, c=cfg: triton_nvfp4_linear(x, w, s, g, None, c),
+                    if path == "gemv2":
+                        if cfg["PARTS"] == 1:
+                            continue
+                        cfg["SERIAL"] = False
+                    cols[path] = time_ms(lambda x, w, s, g, b, c=cfg: triton_nvfp4_linear(x, w, s, g, None, c, table),
                                          inputs, cuda)
             ref = time_ms(lambda x, w, s, g, b: fp4moe_ops.nvfp4_linear(x, w, s, g, backend="reference"),
                           inputs[:4], cuda) if args.reference or not cuda else float("nan")
             fmt = lambda v: "" if v is None else f"{v:.4f}"  # noqa: E731
             print(f"| {name} | {n} | {k} | {t} | {floor:.4f} | {auto:.4f} | {auto / floor:.2f}x | "
-                  f"{fmt(cols.get('gemv'))} | {fmt(cols.get('dequantize'))} | {ref:.4f} | {base:.4f} | "
+                  f"{fmt(cols.get('gemv'))} | {fmt(cols.get('gemv2'))} | {fmt(cols.get('dequantize'))} | {ref:.4f} | "
+                  f"{base:.4f} | "
                   f"{base / auto:.2f}x | {err:.1e} |", flush=True)
         del weights, inputs
         if cuda:
@@ -129,7 +139,9 @@ def sweep(args):
     from bench_moe import copy_bandwidth, graph_time_ms
 
     from fp4moe_ops.backends.triton_moe.launch import linear_config, triton_nvfp4_linear
+    from fp4moe_ops.linear import split_counters
 
+    table = split_counters("cuda")
     bw = copy_bandwidth("cuda")
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     print("| layer | tokens | floor ms | chosen | chosen ms | best | best ms |")
@@ -155,7 +167,7 @@ def sweep(args):
             times = []
             for cfg in variants:
                 try:
-                    ms = graph_time_ms(lambda x, w, s, g, c=cfg: triton_nvfp4_linear(x, w, s, g, None, c), inputs)
+                    ms = graph_time_ms(lambda x, w, s, g, c=cfg: triton_nvfp4_linear(x, w, s, g, None, c, table), inputs)
                 except Exception as e:  # noqa: BLE001 - a variant that does not compile is skipped
                     print(f"  {cfg}: {type(e).__name__}", flush=True)
                     continue

@@ -9,8 +9,9 @@ tokens and one of 1 new token, divided by D, so the prefill step and generate()'
 
 Variants apply in the order given, each on top of the last: ``fp4moe-hf-router`` patches the
 experts and keeps Transformers' router, ``fp4moe`` is ``patch_deepseek``'s default (router as one
-``fp4moe::grouped_topk`` op), ``fp4moe-dense`` also quantizes the shared experts
-(``quantize_dense_mlps=True`` without fusing), ``fp4moe-shared`` runs them inside the routed call.
+``fp4moe::grouped_topk`` op), ``fp4moe-dense`` also quantizes the shared experts' linears
+(``quantize_dense_mlps=True`` without fusing), ``fp4moe-shared`` runs them inside the routed call,
+``fp4moe-attn`` quantizes the attention projections too (``quantize_attention=True``).
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hf_integration import fuse_routers, fuse_shared_experts, patch_deepseek  # noqa: E402
-from hf_integration.experts import NVFP4GatedMLP  # noqa: E402
-from hf_integration.surgery import children_where, is_dense_gated_mlp, replace_module  # noqa: E402
+from hf_integration import fuse_routers, fuse_shared_experts, patch_deepseek, quantize_linears  # noqa: E402
 from bench_e2e import deepseek_v3_layers  # noqa: E402
 
 GROUPS = [  # first match wins; lower-case substrings of kernel names
     ("fp4moe experts (Triton)", ("_gemm1_swiglu", "_gemm2_kernel", "_route_kernel", "_sum_topk", "_silu_mul")),
+    ("fp4moe NVFP4 linears (Triton)", ("_linear_kernel", "_linear_parts", "_dequant_kernel")),
     ("attention (SDPA/flash)", ("flash", "fmha", "attention", "sdpa", "softmax")),
     ("GEMM/GEMV (cuBLAS, cutlass, grouped_mm)", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "grouped", "matmul")),
     ("inductor-fused elementwise/reductions", ("triton_",)),
@@ -135,10 +135,9 @@ def main() -> None:
             patch_deepseek(model, verbose=False, fuse_router=variant != "fp4moe-hf-router")
         if variant in ("fp4moe", "fp4moe-dense"):
             fuse_routers(model)
-        if variant in ("fp4moe-dense", "fp4moe-shared"):
-            for parent, attr, m in children_where(model, is_dense_gated_mlp):
-                replace_module(parent, attr, NVFP4GatedMLP.quantize(m, "auto"))
-        if variant == "fp4moe-shared":
+        if variant in ("fp4moe-dense", "fp4moe-shared", "fp4moe-attn"):
+            quantize_linears(model, dense_mlps=True, attention=variant == "fp4moe-attn")
+        if variant in ("fp4moe-shared", "fp4moe-attn"):
             fuse_shared_experts(model)
         print(f"{variant} compiled (CUDA graphs):")
         profile_decode(model, args.batch, args.decode_steps, args.host_profile)

@@ -50,10 +50,20 @@ import torch.nn.functional as F
 from . import nvfp4
 
 LINEAR_BACKENDS = ("auto", "reference", "triton", "flashinfer")
+SPLIT_COUNTERS = 1024  # tiles of a split-K Triton call one counter table serves (it needs < 264)
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend) -> None:
+def split_counters(device) -> torch.Tensor:
+    """A zeroed ``[SPLIT_COUNTERS] int32`` table for :func:`nvfp4_linear`'s ``counters``: the Triton
+    GEMV path then sums its split-K parts in the same launch (the last part of each tile to
+    finish does, and sets the tile's counter back to zero). The caller owns it (an
+    :class:`~hf_integration.experts.NVFP4Linear` holds one); calls that share a table must not run
+    at the same time (on two streams)."""
+    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+
+
+def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counters=None) -> None:
     """Metadata checks shared by the real and the fake implementation; each error names the tensor."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"unknown nvfp4_linear backend {backend!r}; available: {', '.join(LINEAR_BACKENDS)}")
@@ -74,8 +84,11 @@ def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend) -> Non
                         f"{weight_scale_2.dtype} {list(weight_scale_2.shape)}")
     if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
         raise TypeError(f"bias must be [N={n}] {x.dtype} like x, got {bias.dtype} {list(bias.shape)}")
+    if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1):
+        raise TypeError(f"counters must be a 1-D int32 table (split_counters()), got {counters.dtype} "
+                        f"{list(counters.shape)}")
     for name, t in (("weight", weight), ("weight_scale", weight_scale), ("weight_scale_2", weight_scale_2),
-                    ("bias", bias)):
+                    ("bias", bias), ("counters", counters)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     if backend in ("triton", "flashinfer"):
@@ -144,24 +157,27 @@ def _flashinfer_linear(x, weight, weight_scale, weight_scale_2, bias):
 
 @torch.library.custom_op("fp4moe::nvfp4_linear", mutates_args=())
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
-                 bias: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                 bias: torch.Tensor | None = None, backend: str = "auto",
+                 counters: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x (e2m1 * weight_scale * weight_scale_2)^T + bias``: ``x [..., K]`` -> ``[..., N]``
-    in x's dtype (tensors as in the module docstring)."""
-    _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend)
+    in x's dtype (tensors as in the module docstring). ``counters``: an optional
+    :func:`split_counters` table, zero before and after the call, that saves the Triton GEMV path
+    a second launch."""
+    _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counters)
     resolved = _resolve(backend, x, weight)
     if resolved == "flashinfer":
         return _flashinfer_linear(x, weight, weight_scale, weight_scale_2, bias)
     if resolved == "triton":
         from .backends.triton_moe.launch import triton_nvfp4_linear
 
-        return triton_nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias)
+        return triton_nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias, counters=counters)
     return F.linear(x, nvfp4.dequantize_nvfp4(weight, weight_scale, weight_scale_2, x.dtype), bias)
 
 
 @nvfp4_linear.register_fake
-def _(x, weight, weight_scale, weight_scale_2, bias=None, backend="auto"):
-    _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend)
+def _(x, weight, weight_scale, weight_scale_2, bias=None, backend="auto", counters=None):
+    _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counters)
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-__all__ = ["LINEAR_BACKENDS", "flashinfer_linear_arguments", "nvfp4_linear"]
+__all__ = ["LINEAR_BACKENDS", "SPLIT_COUNTERS", "flashinfer_linear_arguments", "nvfp4_linear", "split_counters"]

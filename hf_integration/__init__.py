@@ -22,11 +22,11 @@ Importing it registers fp4moe's ``"modelopt"`` quantizer with Transformers, so
 
 from . import architectures
 from .calibration import calibrate_activation_scales
-from .experts import NVFP4Experts, NVFP4GatedMLP, NVFP4Linear
+from .experts import NVFP4Experts, NVFP4Linear
 from .expert_parallel import shard_experts
 from .modelopt import load_modelopt_nvfp4, save_modelopt_nvfp4
 from .checkpoint_format import CheckpointError, CompressedTensorsNVFP4Config, ModelOptConfig
-from .patch import patch_deepseek, patch_moe, set_backend
+from .patch import patch_deepseek, patch_moe, quantize_linears, set_backend
 from .quantizer import ModelOptQuantizer, register
 from .router import GroupedTopkRouter, fuse_routers
 from .shared_experts import SharedExpertMoE, fuse_shared_experts
@@ -37,7 +37,7 @@ architectures.register()
 
 __all__ = [
     "CheckpointError", "CompressedTensorsNVFP4Config", "GroupedTopkRouter", "ModelOptConfig", "ModelOptQuantizer",
-    "NVFP4Experts", "NVFP4GatedMLP", "NVFP4Linear", "SharedExpertMoE",
+    "NVFP4Experts", "NVFP4Linear", "SharedExpertMoE",
     "calibrate_activation_scales", "find_experts_modules", "fuse_routers", "fuse_shared_experts", "load_modelopt_nvfp4", "patch_deepseek",
-    "patch_moe", "save_modelopt_nvfp4", "set_backend", "shard_experts",
+    "patch_moe", "quantize_linears", "save_modelopt_nvfp4", "set_backend", "shard_experts",
 ]

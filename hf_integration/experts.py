@@ -5,12 +5,11 @@
   [T, k]) -> [T, H]``, computed by ``torch.ops.fp4moe.fused_moe`` on NVFP4 weights held as a
   :class:`fp4moe_ops.PreparedExperts` (buffers ``gate_up_proj_packed`` ...). Expert parallelism
   plugs in as a dispatch step around the op (:mod:`hf_integration.expert_parallel`).
-* :class:`NVFP4GatedMLP`: a dense gated MLP ``down(silu(gate(x)) * up(x))`` in NVFP4, run by the
-  same op as a one-expert MoE (``patch_moe(..., quantize_dense_mlps=True)``).
-* :class:`NVFP4Linear` / :class:`FP8Linear`: a checkpoint's quantized linear outside the routed
-  experts, as its file tensors; the loader turns it into an ``nn.Linear`` with the dequantized weight
-  once it is filled (an NVFP4 one stays NVFP4, computed by ``fp4moe::nvfp4_linear``, with
-  ``nvfp4_linears="nvfp4"``).
+* :class:`NVFP4Linear` / :class:`FP8Linear`: a quantized linear outside the routed experts, as a
+  checkpoint's tensors. The loader fills them from the file and turns them into ``nn.Linear`` s with
+  the dequantized weight, unless NVFP4 linears are kept (``nvfp4_linears="nvfp4"``: computed by
+  ``fp4moe::nvfp4_linear``); ``patch_moe(..., quantize_dense_mlps=True)`` quantizes dense MLPs'
+  and shared experts' linears into them (:meth:`NVFP4Linear.quantize`).
 """
 
 from __future__ import annotations
@@ -18,10 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp4moe_ops import PreparedExperts, nvfp4, quantize_moe_weights
+from fp4moe_ops import PreparedExperts, nvfp4
+from fp4moe_ops.linear import split_counters
+from fp4moe_ops.moe_weights import QUANTIZE_CHUNK_ELEMENTS
 from fp4moe_ops.prepared import QuantizedBuffers
 
-from .checkpoint_format import linear_tensors
+from .checkpoint_format import MODELOPT, linear_tensors
 
 
 class LocalExperts:
@@ -56,26 +57,6 @@ class NVFP4Experts(PreparedExperts):
         return self.dispatch.finalize(out)
 
 
-class NVFP4GatedMLP(PreparedExperts):
-    """A dense gated MLP ``down(silu(gate(x)) * up(x))`` (DeepSeek's dense layers and shared
-    experts) in NVFP4, computed by the same op as a one-expert MoE with every token routed to it
-    with weight 1. Buffers as in :class:`NVFP4Experts`, with E = 1."""
-
-    @classmethod
-    def quantize(cls, mlp: nn.Module, backend: str = "auto") -> NVFP4GatedMLP:
-        """The NVFP4 version of a bias-free ``gate_proj``/``up_proj``/``down_proj`` MLP."""
-        with torch.no_grad():
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])[None]
-            weights = quantize_moe_weights(gate_up, mlp.down_proj.weight[None])
-        return cls(weights, backend, owns_weights=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        ids = torch.zeros(flat.shape[0], 1, dtype=torch.int32, device=x.device)
-        ones = torch.ones(flat.shape[0], 1, dtype=torch.float32, device=x.device)
-        return super().forward(flat, ids, ones).reshape(x.shape)
-
-
 class NVFP4Linear(QuantizedBuffers):
     """A checkpoint's NVFP4 linear ``y = x W^T (+ b)``, held as its file tensors, named as the file's
     format names them (:class:`~hf_integration.checkpoint_format.TensorScheme`: ModelOpt's
@@ -84,7 +65,8 @@ class NVFP4Linear(QuantizedBuffers):
     ``weight_global_scale [1]`` / ``input_global_scale [1]``, whose per-tensor scales divide).
 
     The loader dequantizes it (:meth:`dequantized`) unless asked to keep NVFP4 linears
-    (``ModelOptConfig(nvfp4_linears="nvfp4")``); kept, it computes through
+    (``ModelOptConfig(nvfp4_linears="nvfp4")``); ``patch_moe`` makes ModelOpt ones from a 16-bit
+    ``nn.Linear`` (:meth:`quantize`). Kept, it computes through
     ``torch.ops.fp4moe.nvfp4_linear`` (:mod:`fp4moe_ops.linear`) and saves as ModelOpt tensors
     (:meth:`modelopt_tensors`). Its buffers keep their dtypes under ``model.to(dtype)``; the bias
     follows. Inference only: the op has no autograd formula and no autocast rule (under autocast
@@ -92,17 +74,41 @@ class NVFP4Linear(QuantizedBuffers):
 
     backend = "auto"  # fp4moe::nvfp4_linear: Triton where it runs, else the reference ("flashinfer": set it)
 
-    def __init__(self, linear: nn.Linear, scheme, input_scale: bool):
+    def __init__(self, linear: nn.Linear, scheme, input_scale: bool, device: torch.device | None = None):
         super().__init__()
         n, k = linear.out_features, linear.in_features
         self.in_features, self.out_features, self.scheme = k, n, scheme
-        self.register_buffer(scheme.packed, torch.empty(n, k // 2, dtype=torch.uint8))
-        self.register_buffer(scheme.block_scale, torch.empty(n, k // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn))
-        self.register_buffer(scheme.global_scale, torch.empty(scheme.scalar_shape, dtype=torch.float32))
+        on = dict(dtype=torch.float32, device=device)
+        self.register_buffer(scheme.packed, torch.empty(n, k // 2, dtype=torch.uint8, device=device))
+        self.register_buffer(scheme.block_scale, torch.empty(n, k // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn,
+                                                             device=device))
+        self.register_buffer(scheme.global_scale, torch.empty(scheme.scalar_shape, **on))
         if input_scale:
-            self.register_buffer(scheme.input_scale, torch.empty(scheme.scalar_shape, dtype=torch.float32))
+            self.register_buffer(scheme.input_scale, torch.empty(scheme.scalar_shape, **on))
+        # the Triton GEMV's split-K arrival counters (zero between calls; not part of the checkpoint)
+        self.register_buffer("split_counters", split_counters(device), persistent=False)
         self.bias = linear.bias
         self.dtype = linear.weight.dtype
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear, global_scale: torch.Tensor | None = None) -> NVFP4Linear:
+        """``linear``'s weight quantized with ModelOpt's recipe into ModelOpt's tensors (no input
+        scale: W4A16), on the weight's device, a few million weights at a time.
+
+        ``global_scale``: the multiplying per-tensor scale ``[]`` float32; default ``amax / (6*448)``
+        of this weight. Linears that ModelOpt exports with one shared scale (gate and up of an MLP)
+        pass it from :func:`weight_amax` of both."""
+        w = linear.weight.detach()
+        if global_scale is None:
+            global_scale = nvfp4.global_scale_from_amax(weight_amax(w))
+        q = cls(linear, MODELOPT, input_scale=False, device=w.device)
+        rows = max(1, QUANTIZE_CHUNK_ELEMENTS // w.shape[1])
+        with torch.no_grad():
+            for r0 in range(0, w.shape[0], rows):
+                part = nvfp4.quantize_nvfp4(w[r0:r0 + rows], global_scale)
+                q.weight[r0:r0 + rows], q.weight_scale[r0:r0 + rows] = part.packed, part.block_scale
+            q.weight_scale_2.copy_(global_scale.reshape(()))
+        return q
 
     def scale_checks(self) -> list[tuple[str, str]]:
         """``(buffer, kind)`` of the scales whose values the loader checks (see ``check_scale_values``)."""
@@ -134,9 +140,15 @@ class NVFP4Linear(QuantizedBuffers):
         out = linear_tensors(name, *self.linear_tensors())
         return out if self.bias is None else out | {f"{name}.bias": self.bias}
 
+    def reset_counters(self) -> None:
+        """A zeroed counter table on the weight's device (after loading, which leaves a
+        non-persistent buffer unset)."""
+        self.split_counters = split_counters(self._buffers[self.scheme.packed].device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, block_scale, global_scale, _ = self.linear_tensors()
-        return torch.ops.fp4moe.nvfp4_linear(x, packed, block_scale, global_scale, self.bias, self.backend)
+        counters = self.split_counters if self.split_counters.device == x.device else None  # (offloaded: none)
+        return torch.ops.fp4moe.nvfp4_linear(x, packed, block_scale, global_scale, self.bias, self.backend, counters)
 
 
 class FP8Linear(nn.Module):
@@ -167,6 +179,12 @@ class FP8Linear(nn.Module):
         return nn.functional.linear(x, self.weight_value().to(x.dtype), self.bias)
 
 
+def weight_amax(w: torch.Tensor) -> torch.Tensor:
+    """``max |w|`` as a 0-dim float32, a row chunk at a time (no full-size temporary)."""
+    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // w.shape[-1])
+    return torch.stack([w[r0:r0 + rows].abs().amax().float() for r0 in range(0, w.shape[0], rows)]).amax()
+
+
 def _linear_like(m: nn.Module, weight: torch.Tensor) -> nn.Linear:
     linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
@@ -175,4 +193,4 @@ def _linear_like(m: nn.Module, weight: torch.Tensor) -> nn.Linear:
     return linear
 
 
-__all__ = ["FP8Linear", "LOCAL", "LocalExperts", "NVFP4Experts", "NVFP4GatedMLP", "NVFP4Linear"]
+__all__ = ["FP8Linear", "LOCAL", "LocalExperts", "NVFP4Experts", "NVFP4Linear", "weight_amax"]

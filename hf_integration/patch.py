@@ -4,7 +4,9 @@
 Every fused-experts module of Transformers (``@use_experts_implementation``: DeepSeek-V2/V3,
 Kimi-K2, GLM4-MoE, Qwen3-MoE, Mixtral, ...) is replaced by an
 :class:`~hf_integration.experts.NVFP4Experts` holding its weights quantized with ModelOpt's
-recipe; optionally dense gated MLPs become :class:`~hf_integration.experts.NVFP4GatedMLP`;
+recipe; optionally the linears of dense gated MLPs (shared experts, dense layers) and of attention
+become :class:`~hf_integration.experts.NVFP4Linear` s (W4A16, ``fp4moe::nvfp4_linear``) inside the
+model's own modules, and shared experts of the routed experts' shape run inside the routed call;
 DeepSeek-V3-style routers become :class:`~hf_integration.router.GroupedTopkRouter`. The model is
 then marked quantized as if loaded from a ModelOpt checkpoint (``save_pretrained`` writes one).
 """
@@ -22,14 +24,14 @@ from fp4moe_ops import nvfp4
 from fp4moe_ops.backends import resolve_backend
 from fp4moe_ops.moe_weights import expert_chunks
 
-from .experts import NVFP4Experts, NVFP4GatedMLP
+from .experts import NVFP4Experts, NVFP4Linear, weight_amax
 from .checkpoint_format import ModelOptConfig
 from .llama4 import is_llama4_experts
 from .quantizer import attach, quantizer_for
 from .router import fuse_routers
 from .shared_experts import fuse_shared_experts as fuse_shared
-from .surgery import children_where, find_experts_modules, is_dense_gated_mlp, is_silu, is_transformers_experts, \
-    nvfp4_experts, replace_module
+from .surgery import find_experts_modules, is_dense_gated_mlp, is_silu, is_transformers_experts, nvfp4_experts, \
+    replace_module
 
 logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
 
@@ -60,9 +62,74 @@ def _check_experts(name: str, m: nn.Module) -> None:
         raise ValueError(f"cannot patch {name} ({type(m).__name__}): " + "; ".join(problems))
 
 
+def is_attention(m: nn.Module) -> bool:
+    """A Transformers attention module (``DeepseekV3Attention``, ``Qwen3MoeAttention``, ...)."""
+    return type(m).__name__.endswith("Attention")
+
+
+def _linear_groups(model: nn.Module, dense_mlps: bool, attention: bool):
+    """``(name, module, kind, [[leaf, ...], ...])`` for every module whose ``nn.Linear`` children
+    become NVFP4: each inner list shares one global scale (an MLP's gate and up, as ModelOpt
+    exports them, so that they can run as one expert)."""
+    groups = []
+    for name, m in model.named_modules():
+        if dense_mlps and is_dense_gated_mlp(m):
+            groups.append((name, m, "dense MLP", [["gate_proj", "up_proj"], ["down_proj"]]))
+        elif attention and is_attention(m):
+            leaves = [[attr] for attr, child in m.named_children() if type(child) is nn.Linear]
+            if leaves:
+                groups.append((name, m, "attention", leaves))
+    return groups
+
+
+def _check_linears(name: str, m: nn.Module, kind: str, groups: list[list[str]]) -> None:
+    linears = [(leaf, getattr(m, leaf)) for group in groups for leaf in group]
+    if kind == "dense MLP":
+        h, i = m.gate_proj.in_features, m.gate_proj.out_features
+        if h % nvfp4.BLOCK_SIZE or i % nvfp4.BLOCK_SIZE:
+            raise ValueError(f"cannot quantize dense MLP {name}: sizes {h}, {i} must be multiples of {nvfp4.BLOCK_SIZE}")
+    for leaf, lin in linears:
+        w = lin.weight
+        if lin.in_features % nvfp4.BLOCK_SIZE:
+            raise ValueError(f"cannot quantize {kind} {name}.{leaf}: in_features {lin.in_features} must be a "
+                             f"multiple of {nvfp4.BLOCK_SIZE}")
+        if w.device.type == "meta":
+            raise ValueError(f"cannot quantize {kind} {name}.{leaf}: its weight is on the meta device (not loaded)")
+        if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"cannot quantize {kind} {name}.{leaf}: weight is {w.dtype}, not a float")
+        if not bool(torch.isfinite(weight_amax(w))):
+            raise ValueError(f"cannot quantize {kind} {name}.{leaf}: its weight holds NaN or Inf")
+
+
+def _quantize_linears(m: nn.Module, groups: list[list[str]]) -> None:
+    for group in groups:
+        amax = torch.stack([weight_amax(getattr(m, leaf).weight) for leaf in group]).amax()
+        scale = nvfp4.global_scale_from_amax(amax)
+        for leaf in group:  # the BF16 linear is freed as it is replaced
+            replace_module(m, leaf, NVFP4Linear.quantize(getattr(m, leaf), scale))
+
+
+def quantize_linears(model: nn.Module, *, dense_mlps: bool = True, attention: bool = False,
+                     verbose: bool = False) -> int:
+    """Quantize the ``nn.Linear`` s of ``model``'s dense gated MLPs (shared experts, dense layers)
+    and/or attention modules to :class:`~hf_integration.experts.NVFP4Linear` (W4A16, ModelOpt's
+    recipe and tensors; an MLP's gate and up on one global scale). What ``patch_moe``'s
+    ``quantize_dense_mlps`` / ``quantize_attention`` do; usable on its own, e.g. on a patched model.
+    Every linear is checked first (sizes, dtype, device, finite weights): on an error nothing has
+    changed. Returns the number of modules whose linears were quantized."""
+    groups = _linear_groups(model, dense_mlps, attention)
+    for name, m, kind, leaves in groups:
+        _check_linears(name, m, kind, leaves)
+    for name, m, kind, leaves in groups:
+        _quantize_linears(m, leaves)
+        if verbose:
+            logger.info("fp4moe: %s (%s) linears -> NVFP4", name, kind)
+    return len(groups)
+
+
 def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | None = None,
-              quantize_dense_mlps: bool = False, fuse_router: bool = True, fuse_shared_experts: bool = True,
-              verbose: bool = True) -> nn.Module:
+              quantize_dense_mlps: bool = False, quantize_attention: bool = False, fuse_router: bool = True,
+              fuse_shared_experts: bool = True, verbose: bool = True) -> nn.Module:
     """Quantize every routed-experts module of ``model`` to NVFP4 and run it through the op.
 
     Args:
@@ -72,8 +139,13 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
             ``fp4moe_ops.BACKENDS``. Checked for every layer's device before anything changes.
         act_scale_mode: must be None here: NVFP4 activations need calibrated scales, so they apply
             through :func:`set_backend` after :func:`~hf_integration.calibrate_activation_scales`.
-        quantize_dense_mlps: also run dense gated MLPs (shared experts, DeepSeek's first dense
-            layers) in NVFP4 through the op, as one-expert MoEs. Off by default.
+        quantize_dense_mlps: also quantize the linears of dense gated MLPs (shared experts,
+            DeepSeek's first dense layers) to :class:`~hf_integration.experts.NVFP4Linear` (W4A16,
+            ``fp4moe::nvfp4_linear``; gate and up share one global scale, as ModelOpt exports
+            them). Off by default.
+        quantize_attention: also quantize every ``nn.Linear`` of the attention modules (W4A16, as
+            ModelOpt's default NVFP4 config does). Off by default: it changes the model's
+            attention, which the routed experts alone do not.
         fuse_router: replace DeepSeek-V3-style routers by
             :class:`~hf_integration.router.GroupedTopkRouter` (same parameters, same experts chosen up
             to near ties, one kernel instead of ~10). Off: Transformers' router runs.
@@ -104,11 +176,9 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         _check_experts(name, m)
     for name, m in modules:  # every layer's device can run the backend (uncalibrated: W4A16 only)
         resolve_backend(backend, m.gate_up_proj.device)
-    dense = children_where(model, is_dense_gated_mlp) if quantize_dense_mlps else []
-    for _, attr, m in dense:
-        h, i = m.gate_proj.in_features, m.gate_proj.out_features
-        if h % nvfp4.BLOCK_SIZE or i % nvfp4.BLOCK_SIZE:
-            raise ValueError(f"cannot quantize dense MLP {attr}: sizes {h}, {i} must be multiples of {nvfp4.BLOCK_SIZE}")
+    linear_groups = _linear_groups(model, quantize_dense_mlps, quantize_attention)
+    for name, m, kind, groups in linear_groups:
+        _check_linears(name, m, kind, groups)
     if act_scale_mode is not None:
         raise ValueError(f"act_scale_mode={act_scale_mode!r} needs calibrated activation scales: patch first, "
                          "then calibrate_activation_scales(model, batches), then set_backend(model, backend, mode)")
@@ -123,8 +193,10 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         del m  # the last reference: the BF16 experts go before the next layer is quantized
         if verbose:
             logger.info("fp4moe: %s -> NVFP4 (%d/%d)", name, i + 1, len(modules))
-    for parent, attr, m in dense:
-        replace_module(parent, attr, NVFP4GatedMLP.quantize(m, backend))
+    for name, m, kind, groups in linear_groups:
+        _quantize_linears(m, groups)
+        if verbose:
+            logger.info("fp4moe: %s (%s) linears -> NVFP4", name, kind)
     if fuse_router:
         fuse_routers(model)
     if fuse_shared_experts:
@@ -135,8 +207,8 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
 
 
 def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | None = None,
-                   quantize_dense_mlps: bool = False, fuse_router: bool = True, fuse_shared_experts: bool = True,
-                   verbose: bool = True) -> nn.Module:
+                   quantize_dense_mlps: bool = False, quantize_attention: bool = False, fuse_router: bool = True,
+                   fuse_shared_experts: bool = True, verbose: bool = True) -> nn.Module:
     """:func:`patch_moe` for DeepSeek-V3/R1 and kin (Kimi-K2, DeepSeek-V2, GLM4-MoE).
 
     ``model = patch_deepseek(AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16))``
@@ -147,7 +219,8 @@ def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: s
             f"patch_deepseek supports model types {DEEPSEEK_FAMILY}, got {model_type!r}; "
             "use hf_integration.patch_moe for other MoE models with Transformers experts modules")
     return patch_moe(model, backend=backend, act_scale_mode=act_scale_mode,
-                     quantize_dense_mlps=quantize_dense_mlps, fuse_router=fuse_router,
+                     quantize_dense_mlps=quantize_dense_mlps, quantize_attention=quantize_attention,
+                     fuse_router=fuse_router,
                      fuse_shared_experts=fuse_shared_experts, verbose=verbose)
 
 
@@ -169,4 +242,4 @@ def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = Non
     return model
 
 
-__all__ = ["DEEPSEEK_FAMILY", "patch_deepseek", "patch_moe", "set_backend"]
+__all__ = ["DEEPSEEK_FAMILY", "patch_deepseek", "patch_moe", "quantize_linears", "set_backend"]

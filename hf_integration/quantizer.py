@@ -572,6 +572,7 @@ class ModelOptQuantizer(HfQuantizer):
         config = self.quantization_config
         for name, m in linears:
             if isinstance(m, NVFP4Linear) and config.nvfp4_linears == "nvfp4":
+                m.reset_counters()
                 continue  # kept in 4 bits: NVFP4Linear computes through fp4moe::nvfp4_linear
             parent, _, attr = name.rpartition(".")
             replace_module(model.get_submodule(parent), attr, m.dequantized())
@@ -595,7 +596,7 @@ class ModelOptQuantizer(HfQuantizer):
         for name, m in model.named_modules():
             if isinstance(m, (NVFP4Experts, NVFP4Linear, FP8Linear)):
                 for buf_name, buf in m.named_buffers(recurse=False):
-                    if not getattr(buf, "_is_hf_initialized", False):
+                    if buf_name not in m._non_persistent_buffers_set and not getattr(buf, "_is_hf_initialized", False):
                         raise CheckpointError(f"{name}.{buf_name} was not filled from the checkpoint")
 
     def get_state_dict_and_metadata(self, model):

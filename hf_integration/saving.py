@@ -26,7 +26,7 @@ from torch import nn
 from fp4moe_ops import PreparedExperts
 from fp4moe_ops.prepared import INPUT_SCALE_BUFFERS
 
-from .experts import NVFP4Experts, NVFP4GatedMLP, NVFP4Linear
+from .experts import NVFP4Experts, NVFP4Linear
 from .expert_parallel import ExpertShard
 from .checkpoint_format import ModelOptConfig, dense_mlp_tensors, expert_leaves, expert_tensors, model_conversions
 from .llama4 import NVFP4Llama4TextMoe, fused_from_canonical
@@ -38,15 +38,14 @@ _REPLACED = re.compile(r"^(config\.json|generation_config\.json|hf_quant_config\
 
 
 def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict in ModelOpt's layout: NVFP4 experts, dense MLPs, shared experts run
-    inside the routed call and kept NVFP4 linears as per-expert / per-linear ModelOpt tensors
+    """The model's state dict in ModelOpt's layout: NVFP4 experts, shared experts run inside the
+    routed call and NVFP4 linears (dense MLPs, attention) as per-expert / per-linear ModelOpt tensors
     (canonical bytes, as views where the layout allows), the rest as the model holds it."""
     shared = nvfp4_modules(model, SharedExpertMoE)
     inside = {f"{n}.experts" for n, _ in shared}
     experts = [(n, m) for n, m in nvfp4_modules(model, NVFP4Experts) if n not in inside]
-    dense = nvfp4_modules(model, NVFP4GatedMLP)
     linears = nvfp4_modules(model, NVFP4Linear)
-    if not experts and not dense and not shared:
+    if not experts and not shared:
         raise ValueError("the model holds no fp4moe NVFP4 modules: nothing to save as a ModelOpt NVFP4 checkpoint")
     if any(isinstance(m.dispatch, ExpertShard) for _, m in experts):  # (never fused with a shared expert)
         raise ValueError("an expert-parallel model holds only this rank's experts; save the unsharded model")
@@ -58,15 +57,13 @@ def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             state |= fused_from_canonical(name, m.canonical())
         else:
             state |= expert_tensors(name, m.canonical(), expert_leaves(name, converters))
-    for name, m in dense:
-        state |= dense_mlp_tensors(name, m.canonical())
     for name, m in shared:  # the checkpoint's layout: routed experts, then the shared expert's linears
         routed, one = m.split()
         state |= expert_tensors(f"{name}.experts", routed, expert_leaves(f"{name}.experts", converters))
         state |= dense_mlp_tensors(f"{name}.shared_experts", one)
     for name, m in linears:
         state |= m.modelopt_tensors(name)
-    nvfp4_names = [n for n, _ in experts + dense + linears] + [f"{n}.{c}experts" for n, _ in shared for c in ("", "shared_")]
+    nvfp4_names = [n for n, _ in experts + linears] + [f"{n}.{c}experts" for n, _ in shared for c in ("", "shared_")]
     for key, t in model.state_dict().items():
         if not any(key.startswith(f"{n}.") for n in nvfp4_names):
             state[key] = t

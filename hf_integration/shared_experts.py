@@ -2,15 +2,13 @@
 Kimi-K2, GLM4-MoE) whose NVFP4 shared expert has the routed experts' shape runs it as one more
 expert, chosen by every token with weight 1, in the same ``fp4moe::fused_moe`` launch.
 
-Why: at decode the shared expert is a separate op call (a one-expert MoE, or three NVFP4 linears)
-with its own launches and a separate add; inside the routed call it costs one more weight stream in
+Why: at decode the shared expert is three separate NVFP4 linear calls and a separate add; inside the routed call it costs one more weight stream in
 kernels that are already running, and its output is summed with the routed experts' in float32.
 
 :class:`SharedExpertMoE` replaces the block. Its ``experts`` hold ``E + 1`` experts (the shared one
-last); its state dict is the unfused block's: ``experts.*`` with E experts, and ``shared_experts.*``
-under the names the shared expert had (an :class:`~hf_integration.experts.NVFP4GatedMLP`'s buffers,
-or a loaded checkpoint's ``gate_proj``/``up_proj``/``down_proj`` NVFP4 linears with the file's own
-scalars). A save writes the checkpoint layout (routed experts per expert, the shared expert as three
+last); its state dict is the unfused block's: ``experts.*`` with E experts, and
+``shared_experts.gate_proj``/``up_proj``/``down_proj`` as the NVFP4 linears had them (a loaded
+checkpoint's names and its file's own scalars, or ModelOpt's for a patched model). A save writes the checkpoint layout (routed experts per expert, the shared expert as three
 NVFP4 linears). W4A16 only: NVFP4 activations would put the shared expert under the routed experts'
 activation scales (``global_max``), so a backend or mode that quantizes activations is refused, as
 is expert parallelism (each rank would add the shared expert once).
@@ -24,7 +22,7 @@ from torch import nn
 from fp4moe_ops import NVFP4MoEWeights
 from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS
 
-from .experts import LocalExperts, NVFP4Experts, NVFP4GatedMLP, NVFP4Linear
+from .experts import LocalExperts, NVFP4Experts, NVFP4Linear
 from .surgery import replace_module
 
 # Transformers MoE blocks whose forward is ``routed(x) + shared_experts(x)`` with a gate returning
@@ -52,20 +50,19 @@ class SharedExpertMoE(nn.Module):
 
     Children: ``gate`` (the block's router, unchanged) and ``experts`` (an
     :class:`ExpertsWithShared` whose last expert is the shared one). ``num_routed`` = E;
-    ``shared_scheme``: None if the shared expert was an ``NVFP4GatedMLP``, else the
-    :class:`~hf_integration.checkpoint_format.TensorScheme` of its three NVFP4 linears, whose file
-    scalars are kept (non-persistent ``shared_<leaf>_<tensor>`` buffers) so that the state dict
-    gives them back exactly.
+    ``shared_scheme``: the :class:`~hf_integration.checkpoint_format.TensorScheme` of the shared
+    expert's three NVFP4 linears, whose file scalars are kept (non-persistent
+    ``shared_<leaf>_<tensor>`` buffers) so that the state dict gives them back exactly.
     """
 
-    def __init__(self, gate: nn.Module, experts: ExpertsWithShared, num_routed: int, shared_scheme=None,
-                 shared_scalars: dict[str, torch.Tensor] | None = None):
+    def __init__(self, gate: nn.Module, experts: ExpertsWithShared, num_routed: int, shared_scheme,
+                 shared_scalars: dict[str, torch.Tensor]):
         super().__init__()
         self.gate = gate
         self.experts = experts
         self.num_routed = num_routed
         self.shared_scheme = shared_scheme
-        for key, t in (shared_scalars or {}).items():  # key "<leaf>.<tensor>"
+        for key, t in shared_scalars.items():  # key "<leaf>.<tensor>"
             self.register_buffer(_scalar_buffer(key), t, persistent=False)
         self._register_state_dict_hook(_split_state_dict)
         self._register_load_state_dict_pre_hook(_join_state_dict, with_module=True)
@@ -121,10 +118,6 @@ def _split_state_dict(module: SharedExpertMoE, state_dict, prefix, local_metadat
              if f"{prefix}experts.{name}" in state_dict}
     for name, t in fused.items():
         state_dict[f"{prefix}experts.{name}"] = t[:e]
-    if module.shared_scheme is None:  # as an NVFP4GatedMLP holds it
-        for name, t in fused.items():
-            state_dict[f"{prefix}shared_experts.{name}"] = t[e:]
-        return
     w = NVFP4MoEWeights(*(fused[n] for n in CANONICAL_BUFFERS))
     for key, t in _linear_state(module, _split_weights(w, e)[1]).items():
         state_dict[f"{prefix}shared_experts.{key}"] = t
@@ -132,31 +125,26 @@ def _split_state_dict(module: SharedExpertMoE, state_dict, prefix, local_metadat
 
 def _join_state_dict(module: SharedExpertMoE, state_dict, prefix, *args):
     """The unfused layout in: the shared expert's tensors appended to the routed experts'."""
-    shared = f"{prefix}shared_experts."
-    if module.shared_scheme is None:
-        parts = {name: [state_dict.pop(shared + name)] for name in CANONICAL_BUFFERS + INPUT_SCALE_BUFFERS
-                 if shared + name in state_dict}
-    else:
-        s = module.shared_scheme
-        get = {k[len(shared):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(shared)]}
-        for key, t in get.items():  # the file's scalars, kept as they are
-            if _scalar_buffer(key) in module._buffers:
-                module._buffers[_scalar_buffer(key)].copy_(t)
-        if f"gate_proj.{s.packed}" not in get:
-            return  # nothing of the shared expert here: load_state_dict reports the missing keys
-        mult = s.multiplier
-        parts = {
-            "gate_up_proj_packed": [torch.cat([get[f"gate_proj.{s.packed}"], get[f"up_proj.{s.packed}"]])[None]],
-            "gate_up_proj_scale": [torch.cat([get[f"gate_proj.{s.block_scale}"], get[f"up_proj.{s.block_scale}"]])[None]],
-            "gate_up_proj_global_scale": [mult(get[f"gate_proj.{s.global_scale}"]).reshape(1)],
-            "down_proj_packed": [get[f"down_proj.{s.packed}"][None]],
-            "down_proj_scale": [get[f"down_proj.{s.block_scale}"][None]],
-            "down_proj_global_scale": [mult(get[f"down_proj.{s.global_scale}"]).reshape(1)],
-        }
-        if f"gate_proj.{s.input_scale}" in get:
-            parts["fc1_input_scale"] = [mult(get[f"gate_proj.{s.input_scale}"]).reshape(1)]
-            parts["fc2_input_scale"] = [mult(get[f"down_proj.{s.input_scale}"]).reshape(1)]
-    for name, (t,) in parts.items():
+    shared, s = f"{prefix}shared_experts.", module.shared_scheme
+    get = {k[len(shared):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(shared)]}
+    for key, t in get.items():  # the file's scalars, kept as they are
+        if _scalar_buffer(key) in module._buffers:
+            module._buffers[_scalar_buffer(key)].copy_(t)
+    if f"gate_proj.{s.packed}" not in get:
+        return  # nothing of the shared expert here: load_state_dict reports the missing keys
+    mult = s.multiplier
+    parts = {
+        "gate_up_proj_packed": torch.cat([get[f"gate_proj.{s.packed}"], get[f"up_proj.{s.packed}"]])[None],
+        "gate_up_proj_scale": torch.cat([get[f"gate_proj.{s.block_scale}"], get[f"up_proj.{s.block_scale}"]])[None],
+        "gate_up_proj_global_scale": mult(get[f"gate_proj.{s.global_scale}"]).reshape(1),
+        "down_proj_packed": get[f"down_proj.{s.packed}"][None],
+        "down_proj_scale": get[f"down_proj.{s.block_scale}"][None],
+        "down_proj_global_scale": mult(get[f"down_proj.{s.global_scale}"]).reshape(1),
+    }
+    if f"gate_proj.{s.input_scale}" in get:
+        parts["fc1_input_scale"] = mult(get[f"gate_proj.{s.input_scale}"]).reshape(1)
+        parts["fc2_input_scale"] = mult(get[f"down_proj.{s.input_scale}"]).reshape(1)
+    for name, t in parts.items():
         routed = f"{prefix}experts.{name}"
         if routed in state_dict:
             state_dict[routed] = torch.cat([state_dict[routed], t.to(state_dict[routed].device)])
@@ -164,15 +152,10 @@ def _join_state_dict(module: SharedExpertMoE, state_dict, prefix, *args):
 
 def shared_expert_weights(shared: nn.Module):
     """The shared expert as a one-expert NVFP4 layer, with how it was held: ``(weights, scheme,
-    file scalars)`` from an :class:`~hf_integration.experts.NVFP4GatedMLP` (scheme None), or from
-    ``gate_proj``/``up_proj``/``down_proj`` :class:`~hf_integration.experts.NVFP4Linear` s (a loaded
-    checkpoint's) whose gate and up share their global and input scales (ModelOpt's export makes
-    them so); None if neither."""
-    if isinstance(shared, NVFP4GatedMLP):
-        with shared.canonical_layout():
-            w = shared.canonical()
-            return NVFP4MoEWeights(*(None if t is None else t.clone() for t in
-                                     (*w.tensors(), w.fc1_input_scale, w.fc2_input_scale))), None, {}
+    file scalars)`` from ``gate_proj``/``up_proj``/``down_proj``
+    :class:`~hf_integration.experts.NVFP4Linear` s (a loaded checkpoint's, or ``patch_moe``'s) whose
+    gate and up share their global and input scales (ModelOpt's export and ``patch_moe`` make them
+    so); None otherwise."""
     lin = [getattr(shared, leaf, None) for leaf in _LEAVES]
     if not all(isinstance(m, NVFP4Linear) and m.bias is None for m in lin):
         return None

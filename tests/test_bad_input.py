@@ -423,8 +423,31 @@ def test_dense_mlp_quantization_checks_every_size_first():
     model.model.layers[0].mlp.up_proj = torch.nn.Linear(64, 120, bias=False).to(torch.bfloat16)
     model.model.layers[0].mlp.down_proj = torch.nn.Linear(120, 64, bias=False).to(torch.bfloat16)
     before = logits(model, IDS)
-    with pytest.raises(ValueError, match="cannot quantize dense MLP mlp: sizes 64, 120 must be multiples of 16"):
+    with pytest.raises(ValueError, match="cannot quantize dense MLP model.layers.0.mlp: sizes 64, 120 must be "
+                                         "multiples of 16"):
         patch_deepseek(model, quantize_dense_mlps=True)
+    untouched(model, before)
+
+
+@pytest.mark.parametrize("where,option", [("model.layers.1.mlp.shared_experts.up_proj", "quantize_dense_mlps"),
+                                          ("model.layers.1.self_attn.kv_b_proj", "quantize_attention")])
+def test_nan_in_a_dense_or_attention_linear_is_named_before_anything_changes(where, option):
+    model = tiny_deepseek_v3()
+    before = logits(model, IDS)
+    weight = model.get_submodule(where).weight
+    value = weight[3, 5].item()
+    with torch.no_grad():
+        weight[3, 5] = float("nan")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"{where.replace('.', '[.]')}: its weight holds NaN or Inf"):
+        patch_deepseek(model, **{option: True})
+    after = model.state_dict()  # every tensor as it was, the NaN included (checked before any change)
+    assert state.keys() == after.keys()
+    for k in state:
+        torch.testing.assert_close(after[k], state[k], rtol=0, atol=0, equal_nan=True)
+    assert type(model.get_submodule(where)) is torch.nn.Linear
+    with torch.no_grad():
+        weight[3, 5] = value
     untouched(model, before)
 
 

@@ -275,23 +275,68 @@ def test_patch_model_loaded_with_device_map_auto(tmp_path):
 
 
 def test_quantize_dense_mlps_option():
+    # the dense MLPs keep Transformers' module; their linears become NVFP4 linears, gate and up on
+    # one global scale (as ModelOpt exports them; tests/test_real_exports.py compares the bytes)
+    torch.manual_seed(0)
     model = tiny_deepseek_v3()
     original = copy.deepcopy(model)
     patch_deepseek(model, quantize_dense_mlps=True, fuse_shared_experts=False)  # fused: tests/test_shared_experts.py
     dense, shared = model.model.layers[0].mlp, model.model.layers[1].mlp.shared_experts
-    assert type(dense).__name__ == type(shared).__name__ == "NVFP4GatedMLP"
-    assert "weights=NVFP4" in repr(dense)
+    assert type(dense).__name__ == type(shared).__name__ == "DeepseekV3MLP"
+    gate, up, down = dense.gate_proj, dense.up_proj, dense.down_proj
+    assert all(type(m).__name__ == "NVFP4Linear" for m in (gate, up, down, shared.gate_proj))
+    assert torch.equal(gate.weight_scale_2, up.weight_scale_2)
     x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
-    w = dense.canonical()
     with torch.no_grad():
         got = dense(x)
         bf16 = original.model.layers[0].mlp(x)
     ids, ones = torch.zeros(10, 1, dtype=torch.long), torch.ones(10, 1)
-    want = moe64(x.reshape(10, 64), ids, ones, *w.tensors()).reshape(2, 5, 64)
-    assert rel(got, want) < 4e-3  # a one-expert MoE on the layer's NVFP4 weights
+    one_expert = (torch.cat([gate.weight, up.weight])[None], torch.cat([gate.weight_scale, up.weight_scale])[None],
+                  gate.weight_scale_2.reshape(1), down.weight[None], down.weight_scale[None],
+                  down.weight_scale_2.reshape(1))
+    want = moe64(x.reshape(10, 64), ids, ones, *one_expert).reshape(2, 5, 64)
+    # float64 from the bytes vs Transformers' MLP in bf16: gate, up, silu, the product and down
+    # each round to bf16 (2^-9 relative at most), on weights rounded to bf16 once
+    assert rel(got, want) < 8e-3
     assert 0.02 < rel(got, bf16) < 0.3  # NVFP4 weight error
     explanation = torch._dynamo.explain(model)(torch.randint(1, 256, (1, 6)))
     assert explanation.graph_break_count == 0
+
+
+def test_quantize_attention_option(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fp4moe_ops.oracle64 import linear64
+    from hf_integration import ModelOptConfig, NVFP4Linear
+
+    torch.manual_seed(0)
+    model = tiny_deepseek_v3()
+    original = copy.deepcopy(model)
+    patch_deepseek(model, quantize_attention=True)
+    attn, before = model.model.layers[1].self_attn, original.model.layers[1].self_attn
+    names = [n for n, m in before.named_children() if type(m) is torch.nn.Linear]
+    assert names and all(isinstance(getattr(attn, n), NVFP4Linear) for n in names)
+    assert isinstance(model.model.layers[1].mlp.shared_experts.gate_proj, torch.nn.Linear)  # not asked for
+    for n in names:
+        lin, x = getattr(attn, n), torch.randn(3, getattr(attn, n).in_features, dtype=torch.bfloat16)
+        with torch.no_grad():
+            got = lin(x)
+        want = linear64(x, lin.weight, lin.weight_scale, lin.weight_scale_2)
+        assert rel(got, want) < 4e-3, n  # bf16 output and the weight rounded to bf16 once (2^-9 each at most)
+        assert 0.02 < rel(got, getattr(before, n)(x)) < 0.3, n  # NVFP4 weight error
+    ids = torch.randint(1, 256, (2, 7))
+    assert torch._dynamo.explain(model)(ids).graph_break_count == 0
+    model.save_pretrained(tmp_path)
+    kept = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                quantization_config=ModelOptConfig(nvfp4_linears="nvfp4"))
+    dequantized = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for n in names:
+        assert torch.equal(getattr(kept.model.layers[1].self_attn, n).weight, getattr(attn, n).weight)
+    with torch.no_grad():
+        want = model(ids).logits
+        # the same bytes and math: kept NVFP4 linears (reference backend on CPU) and the loader's
+        # dequantized ones multiply by the same bf16 weight
+        assert torch.equal(kept(ids).logits, want) and torch.equal(dequantized(ids).logits, want)
 
 
 def test_backend_layout_is_held_once_and_state_dict_stays_canonical(monkeypatch):

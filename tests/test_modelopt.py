@@ -358,7 +358,7 @@ def test_save_patched_model_with_nvfp4_dense_mlps_and_reload(tmp_path):
     model.save_pretrained(tmp_path)
     saved = file_tensors(tmp_path)
     assert "model.layers.0.mlp.gate_proj.weight_scale" in saved  # ModelOpt names for the dense MLP
-    assert torch.equal(saved["model.layers.0.mlp.down_proj.weight"], model.model.layers[0].mlp.canonical().w2[0])
+    assert torch.equal(saved["model.layers.0.mlp.down_proj.weight"], model.model.layers[0].mlp.down_proj.weight)
     again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)  # dense NVFP4 MLPs: dequantized
     ids = torch.randint(1, 256, (1, 6))
     got, want = logits(again, ids).double(), logits(model, ids).double()

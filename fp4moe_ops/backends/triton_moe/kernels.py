@@ -450,15 +450,18 @@ def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.c
 # --- NVFP4 linear layers (fp4moe::nvfp4_linear) ------------------------------------------------
 
 @triton.jit(do_not_specialize=["T", "K_PART"])
-def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, T, N, K, K_PART, w_desc, s_desc,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST_DECODE: tl.constexpr,
-                   INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, parts_ptr, count_ptr, T, N, K, K_PART, w_desc,
+                   s_desc, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST_DECODE: tl.constexpr,
+                   INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr):
     """Per (N tile, M block, K part) program: ``W[cols, part] @ x[rows, part]^T`` (the weight tile on
-    the MMA's M side, as in the experts' decode) times the global scale. One part: + bias, stored
-    in x's dtype into ``out [T, N]``; several (split K, to fill the GPU when N / BN is small):
-    float32 partial sums into ``out [PARTS, T, N]``, finished by :func:`_linear_parts_kernel` (a
-    part past K stores zeros). ``x [T, K]`` is in natural order (read in fragment order); weights
-    and scales come through TMA."""
+    the MMA's M side, as in the experts' decode) times the global scale, + bias, stored in x's
+    dtype into ``out [T, N]``. Split K (several parts, to fill the GPU when N / BN is small): each
+    part stores float32 partial sums into ``parts [PARTS, T, N]`` (a part past K stores zeros);
+    SERIAL: the last part of a tile to arrive (``count [tiles]`` int32, zero between calls: that
+    program sets it back) sums all parts in part order and stores ``out``, in this launch; else
+    :func:`_linear_parts_kernel` does, in a second one. The same float32 additions in the same order
+    either way. ``x [T, K]`` is in natural order (read in fragment order); weights and scales come
+    through TMA."""
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     row_mask = rows < T
@@ -473,11 +476,26 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, T, N, K, K_PAR
     y = acc * g
     offs = rows[None, :].to(tl.int64) * N + cols[:, None]
     if not SPLIT:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols).to(tl.float32)[:, None]
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=row_mask[None, :])
+        _linear_store(y, bias_ptr, out_ptr, cols, offs, row_mask, HAS_BIAS)
     else:
-        tl.store(out_ptr + part.to(tl.int64) * T * N + offs, y, mask=row_mask[None, :])
+        tl.store(parts_ptr + part.to(tl.int64) * T * N + offs, y, mask=row_mask[None, :])
+        if SERIAL:
+            tl.debug_barrier()  # all of this program's partial sums are stored before it counts itself
+            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(2) - 1:
+                total = tl.zeros((BN, BM), dtype=tl.float32)
+                for p in range(0, tl.num_programs(2)):
+                    total += tl.load(parts_ptr + (p * T).to(tl.int64) * N + offs, mask=row_mask[None, :], other=0.0,
+                                     cache_modifier=".cg")  # from L2, where the other programs' stores are
+                _linear_store(total, bias_ptr, out_ptr, cols, offs, row_mask, HAS_BIAS)
+                tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call (and a graph's next replay)
+
+@triton.jit
+def _linear_store(y, bias_ptr, out_ptr, cols, offs, row_mask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=row_mask[None, :])
 
 @triton.jit(do_not_specialize=["NUMEL", "PARTS"])
 def _linear_parts_kernel(parts_ptr, bias_ptr, out_ptr, NUMEL, N, PARTS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):

@@ -273,14 +273,17 @@ def linear_config(tokens: int, n: int, k: int) -> dict:
     tiles = max(1, (n // bn) * triton.cdiv(tokens, bm))
     steps = k // bk
     parts = max(1, min(LINEAR_MAX_PARTS, steps, triton.cdiv(SM_COUNT_TARGET, tiles)))
-    return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, num_warps=4, num_stages=2)
+    # SERIAL: the parts are summed in the same launch by the last to finish (no second kernel)
+    return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, SERIAL=True, num_warps=4, num_stages=2)
 
 
 def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None,
-                        config: dict | None = None) -> torch.Tensor:
+                        config: dict | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K]`` (bf16/fp16) x NVFP4 ``weight [N, K/2]`` -> ``[..., N]``; see
-    :func:`linear_supported` for what runs. No host syncs; the tiles depend on shapes only."""
+    :func:`linear_supported` for what runs. No host syncs; the tiles depend on shapes only.
+    ``counters`` (:func:`fp4moe_ops.linear.split_counters`): split-K parts summed in the same launch;
+    without, a second kernel sums them."""
     n, k = weight.shape[0], weight.shape[1] * 2
     x2 = x.reshape(-1, k).contiguous()
     tokens = x2.shape[0]
@@ -297,16 +300,19 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     bm, bn, bk, parts = cfg["BM"], cfg["BN"], cfg["BK"], cfg["PARTS"]
     w_desc, s_desc = _descriptors(weight[None], weight_scale.view(torch.uint8)[None], bn, bk)
-    target = out if parts == 1 else torch.empty(parts, tokens, n, dtype=torch.float32, device=x.device)
+    grid = (n // bn, triton.cdiv(tokens, bm), parts)
+    partials = out if parts == 1 else torch.empty(parts, tokens, n, dtype=torch.float32, device=x.device)
+    if parts == 1 or not cfg["SERIAL"] or counters is None or grid[0] * grid[1] > counters.numel():
+        counters = None
     has_bias = bias is not None
-    _linear_kernel[(n // bn, triton.cdiv(tokens, bm), parts)](
-        x2, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out, target,
-        tokens, n, k, triton.cdiv(k // bk, parts) * bk, w_desc, s_desc, BM=bm, BN=bn, BK=bk, FAST_DECODE=fast,
-        INTERPRET=interpreting(), HAS_BIAS=has_bias, SPLIT=parts > 1, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+    _linear_kernel[grid](
+        x2, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out, out, partials,
+        out if counters is None else counters, tokens, n, k, triton.cdiv(k // bk, parts) * bk, w_desc, s_desc,
+        BM=bm, BN=bn, BK=bk, FAST_DECODE=fast, INTERPRET=interpreting(), HAS_BIAS=has_bias, SPLIT=parts > 1,
+        SERIAL=counters is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if parts > 1:
+    if parts > 1 and counters is None:
         block = 1024
         _linear_parts_kernel[(triton.cdiv(tokens * n, block),)](
-            target, bias if has_bias else out, out, tokens * n, n, parts, HAS_BIAS=has_bias, BLOCK=block)
+            partials, bias if has_bias else out, out, tokens * n, n, parts, HAS_BIAS=has_bias, BLOCK=block)
     return out.reshape(*x.shape[:-1], n)
