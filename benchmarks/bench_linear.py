@@ -28,10 +28,11 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 import fp4moe_ops  # noqa: E402
 from fp4moe_ops import nvfp4  # noqa: E402
 
-# (name, N = out_features, K = in_features): DeepSeek-V3's MLA projections, its shared expert
+# (name, N = out_features, K = in_features): DeepSeek-V3's MLA projections, its shared expert, the
+# MLP of its first three (dense) layers
 SHAPES = [("q_a_proj", 1536, 7168), ("q_b_proj", 24576, 1536), ("kv_a_proj_with_mqa", 576, 7168),
           ("kv_b_proj", 32768, 512), ("o_proj", 7168, 16384), ("shared gate_up", 4096, 7168),
-          ("shared down", 7168, 2048)]
+          ("shared down", 7168, 2048), ("dense gate_up", 36864, 7168), ("dense down", 7168, 18432)]
 
 
 def time_ms(fn, inputs, cuda: bool) -> float:
