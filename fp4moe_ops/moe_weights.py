@@ -150,20 +150,22 @@ def quantize_moe_weights(gate_up: torch.Tensor, down: torch.Tensor) -> NVFP4MoEW
         )
     if down.device != gate_up.device:
         raise ValueError(f"down is on {down.device} but gate_up is on {gate_up.device}")
-    # filled in place, a chunk of experts at a time: the float32 scratch stays a chunk's, and the
-    # layer's NVFP4 bytes exist once (no list of parts to concatenate)
-    i = two_i // 2
-    on = dict(device=gate_up.device)
-    w13 = torch.empty(e, two_i, h // 2, dtype=torch.uint8, **on)
-    w13_scale = torch.empty(e, two_i, h // BLOCK_SIZE, dtype=torch.float8_e4m3fn, **on)
-    w2 = torch.empty(e, h, i // 2, dtype=torch.uint8, **on)
-    w2_scale = torch.empty(e, h, i // BLOCK_SIZE, dtype=torch.float8_e4m3fn, **on)
-    w13_global, w2_global = torch.empty(e, dtype=torch.float32, **on), torch.empty(e, dtype=torch.float32, **on)
-    for src, packed, scale, glob in ((gate_up, w13, w13_scale, w13_global), (down, w2, w2_scale, w2_global)):
-        for e0, e1 in expert_chunks(src):
-            q = quantize_nvfp4(src[e0:e1])
-            packed[e0:e1], scale[e0:e1], glob[e0:e1] = q.packed, q.block_scale, q.global_scale
-    return NVFP4MoEWeights(w13, w13_scale, w13_global, w2, w2_scale, w2_global)
+    return NVFP4MoEWeights(*quantize_expert_stack(gate_up), *quantize_expert_stack(down))
+
+
+def quantize_expert_stack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One projection of a layer's experts, ``w [E, N, K]`` float, with ModelOpt's recipe:
+    ``(packed [E, N, K/2] uint8, block scales [E, N, K/16] float8_e4m3fn, global [E] float32)``
+    on w's device. Filled in place a chunk of experts at a time: the float32 scratch stays a
+    chunk's, and the NVFP4 bytes exist once (no list of parts to concatenate)."""
+    e, n, k = w.shape
+    packed = torch.empty(e, n, k // 2, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(e, n, k // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
+    glob = torch.empty(e, dtype=torch.float32, device=w.device)
+    for e0, e1 in expert_chunks(w):
+        q = quantize_nvfp4(w[e0:e1])
+        packed[e0:e1], scale[e0:e1], glob[e0:e1] = q.packed, q.block_scale, q.global_scale
+    return packed, scale, glob
 
 
 def _check_expert_stack(name: str, t: torch.Tensor) -> None:
@@ -216,4 +218,4 @@ def validate_moe_weights(w: NVFP4MoEWeights) -> None:
             _expect(name, s, (e,), torch.float32, dev)
 
 
-__all__ = ["NVFP4MoEWeights", "NVFP4Tensor", "quantize_moe_weights", "validate_moe_weights"]
+__all__ = ["NVFP4MoEWeights", "NVFP4Tensor", "quantize_expert_stack", "quantize_moe_weights", "validate_moe_weights"]

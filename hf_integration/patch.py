@@ -19,10 +19,9 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-import fp4moe_ops
 from fp4moe_ops import nvfp4
 from fp4moe_ops.backends import resolve_backend
-from fp4moe_ops.moe_weights import expert_chunks
+from fp4moe_ops.moe_weights import NVFP4MoEWeights, expert_chunks, quantize_expert_stack
 
 from .experts import NVFP4Experts, NVFP4Linear, weight_amax
 from .checkpoint_format import ModelOptConfig
@@ -60,6 +59,44 @@ def _check_experts(name: str, m: nn.Module) -> None:
                 problems.append(f"{pname} holds NaN or Inf")
     if problems:
         raise ValueError(f"cannot patch {name} ({type(m).__name__}): " + "; ".join(problems))
+
+
+class HostStage:
+    """Where a layer's 16-bit ``down_proj`` waits while its ``gate_up_proj`` is quantized: one host
+    buffer, reused from layer to layer, page-locked where the system allows (faster copies)."""
+
+    def __init__(self):
+        self.buffer = None
+
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t`` (synchronous), in the reused buffer."""
+        if self.buffer is None or self.buffer.shape != t.shape or self.buffer.dtype != t.dtype:
+            self.buffer = None
+            try:
+                self.buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            except RuntimeError:  # no page-locked memory to be had (container limits): pageable
+                self.buffer = torch.empty(t.shape, dtype=t.dtype)
+        return self.buffer.copy_(t)
+
+
+def quantize_experts(m: nn.Module, stage: HostStage | None) -> NVFP4MoEWeights:
+    """A Transformers experts module's weights in NVFP4, ``down_proj`` first. With a ``stage``,
+    the 16-bit ``down_proj`` then waits on the host and its device memory is freed while
+    ``gate_up_proj`` is quantized, so the device holds at most the 16-bit layer plus the NVFP4
+    ``down_proj`` (not plus the whole layer's NVFP4 bytes); if anything fails, it comes back from the
+    host as it was and the error propagates."""
+    down = m.down_proj
+    w2 = quantize_expert_stack(down.data)
+    if stage is None:
+        return NVFP4MoEWeights(*quantize_expert_stack(m.gate_up_proj.data), *w2)
+    held, device = stage.hold(down.data), down.device
+    down.data = down.data.new_empty(0)
+    try:
+        w13 = quantize_expert_stack(m.gate_up_proj.data)
+    except BaseException:
+        down.data = held.to(device)
+        raise
+    return NVFP4MoEWeights(*w13, *w2)
 
 
 def is_attention(m: nn.Module) -> bool:
@@ -158,9 +195,11 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
 
     Everything is checked first (architecture, dtypes, finite weights, dimensions, backend per
     device): on such an error nothing has changed. Then each layer is quantized on its own device
-    (whole experts, ~4 M weights at a time) and its BF16 weights are freed before the next, so the
-    peak is the BF16 model plus one layer's NVFP4 bytes and one chunk's scratch
-    (``benchmarks/bench_patch_memory.py``). The model is marked quantized (``model.hf_quantizer``); its config is copied
+    (whole experts, ~4 M weights at a time) and its BF16 weights are freed before the next. On an
+    accelerator its BF16 ``down_proj`` waits on the host while ``gate_up_proj`` is quantized
+    (:func:`quantize_experts`), so the peak is the BF16 model plus one layer's NVFP4 ``down_proj``
+    and one chunk's scratch (``benchmarks/bench_patch_memory.py``); a failure there (out of memory)
+    puts it back, so every layer is whole: BF16 or NVFP4. The model is marked quantized (``model.hf_quantizer``); its config is copied
     first, so other models built from the same config object are untouched.
     """
     modules = [(n, m) for n, m in find_experts_modules(model) if is_transformers_experts(m)]
@@ -184,10 +223,11 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
                          "then calibrate_activation_scales(model, batches), then set_backend(model, backend, mode)")
 
     model.config = copy.deepcopy(model.config)  # the quantization config is this model's alone
+    stage = HostStage()
     for i in range(len(modules)):
         (name, m), modules[i] = modules[i], None
         with torch.no_grad():
-            weights = fp4moe_ops.quantize_moe_weights(m.gate_up_proj.data, m.down_proj.data)
+            weights = quantize_experts(m, stage if m.down_proj.device.type != "cpu" else None)
         parent, _, attr = name.rpartition(".")
         replace_module(model.get_submodule(parent), attr, NVFP4Experts(weights, backend, owns_weights=True))
         del m  # the last reference: the BF16 experts go before the next layer is quantized
@@ -242,4 +282,5 @@ def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = Non
     return model
 
 
-__all__ = ["DEEPSEEK_FAMILY", "patch_deepseek", "patch_moe", "quantize_linears", "set_backend"]
+__all__ = ["DEEPSEEK_FAMILY", "HostStage", "patch_deepseek", "patch_moe", "quantize_experts", "quantize_linears",
+           "set_backend"]

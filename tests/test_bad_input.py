@@ -803,3 +803,33 @@ def test_saving_over_a_bigger_sharded_checkpoint_leaves_no_stale_shards(saved, t
     assert sorted(f.name for f in big.glob("*.safetensors")) == ["model.safetensors"]
     assert not (big / "model.safetensors.index.json").exists()
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(big, dtype=torch.bfloat16), IDS), logits(small, IDS))
+
+
+def test_a_failure_while_a_layer_is_quantized_puts_its_staged_down_proj_back(monkeypatch):
+    # patch_moe quantizes down_proj first and, on an accelerator, keeps its 16-bit copy on the host
+    # while gate_up_proj is quantized (bench_patch_memory.py); a failure then (out of memory,
+    # injected here on the second projection) restores it, so the layer is whole again
+    from hf_integration import find_experts_modules
+    from hf_integration import patch as patch_module
+
+    m = find_experts_modules(tiny_deepseek_v3())[0][1]
+    gate_up, down = m.gate_up_proj.detach().clone(), m.down_proj.detach().clone()
+    real, shapes = patch_module.quantize_expert_stack, []
+
+    def second_fails(w):
+        shapes.append(tuple(w.shape))
+        if len(shapes) == 2:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(w)
+
+    monkeypatch.setattr(patch_module, "quantize_expert_stack", second_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        patch_module.quantize_experts(m, patch_module.HostStage())
+    assert shapes[0] == tuple(down.shape)  # down_proj first
+    assert torch.equal(m.down_proj, down) and torch.equal(m.gate_up_proj, gate_up)
+    monkeypatch.setattr(patch_module, "quantize_expert_stack", real)
+    got = patch_module.quantize_experts(m, patch_module.HostStage())
+    want = fp4moe_ops.quantize_moe_weights(gate_up, down)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype != torch.float32 else torch.equal(a, b)
+               for a, b in zip(got.tensors(), want.tensors()))
+    assert m.down_proj.numel() == 0  # its memory was given back while gate_up_proj was quantized

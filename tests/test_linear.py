@@ -97,17 +97,18 @@ def triton_linear(x, packed, scale, g, bias=None, config=None, counters=None):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens,parts,bias", [(1, None, False), (3, 1, True), (9, 3, False), (20, None, True),
                                                (40, 2, False), (5, 16, True), (70, None, True)])
-@pytest.mark.parametrize("serial", [True, False])
-def test_triton_linear_matches_float64(dtype, tokens, parts, bias, serial):
+@pytest.mark.parametrize("serial,x_tma", [(True, False), (False, False), (True, True)])
+def test_triton_linear_matches_float64(dtype, tokens, parts, bias, serial, x_tma):
     # GEMV path at 1-64 tokens (16/32-row blocks; K's 4 steps split in 1, 2, 3 (2 + 2 + an empty
     # part) or 16 parts (12 past K), or as chosen; split parts summed in the same launch (serial)
-    # or by a second kernel), dequantize + F.linear past 64; N = 192 is three 64-row tiles,
+    # or by a second kernel; x read permuted, or through TMA and permuted in registers),
+    # dequantize + F.linear past 64; N = 192 is three 64-row tiles,
     # K = 1024 four 256-wide steps
     from fp4moe_ops.backends.triton_moe.launch import linear_config
     from fp4moe_ops.linear import split_counters
 
-    if DEVICE == "cpu" and not serial and (tokens, parts) not in ((9, 3), (5, 16)):
-        pytest.skip("the interpreter is slow: the two-launch sum is covered by the split cases")
+    if DEVICE == "cpu" and (not serial or x_tma) and (tokens, parts) not in ((9, 3), (5, 16), (40, 2)):
+        pytest.skip("the interpreter is slow: the two-launch sum and TMA x are covered by the split cases")
 
     n, k = 192, 1024
     packed, scale, g = (t.to(DEVICE) for t in nvfp4_weight(n, k))
@@ -116,6 +117,7 @@ def test_triton_linear_matches_float64(dtype, tokens, parts, bias, serial):
     config = linear_config(tokens, n, k)
     if parts:
         config["PARTS"] = parts
+    config["X_TMA"] = x_tma
     counters = split_counters(DEVICE)
     got = triton_linear(x, packed, scale, g, b, config, counters if serial else None).cpu()
     assert int(counters.abs().sum()) == 0  # every tile's counter back at zero

@@ -204,14 +204,25 @@ def _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM: 
     return slots, row_mask
 
 @triton.jit
+def _fragment_order_tile(a, BM: tl.constexpr, BK: tl.constexpr):
+    """``a [BM, BK]`` in natural K order -> ``[BK, BM]`` with K in :func:`fragment_order`: natural
+    index ``(BK/4) t + 4 j + 2 e + s`` goes to column ``16 j + 8 s + 2 t + e``."""
+    a = tl.reshape(a, (BM, 4, BK // 16, 2, 2))  # (m, t, j, e, s)
+    return tl.reshape(tl.permute(a, (2, 4, 1, 3, 0)), (BK, BM))  # (j, s, t, e) x m
+
+
+@triton.jit
 def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                    BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
                    w_desc=None, s_desc=None, desc_row=0, TMA: tl.constexpr = False,
                    FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
-                   FAST_SCALES: tl.constexpr = True, k_lo=0, k_hi=0, A_NATURAL: tl.constexpr = False):
+                   FAST_SCALES: tl.constexpr = True, k_lo=0, k_hi=0, A_NATURAL: tl.constexpr = False,
+                   a_desc=None, a_row0=0, A_TMA: tl.constexpr = False, BM: tl.constexpr = 16):
     """``acc [BN, BM] += W[rows, k_lo:k_hi] @ A[a_rows, k_lo:k_hi]^T`` (``k_hi = 0``: K) with W NVFP4
     ``[*, K/2]`` bytes (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk,
-    or with A_NATURAL too, A is in natural order and read permuted: for small A, no copy to make).
+    or with A_NATURAL too, A is in natural order and read permuted: for small A, no copy to make;
+    with A_TMA as well, A's ``[BM, BK]`` tiles from ``a_row0`` come through TMA in natural order,
+    pipelined like the weights, and are permuted in registers).
 
     The weight tile is the MMA's M side ("swap AB"): decode's few tokens sit on the narrow
     N side. With PREFETCH the next tile's bytes are loaded before this tile is decoded, so
@@ -233,7 +244,10 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
         packed = tl.load(w_ptrs + k_lo // 2)
         sbytes = tl.load(s_ptrs + k_lo // 16)
     for k0 in range(k_lo, k_end, BK):
-        a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
+        if A_TMA:
+            a = _fragment_order_tile(a_desc.load([a_row0, k0]), BM, BK)
+        else:
+            a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
         if TMA:  # bulk tensor copies, which Triton pipelines over num_stages
             if PAIRED:  # [BN/2, BK] bytes of row-pair words
                 packed = w_desc.load([desc_row // 2, k0])
@@ -451,8 +465,9 @@ def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.c
 
 @triton.jit(do_not_specialize=["T", "K_PART"])
 def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, parts_ptr, count_ptr, T, N, K, K_PART, w_desc,
-                   s_desc, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST_DECODE: tl.constexpr,
-                   INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr):
+                   s_desc, x_desc, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST_DECODE: tl.constexpr,
+                   INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
+                   X_TMA: tl.constexpr):
     """Per (N tile, M block, K part) program: ``W[cols, part] @ x[rows, part]^T`` (the weight tile on
     the MMA's M side, as in the experts' decode) times the global scale, + bias, stored in x's
     dtype into ``out [T, N]``. Split K (several parts, to fill the GPU when N / BN is small): each
@@ -460,8 +475,8 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, parts_ptr, cou
     SERIAL: the last part of a tile to arrive (``count [tiles]`` int32, zero between calls: that
     program sets it back) sums all parts in part order and stores ``out``, in this launch; else
     :func:`_linear_parts_kernel` does, in a second one. The same float32 additions in the same order
-    either way. ``x [T, K]`` is in natural order (read in fragment order); weights and scales come
-    through TMA."""
+    either way. ``x [T, K]`` is in natural order (read in fragment order, or with X_TMA through
+    TMA and permuted in registers); weights and scales come through TMA."""
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     row_mask = rows < T
@@ -469,7 +484,8 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, parts_ptr, cou
     k_lo = part * K_PART
     acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_ptr, s_ptr, cols, x_ptr, rows.to(tl.int64),
                          row_mask, K, BN, BK, False, FAST_DECODE, INTERPRET, w_desc, s_desc, tl.program_id(0) * BN,
-                         True, True, False, True, k_lo, tl.minimum(k_lo + K_PART, K), True)
+                         True, True, False, True, k_lo, tl.minimum(k_lo + K_PART, K), True,
+                         x_desc, tl.program_id(1) * BM, X_TMA, BM)
     g = tl.load(g_ptr)
     if x_ptr.dtype.element_ty == tl.bfloat16:
         g = g * 4194304.0  # the decoded tiles' 2^-22

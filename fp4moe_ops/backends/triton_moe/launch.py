@@ -300,6 +300,11 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     bm, bn, bk, parts = cfg["BM"], cfg["BN"], cfg["BK"], cfg["PARTS"]
     w_desc, s_desc = _descriptors(weight[None], weight_scale.view(torch.uint8)[None], bn, bk)
+    x_tma = cfg.get("X_TMA", False)
+    if x_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor.from_tensor(x2, [bm, bk])  # rows past T read as zeros
     grid = (n // bn, triton.cdiv(tokens, bm), parts)
     partials = out if parts == 1 else torch.empty(parts, tokens, n, dtype=torch.float32, device=x.device)
     if parts == 1 or not cfg["SERIAL"] or counters is None or grid[0] * grid[1] > counters.numel():
@@ -308,8 +313,9 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     _linear_kernel[grid](
         x2, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out, out, partials,
         out if counters is None else counters, tokens, n, k, triton.cdiv(k // bk, parts) * bk, w_desc, s_desc,
-        BM=bm, BN=bn, BK=bk, FAST_DECODE=fast, INTERPRET=interpreting(), HAS_BIAS=has_bias, SPLIT=parts > 1,
-        SERIAL=counters is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        x_desc if x_tma else None, BM=bm, BN=bn, BK=bk, FAST_DECODE=fast, INTERPRET=interpreting(),
+        HAS_BIAS=has_bias, SPLIT=parts > 1, SERIAL=counters is not None, X_TMA=x_tma, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if parts > 1 and counters is None:
         block = 1024
