@@ -1,6 +1,16 @@
 """Decode time per decoder layer (issue 21's measure): one DeepSeek-V3-shaped model of 4 full-size
-layers (bench_e2e.py's), timed as its first 2 layers and as all 4, so that generate()'s host time,
-the embedding and the LM head cancel: per layer = (step time with 4 layers - with 2) / 2.
+layers (bench_e2e.py's), timed as its first 2 layers and as all 4, so that the host's time, the
+embedding and the LM head cancel: per layer = (step time with 4 layers - with 2) / 2.
+
+Two step times (``--timing``):
+
+* ``forward`` (default): the compiled model (CUDA graphs) called back to back on a static cache,
+  one new token per row per call, the next token the argmax of the last (no host sync), timed with
+  CUDA events over 32 calls after 4 warm-up calls. The host issues a call in ~0.1-0.3 ms, less than
+  the GPU needs, so this is the GPU's time per step, gaps between kernels included.
+* ``generate``: compiled ``generate()`` (:func:`bench_e2e.time_generate`). At batch 1 its host
+  time per step (1-2 ms) exceeds the GPU's, so the 2- and 4-layer times both measure the host and
+  their difference is noise (H200, 2026-12-01: BF16 0.66 and 0.93 ms per layer in two runs).
 
 Variants, in this order on the same weights (each on top of the last): HF BF16 compiled, fp4moe
 (routed experts NVFP4), fp4moe-linears (the shared expert's three linears NVFP4 too, through
@@ -26,10 +36,43 @@ from bench_e2e import deepseek_v3_layers, time_generate  # noqa: E402
 from hf_integration import fuse_shared_experts, patch_deepseek, quantize_linears  # noqa: E402
 
 
-def step_ms(model, layers, all_layers, batch, new_tokens) -> float:
+def forward_step_ms(model, batch: int, steps: int = 32, warmup: int = 4) -> float:
+    """GPU time per decode step, mean over ``steps`` calls: see the module docstring (``forward``)."""
+    from transformers import StaticCache
+
+    device = next(model.parameters()).device
+    high = min(1000, model.config.vocab_size)
+    prompt = torch.randint(1, high, (batch, 16), generator=torch.Generator().manual_seed(batch)).to(device)
+    total = 16 + warmup + steps
+    cache = StaticCache(config=model.config, max_cache_len=total)
+    positions = torch.arange(total, device=device)
+    step = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    cuda = device.type == "cuda"
+    with torch.no_grad():
+        out = model(prompt, past_key_values=cache, cache_position=positions[:16], use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        for i in range(warmup + steps):
+            if i == warmup:
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                t0 = time.perf_counter()
+            p = 16 + i
+            out = step(input_ids=token, past_key_values=cache, cache_position=positions[p:p + 1], use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        if not cuda:
+            return (time.perf_counter() - t0) * 1e3 / steps
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def step_ms(model, layers, all_layers, batch, new_tokens, timing="forward") -> float:
     model.model.layers = torch.nn.ModuleList(all_layers[:layers])
     model.config.num_hidden_layers = layers
     torch._dynamo.reset()
+    if timing == "forward":
+        return forward_step_ms(model, batch)
     tps, _, _ = time_generate(model, batch, new_tokens, compiled=True)
     return batch * 1e3 / tps
 
@@ -39,6 +82,7 @@ def main():
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--variants", default="bf16,fp4moe,fp4moe-linears,fp4moe-shared,fp4moe-attn")
+    ap.add_argument("--timing", choices=("forward", "generate"), default="forward")
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -46,7 +90,7 @@ def main():
     all_layers = list(model.model.layers)
     rows = []
     print(f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}: DeepSeek-V3 layers (E=256, H=7168, I=2048), "
-          f"decode of {args.new_tokens} tokens, step ms with 2 and 4 layers", flush=True)
+          f"decode step ms ({args.timing} timing) with 2 and 4 layers", flush=True)
     print("| variant | batch | step ms, 2 layers | step ms, 4 layers | ms per decoder layer |")
     print("|---|---|---|---|---|", flush=True)
     for variant in args.variants.split(","):
@@ -64,7 +108,7 @@ def main():
             fuse_shared_experts(model)
         all_layers = list(model.model.layers)
         for b in batches:
-            two, four = (step_ms(model, n, all_layers, b, args.new_tokens) for n in (2, 4))
+            two, four = (step_ms(model, n, all_layers, b, args.new_tokens, args.timing) for n in (2, 4))
             rows.append(dict(variant=variant, batch=b, two=two, four=four, per_layer=(four - two) / 2))
             print(f"| {variant} | {b} | {two:.3f} | {four:.3f} | {(four - two) / 2:.3f} |", flush=True)
     out = Path(args.out)
