@@ -6,8 +6,8 @@ on a GPU (wall time on CPU), for 1-8192 tokens.
     python benchmarks/bench_linear.py --tokens 1,8 --small                # CPU smoke run
 
 Columns: the op as ``"auto"`` chooses (the Triton kernel on a GPU), the Triton GEMV path (split-K
-parts summed in the same launch), the same with x through TMA (natural order, permuted in
-registers) and the dequantize + cuBLAS path forced, the ``"reference"`` backend (decode in
+parts summed in the same launch; x through TMA from 4 tokens), the same with x read the other way
+(permuted addresses / TMA) and the dequantize + cuBLAS path forced, the ``"reference"`` backend (decode in
 torch every call), and BF16 ``F.linear`` on the dequantized weight. Each graph cycles through
 enough distinct weight copies (>= 150 MB of NVFP4 bytes, 3x the H200's 50 MB L2) that weights
 come from HBM, as they do in a model. Floor: NVFP4 weight + scale bytes (N K 0.5625) at the
@@ -88,7 +88,7 @@ def main():
         bw = copy_bandwidth(device)
     print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}, "
           f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    print("| layer | N | K | tokens | floor ms | auto ms | x floor | GEMV ms | GEMV x-TMA ms | dequant+cuBLAS ms "
+    print("| layer | N | K | tokens | floor ms | auto ms | x floor | GEMV ms | GEMV other x ms | dequant+cuBLAS ms "
           "| reference ms | F.linear BF16 ms | BF16 / auto | rel err vs BF16 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     wanted = set(args.shapes.split(",")) if args.shapes else None
@@ -116,8 +116,8 @@ def main():
                     cfg = linear_config(min(t, 64) if path != "dequantize" else 65, n, k)
                     if path != "dequantize" and t > 64:
                         continue  # the GEMV tiles stop at 64-row blocks
-                    if path == "xtma":
-                        cfg["X_TMA"] = True
+                    if path == "xtma":  # the other way of reading x than the chosen one
+                        cfg["X_TMA"] = not cfg["X_TMA"]
                     cols[path] = time_ms(lambda x, w, s, g, b, c=cfg: triton_nvfp4_linear(x, w, s, g, None, c, table),
                                          inputs, cuda)
             ref = time_ms(lambda x, w, s, g, b: fp4moe_ops.nvfp4_linear(x, w, s, g, backend="reference"),

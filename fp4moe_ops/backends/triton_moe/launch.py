@@ -273,8 +273,12 @@ def linear_config(tokens: int, n: int, k: int) -> dict:
     tiles = max(1, (n // bn) * triton.cdiv(tokens, bm))
     steps = k // bk
     parts = max(1, min(LINEAR_MAX_PARTS, steps, triton.cdiv(SM_COUNT_TARGET, tiles)))
-    # SERIAL: the parts are summed in the same launch by the last to finish (no second kernel)
-    return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, SERIAL=True, num_warps=4, num_stages=2)
+    # SERIAL: the parts are summed in the same launch by the last to finish (no second kernel).
+    # X_TMA: x's tiles through TMA, permuted in registers, from 4 tokens: at 32-64 tokens 0.48-0.93x
+    # the time of reading x with permuted addresses, at 8 tokens 0.77-1.07x, at 1 token 0.83-1.32x
+    # (H200, 2026-12-01, DeepSeek-V3's shapes: benchmarks/results/linear_xtma_2026-12-01d.log)
+    return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, SERIAL=True, X_TMA=tokens >= 4, num_warps=4,
+                num_stages=2)
 
 
 def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -300,7 +304,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     bm, bn, bk, parts = cfg["BM"], cfg["BN"], cfg["BK"], cfg["PARTS"]
     w_desc, s_desc = _descriptors(weight[None], weight_scale.view(torch.uint8)[None], bn, bk)
-    x_tma = cfg.get("X_TMA", False)
+    x_tma = cfg["X_TMA"] and x2.data_ptr() % 16 == 0  # TMA needs a 16-byte aligned base (a view may not be)
     if x_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
