@@ -12,7 +12,10 @@ Two step times (``--timing``):
   time per step (1-2 ms) exceeds the GPU's, so the 2- and 4-layer times both measure the host and
   their difference is noise (H200, 2026-12-01: BF16 0.66 and 0.93 ms per layer in two runs).
 
-Variants, in this order on the same weights (each on top of the last): HF BF16 compiled, fp4moe
+Variants, in this order on the same weights (each on top of the last): HF BF16 compiled with its
+default experts implementation (``grouped_mm``), the same with ``batched_mm`` (bf16-batched: what
+``generate()`` switches the experts to for decoding on a GPU; it gathers a copy of each chosen
+expert's weights per token), fp4moe
 (routed experts NVFP4), fp4moe-linears (the shared expert's three linears NVFP4 too, through
 ``fp4moe::nvfp4_linear``), fp4moe-shared (that shared expert inside the routed call), fp4moe-attn
 (the attention projections NVFP4 too: ``quantize_attention=True``, W4A16). Step
@@ -81,7 +84,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--variants", default="bf16,fp4moe,fp4moe-linears,fp4moe-shared,fp4moe-attn")
+    ap.add_argument("--variants", default="bf16,bf16-batched,fp4moe,fp4moe-linears,fp4moe-shared,fp4moe-attn")
     ap.add_argument("--timing", choices=("forward", "generate"), default="forward")
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args()
@@ -96,6 +99,13 @@ def main():
     for variant in args.variants.split(","):
         model.model.layers = torch.nn.ModuleList(all_layers)
         model.config.num_hidden_layers = 4
+        if variant.startswith("bf16"):
+            if not hasattr(model, "set_experts_implementation"):  # (a Transformers without the switch)
+                if variant == "bf16-batched":
+                    print("skipping bf16-batched: this Transformers cannot switch experts implementations")
+                    continue
+            else:
+                model.set_experts_implementation("batched_mm" if variant == "bf16-batched" else "grouped_mm")
         if variant == "fp4moe":
             patch_deepseek(model, verbose=False)
         elif variant == "fp4moe-linears":
@@ -115,10 +125,11 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / "decoder_layer.json").write_text(json.dumps(rows, indent=1))
     for b in batches:
-        base = next((r["per_layer"] for r in rows if r["variant"] == "bf16" and r["batch"] == b), None)
-        for r in rows:
-            if base and r["batch"] == b and r["variant"] != "bf16":
-                print(f"batch {b}: {r['variant']} per decoder layer {base / r['per_layer']:.2f}x HF BF16 compiled")
+        for ref in ("bf16", "bf16-batched"):
+            base = next((r["per_layer"] for r in rows if r["variant"] == ref and r["batch"] == b), None)
+            for r in rows:
+                if base and r["batch"] == b and not r["variant"].startswith("bf16"):
+                    print(f"batch {b}: {r['variant']} per decoder layer {base / r['per_layer']:.2f}x {ref}")
 
 
 if __name__ == "__main__":

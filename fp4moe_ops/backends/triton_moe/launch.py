@@ -274,10 +274,11 @@ def linear_config(tokens: int, n: int, k: int) -> dict:
     steps = k // bk
     parts = max(1, min(LINEAR_MAX_PARTS, steps, triton.cdiv(SM_COUNT_TARGET, tiles)))
     # SERIAL: the parts are summed in the same launch by the last to finish (no second kernel).
-    # X_TMA: x's tiles through TMA, permuted in registers, from 4 tokens: at 32-64 tokens 0.48-0.93x
-    # the time of reading x with permuted addresses, at 8 tokens 0.77-1.07x, at 1 token 0.83-1.32x
-    # (H200, 2026-12-01, DeepSeek-V3's shapes: benchmarks/results/linear_xtma_2026-12-01d.log)
-    return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, SERIAL=True, X_TMA=tokens >= 4, num_warps=4,
+    # X_TMA: x's tiles through TMA, permuted in registers, from 8 tokens: against reading x with
+    # permuted addresses 0.48-0.93x the time at 32-64 tokens, 0.70-0.95x at 16, 0.77-1.05x at 8 (8 of
+    # 9 shapes faster), 0.83-1.31x at 1-4 (faster on 1-3 of 9 shapes) (H200, 2026-12-01,
+    # DeepSeek-V3's shapes: benchmarks/results/linear_xtma_2026-12-01d.log, linear_small_tokens_2026-12-01e.log)
+    return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, SERIAL=True, X_TMA=tokens >= 8, num_warps=4,
                 num_stages=2)
 
 
