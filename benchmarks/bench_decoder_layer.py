@@ -39,8 +39,10 @@ from bench_e2e import deepseek_v3_layers, time_generate  # noqa: E402
 from hf_integration import fuse_shared_experts, patch_deepseek, quantize_linears  # noqa: E402
 
 
-def forward_step_ms(model, batch: int, steps: int = 32, warmup: int = 4) -> float:
-    """GPU time per decode step, mean over ``steps`` calls: see the module docstring (``forward``)."""
+def forward_step_ms(model, batch: int, steps: int = 32, warmup: int = 4, decode_experts: str | None = None) -> float:
+    """GPU time per decode step, mean over ``steps`` calls: see the module docstring (``forward``).
+    ``decode_experts``: a Transformers experts implementation for the decode steps only (as
+    ``generate()`` switches to ``batched_mm`` after the prefill, which it would not survive)."""
     from transformers import StaticCache
 
     device = next(model.parameters()).device
@@ -54,6 +56,8 @@ def forward_step_ms(model, batch: int, steps: int = 32, warmup: int = 4) -> floa
     with torch.no_grad():
         out = model(prompt, past_key_values=cache, cache_position=positions[:16], use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
+        if decode_experts:
+            model.set_experts_implementation(decode_experts)
         for i in range(warmup + steps):
             if i == warmup:
                 if cuda:
@@ -70,12 +74,16 @@ def forward_step_ms(model, batch: int, steps: int = 32, warmup: int = 4) -> floa
     return start.elapsed_time(end) / steps
 
 
-def step_ms(model, layers, all_layers, batch, new_tokens, timing="forward") -> float:
+def step_ms(model, layers, all_layers, batch, new_tokens, timing="forward", decode_experts=None) -> float:
     model.model.layers = torch.nn.ModuleList(all_layers[:layers])
     model.config.num_hidden_layers = layers
     torch._dynamo.reset()
     if timing == "forward":
-        return forward_step_ms(model, batch)
+        try:
+            return forward_step_ms(model, batch, decode_experts=decode_experts)
+        finally:
+            if decode_experts:
+                model.set_experts_implementation("grouped_mm")
     tps, _, _ = time_generate(model, batch, new_tokens, compiled=True)
     return batch * 1e3 / tps
 
@@ -99,13 +107,10 @@ def main():
     for variant in args.variants.split(","):
         model.model.layers = torch.nn.ModuleList(all_layers)
         model.config.num_hidden_layers = 4
-        if variant.startswith("bf16"):
-            if not hasattr(model, "set_experts_implementation"):  # (a Transformers without the switch)
-                if variant == "bf16-batched":
-                    print("skipping bf16-batched: this Transformers cannot switch experts implementations")
-                    continue
-            else:
-                model.set_experts_implementation("batched_mm" if variant == "bf16-batched" else "grouped_mm")
+        if variant == "bf16-batched" and not hasattr(model, "set_experts_implementation"):
+            print("skipping bf16-batched: this Transformers cannot switch experts implementations")
+            continue
+        decode_experts = "batched_mm" if variant == "bf16-batched" else None
         if variant == "fp4moe":
             patch_deepseek(model, verbose=False)
         elif variant == "fp4moe-linears":
@@ -118,7 +123,14 @@ def main():
             fuse_shared_experts(model)
         all_layers = list(model.model.layers)
         for b in batches:
-            two, four = (step_ms(model, n, all_layers, b, args.new_tokens, args.timing) for n in (2, 4))
+            try:
+                two, four = (step_ms(model, n, all_layers, b, args.new_tokens, args.timing, decode_experts)
+                             for n in (2, 4))
+            except torch.OutOfMemoryError as e:  # batched_mm copies each chosen expert's weights per token
+                print(f"| {variant} | {b} | out of memory: {str(e).splitlines()[0][:80]} | | |", flush=True)
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+                continue
             rows.append(dict(variant=variant, batch=b, two=two, four=four, per_layer=(four - two) / 2))
             print(f"| {variant} | {b} | {two:.3f} | {four:.3f} | {(four - two) / 2:.3f} |", flush=True)
     out = Path(args.out)
