@@ -165,11 +165,11 @@ class ModelOptConfig(QuantizationConfigMixin):
         expert_parallel: load only this rank's ``E / world_size`` experts of each layer and sum the
             ranks' outputs (``torch.distributed`` must be initialized).
         nvfp4_linears: what becomes of the checkpoint's NVFP4 linears outside the routed experts
-            (attention, shared experts, dense MLPs): ``"dequantize"`` (default) to ``nn.Linear`` in
-            the model dtype, or ``"nvfp4"`` to keep them in 4 bits as
+            (attention, shared experts, dense MLPs): ``"nvfp4"`` (default) keeps them in 4 bits as
             :class:`~hf_integration.experts.NVFP4Linear` (a quarter of the memory; computed by
-            ``fp4moe::nvfp4_linear``: on Hopper a Triton kernel, faster than BF16 at decode for the
-            large linears, 0.88-1.0x its speed from 2048 tokens; H200, 2026-12-01, benchmarks/RESULTS.md).
+            ``fp4moe::nvfp4_linear``: on Hopper a Triton kernel, 1.04-1.67x BF16's speed at 1-16
+            tokens, 0.5-0.9x at 64-512, 0.88-1.0x from 2048; H200, 2026-12-01,
+            benchmarks/RESULTS.md); ``"dequantize"`` makes them ``nn.Linear`` in the model dtype.
         fuse_shared_experts: with ``nvfp4_linears="nvfp4"``, run a DeepSeek-V3-style block's NVFP4
             shared expert inside the routed experts' op call
             (:class:`~hf_integration.shared_experts.SharedExpertMoE`).
@@ -184,7 +184,7 @@ class ModelOptConfig(QuantizationConfigMixin):
                  exclude_modules: list[str] | None = None, kv_cache_quant_algo: str | None = None,
                  producer: dict | None = None, quantized_layers: dict | None = None, backend: str = "auto",
                  act_scale_mode: str | None = None, fuse_router: bool = True, expert_parallel: bool = False,
-                 nvfp4_linears: str = "dequantize", fuse_shared_experts: bool = True, **kwargs):
+                 nvfp4_linears: str = "nvfp4", fuse_shared_experts: bool = True, **kwargs):
         self.quant_method = QUANT_METHOD
         self.quant_algo = str(quant_algo).upper()
         self.quantized_layers = quantized_layers

@@ -6,9 +6,9 @@
   :class:`fp4moe_ops.PreparedExperts` (buffers ``gate_up_proj_packed`` ...). Expert parallelism
   plugs in as a dispatch step around the op (:mod:`hf_integration.expert_parallel`).
 * :class:`NVFP4Linear` / :class:`FP8Linear`: a quantized linear outside the routed experts, as a
-  checkpoint's tensors. The loader fills them from the file and turns them into ``nn.Linear`` s with
-  the dequantized weight, unless NVFP4 linears are kept (``nvfp4_linears="nvfp4"``: computed by
-  ``fp4moe::nvfp4_linear``); ``patch_moe(..., quantize_dense_mlps=True)`` quantizes dense MLPs'
+  checkpoint's tensors. The loader fills them from the file; NVFP4 ones stay (computed by
+  ``fp4moe::nvfp4_linear``) unless ``nvfp4_linears="dequantize"``, FP8 ones become ``nn.Linear`` s
+  with the dequantized weight; ``patch_moe(..., quantize_dense_mlps=True)`` quantizes dense MLPs'
   and shared experts' linears into them (:meth:`NVFP4Linear.quantize`).
 """
 
@@ -64,9 +64,9 @@ class NVFP4Linear(QuantizedBuffers):
     ``input_scale []``, or compressed-tensors' ``weight_packed`` / ``weight_scale`` /
     ``weight_global_scale [1]`` / ``input_global_scale [1]``, whose per-tensor scales divide).
 
-    The loader dequantizes it (:meth:`dequantized`) unless asked to keep NVFP4 linears
-    (``ModelOptConfig(nvfp4_linears="nvfp4")``); ``patch_moe`` makes ModelOpt ones from a 16-bit
-    ``nn.Linear`` (:meth:`quantize`). Kept, it computes through
+    The loader keeps it (``ModelOptConfig(nvfp4_linears="dequantize")``: it dequantizes it,
+    :meth:`dequantized`); ``patch_moe`` makes ModelOpt ones from a 16-bit ``nn.Linear``
+    (:meth:`quantize`). Kept, it computes through
     ``torch.ops.fp4moe.nvfp4_linear`` (:mod:`fp4moe_ops.linear`) and saves as ModelOpt tensors
     (:meth:`modelopt_tensors`). Its buffers keep their dtypes under ``model.to(dtype)``; the bias
     follows. Inference only: the op has no autograd formula and no autocast rule (under autocast

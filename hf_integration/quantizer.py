@@ -14,8 +14,9 @@ calls this quantizer at its plug-in points:
 * the weight conversion: Transformers' own per-expert -> stacked-experts converters are replaced
   by one that stacks the per-expert NVFP4 tensors as they are read (:class:`StackNVFP4Experts`:
   file bytes straight into the stacked buffers, never BF16);
-* after loading: NVFP4 linears outside the experts become ``nn.Linear`` with dequantized weights
-  (or stay :class:`~hf_integration.experts.NVFP4Linear` with ``nvfp4_linears="nvfp4"``),
+* after loading: NVFP4 linears outside the experts stay
+  :class:`~hf_integration.experts.NVFP4Linear` (or become ``nn.Linear`` with dequantized weights
+  with ``nvfp4_linears="dequantize"``),
   the experts are prepared for a backend, routers are fused, and the model is marked quantized
   (``model.hf_quantizer``): dtype casts keep the scales, switching the experts implementation away
   from fp4moe fails at the call, ``save_pretrained`` writes a ModelOpt checkpoint atomically.

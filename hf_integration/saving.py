@@ -93,8 +93,9 @@ def _has_input_scales(model: nn.Module) -> bool:
         if (m.scheme.input_scale in m._buffers) != with_input:
             raise ValueError(
                 f"cannot save as one ModelOpt quant_algo: NVFP4 linear {name} {'has' if not with_input else 'has no'} "
-                f"input scale while the experts {'have none' if not with_input else 'have them'}; load with "
-                "nvfp4_linears='dequantize' to save this checkpoint")
+                f"input scale while the experts {'have none' if not with_input else 'have them'} (only the routed "
+                "experts are calibrated); load with nvfp4_linears='dequantize', or patch without "
+                "quantize_dense_mlps / quantize_attention, to save this model")
     return with_input
 
 

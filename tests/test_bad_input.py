@@ -833,3 +833,14 @@ def test_a_failure_while_a_layer_is_quantized_puts_its_staged_down_proj_back(mon
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype != torch.float32 else torch.equal(a, b)
                for a, b in zip(got.tensors(), want.tensors()))
     assert m.down_proj.numel() == 0  # its memory was given back while gate_up_proj was quantized
+
+
+def test_a_calibrated_patched_model_with_nvfp4_dense_linears_is_not_saved_half_calibrated(tmp_path):
+    # calibration gives the routed experts input scales, not the NVFP4 linears of the dense MLPs:
+    # one ModelOpt quant_algo cannot describe both, so the save is refused and writes nothing
+    model = patch_deepseek(tiny_deepseek_v3(), quantize_dense_mlps=True, fuse_shared_experts=False)
+    calibrate_activation_scales(model, [torch.randint(1, 256, (2, 8))])
+    target = tmp_path / "out"
+    with pytest.raises(ValueError, match="has no input scale while the experts have them .only the routed"):
+        model.save_pretrained(target)
+    assert not target.exists() and list(tmp_path.iterdir()) == []

@@ -86,12 +86,18 @@ def test_from_pretrained_loads_experts_straight_from_the_file_bytes(checkpoint, 
     assert "op=fp4moe::grouped_topk" in repr(router)
     assert torch.equal(router.weight.to(tensors["model.layers.1.mlp.gate.weight"].dtype),
                        tensors["model.layers.1.mlp.gate.weight"])
-    # NVFP4 linears outside the experts: dequantized at load, exactly the file's values in bf16
+    # NVFP4 linears outside the experts: kept in 4 bits (the default), the file's bytes; their
+    # weight is exactly the file's values in bf16 (what nvfp4_linears="dequantize" would hold)
     dense = model.model.layers[0].mlp.down_proj
-    assert type(dense) is torch.nn.Linear and dense.weight.dtype == torch.bfloat16
+    assert type(dense).__name__ == "NVFP4Linear" and dense.dtype == torch.bfloat16
+    for t in ("weight", "weight_scale", "weight_scale_2"):
+        assert torch.equal(bytes_of(dense._buffers[t]), bytes_of(tensors[f"model.layers.0.mlp.down_proj.{t}"])), t
     want = dequant64(tensors["model.layers.0.mlp.down_proj.weight"], tensors["model.layers.0.mlp.down_proj.weight_scale"],
                      tensors["model.layers.0.mlp.down_proj.weight_scale_2"])
-    assert torch.equal(dense.weight, want.to(torch.bfloat16))
+    assert torch.equal(dense.weight_value(), want.to(torch.bfloat16))
+    dequantized = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                       quantization_config=ModelOptConfig(nvfp4_linears="dequantize"))
+    assert torch.equal(dequantized.model.layers[0].mlp.down_proj.weight, want.to(torch.bfloat16))
 
 
 def float64_reference_model(tensors, original):
@@ -151,7 +157,11 @@ def test_save_round_trip_is_bit_identical(checkpoint, tmp_path):
     assert sum(".mlp.experts." in k for k in saved) == sum(".mlp.experts." in k for k in tensors)
     quant = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
     assert quant["quant_algo"] == "NVFP4" and quant["group_size"] == 16 and "kv_cache_quant_algo" in quant
-    assert "model.layers.0.mlp.down_proj" in quant["exclude_modules"]  # dequantized at load, saved in bf16
+    assert "model.layers.0.mlp.down_proj" not in quant["exclude_modules"]  # kept NVFP4 at load, saved NVFP4
+    for t in ("weight", "weight_scale", "weight_scale_2"):
+        key = f"model.layers.0.mlp.down_proj.{t}"
+        assert saved[key].dtype == tensors[key].dtype and torch.equal(bytes_of(saved[key]), bytes_of(tensors[key])), key
+    assert "model.layers.0.self_attn.o_proj" in quant["exclude_modules"]  # BF16 in the file, saved in BF16
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "modelopt"
     again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)  # plain: config.json says modelopt
     ids = torch.randint(1, 256, (1, 5))

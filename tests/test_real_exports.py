@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_integration  # noqa: F401  (registers the "modelopt" quantizer)
-from hf_integration import patch_moe
+from hf_integration import NVFP4Experts, patch_moe
 from fp4moe_ops.oracle64 import CODEBOOK
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -29,8 +29,8 @@ def test_modelopt_export_through_from_pretrained_matches_modelopt_fake_quant(nam
     folder = FIXTURES / "modelopt" / name
     ref = load_file(folder / "reference_logits.safetensors")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)  # plain Transformers
-    assert type(model.model.layers[1].get_submodule("feed_forward" if "llama4" in name else "mlp").experts).__name__ \
-        == "NVFP4Experts"
+    experts = model.model.layers[1].get_submodule("feed_forward" if "llama4" in name else "mlp").experts
+    assert isinstance(experts, NVFP4Experts)  # (with the file's NVFP4 shared expert inside: ExpertsWithShared)
     with torch.no_grad():
         got = model(ref["input_ids"]).logits
     want = ref["logits_weights_only"]  # ModelOpt's weights-only fake quant (16-bit activations, as ours)
@@ -171,7 +171,7 @@ def test_llmcompressor_export_through_from_pretrained_matches_its_fake_quant(nam
     folder = FIXTURES / "llmcompressor" / name
     ref = load_file(folder / "reference_logits.safetensors")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-    assert type(model.model.layers[1].mlp.experts).__name__ == "NVFP4Experts"
+    assert isinstance(model.model.layers[1].mlp.experts, NVFP4Experts)
     with torch.no_grad():
         got = model(ref["input_ids"]).logits
     want = ref["logits_weights_only"]
