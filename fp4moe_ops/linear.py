@@ -84,9 +84,9 @@ def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counte
                         f"{weight_scale_2.dtype} {list(weight_scale_2.shape)}")
     if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
         raise TypeError(f"bias must be [N={n}] {x.dtype} like x, got {bias.dtype} {list(bias.shape)}")
-    if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1):
-        raise TypeError(f"counters must be a 1-D int32 table (split_counters()), got {counters.dtype} "
-                        f"{list(counters.shape)}")
+    if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous()):
+        raise TypeError(f"counters must be a contiguous 1-D int32 table (split_counters()), got {counters.dtype} "
+                        f"{list(counters.shape)} with strides {list(counters.stride())}")
     for name, t in (("weight", weight), ("weight_scale", weight_scale), ("weight_scale_2", weight_scale_2),
                     ("bias", bias), ("counters", counters)):
         if t is not None and t.device != x.device:
@@ -155,6 +155,8 @@ def _flashinfer_linear(x, weight, weight_scale, weight_scale_2, bias):
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+# ``counters`` is written during a call but left as it was found (all zero): no mutation to declare,
+# which would have functionalization copy it around every call
 @torch.library.custom_op("fp4moe::nvfp4_linear", mutates_args=())
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                  bias: torch.Tensor | None = None, backend: str = "auto",

@@ -70,7 +70,8 @@ class NVFP4Linear(QuantizedBuffers):
     ``torch.ops.fp4moe.nvfp4_linear`` (:mod:`fp4moe_ops.linear`) and saves as ModelOpt tensors
     (:meth:`modelopt_tensors`). Its buffers keep their dtypes under ``model.to(dtype)``; the bias
     follows. Inference only: the op has no autograd formula and no autocast rule (under autocast
-    it needs activations, and a bias, of one 16-bit dtype)."""
+    it needs activations, and a bias, of one 16-bit dtype). One module must not run on two CUDA
+    streams at the same time: its split-K counter table (``split_counters``) is shared by its calls."""
 
     backend = "auto"  # fp4moe::nvfp4_linear: Triton where it runs, else the reference ("flashinfer": set it)
 
@@ -144,6 +145,14 @@ class NVFP4Linear(QuantizedBuffers):
         """A zeroed counter table on the weight's device (after loading, which leaves a
         non-persistent buffer unset)."""
         self.split_counters = split_counters(self._buffers[self.scheme.packed].device)
+
+    def _apply(self, fn, recurse=True):
+        # a move or to_empty() must not carry a non-zero (or uninitialized) counter along: one would
+        # make a tile's parts sum early on every later call
+        super()._apply(fn, recurse)
+        if self.split_counters.device.type != "meta":
+            self.split_counters.zero_()
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, block_scale, global_scale, _ = self.linear_tensors()

@@ -45,7 +45,8 @@ def _model_config(config_file: Path):
 
 def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
                         device_map=None, backend: str = "auto", act_scale_mode: str | None = None,
-                        expert_parallel: bool = False, fuse_router: bool = True, **from_pretrained_kwargs) -> nn.Module:
+                        expert_parallel: bool = False, fuse_router: bool = True, nvfp4_linears: str = "nvfp4",
+                        fuse_shared_experts: bool = True, **from_pretrained_kwargs) -> nn.Module:
     """Load a ModelOpt NVFP4 checkpoint (a local folder or a Hub id) with NVFP4 routed experts.
 
     Args:
@@ -54,8 +55,9 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
         dtype: dtype of the non-quantized parts and of dequantized non-expert linears.
         device / device_map: where the model goes (``device_map`` as in ``from_pretrained``:
             ``"auto"``, ``"cuda"``, ``{module prefix: device}``; ``max_memory`` also passes through).
-        backend, act_scale_mode, fuse_router, expert_parallel: see
-            :class:`~hf_integration.checkpoint_format.ModelOptConfig`.
+        backend, act_scale_mode, fuse_router, expert_parallel, nvfp4_linears, fuse_shared_experts:
+            see :class:`~hf_integration.checkpoint_format.ModelOptConfig` (to switch to NVFP4
+            activations later with ``set_backend``, load with ``fuse_shared_experts=False``).
         from_pretrained_kwargs: anything else ``from_pretrained`` takes (``revision``, ``max_memory``, ...).
 
     Returns:
@@ -75,6 +77,8 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
         config = read_quant_config(folder_file.parent)
         config.backend, config.act_scale_mode = backend, act_scale_mode
         config.fuse_router, config.expert_parallel = fuse_router, expert_parallel
+        config.nvfp4_linears, config.fuse_shared_experts = nvfp4_linears, fuse_shared_experts
+        config.post_init()  # (checks nvfp4_linears)
         return config, _model_config(_resolve(path, "config.json"))
 
     def load(config, model_config):

@@ -14,6 +14,7 @@ then marked quantized as if loaded from a ModelOpt checkpoint (``save_pretrained
 from __future__ import annotations
 
 import copy
+import traceback
 
 import torch
 from torch import nn
@@ -61,47 +62,80 @@ def _check_experts(name: str, m: nn.Module) -> None:
         raise ValueError(f"cannot patch {name} ({type(m).__name__}): " + "; ".join(problems))
 
 
-class HostStage:
-    """Where a layer's 16-bit ``down_proj`` waits while its ``gate_up_proj`` is quantized: one host
-    buffer, reused from layer to layer, page-locked where the system allows (faster copies)."""
+class _HostStage:
+    """Where a layer's 16-bit ``down_proj`` waits, on the host, from the moment its NVFP4 bytes exist
+    until the layer's NVFP4 module has replaced it: one buffer reused from layer to layer,
+    page-locked where the system allows (faster copies), given back by :meth:`close`."""
 
     def __init__(self):
         self.buffer = None
+        self.held = None  # (parameter, device) whose data is in the buffer
 
-    def hold(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``t`` (synchronous), in the reused buffer."""
+    def hold(self, p: torch.Tensor) -> None:
+        """Copy ``p``'s data to the host buffer and release its device memory."""
+        t = p.data
         if self.buffer is None or self.buffer.shape != t.shape or self.buffer.dtype != t.dtype:
             self.buffer = None
             try:
                 self.buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             except RuntimeError:  # no page-locked memory to be had (container limits): pageable
                 self.buffer = torch.empty(t.shape, dtype=t.dtype)
-        return self.buffer.copy_(t)
+        self.buffer.copy_(t)
+        self.held = (p, t.device)
+        p.data = t.new_empty(0)
+
+    def restore(self) -> None:
+        """Put the held data back on its device, as it was (its own copy, not the buffer)."""
+        if self.held is not None:
+            p, device = self.held
+            p.data = self.buffer.to(device, copy=True)
+            self.held = None
+
+    def release(self) -> None:
+        self.held = None
+
+    def close(self) -> None:
+        """Give the buffer back, and the page-locked memory the allocator caches for it."""
+        self.release()
+        pinned = self.buffer is not None and self.buffer.is_pinned()
+        self.buffer = None
+        if pinned and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
 
 
-def quantize_experts(m: nn.Module, stage: HostStage | None) -> NVFP4MoEWeights:
-    """A Transformers experts module's weights in NVFP4, ``down_proj`` first. With a ``stage``,
-    the 16-bit ``down_proj`` then waits on the host and its device memory is freed while
+def _staged(device: torch.device) -> bool:
+    """Whether ``down_proj`` waits on the host while a layer on ``device`` is quantized: on an
+    accelerator (on the host it would only be a copy)."""
+    return device.type != "cpu"
+
+
+def _quantize_experts(m: nn.Module, stage: _HostStage | None) -> NVFP4MoEWeights:
+    """A Transformers experts module's weights in NVFP4, ``down_proj`` first. With a ``stage``, the
+    16-bit ``down_proj`` then waits on the host and its device memory is freed while
     ``gate_up_proj`` is quantized, so the device holds at most the 16-bit layer plus the NVFP4
-    ``down_proj`` (not plus the whole layer's NVFP4 bytes); if anything fails, it comes back from the
-    host as it was and the error propagates."""
-    down = m.down_proj
-    w2 = quantize_expert_stack(down.data)
+    ``down_proj`` (not plus the whole layer's NVFP4 bytes). If this fails, ``down_proj`` comes
+    back as it was; after it returns, the caller restores it (``stage.restore()``) if what follows
+    fails, and releases it once the layer is replaced."""
+    w2 = quantize_expert_stack(m.down_proj.data)
     if stage is None:
         return NVFP4MoEWeights(*quantize_expert_stack(m.gate_up_proj.data), *w2)
-    held, device = stage.hold(down.data), down.device
-    down.data = down.data.new_empty(0)
+    stage.hold(m.down_proj)
     try:
         w13 = quantize_expert_stack(m.gate_up_proj.data)
-    except BaseException:
-        down.data = held.to(device)
+    except BaseException as e:  # out of memory, most likely: free what this layer made before restoring
+        traceback.clear_frames(e.__traceback__)
+        del w2
+        stage.restore()
         raise
     return NVFP4MoEWeights(*w13, *w2)
 
 
 def is_attention(m: nn.Module) -> bool:
-    """A Transformers attention module (``DeepseekV3Attention``, ``Qwen3MoeAttention``, ...)."""
-    return type(m).__name__.endswith("Attention")
+    """A Transformers language-model attention module (``DeepseekV3Attention``,
+    ``Qwen3MoeAttention``, ...); vision towers' (``*VisionAttention``) stay as they are, as in
+    ModelOpt's default NVFP4 config."""
+    name = type(m).__name__
+    return name.endswith("Attention") and "Vision" not in name
 
 
 def _linear_groups(model: nn.Module, dense_mlps: bool, attention: bool):
@@ -197,7 +231,7 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
     device): on such an error nothing has changed. Then each layer is quantized on its own device
     (whole experts, ~4 M weights at a time) and its BF16 weights are freed before the next. On an
     accelerator its BF16 ``down_proj`` waits on the host while ``gate_up_proj`` is quantized
-    (:func:`quantize_experts`), so the peak is the BF16 model plus one layer's NVFP4 ``down_proj``
+    (:func:`_quantize_experts`), so the peak is the BF16 model plus one layer's NVFP4 ``down_proj``
     and one chunk's scratch (``benchmarks/bench_patch_memory.py``); a failure there (out of memory)
     puts it back, so every layer is whole: BF16 or NVFP4. The model is marked quantized (``model.hf_quantizer``); its config is copied
     first, so other models built from the same config object are untouched.
@@ -223,16 +257,26 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
                          "then calibrate_activation_scales(model, batches), then set_backend(model, backend, mode)")
 
     model.config = copy.deepcopy(model.config)  # the quantization config is this model's alone
-    stage = HostStage()
-    for i in range(len(modules)):
-        (name, m), modules[i] = modules[i], None
-        with torch.no_grad():
-            weights = quantize_experts(m, stage if m.down_proj.device.type != "cpu" else None)
-        parent, _, attr = name.rpartition(".")
-        replace_module(model.get_submodule(parent), attr, NVFP4Experts(weights, backend, owns_weights=True))
-        del m  # the last reference: the BF16 experts go before the next layer is quantized
-        if verbose:
-            logger.info("fp4moe: %s -> NVFP4 (%d/%d)", name, i + 1, len(modules))
+    stage = _HostStage()
+    try:
+        for i in range(len(modules)):
+            (name, m), modules[i] = modules[i], None
+            with torch.no_grad():
+                weights = _quantize_experts(m, stage if _staged(m.down_proj.device) else None)
+            parent, _, attr = name.rpartition(".")
+            try:
+                replace_module(model.get_submodule(parent), attr, NVFP4Experts(weights, backend, owns_weights=True))
+            except BaseException as e:
+                traceback.clear_frames(e.__traceback__)
+                del weights
+                stage.restore()  # this layer stays BF16 and whole
+                raise
+            stage.release()
+            del m, weights  # the last references: the BF16 experts go before the next layer is quantized
+            if verbose:
+                logger.info("fp4moe: %s -> NVFP4 (%d/%d)", name, i + 1, len(modules))
+    finally:
+        stage.close()
     for name, m, kind, groups in linear_groups:
         _quantize_linears(m, groups)
         if verbose:
@@ -282,5 +326,4 @@ def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = Non
     return model
 
 
-__all__ = ["DEEPSEEK_FAMILY", "HostStage", "patch_deepseek", "patch_moe", "quantize_experts", "quantize_linears",
-           "set_backend"]
+__all__ = ["DEEPSEEK_FAMILY", "patch_deepseek", "patch_moe", "quantize_linears", "set_backend"]

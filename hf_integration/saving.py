@@ -91,11 +91,14 @@ def _has_input_scales(model: nn.Module) -> bool:
     with_input = bool(experts) and all(INPUT_SCALE_BUFFERS[0] in m._buffers for _, m in experts)
     for name, m in nvfp4_modules(model, NVFP4Linear):
         if (m.scheme.input_scale in m._buffers) != with_input:
-            raise ValueError(
-                f"cannot save as one ModelOpt quant_algo: NVFP4 linear {name} {'has' if not with_input else 'has no'} "
-                f"input scale while the experts {'have none' if not with_input else 'have them'} (only the routed "
-                "experts are calibrated); load with nvfp4_linears='dequantize', or patch without "
-                "quantize_dense_mlps / quantize_attention, to save this model")
+            if with_input:  # calibrated experts (calibration covers only them), or a mixed checkpoint
+                why = (f"NVFP4 linear {name} has no input scale while the experts have them (calibration gives "
+                       "them only to the routed experts); load with nvfp4_linears='dequantize', or patch "
+                       "without quantize_dense_mlps / quantize_attention")
+            else:
+                why = (f"NVFP4 linear {name} has an input scale while the experts have none; load with "
+                       "nvfp4_linears='dequantize'")
+            raise ValueError(f"cannot save as one ModelOpt quant_algo: {why}, to save this model")
     return with_input
 
 

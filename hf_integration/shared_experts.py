@@ -40,8 +40,9 @@ class ExpertsWithShared(NVFP4Experts):
         if checked[1] is not None:
             raise ValueError(
                 f"backend {checked[0].name!r} with NVFP4 activations ({checked[1]}) would quantize the shared "
-                "expert that runs inside these routed experts with their activation scales; patch or load "
-                "with fuse_shared_experts=False to run NVFP4 activations")
+                "expert that runs inside these routed experts with their activation scales; to run NVFP4 "
+                "activations, load with ModelOptConfig(fuse_shared_experts=False) (load_modelopt_nvfp4(..., "
+                "fuse_shared_experts=False)) or with act_scale_mode set, or patch with fuse_shared_experts=False")
         return checked
 
 

@@ -807,13 +807,16 @@ def test_saving_over_a_bigger_sharded_checkpoint_leaves_no_stale_shards(saved, t
 
 def test_a_failure_while_a_layer_is_quantized_puts_its_staged_down_proj_back(monkeypatch):
     # patch_moe quantizes down_proj first and, on an accelerator, keeps its 16-bit copy on the host
-    # while gate_up_proj is quantized (bench_patch_memory.py); a failure then (out of memory,
-    # injected here on the second projection) restores it, so the layer is whole again
+    # until the layer's NVFP4 module has replaced it (bench_patch_memory.py); a failure before that
+    # (out of memory, injected here) restores it, as its own copy, so the layer is whole again.
+    # Staging is forced on here (the CPU is not staged: the copy would gain nothing).
     from hf_integration import find_experts_modules
     from hf_integration import patch as patch_module
 
-    m = find_experts_modules(tiny_deepseek_v3())[0][1]
-    gate_up, down = m.gate_up_proj.detach().clone(), m.down_proj.detach().clone()
+    monkeypatch.setattr(patch_module, "_staged", lambda device: True)
+    model = tiny_deepseek_v3()
+    layers = [m for _, m in find_experts_modules(model)]
+    originals = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone()) for m in layers]
     real, shapes = patch_module.quantize_expert_stack, []
 
     def second_fails(w):
@@ -822,17 +825,38 @@ def test_a_failure_while_a_layer_is_quantized_puts_its_staged_down_proj_back(mon
             raise RuntimeError("CUDA out of memory (injected)")
         return real(w)
 
+    # 1. while gate_up_proj is quantized
     monkeypatch.setattr(patch_module, "quantize_expert_stack", second_fails)
+    stage = patch_module._HostStage()
     with pytest.raises(RuntimeError, match="injected"):
-        patch_module.quantize_experts(m, patch_module.HostStage())
-    assert shapes[0] == tuple(down.shape)  # down_proj first
-    assert torch.equal(m.down_proj, down) and torch.equal(m.gate_up_proj, gate_up)
+        patch_module._quantize_experts(layers[0], stage)
+    assert shapes[0] == tuple(originals[0][1].shape)  # down_proj first
+    assert torch.equal(layers[0].down_proj, originals[0][1]) and torch.equal(layers[0].gate_up_proj, originals[0][0])
+    assert layers[0].down_proj.data_ptr() != stage.buffer.data_ptr()  # its own copy, not the reused buffer
     monkeypatch.setattr(patch_module, "quantize_expert_stack", real)
-    got = patch_module.quantize_experts(m, patch_module.HostStage())
-    want = fp4moe_ops.quantize_moe_weights(gate_up, down)
+    got = patch_module._quantize_experts(layers[0], stage)
+    want = fp4moe_ops.quantize_moe_weights(*originals[0])
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype != torch.float32 else torch.equal(a, b)
                for a, b in zip(got.tensors(), want.tensors()))
-    assert m.down_proj.numel() == 0  # its memory was given back while gate_up_proj was quantized
+    assert layers[0].down_proj.numel() == 0  # its memory was given back while gate_up_proj was quantized
+    stage.restore()
+
+    # 2. after both are quantized, when the second layer's NVFP4 module is built: the first layer is
+    # NVFP4, the second BF16 and whole
+    built, real_module = [], patch_module.NVFP4Experts
+
+    def second_module_fails(*args, **kwargs):
+        if built:
+            raise RuntimeError("CUDA out of memory (injected)")
+        built.append(1)
+        return real_module(*args, **kwargs)
+
+    monkeypatch.setattr(patch_module, "NVFP4Experts", second_module_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        patch_deepseek(model)
+    now = [m for _, m in find_experts_modules(model)]
+    assert type(now[0]).__name__ == "NVFP4Experts" and now[1] is layers[1]
+    assert torch.equal(now[1].down_proj, originals[1][1]) and torch.equal(now[1].gate_up_proj, originals[1][0])
 
 
 def test_a_calibrated_patched_model_with_nvfp4_dense_linears_is_not_saved_half_calibrated(tmp_path):
@@ -841,6 +865,6 @@ def test_a_calibrated_patched_model_with_nvfp4_dense_linears_is_not_saved_half_c
     model = patch_deepseek(tiny_deepseek_v3(), quantize_dense_mlps=True, fuse_shared_experts=False)
     calibrate_activation_scales(model, [torch.randint(1, 256, (2, 8))])
     target = tmp_path / "out"
-    with pytest.raises(ValueError, match="has no input scale while the experts have them .only the routed"):
+    with pytest.raises(ValueError, match="has no input scale while the experts have them .calibration gives"):
         model.save_pretrained(target)
     assert not target.exists() and list(tmp_path.iterdir()) == []

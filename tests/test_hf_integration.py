@@ -329,7 +329,9 @@ def test_quantize_attention_option(tmp_path):
     model.save_pretrained(tmp_path)
     kept = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
                                                 quantization_config=ModelOptConfig(nvfp4_linears="nvfp4"))
-    dequantized = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    dequantized = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                       quantization_config=ModelOptConfig(nvfp4_linears="dequantize"))
+    assert all(type(getattr(dequantized.model.layers[1].self_attn, n)) is torch.nn.Linear for n in names)
     for n in names:
         assert torch.equal(getattr(kept.model.layers[1].self_attn, n).weight, getattr(attn, n).weight)
     with torch.no_grad():

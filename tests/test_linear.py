@@ -138,6 +138,20 @@ def test_triton_linear_matches_float64(dtype, tokens, parts, bias, serial, x_tma
     assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max()
 
 
+def test_a_moved_or_emptied_nvfp4_linear_starts_with_a_zeroed_counter_table():
+    # a non-zero counter would make a tile's parts sum early on every later call: moves and
+    # to_empty() (uninitialized memory) zero the module's table
+    from hf_integration.checkpoint_format import MODELOPT
+    from hf_integration.experts import NVFP4Linear
+
+    m = NVFP4Linear.quantize(torch.nn.Linear(256, 64, bias=False).to(torch.bfloat16))
+    for move in (lambda: m.to("cpu"), lambda: m.to(torch.float16), lambda: m.to_empty(device="cpu")):
+        m.split_counters.fill_(7)
+        move()
+        assert m.split_counters.dtype == torch.int32 and int(m.split_counters.abs().sum()) == 0
+    assert m.scheme is MODELOPT and m.weight.dtype == torch.uint8  # the quantized buffers keep their dtypes
+
+
 def test_split_k_parts_are_summed_through_the_callers_counter_table():
     # the same-launch sum really counts arrivals in the table: tile 0 (output rows 0-63) ends at
     # 0 again with the right result; tile 1's counter, set to 100 beforehand, only counts its 4

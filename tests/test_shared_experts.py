@@ -195,3 +195,22 @@ def test_nvfp4_activations_are_refused_on_fused_experts_and_change_nothing():
     with pytest.raises(ValueError, match="fuse_shared_experts=False"):
         set_backend(model, "reference", act_scale_mode="global_max")
     assert all(m.experts.act_scale_mode is None for m in blocks(model, SharedExpertMoE))
+
+
+def test_nvfp4_activations_after_loading_need_the_shared_expert_unfused():
+    # a genuine ModelOpt W4A4 export (input scales in the file): loaded as it is by default, its
+    # shared experts run inside the routed call, which NVFP4 activations cannot (the shared expert
+    # would take the routed experts' activation scale); the error says how to load it instead
+    from hf_integration import load_modelopt_nvfp4, set_backend
+
+    folder = FIXTURES / "modelopt" / "deepseek_v3_nvfp4_default"
+    fused = load_modelopt_nvfp4(folder)
+    assert blocks(fused, SharedExpertMoE)
+    with pytest.raises(ValueError, match=r"load_modelopt_nvfp4\(\.\.\., fuse_shared_experts=False\)"):
+        set_backend(fused, "reference", act_scale_mode="global_max")
+    unfused = load_modelopt_nvfp4(folder, fuse_shared_experts=False)
+    assert not blocks(unfused, SharedExpertMoE)
+    set_backend(unfused, "reference", act_scale_mode="global_max")
+    ids = torch.randint(1, 100, (1, 5))
+    with torch.no_grad():
+        assert torch.isfinite(unfused(ids).logits).all()
