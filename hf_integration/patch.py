@@ -78,7 +78,8 @@ class _HostStage:
             self.buffer = None
             try:
                 self.buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            except RuntimeError:  # no page-locked memory to be had (container limits): pageable
+            except RuntimeError as e:  # no page-locked memory to be had (container limits): pageable
+                logger.info("fp4moe: staging down_proj in pageable host memory (slower copies): %s", e)
                 self.buffer = torch.empty(t.shape, dtype=t.dtype)
         self.buffer.copy_(t)
         self.held = (p, t.device)
