@@ -1,5 +1,6 @@
 """Patching a loaded BF16 Transformers MoE model so that its routed experts run in NVFP4:
-``patch_deepseek`` / ``patch_moe``, and ``set_backend`` to switch kernels afterwards.
+``patch_deepseek`` / ``patch_moe``, ``quantize_linears`` for its other linears, and
+``set_backend`` to switch kernels afterwards.
 
 Every fused-experts module of Transformers (``@use_experts_implementation``: DeepSeek-V2/V3,
 Kimi-K2, GLM4-MoE, Qwen3-MoE, Mixtral, ...) is replaced by an
