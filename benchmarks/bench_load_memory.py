@@ -38,18 +38,28 @@ def config_dict(num_layers: int = 1, first_k_dense: int = 0, vocab_size: int = 1
     return cfg.to_dict()
 
 
-def nvfp4_linear(name: str, n: int, k: int, device="cpu") -> dict:
+def nvfp4_linear(name: str, n: int, k: int, device="cpu", scalars: tuple | None = None) -> dict:
     """One ModelOpt NVFP4 linear: random codes, E4M3 block scales in [2^-2, 2), small global
-    scales (so activations stay finite over layers)."""
+    scales (so activations stay finite over layers); ``scalars``: its ``(weight_scale_2,
+    input_scale)``, to give gate and up the same ones as ModelOpt's export does."""
     def rand(*shape, lo=0, hi=256):
         return torch.randint(lo, hi, shape, dtype=torch.uint8, device=device).cpu()
 
+    global_scale, input_scale = scalars or (torch.rand(()) * 1e-3 + 1e-4, torch.rand(()) * 1e-2 + 1e-3)
     return {
         f"{name}.weight": rand(n, k // 2),
         f"{name}.weight_scale": rand(n, k // 16, lo=0x28, hi=0x40).view(torch.float8_e4m3fn),
-        f"{name}.weight_scale_2": torch.rand(()) * 1e-3 + 1e-4,
-        f"{name}.input_scale": torch.rand(()) * 1e-2 + 1e-3,
+        f"{name}.weight_scale_2": global_scale.clone(),
+        f"{name}.input_scale": input_scale.clone(),
     }
+
+
+def mlp_linears(prefix: str, inter: int, device="cpu") -> dict:
+    """A gated MLP's three NVFP4 linears, gate and up on one global and input scale (ModelOpt)."""
+    shared = (torch.rand(()) * 1e-3 + 1e-4, torch.rand(()) * 1e-2 + 1e-3)
+    return (nvfp4_linear(f"{prefix}.gate_proj", inter, H, device, shared)
+            | nvfp4_linear(f"{prefix}.up_proj", inter, H, device, shared)
+            | nvfp4_linear(f"{prefix}.down_proj", H, inter, device))
 
 
 def write_checkpoint(path: Path, num_layers: int = 1, first_k_dense: int = 0, vocab_size: int = 1024,
@@ -77,21 +87,17 @@ def write_checkpoint(path: Path, num_layers: int = 1, first_k_dense: int = 0, vo
         if ".mlp.experts." in name or "shared_experts" in name or ("_proj" in name and ".mlp." in name):
             continue
         other[name] = (torch.randn(t.shape, device=device) * 0.02).to(t.dtype).cpu()
-    projections = lambda inter: {"gate_proj": (inter, H), "up_proj": (inter, H), "down_proj": (H, inter)}  # noqa: E731
     weight_map = {}
     for layer in range(num_layers):
         mlp = f"model.layers.{layer}.mlp"
         if layer < first_k_dense:
-            for proj, (n, k) in projections(18432).items():
-                other.update(nvfp4_linear(f"{mlp}.{proj}", n, k, device))
+            other.update(mlp_linears(mlp, 18432, device))
             continue
-        for proj, (n, k) in projections(I).items():
-            other.update(nvfp4_linear(f"{mlp}.shared_experts.{proj}", n, k, device))
+        other.update(mlp_linears(f"{mlp}.shared_experts", I, device))
         for e0 in range(0, E, 16):
             shard = {}
             for e in range(e0, e0 + 16):
-                for proj, (n, k) in projections(I).items():
-                    shard.update(nvfp4_linear(f"{mlp}.experts.{e}.{proj}", n, k, device))
+                shard.update(mlp_linears(f"{mlp}.experts.{e}", I, device))
             name = f"model-layer{layer:02d}-experts-{e0:03d}.safetensors"
             save_file(shard, str(path / name))
             weight_map.update(dict.fromkeys(shard, name))
@@ -120,7 +126,9 @@ time.sleep(0.1)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 base_anon = peak_anon[0]
 t0 = time.time()
-model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16, device_map={device!r})
+from hf_integration import ModelOptConfig
+model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16, device_map={device!r},
+                                             quantization_config=ModelOptConfig(fuse_shared_experts={fuse}))
 dt = time.time() - t0
 time.sleep(0.1)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -133,16 +141,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/fp4moe-ckpt")
     ap.add_argument("--device-map", default="cpu", help="where from_pretrained puts the model (cpu, cuda, auto)")
+    ap.add_argument("--fuse-shared-experts", action="store_true", help="load with the shared expert inside the routed call")
+    ap.add_argument("--reuse", action="store_true", help="load the checkpoint already in --dir")
     args = ap.parse_args()
     path = Path(args.dir)
     t0 = time.time()
-    size = write_checkpoint(path, device="cuda" if torch.cuda.is_available() else "cpu")
-    print(f"wrote {size / 1e9:.2f} GB checkpoint to {path} in {time.time() - t0:.0f}s", flush=True)
+    if args.reuse:
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    else:
+        size = write_checkpoint(path, device="cuda" if torch.cuda.is_available() else "cpu")
+        print(f"wrote {size / 1e9:.2f} GB checkpoint to {path} in {time.time() - t0:.0f}s", flush=True)
     root = str(Path(__file__).resolve().parent.parent)
-    out = subprocess.run([sys.executable, "-c", CHILD.format(root=root, path=str(path), device=args.device_map)],
+    out = subprocess.run([sys.executable, "-c", CHILD.format(root=root, path=str(path), device=args.device_map,
+                                                               fuse=args.fuse_shared_experts)],
                          capture_output=True, text=True, check=True).stdout.split()
     base, peak, kept, dt, base_anon, peak_anon = int(out[0]), int(out[1]), int(out[2]), float(out[3]), int(out[4]), int(out[5])
-    print(f"from_pretrained(device_map={args.device_map!r}): {dt:.1f}s; peak RSS {peak / 1e9:.2f} GB = {peak / size:.2f}x the "
+    print(f"from_pretrained(device_map={args.device_map!r}, fuse_shared_experts={args.fuse_shared_experts}): {dt:.1f}s; peak RSS {peak / 1e9:.2f} GB = {peak / size:.2f}x the "
           f"checkpoint ({(peak - base) / size:.2f}x above the {base / 1e9:.2f} GB import baseline; RSS counts the "
           f"memory-mapped checkpoint pages too); peak anonymous memory {peak_anon / 1e9:.2f} GB = {peak_anon / size:.2f}x "
           f"({(peak_anon - base_anon) / size:.2f}x above the baseline); model tensors {kept / 1e9:.2f} GB")

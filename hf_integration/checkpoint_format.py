@@ -172,7 +172,11 @@ class ModelOptConfig(QuantizationConfigMixin):
             benchmarks/RESULTS.md); ``"dequantize"`` makes them ``nn.Linear`` in the model dtype.
         fuse_shared_experts: with ``nvfp4_linears="nvfp4"``, run a DeepSeek-V3-style block's NVFP4
             shared expert inside the routed experts' op call
-            (:class:`~hf_integration.shared_experts.SharedExpertMoE`).
+            (:class:`~hf_integration.shared_experts.SharedExpertMoE`; H200, 2026-12-01: 0.253
+            instead of 0.271 ms per DeepSeek-V3 layer at batch 1). Off by default: fusing copies
+            each layer's experts once, so loading then needs one layer's expert bytes of headroom
+            (+7.3 GB for a full-size DeepSeek-V3 layer, benchmarks/RESULTS.md), and a fused model
+            runs neither NVFP4 activations nor expert parallelism.
     """
 
     LOADING_ATTRIBUTES = ("backend", "act_scale_mode", "fuse_router", "expert_parallel", "nvfp4_linears",
@@ -184,7 +188,7 @@ class ModelOptConfig(QuantizationConfigMixin):
                  exclude_modules: list[str] | None = None, kv_cache_quant_algo: str | None = None,
                  producer: dict | None = None, quantized_layers: dict | None = None, backend: str = "auto",
                  act_scale_mode: str | None = None, fuse_router: bool = True, expert_parallel: bool = False,
-                 nvfp4_linears: str = "nvfp4", fuse_shared_experts: bool = True, **kwargs):
+                 nvfp4_linears: str = "nvfp4", fuse_shared_experts: bool = False, **kwargs):
         self.quant_method = QUANT_METHOD
         self.quant_algo = str(quant_algo).upper()
         self.quantized_layers = quantized_layers

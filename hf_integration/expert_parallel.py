@@ -119,8 +119,8 @@ def shard_experts(model: nn.Module, group=None) -> nn.Module:
     fused = [n for n, m in model.named_modules() if type(m).__name__ == "SharedExpertMoE"]
     if fused:  # every rank would add the shared expert once more
         raise ValueError(f"{fused[0]} runs its shared expert inside the routed experts' call, which expert "
-                         "parallelism cannot split: patch with fuse_shared_experts=False (or load with "
-                         "ModelOptConfig(fuse_shared_experts=False))")
+                         "parallelism cannot split: patch with fuse_shared_experts=False (or load without "
+                         "fuse_shared_experts=True)")
     shards = [this_rank_shard(m.num_experts, group) for m in modules]
     for m, shard in zip(modules, shards):
         backend, mode = m.backend, m.act_scale_mode

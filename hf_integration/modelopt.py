@@ -46,7 +46,7 @@ def _model_config(config_file: Path):
 def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
                         device_map=None, backend: str = "auto", act_scale_mode: str | None = None,
                         expert_parallel: bool = False, fuse_router: bool = True, nvfp4_linears: str = "nvfp4",
-                        fuse_shared_experts: bool = True, **from_pretrained_kwargs) -> nn.Module:
+                        fuse_shared_experts: bool = False, **from_pretrained_kwargs) -> nn.Module:
     """Load a ModelOpt NVFP4 checkpoint (a local folder or a Hub id) with NVFP4 routed experts.
 
     Args:
@@ -56,8 +56,7 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
         device / device_map: where the model goes (``device_map`` as in ``from_pretrained``:
             ``"auto"``, ``"cuda"``, ``{module prefix: device}``; ``max_memory`` also passes through).
         backend, act_scale_mode, fuse_router, expert_parallel, nvfp4_linears, fuse_shared_experts:
-            see :class:`~hf_integration.checkpoint_format.ModelOptConfig` (to switch to NVFP4
-            activations later with ``set_backend``, load with ``fuse_shared_experts=False``).
+            see :class:`~hf_integration.checkpoint_format.ModelOptConfig`.
         from_pretrained_kwargs: anything else ``from_pretrained`` takes (``revision``, ``max_memory``, ...).
 
     Returns:

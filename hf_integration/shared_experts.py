@@ -41,8 +41,7 @@ class ExpertsWithShared(NVFP4Experts):
             raise ValueError(
                 f"backend {checked[0].name!r} with NVFP4 activations ({checked[1]}) would quantize the shared "
                 "expert that runs inside these routed experts with their activation scales; to run NVFP4 "
-                "activations, load with ModelOptConfig(fuse_shared_experts=False) (load_modelopt_nvfp4(..., "
-                "fuse_shared_experts=False)) or with act_scale_mode set, or patch with fuse_shared_experts=False")
+                "activations, load without fuse_shared_experts=True, or patch with fuse_shared_experts=False")
         return checked
 
 

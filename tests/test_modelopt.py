@@ -372,7 +372,11 @@ def test_save_patched_model_with_nvfp4_dense_mlps_and_reload(tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)  # dense NVFP4 MLPs: kept
     assert type(again.model.layers[0].mlp.down_proj).__name__ == "NVFP4Linear"
     ids = torch.randint(1, 256, (1, 6))
-    assert torch.equal(logits(again, ids), logits(model, ids))  # the same bytes, modules and math
+    # the patched model runs its shared expert inside the routed call: loaded so too, the same
+    # bytes, modules and math
+    fused = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                 quantization_config=ModelOptConfig(fuse_shared_experts=True))
+    assert torch.equal(logits(fused, ids), logits(model, ids))
     dequantized = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
                                                        quantization_config=ModelOptConfig(nvfp4_linears="dequantize"))
     assert type(dequantized.model.layers[0].mlp.down_proj) is torch.nn.Linear

@@ -127,9 +127,8 @@ def test_loading_with_kept_nvfp4_linears_fuses_and_matches_the_unfused_load(tmp_
     else:  # a genuine nvidia-modelopt export (default config: the shared experts are NVFP4)
         folder = FIXTURES / "modelopt" / "deepseek_v3_nvfp4_default"
     kw = dict(dtype=torch.bfloat16)
-    fused = AutoModelForCausalLM.from_pretrained(folder, quantization_config=ModelOptConfig(nvfp4_linears="nvfp4"), **kw)
-    unfused = AutoModelForCausalLM.from_pretrained(
-        folder, quantization_config=ModelOptConfig(nvfp4_linears="nvfp4", fuse_shared_experts=False), **kw)
+    fused = AutoModelForCausalLM.from_pretrained(folder, quantization_config=ModelOptConfig(fuse_shared_experts=True), **kw)
+    unfused = AutoModelForCausalLM.from_pretrained(folder, **kw)  # NVFP4 linears kept, not fused: the default
     moe_layers = [m for m in unfused.modules() if type(m).__name__ in SHARED_EXPERT_BLOCKS]
     assert moe_layers and len(blocks(fused, SharedExpertMoE)) == len(moe_layers)
     shared = moe_layers[0].shared_experts
@@ -170,9 +169,8 @@ def test_a_loaded_fused_model_has_the_unfused_state_dict_and_takes_it_back(fmt, 
     folder = FIXTURES / fmt / name
     cls = CompressedTensorsNVFP4Config if fmt == "llmcompressor" else ModelOptConfig
     kw = dict(dtype=torch.bfloat16)
-    fused = AutoModelForCausalLM.from_pretrained(folder, quantization_config=cls(nvfp4_linears="nvfp4"), **kw)
-    unfused = AutoModelForCausalLM.from_pretrained(
-        folder, quantization_config=cls(nvfp4_linears="nvfp4", fuse_shared_experts=False), **kw)
+    fused = AutoModelForCausalLM.from_pretrained(folder, quantization_config=cls(fuse_shared_experts=True), **kw)
+    unfused = AutoModelForCausalLM.from_pretrained(folder, quantization_config=cls(), **kw)
     assert blocks(fused, SharedExpertMoE) and not blocks(unfused, SharedExpertMoE)
     a, b = unfused.state_dict(), fused.state_dict()
     assert a.keys() == b.keys()
@@ -198,17 +196,18 @@ def test_nvfp4_activations_are_refused_on_fused_experts_and_change_nothing():
 
 
 def test_nvfp4_activations_after_loading_need_the_shared_expert_unfused():
-    # a genuine ModelOpt W4A4 export (input scales in the file): loaded as it is by default, its
-    # shared experts run inside the routed call, which NVFP4 activations cannot (the shared expert
-    # would take the routed experts' activation scale); the error says how to load it instead
+    # a genuine ModelOpt W4A4 export (input scales in the file): loaded with its shared experts
+    # inside the routed call, it cannot switch to NVFP4 activations (the shared expert would take
+    # the routed experts' activation scale) and the error says how to load it instead; loaded as by
+    # default (unfused), it can
     from hf_integration import load_modelopt_nvfp4, set_backend
 
     folder = FIXTURES / "modelopt" / "deepseek_v3_nvfp4_default"
-    fused = load_modelopt_nvfp4(folder)
+    fused = load_modelopt_nvfp4(folder, fuse_shared_experts=True)
     assert blocks(fused, SharedExpertMoE)
-    with pytest.raises(ValueError, match=r"load_modelopt_nvfp4\(\.\.\., fuse_shared_experts=False\)"):
+    with pytest.raises(ValueError, match="load without fuse_shared_experts=True"):
         set_backend(fused, "reference", act_scale_mode="global_max")
-    unfused = load_modelopt_nvfp4(folder, fuse_shared_experts=False)
+    unfused = load_modelopt_nvfp4(folder)
     assert not blocks(unfused, SharedExpertMoE)
     set_backend(unfused, "reference", act_scale_mode="global_max")
     ids = torch.randint(1, 100, (1, 5))
