@@ -17,7 +17,8 @@ QUANTIZE_CHUNK_ELEMENTS = 1 << 22  # weights quantized at a time (whole experts,
 
 
 def expert_chunks(t: torch.Tensor, elements: int = QUANTIZE_CHUNK_ELEMENTS):
-    """``(start, stop)`` ranges of whole experts of ``t [E, N, K]``, ~``elements`` weights each: work
+    """``(start, stop)`` ranges of whole experts of ``t [E, N, K]`` (or of whole rows of a linear's
+    ``[N, K]``), ~``elements`` weights each: work
     over a layer in pieces keeps its float32 and boolean temporaries at a few times the piece's
     size instead of the layer's (a whole-layer ``isfinite`` of DeepSeek-V3's ``gate_up_proj``
     alone is 7.5 G booleans)."""

@@ -19,7 +19,7 @@ from torch import nn
 
 from fp4moe_ops import PreparedExperts, nvfp4
 from fp4moe_ops.linear import split_counters
-from fp4moe_ops.moe_weights import QUANTIZE_CHUNK_ELEMENTS
+from fp4moe_ops.moe_weights import expert_chunks
 from fp4moe_ops.prepared import QuantizedBuffers
 
 from .checkpoint_format import MODELOPT, linear_tensors
@@ -103,11 +103,10 @@ class NVFP4Linear(QuantizedBuffers):
         if global_scale is None:
             global_scale = nvfp4.global_scale_from_amax(weight_amax(w))
         q = cls(linear, MODELOPT, input_scale=False, device=w.device)
-        rows = max(1, QUANTIZE_CHUNK_ELEMENTS // w.shape[1])
         with torch.no_grad():
-            for r0 in range(0, w.shape[0], rows):
-                part = nvfp4.quantize_nvfp4(w[r0:r0 + rows], global_scale)
-                q.weight[r0:r0 + rows], q.weight_scale[r0:r0 + rows] = part.packed, part.block_scale
+            for r0, r1 in expert_chunks(w):
+                part = nvfp4.quantize_nvfp4(w[r0:r1], global_scale)
+                q.weight[r0:r1], q.weight_scale[r0:r1] = part.packed, part.block_scale
             q.weight_scale_2.copy_(global_scale.reshape(()))
         return q
 
@@ -190,8 +189,7 @@ class FP8Linear(nn.Module):
 
 def weight_amax(w: torch.Tensor) -> torch.Tensor:
     """``max |w|`` as a 0-dim float32, a row chunk at a time (no full-size temporary)."""
-    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // w.shape[-1])
-    return torch.stack([w[r0:r0 + rows].abs().amax().float() for r0 in range(0, w.shape[0], rows)]).amax()
+    return torch.stack([w[r0:r1].abs().amax().float() for r0, r1 in expert_chunks(w)]).amax()
 
 
 def _linear_like(m: nn.Module, weight: torch.Tensor) -> nn.Linear:

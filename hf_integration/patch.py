@@ -155,13 +155,18 @@ def _linear_groups(model: nn.Module, dense_mlps: bool, attention: bool):
     return groups
 
 
+def _checked_linear_groups(model: nn.Module, dense_mlps: bool, attention: bool):
+    """:func:`_linear_groups`, every linear checked first (sizes, device, dtype, finite weights):
+    an error names the linear."""
+    groups = _linear_groups(model, dense_mlps, attention)
+    for name, m, kind, leaves in groups:
+        _check_linears(name, m, kind, leaves)
+    return groups
+
+
 def _check_linears(name: str, m: nn.Module, kind: str, groups: list[list[str]]) -> None:
-    linears = [(leaf, getattr(m, leaf)) for group in groups for leaf in group]
-    if kind == "dense MLP":
-        h, i = m.gate_proj.in_features, m.gate_proj.out_features
-        if h % nvfp4.BLOCK_SIZE or i % nvfp4.BLOCK_SIZE:
-            raise ValueError(f"cannot quantize dense MLP {name}: sizes {h}, {i} must be multiples of {nvfp4.BLOCK_SIZE}")
-    for leaf, lin in linears:
+    for leaf in (leaf for group in groups for leaf in group):
+        lin = getattr(m, leaf)
         w = lin.weight
         if lin.in_features % nvfp4.BLOCK_SIZE:
             raise ValueError(f"cannot quantize {kind} {name}.{leaf}: in_features {lin.in_features} must be a "
@@ -174,12 +179,15 @@ def _check_linears(name: str, m: nn.Module, kind: str, groups: list[list[str]]) 
             raise ValueError(f"cannot quantize {kind} {name}.{leaf}: its weight holds NaN or Inf")
 
 
-def _quantize_linears(m: nn.Module, groups: list[list[str]]) -> None:
-    for group in groups:
-        amax = torch.stack([weight_amax(getattr(m, leaf).weight) for leaf in group]).amax()
-        scale = nvfp4.global_scale_from_amax(amax)
-        for leaf in group:  # the BF16 linear is freed as it is replaced
-            replace_module(m, leaf, NVFP4Linear.quantize(getattr(m, leaf), scale))
+def _quantize_linears(groups, verbose: bool) -> None:
+    for name, m, kind, leaves in groups:
+        for group in leaves:
+            amax = torch.stack([weight_amax(getattr(m, leaf).weight) for leaf in group]).amax()
+            scale = nvfp4.global_scale_from_amax(amax)
+            for leaf in group:  # the BF16 linear is freed as it is replaced
+                replace_module(m, leaf, NVFP4Linear.quantize(getattr(m, leaf), scale))
+        if verbose:
+            logger.info("fp4moe: %s (%s) linears -> NVFP4", name, kind)
 
 
 def quantize_linears(model: nn.Module, *, dense_mlps: bool = True, attention: bool = False,
@@ -190,13 +198,8 @@ def quantize_linears(model: nn.Module, *, dense_mlps: bool = True, attention: bo
     ``quantize_dense_mlps`` / ``quantize_attention`` do; usable on its own, e.g. on a patched model.
     Every linear is checked first (sizes, dtype, device, finite weights): on an error nothing has
     changed. Returns the number of modules whose linears were quantized."""
-    groups = _linear_groups(model, dense_mlps, attention)
-    for name, m, kind, leaves in groups:
-        _check_linears(name, m, kind, leaves)
-    for name, m, kind, leaves in groups:
-        _quantize_linears(m, leaves)
-        if verbose:
-            logger.info("fp4moe: %s (%s) linears -> NVFP4", name, kind)
+    groups = _checked_linear_groups(model, dense_mlps, attention)
+    _quantize_linears(groups, verbose)
     return len(groups)
 
 
@@ -235,8 +238,9 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
     accelerator its BF16 ``down_proj`` waits on the host while ``gate_up_proj`` is quantized
     (:func:`_quantize_experts`), so the peak is the BF16 model plus one layer's NVFP4 ``down_proj``
     and one chunk's scratch (``benchmarks/bench_patch_memory.py``); a failure there (out of memory)
-    puts it back, so every layer is whole: BF16 or NVFP4. The model is marked quantized (``model.hf_quantizer``); its config is copied
-    first, so other models built from the same config object are untouched.
+    puts it back, so every layer is whole: BF16 or NVFP4. The model is marked quantized
+    (``model.hf_quantizer``); its config is copied first, so other models built from the same
+    config object are untouched.
     """
     modules = [(n, m) for n, m in find_experts_modules(model) if is_transformers_experts(m)]
     if nvfp4_experts(model):
@@ -251,9 +255,7 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         _check_experts(name, m)
     for name, m in modules:  # every layer's device can run the backend (uncalibrated: W4A16 only)
         resolve_backend(backend, m.gate_up_proj.device)
-    linear_groups = _linear_groups(model, quantize_dense_mlps, quantize_attention)
-    for name, m, kind, groups in linear_groups:
-        _check_linears(name, m, kind, groups)
+    linear_groups = _checked_linear_groups(model, quantize_dense_mlps, quantize_attention)
     if act_scale_mode is not None:
         raise ValueError(f"act_scale_mode={act_scale_mode!r} needs calibrated activation scales: patch first, "
                          "then calibrate_activation_scales(model, batches), then set_backend(model, backend, mode)")
@@ -279,10 +281,7 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
                 logger.info("fp4moe: %s -> NVFP4 (%d/%d)", name, i + 1, len(modules))
     finally:
         stage.close()
-    for name, m, kind, groups in linear_groups:
-        _quantize_linears(m, groups)
-        if verbose:
-            logger.info("fp4moe: %s (%s) linears -> NVFP4", name, kind)
+    _quantize_linears(linear_groups, verbose)
     if fuse_router:
         fuse_routers(model)
     if fuse_shared_experts:

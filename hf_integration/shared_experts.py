@@ -2,16 +2,18 @@
 Kimi-K2, GLM4-MoE) whose NVFP4 shared expert has the routed experts' shape runs it as one more
 expert, chosen by every token with weight 1, in the same ``fp4moe::fused_moe`` launch.
 
-Why: at decode the shared expert is three separate NVFP4 linear calls and a separate add; inside the routed call it costs one more weight stream in
-kernels that are already running, and its output is summed with the routed experts' in float32.
+Why: at decode the shared expert is three separate NVFP4 linear calls and a separate add; inside
+the routed call it costs one more weight stream in kernels that are already running, and its
+output is summed with the routed experts' in float32.
 
 :class:`SharedExpertMoE` replaces the block. Its ``experts`` hold ``E + 1`` experts (the shared one
 last); its state dict is the unfused block's: ``experts.*`` with E experts, and
 ``shared_experts.gate_proj``/``up_proj``/``down_proj`` as the NVFP4 linears had them (a loaded
-checkpoint's names and its file's own scalars, or ModelOpt's for a patched model). A save writes the checkpoint layout (routed experts per expert, the shared expert as three
-NVFP4 linears). W4A16 only: NVFP4 activations would put the shared expert under the routed experts'
-activation scales (``global_max``), so a backend or mode that quantizes activations is refused, as
-is expert parallelism (each rank would add the shared expert once).
+checkpoint's names and its file's own scalars, or ModelOpt's for a patched model). A save writes
+the checkpoint layout (routed experts per expert, the shared expert as three NVFP4 linears). W4A16
+only: NVFP4 activations would put the shared expert under the routed experts' activation scales
+(``global_max``), so a backend or mode that quantizes activations is refused, as is expert
+parallelism (each rank would add the shared expert once).
 """
 
 from __future__ import annotations

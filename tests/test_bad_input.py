@@ -423,8 +423,8 @@ def test_dense_mlp_quantization_checks_every_size_first():
     model.model.layers[0].mlp.up_proj = torch.nn.Linear(64, 120, bias=False).to(torch.bfloat16)
     model.model.layers[0].mlp.down_proj = torch.nn.Linear(120, 64, bias=False).to(torch.bfloat16)
     before = logits(model, IDS)
-    with pytest.raises(ValueError, match="cannot quantize dense MLP model.layers.0.mlp: sizes 64, 120 must be "
-                                         "multiples of 16"):
+    with pytest.raises(ValueError, match="cannot quantize dense MLP model.layers.0.mlp.down_proj: in_features 120 "
+                                         "must be a multiple of 16"):
         patch_deepseek(model, quantize_dense_mlps=True)
     untouched(model, before)
 

@@ -127,7 +127,8 @@ def test_loading_with_kept_nvfp4_linears_fuses_and_matches_the_unfused_load(tmp_
     else:  # a genuine nvidia-modelopt export (default config: the shared experts are NVFP4)
         folder = FIXTURES / "modelopt" / "deepseek_v3_nvfp4_default"
     kw = dict(dtype=torch.bfloat16)
-    fused = AutoModelForCausalLM.from_pretrained(folder, quantization_config=ModelOptConfig(fuse_shared_experts=True), **kw)
+    fused = AutoModelForCausalLM.from_pretrained(folder, quantization_config=ModelOptConfig(fuse_shared_experts=True),
+                                                 **kw)
     unfused = AutoModelForCausalLM.from_pretrained(folder, **kw)  # NVFP4 linears kept, not fused: the default
     moe_layers = [m for m in unfused.modules() if type(m).__name__ in SHARED_EXPERT_BLOCKS]
     assert moe_layers and len(blocks(fused, SharedExpertMoE)) == len(moe_layers)
