@@ -232,6 +232,26 @@ def test_triton_prefill_tiles_with_bk128(paired):
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("bm,bn1,pipelined", [(16, 64, False), (64, 128, True)])
+def test_triton_merged_gate_up_tiles(bm, bn1, pipelined):
+    # GEMM1 with BN1/2 gate rows and the same up rows in one K loop (4-D TMA boxes over [E, 2, I/2, H]
+    # of the paired weights): several tiles per expert, several blocks per expert, an unused slot.
+    e, h, i, t, k = 3, 512, 256, 40, 2
+    w = layer(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids[3, 0] = -1
+    rw = torch.rand(t, k)
+    cfg = kernel_config(t * k, e, h, i) | dict(BM=bm, BN1=bn1, BK1=256, TMA=True, FRAGMENT_ORDER=True,
+                                               SPLIT_GATE_UP=False, MERGED_GATE_UP=True,
+                                               PIPELINED_MMA1=pipelined, PIPELINED_MMA2=pipelined)
+    out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in kernel_tensors(w)],
+                           cfg).cpu()
+    ref = moe64(x, ids, rw, *w.tensors())
+    # bf16 intermediate and output: a few bf16 ulps (2^-8) of the row scale
+    torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+
+
 def test_kernel_config_counts_rows_over_the_routed_experts():
     # An EP=8 rank of DeepSeek-V3 (32 of 256 experts) at 128 tokens: 1024 slots but ~4 local rows
     # per expert. Counted over the local experts it would look like 32 rows: prefill tiles.

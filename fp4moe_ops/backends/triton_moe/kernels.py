@@ -217,7 +217,8 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                    w_desc=None, s_desc=None, desc_row=0, TMA: tl.constexpr = False,
                    FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
                    FAST_SCALES: tl.constexpr = True, k_lo=0, k_hi=0, A_NATURAL: tl.constexpr = False,
-                   a_desc=None, a_row0=0, A_TMA: tl.constexpr = False, BM: tl.constexpr = 16):
+                   a_desc=None, a_row0=0, A_TMA: tl.constexpr = False, BM: tl.constexpr = 16,
+                   GATE_UP: tl.constexpr = False, desc_expert=0):
     """``acc [BN, BM] += W[rows, k_lo:k_hi] @ A[a_rows, k_lo:k_hi]^T`` (``k_hi = 0``: K) with W NVFP4
     ``[*, K/2]`` bytes (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk,
     or with A_NATURAL too, A is in natural order and read permuted: for small A, no copy to make;
@@ -225,8 +226,14 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     pipelined like the weights, and are permuted in registers).
 
     The weight tile is the MMA's M side ("swap AB"): decode's few tokens sit on the narrow
-    N side. With PREFETCH the next tile's bytes are loaded before this tile is decoded, so
-    the memory latency overlaps the decode and the dot.
+    N side. A constant ``k_hi`` (0) with a constexpr K gives the loop a static trip count: then
+    ptxas keeps up to 8 wgmma in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x7`` in the sm90 SASS). With a
+    run-time bound the loop's zero-trip path sets the accumulators outside a wgmma and ptxas waits
+    after every wgmma (its note C7515), but needs fewer registers (80 instead of 124 in the decode
+    GEMM2: more CTAs per SM). Which wins depends on the bucket (``PIPELINED_MMA`` in kernel_config).
+
+    With PREFETCH the next tile's bytes are loaded before this tile is decoded, so the memory
+    latency overlaps the decode and the dot.
     """
     dtype = a_ptr.dtype.element_ty
     kb = tl.arange(0, BK // 2)
@@ -248,7 +255,10 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
             a = _fragment_order_tile(a_desc.load([a_row0, k0]), BM, BK)
         else:
             a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
-        if TMA:  # bulk tensor copies, which Triton pipelines over num_stages
+        if GATE_UP:  # [gate rows; up rows] of one expert from 4-D descriptors over [E, 2, I, *]
+            packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
+            sbytes = s_desc.load([desc_expert, 0, desc_row, k0 // 16]).reshape(BN, BK // 16)
+        elif TMA:  # bulk tensor copies, which Triton pipelines over num_stages
             if PAIRED:  # [BN/2, BK] bytes of row-pair words
                 packed = w_desc.load([desc_row // 2, k0])
             else:
@@ -279,10 +289,11 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
 def _gemm1_swiglu_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
     sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-    H, I, TOPK, w_desc, s_desc,
+    H: tl.constexpr, I: tl.constexpr, TOPK, w_desc, s_desc, K_RUNTIME,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
     SPLIT_GATE_UP: tl.constexpr = False, PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
+    MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True,
 ):
     """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
     SPLIT_GATE_UP a program computes only the gate or the up tile and stores it, scaled, in
@@ -293,6 +304,10 @@ def _gemm1_swiglu_kernel(
     if e >= 0:
         slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
         tokens = slots // TOPK
+        if PIPELINED_MMA:  # see _expert_matmul: a static K loop (wgmma pipelined) or a run-time one
+            k_stop = 0
+        else:
+            k_stop = K_RUNTIME
         e64 = e.to(tl.int64)
         w_e = w_ptr + e64 * (2 * I) * (H // 2)
         s_e = s_ptr + e64 * (2 * I) * (H // 16)
@@ -304,22 +319,32 @@ def _gemm1_swiglu_kernel(
             cols = tl.program_id(1) * BN + tl.arange(0, BN)  # rows of [gate; up], 0..2I
             acc = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
                                  INTERPRET, w_desc, s_desc, e * (2 * I) + tl.program_id(1) * BN, TMA,
-                                 FRAGMENT_ORDER, PAIRED, FAST_SCALES)
+                                 FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop)
             tl.store(out_ptr + slots[None, :] * (2 * I) + cols[:, None], acc * g, mask=row_mask[None, :])
-            return
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
-        acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
-                                  INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES)
-        acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
-                                INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES)
-        gate = acc_gate * g
-        up = acc_up * g
-        h = gate * tl.sigmoid(gate) * up  # [BN, BM]
-        if FRAGMENT_ORDER:  # GEMM2 reads its K axis (our columns) in fragment order
-            cols = _fragment_position(cols, OUT_CHUNK)
-        tl.store(out_ptr + slots[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[None, :])
+        else:
+            if MERGED_GATE_UP:  # BN/2 gate rows and the same up rows in one K loop, one accumulator
+                half = tl.program_id(1) * (BN // 2)
+                acc = _expert_matmul(zero, w_e, s_e, tl.arange(0, BN), x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
+                                     FAST_DECODE, INTERPRET, w_desc, s_desc, half, TMA, FRAGMENT_ORDER, PAIRED,
+                                     FAST_SCALES, k_hi=k_stop, GATE_UP=True, desc_expert=e)
+                gate, up = tl.split(tl.permute((acc * g).reshape(2, BN // 2, BM), (1, 2, 0)))
+                cols = half + tl.arange(0, BN // 2)
+            else:
+                cols = tl.program_id(1) * BN + tl.arange(0, BN)
+                row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
+                acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
+                                          FAST_DECODE, INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER, PAIRED,
+                                          FAST_SCALES, k_hi=k_stop)
+                acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
+                                        FAST_DECODE, INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER, PAIRED,
+                                        FAST_SCALES, k_hi=k_stop)
+                gate = acc_gate * g
+                up = acc_up * g
+            h = gate * tl.sigmoid(gate) * up
+            if FRAGMENT_ORDER:  # GEMM2 reads its K axis (our columns) in fragment order
+                cols = _fragment_position(cols, OUT_CHUNK)
+            tl.store(out_ptr + slots[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
+                     mask=row_mask[None, :])
 
 @triton.jit
 def _silu_mul_kernel(pre_ptr, ids_ptr, out_ptr, I, E, FRAGMENT_ORDER: tl.constexpr, OUT_CHUNK: tl.constexpr,
@@ -342,22 +367,26 @@ def _silu_mul_kernel(pre_ptr, ids_ptr, out_ptr, I, E, FRAGMENT_ORDER: tl.constex
 def _gemm2_kernel(
     a_ptr, w_ptr, s_ptr, g_ptr, topk_weights_ptr, out_ptr,
     sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-    H, I, w_desc, s_desc,
+    H: tl.constexpr, I: tl.constexpr, w_desc, s_desc, K_RUNTIME,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
-    FAST_SCALES: tl.constexpr = True,
+    FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e >= 0:
         slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
+        if PIPELINED_MMA:  # see _expert_matmul: a static K loop (wgmma pipelined) or a run-time one
+            k_stop = 0
+        else:
+            k_stop = K_RUNTIME
         e64 = e.to(tl.int64)
         w_e = w_ptr + e64 * H * (I // 2)
         s_e = s_ptr + e64 * H * (I // 16)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
                              BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
-                             e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES)
+                             e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop)
         g = tl.load(g_ptr + e)
         if a_ptr.dtype.element_ty == tl.bfloat16:
             g = g * 4194304.0

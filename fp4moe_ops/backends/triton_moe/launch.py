@@ -181,6 +181,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
         x_gemm1 = x
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PREFETCH=cfg.get("PREFETCH", True),
+                  **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
                   FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting(),
                   FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True))
 
@@ -188,14 +189,22 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     tma = cfg.get("TMA", False)
     split = cfg.get("SPLIT_GATE_UP", False)
-    desc1 = _descriptors(w13, s13, cfg["BN1"], cfg["BK1"]) if tma else (w13, s13)
+    merged = cfg.get("MERGED_GATE_UP", False)
+    if merged and not (tma and paired and not split and cfg["BK1"] >= 256):
+        raise ValueError("MERGED_GATE_UP needs TMA, paired weights, BK1 >= 256 and no SPLIT_GATE_UP")
+    if merged:
+        desc1 = _gate_up_descriptors(w13, s13, cfg["BN1"], cfg["BK1"])
+    else:
+        desc1 = _descriptors(w13, s13, cfg["BN1"], cfg["BK1"]) if tma else (w13, s13)
     desc2 = _descriptors(w2, s2, cfg["BN2"], cfg["BK2"]) if tma else (w2, s2)
-    grid1 = (block_expert.numel(), (2 if split else 1) * inter // cfg["BN1"])
+    # programs per M block: BN1 rows of [gate; up] each (merged: BN1/2 of each), or BN1 of both
+    grid1 = (block_expert.numel(), (2 if split or merged else 1) * inter // cfg["BN1"])
     pre_act = torch.empty(num_slots, 2 * inter, dtype=torch.float32, device=x.device) if split else inter_act
     _gemm1_swiglu_kernel[grid1](
         x_gemm1, w13, s13, g13, pre_act, sorted_slot, block_expert,
-        row_start, row_end, hidden, inter, top_k, *desc1, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
-        OUT_CHUNK=cfg["BK2"], SPLIT_GATE_UP=split, **launch,
+        row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
+        OUT_CHUNK=cfg["BK2"], SPLIT_GATE_UP=split, MERGED_GATE_UP=merged,
+        PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **launch,
     )
     if split:
         block = _pow2_divisor(inter, 1024)
@@ -204,7 +213,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     grid2 = (block_expert.numel(), hidden // cfg["BN2"])
     _gemm2_kernel[grid2](
         inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end,
-        hidden, inter, *desc2, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma, **launch,
+        hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
+        PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), **launch,
     )
     return _sum_topk(y, topk_ids, x, num_experts)
 
@@ -223,6 +233,19 @@ def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int):
     if bk < 256:
         return w_box, s
     return w_box, TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [bn, bk // 16])
+
+
+def _gate_up_descriptors(w13: torch.Tensor, s13: torch.Tensor, bn: int, bk: int):
+    """4-D TMA descriptors over paired ``w13`` as bytes ``[E, 2, I/2, H]`` (gate pairs, then up
+    pairs) and ``s13`` as ``[E, 2, I, H/16]``: one box holds ``bn/2`` gate rows and the same up rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    e, k = w13.shape[0], 4 * w13.shape[-1]
+    inter = s13.shape[1] // 2
+    w = w13.view(torch.uint8).reshape(e, 2, inter // 2, k)
+    s = s13.reshape(e, 2, inter, s13.shape[-1])
+    return (TensorDescriptor.from_tensor(w, [1, 2, bn // 4, bk]),
+            TensorDescriptor.from_tensor(s, [1, 2, bn // 2, bk // 16]))
 
 
 def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int) -> torch.Tensor:
