@@ -6,6 +6,7 @@ GPU machine: ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/t
     python benchmarks/sass_count.py                       # current decode config (paired weights)
     python benchmarks/sass_count.py --canonical           # fragment order over canonical weights
     python benchmarks/sass_count.py --no-fragment-order   # the natural-K-order decode
+    python benchmarks/sass_count.py --tokens 2048 --gemm1 --set PIPELINED_MMA1=0   # wgmma serialized
 """
 
 import argparse
@@ -22,22 +23,29 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fp4moe_ops.backends import triton_moe  # noqa: E402
+from fp4moe_ops.backends.triton_moe import kernels, launch  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def loop_histograms(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int):
-    """Compile ``kernel`` for sm90 and return (registers, [(instructions, Counter)] per loop)."""
+def loop_histograms(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int, maxnreg: int = 0):
+    """Compile ``kernel`` for sm90 and return (registers, ptxas notes, wgmma waits, [(instructions,
+    Counter)] per loop). The waits are the SASS ``WARPGROUP.DEPBAR.LE gsb0, N`` by N: after every
+    wgmma with N = 0 when ptxas serialized them."""
     names = list(kernel.arg_names)
     # what the JIT would specialize at run time: pointers and sizes divisible by 16
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
              if (t.startswith("*") or t == "i32") and n != "TOPK"}
+    options = {"num_warps": num_warps, "num_stages": num_stages} | ({"maxnreg": maxnreg} if maxnreg else {})
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+                              options=options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         Path(cubin).write_bytes(compiled.asm["cubin"])
+        ptx = os.path.join(tmp, "k.ptx")
+        Path(ptx).write_text(compiled.asm["ptx"])
+        notes = subprocess.run([str(TOOLS / "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "p.cubin")],
+                               capture_output=True, text=True).stderr
         sass = subprocess.run([str(TOOLS / "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
         usage = subprocess.run([str(TOOLS / "cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
@@ -49,41 +57,52 @@ def loop_histograms(kernel, signature: dict, constants: dict, num_warps: int, nu
             body = [o for a, o in instrs if int(target.group(1), 16) <= a <= addr]
             if len(body) > 50:  # skip barrier spin loops
                 loops.append((len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0] for o in body)))
-    return int(regs.group(1)) if regs else None, loops
+    waits = collections.Counter(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))
+    serialized = [line.split(") ")[-1][:150] for line in notes.splitlines() if "C751" in line]
+    return int(regs.group(1)) if regs else None, serialized, dict(waits), loops
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-fragment-order", action="store_true")
     ap.add_argument("--canonical", action="store_true", help="canonical instead of paired weights")
-    ap.add_argument("--gemm1", action="store_true", help="the GEMM1 (split gate/up) loop instead of GEMM2")
+    ap.add_argument("--gemm1", action="store_true", help="the GEMM1 loop instead of GEMM2")
     ap.add_argument("--top", type=int, default=12, help="how many instruction kinds to list")
     ap.add_argument("--tokens", type=int, default=8, help="picks the bucket (8: decode, 2048: prefill)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=INT", help="config overrides, e.g. BM=128")
     args = ap.parse_args()
-    cfg = triton_moe.kernel_config(args.tokens * 8, 256, 7168, 2048)
+    cfg = launch.kernel_config(args.tokens * 8, 256, 7168, 2048)
     cfg |= {k: int(v) for k, v in (kv.split("=") for kv in args.set)}
     if args.no_fragment_order:
         cfg["FRAGMENT_ORDER"] = False
     paired = cfg["FRAGMENT_ORDER"] and not args.canonical
+    merged = args.gemm1 and bool(cfg.get("MERGED_GATE_UP"))
     bn, bk = (cfg["BN1"], cfg["BK1"]) if args.gemm1 else (cfg["BN2"], cfg["BK2"])
-    w_box = f"[{bn // 2}, {bk}]" if paired else f"[{bn}, {bk // 2}]"
-    desc = {"w_desc": f"tensordesc<u8{w_box}>", "s_desc": f"tensordesc<u8[{bn}, {bk // 16}]>" if bk >= 256 else "*u8"}
+    if merged:  # 4-D boxes over [E, 2, I, *] (launch._gate_up_descriptors)
+        w_box = f"[1, 2, {bn // 4}, {bk}]" if paired else f"[1, 2, {bn // 2}, {bk // 2}]"
+        desc = {"w_desc": f"tensordesc<u8{w_box}>", "s_desc": f"tensordesc<u8[1, 2, {bn // 2}, {bk // 16}]>"}
+    else:
+        w_box = f"[{bn // 2}, {bk}]" if paired else f"[{bn}, {bk // 2}]"
+        desc = {"w_desc": f"tensordesc<u8{w_box}>",
+                "s_desc": f"tensordesc<u8[{bn}, {bk // 16}]>" if bk >= 256 else "*u8"}
     routing = {n: "*i32" for n in ("sorted_slot_ptr", "block_expert_ptr", "block_row_start_ptr", "block_row_end_ptr")}
     constants = dict(BM=cfg["BM"], BN=bn, BK=bk, PREFETCH=cfg["PREFETCH"], FAST_DECODE=True, INTERPRET=False,
                      TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"], PAIRED=paired,
-                     FAST_SCALES=bool(cfg.get("FAST_SCALES", 1)))
-    common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "H": "i32", "I": "i32"}
+                     FAST_SCALES=bool(cfg.get("FAST_SCALES", 1)), H=7168, I=2048,
+                     PIPELINED_MMA=bool(cfg["PIPELINED_MMA1" if args.gemm1 else "PIPELINED_MMA2"]))
+    common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "K_RUNTIME": "i32"}
     if args.gemm1:
-        constants |= dict(OUT_CHUNK=cfg["BK2"], SPLIT_GATE_UP=cfg["SPLIT_GATE_UP"])
-        kernel, sig = triton_moe._gemm1_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32"}
+        constants |= dict(OUT_CHUNK=cfg["BK2"], SPLIT_GATE_UP=bool(cfg["SPLIT_GATE_UP"]), MERGED_GATE_UP=merged)
+        kernel, sig = kernels._gemm1_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32"}
     else:
-        kernel, sig = triton_moe._gemm2_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
-                                                 "out_ptr": "*fp32"}
+        kernel, sig = kernels._gemm2_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
+                                              "out_ptr": "*fp32"}
     sig = {n: sig[n] for n in kernel.arg_names if n in sig} | desc | {k: "constexpr" for k in constants}
-    regs, loops = loop_histograms(kernel, sig, constants, cfg["num_warps"], cfg["num_stages"])
+    regs, serialized, waits, loops = loop_histograms(kernel, sig, constants, cfg["num_warps"], cfg["num_stages"],
+                                                     cfg.get("maxnreg", 0))
     print(f"triton {triton.__version__}, {args.tokens} tokens {'GEMM1' if args.gemm1 else 'GEMM2'}, paired={paired}, {cfg}\n"
-          f"registers per thread: {regs}")
+          f"registers per thread: {regs}; wgmma waits (DEPBAR.LE gsb0, N: count): {waits}"
+          + (f"; ptxas: {serialized}" if serialized else ""))
     n, ops = min(loops, key=lambda loop: loop[0])  # the innermost: the K loop (others wrap it)
     print(f"K loop: {n} instructions per thread per K step of {bk}: {dict(ops.most_common(args.top))}")
 

@@ -139,6 +139,14 @@ def test_kernel_config_buckets():
     # rows per expert: <= 8 decode (16-row blocks), 8-16 middle (32-row blocks, TMA shapes only), > 16 prefill
     assert [kernel_config(t * 8, 256, 7168, 2048)["BM"] for t in (1, 256, 257, 512, 513)] == [16, 16, 32, 32, 64]
     assert kernel_config(512 * 8, 256, 64, 32)["BM"] == 16  # no TMA: no middle bucket
+    # GEMM1's gate and up: one merged K loop at 1 token and from the middle bucket on, split programs
+    # (+ the SiLU kernel) for the rest of the decode bucket, the two-loop kernel without TMA
+    modes = [(c["MERGED_GATE_UP"], c["SPLIT_GATE_UP"], c["PIPELINED_MMA1"], c["PIPELINED_MMA2"])
+             for c in (kernel_config(t * 8, 256, 7168, 2048) for t in (1, 2, 256, 257, 8192))]
+    assert modes == [(True, False, True, True), (False, True, False, False), (False, True, False, False),
+                     (True, False, True, True), (True, False, True, True)]
+    small = kernel_config(8, 4, 64, 32)
+    assert not small["MERGED_GATE_UP"] and not small["PIPELINED_MMA1"]
 
 
 def test_kernel_config_uses_tma_only_where_boxes_fit():
@@ -206,7 +214,7 @@ def test_triton_decode_variants(fragment, paired, split):
     ids[0, -1] = -1  # an unused slot: its rows of the split's fp32 scratch are never written
     rw = torch.rand(t, k)
     tensors = kernel_tensors(w) if paired else fp4moe_ops.prepare_experts(w, "reference").op_tensors()
-    cfg = kernel_config(t * k, e, h, i) | {"FRAGMENT_ORDER": fragment, "SPLIT_GATE_UP": split}
+    cfg = kernel_config(t * k, e, h, i) | {"FRAGMENT_ORDER": fragment, "SPLIT_GATE_UP": split, "MERGED_GATE_UP": False}
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in tensors], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
     assert torch.isfinite(out).all()
@@ -225,17 +233,18 @@ def test_triton_prefill_tiles_with_bk128(paired):
     rw = torch.rand(t, k)
     tensors = kernel_tensors(w) if paired else fp4moe_ops.prepare_experts(w, "reference").op_tensors()
     cfg = kernel_config(t * k, e, h, i) | dict(BM=64, BN1=128, BK1=128, BN2=128, BK2=128, TMA=True,
-                                               FRAGMENT_ORDER=True, SPLIT_GATE_UP=False)
+                                               FRAGMENT_ORDER=True, SPLIT_GATE_UP=False, MERGED_GATE_UP=False)
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in tensors], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
     # bf16 intermediate and output: a few bf16 ulps (2^-8) of the row scale
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("bm,bn1,pipelined", [(16, 64, False), (64, 128, True)])
-def test_triton_merged_gate_up_tiles(bm, bn1, pipelined):
-    # GEMM1 with BN1/2 gate rows and the same up rows in one K loop (4-D TMA boxes over [E, 2, I/2, H]
-    # of the paired weights): several tiles per expert, several blocks per expert, an unused slot.
+@pytest.mark.parametrize("bm,bn1,pipelined,paired", [(16, 64, False, True), (64, 128, True, True), (32, 128, True, False)])
+def test_triton_merged_gate_up_tiles(bm, bn1, pipelined, paired):
+    # GEMM1 with BN1/2 gate rows and the same up rows in one K loop (4-D TMA boxes over [E, 2, I, *]
+    # of the paired or canonical weights), with a static or a run-time K loop: several tiles per
+    # expert, several blocks per expert, an unused slot.
     e, h, i, t, k = 3, 512, 256, 40, 2
     w = layer(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
@@ -245,8 +254,8 @@ def test_triton_merged_gate_up_tiles(bm, bn1, pipelined):
     cfg = kernel_config(t * k, e, h, i) | dict(BM=bm, BN1=bn1, BK1=256, TMA=True, FRAGMENT_ORDER=True,
                                                SPLIT_GATE_UP=False, MERGED_GATE_UP=True,
                                                PIPELINED_MMA1=pipelined, PIPELINED_MMA2=pipelined)
-    out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in kernel_tensors(w)],
-                           cfg).cpu()
+    tensors = kernel_tensors(w) if paired else fp4moe_ops.prepare_experts(w, "reference").op_tensors()
+    out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in tensors], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
     # bf16 intermediate and output: a few bf16 ulps (2^-8) of the row scale
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())

@@ -256,7 +256,10 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
         else:
             a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
         if GATE_UP:  # [gate rows; up rows] of one expert from 4-D descriptors over [E, 2, I, *]
-            packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
+            if PAIRED:
+                packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
+            else:
+                packed = w_desc.load([desc_expert, 0, desc_row, k0 // 2]).reshape(BN, BK // 2)
             sbytes = s_desc.load([desc_expert, 0, desc_row, k0 // 16]).reshape(BN, BK // 16)
         elif TMA:  # bulk tensor copies, which Triton pipelines over num_stages
             if PAIRED:  # [BN/2, BK] bytes of row-pair words

@@ -125,8 +125,10 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # block leaves many experts with a second block that re-reads their weights
     middle = tma and 8 < rows_per_expert <= 16
     decode = rows_per_expert <= 16 and not middle
-    if middle:  # 0.90x the decode tiles' time at 512 tokens on DeepSeek-V3 (results/sweep_middle_2026-12-01.log)
-        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 32, 128, 256, 128, 256, 4, 3, False
+    regs = 0  # no cap on registers per thread
+    if middle:  # 0.90x the decode tiles' time at 512 tokens on DeepSeek-V3 (results/sweep_middle_2026-12-01.log);
+        # 8 warps capped at 128 registers (2 programs per SM): 0.98x 4 warps (results/sweep_pipeline_2026-12-01c.log)
+        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch, regs = 32, 128, 256, 128, 256, 8, 3, False, 128
     elif decode:
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 16, 64, 256, 64, 256, 4, 3, False
     elif tma:  # prefill, tensor-core bound: 1.8x / 1.37x over the plain-load tiles at 2048 / 8192 tokens;
@@ -138,18 +140,29 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     cfg = dict(
         BM=bm, BN1=_pow2_divisor(inter, bn1), BK1=_pow2_divisor(hidden, bk1),
         BN2=_pow2_divisor(hidden, bn2), BK2=_pow2_divisor(inter, bk2),
-        num_warps=warps, num_stages=stages, PREFETCH=prefetch,
+        num_warps=warps, num_stages=stages, PREFETCH=prefetch, maxnreg=regs,
     )
     # Weights through TMA (bulk copies pipelined over num_stages, 1.2x at decode on H200), and K
     # in MMA-fragment order: vector loads of each thread's weight bytes instead of byte loads and
     # shuffles (933 -> 562 instructions per K step of the decode GEMM2 loop, sm90 SASS; 1.4-1.5x);
     # with the paired weight layout (layout.py, held by PreparedExperts), 462 (0.88-0.93x the time at decode).
     cfg["TMA"] = cfg["FRAGMENT_ORDER"] = tma
+    # GEMM1's tiles hold BN1/2 gate rows and the same up rows, in one K loop with one accumulator
+    # (4-D TMA boxes): two K loops of BN1 rows each kept a first accumulator alive through the
+    # second loop (255 registers, ptxas serialized every wgmma). With the wgmma pipelined (below):
+    # 0.88-0.92x the two-loop time at 2048-8192 tokens, 0.94-0.96x at 512 (results/sweep_pipeline_2026-12-01*.log).
+    # At one token of top-8 (8 slots) it also replaces the split below: 0.94-0.96x.
+    cfg["MERGED_GATE_UP"] = tma and not (decode and num_slots > 8)
     # Gate and up tiles in separate programs: 2x the programs for GEMM1, which at decode has too
     # few to fill 132 SMs (1.07-1.09x at 1 and 8 tokens, within 4% elsewhere in the bucket).
     # Costs an fp32 scratch of S x 2I (at most 8 rows x E where TMA fits, 16 elsewhere: 34 MB for
     # DeepSeek-V3 at 256 tokens).
-    cfg["SPLIT_GATE_UP"] = decode
+    cfg["SPLIT_GATE_UP"] = decode and not cfg["MERGED_GATE_UP"]
+    # A static K loop (wgmma pipelined; see _expert_matmul) where measured faster: the merged tiles.
+    # From 2 to 256 tokens the run-time loop keeps the previous speed; pipelined, the layer took
+    # 1.03-1.06x the time at 8-64 tokens (4 programs per SM either way, per Nsight Compute at 8
+    # tokens; the cause is not established).
+    cfg["PIPELINED_MMA1"] = cfg["PIPELINED_MMA2"] = cfg["MERGED_GATE_UP"]
     return cfg
 
 
@@ -190,8 +203,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     tma = cfg.get("TMA", False)
     split = cfg.get("SPLIT_GATE_UP", False)
     merged = cfg.get("MERGED_GATE_UP", False)
-    if merged and not (tma and paired and not split and cfg["BK1"] >= 256):
-        raise ValueError("MERGED_GATE_UP needs TMA, paired weights, BK1 >= 256 and no SPLIT_GATE_UP")
+    if merged and not (tma and not split and cfg["BK1"] >= 256):
+        raise ValueError("MERGED_GATE_UP needs TMA, BK1 >= 256 and no SPLIT_GATE_UP")
     if merged:
         desc1 = _gate_up_descriptors(w13, s13, cfg["BN1"], cfg["BK1"])
     else:
@@ -236,16 +249,17 @@ def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int):
 
 
 def _gate_up_descriptors(w13: torch.Tensor, s13: torch.Tensor, bn: int, bk: int):
-    """4-D TMA descriptors over paired ``w13`` as bytes ``[E, 2, I/2, H]`` (gate pairs, then up
-    pairs) and ``s13`` as ``[E, 2, I, H/16]``: one box holds ``bn/2`` gate rows and the same up rows."""
+    """4-D TMA descriptors over ``w13`` as ``[E, 2, I, H/2]`` (paired: bytes ``[E, 2, I/2, H]``, gate
+    pairs then up pairs) and ``s13`` as ``[E, 2, I, H/16]``: one box holds ``bn/2`` gate rows and the
+    same up rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    e, k = w13.shape[0], 4 * w13.shape[-1]
-    inter = s13.shape[1] // 2
-    w = w13.view(torch.uint8).reshape(e, 2, inter // 2, k)
-    s = s13.reshape(e, 2, inter, s13.shape[-1])
-    return (TensorDescriptor.from_tensor(w, [1, 2, bn // 4, bk]),
-            TensorDescriptor.from_tensor(s, [1, 2, bn // 2, bk // 16]))
+    e, inter = w13.shape[0], s13.shape[1] // 2
+    s = TensorDescriptor.from_tensor(s13.reshape(e, 2, inter, s13.shape[-1]), [1, 2, bn // 2, bk // 16])
+    if w13.dtype == torch.int32:  # paired: row-pair words, as bytes
+        w = w13.view(torch.uint8).reshape(e, 2, inter // 2, 4 * w13.shape[-1])
+        return TensorDescriptor.from_tensor(w, [1, 2, bn // 4, bk]), s
+    return TensorDescriptor.from_tensor(w13.reshape(e, 2, inter, w13.shape[-1]), [1, 2, bn // 2, bk // 2]), s
 
 
 def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int) -> torch.Tensor:
