@@ -1,9 +1,13 @@
-"""A/B of the MoE kernels' tiles in one process (issue 17): the previous commit's kernels
-(``launch_old``, runtime K: ptxas serializes every wgmma) against the current ones (static K:
-wgmma pipelined), and GEMM1 with gate and up rows in one K loop (MERGED_GATE_UP). Each config's
-output is compared with the old default's before it is timed.
+"""A/B of the MoE kernels' tiles in one process (issue 17): the previous defaults (split or
+two-loop GEMM1, run-time K loops, whose wgmma ptxas serializes) against static K loops (wgmma
+pipelined), GEMM1 with gate and up rows in one K loop (MERGED_GATE_UP), warps and register caps.
+Each config's output is compared with the previous default's before it is timed.
 
     python benchmarks/sweep_pipeline.py --tokens 1,8,64,512,2048,8192
+
+The logs of 2026-12-01 (``results/sweep_pipeline_2026-12-01{a,b,c}.log``) ran an earlier form of
+this script that took "old" from a copy of the previous commit's kernels; the "previous" config
+here gives the same kernels (the run-time K loop) and bitwise the same output.
 """
 
 import argparse
@@ -15,35 +19,39 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fp4moe_ops  # noqa: E402
-from fp4moe_ops.backends.triton_moe import launch, launch_old  # noqa: E402
+from fp4moe_ops.backends.triton_moe import launch  # noqa: E402
 from bench_moe import SHAPES, copy_bandwidth, distinct_experts, graph_time_ms, make_inputs, random_weights  # noqa: E402
 
 
+def previous_config(t, k, e, h, i):
+    """kernel_config before 2026-12-01's change: gate and up split at decode, two K loops in GEMM1
+    elsewhere, every K loop with a run-time bound, 4 warps in the middle bucket."""
+    cfg = launch.kernel_config(t * k, e, h, i)
+    decode = cfg["BM"] == 16 and cfg["TMA"]
+    return cfg | dict(MERGED_GATE_UP=False, SPLIT_GATE_UP=decode, PIPELINED_MMA1=False, PIPELINED_MMA2=False,
+                      maxnreg=0, num_warps=4 if cfg["BM"] in (16, 32) else cfg["num_warps"])
+
+
 def configs(t, k, e, h, i):
-    """Named configs per bucket: ``(kernels, config)``; P1/P2: GEMM1/GEMM2 with a static K loop
-    (wgmma pipelined), U1/U2: with a run-time one (a wait after every wgmma, fewer registers);
-    w: warps per program; r: a register cap (ptxas ``maxnreg``)."""
+    """Named configs per bucket; P1/P2: GEMM1/GEMM2 with a static K loop (wgmma pipelined), U1/U2:
+    with a run-time one (a wait after every wgmma, fewer registers); w: warps per program; r: a
+    register cap (ptxas ``maxnreg``)."""
     base = launch.kernel_config(t * k, e, h, i)
     u12 = dict(PIPELINED_MMA1=False, PIPELINED_MMA2=False)
-    m = dict(MERGED_GATE_UP=True, SPLIT_GATE_UP=False)
-    out = {"old default": ("old", base)}
-    if base["SPLIT_GATE_UP"]:  # decode bucket
-        out["new split U1 U2 (= old)"] = ("new", base | u12)
-        out["new merged BN1=64 P1 P2"] = ("new", base | m | dict(BN1=64))
-        out["new merged BN1=128 P1 P2"] = ("new", base | m | dict(BN1=128))
-        out["new merged BN1=64 U1 U2"] = ("new", base | m | dict(BN1=64) | u12)
+    m = dict(MERGED_GATE_UP=True, SPLIT_GATE_UP=False, PIPELINED_MMA1=True, PIPELINED_MMA2=True)
+    out = {"previous default": previous_config(t, k, e, h, i), "default": base}
+    if base["BM"] == 16:  # decode bucket
+        out["merged BN1=64 P1 P2"] = base | m | dict(BN1=64)
+        out["merged BN1=64 U1 U2"] = base | m | dict(BN1=64) | u12
+        out["split P1 P2"] = base | dict(MERGED_GATE_UP=False, SPLIT_GATE_UP=True, PIPELINED_MMA1=True,
+                                         PIPELINED_MMA2=True)
     elif base["BM"] == 32:  # middle
-        out["new merged BN1=128 P1 P2 w4"] = ("new", base | m | dict(BN1=128))
-        out["new merged BN1=128 P1 P2 w8 r128"] = ("new", base | m | dict(BN1=128, num_warps=8, maxnreg=128))
-        out["new merged BN 256/256 P1 P2 w8"] = ("new", base | m | dict(BN1=256, BN2=256, num_warps=8))
-        out["new merged BN 256/128 P1 P2 w8 r128"] = ("new", base | m | dict(BN1=256, num_warps=8, maxnreg=128))
+        out["merged BN1=128 P1 P2 w4"] = base | m | dict(BN1=128, num_warps=4, maxnreg=0)
+        out["merged BN 256/256 P1 P2 w8"] = base | m | dict(BN1=256, BN2=256, maxnreg=0)
     else:  # prefill
-        out["new merged P1 P2 w8"] = ("new", base | m)
-        out["new merged P1 P2 w16"] = ("new", base | m | dict(num_warps=16))
-        out["new merged P1 P2 w16 s2"] = ("new", base | m | dict(num_warps=16, num_stages=2))
-        out["new merged P1 P2 w16 BN2=128"] = ("new", base | m | dict(num_warps=16, BN2=128))
-        out["new merged P1 P2 w8 BN 128/128 r128 s2"] = ("new", base | m | dict(BN1=128, BN2=128, maxnreg=128, num_stages=2))
-    out["old default, again"] = ("old", base)  # the drift over the row
+        out["merged P1 P2 w16"] = base | m | dict(num_warps=16)
+        out["merged P1 U2"] = base | m | dict(PIPELINED_MMA2=False)
+    out["previous default, again"] = out["previous default"]  # the drift over the row
     return out
 
 
@@ -63,9 +71,9 @@ def main():
         inputs = make_inputs(t, h, k, routed, "cuda")
         floor = distinct_experts(inputs, e) * bytes_per_expert / bw * 1e3
         flops = 2 * 3 * h * i * t * k
-        ref = launch_old.triton_fused_moe(*inputs[0], tensors)
-        for name, (which, cfg) in configs(t, k, e, h, i).items():
-            fn = (launch_old if which == "old" else launch).triton_fused_moe
+        fn = launch.triton_fused_moe
+        ref = fn(*inputs[0], tensors, previous_config(t, k, e, h, i))
+        for name, cfg in configs(t, k, e, h, i).items():
             try:
                 out = fn(*inputs[0], tensors, cfg)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -78,7 +86,7 @@ def main():
                        tflops=flops / ms / 1e9 if ms else None, cfg={a: (b if isinstance(b, (int, bool)) else str(b))
                                                                       for a, b in cfg.items()})
             results.append(row)
-            print(f"{t:5d} {name:34s} {ms if ms else float('nan'):9.4f} ms  err vs old {err:.1e}  "
+            print(f"{t:5d} {name:34s} {ms if ms else float('nan'):9.4f} ms  err vs previous {err:.1e}  "
                   f"floor {floor:.4f}  x floor {ms / floor if ms else float('nan'):.2f}  "
                   f"{row['tflops'] or 0:.0f} TFLOP/s", flush=True)
         torch.cuda.empty_cache()

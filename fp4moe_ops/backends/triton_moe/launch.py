@@ -149,9 +149,10 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     cfg["TMA"] = cfg["FRAGMENT_ORDER"] = tma
     # GEMM1's tiles hold BN1/2 gate rows and the same up rows, in one K loop with one accumulator
     # (4-D TMA boxes): two K loops of BN1 rows each kept a first accumulator alive through the
-    # second loop (255 registers, ptxas serialized every wgmma). With the wgmma pipelined (below):
-    # 0.88-0.92x the two-loop time at 2048-8192 tokens, 0.94-0.96x at 512 (results/sweep_pipeline_2026-12-01*.log).
-    # At one token of top-8 (8 slots) it also replaces the split below: 0.94-0.96x.
+    # second loop (255 registers, ptxas serialized every wgmma). Merged and pipelined (below), the
+    # layer takes 0.89-0.92x the previous time at 2048-8192 tokens, 0.94-0.97x at 512, and at one
+    # token of top-8 (8 slots), replacing the split below, 0.94-0.96x
+    # (results/sweep_pipeline_2026-12-01*.log).
     cfg["MERGED_GATE_UP"] = tma and not (decode and num_slots > 8)
     # Gate and up tiles in separate programs: 2x the programs for GEMM1, which at decode has too
     # few to fill 132 SMs (1.07-1.09x at 1 and 8 tokens, within 4% elsewhere in the bucket).
