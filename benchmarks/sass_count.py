@@ -92,7 +92,7 @@ def main():
                      PIPELINED_MMA=bool(cfg["PIPELINED_MMA1" if args.gemm1 else "PIPELINED_MMA2"]))
     common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "K_RUNTIME": "i32"}
     if args.gemm1:
-        constants |= dict(OUT_CHUNK=cfg["BK2"], SPLIT_GATE_UP=bool(cfg["SPLIT_GATE_UP"]), MERGED_GATE_UP=merged)
+        constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged)
         kernel, sig = kernels._gemm1_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32"}
     else:
         kernel, sig = kernels._gemm2_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",

@@ -1,13 +1,14 @@
-"""A/B of the MoE kernels' tiles in one process (issue 17): the previous defaults (split or
-two-loop GEMM1, run-time K loops, whose wgmma ptxas serializes) against static K loops (wgmma
-pipelined), GEMM1 with gate and up rows in one K loop (MERGED_GATE_UP), warps and register caps.
-Each config's output is compared with the previous default's before it is timed.
+"""A/B of the MoE kernels' tiles in one process (issue 17): GEMM1 with gate and up in two K loops
+and run-time K loops (whose wgmma ptxas serializes), against static K loops (wgmma pipelined),
+gate and up rows in one K loop (MERGED_GATE_UP), warps and register caps. Each config's output
+is compared with the first row's before it is timed.
 
     python benchmarks/sweep_pipeline.py --tokens 1,8,64,512,2048,8192
 
-The logs of 2026-12-01 (``results/sweep_pipeline_2026-12-01{a,b,c}.log``) ran an earlier form of
-this script that took "old" from a copy of the previous commit's kernels; the "previous" config
-here gives the same kernels (the run-time K loop) and bitwise the same output.
+The logs of 2026-12-01 (``results/sweep_pipeline_2026-12-01{a,b,c}.log``,
+``sweep_pipeline_decode_2026-12-01d.log``) ran earlier forms of this script, against the previous
+kernels (a copy of them, then the same kernels with the previous defaults), decode's gate/up split
+included.
 """
 
 import argparse
@@ -24,12 +25,13 @@ from bench_moe import SHAPES, copy_bandwidth, distinct_experts, graph_time_ms, m
 
 
 def previous_config(t, k, e, h, i):
-    """kernel_config before 2026-12-01's change: gate and up split at decode, two K loops in GEMM1
-    elsewhere, every K loop with a run-time bound, 4 warps in the middle bucket."""
+    """The reference row: GEMM1's gate and up in two K loops, every K loop with a run-time bound,
+    4 warps in the middle bucket: the previous prefill and middle defaults. (The previous decode
+    default split gate and up into separate programs plus a SiLU kernel; that path is gone, and
+    ``results/sweep_pipeline_2026-12-01*.log`` compared against it.)"""
     cfg = launch.kernel_config(t * k, e, h, i)
-    decode = cfg["BM"] == 16 and cfg["TMA"]
-    return cfg | dict(MERGED_GATE_UP=False, SPLIT_GATE_UP=decode, PIPELINED_MMA1=False, PIPELINED_MMA2=False,
-                      maxnreg=0, num_warps=4 if cfg["BM"] in (16, 32) else cfg["num_warps"])
+    return cfg | dict(MERGED_GATE_UP=False, PIPELINED_MMA1=False, PIPELINED_MMA2=False, maxnreg=0,
+                      num_warps=4 if cfg["BM"] in (16, 32) else cfg["num_warps"])
 
 
 def configs(t, k, e, h, i):
@@ -38,20 +40,19 @@ def configs(t, k, e, h, i):
     register cap (ptxas ``maxnreg``)."""
     base = launch.kernel_config(t * k, e, h, i)
     u12 = dict(PIPELINED_MMA1=False, PIPELINED_MMA2=False)
-    m = dict(MERGED_GATE_UP=True, SPLIT_GATE_UP=False, PIPELINED_MMA1=True, PIPELINED_MMA2=True)
-    out = {"previous default": previous_config(t, k, e, h, i), "default": base}
+    p12 = dict(PIPELINED_MMA1=True, PIPELINED_MMA2=True)
+    out = {"two K loops U1 U2": previous_config(t, k, e, h, i), "default": base}
     if base["BM"] == 16:  # decode bucket
-        out["merged BN1=64 P1 P2"] = base | m | dict(BN1=64)
-        out["merged BN1=64 U1 U2"] = base | m | dict(BN1=64) | u12
-        out["split P1 P2"] = base | dict(MERGED_GATE_UP=False, SPLIT_GATE_UP=True, PIPELINED_MMA1=True,
-                                         PIPELINED_MMA2=True)
+        out["merged BN1=64 P1 P2"] = base | p12 | dict(BN1=64)
+        out["merged BN1=64 U1 U2"] = base | u12 | dict(BN1=64)
+        out["merged BN1=128 U1 U2"] = base | u12 | dict(BN1=128)
     elif base["BM"] == 32:  # middle
-        out["merged BN1=128 P1 P2 w4"] = base | m | dict(BN1=128, num_warps=4, maxnreg=0)
-        out["merged BN 256/256 P1 P2 w8"] = base | m | dict(BN1=256, BN2=256, maxnreg=0)
+        out["merged BN1=128 P1 P2 w4"] = base | dict(BN1=128, num_warps=4, maxnreg=0)
+        out["merged BN 256/256 P1 P2 w8"] = base | dict(BN1=256, BN2=256, maxnreg=0)
     else:  # prefill
-        out["merged P1 P2 w16"] = base | m | dict(num_warps=16)
-        out["merged P1 U2"] = base | m | dict(PIPELINED_MMA2=False)
-    out["previous default, again"] = out["previous default"]  # the drift over the row
+        out["merged P1 P2 w16"] = base | dict(num_warps=16)
+        out["merged P1 U2"] = base | dict(PIPELINED_MMA2=False)
+    out["default, again"] = base  # the drift over the row
     return out
 
 
@@ -86,7 +87,7 @@ def main():
                        tflops=flops / ms / 1e9 if ms else None, cfg={a: (b if isinstance(b, (int, bool)) else str(b))
                                                                       for a, b in cfg.items()})
             results.append(row)
-            print(f"{t:5d} {name:34s} {ms if ms else float('nan'):9.4f} ms  err vs previous {err:.1e}  "
+            print(f"{t:5d} {name:34s} {ms if ms else float('nan'):9.4f} ms  err vs first row {err:.1e}  "
                   f"floor {floor:.4f}  x floor {ms / floor if ms else float('nan'):.2f}  "
                   f"{row['tflops'] or 0:.0f} TFLOP/s", flush=True)
         torch.cuda.empty_cache()

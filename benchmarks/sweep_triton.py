@@ -35,10 +35,10 @@ def main():
         # the reference: canonical weights, portable decode
         ref = triton_fused_moe(*inputs[0], canonical, base | {"FAST_DECODE": False})
         results = []
-        decode = kernel_config(t * k, e, h, i)["SPLIT_GATE_UP"]  # the decode bucket (not the middle one)
-        # (BM, BN1, BK1, BN2, BK2, warps, stages, prefetch, tma, fragment order, split gate/up, paired)
+        decode = base["BM"] == 16  # the decode bucket (not the middle one)
+        # (BM, BN1, BK1, BN2, BK2, warps, stages, prefetch, tma, fragment order, merged gate/up, paired)
         if args.middle:
-            tiles = [(bm, 64, 256, 64, 256, 4, 3, 0, 1, 1, split, 1) for bm in (16, 32, 64) for split in (1, 0)]
+            tiles = [(bm, 64, 256, 64, 256, 4, 3, 0, 1, 1, merged, 1) for bm in (16, 32, 64) for merged in (1, 0)]
             tiles += [(bm, 128, 256, 128, 256, 4, 3, 0, 1, 1, 0, 1) for bm in (32, 64)]
             tiles += [(bm, 256, 256, 256, 256, 8, 3, 0, 1, 1, 0, 1) for bm in (32, 64)]
         elif decode:
@@ -50,8 +50,9 @@ def main():
         configs = [
             dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages,
                  PREFETCH=bool(prefetch), FAST_DECODE=True, TMA=bool(tma), FRAGMENT_ORDER=bool(frag),
-                 SPLIT_GATE_UP=bool(split), PAIRED=bool(pair))
-            for bm, bn1, bk1, bn2, bk2, warps, stages, prefetch, tma, frag, split, pair in tiles]
+                 MERGED_GATE_UP=bool(merged), PAIRED=bool(pair),
+                 PIPELINED_MMA1=base["PIPELINED_MMA1"], PIPELINED_MMA2=base["PIPELINED_MMA2"])
+            for bm, bn1, bk1, bn2, bk2, warps, stages, prefetch, tma, frag, merged, pair in tiles]
         # the scale conversion through fp16/fp32 instead of the PTX, on the default tiles
         configs.append(base | dict(FAST_DECODE=True, PAIRED=True, FAST_SCALES=False))
         for cfg in configs:

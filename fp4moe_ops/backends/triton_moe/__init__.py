@@ -10,10 +10,9 @@ Pipeline of one call (no host syncs, CUDA-graph capturable):
    expert's slots into blocks of ``BLOCK_M`` rows: ``block_expert [B]`` (-1 = unused block),
    ``block_row_start/end [B]`` into ``sorted_slot [S]``. ``B`` is a static upper bound.
 2. ``_gemm1_swiglu_kernel``: per (block, N tile) program, gather the block's token rows,
-   stream the expert's packed gate and up rows, dequantize in registers, two bf16 tensor-core
-   dots with fp32 accumulators, apply the global scale and ``silu(gate) * up``; store
-   ``[S, I]`` rows in the activation dtype (slot order). For decode-sized batches gate and up
-   tiles go to separate programs (twice the programs) and ``_silu_mul_kernel`` finishes.
+   stream the expert's packed gate and up rows (where TMA fits, half a tile of each in one K
+   loop), dequantize in registers, bf16 tensor-core dots with fp32 accumulators, apply the
+   global scale and ``silu(gate) * up``; store ``[S, I]`` rows in the activation dtype (slot order).
 3. ``_gemm2_kernel``: same over ``w2``, times the routing weight, into ``[S, H]`` fp32.
 4. ``_sum_topk_kernel``: ``out[t] = sum_j y[t*k + j]`` over valid slots, cast to the input dtype
    (deterministic: no atomics).

@@ -295,13 +295,12 @@ def _gemm1_swiglu_kernel(
     H: tl.constexpr, I: tl.constexpr, TOPK, w_desc, s_desc, K_RUNTIME,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
-    SPLIT_GATE_UP: tl.constexpr = False, PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
+    PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
     MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True,
 ):
     """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
-    SPLIT_GATE_UP a program computes only the gate or the up tile and stores it, scaled, in
-    fp32 ``out [S, 2I]`` (twice the programs, for batches too small to fill the GPU);
-    :func:`_silu_mul_kernel` finishes."""
+    MERGED_GATE_UP (TMA tiles) a program's BN rows are BN/2 gate rows and the same up rows, in one K
+    loop with one accumulator; else BN gate rows and BN up rows in two K loops."""
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e >= 0:
@@ -318,53 +317,29 @@ def _gemm1_swiglu_kernel(
         g = tl.load(g_ptr + e)
         if x_ptr.dtype.element_ty == tl.bfloat16:
             g = g * 4194304.0  # the tiles' 2^-22
-        if SPLIT_GATE_UP:
-            cols = tl.program_id(1) * BN + tl.arange(0, BN)  # rows of [gate; up], 0..2I
-            acc = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH, FAST_DECODE,
-                                 INTERPRET, w_desc, s_desc, e * (2 * I) + tl.program_id(1) * BN, TMA,
-                                 FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop)
-            tl.store(out_ptr + slots[None, :] * (2 * I) + cols[:, None], acc * g, mask=row_mask[None, :])
+        if MERGED_GATE_UP:  # BN/2 gate rows and the same up rows in one K loop, one accumulator
+            half = tl.program_id(1) * (BN // 2)
+            acc = _expert_matmul(zero, w_e, s_e, tl.arange(0, BN), x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
+                                 FAST_DECODE, INTERPRET, w_desc, s_desc, half, TMA, FRAGMENT_ORDER, PAIRED,
+                                 FAST_SCALES, k_hi=k_stop, GATE_UP=True, desc_expert=e)
+            gate, up = tl.split(tl.permute((acc * g).reshape(2, BN // 2, BM), (1, 2, 0)))
+            cols = half + tl.arange(0, BN // 2)
         else:
-            if MERGED_GATE_UP:  # BN/2 gate rows and the same up rows in one K loop, one accumulator
-                half = tl.program_id(1) * (BN // 2)
-                acc = _expert_matmul(zero, w_e, s_e, tl.arange(0, BN), x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
-                                     FAST_DECODE, INTERPRET, w_desc, s_desc, half, TMA, FRAGMENT_ORDER, PAIRED,
-                                     FAST_SCALES, k_hi=k_stop, GATE_UP=True, desc_expert=e)
-                gate, up = tl.split(tl.permute((acc * g).reshape(2, BN // 2, BM), (1, 2, 0)))
-                cols = half + tl.arange(0, BN // 2)
-            else:
-                cols = tl.program_id(1) * BN + tl.arange(0, BN)
-                row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
-                acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
-                                          FAST_DECODE, INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER, PAIRED,
-                                          FAST_SCALES, k_hi=k_stop)
-                acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
-                                        FAST_DECODE, INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER, PAIRED,
-                                        FAST_SCALES, k_hi=k_stop)
-                gate = acc_gate * g
-                up = acc_up * g
-            h = gate * tl.sigmoid(gate) * up
-            if FRAGMENT_ORDER:  # GEMM2 reads its K axis (our columns) in fragment order
-                cols = _fragment_position(cols, OUT_CHUNK)
-            tl.store(out_ptr + slots[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
-                     mask=row_mask[None, :])
-
-@triton.jit
-def _silu_mul_kernel(pre_ptr, ids_ptr, out_ptr, I, E, FRAGMENT_ORDER: tl.constexpr, OUT_CHUNK: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """``out[s, c] = silu(pre[s, c]) * pre[s, I + c]`` (``pre [S, 2I]`` fp32, ``out [S, I]``),
-    columns in fragment order if asked; slots with an invalid expert id (never written by
-    GEMM1, never read by GEMM2) are skipped."""
-    s = tl.program_id(0).to(tl.int64)
-    e = tl.load(ids_ptr + s)
-    if (e < 0) | (e >= E):
-        return
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    gate = tl.load(pre_ptr + s * (2 * I) + cols)
-    up = tl.load(pre_ptr + s * (2 * I) + I + cols)
-    if FRAGMENT_ORDER:
-        cols = _fragment_position(cols, OUT_CHUNK)
-    tl.store(out_ptr + s * I + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty))
+            cols = tl.program_id(1) * BN + tl.arange(0, BN)
+            row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
+            acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
+                                      FAST_DECODE, INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER, PAIRED,
+                                      FAST_SCALES, k_hi=k_stop)
+            acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
+                                    FAST_DECODE, INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER, PAIRED,
+                                    FAST_SCALES, k_hi=k_stop)
+            gate = acc_gate * g
+            up = acc_up * g
+        h = gate * tl.sigmoid(gate) * up
+        if FRAGMENT_ORDER:  # GEMM2 reads its K axis (our columns) in fragment order
+            cols = _fragment_position(cols, OUT_CHUNK)
+        tl.store(out_ptr + slots[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[None, :])
 
 @triton.jit
 def _gemm2_kernel(

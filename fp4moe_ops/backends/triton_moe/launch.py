@@ -14,7 +14,7 @@ try:
     import triton
 
     from .kernels import _dequant_kernel, _gemm1_swiglu_kernel, _gemm2_kernel, _linear_kernel, _linear_parts_kernel, \
-        _route_kernel, _silu_mul_kernel, _sum_topk_kernel
+        _route_kernel, _sum_topk_kernel
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
@@ -148,22 +148,18 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # with the paired weight layout (layout.py, held by PreparedExperts), 462 (0.88-0.93x the time at decode).
     cfg["TMA"] = cfg["FRAGMENT_ORDER"] = tma
     # GEMM1's tiles hold BN1/2 gate rows and the same up rows, in one K loop with one accumulator
-    # (4-D TMA boxes): two K loops of BN1 rows each kept a first accumulator alive through the
-    # second loop (255 registers, ptxas serialized every wgmma). Merged and pipelined (below), the
-    # layer takes 0.89-0.92x the previous time at 2048-8192 tokens, 0.94-0.97x at 512, and at one
-    # token of top-8 (8 slots), replacing the split below, 0.94-0.96x
-    # (results/sweep_pipeline_2026-12-01*.log).
-    cfg["MERGED_GATE_UP"] = tma and not (decode and num_slots > 8)
-    # Gate and up tiles in separate programs: 2x the programs for GEMM1, which at decode has too
-    # few to fill 132 SMs (1.07-1.09x at 1 and 8 tokens, within 4% elsewhere in the bucket).
-    # Costs an fp32 scratch of S x 2I (at most 8 rows x E where TMA fits, 16 elsewhere: 34 MB for
-    # DeepSeek-V3 at 256 tokens).
-    cfg["SPLIT_GATE_UP"] = decode and not cfg["MERGED_GATE_UP"]
-    # A static K loop (wgmma pipelined; see _expert_matmul) where measured faster: the merged tiles.
-    # From 2 to 256 tokens the run-time loop keeps the previous speed; pipelined, the layer took
-    # 1.03-1.06x the time at 8-64 tokens (4 programs per SM either way, per Nsight Compute at 8
-    # tokens; the cause is not established).
-    cfg["PIPELINED_MMA1"] = cfg["PIPELINED_MMA2"] = cfg["MERGED_GATE_UP"]
+    # (4-D TMA boxes). Two K loops of BN1 rows each kept a first accumulator alive through the
+    # second loop (255 registers; ptxas serialized every wgmma), and at decode gate and up used to
+    # go to separate programs with an fp32 scratch of S x 2I and a SiLU kernel. Against those, on
+    # DeepSeek-V3 (results/sweep_pipeline_2026-12-01*.log, sweep_pipeline_decode_2026-12-01d.log):
+    # 0.94-0.96x the layer's time at 1 token, 0.91-1.03x at 2-256 (inside those rows' run-to-run
+    # drift, up to 6%), 0.94-0.97x at 512, 0.89-0.92x at 2048-8192.
+    cfg["MERGED_GATE_UP"] = tma
+    # A static K loop (wgmma pipelined; see _expert_matmul) where measured faster: one token of top-8
+    # (8 slots) and the middle and prefill buckets. In the rest of the decode bucket a run-time
+    # loop is faster: pipelined, the layer took 1.01-1.07x the time at 2-256 tokens (4 programs per
+    # SM either way at 8 tokens, per Nsight Compute; the cause is not established).
+    cfg["PIPELINED_MMA1"] = cfg["PIPELINED_MMA2"] = tma and not (decode and num_slots > 8)
     return cfg
 
 
@@ -202,28 +198,21 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     tma = cfg.get("TMA", False)
-    split = cfg.get("SPLIT_GATE_UP", False)
     merged = cfg.get("MERGED_GATE_UP", False)
-    if merged and not (tma and not split and cfg["BK1"] >= 256):
-        raise ValueError("MERGED_GATE_UP needs TMA, BK1 >= 256 and no SPLIT_GATE_UP")
+    if merged and not (tma and cfg["BK1"] >= 256):
+        raise ValueError("MERGED_GATE_UP needs TMA and BK1 >= 256 (16-byte scale box rows)")
     if merged:
         desc1 = _gate_up_descriptors(w13, s13, cfg["BN1"], cfg["BK1"])
     else:
         desc1 = _descriptors(w13, s13, cfg["BN1"], cfg["BK1"]) if tma else (w13, s13)
     desc2 = _descriptors(w2, s2, cfg["BN2"], cfg["BK2"]) if tma else (w2, s2)
-    # programs per M block: BN1 rows of [gate; up] each (merged: BN1/2 of each), or BN1 of both
-    grid1 = (block_expert.numel(), (2 if split or merged else 1) * inter // cfg["BN1"])
-    pre_act = torch.empty(num_slots, 2 * inter, dtype=torch.float32, device=x.device) if split else inter_act
+    # programs per M block: BN1/2 gate and BN1/2 up rows each (merged), or BN1 of both
+    grid1 = (block_expert.numel(), (2 if merged else 1) * inter // cfg["BN1"])
     _gemm1_swiglu_kernel[grid1](
-        x_gemm1, w13, s13, g13, pre_act, sorted_slot, block_expert,
+        x_gemm1, w13, s13, g13, inter_act, sorted_slot, block_expert,
         row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
-        OUT_CHUNK=cfg["BK2"], SPLIT_GATE_UP=split, MERGED_GATE_UP=merged,
-        PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **launch,
+        OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **launch,
     )
-    if split:
-        block = _pow2_divisor(inter, 1024)
-        _silu_mul_kernel[(num_slots, inter // block)](pre_act, topk_ids.contiguous(), inter_act, inter, num_experts,
-                                                       FRAGMENT_ORDER=fragment, OUT_CHUNK=cfg["BK2"], BLOCK=block)
     grid2 = (block_expert.numel(), hidden // cfg["BN2"])
     _gemm2_kernel[grid2](
         inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end,
