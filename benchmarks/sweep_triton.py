@@ -39,14 +39,15 @@ def main():
         # (BM, BN1, BK1, BN2, BK2, warps, stages, prefetch, tma, fragment order, merged gate/up, paired)
         if args.middle:
             tiles = [(bm, 64, 256, 64, 256, 4, 3, 0, 1, 1, merged, 1) for bm in (16, 32, 64) for merged in (1, 0)]
-            tiles += [(bm, 128, 256, 128, 256, 4, 3, 0, 1, 1, 0, 1) for bm in (32, 64)]
-            tiles += [(bm, 256, 256, 256, 256, 8, 3, 0, 1, 1, 0, 1) for bm in (32, 64)]
+            tiles += [(bm, 128, 256, 128, 256, 4, 3, 0, 1, 1, 1, 1) for bm in (32, 64)]
+            tiles += [(bm, 256, 256, 256, 256, 8, 3, 0, 1, 1, 1, 1) for bm in (32, 64)]
         elif decode:
             tiles = [(16, 64, 256, 64, 256, 4, 3, 0, 1, 1, 1, 0), (16, 64, 256, 64, 256, 4, 3, 0, 1, 1, 1, 1),
                      (16, 64, 256, 128, 256, 4, 3, 0, 1, 1, 1, 1), (16, 128, 256, 64, 256, 4, 3, 0, 1, 1, 1, 1)]
         # (BN 16/32 with fragment order gave wrong sums on H200 and are refused: results/sweep_narrow_*.log)
         else:
-            tiles = [(64, 256, 256, 256, 256, 8, 3, 0, 1, 1, 0, 1), (64, 128, 256, 256, 256, 8, 3, 0, 1, 1, 0, 1)]
+            tiles = [(64, 256, 256, 256, 256, 8, 3, 0, 1, 1, merged, 1) for merged in (1, 0)]
+            tiles += [(64, 128, 256, 256, 256, 8, 3, 0, 1, 1, 1, 1)]
         configs = [
             dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages,
                  PREFETCH=bool(prefetch), FAST_DECODE=True, TMA=bool(tma), FRAGMENT_ORDER=bool(frag),

@@ -84,17 +84,21 @@ def test_route_compiles_one_variant_for_every_token_count():
 
     kernel_fns = (kernels._route_kernel, kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel,
                   kernels._sum_topk_kernel)
-    before = [variants(fn) for fn in kernel_fns]  # (earlier tests may have compiled some of these)
     w = layer(8, 512, 256)
     tensors = [t.cuda() for t in kernel_tensors(w)]
-    for t in (1, 2, 3, 5, 20, 27, 32):  # all in the decode bucket (<= 8 rows per expert), TMA config
-        ids = torch.randint(0, 8, (t, 2), device="cuda")
-        triton_fused_moe(torch.randn(t, 512, dtype=torch.bfloat16, device="cuda"), ids, torch.rand(t, 2, device="cuda"),
-                         tensors)
-    for s in (65, 100, 1000, 4096):  # routing past 64 slots: its second (and last) variant (launch._count_block)
-        route(torch.randint(0, 256, (s,), device="cuda"), 256, 16)
-    for fn, n in zip(kernel_fns, before):
-        assert variants(fn) - n <= (2 if fn is kernels._route_kernel else 1), (fn.__name__, variants(fn) - n)
+    # the decode bucket (<= 8 rows per expert, TMA config) has two variants of each GEMM: static K
+    # loops up to 8 slots, run-time ones past them (launch.kernel_config); each group adds at most one
+    for tokens in ((1, 2, 3, 4), (5, 20, 27, 32)):
+        before = [variants(fn) for fn in kernel_fns]  # (earlier tests may have compiled some of these)
+        for t in tokens:
+            ids = torch.randint(0, 8, (t, 2), device="cuda")
+            triton_fused_moe(torch.randn(t, 512, dtype=torch.bfloat16, device="cuda"), ids,
+                             torch.rand(t, 2, device="cuda"), tensors)
+        if tokens[0] == 5:
+            for s in (65, 100, 1000, 4096):  # routing past 64 slots: its second (and last) variant (launch._count_block)
+                route(torch.randint(0, 256, (s,), device="cuda"), 256, 16)
+        for fn, n in zip(kernel_fns, before):
+            assert variants(fn) - n <= (2 if fn is kernels._route_kernel else 1), (tokens, fn.__name__, variants(fn) - n)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -207,8 +211,6 @@ def test_triton_decode_variants(fragment, paired, merged):
     # The decode kernels with K in natural or fragment order, canonical or paired weights, GEMM1
     # with gate and up in two K loops or in one (merged tiles): the same NVFP4 layer, the same
     # float64 answer.
-    if merged and not fragment:
-        pytest.skip("merged tiles come through TMA, which the fragment-order configs use")
     e, h, i, t, k = 4, 512, 256, 6, 2
     w = layer(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
@@ -362,14 +364,15 @@ def test_fragment_order_config_with_narrow_tiles_is_refused():
 
 
 
-@pytest.mark.parametrize("pipelined", [True, False])
-def test_static_k_loop_lets_ptxas_pipeline_the_wgmma(pipelined):
+@pytest.mark.parametrize("kernel,pipelined", [("gemm2", True), ("gemm2", False), ("gemm1", True)])
+def test_static_k_loop_lets_ptxas_pipeline_the_wgmma(kernel, pipelined):
     # Issue 17: with a run-time K loop ptxas waited for each wgmma before issuing the next (the
     # loop's zero-trip path sets the accumulators outside a wgmma); H and I as constexprs make the
     # loop static and the wgmma overlap. benchmarks/sass_count.py compiles the decode GEMM2 of a
     # DeepSeek-V3 layer for sm90 with Triton's bundled ptxas (no GPU; in a process of its own,
     # since the tests run Triton's interpreter) and reports the SASS wgmma waits: 16 wgmma per K
-    # step, each followed by a full wait (N = 0) when serialized.
+    # step, each followed by a full wait (N = 0) when serialized. Also the prefill GEMM1 (merged
+    # gate/up tiles, pipelined by default).
     import ast
     import os
     import re
@@ -383,9 +386,10 @@ def test_static_k_loop_lets_ptxas_pipeline_the_wgmma(pipelined):
         pytest.skip("this Triton has no bundled cuobjdump")
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "sass_count.py"), "--tokens", "8",
-                          "--set", f"PIPELINED_MMA2={int(pipelined)}"], capture_output=True, text=True, env=env,
-                         timeout=600)
+    args = ["--tokens", "8", "--set", f"PIPELINED_MMA2={int(pipelined)}"] if kernel == "gemm2" else \
+        ["--tokens", "2048", "--gemm1"]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "sass_count.py"), *args], capture_output=True,
+                         text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     waits = ast.literal_eval(re.search(r"wgmma waits \(DEPBAR.LE gsb0, N: count\): (\{.*?\})", run.stdout).group(1))
     if pipelined:

@@ -234,6 +234,11 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
 
     With PREFETCH the next tile's bytes are loaded before this tile is decoded, so the memory
     latency overlaps the decode and the dot.
+
+    GATE_UP (GEMM1's merged tiles): ``w_desc`` / ``s_desc`` are 4-D descriptors over one expert's
+    ``[2, I, *]`` (gate, up) and the tile is rows ``desc_row .. desc_row + BN/2`` of both, for expert
+    ``desc_expert``: here ``desc_row`` is a row within I, where the 2-D TMA path takes a row of
+    ``[E*N, *]``.
     """
     dtype = a_ptr.dtype.element_ty
     kb = tl.arange(0, BK // 2)
@@ -318,12 +323,13 @@ def _gemm1_swiglu_kernel(
         if x_ptr.dtype.element_ty == tl.bfloat16:
             g = g * 4194304.0  # the tiles' 2^-22
         if MERGED_GATE_UP:  # BN/2 gate rows and the same up rows in one K loop, one accumulator
-            half = tl.program_id(1) * (BN // 2)
+            i0 = tl.program_id(1) * (BN // 2)  # the tile's first row within I (of gate and of up)
+            # (the weights come through the 4-D descriptors: w_e, s_e and the rows are unused there)
             acc = _expert_matmul(zero, w_e, s_e, tl.arange(0, BN), x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
-                                 FAST_DECODE, INTERPRET, w_desc, s_desc, half, TMA, FRAGMENT_ORDER, PAIRED,
+                                 FAST_DECODE, INTERPRET, w_desc, s_desc, i0, TMA, FRAGMENT_ORDER, PAIRED,
                                  FAST_SCALES, k_hi=k_stop, GATE_UP=True, desc_expert=e)
-            gate, up = tl.split(tl.permute((acc * g).reshape(2, BN // 2, BM), (1, 2, 0)))
-            cols = half + tl.arange(0, BN // 2)
+            gate, up = tl.split(tl.permute((acc * g).reshape(2, BN // 2, BM), (1, 2, 0)))  # rows [gate; up]
+            cols = i0 + tl.arange(0, BN // 2)
         else:
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]

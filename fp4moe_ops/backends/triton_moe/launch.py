@@ -149,16 +149,18 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     cfg["TMA"] = cfg["FRAGMENT_ORDER"] = tma
     # GEMM1's tiles hold BN1/2 gate rows and the same up rows, in one K loop with one accumulator
     # (4-D TMA boxes). Two K loops of BN1 rows each kept a first accumulator alive through the
-    # second loop (255 registers; ptxas serialized every wgmma), and at decode gate and up used to
-    # go to separate programs with an fp32 scratch of S x 2I and a SiLU kernel. Against those, on
-    # DeepSeek-V3 (results/sweep_pipeline_2026-12-01*.log, sweep_pipeline_decode_2026-12-01d.log):
-    # 0.94-0.96x the layer's time at 1 token, 0.91-1.03x at 2-256 (inside those rows' run-to-run
-    # drift, up to 6%), 0.94-0.97x at 512, 0.89-0.92x at 2048-8192.
+    # second loop, and ptxas serialized every wgmma there even with static loops (the merged prefill
+    # tile still uses 255 registers and spills a little, but its wgmma overlap); at decode gate and
+    # up used to go to separate programs with an fp32 scratch of S x 2I and a SiLU kernel. Against
+    # those, on DeepSeek-V3 (results/sweep_pipeline_2026-12-01*.log, sweep_pipeline_decode_2026-12-01d.log):
+    # 0.94-0.96x the layer's time at 1 token, 0.91-1.03x at 2-256 (within those rows' run-to-run
+    # drift: up to 1.07x between runs of one config, one outlier of 1.25x), 0.94-0.97x at 512,
+    # 0.88-0.93x at 2048-8192.
     cfg["MERGED_GATE_UP"] = tma
     # A static K loop (wgmma pipelined; see _expert_matmul) where measured faster: one token of top-8
-    # (8 slots) and the middle and prefill buckets. In the rest of the decode bucket a run-time
-    # loop is faster: pipelined, the layer took 1.01-1.07x the time at 2-256 tokens (4 programs per
-    # SM either way at 8 tokens, per Nsight Compute; the cause is not established).
+    # (8 slots: the rule counts slots, so a top-2 model pipelines up to 4 tokens, not measured) and
+    # the middle and prefill buckets. In the rest of the decode bucket a run-time loop is faster:
+    # pipelined, the layer took 1.01-1.07x the time at 2-256 tokens (cause not established).
     cfg["PIPELINED_MMA1"] = cfg["PIPELINED_MMA2"] = tma and not (decode and num_slots > 8)
     return cfg
 
@@ -208,6 +210,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     desc2 = _descriptors(w2, s2, cfg["BN2"], cfg["BK2"]) if tma else (w2, s2)
     # programs per M block: BN1/2 gate and BN1/2 up rows each (merged), or BN1 of both
     grid1 = (block_expert.numel(), (2 if merged else 1) * inter // cfg["BN1"])
+    # hidden and inter go in twice: as the constexprs H and I, and as K_RUNTIME, the K loop's bound
+    # when PIPELINED_MMA is off (a run-time bound, see _expert_matmul)
     _gemm1_swiglu_kernel[grid1](
         x_gemm1, w13, s13, g13, inter_act, sorted_slot, block_expert,
         row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
