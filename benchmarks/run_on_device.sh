@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU-machine call: smoke test, GPU test suite, benchmarks. Logs and results go to $OUT.
 #   source .device/setup-on-device.sh && bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e
-#   route firstpass linear patchmem profile_decode decoder_layer)
+#   route firstpass linear patchmem profile_decode decoder_layer pipeline ncu)
 set -o pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -12,6 +12,11 @@ for step in "$@"; do
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_triton_backend.py} 2>&1 | tee "$OUT/tests.log" | grep -E "rel err|passed|failed|Error|error" ;;
     bench) timeout 400 python3 benchmarks/bench_moe.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     sweep) timeout 300 python3 benchmarks/sweep_triton.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" ;;
+    pipeline) timeout 300 python3 benchmarks/sweep_pipeline.py --out "$OUT" ${PIPELINE_ARGS:-} 2>&1 | tee "$OUT/sweep_pipeline.log" ;;
+    ncu) timeout 200 ncu --clock-control none --kernel-name regex:_gemm --launch-skip 2 --launch-count 2 \
+           --section SpeedOfLight --section WarpStateStats --section Occupancy \
+           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+           python3 benchmarks/ncu_layer.py ${NCU_ARGS:---tokens 1024} > "$OUT/ncu.txt" 2>&1; tail -5 "$OUT/ncu.txt" ;;
     profile) timeout 120 python3 benchmarks/profile_layer.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
     demo) timeout 120 python3 -m hf_integration.demo 2>&1 | tee "$OUT/demo.log" | grep -v -i warn ;;
     accuracy) timeout 240 python3 benchmarks/accuracy_study.py 2>&1 | tee "$OUT/accuracy.log" | grep -v -i warn ;;
