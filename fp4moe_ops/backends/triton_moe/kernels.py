@@ -311,10 +311,7 @@ def _gemm1_swiglu_kernel(
     if e >= 0:
         slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
         tokens = slots // TOPK
-        if PIPELINED_MMA:  # see _expert_matmul: a static K loop (wgmma pipelined) or a run-time one
-            k_stop = 0
-        else:
-            k_stop = K_RUNTIME
+        k_stop = 0 if PIPELINED_MMA else K_RUNTIME  # a static K loop (wgmma pipelined) or not: see _expert_matmul
         e64 = e.to(tl.int64)
         w_e = w_ptr + e64 * (2 * I) * (H // 2)
         s_e = s_ptr + e64 * (2 * I) * (H // 16)
@@ -360,10 +357,7 @@ def _gemm2_kernel(
     e = tl.load(block_expert_ptr + b)
     if e >= 0:
         slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
-        if PIPELINED_MMA:  # see _expert_matmul: a static K loop (wgmma pipelined) or a run-time one
-            k_stop = 0
-        else:
-            k_stop = K_RUNTIME
+        k_stop = 0 if PIPELINED_MMA else K_RUNTIME  # a static K loop (wgmma pipelined) or not: see _expert_matmul
         e64 = e.to(tl.int64)
         w_e = w_ptr + e64 * H * (I // 2)
         s_e = s_ptr + e64 * H * (I // 16)
