@@ -1,7 +1,7 @@
-"""A/B of the MoE kernels' tiles in one process (issue 17): GEMM1 with gate and up in two K loops
-and run-time K loops (whose wgmma ptxas serializes), against static K loops (wgmma pipelined),
-gate and up rows in one K loop (MERGED_GATE_UP), warps and register caps. Each config's output
-is compared with the first row's before it is timed.
+"""A/B of the MoE kernels' launch options in one process (issue 17): the defaults with and without
+programmatic dependent launch, next to the previous kernels' config (GEMM1's gate and up in two K
+loops with run-time bounds). Each config's output is compared with the first row's before it is
+timed.
 
     python benchmarks/sweep_pipeline.py --tokens 1,8,64,512,2048,8192
 
@@ -35,25 +35,13 @@ def previous_config(t, k, e, h, i):
 
 
 def configs(t, k, e, h, i):
-    """Named configs per bucket; P1/P2: GEMM1/GEMM2 with a static K loop (wgmma pipelined), U1/U2:
-    with a run-time one (a wait after every wgmma, fewer registers); w: warps per program; r: a
-    register cap (ptxas ``maxnreg``)."""
+    """Named configs per bucket: the defaults against the same without programmatic dependent
+    launch (PDL), each twice (A B A B) so that the drift over the rows shows. (Earlier forms of this
+    script swept loop kinds, warps and register caps; their logs are in results/.)"""
     base = launch.kernel_config(t * k, e, h, i)
-    u12 = dict(PIPELINED_MMA1=False, PIPELINED_MMA2=False)
-    p12 = dict(PIPELINED_MMA1=True, PIPELINED_MMA2=True)
-    out = {"two K loops U1 U2": previous_config(t, k, e, h, i), "default": base}
-    if base["BM"] == 16:  # decode bucket
-        out["merged BN1=64 P1 P2"] = base | p12 | dict(BN1=64)
-        out["merged BN1=64 U1 U2"] = base | u12 | dict(BN1=64)
-        out["merged BN1=128 U1 U2"] = base | u12 | dict(BN1=128)
-    elif base["BM"] == 32:  # middle
-        out["merged BN1=128 P1 P2 w4"] = base | dict(BN1=128, num_warps=4, maxnreg=0)
-        out["merged BN 256/256 P1 P2 w8"] = base | dict(BN1=256, BN2=256, maxnreg=0)
-    else:  # prefill
-        out["merged P1 P2 w16"] = base | dict(num_warps=16)
-        out["merged P1 U2"] = base | dict(PIPELINED_MMA2=False)
-    out["default, again"] = base  # the drift over the row
-    return out
+    no_pdl = base | dict(PDL=False)
+    return {"two K loops U1 U2": previous_config(t, k, e, h, i), "default": base, "no PDL": no_pdl,
+            "default, again": base, "no PDL, again": no_pdl}
 
 
 def main():

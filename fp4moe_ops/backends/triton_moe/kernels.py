@@ -195,6 +195,16 @@ _fragment_source = triton.jit(fragment_source)
 
 
 @triton.jit
+def _await_previous_kernel(PDL: tl.constexpr):
+    """With programmatic dependent launch (``launch_pdl``), this program may start while the
+    previous kernel on the stream still runs: wait for it to finish (its writes visible), then let
+    the next kernel's programs start taking free SM slots. A no-op without PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM: tl.constexpr):
     r0 = tl.load(block_row_start_ptr + b)
     r1 = tl.load(block_row_end_ptr + b)
@@ -301,11 +311,12 @@ def _gemm1_swiglu_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
     PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
-    MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True,
+    MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
     """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
     MERGED_GATE_UP (TMA tiles) a program's BN rows are BN/2 gate rows and the same up rows, in one K
     loop with one accumulator; else BN gate rows and BN up rows in two K loops."""
+    _await_previous_kernel(PDL)
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e >= 0:
@@ -351,8 +362,9 @@ def _gemm2_kernel(
     H: tl.constexpr, I: tl.constexpr, w_desc, s_desc, K_RUNTIME,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
-    FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True,
+    FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
+    _await_previous_kernel(PDL)
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e >= 0:
@@ -376,7 +388,7 @@ def _gemm2_kernel(
 def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
                   S, E, NUM_BLOCKS, x_ptr, x_fragment_ptr, X_NUMEL, H,
                   BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-                  CHUNK: tl.constexpr, X_BLOCK: tl.constexpr, ROUTE: tl.constexpr = True):
+                  CHUNK: tl.constexpr, X_BLOCK: tl.constexpr, ROUTE: tl.constexpr = True, PDL: tl.constexpr = False):
     """:func:`route` (decode-sized S) in the first ``ceil(S / R_CHUNK)`` programs: one launch instead
     of ~12 torch ops. The other programs (if any) copy ``x [T, H]`` into :func:`fragment_order`
     with ``CHUNK``-wide chunks, which saves the permute's own launch. ROUTE=False: only the copy
@@ -386,6 +398,7 @@ def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_pt
     variant serves every token count (a tl.sort over a power-of-two padded S compiled a variant
     per power of two, up to 15 s each on the CPU machine, paid on the first call of every new
     size class)."""
+    _await_previous_kernel(PDL)
     route_programs = 0
     if ROUTE:
         route_programs = tl.cdiv(S, R_CHUNK)
@@ -456,7 +469,8 @@ def _route_program(p, ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_star
             tl.store(block_row_end_ptr + block_start + j, tl.minimum(r0 + BM, row_start + counts), mask=used)
 
 @triton.jit
-def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr):
+def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False):
+    _await_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     col_mask = cols < H

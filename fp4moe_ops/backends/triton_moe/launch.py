@@ -32,14 +32,15 @@ def _round4(n: int) -> int:
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: torch.Tensor | None = None,
-          fragment_chunk: int = 0):
+          fragment_chunk: int = 0, pdl: bool = False):
     """Group slots by expert and cut them into ``block_m``-row blocks, on the device.
 
     Returns ``(sorted_slot [S] int32, block_expert [B] int32 (-1 unused), block_row_start [B],
     block_row_end [B])`` with ``B = min(S, E) + S // block_m`` (a bound on the blocks needed:
     each expert hit adds at most one partial block). Invalid ids are dropped. With
     ``activations [T, H]`` and ``fragment_chunk``, also returns them in :func:`fragment_order`
-    (in the same launch as the routing kernel).
+    (in the same launch as the routing kernel). ``pdl``: launch the routing kernel with programmatic
+    dependent launch (see :func:`kernel_config`).
     """
     flat = topk_ids.reshape(-1)
     num_slots = flat.numel()
@@ -67,13 +68,20 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
                 flat, *routed, num_slots, num_experts, num_blocks, x, x_fragment,
                 x.numel() if copy else 0, x.shape[-1] if copy else 1, BM=block_m, E_PAD=e_pad, R_CHUNK=ROUTE_CHUNK,
                 COUNT_BLOCK=_count_block(num_slots), CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, ROUTE=fast,
-                num_warps=4,
+                num_warps=4, **_pdl_args(pdl),
             )
     if activations is None:
         return routed
     if not copy:
         x_fragment = fragment_order(activations.contiguous(), fragment_chunk)
     return (*routed, x_fragment)
+
+
+def _pdl_args(pdl: bool) -> dict:
+    """Launch arguments for programmatic dependent launch: the kernel waits for the previous one
+    itself (``PDL``), so the launch may start it early (``launch_pdl``). Never in the interpreter."""
+    pdl = pdl and not interpreting()
+    return dict(PDL=pdl, launch_pdl=pdl) if pdl else {}
 
 
 def _count_block(num_slots: int) -> int:
@@ -162,6 +170,10 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # the middle and prefill buckets. In the rest of the decode bucket a run-time loop is faster:
     # pipelined, the layer took 1.01-1.07x the time at 2-256 tokens (cause not established).
     cfg["PIPELINED_MMA1"] = cfg["PIPELINED_MMA2"] = tma and not (decode and num_slots > 8)
+    # Programmatic dependent launch (sm90+, as TMA) for the four launches of a call (routing, GEMM1,
+    # GEMM2, top-k sum): each kernel's programs start while the previous one drains its last wave,
+    # and wait for it (griddepcontrol) before reading anything it wrote.
+    cfg["PDL"] = tma
     return cfg
 
 
@@ -186,16 +198,18 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         # tiles compile but give wrong sums on H200 (benchmarks/results/sweep_narrow_*.log)
         raise ValueError(f"fragment-order configs need BN1 and BN2 multiples of 64, got {cfg['BN1']} and {cfg['BN2']}")
     x = hidden_states.contiguous()
+    pdl = cfg.get("PDL", False)
     fragment = cfg.get("FRAGMENT_ORDER", False)
     if fragment:  # GEMM1 reads x with K in fragment order
-        sorted_slot, block_expert, row_start, row_end, x_gemm1 = route(topk_ids, num_experts, cfg["BM"], x, cfg["BK1"])
+        sorted_slot, block_expert, row_start, row_end, x_gemm1 = route(topk_ids, num_experts, cfg["BM"], x, cfg["BK1"],
+                                                                       pdl=pdl)
     else:
-        sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
+        sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"], pdl=pdl)
         x_gemm1 = x
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PREFETCH=cfg.get("PREFETCH", True),
                   **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
                   FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting(),
-                  FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True))
+                  FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True), **_pdl_args(pdl))
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
@@ -223,7 +237,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
         PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), **launch,
     )
-    return _sum_topk(y, topk_ids, x, num_experts)
+    return _sum_topk(y, topk_ids, x, num_experts, pdl)
 
 
 def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int):
@@ -256,14 +270,15 @@ def _gate_up_descriptors(w13: torch.Tensor, s13: torch.Tensor, bn: int, bk: int)
     return TensorDescriptor.from_tensor(w13.reshape(e, 2, inter, w13.shape[-1]), [1, 2, bn // 2, bk // 2]), s
 
 
-def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int) -> torch.Tensor:
+def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int,
+              pdl: bool = False) -> torch.Tensor:
     """``out [T, H]`` (x's dtype) = sum over each token's valid slots (ids in ``[0, num_experts)``)
     of ``y [T*k, H]`` fp32."""
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
     bh = min(1024, triton.next_power_of_2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, bh))](
-        y, topk_ids.contiguous(), out, hidden, num_experts, TOPK=topk_ids.shape[1], BH=bh,
+        y, topk_ids.contiguous(), out, hidden, num_experts, TOPK=topk_ids.shape[1], BH=bh, **_pdl_args(pdl),
     )
     return out
 
