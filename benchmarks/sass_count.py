@@ -30,7 +30,7 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 def loop_histograms(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int, maxnreg: int = 0):
     """Compile ``kernel`` for sm90 and return (registers, ptxas notes, wgmma waits, [(instructions,
-    Counter)] per loop). The waits are the SASS ``WARPGROUP.DEPBAR.LE gsb0, N`` by N: after every
+    Counter)] per loop, shared memory bytes). The waits are the SASS ``WARPGROUP.DEPBAR.LE gsb0, N`` by N: after every
     wgmma with N = 0 when ptxas serialized them."""
     names = list(kernel.arg_names)
     # what the JIT would specialize at run time: pointers and sizes divisible by 16
@@ -59,7 +59,7 @@ def loop_histograms(kernel, signature: dict, constants: dict, num_warps: int, nu
                 loops.append((len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0] for o in body)))
     waits = collections.Counter(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))
     serialized = [line.split(") ")[-1][:150] for line in notes.splitlines() if "C751" in line]
-    return int(regs.group(1)) if regs else None, serialized, dict(waits), loops
+    return int(regs.group(1)) if regs else None, serialized, dict(waits), loops, compiled.metadata.shared
 
 
 def main():
@@ -99,10 +99,10 @@ def main():
         kernel, sig = kernels._gemm2_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
                                               "out_ptr": "*fp32"}
     sig = {n: sig[n] for n in kernel.arg_names if n in sig} | desc | {k: "constexpr" for k in constants}
-    regs, serialized, waits, loops = loop_histograms(kernel, sig, constants, cfg["num_warps"], cfg["num_stages"],
+    regs, serialized, waits, loops, smem = loop_histograms(kernel, sig, constants, cfg["num_warps"], cfg["num_stages"],
                                                      cfg.get("maxnreg", 0))
     print(f"triton {triton.__version__}, {args.tokens} tokens {'GEMM1' if args.gemm1 else 'GEMM2'}, paired={paired}, {cfg}\n"
-          f"registers per thread: {regs}; wgmma waits (DEPBAR.LE gsb0, N: count): {waits}"
+          f"registers per thread: {regs}; shared memory {smem / 1024:.0f} KiB; wgmma waits (DEPBAR.LE gsb0, N: count): {waits}"
           + (f"; ptxas: {serialized}" if serialized else ""))
     n, ops = min(loops, key=lambda loop: loop[0])  # the innermost: the K loop (others wrap it)
     print(f"K loop: {n} instructions per thread per K step of {bk}: {dict(ops.most_common(args.top))}")

@@ -1,9 +1,10 @@
-"""A/B of the MoE kernels' launch options in one process (issue 17): the defaults with and without
-programmatic dependent launch, next to the previous kernels' config (GEMM1's gate and up in two K
-loops with run-time bounds). Each config's output is compared with the first row's before it is
-timed.
+"""A/B of the MoE kernels' configs in one process (issue 17): the defaults against named variants
+(tiles, stages) and, with --pdl, against the same without programmatic dependent launch, next to
+the previous kernels' config (GEMM1's gate and up in two K loops with run-time bounds). Each
+config's output is compared with the first row's before it is timed.
 
-    python benchmarks/sweep_pipeline.py --tokens 1,8,64,512,2048,8192
+    python benchmarks/sweep_pipeline.py --tokens 1,8,64 --pdl
+    python benchmarks/sweep_pipeline.py --tokens 2048,8192 --variant prefill_bm128:BM=128,BN1=128,BN2=128,num_stages=2
 
 The logs of 2026-12-01 (``results/sweep_pipeline_2026-12-01{a,b,c}.log``,
 ``sweep_pipeline_decode_2026-12-01d.log``) ran earlier forms of this script, against the previous
@@ -34,20 +35,33 @@ def previous_config(t, k, e, h, i):
                       num_warps=4 if cfg["BM"] in (16, 32) else cfg["num_warps"])
 
 
-def configs(t, k, e, h, i):
-    """Named configs per bucket: the defaults against the same without programmatic dependent
-    launch (PDL), each twice (A B A B) so that the drift over the rows shows. (Earlier forms of this
-    script swept loop kinds, warps and register caps; their logs are in results/.)"""
+def configs(t, k, e, h, i, variants=(), pdl=False):
+    """Named configs: the reference row, the defaults, each ``variants`` entry (``NAME:KEY=INT,...``
+    on top of the defaults; applied only where the defaults are the prefill bucket's, BM 64, when
+    NAME starts with ``prefill``), the defaults again (the drift over the rows) and, with ``pdl``,
+    the defaults without programmatic dependent launch, twice (A B A B)."""
     base = launch.kernel_config(t * k, e, h, i)
-    no_pdl = base | dict(PDL=False)
-    return {"two K loops U1 U2": previous_config(t, k, e, h, i), "default": base, "no PDL": no_pdl,
-            "default, again": base, "no PDL, again": no_pdl}
+    out = {"two K loops U1 U2": previous_config(t, k, e, h, i), "default": base}
+    for v in variants:
+        name, _, sets = v.partition(":")
+        if name.startswith("prefill") and base["BM"] != 64:
+            continue
+        out[name] = base | {a: int(b) for a, b in (kv.split("=") for kv in sets.split(","))}
+    out["default, again"] = base
+    if pdl:
+        out["no PDL"] = base | dict(PDL=False)
+        out["default, third"] = base
+        out["no PDL, again"] = base | dict(PDL=False)
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,8,64,512,2048,8192")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=INT,...",
+                    help="a config on top of the defaults, e.g. prefill_bm128:BM=128,BN1=128,BN2=128,num_stages=2")
+    ap.add_argument("--pdl", action="store_true", help="rows without programmatic dependent launch")
     args = ap.parse_args()
     e, h, i, k, routed = SHAPES["deepseek"]
     bw = copy_bandwidth("cuda")
@@ -62,7 +76,7 @@ def main():
         flops = 2 * 3 * h * i * t * k
         fn = launch.triton_fused_moe
         ref = fn(*inputs[0], tensors, previous_config(t, k, e, h, i))
-        for name, cfg in configs(t, k, e, h, i).items():
+        for name, cfg in configs(t, k, e, h, i, args.variant, args.pdl).items():
             try:
                 out = fn(*inputs[0], tensors, cfg)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
