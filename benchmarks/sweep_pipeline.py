@@ -37,14 +37,15 @@ def previous_config(t, k, e, h, i):
 
 def configs(t, k, e, h, i, variants=(), pdl=False):
     """Named configs: the reference row, the defaults, each ``variants`` entry (``NAME:KEY=INT,...``
-    on top of the defaults; applied only where the defaults are the prefill bucket's, BM 64, when
-    NAME starts with ``prefill``), the defaults again (the drift over the rows) and, with ``pdl``,
+    on top of the defaults; a NAME starting with ``decode_``, ``middle_`` or ``prefill_`` applies
+    only to that bucket's token counts), the defaults again (the drift over the rows) and, with ``pdl``,
     the defaults without programmatic dependent launch, twice (A B A B)."""
     base = launch.kernel_config(t * k, e, h, i)
     out = {"two K loops U1 U2": previous_config(t, k, e, h, i), "default": base}
     for v in variants:
         name, _, sets = v.partition(":")
-        if name.startswith("prefill") and base["BM"] != 64:
+        bucket_bm = {"decode": 16, "middle": 32, "prefill": 64}.get(name.split("_")[0])
+        if bucket_bm and base["BM"] != bucket_bm:  # a variant named for a bucket applies there only
             continue
         out[name] = base | {a: int(b) for a, b in (kv.split("=") for kv in sets.split(","))}
     out["default, again"] = base

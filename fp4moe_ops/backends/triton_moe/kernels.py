@@ -363,7 +363,12 @@ def _gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
     FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
+    TILES: tl.constexpr = 1,
 ):
+    """Per (M block, group of TILES column tiles): ``y[slot] = route weight * (a[slot] W2^T)`` into
+    ``out [S, H]`` float32, BN columns per tile. TILES > 1: one program walks several column tiles
+    in one flattened loop (the block's rows and slots read once, the weight stream not restarted per
+    tile)."""
     _await_previous_kernel(PDL)
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
@@ -373,16 +378,19 @@ def _gemm2_kernel(
         e64 = e.to(tl.int64)
         w_e = w_ptr + e64 * H * (I // 2)
         s_e = s_ptr + e64 * H * (I // 16)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
-                             BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
-                             e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop)
-        g = tl.load(g_ptr + e)
-        if a_ptr.dtype.element_ty == tl.bfloat16:
-            g = g * 4194304.0
-        route = tl.load(topk_weights_ptr + slots, mask=row_mask, other=0.0)
-        y = acc * g * route[None, :]
-        tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
+        for tile in tl.range(0, TILES, flatten=TILES > 1):
+            col0 = (tl.program_id(1) * TILES + tile) * BN
+            cols = col0 + tl.arange(0, BN)
+            acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
+                                 BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
+                                 e * H + col0, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop)
+            # loaded after the K loop, not held in registers through it
+            g = tl.load(g_ptr + e)
+            if a_ptr.dtype.element_ty == tl.bfloat16:
+                g = g * 4194304.0
+            route = tl.load(topk_weights_ptr + slots, mask=row_mask, other=0.0)
+            y = acc * g * route[None, :]
+            tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
 
 @triton.jit(do_not_specialize=["S", "NUM_BLOCKS", "X_NUMEL", "H"])
 def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,

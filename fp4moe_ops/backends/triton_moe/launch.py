@@ -231,11 +231,14 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
         OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **launch,
     )
-    grid2 = (block_expert.numel(), hidden // cfg["BN2"])
+    tiles2 = cfg.get("TILES2", 1)  # column tiles per GEMM2 program
+    if hidden // cfg["BN2"] % tiles2:
+        raise ValueError(f"TILES2={tiles2} must divide the {hidden // cfg['BN2']} column tiles of GEMM2")
+    grid2 = (block_expert.numel(), hidden // cfg["BN2"] // tiles2)
     _gemm2_kernel[grid2](
         inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end,
         hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
-        PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), **launch,
+        PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), TILES=tiles2, **launch,
     )
     return _sum_topk(y, topk_ids, x, num_experts, pdl)
 
