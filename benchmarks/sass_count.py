@@ -98,7 +98,7 @@ def main():
     else:
         kernel, sig = kernels._gemm2_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
                                               "out_ptr": "*fp32"}
-        constants["TILES"] = cfg.get("TILES2", 1)
+        constants |= dict(TILES=cfg.get("TILES2", 1), FLATTEN=bool(cfg.get("FLATTEN2", 1)))
     sig = {n: sig[n] for n in kernel.arg_names if n in sig} | desc | {k: "constexpr" for k in constants}
     regs, serialized, waits, loops, smem = loop_histograms(kernel, sig, constants, cfg["num_warps"], cfg["num_stages"],
                                                      cfg.get("maxnreg", 0))

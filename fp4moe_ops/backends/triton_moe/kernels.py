@@ -363,7 +363,7 @@ def _gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
     FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
-    TILES: tl.constexpr = 1,
+    TILES: tl.constexpr = 1, FLATTEN: tl.constexpr = True,
 ):
     """Per (M block, group of TILES column tiles): ``y[slot] = route weight * (a[slot] W2^T)`` into
     ``out [S, H]`` float32, BN columns per tile. TILES > 1: one program walks several column tiles
@@ -378,7 +378,7 @@ def _gemm2_kernel(
         e64 = e.to(tl.int64)
         w_e = w_ptr + e64 * H * (I // 2)
         s_e = s_ptr + e64 * H * (I // 16)
-        for tile in tl.range(0, TILES, flatten=TILES > 1):
+        for tile in tl.range(0, TILES, flatten=FLATTEN and TILES > 1):
             col0 = (tl.program_id(1) * TILES + tile) * BN
             cols = col0 + tl.arange(0, BN)
             acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,

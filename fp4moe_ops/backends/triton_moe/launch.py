@@ -238,7 +238,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     _gemm2_kernel[grid2](
         inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end,
         hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
-        PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), TILES=tiles2, **launch,
+        PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), TILES=tiles2,
+        FLATTEN=cfg.get("FLATTEN2", True), **launch,
     )
     return _sum_topk(y, topk_ids, x, num_experts, pdl)
 
