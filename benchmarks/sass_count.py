@@ -93,12 +93,15 @@ def main():
                      PDL=bool(cfg.get("PDL")))
     common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "K_RUNTIME": "i32"}
     if args.gemm1:
-        constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged)
+        constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, OUT_BY_ROW=bool(cfg.get("A_TMA2")))
         kernel, sig = kernels._gemm1_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32"}
     else:
         kernel, sig = kernels._gemm2_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
                                               "out_ptr": "*fp32"}
-        constants |= dict(TILES=cfg.get("TILES2", 1), FLATTEN=bool(cfg.get("FLATTEN2", 1)))
+        constants |= dict(TILES=cfg.get("TILES2", 1), FLATTEN=bool(cfg.get("FLATTEN2", 1)),
+                          A_TMA=bool(cfg.get("A_TMA2")))
+        if cfg.get("A_TMA2"):
+            desc["a_desc"] = f"tensordesc<bf16[{cfg['BM']}, {bk}]>"
     sig = {n: sig[n] for n in kernel.arg_names if n in sig} | desc | {k: "constexpr" for k in constants}
     regs, serialized, waits, loops, smem = loop_histograms(kernel, sig, constants, cfg["num_warps"], cfg["num_stages"],
                                                      cfg.get("maxnreg", 0))

@@ -232,8 +232,8 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     """``acc [BN, BM] += W[rows, k_lo:k_hi] @ A[a_rows, k_lo:k_hi]^T`` (``k_hi = 0``: K) with W NVFP4
     ``[*, K/2]`` bytes (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk,
     or with A_NATURAL too, A is in natural order and read permuted: for small A, no copy to make;
-    with A_TMA as well, A's ``[BM, BK]`` tiles from ``a_row0`` come through TMA in natural order,
-    pipelined like the weights, and are permuted in registers).
+    A_TMA: A's ``[BM, BK]`` tiles from row ``a_row0`` come through TMA, pipelined like the weights;
+    in natural order with A_NATURAL (then permuted in registers), else already in fragment order).
 
     The weight tile is the MMA's M side ("swap AB"): decode's few tokens sit on the narrow
     N side. A constant ``k_hi`` (0) with a constexpr K gives the loop a static trip count: then
@@ -266,8 +266,10 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
         packed = tl.load(w_ptrs + k_lo // 2)
         sbytes = tl.load(s_ptrs + k_lo // 16)
     for k0 in range(k_lo, k_end, BK):
-        if A_TMA:
+        if A_TMA and A_NATURAL:
             a = _fragment_order_tile(a_desc.load([a_row0, k0]), BM, BK)
+        elif A_TMA:
+            a = tl.trans(a_desc.load([a_row0, k0]))
         else:
             a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
         if GATE_UP:  # [gate rows; up rows] of one expert from 4-D descriptors over [E, 2, I, *]
@@ -312,8 +314,10 @@ def _gemm1_swiglu_kernel(
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
     PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
     MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
+    OUT_BY_ROW: tl.constexpr = False,
 ):
-    """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
+    """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``, row = slot (or
+    with OUT_BY_ROW, the slot's row in expert order: GEMM2 then reads a block's rows through TMA). With
     MERGED_GATE_UP (TMA tiles) a program's BN rows are BN/2 gate rows and the same up rows, in one K
     loop with one accumulator; else BN gate rows and BN up rows in two K loops."""
     _await_previous_kernel(PDL)
@@ -352,7 +356,8 @@ def _gemm1_swiglu_kernel(
         h = gate * tl.sigmoid(gate) * up
         if FRAGMENT_ORDER:  # GEMM2 reads its K axis (our columns) in fragment order
             cols = _fragment_position(cols, OUT_CHUNK)
-        tl.store(out_ptr + slots[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
+        out_rows = tl.load(block_row_start_ptr + b) + tl.arange(0, BM) if OUT_BY_ROW else slots
+        tl.store(out_ptr + out_rows[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
                  mask=row_mask[None, :])
 
 @triton.jit
@@ -363,12 +368,14 @@ def _gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
     FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
-    TILES: tl.constexpr = 1, FLATTEN: tl.constexpr = True,
+    TILES: tl.constexpr = 1, FLATTEN: tl.constexpr = True, a_desc=None, A_TMA: tl.constexpr = False,
 ):
     """Per (M block, group of TILES column tiles): ``y[slot] = route weight * (a[slot] W2^T)`` into
     ``out [S, H]`` float32, BN columns per tile. TILES > 1: one program walks several column tiles
     in one flattened loop (the block's rows and slots read once, the weight stream not restarted per
-    tile)."""
+    tile). A_TMA: ``a`` holds the rows in expert order (GEMM1's OUT_BY_ROW) and its ``[BM, BK]``
+    tiles come through ``a_desc`` from the block's first row (rows past the block belong to other
+    blocks or lie past the end, read as zeros: their columns of the tile are not stored)."""
     _await_previous_kernel(PDL)
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
@@ -383,7 +390,8 @@ def _gemm2_kernel(
             cols = col0 + tl.arange(0, BN)
             acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
                                  BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
-                                 e * H + col0, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop)
+                                 e * H + col0, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop,
+                                 a_desc=a_desc, a_row0=tl.load(block_row_start_ptr + b), A_TMA=A_TMA, BM=BM)
             # loaded after the K loop, not held in registers through it
             g = tl.load(g_ptr + e)
             if a_ptr.dtype.element_ty == tl.bfloat16:

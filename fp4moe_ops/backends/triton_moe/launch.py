@@ -212,6 +212,12 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
                   FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True), **_pdl_args(pdl))
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    # GEMM1 writes its rows in expert order and GEMM2 reads them through TMA (A_TMA2), or both by slot
+    a_tma = bool(cfg.get("A_TMA2")) and bool(cfg.get("TMA")) and fragment
+    if a_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc2 = TensorDescriptor.from_tensor(inter_act, [cfg["BM"], cfg["BK2"]])
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     tma = cfg.get("TMA", False)
     merged = cfg.get("MERGED_GATE_UP", False)
@@ -229,7 +235,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     _gemm1_swiglu_kernel[grid1](
         x_gemm1, w13, s13, g13, inter_act, sorted_slot, block_expert,
         row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
-        OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **launch,
+        OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True),
+        OUT_BY_ROW=a_tma, **launch,
     )
     tiles2 = cfg.get("TILES2", 1)  # column tiles per GEMM2 program
     if hidden // cfg["BN2"] % tiles2:
@@ -239,7 +246,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end,
         hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
         PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), TILES=tiles2,
-        FLATTEN=cfg.get("FLATTEN2", True), **launch,
+        FLATTEN=cfg.get("FLATTEN2", True), a_desc=a_desc2 if a_tma else None, A_TMA=a_tma, **launch,
     )
     return _sum_topk(y, topk_ids, x, num_experts, pdl)
 
