@@ -102,6 +102,8 @@ def main():
                           A_TMA=bool(cfg.get("A_TMA2")))
         if cfg.get("A_TMA2"):
             desc["a_desc"] = f"tensordesc<bf16[{cfg['BM']}, {bk}]>"
+        else:
+            constants["a_desc"] = None
     sig = {n: sig[n] for n in kernel.arg_names if n in sig} | desc | {k: "constexpr" for k in constants}
     regs, serialized, waits, loops, smem = loop_histograms(kernel, sig, constants, cfg["num_warps"], cfg["num_stages"],
                                                      cfg.get("maxnreg", 0))
