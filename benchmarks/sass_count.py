@@ -80,7 +80,8 @@ def main():
     bn, bk = (cfg["BN1"], cfg["BK1"]) if args.gemm1 else (cfg["BN2"], cfg["BK2"])
     if merged:  # 4-D boxes over [E, 2, I, *] (launch._gate_up_descriptors)
         w_box = f"[1, 2, {bn // 4}, {bk}]" if paired else f"[1, 2, {bn // 2}, {bk // 2}]"
-        desc = {"w_desc": f"tensordesc<u8{w_box}>", "s_desc": f"tensordesc<u8[1, 2, {bn // 2}, {bk // 16}]>"}
+        s_box = f"[1, 1, 2, {bn // 2}, {bk // 16}]" if cfg.get("SCALE_TILES") else f"[1, 2, {bn // 2}, {bk // 16}]"
+        desc = {"w_desc": f"tensordesc<u8{w_box}>", "s_desc": f"tensordesc<u8{s_box}>"}
     else:
         w_box = f"[{bn // 2}, {bk}]" if paired else f"[{bn}, {bk // 2}]"
         desc = {"w_desc": f"tensordesc<u8{w_box}>",
@@ -90,7 +91,7 @@ def main():
                      TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"], PAIRED=paired,
                      FAST_SCALES=bool(cfg.get("FAST_SCALES", 1)), H=7168, I=2048,
                      PIPELINED_MMA=bool(cfg["PIPELINED_MMA1" if args.gemm1 else "PIPELINED_MMA2"]),
-                     PDL=bool(cfg.get("PDL")))
+                     PDL=bool(cfg.get("PDL")), SCALE_TILES=bool(cfg.get("SCALE_TILES")))
     common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "K_RUNTIME": "i32"}
     if args.gemm1:
         constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, OUT_BY_ROW=bool(cfg.get("A_TMA2")))

@@ -294,6 +294,24 @@ def test_triton_intermediate_in_expert_order_through_tma(bm, pipelined):
     torch.testing.assert_close(out[~hit], by_row[~hit], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("t", [3, 40])
+def test_triton_scales_stored_by_k_step(t):
+    # The SCALE_TILES experiment: scales as [E, K/256, N, 16] (tile_scales), one contiguous box per
+    # K step, in GEMM1's 5-D and GEMM2's 2-D descriptors: bitwise the output of the canonical scales.
+    from fp4moe_ops.backends.triton_moe.launch import tile_scales
+
+    e, h, i, k = 4, 512, 512, 2  # two K steps in each GEMM
+    w = layer(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    rw = torch.rand(t, k)
+    tensors = [v.to(DEVICE) for v in kernel_tensors(w)]
+    tiled = list(tensors)
+    tiled[1], tiled[4] = tile_scales(tensors[1]), tile_scales(tensors[4])
+    args = (x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE))
+    assert torch.equal(triton_fused_moe(*args, tiled), triton_fused_moe(*args, tensors))
+
+
 def test_kernel_config_counts_rows_over_the_routed_experts():
     # An EP=8 rank of DeepSeek-V3 (32 of 256 experts) at 128 tokens: 1024 slots but ~4 local rows
     # per expert. Counted over the local experts it would look like 32 rows: prefill tiles.

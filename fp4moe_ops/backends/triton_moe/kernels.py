@@ -228,7 +228,8 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                    FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
                    FAST_SCALES: tl.constexpr = True, k_lo=0, k_hi=0, A_NATURAL: tl.constexpr = False,
                    a_desc=None, a_row0=0, A_TMA: tl.constexpr = False, BM: tl.constexpr = 16,
-                   GATE_UP: tl.constexpr = False, desc_expert=0):
+                   GATE_UP: tl.constexpr = False, desc_expert=0, SCALE_TILES: tl.constexpr = False,
+                   N_EXPERT: tl.constexpr = 0):
     """``acc [BN, BM] += W[rows, k_lo:k_hi] @ A[a_rows, k_lo:k_hi]^T`` (``k_hi = 0``: K) with W NVFP4
     ``[*, K/2]`` bytes (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk,
     or with A_NATURAL too, A is in natural order and read permuted: for small A, no copy to make;
@@ -249,6 +250,10 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     ``[2, I, *]`` (gate, up) and the tile is rows ``desc_row .. desc_row + BN/2`` of both, for expert
     ``desc_expert``: here ``desc_row`` is a row within I, where the 2-D TMA path takes a row of
     ``[E*N, *]``.
+
+    SCALE_TILES (an experiment, issue 17): the scales are stored K step by K step, ``[E, K/BK, N,
+    BK/16]`` (N_EXPERT = N rows per expert), so that a step's scale box is one contiguous run
+    instead of BN rows of 16 bytes.
     """
     dtype = a_ptr.dtype.element_ty
     kb = tl.arange(0, BK // 2)
@@ -277,14 +282,21 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                 packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
             else:
                 packed = w_desc.load([desc_expert, 0, desc_row, k0 // 2]).reshape(BN, BK // 2)
-            sbytes = s_desc.load([desc_expert, 0, desc_row, k0 // 16]).reshape(BN, BK // 16)
+            if SCALE_TILES:  # [E, K/BK, 2, I, BK/16]: one contiguous box per K step
+                sbytes = s_desc.load([desc_expert, k0 // BK, 0, desc_row, 0]).reshape(BN, BK // 16)
+            else:
+                sbytes = s_desc.load([desc_expert, 0, desc_row, k0 // 16]).reshape(BN, BK // 16)
         elif TMA:  # bulk tensor copies, which Triton pipelines over num_stages
             if PAIRED:  # [BN/2, BK] bytes of row-pair words
                 packed = w_desc.load([desc_row // 2, k0])
             else:
                 packed = w_desc.load([desc_row, k0 // 2])
             if BK >= 256:
-                sbytes = s_desc.load([desc_row, k0 // 16])
+                if SCALE_TILES:  # [E * K/BK * N, BK/16]: expert, K step, row
+                    sbytes = s_desc.load([(desc_expert * (K // BK) + k0 // BK) * N_EXPERT + desc_row
+                                          - desc_expert * N_EXPERT, 0])
+                else:
+                    sbytes = s_desc.load([desc_row, k0 // 16])
             else:  # a scale box row under 16 bytes is not allowed: plain loads (BK/16 bytes per row)
                 sbytes = tl.load(s_ptrs + k0 // 16)
         elif PREFETCH:
@@ -314,7 +326,7 @@ def _gemm1_swiglu_kernel(
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
     PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
     MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
-    OUT_BY_ROW: tl.constexpr = False,
+    OUT_BY_ROW: tl.constexpr = False, SCALE_TILES: tl.constexpr = False,
 ):
     """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``, row = slot (or
     with OUT_BY_ROW, the slot's row in expert order: GEMM2 then reads a block's rows through TMA). With
@@ -339,7 +351,7 @@ def _gemm1_swiglu_kernel(
             # (the weights come through the 4-D descriptors: w_e, s_e and the rows are unused there)
             acc = _expert_matmul(zero, w_e, s_e, tl.arange(0, BN), x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                  FAST_DECODE, INTERPRET, w_desc, s_desc, i0, TMA, FRAGMENT_ORDER, PAIRED,
-                                 FAST_SCALES, k_hi=k_stop, GATE_UP=True, desc_expert=e)
+                                 FAST_SCALES, k_hi=k_stop, GATE_UP=True, desc_expert=e, SCALE_TILES=SCALE_TILES)
             gate, up = tl.split(tl.permute((acc * g).reshape(2, BN // 2, BM), (1, 2, 0)))  # rows [gate; up]
             cols = i0 + tl.arange(0, BN // 2)
         else:
@@ -369,6 +381,7 @@ def _gemm2_kernel(
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
     FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
     TILES: tl.constexpr = 1, FLATTEN: tl.constexpr = True, a_desc=None, A_TMA: tl.constexpr = False,
+    SCALE_TILES: tl.constexpr = False,
 ):
     """Per (M block, group of TILES column tiles): ``y[slot] = route weight * (a[slot] W2^T)`` into
     ``out [S, H]`` float32, BN columns per tile. TILES > 1: one program walks several column tiles
@@ -391,7 +404,8 @@ def _gemm2_kernel(
             acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
                                  BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
                                  e * H + col0, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop,
-                                 a_desc=a_desc, a_row0=tl.load(block_row_start_ptr + b), A_TMA=A_TMA, BM=BM)
+                                 a_desc=a_desc, a_row0=tl.load(block_row_start_ptr + b), A_TMA=A_TMA, BM=BM,
+                                 desc_expert=e, SCALE_TILES=SCALE_TILES, N_EXPERT=H)
             # loaded after the K loop, not held in registers through it
             g = tl.load(g_ptr + e)
             if a_ptr.dtype.element_ty == tl.bfloat16:
