@@ -100,7 +100,7 @@ def main():
         kernel, sig = kernels._gemm2_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
                                               "out_ptr": "*fp32"}
         constants |= dict(TILES=cfg.get("TILES2", 1), FLATTEN=bool(cfg.get("FLATTEN2", 1)),
-                          A_TMA=bool(cfg.get("A_TMA2")))
+                          A_TMA=bool(cfg.get("A_TMA2")), PREFETCH_L2=bool(cfg.get("PREFETCH_L2")))
         if cfg.get("A_TMA2"):
             desc["a_desc"] = f"tensordesc<bf16[{cfg['BM']}, {bk}]>"
         else:

@@ -204,6 +204,25 @@ def _await_previous_kernel(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+# One bulk prefetch of 512 bytes into L2 per element (sm90 ``cp.async.bulk.prefetch``), if $2 != 0.
+_PREFETCH_512_L2 = tl.constexpr("""
+{
+.reg .pred p;
+setp.ne.u32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], 512;
+mov.u32 $0, 0;
+}
+""")
+
+@triton.jit
+def _prefetch_l2(byte_ptr, start, NBYTES: tl.constexpr):
+    """Ask L2 for bytes ``start .. start + NBYTES`` of ``byte_ptr`` (NBYTES a multiple of 512), spread
+    over the program's threads; nothing waits for it."""
+    n = tl.arange(0, triton.next_power_of_2(NBYTES // 512))
+    tl.inline_asm_elementwise(_PREFETCH_512_L2, "=r,l,r", [byte_ptr + start + n.to(tl.int64) * 512,
+                                                           (n < NBYTES // 512).to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
 @triton.jit
 def _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM: tl.constexpr):
     r0 = tl.load(block_row_start_ptr + b)
@@ -381,16 +400,28 @@ def _gemm2_kernel(
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
     FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
     TILES: tl.constexpr = 1, FLATTEN: tl.constexpr = True, a_desc=None, A_TMA: tl.constexpr = False,
-    SCALE_TILES: tl.constexpr = False,
+    SCALE_TILES: tl.constexpr = False, PREFETCH_L2: tl.constexpr = False,
 ):
     """Per (M block, group of TILES column tiles): ``y[slot] = route weight * (a[slot] W2^T)`` into
     ``out [S, H]`` float32, BN columns per tile. TILES > 1: one program walks several column tiles
     in one flattened loop (the block's rows and slots read once, the weight stream not restarted per
     tile). A_TMA: ``a`` holds the rows in expert order (GEMM1's OUT_BY_ROW) and its ``[BM, BK]``
     tiles come through ``a_desc`` from the block's first row (rows past the block belong to other
-    blocks or lie past the end, read as zeros: their columns of the tile are not stored)."""
-    _await_previous_kernel(PDL)
+    blocks or lie past the end, read as zeros: their columns of the tile are not stored).
+
+    PREFETCH_L2 (with PDL): before waiting for GEMM1, the program asks L2 for its weight and scale
+    rows (one contiguous run each), so that the weight stream starts during GEMM1's last wave. The
+    routing tables are final by then (GEMM1 lets this kernel start only after its own wait for the
+    routing kernel); they are read past L1, which may hold a previous call's values."""
     b = tl.program_id(0)
+    if PDL and PREFETCH_L2:
+        e_early = tl.load(block_expert_ptr + b, cache_modifier=".cg")
+        if e_early >= 0:
+            row0 = e_early.to(tl.int64) * H + tl.program_id(1) * (TILES * BN)
+            _prefetch_l2(w_ptr.to(tl.pointer_type(tl.uint8)), row0 * (I // 2), TILES * BN * (I // 2))
+            if not SCALE_TILES:
+                _prefetch_l2(s_ptr.to(tl.pointer_type(tl.uint8)), row0 * (I // 16), TILES * BN * (I // 16))
+    _await_previous_kernel(PDL)
     e = tl.load(block_expert_ptr + b)
     if e >= 0:
         slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)

@@ -250,6 +250,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
         PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), TILES=tiles2,
         FLATTEN=cfg.get("FLATTEN2", True), a_desc=a_desc2 if a_tma else None, A_TMA=a_tma, SCALE_TILES=scale_tiles,
+        PREFETCH_L2=bool(cfg.get("PREFETCH_L2")),
         **launch,
     )
     return _sum_topk(y, topk_ids, x, num_experts, pdl)
