@@ -237,7 +237,8 @@ def main() -> None:
                 log(f"  T={t} {b}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
                 continue
             row[b] = {"ms": ms, "rel_err": err}
-            log(f"  T={t:5d} {b:17s} {ms:9.4f} ms  rel err vs reference {err:.2e}  (floor {floor_ms:.4f} ms, {hit:.0f} experts)")
+            checked = f"rel err vs reference {err:.2e}" if ref is not None else "not checked (no reference backend)"
+            log(f"  T={t:5d} {b:17s} {ms:9.4f} ms  {checked}  (floor {floor_ms:.4f} ms, {hit:.0f} experts)")
         rows.append(row)
         del inputs
 
