@@ -30,8 +30,8 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 def loop_histograms(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int, maxnreg: int = 0):
     """Compile ``kernel`` for sm90 and return (registers, ptxas notes, wgmma waits, [(instructions,
-    Counter)] per loop, shared memory bytes). The waits are the SASS ``WARPGROUP.DEPBAR.LE gsb0, N`` by N: after every
-    wgmma with N = 0 when ptxas serialized them."""
+    Counter)] per loop, shared memory bytes). The waits are the SASS ``WARPGROUP.DEPBAR.LE gsb0, N``
+    by N: after every wgmma with N = 0 when ptxas serialized them."""
     names = list(kernel.arg_names)
     # what the JIT would specialize at run time: pointers and sizes divisible by 16
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
@@ -80,8 +80,7 @@ def main():
     bn, bk = (cfg["BN1"], cfg["BK1"]) if args.gemm1 else (cfg["BN2"], cfg["BK2"])
     if merged:  # 4-D boxes over [E, 2, I, *] (launch._gate_up_descriptors)
         w_box = f"[1, 2, {bn // 4}, {bk}]" if paired else f"[1, 2, {bn // 2}, {bk // 2}]"
-        s_box = f"[1, 1, 2, {bn // 2}, {bk // 16}]" if cfg.get("SCALE_TILES") else f"[1, 2, {bn // 2}, {bk // 16}]"
-        desc = {"w_desc": f"tensordesc<u8{w_box}>", "s_desc": f"tensordesc<u8{s_box}>"}
+        desc = {"w_desc": f"tensordesc<u8{w_box}>", "s_desc": f"tensordesc<u8[1, 2, {bn // 2}, {bk // 16}]>"}
     else:
         w_box = f"[{bn // 2}, {bk}]" if paired else f"[{bn}, {bk // 2}]"
         desc = {"w_desc": f"tensordesc<u8{w_box}>",
@@ -91,25 +90,20 @@ def main():
                      TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"], PAIRED=paired,
                      FAST_SCALES=bool(cfg.get("FAST_SCALES", 1)), H=7168, I=2048,
                      PIPELINED_MMA=bool(cfg["PIPELINED_MMA1" if args.gemm1 else "PIPELINED_MMA2"]),
-                     PDL=bool(cfg.get("PDL")), SCALE_TILES=bool(cfg.get("SCALE_TILES")))
+                     PDL=bool(cfg.get("PDL")))
     common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "K_RUNTIME": "i32"}
     if args.gemm1:
-        constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, OUT_BY_ROW=bool(cfg.get("A_TMA2")))
+        constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged)
         kernel, sig = kernels._gemm1_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32"}
     else:
         kernel, sig = kernels._gemm2_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
                                               "out_ptr": "*fp32"}
-        constants |= dict(TILES=cfg.get("TILES2", 1), FLATTEN=bool(cfg.get("FLATTEN2", 1)),
-                          A_TMA=bool(cfg.get("A_TMA2")), PREFETCH_L2=bool(cfg.get("PREFETCH_L2")))
-        if cfg.get("A_TMA2"):
-            desc["a_desc"] = f"tensordesc<bf16[{cfg['BM']}, {bk}]>"
-        else:
-            constants["a_desc"] = None
     sig = {n: sig[n] for n in kernel.arg_names if n in sig} | desc | {k: "constexpr" for k in constants}
-    regs, serialized, waits, loops, smem = loop_histograms(kernel, sig, constants, cfg["num_warps"], cfg["num_stages"],
-                                                     cfg.get("maxnreg", 0))
+    regs, serialized, waits, loops, smem = loop_histograms(kernel, sig, constants, cfg["num_warps"],
+                                                           cfg["num_stages"], cfg.get("maxnreg", 0))
     print(f"triton {triton.__version__}, {args.tokens} tokens {'GEMM1' if args.gemm1 else 'GEMM2'}, paired={paired}, {cfg}\n"
-          f"registers per thread: {regs}; shared memory {smem / 1024:.0f} KiB; wgmma waits (DEPBAR.LE gsb0, N: count): {waits}"
+          f"registers per thread: {regs}; shared memory {smem / 1024:.0f} KiB; "
+          f"wgmma waits (DEPBAR.LE gsb0, N: count): {waits}"
           + (f"; ptxas: {serialized}" if serialized else ""))
     n, ops = min(loops, key=lambda loop: loop[0])  # the innermost: the K loop (others wrap it)
     print(f"K loop: {n} instructions per thread per K step of {bk}: {dict(ops.most_common(args.top))}")

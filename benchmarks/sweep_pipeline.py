@@ -69,7 +69,6 @@ def main():
     w = random_weights(e, h, i, "cuda")
     tensors = fp4moe_ops.prepare_experts(w, "triton").op_tensors()
     del w
-    tiled = None  # the scales stored by K step, for configs with SCALE_TILES=1 (launch.tile_scales)
     bytes_per_expert = 3 * h * i * (0.5 + 1 / 16)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = []
@@ -81,15 +80,9 @@ def main():
         ref = fn(*inputs[0], tensors, previous_config(t, k, e, h, i))
         for name, cfg in configs(t, k, e, h, i, args.variant, args.pdl).items():
             try:
-                use = tensors
-                if cfg.get("SCALE_TILES"):
-                    if tiled is None:
-                        tiled = list(tensors)
-                        tiled[1], tiled[4] = launch.tile_scales(tensors[1]), launch.tile_scales(tensors[4])
-                    use = tiled
-                out = fn(*inputs[0], use, cfg)
+                out = fn(*inputs[0], tensors, cfg)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                ms = graph_time_ms(lambda x, ids, rw: fn(x, ids, rw, use, cfg), inputs) if err < 1e-2 else None
+                ms = graph_time_ms(lambda x, ids, rw: fn(x, ids, rw, tensors, cfg), inputs) if err < 1e-2 else None
             except Exception as exc:  # noqa: BLE001 - report and go on
                 err, ms = None, None
                 print(f"{t:5d} {name:34s} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)

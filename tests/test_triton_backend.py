@@ -265,53 +265,6 @@ def test_triton_merged_gate_up_tiles(bm, bn1, pipelined, paired):
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("bm,pipelined", [(16, False), (16, True), (64, True)])
-def test_triton_intermediate_in_expert_order_through_tma(bm, pipelined):
-    # A_TMA2: GEMM1 stores its rows in expert order and GEMM2 reads each block's [BM, BK] tiles
-    # through TMA from the block's first row, so a box runs past the block into the next expert's
-    # rows (or past the end). Same arithmetic as reading by slot: bitwise equal. An expert with NaN
-    # weights must reach only its own tokens, though its rows sit right after another expert's.
-    e, h, i, t, k = 4, 512, 256, 40, 2
-    w = layer(e, h, i)
-    x = torch.randn(t, h, dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
-    ids[3, 0] = -1
-    rw = torch.rand(t, k)
-    tensors = [v.to(DEVICE) for v in kernel_tensors(w)]
-    cfg = kernel_config(t * k, e, h, i) | dict(BM=bm, PIPELINED_MMA1=pipelined, PIPELINED_MMA2=pipelined)
-    args = (x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE))
-    by_slot = triton_fused_moe(*args, tensors, cfg | dict(A_TMA2=False)).cpu()
-    by_row = triton_fused_moe(*args, tensors, cfg | dict(A_TMA2=True)).cpu()
-    assert torch.equal(by_row, by_slot)
-    ref = moe64(x, ids, rw, *w.tensors())
-    torch.testing.assert_close(by_row.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
-
-    tensors[2] = tensors[2].clone()
-    tensors[2][2] = float("nan")  # expert 2's gate/up global scale: its rows of the intermediate are NaN
-    out = triton_fused_moe(*args, tensors, cfg | dict(A_TMA2=True)).cpu()
-    hit = (ids == 2).any(dim=1)
-    assert out[hit].isnan().all(dim=1).all() and torch.isfinite(out[~hit]).all()
-    torch.testing.assert_close(out[~hit], by_row[~hit], rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("t", [3, 40])
-def test_triton_scales_stored_by_k_step(t):
-    # The SCALE_TILES experiment: scales as [E, K/256, N, 16] (tile_scales), one contiguous box per
-    # K step, in GEMM1's 5-D and GEMM2's 2-D descriptors: bitwise the output of the canonical scales.
-    from fp4moe_ops.backends.triton_moe.launch import tile_scales
-
-    e, h, i, k = 4, 512, 512, 2  # two K steps in each GEMM
-    w = layer(e, h, i)
-    x = torch.randn(t, h, dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
-    rw = torch.rand(t, k)
-    tensors = [v.to(DEVICE) for v in kernel_tensors(w)]
-    tiled = list(tensors)
-    tiled[1], tiled[4] = tile_scales(tensors[1]), tile_scales(tensors[4])
-    args = (x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE))
-    assert torch.equal(triton_fused_moe(*args, tiled), triton_fused_moe(*args, tensors))
-
-
 def test_kernel_config_counts_rows_over_the_routed_experts():
     # An EP=8 rank of DeepSeek-V3 (32 of 256 experts) at 128 tokens: 1024 slots but ~4 local rows
     # per expert. Counted over the local experts it would look like 32 rows: prefill tiles.

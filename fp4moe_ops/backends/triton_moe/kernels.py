@@ -204,25 +204,6 @@ def _await_previous_kernel(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-# One bulk prefetch of 512 bytes into L2 per element (sm90 ``cp.async.bulk.prefetch``), if $2 != 0.
-_PREFETCH_512_L2 = tl.constexpr("""
-{
-.reg .pred p;
-setp.ne.u32 p, $2, 0;
-@p cp.async.bulk.prefetch.L2.global [$1], 512;
-mov.u32 $0, 0;
-}
-""")
-
-@triton.jit
-def _prefetch_l2(byte_ptr, start, NBYTES: tl.constexpr):
-    """Ask L2 for bytes ``start .. start + NBYTES`` of ``byte_ptr`` (NBYTES a multiple of 512), spread
-    over the program's threads; nothing waits for it."""
-    n = tl.arange(0, triton.next_power_of_2(NBYTES // 512))
-    tl.inline_asm_elementwise(_PREFETCH_512_L2, "=r,l,r", [byte_ptr + start + n.to(tl.int64) * 512,
-                                                           (n < NBYTES // 512).to(tl.int32)],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
 @triton.jit
 def _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM: tl.constexpr):
     r0 = tl.load(block_row_start_ptr + b)
@@ -247,13 +228,12 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                    FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
                    FAST_SCALES: tl.constexpr = True, k_lo=0, k_hi=0, A_NATURAL: tl.constexpr = False,
                    a_desc=None, a_row0=0, A_TMA: tl.constexpr = False, BM: tl.constexpr = 16,
-                   GATE_UP: tl.constexpr = False, desc_expert=0, SCALE_TILES: tl.constexpr = False,
-                   N_EXPERT: tl.constexpr = 0):
+                   GATE_UP: tl.constexpr = False, desc_expert=0):
     """``acc [BN, BM] += W[rows, k_lo:k_hi] @ A[a_rows, k_lo:k_hi]^T`` (``k_hi = 0``: K) with W NVFP4
     ``[*, K/2]`` bytes (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk,
     or with A_NATURAL too, A is in natural order and read permuted: for small A, no copy to make;
-    A_TMA: A's ``[BM, BK]`` tiles from row ``a_row0`` come through TMA, pipelined like the weights;
-    in natural order with A_NATURAL (then permuted in registers), else already in fragment order).
+    with A_TMA as well, A's ``[BM, BK]`` tiles from ``a_row0`` come through TMA in natural order,
+    pipelined like the weights, and are permuted in registers).
 
     The weight tile is the MMA's M side ("swap AB"): decode's few tokens sit on the narrow
     N side. A constant ``k_hi`` (0) with a constexpr K gives the loop a static trip count: then
@@ -269,10 +249,6 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     ``[2, I, *]`` (gate, up) and the tile is rows ``desc_row .. desc_row + BN/2`` of both, for expert
     ``desc_expert``: here ``desc_row`` is a row within I, where the 2-D TMA path takes a row of
     ``[E*N, *]``.
-
-    SCALE_TILES (an experiment, issue 17): the scales are stored K step by K step, ``[E, K/BK, N,
-    BK/16]`` (N_EXPERT = N rows per expert), so that a step's scale box is one contiguous run
-    instead of BN rows of 16 bytes.
     """
     dtype = a_ptr.dtype.element_ty
     kb = tl.arange(0, BK // 2)
@@ -290,10 +266,8 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
         packed = tl.load(w_ptrs + k_lo // 2)
         sbytes = tl.load(s_ptrs + k_lo // 16)
     for k0 in range(k_lo, k_end, BK):
-        if A_TMA and A_NATURAL:
+        if A_TMA:
             a = _fragment_order_tile(a_desc.load([a_row0, k0]), BM, BK)
-        elif A_TMA:
-            a = tl.trans(a_desc.load([a_row0, k0]))
         else:
             a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
         if GATE_UP:  # [gate rows; up rows] of one expert from 4-D descriptors over [E, 2, I, *]
@@ -301,21 +275,14 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                 packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
             else:
                 packed = w_desc.load([desc_expert, 0, desc_row, k0 // 2]).reshape(BN, BK // 2)
-            if SCALE_TILES:  # [E, K/BK, 2, I, BK/16]: one contiguous box per K step
-                sbytes = s_desc.load([desc_expert, k0 // BK, 0, desc_row, 0]).reshape(BN, BK // 16)
-            else:
-                sbytes = s_desc.load([desc_expert, 0, desc_row, k0 // 16]).reshape(BN, BK // 16)
+            sbytes = s_desc.load([desc_expert, 0, desc_row, k0 // 16]).reshape(BN, BK // 16)
         elif TMA:  # bulk tensor copies, which Triton pipelines over num_stages
             if PAIRED:  # [BN/2, BK] bytes of row-pair words
                 packed = w_desc.load([desc_row // 2, k0])
             else:
                 packed = w_desc.load([desc_row, k0 // 2])
             if BK >= 256:
-                if SCALE_TILES:  # [E * K/BK * N, BK/16]: expert, K step, row
-                    sbytes = s_desc.load([(desc_expert * (K // BK) + k0 // BK) * N_EXPERT + desc_row
-                                          - desc_expert * N_EXPERT, 0])
-                else:
-                    sbytes = s_desc.load([desc_row, k0 // 16])
+                sbytes = s_desc.load([desc_row, k0 // 16])
             else:  # a scale box row under 16 bytes is not allowed: plain loads (BK/16 bytes per row)
                 sbytes = tl.load(s_ptrs + k0 // 16)
         elif PREFETCH:
@@ -345,10 +312,8 @@ def _gemm1_swiglu_kernel(
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
     PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
     MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
-    OUT_BY_ROW: tl.constexpr = False, SCALE_TILES: tl.constexpr = False,
 ):
-    """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``, row = slot (or
-    with OUT_BY_ROW, the slot's row in expert order: GEMM2 then reads a block's rows through TMA). With
+    """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
     MERGED_GATE_UP (TMA tiles) a program's BN rows are BN/2 gate rows and the same up rows, in one K
     loop with one accumulator; else BN gate rows and BN up rows in two K loops."""
     _await_previous_kernel(PDL)
@@ -370,7 +335,7 @@ def _gemm1_swiglu_kernel(
             # (the weights come through the 4-D descriptors: w_e, s_e and the rows are unused there)
             acc = _expert_matmul(zero, w_e, s_e, tl.arange(0, BN), x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                  FAST_DECODE, INTERPRET, w_desc, s_desc, i0, TMA, FRAGMENT_ORDER, PAIRED,
-                                 FAST_SCALES, k_hi=k_stop, GATE_UP=True, desc_expert=e, SCALE_TILES=SCALE_TILES)
+                                 FAST_SCALES, k_hi=k_stop, GATE_UP=True, desc_expert=e)
             gate, up = tl.split(tl.permute((acc * g).reshape(2, BN // 2, BM), (1, 2, 0)))  # rows [gate; up]
             cols = i0 + tl.arange(0, BN // 2)
         else:
@@ -387,8 +352,7 @@ def _gemm1_swiglu_kernel(
         h = gate * tl.sigmoid(gate) * up
         if FRAGMENT_ORDER:  # GEMM2 reads its K axis (our columns) in fragment order
             cols = _fragment_position(cols, OUT_CHUNK)
-        out_rows = tl.load(block_row_start_ptr + b) + tl.arange(0, BM) if OUT_BY_ROW else slots
-        tl.store(out_ptr + out_rows[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + slots[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
                  mask=row_mask[None, :])
 
 @triton.jit
@@ -399,29 +363,9 @@ def _gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
     FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
-    TILES: tl.constexpr = 1, FLATTEN: tl.constexpr = True, a_desc=None, A_TMA: tl.constexpr = False,
-    SCALE_TILES: tl.constexpr = False, PREFETCH_L2: tl.constexpr = False,
 ):
-    """Per (M block, group of TILES column tiles): ``y[slot] = route weight * (a[slot] W2^T)`` into
-    ``out [S, H]`` float32, BN columns per tile. TILES > 1: one program walks several column tiles
-    in one flattened loop (the block's rows and slots read once, the weight stream not restarted per
-    tile). A_TMA: ``a`` holds the rows in expert order (GEMM1's OUT_BY_ROW) and its ``[BM, BK]``
-    tiles come through ``a_desc`` from the block's first row (rows past the block belong to other
-    blocks or lie past the end, read as zeros: their columns of the tile are not stored).
-
-    PREFETCH_L2 (with PDL): before waiting for GEMM1, the program asks L2 for its weight and scale
-    rows (one contiguous run each), so that the weight stream starts during GEMM1's last wave. The
-    routing tables are final by then (GEMM1 lets this kernel start only after its own wait for the
-    routing kernel); they are read past L1, which may hold a previous call's values."""
-    b = tl.program_id(0)
-    if PDL and PREFETCH_L2:
-        e_early = tl.load(block_expert_ptr + b, cache_modifier=".cg")
-        if e_early >= 0:
-            row0 = e_early.to(tl.int64) * H + tl.program_id(1) * (TILES * BN)
-            _prefetch_l2(w_ptr.to(tl.pointer_type(tl.uint8)), row0 * (I // 2), TILES * BN * (I // 2))
-            if not SCALE_TILES:
-                _prefetch_l2(s_ptr.to(tl.pointer_type(tl.uint8)), row0 * (I // 16), TILES * BN * (I // 16))
     _await_previous_kernel(PDL)
+    b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e >= 0:
         slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
@@ -429,21 +373,16 @@ def _gemm2_kernel(
         e64 = e.to(tl.int64)
         w_e = w_ptr + e64 * H * (I // 2)
         s_e = s_ptr + e64 * H * (I // 16)
-        for tile in tl.range(0, TILES, flatten=FLATTEN and TILES > 1):
-            col0 = (tl.program_id(1) * TILES + tile) * BN
-            cols = col0 + tl.arange(0, BN)
-            acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
-                                 BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
-                                 e * H + col0, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop,
-                                 a_desc=a_desc, a_row0=tl.load(block_row_start_ptr + b), A_TMA=A_TMA, BM=BM,
-                                 desc_expert=e, SCALE_TILES=SCALE_TILES, N_EXPERT=H)
-            # loaded after the K loop, not held in registers through it
-            g = tl.load(g_ptr + e)
-            if a_ptr.dtype.element_ty == tl.bfloat16:
-                g = g * 4194304.0
-            route = tl.load(topk_weights_ptr + slots, mask=row_mask, other=0.0)
-            y = acc * g * route[None, :]
-            tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
+                             BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
+                             e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop)
+        g = tl.load(g_ptr + e)
+        if a_ptr.dtype.element_ty == tl.bfloat16:
+            g = g * 4194304.0
+        route = tl.load(topk_weights_ptr + slots, mask=row_mask, other=0.0)
+        y = acc * g * route[None, :]
+        tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
 
 @triton.jit(do_not_specialize=["S", "NUM_BLOCKS", "X_NUMEL", "H"])
 def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,

@@ -186,8 +186,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     w13, s13, g13, w2, s2, g2 = expert_tensors
     num_tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
-    scale_tiles = s13.dim() == 4  # scales given as tile_scales(...) of the canonical ones (an experiment)
-    num_experts, inter = s13.shape[0], s13.shape[-2 if scale_tiles else 1] // 2
+    num_experts, inter = s13.shape[0], s13.shape[1] // 2
     num_slots = num_tokens * top_k
     cfg = config or kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
     paired = w13.dtype == torch.int32
@@ -213,24 +212,16 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
                   FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True), **_pdl_args(pdl))
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
-    # GEMM1 writes its rows in expert order and GEMM2 reads them through TMA (A_TMA2), or both by slot
-    a_tma = bool(cfg.get("A_TMA2")) and bool(cfg.get("TMA")) and fragment
-    if a_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        a_desc2 = TensorDescriptor.from_tensor(inter_act, [cfg["BM"], cfg["BK2"]])
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     tma = cfg.get("TMA", False)
     merged = cfg.get("MERGED_GATE_UP", False)
     if merged and not (tma and cfg["BK1"] >= 256):
         raise ValueError("MERGED_GATE_UP needs TMA and BK1 >= 256 (16-byte scale box rows)")
-    if scale_tiles and not (merged and cfg["BK1"] == cfg["BK2"] == 256):
-        raise ValueError("SCALE_TILES needs MERGED_GATE_UP and BK1 = BK2 = 256")
     if merged:
-        desc1 = _gate_up_descriptors(w13, s13, cfg["BN1"], cfg["BK1"], scale_tiles)
+        desc1 = _gate_up_descriptors(w13, s13, cfg["BN1"], cfg["BK1"])
     else:
         desc1 = _descriptors(w13, s13, cfg["BN1"], cfg["BK1"]) if tma else (w13, s13)
-    desc2 = _descriptors(w2, s2, cfg["BN2"], cfg["BK2"], scale_tiles) if tma else (w2, s2)
+    desc2 = _descriptors(w2, s2, cfg["BN2"], cfg["BK2"]) if tma else (w2, s2)
     # programs per M block: BN1/2 gate and BN1/2 up rows each (merged), or BN1 of both
     grid1 = (block_expert.numel(), (2 if merged else 1) * inter // cfg["BN1"])
     # hidden and inter go in twice: as the constexprs H and I, and as K_RUNTIME, the K loop's bound
@@ -238,32 +229,18 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     _gemm1_swiglu_kernel[grid1](
         x_gemm1, w13, s13, g13, inter_act, sorted_slot, block_expert,
         row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
-        OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True),
-        OUT_BY_ROW=a_tma, SCALE_TILES=scale_tiles, **launch,
+        OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **launch,
     )
-    tiles2 = cfg.get("TILES2", 1)  # column tiles per GEMM2 program
-    if hidden // cfg["BN2"] % tiles2:
-        raise ValueError(f"TILES2={tiles2} must divide the {hidden // cfg['BN2']} column tiles of GEMM2")
-    grid2 = (block_expert.numel(), hidden // cfg["BN2"] // tiles2)
+    grid2 = (block_expert.numel(), hidden // cfg["BN2"])
     _gemm2_kernel[grid2](
         inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end,
         hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
-        PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), TILES=tiles2,
-        FLATTEN=cfg.get("FLATTEN2", True), a_desc=a_desc2 if a_tma else None, A_TMA=a_tma, SCALE_TILES=scale_tiles,
-        PREFETCH_L2=bool(cfg.get("PREFETCH_L2")),
-        **launch,
+        PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), **launch,
     )
     return _sum_topk(y, topk_ids, x, num_experts, pdl)
 
 
-def tile_scales(s: torch.Tensor, bk: int = 256) -> torch.Tensor:
-    """Scales ``[E, N, K/16]`` -> ``[E, K/bk, N, bk/16]``: each K step's scales contiguous (the
-    SCALE_TILES experiment)."""
-    e, n, kb = s.shape
-    return s.reshape(e, n, kb * 16 // bk, bk // 16).permute(0, 2, 1, 3).contiguous()
-
-
-def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int, tiled_scales: bool = False):
+def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int):
     """TMA descriptors over ``w [E, N, K/2]`` and ``s [E, N, K/16]`` as 2-D ``[E*N, *]`` with
     ``[bn, bk/2]`` / ``[bn, bk/16]`` boxes; paired ``w [E, N/2, K/4]`` int32 as bytes
     ``[E*N/2, K]`` with ``[bn/2, bk]`` boxes. A box row must be >= 16 bytes: with ``bk < 256``
@@ -276,20 +253,17 @@ def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int, tiled_scale
         w_box = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[-1]), [bn, bk // 2])
     if bk < 256:
         return w_box, s
-    return w_box, TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [bn, bk // 16])  # tiled: [E*K/bk*N, 16]
+    return w_box, TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [bn, bk // 16])
 
 
-def _gate_up_descriptors(w13: torch.Tensor, s13: torch.Tensor, bn: int, bk: int, tiled_scales: bool = False):
+def _gate_up_descriptors(w13: torch.Tensor, s13: torch.Tensor, bn: int, bk: int):
     """4-D TMA descriptors over ``w13`` as ``[E, 2, I, H/2]`` (paired: bytes ``[E, 2, I/2, H]``, gate
     pairs then up pairs) and ``s13`` as ``[E, 2, I, H/16]``: one box holds ``bn/2`` gate rows and the
     same up rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    e, inter = w13.shape[0], s13.shape[-2 if tiled_scales else 1] // 2
-    if tiled_scales:  # [E, H/bk, 2I, 16] as [E, H/bk, 2, I, 16]
-        s = TensorDescriptor.from_tensor(s13.reshape(e, s13.shape[1], 2, inter, bk // 16), [1, 1, 2, bn // 2, bk // 16])
-    else:
-        s = TensorDescriptor.from_tensor(s13.reshape(e, 2, inter, s13.shape[-1]), [1, 2, bn // 2, bk // 16])
+    e, inter = w13.shape[0], s13.shape[1] // 2
+    s = TensorDescriptor.from_tensor(s13.reshape(e, 2, inter, s13.shape[-1]), [1, 2, bn // 2, bk // 16])
     if w13.dtype == torch.int32:  # paired: row-pair words, as bytes
         w = w13.view(torch.uint8).reshape(e, 2, inter // 2, 4 * w13.shape[-1])
         return TensorDescriptor.from_tensor(w, [1, 2, bn // 4, bk]), s
