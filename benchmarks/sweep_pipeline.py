@@ -1,5 +1,5 @@
 """A/B of the MoE kernels' configs in one process (issue 17): the defaults against named variants
-(tiles, stages) and, with --pdl, against the same without programmatic dependent launch, next to
+(tiles, stages) and, with --pdl, against the same with programmatic dependent launch, next to
 the previous kernels' config (GEMM1's gate and up in two K loops with run-time bounds). Each
 config's output is compared with the first row's before it is timed.
 
@@ -39,7 +39,7 @@ def configs(t, k, e, h, i, variants=(), pdl=False):
     """Named configs: the reference row, the defaults, each ``variants`` entry (``NAME:KEY=INT,...``
     on top of the defaults; a NAME starting with ``decode_``, ``middle_`` or ``prefill_`` applies
     only to that bucket's token counts), the defaults again (the drift over the rows) and, with ``pdl``,
-    the defaults without programmatic dependent launch, twice (A B A B)."""
+    the defaults with programmatic dependent launch (opt-in), twice (A B A B)."""
     base = launch.kernel_config(t * k, e, h, i)
     out = {"two K loops U1 U2": previous_config(t, k, e, h, i), "default": base}
     for v in variants:
@@ -50,9 +50,9 @@ def configs(t, k, e, h, i, variants=(), pdl=False):
         out[name] = base | {a: int(b) for a, b in (kv.split("=") for kv in sets.split(","))}
     out["default, again"] = base
     if pdl:
-        out["no PDL"] = base | dict(PDL=False)
+        out["PDL"] = base | dict(PDL=True)
         out["default, third"] = base
-        out["no PDL, again"] = base | dict(PDL=False)
+        out["PDL, again"] = base | dict(PDL=True)
     return out
 
 
@@ -62,7 +62,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=INT,...",
                     help="a config on top of the defaults, e.g. prefill_bm128:BM=128,BN1=128,BN2=128,num_stages=2")
-    ap.add_argument("--pdl", action="store_true", help="rows without programmatic dependent launch")
+    ap.add_argument("--pdl", action="store_true", help="rows with programmatic dependent launch")
     args = ap.parse_args()
     e, h, i, k, routed = SHAPES["deepseek"]
     bw = copy_bandwidth("cuda")

@@ -150,8 +150,7 @@ def test_pdl_chain_in_a_graph_matches_plain_launches(t):
     tensors = fp4moe_ops.prepare_experts(layer(e, h, i), "triton").op_tensors()
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     ids, rw = routing(t, e, k)
-    cfg = kernel_config(t * k, e, h, i)
-    assert cfg["PDL"]
+    cfg = kernel_config(t * k, e, h, i)  # PDL is opt-in: the config key, set below
 
     def chain(x, pdl):
         for _ in range(10):  # each layer's routing, GEMMs and sum depend on the previous layer's sum
