@@ -28,16 +28,18 @@ from fp4moe_ops.backends.triton_moe import kernels, launch  # noqa: E402
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def loop_histograms(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int, maxnreg: int = 0):
+def loop_histograms(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int, maxnreg: int = 0,
+                    source=ASTSource):
     """Compile ``kernel`` for sm90 and return (registers, ptxas notes, wgmma waits, [(instructions,
     Counter)] per loop, shared memory bytes). The waits are the SASS ``WARPGROUP.DEPBAR.LE gsb0, N``
-    by N: after every wgmma with N = 0 when ptxas serialized them."""
+    by N: after every wgmma with N = 0 when ptxas serialized them. ``source``: ASTSource, or Gluon's
+    GluonASTSource for a ``gluon.jit`` kernel."""
     names = list(kernel.arg_names)
     # what the JIT would specialize at run time: pointers and sizes divisible by 16
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
              if (t.startswith("*") or t == "i32") and n != "TOPK"}
     options = {"num_warps": num_warps, "num_stages": num_stages} | ({"maxnreg": maxnreg} if maxnreg else {})
-    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+    compiled = triton.compile(source(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                               options=options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
