@@ -1,0 +1,105 @@
+"""The warp-specialized prefill GEMMs (``prefill_ws.py``, Gluon) against the Triton backend's
+kernels, one process (issue 17).
+
+    python benchmarks/bench_ws_prefill.py [--tokens 512,2048,8192] [--variant XS,WS,DS ...]
+
+First a small shape (E=8, H=1024, I=512, top-2; partial row blocks, rows past the end of the
+activations) checked against the reference backend, then the DeepSeek-V3 layer: each token count
+checked against the reference on the first 32 tokens (tokens are independent) and timed as in
+``bench_moe.py`` (4 routings per CUDA graph, median of replays): the whole layer (routing,
+gather, both GEMMs, top-k sum) for both implementations, and each of the new GEMMs alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fp4moe_ops  # noqa: E402
+from bench_moe import error_vs_reference, graph_time_ms, make_inputs, random_weights  # noqa: E402
+from fp4moe_ops.backends.triton_moe import launch, prefill_ws  # noqa: E402
+
+
+def ws_moe(x, ids, rw, tensors, stages=(5, 6, 2), bm=128):
+    w13, s13, g13, w2, s2, g2 = tensors
+    num_experts, top_k = w13.shape[0], ids.shape[1]
+    sorted_slot, block_expert, row_start, row_end = launch.route(ids, num_experts, bm)
+    x_sorted = x.index_select(0, sorted_slot.long() // top_k)
+    y = prefill_ws.ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, rw.float().contiguous(), sorted_slot,
+                                    block_expert, row_start, row_end, bm=bm, stages=stages)
+    return launch._sum_topk(y, ids, x, num_experts)
+
+
+def check(name, out, ref, limit=2e-3):
+    err = error_vs_reference(out.double(), ref.double())
+    ok = err < limit  # exact weights: fp32 summation order and bf16 roundings only (bench_moe: <= 1.2e-3)
+    print(f"  {name}: rel err vs reference {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
+    return ok
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="512,2048,8192")
+    ap.add_argument("--variant", action="append", default=[], help="XS,WS,DS ring depths")
+    ap.add_argument("--skip-small", action="store_true")
+    args = ap.parse_args()
+    variants = [(5, 6, 2)] + [tuple(int(v) for v in s.split(",")) for s in args.variant]
+    torch.manual_seed(0)
+
+    if not args.skip_small:
+        e, h, i, k = 8, 1024, 512, 2
+        w = random_weights(e, h, i, "cuda")
+        ref_impl = fp4moe_ops.prepare_experts(w, "reference")
+        tensors = fp4moe_ops.prepare_experts(w, "triton").op_tensors()
+        for t in (1, 37, 300, 1000):
+            x, ids, rw = make_inputs(t, h, k, e, "cuda", n=1)[0]
+            ref = ref_impl(x, ids, rw)
+            print(f"small T={t}", flush=True)
+            check("triton", launch.triton_fused_moe(x, ids, rw, tensors), ref)
+            for v in variants:
+                check(f"ws {v}", ws_moe(x, ids, rw, tensors, v), ref)
+
+    if not args.tokens:
+        return
+    e, h, i, k = 256, 7168, 2048, 8
+    w = random_weights(e, h, i, "cuda")
+    ref_impl = fp4moe_ops.prepare_experts(w, "reference")
+    tensors = fp4moe_ops.prepare_experts(w, "triton").op_tensors()
+    del w
+    for t in (int(s) for s in args.tokens.split(",") if s):
+        inputs = make_inputs(t, h, k, e, "cuda")
+        x, ids, rw = inputs[0]
+        sub = slice(0, 32)
+        ref = ref_impl(x[sub], ids[sub], rw[sub])
+        flops = 2 * 3 * h * i * t * k
+        print(f"T={t}", flush=True)
+        ok = check("triton", launch.triton_fused_moe(x, ids, rw, tensors)[sub], ref)
+        ms = graph_time_ms(lambda a, b, c: launch.triton_fused_moe(a, b, c, tensors), inputs)
+        print(f"  triton layer {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        for v in variants:
+            try:
+                if not check(f"ws {v}", ws_moe(x, ids, rw, tensors, v)[sub], ref):
+                    continue
+                ms = graph_time_ms(lambda a, b, c: ws_moe(a, b, c, tensors, v), inputs)
+                print(f"  ws {v} layer {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                print(f"  ws {v} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        # the new GEMMs alone (routing and gather outside the graph)
+        w13, s13, g13, w2, s2, g2 = tensors
+        pre = []
+        for x, ids, rw in inputs:
+            routed = launch.route(ids, e, 128)
+            pre.append((x.index_select(0, routed[0].long() // k), rw.float().contiguous(), *routed))
+        ms = graph_time_ms(lambda xs, rw, *r: prefill_ws.ws_prefill_gemms(xs, w13, s13, g13, w2, s2, g2, rw, *r), pre)
+        print(f"  ws GEMMs alone {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        del inputs, pre
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""Warp-specialized prefill GEMMs (Gluon, Hopper): the experts' two GEMMs for prefill-sized batches,
+with loading, FP4 decoding and wgmma in separate warps so that the decode of one K step overlaps
+the tensor cores' work on another (issue 17; the single-role Triton kernels in :mod:`.kernels`
+keep the tensor pipe busy 39-46% of the time at 8192 tokens).
+
+One program computes a ``[BM tokens, 256 weight rows]`` tile of one expert, over K in 64-wide steps:
+
+- **loader** (1 warp): TMA copies of the step's activation tile ``[BM, 64]`` bf16 (rows of the
+  expert-sorted activations) and of its two paired-layout weight boxes ``[64 pairs, 64]`` bytes
+  (:func:`.layout.paired_weight_layout`: a pair row holds weight rows ``r`` and ``r + 8``) into
+  shared-memory rings.
+- **decoder** (4 warps): each weight box -> 128 bf16 weight rows, times their E4M3 block scales
+  (loaded from global memory two steps ahead), into a ring of ``[256, 64]`` bf16 tiles laid out
+  for wgmma (128-byte swizzle), weight rows in natural order.
+- **consumer** (the default partition, ``BM / 16`` warps): ``wgmma(activations [BM, 64], decoded
+  weights^T [64, 256])`` from shared memory, one in flight while the next step's operands arrive,
+  then the epilogue: GEMM1's SwiGLU (the tile's columns interleave gate and up rows so both sit in
+  one thread) into ``h [S, I]`` bf16 in sorted-row order; GEMM2's times the routing weight into
+  ``y [S, H]`` float32 by slot.
+
+Decoded values carry a 2^-22 factor (exact in bf16, as in :mod:`.kernels`), folded into the global
+scale in the epilogue. bf16 activations only. Imported only where Triton (with Gluon) is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
+
+BK = gl.constexpr(64)  # K per step: one 128-byte swizzled row of bf16 operands
+PAIRS = gl.constexpr(64)  # pair rows per weight box (128 weight rows); a tile is two boxes
+BN = gl.constexpr(256)  # weight rows per tile
+
+# A paired word (rows r and r + 8, K 4u .. 4u + 3; bits permuted, see .layout) -> four bf16x2
+# registers in natural K order: (row r: k0 k1), (row r: k2 k3), (row r+8: k0 k1), (row r+8: k2 k3).
+# The masks / rotates / multiply leave bits 8..6 and 15 of each half (value * 2^-126, as in
+# kernels._PAIRED_WORD_TO_BF16, whose register order is (k0, k2), (k1, k3)); one mul.bf16x2 per
+# register by the row's block scale * 2^104; prmt puts the halves in K order.
+_PAIRED_WORD_TO_BF16_NATURAL = gl.constexpr("""
+{
+.reg .b32 a, b, c, d, t;
+and.b32 a, $4, 0x81C081C0;
+shf.l.wrap.b32 t, $4, $4, 10; and.b32 b, t, 0x81C081C0;
+shf.l.wrap.b32 t, $4, $4, 13; and.b32 c, t, 0x81C081C0;
+and.b32 t, $4, 0x001B001B; mul.lo.u32 t, t, 0x4108; and.b32 d, t, 0x81C081C0;
+mul.rn.bf16x2 a, a, $5; mul.rn.bf16x2 c, c, $5;
+mul.rn.bf16x2 b, b, $6; mul.rn.bf16x2 d, d, $6;
+prmt.b32 $0, a, c, 0x5410; prmt.b32 $1, a, c, 0x7632;
+prmt.b32 $2, b, d, 0x5410; prmt.b32 $3, b, d, 0x7632;
+}
+""")
+
+# An E4M3 block-scale byte (zero-extended) -> bf16x2 of ``scale * 2^104`` in both halves: the 7
+# exponent/mantissa bits moved into bf16's fields read as scale * 2^-120 (subnormals included;
+# the sign is dropped, scales are >= 0), times 2^112 twice (exact).
+_E4M3_TO_BF16X2 = gl.constexpr("""
+{
+.reg .b32 t, c;
+mov.b32 c, 0x77807780;
+and.b32 t, $1, 0x7F; shl.b32 t, t, 4; prmt.b32 t, t, 0, 0x1010;
+mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $0, t, c;
+}
+""")
+
+
+@gluon.jit
+def _load_scales(s_ptr, srow, k, K: gl.constexpr, L3: gl.constexpr):
+    """Block-scale bf16x2 registers of step ``k`` for pair rows 0..PAIRS of a box whose first
+    weight row is ``srow``: (rows r, rows r + 8), each ``[PAIRS, 4]`` (4 scale blocks per step)."""
+    SL: gl.constexpr = gl.SliceLayout(2, L3)
+    p = gl.arange(0, 64, layout=gl.SliceLayout(1, SL))
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, SL))
+    r = (p // 8) * 16 + p % 8
+    offs = (srow + r).to(gl.int64)[:, None] * (K // 16) + (k * 4 + j)[None, :]
+    top = gl.load(s_ptr + offs).to(gl.int32)
+    bottom = gl.load(s_ptr + offs + 8 * (K // 16)).to(gl.int32)
+    top = gl.inline_asm_elementwise(_E4M3_TO_BF16X2, "=r,r", [top], dtype=gl.int32, is_pure=True, pack=1)
+    bottom = gl.inline_asm_elementwise(_E4M3_TO_BF16X2, "=r,r", [bottom], dtype=gl.int32, is_pure=True, pack=1)
+    return top, bottom
+
+
+@gluon.jit
+def _decode_box(box, scales, L3: gl.constexpr):
+    """One weight box ``[PAIRS, 64]`` bytes in shared memory -> int32 ``[2 PAIRS, 32]`` (bf16 pairs:
+    weight rows in natural order, K in natural order)."""
+    words = box._reinterpret(gl.int32, [64, 16], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                                    rank=2))
+    # 4 consecutive words per thread (one 16-byte load, one scale block)
+    words = gl.reshape(words.load(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])), [64, 4, 4])
+    words = gl.convert_layout(words, L3, assert_trivial=True)
+    top, bottom = scales
+    o0, o1, o2, o3 = gl.inline_asm_elementwise(
+        _PAIRED_WORD_TO_BF16_NATURAL, "=r,=r,=r,=r,r,r,r", [words, gl.expand_dims(top, 2), gl.expand_dims(bottom, 2)],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    upper = gl.reshape(gl.join(o0, o1), [8, 8, 32])  # rows r = 16 (pair // 8) + pair % 8: (pair // 8, pair % 8, k pair)
+    lower = gl.reshape(gl.join(o2, o3), [8, 8, 32])  # rows r + 8
+    rows = gl.permute(gl.join(upper, lower), [0, 3, 1, 2])  # (pair // 8, which, pair % 8, k pair)
+    return gl.reshape(rows, [128, 32])
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, wrow1, srow0, srow1, K):
+    """TMA copies of the activation tiles (``DX`` steps ahead) and weight boxes (``WS - 1`` ahead),
+    and each step's two weight boxes -> one ``[256, 64]`` bf16 tile whose rows interleave the boxes'
+    (row ``2i`` is the first box's row i, ``2i + 1`` the second's: GEMM1's gate and up rows i).
+    One partition does both: a separate 1-warp loader would make 13 warps (16 with the rounding
+    to warpgroups), whose 128-register launch limit is too few for the consumer's wgmma.
+    (Constexpr arguments reach worker partitions as run-time values in Triton 3.6, so this code
+    is the same for both GEMMs.)"""
+    x_ready, x_empty, w_ready, d_ready, d_empty = bars
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+    XS: gl.constexpr = x_smem.shape[0]
+    WS: gl.constexpr = w_smem.shape[0] // 2
+    DS: gl.constexpr = d_smem.shape[0]
+    DX: gl.constexpr = XS - DS  # x may run ahead as far as the consumer lets the decoder
+    nk = K // BK
+    for j in gl.static_range(DX):
+        _load_x(x_desc, x_smem, x_ready, x_empty, row0, j, nk)
+    for j in gl.static_range(WS - 1):
+        _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, j, nk)
+    # block scales come from global memory two steps ahead (their latency then hides behind two
+    # steps' decoding)
+    a0 = _load_scales(s_ptr, srow0, 0, K, L3)
+    a1 = _load_scales(s_ptr, srow1, 0, K, L3)
+    b0 = _load_scales(s_ptr, srow0, gl.minimum(1, nk - 1), K, L3)
+    b1 = _load_scales(s_ptr, srow1, gl.minimum(1, nk - 1), K, L3)
+    for k in range(nk):
+        _load_x(x_desc, x_smem, x_ready, x_empty, row0, k + DX, nk)
+        # the slot of step k - 1, which every warp finished reading before the last barrier
+        _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, k + WS - 1, nk)
+        kn = gl.minimum(k + 2, nk - 1)
+        c0 = _load_scales(s_ptr, srow0, kn, K, L3)
+        c1 = _load_scales(s_ptr, srow1, kn, K, L3)
+        ws = k % WS
+        mbarrier.wait(w_ready.index(ws), (k // WS) & 1)
+        first = _decode_box(w_smem.index(2 * ws), a0, L3)
+        second = _decode_box(w_smem.index(2 * ws + 1), a1, L3)
+        tile = gl.reshape(gl.permute(gl.join(first, second), [0, 2, 1]), [256, 32])
+        ds = k % DS
+        mbarrier.wait(d_empty.index(ds), ((k // DS) & 1) ^ 1)
+        d_smem.index(ds)._reinterpret(gl.int32, [256, 32], gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                                                element_bitwidth=32,
+                                                                                rank=2)).store(tile)
+        fence_async_shared()  # the stores before the consumer's wgmma (and the box reads before TMA writes)
+        gl.thread_barrier()
+        mbarrier.arrive(d_ready.index(ds))
+        a0, a1, b0, b1 = b0, b1, c0, c1
+
+
+@gluon.jit
+def _load_x(x_desc, x_smem, x_ready, x_empty, row0, j, nk):
+    XS: gl.constexpr = x_smem.shape[0]
+    if j < nk:
+        xs = j % XS
+        mbarrier.wait(x_empty.index(xs), ((j // XS) & 1) ^ 1)
+        mbarrier.expect(x_ready.index(xs), x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [row0, j * BK], x_ready.index(xs), x_smem.index(xs))
+
+
+@gluon.jit
+def _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, j, nk):
+    WS: gl.constexpr = w_smem.shape[0] // 2
+    if j < nk:
+        ws = j % WS
+        mbarrier.expect(w_ready.index(ws), 2 * w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [wrow0, j * BK], w_ready.index(ws), w_smem.index(2 * ws))
+        tma.async_copy_global_to_shared(w_desc, [wrow1, j * BK], w_ready.index(ws), w_smem.index(2 * ws + 1))
+
+
+@gluon.jit
+def _consumer(x_smem, d_smem, bars, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0,
+              N_OUT: gl.constexpr, K: gl.constexpr, GEMM1: gl.constexpr, BM: gl.constexpr):
+    """wgmma over the rings, then the epilogue."""
+    x_ready, x_empty, w_ready, d_ready, d_empty = bars
+    XS: gl.constexpr = x_smem.shape[0]
+    DS: gl.constexpr = d_smem.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[BM // 16, 1],
+                                                  instr_shape=[16, 256, 16])
+    acc = gl.zeros([BM, 256], gl.float32, mma)
+    for k in range(K // BK):
+        xs = k % XS
+        ds = k % DS
+        mbarrier.wait(x_ready.index(xs), (k // XS) & 1)
+        mbarrier.wait(d_ready.index(ds), (k // DS) & 1)
+        acc = warpgroup_mma(x_smem.index(xs), d_smem.index(ds).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=[acc])
+        if k > 0:  # the previous step's wgmma is done (in both warpgroups, after the barrier)
+            gl.thread_barrier()
+            mbarrier.arrive(x_empty.index((k - 1) % XS))
+            mbarrier.arrive(d_empty.index((k - 1) % DS))
+    acc = warpgroup_mma_wait(0, deps=[acc])
+
+    g = gl.load(g_ptr + e) * 4194304.0  # the decoded tiles' 2^-22
+    m = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+    n = gl.arange(0, 256, layout=gl.SliceLayout(0, mma))
+    rows = gl.zeros([BM, 256], gl.int32, mma) + m[:, None]
+    cols = gl.zeros([BM, 256], gl.int32, mma) + n[None, :]
+    if GEMM1:
+        gate, up = gl.split(gl.reshape(acc * g, [BM, 128, 2]))
+        r, _ = gl.split(gl.reshape(rows, [BM, 128, 2]))
+        c, _ = gl.split(gl.reshape(cols, [BM, 128, 2]))
+        h = gate / (1.0 + gl.exp(-gate)) * up
+        mask = r < nrows
+        offs = (row0 + r).to(gl.int64) * N_OUT + col0 + c // 2
+        gl.store(out_ptr + offs, h.to(gl.bfloat16), mask=mask)
+    else:
+        mask = rows < nrows
+        slot = gl.load(sorted_slot_ptr + row0 + m, mask=m < nrows, other=0)
+        route = gl.load(topk_w_ptr + slot, mask=m < nrows, other=0.0)
+        y = acc * g * route[:, None]
+        offs = slot.to(gl.int64)[:, None] * N_OUT + col0 + (cols % 2) * 128 + cols // 2  # the decoder's interleave
+        gl.store(out_ptr + offs, y, mask=mask)
+
+
+@gluon.jit
+def _ws_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr,
+                    block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+                    N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, SECOND_BOX: gl.constexpr,
+                    GEMM1: gl.constexpr, BM: gl.constexpr, XS: gl.constexpr, WS: gl.constexpr, DS: gl.constexpr,
+                    DECODER_REGS: gl.constexpr):
+    """Program (weight tile, row block). GEMM1: tile ``t`` is gate rows ``128 t ..`` and the same up
+    rows (``SECOND_BOX`` = I / 2 pair rows further); GEMM2: weight rows ``256 t ..`` (second box 64
+    pair rows further). ``EXPERT_PAIR_ROWS``: pair rows per expert in the weight descriptor."""
+    t = gl.program_id(0)
+    b = gl.program_id(1)
+    e = gl.load(block_expert_ptr + b)
+    if e >= 0:
+        row0 = gl.load(block_row_start_ptr + b)
+        nrows = gl.load(block_row_end_ptr + b) - row0
+        wrow0 = e * EXPERT_PAIR_ROWS + t * (PAIRS if GEMM1 else 2 * PAIRS)
+        wrow1 = wrow0 + SECOND_BOX
+        # scale rows (weight rows) of the two boxes; GEMM1's output columns start at 128 t, GEMM2's at 256 t
+        srow0 = 2 * wrow0
+        srow1 = 2 * wrow1
+        col0 = t * (128 if GEMM1 else 256)
+
+        x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        w_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [XS, BM, BK], x_layout)
+        w_smem = gl.allocate_shared_memory(gl.uint8, [2 * WS, PAIRS, BK], w_layout)
+        d_smem = gl.allocate_shared_memory(gl.bfloat16, [DS, 256, BK], x_layout)
+        x_ready = gl.allocate_shared_memory(gl.int64, [XS, 1], mbarrier.MBarrierLayout())
+        x_empty = gl.allocate_shared_memory(gl.int64, [XS, 1], mbarrier.MBarrierLayout())
+        w_ready = gl.allocate_shared_memory(gl.int64, [WS, 1], mbarrier.MBarrierLayout())
+        d_ready = gl.allocate_shared_memory(gl.int64, [DS, 1], mbarrier.MBarrierLayout())
+        d_empty = gl.allocate_shared_memory(gl.int64, [DS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(XS):
+            mbarrier.init(x_ready.index(i), count=1)
+            mbarrier.init(x_empty.index(i), count=1)
+        for i in gl.static_range(WS):
+            mbarrier.init(w_ready.index(i), count=1)
+        for i in gl.static_range(DS):
+            mbarrier.init(d_ready.index(i), count=1)
+            mbarrier.init(d_empty.index(i), count=1)
+        bars = (x_ready, x_empty, w_ready, d_ready, d_empty)
+        worker_args = (x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, wrow1, srow0, srow1, K)
+        gl.warp_specialize([
+            (_consumer, (x_smem, d_smem, bars, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0,
+                         N_OUT, K, GEMM1, BM)),
+            (_producer, worker_args),
+        ], [4], [DECODER_REGS])
+
+
+def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=t.element_size() * 8, rank=2)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
+                     row_end, bm: int = 128, stages=(5, 6, 2), maxnreg: int = 168, decoder_regs: int = 128):
+    """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order) ->
+    ``y [S, H]`` float32 by slot (the top-k sum is the caller's). Weights in the paired layout
+    (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``), scales as bytes."""
+    num_slots, hidden = x_sorted.shape
+    inter = s13.shape[1] // 2
+    num_experts = w13.shape[0]
+    xs, ws, ds = stages
+    h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
+    y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
+    blocks = block_expert.numel()
+    common = dict(BM=bm, XS=xs, WS=ws, DS=ds, DECODER_REGS=decoder_regs, num_warps=bm // 16, maxnreg=maxnreg)
+    w13_bytes = w13.view(torch.uint8).reshape(num_experts * inter, hidden)
+    _ws_gemm_kernel[(inter // 128, blocks)](
+        _descriptor(x_sorted, [bm, BK], 128), _descriptor(w13_bytes, [PAIRS, BK], 0), s13.view(torch.uint8), g13, h,
+        topk_weights, sorted_slot, block_expert, row_start, row_end,
+        N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, SECOND_BOX=inter // 2, GEMM1=True, **common)
+    w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 2, inter)
+    _ws_gemm_kernel[(hidden // 256, blocks)](
+        _descriptor(h, [bm, BK], 128), _descriptor(w2_bytes, [PAIRS, BK], 0), s2.view(torch.uint8), g2, y,
+        topk_weights, sorted_slot, block_expert, row_start, row_end,
+        N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, SECOND_BOX=PAIRS, GEMM1=False, **common)
+    return y
