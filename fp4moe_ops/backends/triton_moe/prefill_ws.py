@@ -287,12 +287,12 @@ def ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_s
     common = dict(BM=bm, XS=xs, WS=ws, DS=ds, DECODER_REGS=decoder_regs, num_warps=bm // 16, maxnreg=maxnreg)
     w13_bytes = w13.view(torch.uint8).reshape(num_experts * inter, hidden)
     _ws_gemm_kernel[(inter // 128, blocks)](
-        _descriptor(x_sorted, [bm, BK], 128), _descriptor(w13_bytes, [PAIRS, BK], 0), s13.view(torch.uint8), g13, h,
+        _descriptor(x_sorted, [bm, BK.value], 128), _descriptor(w13_bytes, [PAIRS.value, BK.value], 0), s13.view(torch.uint8), g13, h,
         topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, SECOND_BOX=inter // 2, GEMM1=True, **common)
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 2, inter)
     _ws_gemm_kernel[(hidden // 256, blocks)](
-        _descriptor(h, [bm, BK], 128), _descriptor(w2_bytes, [PAIRS, BK], 0), s2.view(torch.uint8), g2, y,
+        _descriptor(h, [bm, BK.value], 128), _descriptor(w2_bytes, [PAIRS.value, BK.value], 0), s2.view(torch.uint8), g2, y,
         topk_weights, sorted_slot, block_expert, row_start, row_end,
-        N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, SECOND_BOX=PAIRS, GEMM1=False, **common)
+        N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, SECOND_BOX=PAIRS.value, GEMM1=False, **common)
     return y
