@@ -47,6 +47,9 @@ def main():
     ap.add_argument("--tokens", default="512,2048,8192")
     ap.add_argument("--variant", action="append", default=[], help="XS,WS,DS ring depths")
     ap.add_argument("--skip-small", action="store_true")
+    ap.add_argument("--diag", default="0", type=lambda s: [int(v) for v in s.split(",")],
+                    help="GEMM-only timings: 0 normal, 1 without the decode, 2 without the wgmma")
+    ap.add_argument("--no-layer", action="store_true", help="GEMM-only timings")
     args = ap.parse_args()
     variants = [(5, 6, 2)] + [tuple(int(v) for v in s.split(",")) for s in args.variant]
     torch.manual_seed(0)
@@ -79,9 +82,10 @@ def main():
         flops = 2 * 3 * h * i * t * k
         print(f"T={t}", flush=True)
         ok = check("triton", launch.triton_fused_moe(x, ids, rw, tensors)[sub], ref)
-        ms = graph_time_ms(lambda a, b, c: launch.triton_fused_moe(a, b, c, tensors), inputs)
-        print(f"  triton layer {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-        for v in variants:
+        if not args.no_layer:
+            ms = graph_time_ms(lambda a, b, c: launch.triton_fused_moe(a, b, c, tensors), inputs)
+            print(f"  triton layer {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        for v in variants if not args.no_layer else ():
             try:
                 if not check(f"ws {v}", ws_moe(x, ids, rw, tensors, v)[sub], ref):
                     continue
@@ -95,8 +99,11 @@ def main():
         for x, ids, rw in inputs:
             routed = launch.route(ids, e, 128)
             pre.append((x.index_select(0, routed[0].long() // k), rw.float().contiguous(), *routed))
-        ms = graph_time_ms(lambda xs, rw, *r: prefill_ws.ws_prefill_gemms(xs, w13, s13, g13, w2, s2, g2, rw, *r), pre)
-        print(f"  ws GEMMs alone {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        for diag in args.diag:  # 1: no decode, 2: no wgmma (diagnostics, wrong results)
+            for v in variants:
+                ms = graph_time_ms(lambda xs, rw, *r: prefill_ws.ws_prefill_gemms(xs, w13, s13, g13, w2, s2, g2, rw, *r,
+                                                                                  stages=v, diag=diag), pre)
+                print(f"  ws {v} GEMMs alone, diag {diag}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         del inputs, pre
         torch.cuda.empty_cache()
 

@@ -103,7 +103,7 @@ def _decode_box(box, scales, L3: gl.constexpr):
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, wrow1, srow0, srow1, K):
+def _producer(x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, wrow1, srow0, srow1, K, DIAG):
     """TMA copies of the activation tiles (``DX`` steps ahead) and weight boxes (``WS - 1`` ahead),
     and each step's two weight boxes -> one ``[256, 64]`` bf16 tile whose rows interleave the boxes'
     (row ``2i`` is the first box's row i, ``2i + 1`` the second's: GEMM1's gate and up rows i).
@@ -137,14 +137,17 @@ def _producer(x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, 
         c1 = _load_scales(s_ptr, srow1, kn, K, L3)
         ws = k % WS
         mbarrier.wait(w_ready.index(ws), (k // WS) & 1)
-        first = _decode_box(w_smem.index(2 * ws), a0, L3)
-        second = _decode_box(w_smem.index(2 * ws + 1), a1, L3)
-        tile = gl.reshape(gl.permute(gl.join(first, second), [0, 2, 1]), [256, 32])
         ds = k % DS
-        mbarrier.wait(d_empty.index(ds), ((k // DS) & 1) ^ 1)
-        d_smem.index(ds)._reinterpret(gl.int32, [256, 32], gl.NVMMASharedLayout(swizzle_byte_width=128,
-                                                                                element_bitwidth=32,
-                                                                                rank=2)).store(tile)
+        if DIAG != 1:  # (DIAG 1, a diagnostic: no decode, the tile is left as it was)
+            first = _decode_box(w_smem.index(2 * ws), a0, L3)
+            second = _decode_box(w_smem.index(2 * ws + 1), a1, L3)
+            tile = gl.reshape(gl.permute(gl.join(first, second), [0, 2, 1]), [256, 32])
+            mbarrier.wait(d_empty.index(ds), ((k // DS) & 1) ^ 1)
+            d_smem.index(ds)._reinterpret(gl.int32, [256, 32], gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                                                    element_bitwidth=32,
+                                                                                    rank=2)).store(tile)
+        else:
+            mbarrier.wait(d_empty.index(ds), ((k // DS) & 1) ^ 1)
         fence_async_shared()  # the stores before the consumer's wgmma (and the box reads before TMA writes)
         gl.thread_barrier()
         mbarrier.arrive(d_ready.index(ds))
@@ -173,7 +176,7 @@ def _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, j, nk):
 
 @gluon.jit
 def _consumer(x_smem, d_smem, bars, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0,
-              N_OUT: gl.constexpr, K: gl.constexpr, GEMM1: gl.constexpr, BM: gl.constexpr):
+              N_OUT: gl.constexpr, K: gl.constexpr, GEMM1: gl.constexpr, BM: gl.constexpr, DIAG: gl.constexpr):
     """wgmma over the rings, then the epilogue."""
     x_ready, x_empty, w_ready, d_ready, d_empty = bars
     XS: gl.constexpr = x_smem.shape[0]
@@ -186,8 +189,9 @@ def _consumer(x_smem, d_smem, bars, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr,
         ds = k % DS
         mbarrier.wait(x_ready.index(xs), (k // XS) & 1)
         mbarrier.wait(d_ready.index(ds), (k // DS) & 1)
-        acc = warpgroup_mma(x_smem.index(xs), d_smem.index(ds).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=[acc])
+        if DIAG != 2:  # (DIAG 2, a diagnostic: no wgmma)
+            acc = warpgroup_mma(x_smem.index(xs), d_smem.index(ds).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])
         if k > 0:  # the previous step's wgmma is done (in both warpgroups, after the barrier)
             gl.thread_barrier()
             mbarrier.arrive(x_empty.index((k - 1) % XS))
@@ -221,7 +225,7 @@ def _ws_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_sl
                     block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
                     N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, SECOND_BOX: gl.constexpr,
                     GEMM1: gl.constexpr, BM: gl.constexpr, XS: gl.constexpr, WS: gl.constexpr, DS: gl.constexpr,
-                    DECODER_REGS: gl.constexpr):
+                    DECODER_REGS: gl.constexpr, DIAG: gl.constexpr = 0):
     """Program (weight tile, row block). GEMM1: tile ``t`` is gate rows ``128 t ..`` and the same up
     rows (``SECOND_BOX`` = I / 2 pair rows further); GEMM2: weight rows ``256 t ..`` (second box 64
     pair rows further). ``EXPERT_PAIR_ROWS``: pair rows per expert in the weight descriptor."""
@@ -257,10 +261,10 @@ def _ws_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_sl
             mbarrier.init(d_ready.index(i), count=1)
             mbarrier.init(d_empty.index(i), count=1)
         bars = (x_ready, x_empty, w_ready, d_ready, d_empty)
-        worker_args = (x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, wrow1, srow0, srow1, K)
+        worker_args = (x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, wrow1, srow0, srow1, K, DIAG)
         gl.warp_specialize([
             (_consumer, (x_smem, d_smem, bars, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0,
-                         N_OUT, K, GEMM1, BM)),
+                         N_OUT, K, GEMM1, BM, DIAG)),
             (_producer, worker_args),
         ], [4], [DECODER_REGS])
 
@@ -273,7 +277,8 @@ def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
 
 
 def ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
-                     row_end, bm: int = 128, stages=(5, 6, 2), maxnreg: int = 168, decoder_regs: int = 128):
+                     row_end, bm: int = 128, stages=(5, 6, 2), maxnreg: int = 168, decoder_regs: int = 128,
+                     diag: int = 0):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order) ->
     ``y [S, H]`` float32 by slot (the top-k sum is the caller's). Weights in the paired layout
     (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``), scales as bytes."""
@@ -284,7 +289,7 @@ def ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_s
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     blocks = block_expert.numel()
-    common = dict(BM=bm, XS=xs, WS=ws, DS=ds, DECODER_REGS=decoder_regs, num_warps=bm // 16, maxnreg=maxnreg)
+    common = dict(BM=bm, XS=xs, WS=ws, DS=ds, DECODER_REGS=decoder_regs, DIAG=diag, num_warps=bm // 16, maxnreg=maxnreg)
     w13_bytes = w13.view(torch.uint8).reshape(num_experts * inter, hidden)
     _ws_gemm_kernel[(inter // 128, blocks)](
         _descriptor(x_sorted, [bm, BK.value], 128), _descriptor(w13_bytes, [PAIRS.value, BK.value], 0), s13.view(torch.uint8), g13, h,
