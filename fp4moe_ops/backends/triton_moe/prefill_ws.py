@@ -67,39 +67,51 @@ mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $0, t, c;
 """)
 
 
+# The producer's register layout of a step's words ``[box, pair, scale block, word]``: each thread
+# 4 consecutive words of one pair row (a 16-byte load; one scale block). Within each group of 8
+# lanes (one shared-memory phase of a 16-byte store) the two boxes and the 4 scale blocks of one
+# pair: the decoded tile's rows 2i (first box) and 2i + 1 (second) then land in different 16-byte
+# columns of the 128-byte swizzle, so the stores do not conflict (with both boxes in one thread
+# they conflicted 2-way: 290 M of 581 M store wavefronts at 8192 tokens, Nsight Compute).
+_WORDS: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [2, 4, 4, 1], [1, 4, 1, 1], [3, 2, 0, 1])
+_SCALES: gl.constexpr = gl.SliceLayout(3, _WORDS)
+_WORDS_3D: gl.constexpr = gl.BlockedLayout([1, 1, 4], [2, 4, 4], [1, 4, 1], [2, 0, 1])  # the same, as [box, pair, word]
+
+
 @gluon.jit
-def _load_scales(s_ptr, srow, k, K: gl.constexpr, L3: gl.constexpr):
-    """Block-scale bf16x2 registers of step ``k`` for pair rows 0..PAIRS of a box whose first
-    weight row is ``srow``: (rows r, rows r + 8), each ``[PAIRS, 4]`` (4 scale blocks per step)."""
-    SL: gl.constexpr = gl.SliceLayout(2, L3)
-    p = gl.arange(0, 64, layout=gl.SliceLayout(1, SL))
-    j = gl.arange(0, 4, layout=gl.SliceLayout(0, SL))
+def _scale_offsets(srow0, srow1, K):
+    """Byte offsets of the block scales (rows r and r + 8 of each pair row) of step 0 of both boxes,
+    ``[2, PAIRS, 4]`` (box, pair, block)."""
+    box = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, _SCALES)))
+    p = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, _SCALES)))
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _SCALES)))
+    srow = srow0 + box * (srow1 - srow0)
     r = (p // 8) * 16 + p % 8
-    offs = (srow + r).to(gl.int64)[:, None] * (K // 16) + (k * 4 + j)[None, :]
-    top = gl.load(s_ptr + offs).to(gl.int32)
-    bottom = gl.load(s_ptr + offs + 8 * (K // 16)).to(gl.int32)
-    top = gl.inline_asm_elementwise(_E4M3_TO_BF16X2, "=r,r", [top], dtype=gl.int32, is_pure=True, pack=1)
-    bottom = gl.inline_asm_elementwise(_E4M3_TO_BF16X2, "=r,r", [bottom], dtype=gl.int32, is_pure=True, pack=1)
-    return top, bottom
+    rows = (srow[:, None] + r[None, :]).to(gl.int64)
+    return rows[:, :, None] * (K // 16) + j[None, None, :]
 
 
 @gluon.jit
-def _decode_box(box, scales, L3: gl.constexpr):
-    """One weight box ``[PAIRS, 64]`` bytes in shared memory -> int32 ``[2 PAIRS, 32]`` (bf16 pairs:
-    weight rows in natural order, K in natural order)."""
-    words = box._reinterpret(gl.int32, [64, 16], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
-                                                                    rank=2))
-    # 4 consecutive words per thread (one 16-byte load, one scale block)
-    words = gl.reshape(words.load(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])), [64, 4, 4])
-    words = gl.convert_layout(words, L3, assert_trivial=True)
-    top, bottom = scales
+def _scales_bf16x2(raw):
+    return gl.inline_asm_elementwise(_E4M3_TO_BF16X2, "=r,r", [raw.to(gl.int32)], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _decode_step(boxes, top, bottom):
+    """A step's two weight boxes (int32 ``[2, PAIRS, 16]`` in shared memory) and their raw scale
+    bytes (rows r, rows r + 8; ``[2, PAIRS, 4]``) -> int32 ``[256, 32]``: bf16 pairs in natural K
+    order, tile row ``2i + b`` = row i of box b (rows of a box in natural order)."""
+    words = gl.reshape(boxes.load(_WORDS_3D), [2, 64, 4, 4])
+    words = gl.convert_layout(words, _WORDS, assert_trivial=True)
     o0, o1, o2, o3 = gl.inline_asm_elementwise(
-        _PAIRED_WORD_TO_BF16_NATURAL, "=r,=r,=r,=r,r,r,r", [words, gl.expand_dims(top, 2), gl.expand_dims(bottom, 2)],
+        _PAIRED_WORD_TO_BF16_NATURAL, "=r,=r,=r,=r,r,r,r",
+        [words, gl.expand_dims(_scales_bf16x2(top), 3), gl.expand_dims(_scales_bf16x2(bottom), 3)],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
-    upper = gl.reshape(gl.join(o0, o1), [8, 8, 32])  # rows r = 16 (pair // 8) + pair % 8: (pair // 8, pair % 8, k pair)
-    lower = gl.reshape(gl.join(o2, o3), [8, 8, 32])  # rows r + 8
-    rows = gl.permute(gl.join(upper, lower), [0, 3, 1, 2])  # (pair // 8, which, pair % 8, k pair)
-    return gl.reshape(rows, [128, 32])
+    upper = gl.reshape(gl.join(o0, o1), [2, 8, 8, 32])  # rows r = 16 (pair // 8) + pair % 8: (box, pair // 8, pair % 8, k pair)
+    lower = gl.reshape(gl.join(o2, o3), [2, 8, 8, 32])  # rows r + 8
+    rows = gl.permute(gl.join(upper, lower), [1, 4, 2, 0, 3])  # (pair // 8, r or r + 8, pair % 8, box, k pair)
+    return gl.reshape(rows, [256, 32])
 
 
 @gluon.jit
@@ -112,36 +124,38 @@ def _producer(x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, 
     (Constexpr arguments reach worker partitions as run-time values in Triton 3.6, so this code
     is the same for both GEMMs.)"""
     x_ready, x_empty, w_ready, d_ready, d_empty = bars
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4, 1, 1], [2, 1, 0])
     XS: gl.constexpr = x_smem.shape[0]
     WS: gl.constexpr = w_smem.shape[0] // 2
     DS: gl.constexpr = d_smem.shape[0]
     DX: gl.constexpr = XS - DS  # x may run ahead as far as the consumer lets the decoder
     nk = K // BK
+    # the boxes as words, [slot, box, pair, word] (TMA writes them plain: no swizzle)
+    w_words = w_smem._reinterpret(gl.int32, [WS, 2, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     for j in gl.static_range(DX):
         _load_x(x_desc, x_smem, x_ready, x_empty, row0, j, nk)
     for j in gl.static_range(WS - 1):
         _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, j, nk)
-    # block scales come from global memory two steps ahead (their latency then hides behind two
-    # steps' decoding)
-    a0 = _load_scales(s_ptr, srow0, 0, K, L3)
-    a1 = _load_scales(s_ptr, srow1, 0, K, L3)
-    b0 = _load_scales(s_ptr, srow0, gl.minimum(1, nk - 1), K, L3)
-    b1 = _load_scales(s_ptr, srow1, gl.minimum(1, nk - 1), K, L3)
+    # block scales come from global memory two steps ahead, kept as raw bytes until used (their
+    # latency then hides behind two steps' decoding)
+    offs = _scale_offsets(srow0, srow1, K)
+    below = 8 * (K // 16)  # rows r + 8
+    top_a = gl.load(s_ptr + offs)
+    bottom_a = gl.load(s_ptr + offs + below)
+    k1 = gl.minimum(1, nk - 1) * 4
+    top_b = gl.load(s_ptr + offs + k1)
+    bottom_b = gl.load(s_ptr + offs + below + k1)
     for k in range(nk):
         _load_x(x_desc, x_smem, x_ready, x_empty, row0, k + DX, nk)
         # the slot of step k - 1, which every warp finished reading before the last barrier
         _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, k + WS - 1, nk)
-        kn = gl.minimum(k + 2, nk - 1)
-        c0 = _load_scales(s_ptr, srow0, kn, K, L3)
-        c1 = _load_scales(s_ptr, srow1, kn, K, L3)
+        kn = gl.minimum(k + 2, nk - 1) * 4
+        top_c = gl.load(s_ptr + offs + kn)
+        bottom_c = gl.load(s_ptr + offs + below + kn)
         ws = k % WS
         mbarrier.wait(w_ready.index(ws), (k // WS) & 1)
         ds = k % DS
         if DIAG != 1:  # (DIAG 1, a diagnostic: no decode, the tile is left as it was)
-            first = _decode_box(w_smem.index(2 * ws), a0, L3)
-            second = _decode_box(w_smem.index(2 * ws + 1), a1, L3)
-            tile = gl.reshape(gl.permute(gl.join(first, second), [0, 2, 1]), [256, 32])
+            tile = _decode_step(w_words.index(ws), top_a, bottom_a)
             mbarrier.wait(d_empty.index(ds), ((k // DS) & 1) ^ 1)
             d_smem.index(ds)._reinterpret(gl.int32, [256, 32], gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                                                     element_bitwidth=32,
@@ -151,7 +165,7 @@ def _producer(x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, 
         fence_async_shared()  # the stores before the consumer's wgmma (and the box reads before TMA writes)
         gl.thread_barrier()
         mbarrier.arrive(d_ready.index(ds))
-        a0, a1, b0, b1 = b0, b1, c0, c1
+        top_a, bottom_a, top_b, bottom_b = top_b, bottom_b, top_c, bottom_c
 
 
 @gluon.jit
