@@ -25,7 +25,7 @@ from bench_moe import error_vs_reference, graph_time_ms, make_inputs, random_wei
 from fp4moe_ops.backends.triton_moe import launch, prefill_ws  # noqa: E402
 
 
-def ws_moe(x, ids, rw, tensors, stages=(5, 6, 2), bm=128):
+def ws_moe(x, ids, rw, tensors, stages=(4, 6, 2), bm=128):
     w13, s13, g13, w2, s2, g2 = tensors
     num_experts, top_k = w13.shape[0], ids.shape[1]
     sorted_slot, block_expert, row_start, row_end = launch.route(ids, num_experts, bm)
@@ -51,7 +51,7 @@ def main():
                     help="GEMM-only timings: 0 normal, 1 without the decode, 2 without the wgmma")
     ap.add_argument("--no-layer", action="store_true", help="GEMM-only timings")
     args = ap.parse_args()
-    variants = [(5, 6, 2)] + [tuple(int(v) for v in s.split(",")) for s in args.variant]
+    variants = [(4, 6, 2)] + [tuple(int(v) for v in s.split(",")) for s in args.variant]
     torch.manual_seed(0)
 
     if not args.skip_small:

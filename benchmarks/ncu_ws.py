@@ -17,7 +17,7 @@ from bench_ws_prefill import ws_moe  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--tokens", type=int, default=8192)
-ap.add_argument("--stages", default="5,4,3")
+ap.add_argument("--stages", default="4,6,2")
 args = ap.parse_args()
 e, h, i, k = 256, 7168, 2048, 8
 tensors = fp4moe_ops.prepare_experts(random_weights(e, h, i, "cuda"), "triton").op_tensors()

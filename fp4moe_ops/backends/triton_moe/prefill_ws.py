@@ -115,26 +115,19 @@ def _decode_step(boxes, top, bottom):
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, wrow1, srow0, srow1, K, DIAG):
-    """TMA copies of the activation tiles (``DX`` steps ahead) and weight boxes (``WS - 1`` ahead),
-    and each step's two weight boxes -> one ``[256, 64]`` bf16 tile whose rows interleave the boxes'
+def _producer(w_smem, d_smem, bars, s_ptr, srow0, srow1, K, DIAG):
+    """Each step's two weight boxes -> one ``[256, 64]`` bf16 tile whose rows interleave the boxes'
     (row ``2i`` is the first box's row i, ``2i + 1`` the second's: GEMM1's gate and up rows i).
-    One partition does both: a separate 1-warp loader would make 13 warps (16 with the rounding
-    to warpgroups), whose 128-register launch limit is too few for the consumer's wgmma.
-    (Constexpr arguments reach worker partitions as run-time values in Triton 3.6, so this code
-    is the same for both GEMMs.)"""
-    x_ready, x_empty, w_ready, d_ready, d_empty = bars
-    XS: gl.constexpr = x_smem.shape[0]
+    The consumer issues the TMA copies: Gluon puts a barrier of the whole partition around each
+    TMA copy and expect, which in this partition held every warp to the slowest several times per
+    step. (Constexpr arguments reach worker partitions as run-time values in Triton 3.6, so this
+    code is the same for both GEMMs.)"""
+    x_ready, w_ready, d_ready, d_empty = bars
     WS: gl.constexpr = w_smem.shape[0] // 2
     DS: gl.constexpr = d_smem.shape[0]
-    DX: gl.constexpr = XS - DS  # x may run ahead as far as the consumer lets the decoder
     nk = K // BK
     # the boxes as words, [slot, box, pair, word] (TMA writes them plain: no swizzle)
     w_words = w_smem._reinterpret(gl.int32, [WS, 2, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    for j in gl.static_range(DX):
-        _load_x(x_desc, x_smem, x_ready, x_empty, row0, j, nk)
-    for j in gl.static_range(WS - 1):
-        _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, j, nk)
     # block scales come from global memory two steps ahead, kept as raw bytes until used (their
     # latency then hides behind two steps' decoding)
     offs = _scale_offsets(srow0, srow1, K)
@@ -145,9 +138,6 @@ def _producer(x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, 
     top_b = gl.load(s_ptr + offs + k1)
     bottom_b = gl.load(s_ptr + offs + below + k1)
     for k in range(nk):
-        _load_x(x_desc, x_smem, x_ready, x_empty, row0, k + DX, nk)
-        # the slot of step k - 1, which every warp finished reading before the last barrier
-        _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, k + WS - 1, nk)
         kn = gl.minimum(k + 2, nk - 1) * 4
         top_c = gl.load(s_ptr + offs + kn)
         bottom_c = gl.load(s_ptr + offs + below + kn)
@@ -162,18 +152,19 @@ def _producer(x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, 
                                                                                     rank=2)).store(tile)
         else:
             mbarrier.wait(d_empty.index(ds), ((k // DS) & 1) ^ 1)
-        fence_async_shared()  # the stores before the consumer's wgmma (and the box reads before TMA writes)
+        # the stores before the consumer's wgmma, and the box reads before the TMA copy the
+        # consumer issues into this slot once it has seen this step's tile
+        fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(d_ready.index(ds))
         top_a, bottom_a, top_b, bottom_b = top_b, bottom_b, top_c, bottom_c
 
 
 @gluon.jit
-def _load_x(x_desc, x_smem, x_ready, x_empty, row0, j, nk):
+def _load_x(x_desc, x_smem, x_ready, row0, j, nk):
     XS: gl.constexpr = x_smem.shape[0]
     if j < nk:
         xs = j % XS
-        mbarrier.wait(x_empty.index(xs), ((j // XS) & 1) ^ 1)
         mbarrier.expect(x_ready.index(xs), x_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(x_desc, [row0, j * BK], x_ready.index(xs), x_smem.index(xs))
 
@@ -189,16 +180,27 @@ def _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, j, nk):
 
 
 @gluon.jit
-def _consumer(x_smem, d_smem, bars, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0,
-              N_OUT: gl.constexpr, K: gl.constexpr, GEMM1: gl.constexpr, BM: gl.constexpr, DIAG: gl.constexpr):
-    """wgmma over the rings, then the epilogue."""
-    x_ready, x_empty, w_ready, d_ready, d_empty = bars
+def _consumer(x_desc, w_desc, x_smem, w_smem, d_smem, bars, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0,
+              nrows, col0, wrow0, wrow1, N_OUT: gl.constexpr, K: gl.constexpr, GEMM1: gl.constexpr,
+              BM: gl.constexpr, DIAG: gl.constexpr):
+    """The TMA copies, wgmma over the rings, then the epilogue. Activation tiles: a slot is
+    refilled (``XS`` steps ahead) once this partition's wgmma that read it is done. Weight boxes:
+    step ``k + WS - 1`` goes into the slot of step ``k - 1``, which the producer has read (it
+    decoded step k - 1 before this step's wgmma could start); that leaves the producer, at most
+    ``DS`` steps ahead of this partition, ``WS - 1 - DS`` steps of copy latency."""
+    x_ready, w_ready, d_ready, d_empty = bars
     XS: gl.constexpr = x_smem.shape[0]
+    WS: gl.constexpr = w_smem.shape[0] // 2
     DS: gl.constexpr = d_smem.shape[0]
+    nk = K // BK
+    for j in gl.static_range(XS):
+        _load_x(x_desc, x_smem, x_ready, row0, j, nk)
+    for j in gl.static_range(WS):
+        _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, j, nk)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[BM // 16, 1],
                                                   instr_shape=[16, 256, 16])
     acc = gl.zeros([BM, 256], gl.float32, mma)
-    for k in range(K // BK):
+    for k in range(nk):
         xs = k % XS
         ds = k % DS
         mbarrier.wait(x_ready.index(xs), (k // XS) & 1)
@@ -208,8 +210,9 @@ def _consumer(x_smem, d_smem, bars, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr,
             acc = warpgroup_mma_wait(1, deps=[acc])
         if k > 0:  # the previous step's wgmma is done (in both warpgroups, after the barrier)
             gl.thread_barrier()
-            mbarrier.arrive(x_empty.index((k - 1) % XS))
             mbarrier.arrive(d_empty.index((k - 1) % DS))
+            _load_x(x_desc, x_smem, x_ready, row0, k - 1 + XS, nk)
+            _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, k - 1 + WS, nk)
     acc = warpgroup_mma_wait(0, deps=[acc])
 
     g = gl.load(g_ptr + e) * 4194304.0  # the decoded tiles' 2^-22
@@ -262,24 +265,21 @@ def _ws_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_sl
         w_smem = gl.allocate_shared_memory(gl.uint8, [2 * WS, PAIRS, BK], w_layout)
         d_smem = gl.allocate_shared_memory(gl.bfloat16, [DS, 256, BK], x_layout)
         x_ready = gl.allocate_shared_memory(gl.int64, [XS, 1], mbarrier.MBarrierLayout())
-        x_empty = gl.allocate_shared_memory(gl.int64, [XS, 1], mbarrier.MBarrierLayout())
         w_ready = gl.allocate_shared_memory(gl.int64, [WS, 1], mbarrier.MBarrierLayout())
         d_ready = gl.allocate_shared_memory(gl.int64, [DS, 1], mbarrier.MBarrierLayout())
         d_empty = gl.allocate_shared_memory(gl.int64, [DS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(XS):
             mbarrier.init(x_ready.index(i), count=1)
-            mbarrier.init(x_empty.index(i), count=1)
         for i in gl.static_range(WS):
             mbarrier.init(w_ready.index(i), count=1)
         for i in gl.static_range(DS):
             mbarrier.init(d_ready.index(i), count=1)
             mbarrier.init(d_empty.index(i), count=1)
-        bars = (x_ready, x_empty, w_ready, d_ready, d_empty)
-        worker_args = (x_desc, w_desc, s_ptr, x_smem, w_smem, d_smem, bars, row0, wrow0, wrow1, srow0, srow1, K, DIAG)
+        bars = (x_ready, w_ready, d_ready, d_empty)
         gl.warp_specialize([
-            (_consumer, (x_smem, d_smem, bars, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0,
-                         N_OUT, K, GEMM1, BM, DIAG)),
-            (_producer, worker_args),
+            (_consumer, (x_desc, w_desc, x_smem, w_smem, d_smem, bars, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e,
+                         row0, nrows, col0, wrow0, wrow1, N_OUT, K, GEMM1, BM, DIAG)),
+            (_producer, (w_smem, d_smem, bars, s_ptr, srow0, srow1, K, DIAG)),
         ], [4], [DECODER_REGS])
 
 
@@ -291,7 +291,7 @@ def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
 
 
 def ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
-                     row_end, bm: int = 128, stages=(5, 6, 2), maxnreg: int = 168, decoder_regs: int = 128,
+                     row_end, bm: int = 128, stages=(4, 6, 2), maxnreg: int = 168, decoder_regs: int = 128,
                      diag: int = 0):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order) ->
     ``y [S, H]`` float32 by slot (the top-k sum is the caller's). Weights in the paired layout
