@@ -14,8 +14,8 @@ One program computes a ``[BM tokens, 256 weight rows]`` tile of one expert, over
   for wgmma (128-byte swizzle), weight rows in natural order.
 - **consumer** (the default partition, ``BM / 16`` warps): ``wgmma(activations [BM, 64], decoded
   weights^T [64, 256])`` from shared memory, one in flight while the next step's operands arrive,
-  then the epilogue: GEMM1's SwiGLU (the tile's columns interleave gate and up rows so both sit in
-  one thread) into ``h [S, I]`` bf16 in sorted-row order; GEMM2's times the routing weight into
+  then the epilogue: GEMM1's SwiGLU (the tile's columns are 128 gate rows then the same up rows,
+  both in one thread of the accumulator layout) into ``h [S, I]`` bf16 in sorted-row order; GEMM2's times the routing weight into
   ``y [S, H]`` float32 by slot.
 
 Decoded values carry a 2^-22 factor (exact in bf16, as in :mod:`.kernels`), folded into the global
@@ -67,28 +67,29 @@ mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $0, t, c;
 """)
 
 
-# The producer's register layout of a step's words ``[box, pair, scale block, word]``: each thread
-# 4 consecutive words of one pair row (a 16-byte load; one scale block). Within each group of 8
-# lanes (one shared-memory phase of a 16-byte store) the two boxes and the 4 scale blocks of one
-# pair: the decoded tile's rows 2i (first box) and 2i + 1 (second) then land in different 16-byte
-# columns of the 128-byte swizzle, so the stores do not conflict (with both boxes in one thread
-# they conflicted 2-way: 290 M of 581 M store wavefronts at 8192 tokens, Nsight Compute).
-_WORDS: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [2, 4, 4, 1], [1, 4, 1, 1], [3, 2, 0, 1])
-_SCALES: gl.constexpr = gl.SliceLayout(3, _WORDS)
-_WORDS_3D: gl.constexpr = gl.BlockedLayout([1, 1, 4], [2, 4, 4], [1, 4, 1], [2, 0, 1])  # the same, as [box, pair, word]
+# The producer's register layout of one weight box's words of a step, ``[pair, scale block,
+# word]``: each thread 4 consecutive words of one pair row (a 16-byte load; one scale block).
+# Within each group of 8 lanes (one shared-memory phase of a 16-byte access) the 4 blocks of two
+# adjacent pair rows: the loads read 128 contiguous bytes and the stores of the decoded rows (r
+# and r + 1, an odd distance) land in different 16-byte columns of the 128-byte swizzle, so
+# neither conflicts. (With both boxes in one phase the decoded rows 2i, 2i + 1 of an interleaved
+# tile stored without conflicts but the loads conflicted 2-way; with both boxes in one thread the
+# stores did: 290 M of 581 M store wavefronts at 8192 tokens, Nsight Compute.)
+_WORDS: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+_SCALES: gl.constexpr = gl.SliceLayout(2, _WORDS)
+_WORDS_2D: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # the same, as [pair, word]
+_TILE_I32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 
 
 @gluon.jit
-def _scale_offsets(srow0, srow1, K):
-    """Byte offsets of the block scales (rows r and r + 8 of each pair row) of step 0 of both boxes,
-    ``[2, PAIRS, 4]`` (box, pair, block)."""
-    box = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, _SCALES)))
-    p = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, _SCALES)))
-    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _SCALES)))
-    srow = srow0 + box * (srow1 - srow0)
+def _scale_offsets(srow, K):
+    """Byte offsets of the block scales of step 0 for rows r (the first of each pair row) of a box
+    whose first weight row is ``srow``, ``[PAIRS, 4]`` (pair, block); rows r + 8 are ``8 K/16``
+    further."""
+    p = gl.arange(0, 64, layout=gl.SliceLayout(1, _SCALES))
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, _SCALES))
     r = (p // 8) * 16 + p % 8
-    rows = (srow[:, None] + r[None, :]).to(gl.int64)
-    return rows[:, :, None] * (K // 16) + j[None, None, :]
+    return (srow + r).to(gl.int64)[:, None] * (K // 16) + j[None, :]
 
 
 @gluon.jit
@@ -98,58 +99,52 @@ def _scales_bf16x2(raw):
 
 
 @gluon.jit
-def _decode_step(boxes, top, bottom):
-    """A step's two weight boxes (int32 ``[2, PAIRS, 16]`` in shared memory) and their raw scale
-    bytes (rows r, rows r + 8; ``[2, PAIRS, 4]``) -> int32 ``[256, 32]``: bf16 pairs in natural K
-    order, tile row ``2i + b`` = row i of box b (rows of a box in natural order)."""
-    words = gl.reshape(boxes.load(_WORDS_3D), [2, 64, 4, 4])
-    words = gl.convert_layout(words, _WORDS, assert_trivial=True)
+def _decode_box(box, top, bottom):
+    """A step's weight box (int32 ``[PAIRS, 16]`` in shared memory) and its raw scale bytes (rows
+    r, rows r + 8; ``[PAIRS, 4]``) -> int32 ``[128, 32]``: bf16 pairs, the box's weight rows and K
+    in natural order."""
+    words = gl.convert_layout(gl.reshape(box.load(_WORDS_2D), [64, 4, 4]), _WORDS, assert_trivial=True)
     o0, o1, o2, o3 = gl.inline_asm_elementwise(
         _PAIRED_WORD_TO_BF16_NATURAL, "=r,=r,=r,=r,r,r,r",
-        [words, gl.expand_dims(_scales_bf16x2(top), 3), gl.expand_dims(_scales_bf16x2(bottom), 3)],
+        [words, gl.expand_dims(_scales_bf16x2(top), 2), gl.expand_dims(_scales_bf16x2(bottom), 2)],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
-    upper = gl.reshape(gl.join(o0, o1), [2, 8, 8, 32])  # rows r = 16 (pair // 8) + pair % 8: (box, pair // 8, pair % 8, k pair)
-    lower = gl.reshape(gl.join(o2, o3), [2, 8, 8, 32])  # rows r + 8
-    rows = gl.permute(gl.join(upper, lower), [1, 4, 2, 0, 3])  # (pair // 8, r or r + 8, pair % 8, box, k pair)
-    return gl.reshape(rows, [256, 32])
+    upper = gl.reshape(gl.join(o0, o1), [8, 8, 32])  # rows r = 16 (pair // 8) + pair % 8: (pair // 8, pair % 8, k pair)
+    lower = gl.reshape(gl.join(o2, o3), [8, 8, 32])  # rows r + 8
+    return gl.reshape(gl.permute(gl.join(upper, lower), [0, 3, 1, 2]), [128, 32])
 
 
 @gluon.jit
 def _producer(w_smem, d_smem, bars, s_ptr, srow0, srow1, K, DIAG):
-    """Each step's two weight boxes -> one ``[256, 64]`` bf16 tile whose rows interleave the boxes'
-    (row ``2i`` is the first box's row i, ``2i + 1`` the second's: GEMM1's gate and up rows i).
-    The consumer issues the TMA copies: Gluon puts a barrier of the whole partition around each
-    TMA copy and expect, which in this partition held every warp to the slowest several times per
-    step. (Constexpr arguments reach worker partitions as run-time values in Triton 3.6, so this
-    code is the same for both GEMMs.)"""
+    """Each step's two weight boxes -> one ``[256, 64]`` bf16 tile: the first box's 128 rows, then
+    the second's (GEMM1: gate rows i, then the same up rows; GEMM2: 256 consecutive rows). The
+    consumer issues the TMA copies: Gluon puts a barrier of the whole partition around each TMA
+    copy and expect, which in this partition held every warp to the slowest several times per
+    step."""
     x_ready, w_ready, d_ready, d_empty = bars
     WS: gl.constexpr = w_smem.shape[0] // 2
     DS: gl.constexpr = d_smem.shape[0]
     nk = K // BK
-    # the boxes as words, [slot, box, pair, word] (TMA writes them plain: no swizzle)
-    w_words = w_smem._reinterpret(gl.int32, [WS, 2, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    # the boxes as words, [slot * 2 + box, pair, word] (TMA writes them plain: no swizzle)
+    w_words = w_smem._reinterpret(gl.int32, [2 * WS, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # block scales come from global memory two steps ahead, kept as raw bytes until used (their
     # latency then hides behind two steps' decoding)
-    offs = _scale_offsets(srow0, srow1, K)
+    offs0 = _scale_offsets(srow0, K)
+    offs1 = _scale_offsets(srow1, K)
     below = 8 * (K // 16)  # rows r + 8
-    top_a = gl.load(s_ptr + offs)
-    bottom_a = gl.load(s_ptr + offs + below)
-    k1 = gl.minimum(1, nk - 1) * 4
-    top_b = gl.load(s_ptr + offs + k1)
-    bottom_b = gl.load(s_ptr + offs + below + k1)
+    a0, a1, a2, a3 = _load_scale_bytes(s_ptr, offs0, offs1, below, 0)
+    b0, b1, b2, b3 = _load_scale_bytes(s_ptr, offs0, offs1, below, gl.minimum(1, nk - 1))
     for k in range(nk):
-        kn = gl.minimum(k + 2, nk - 1) * 4
-        top_c = gl.load(s_ptr + offs + kn)
-        bottom_c = gl.load(s_ptr + offs + below + kn)
+        c0, c1, c2, c3 = _load_scale_bytes(s_ptr, offs0, offs1, below, gl.minimum(k + 2, nk - 1))
         ws = k % WS
         mbarrier.wait(w_ready.index(ws), (k // WS) & 1)
         ds = k % DS
+        tile = d_smem.index(ds)._reinterpret(gl.int32, [256, 32], _TILE_I32)
         if DIAG != 1:  # (DIAG 1, a diagnostic: no decode, the tile is left as it was)
-            tile = _decode_step(w_words.index(ws), top_a, bottom_a)
+            first = _decode_box(w_words.index(2 * ws), a0, a1)
+            second = _decode_box(w_words.index(2 * ws + 1), a2, a3)
             mbarrier.wait(d_empty.index(ds), ((k // DS) & 1) ^ 1)
-            d_smem.index(ds)._reinterpret(gl.int32, [256, 32], gl.NVMMASharedLayout(swizzle_byte_width=128,
-                                                                                    element_bitwidth=32,
-                                                                                    rank=2)).store(tile)
+            tile.slice(0, 128).store(first)
+            tile.slice(128, 128).store(second)
         else:
             mbarrier.wait(d_empty.index(ds), ((k // DS) & 1) ^ 1)
         # the stores before the consumer's wgmma, and the box reads before the TMA copy the
@@ -157,7 +152,14 @@ def _producer(w_smem, d_smem, bars, s_ptr, srow0, srow1, K, DIAG):
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(d_ready.index(ds))
-        top_a, bottom_a, top_b, bottom_b = top_b, bottom_b, top_c, bottom_c
+        a0, a1, a2, a3, b0, b1, b2, b3 = b0, b1, b2, b3, c0, c1, c2, c3
+
+
+@gluon.jit
+def _load_scale_bytes(s_ptr, offs0, offs1, below, k):
+    """Raw scale bytes of step ``k``: (box 0 rows r, rows r + 8, box 1 rows r, rows r + 8)."""
+    return (gl.load(s_ptr + offs0 + 4 * k), gl.load(s_ptr + offs0 + below + 4 * k),
+            gl.load(s_ptr + offs1 + 4 * k), gl.load(s_ptr + offs1 + below + 4 * k))
 
 
 @gluon.jit
@@ -220,20 +222,20 @@ def _consumer(x_desc, w_desc, x_smem, w_smem, d_smem, bars, out_ptr, g_ptr, topk
     n = gl.arange(0, 256, layout=gl.SliceLayout(0, mma))
     rows = gl.zeros([BM, 256], gl.int32, mma) + m[:, None]
     cols = gl.zeros([BM, 256], gl.int32, mma) + n[None, :]
-    if GEMM1:
-        gate, up = gl.split(gl.reshape(acc * g, [BM, 128, 2]))
-        r, _ = gl.split(gl.reshape(rows, [BM, 128, 2]))
-        c, _ = gl.split(gl.reshape(cols, [BM, 128, 2]))
+    if GEMM1:  # columns 0..127 gate rows i, 128..255 the same up rows: both in one thread
+        gate, up = gl.split(gl.permute(gl.reshape(acc * g, [BM, 2, 128]), [0, 2, 1]))
+        r, _ = gl.split(gl.permute(gl.reshape(rows, [BM, 2, 128]), [0, 2, 1]))
+        c, _ = gl.split(gl.permute(gl.reshape(cols, [BM, 2, 128]), [0, 2, 1]))
         h = gate / (1.0 + gl.exp(-gate)) * up
         mask = r < nrows
-        offs = (row0 + r).to(gl.int64) * N_OUT + col0 + c // 2
+        offs = (row0 + r).to(gl.int64) * N_OUT + col0 + c
         gl.store(out_ptr + offs, h.to(gl.bfloat16), mask=mask)
     else:
         mask = rows < nrows
         slot = gl.load(sorted_slot_ptr + row0 + m, mask=m < nrows, other=0)
         route = gl.load(topk_w_ptr + slot, mask=m < nrows, other=0.0)
         y = acc * g * route[:, None]
-        offs = slot.to(gl.int64)[:, None] * N_OUT + col0 + (cols % 2) * 128 + cols // 2  # the decoder's interleave
+        offs = slot.to(gl.int64)[:, None] * N_OUT + col0 + cols
         gl.store(out_ptr + offs, y, mask=mask)
 
 
