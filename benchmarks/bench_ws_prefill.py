@@ -25,13 +25,13 @@ from bench_moe import error_vs_reference, graph_time_ms, make_inputs, random_wei
 from fp4moe_ops.backends.triton_moe import launch, prefill_ws  # noqa: E402
 
 
-def ws_moe(x, ids, rw, tensors, stages=(4, 6, 2), bm=128):
+def ws_moe(x, ids, rw, tensors, stages=(4, 6, 2), bm=128, coop=False):
     w13, s13, g13, w2, s2, g2 = tensors
     num_experts, top_k = w13.shape[0], ids.shape[1]
     sorted_slot, block_expert, row_start, row_end = launch.route(ids, num_experts, bm)
     x_sorted = x.index_select(0, sorted_slot.long() // top_k)
     y = prefill_ws.ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, rw.float().contiguous(), sorted_slot,
-                                    block_expert, row_start, row_end, bm=bm, stages=stages)
+                                    block_expert, row_start, row_end, bm=bm, stages=stages, coop=coop)
     return launch._sum_topk(y, ids, x, num_experts)
 
 
@@ -51,7 +51,9 @@ def main():
                     help="GEMM-only timings: 0 normal, 1 without the decode, 2 without the wgmma")
     ap.add_argument("--no-layer", action="store_true", help="GEMM-only timings")
     args = ap.parse_args()
-    variants = [(4, 6, 2)] + [tuple(int(v) for v in s.split(",")) for s in args.variant]
+    # "XS,WS,DS": the warp-specialized kernel; "cXS,WS": the cooperative one (2 tile slots)
+    variants = [(4, 6, 2)] + [tuple(int(v) for v in s.lstrip("c").split(",")) + (("coop",) if s[0] == "c" else ())
+                              for s in args.variant]
     torch.manual_seed(0)
 
     if not args.skip_small:
@@ -65,7 +67,7 @@ def main():
             print(f"small T={t}", flush=True)
             check("triton", launch.triton_fused_moe(x, ids, rw, tensors), ref)
             for v in variants:
-                check(f"ws {v}", ws_moe(x, ids, rw, tensors, v), ref)
+                check(f"ws {v}", ws_moe(x, ids, rw, tensors, v[:3], coop=v[-1] == "coop"), ref)
 
     if not args.tokens:
         return
@@ -87,9 +89,9 @@ def main():
             print(f"  triton layer {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         for v in variants if not args.no_layer else ():
             try:
-                if not check(f"ws {v}", ws_moe(x, ids, rw, tensors, v)[sub], ref):
+                if not check(f"ws {v}", ws_moe(x, ids, rw, tensors, v[:3], coop=v[-1] == "coop")[sub], ref):
                     continue
-                ms = graph_time_ms(lambda a, b, c: ws_moe(a, b, c, tensors, v), inputs)
+                ms = graph_time_ms(lambda a, b, c: ws_moe(a, b, c, tensors, v[:3], coop=v[-1] == "coop"), inputs)
                 print(f"  ws {v} layer {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 print(f"  ws {v} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -102,7 +104,8 @@ def main():
         for diag in args.diag:  # 1: no decode, 2: no wgmma (diagnostics, wrong results)
             for v in variants:
                 ms = graph_time_ms(lambda xs, rw, *r: prefill_ws.ws_prefill_gemms(xs, w13, s13, g13, w2, s2, g2, rw, *r,
-                                                                                  stages=v, diag=diag), pre)
+                                                                                  stages=v[:3], diag=diag,
+                                                                                  coop=v[-1] == "coop"), pre)
                 print(f"  ws {v} GEMMs alone, diag {diag}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         del inputs, pre
         torch.cuda.empty_cache()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 from triton.experimental import gluon
+from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
@@ -75,19 +76,22 @@ mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $0, t, c;
 # neither conflicts. (With both boxes in one phase the decoded rows 2i, 2i + 1 of an interleaved
 # tile stored without conflicts but the loads conflicted 2-way; with both boxes in one thread the
 # stores did: 290 M of 581 M store wavefronts at 8192 tokens, Nsight Compute.)
-_WORDS: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4, 1, 1], [2, 1, 0])
-_SCALES: gl.constexpr = gl.SliceLayout(2, _WORDS)
-_WORDS_2D: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # the same, as [pair, word]
 _TILE_I32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 
 
+@constexpr_function
+def _words_layout(warps):
+    return gl.BlockedLayout([1, 1, 4], [8, 4, 1], [warps, 1, 1], [2, 1, 0])
+
+
 @gluon.jit
-def _scale_offsets(srow, K):
+def _scale_offsets(srow, K, WARPS: gl.constexpr):
     """Byte offsets of the block scales of step 0 for rows r (the first of each pair row) of a box
     whose first weight row is ``srow``, ``[PAIRS, 4]`` (pair, block); rows r + 8 are ``8 K/16``
     further."""
-    p = gl.arange(0, 64, layout=gl.SliceLayout(1, _SCALES))
-    j = gl.arange(0, 4, layout=gl.SliceLayout(0, _SCALES))
+    SCALES: gl.constexpr = gl.SliceLayout(2, _words_layout(WARPS))
+    p = gl.arange(0, 64, layout=gl.SliceLayout(1, SCALES))
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALES))
     r = (p // 8) * 16 + p % 8
     return (srow + r).to(gl.int64)[:, None] * (K // 16) + j[None, :]
 
@@ -99,11 +103,12 @@ def _scales_bf16x2(raw):
 
 
 @gluon.jit
-def _decode_box(box, top, bottom):
+def _decode_box(box, top, bottom, WARPS: gl.constexpr):
     """A step's weight box (int32 ``[PAIRS, 16]`` in shared memory) and its raw scale bytes (rows
     r, rows r + 8; ``[PAIRS, 4]``) -> int32 ``[128, 32]``: bf16 pairs, the box's weight rows and K
     in natural order."""
-    words = gl.convert_layout(gl.reshape(box.load(_WORDS_2D), [64, 4, 4]), _WORDS, assert_trivial=True)
+    words_2d: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])  # the same as [pair, word]
+    words = gl.convert_layout(gl.reshape(box.load(words_2d), [64, 4, 4]), _words_layout(WARPS), assert_trivial=True)
     o0, o1, o2, o3 = gl.inline_asm_elementwise(
         _PAIRED_WORD_TO_BF16_NATURAL, "=r,=r,=r,=r,r,r,r",
         [words, gl.expand_dims(_scales_bf16x2(top), 2), gl.expand_dims(_scales_bf16x2(bottom), 2)],
@@ -128,8 +133,8 @@ def _producer(w_smem, d_smem, bars, s_ptr, srow0, srow1, K, DIAG):
     w_words = w_smem._reinterpret(gl.int32, [2 * WS, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # block scales come from global memory two steps ahead, kept as raw bytes until used (their
     # latency then hides behind two steps' decoding)
-    offs0 = _scale_offsets(srow0, K)
-    offs1 = _scale_offsets(srow1, K)
+    offs0 = _scale_offsets(srow0, K, 4)
+    offs1 = _scale_offsets(srow1, K, 4)
     below = 8 * (K // 16)  # rows r + 8
     a0, a1, a2, a3 = _load_scale_bytes(s_ptr, offs0, offs1, below, 0)
     b0, b1, b2, b3 = _load_scale_bytes(s_ptr, offs0, offs1, below, gl.minimum(1, nk - 1))
@@ -140,8 +145,8 @@ def _producer(w_smem, d_smem, bars, s_ptr, srow0, srow1, K, DIAG):
         ds = k % DS
         tile = d_smem.index(ds)._reinterpret(gl.int32, [256, 32], _TILE_I32)
         if DIAG != 1:  # (DIAG 1, a diagnostic: no decode, the tile is left as it was)
-            first = _decode_box(w_words.index(2 * ws), a0, a1)
-            second = _decode_box(w_words.index(2 * ws + 1), a2, a3)
+            first = _decode_box(w_words.index(2 * ws), a0, a1, 4)
+            second = _decode_box(w_words.index(2 * ws + 1), a2, a3, 4)
             mbarrier.wait(d_empty.index(ds), ((k // DS) & 1) ^ 1)
             tile.slice(0, 128).store(first)
             tile.slice(128, 128).store(second)
@@ -217,6 +222,14 @@ def _consumer(x_desc, w_desc, x_smem, w_smem, d_smem, bars, out_ptr, g_ptr, topk
             _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, k - 1 + WS, nk)
     acc = warpgroup_mma_wait(0, deps=[acc])
 
+    _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1, BM)
+
+
+@gluon.jit
+def _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT: gl.constexpr,
+              GEMM1: gl.constexpr, BM: gl.constexpr):
+    """GEMM1: SwiGLU into ``h`` (sorted rows); GEMM2: times the routing weight into ``y`` (by slot)."""
+    mma: gl.constexpr = acc.type.layout
     g = gl.load(g_ptr + e) * 4194304.0  # the decoded tiles' 2^-22
     m = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
     n = gl.arange(0, 256, layout=gl.SliceLayout(0, mma))
@@ -285,6 +298,93 @@ def _ws_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_sl
         ], [4], [DECODER_REGS])
 
 
+@gluon.jit
+def _coop_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr,
+                      block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+                      N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, SECOND_BOX: gl.constexpr,
+                      GEMM1: gl.constexpr, BM: gl.constexpr, XS: gl.constexpr, WS: gl.constexpr,
+                      DIAG: gl.constexpr = 0):
+    """:func:`_ws_gemm_kernel`'s tile without warp specialization: all ``BM / 16`` warps decode step
+    k + 1 into one of two tile slots while their wgmma of step k runs, then issue it. Twice the
+    decoding warps of the producer partition (whose one warp per scheduler left the decode
+    latency-bound), no waits between partitions, and up to 255 registers."""
+    t = gl.program_id(0)
+    b = gl.program_id(1)
+    e = gl.load(block_expert_ptr + b)
+    if e >= 0:
+        WARPS: gl.constexpr = BM // 16
+        row0 = gl.load(block_row_start_ptr + b)
+        nrows = gl.load(block_row_end_ptr + b) - row0
+        wrow0 = e * EXPERT_PAIR_ROWS + t * (PAIRS if GEMM1 else 2 * PAIRS)
+        wrow1 = wrow0 + SECOND_BOX
+        srow0 = 2 * wrow0
+        srow1 = 2 * wrow1
+        col0 = t * (128 if GEMM1 else 256)
+
+        x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        w_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [XS, BM, BK], x_layout)
+        w_smem = gl.allocate_shared_memory(gl.uint8, [2 * WS, PAIRS, BK], w_layout)
+        d_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 256, BK], x_layout)
+        x_ready = gl.allocate_shared_memory(gl.int64, [XS, 1], mbarrier.MBarrierLayout())
+        w_ready = gl.allocate_shared_memory(gl.int64, [WS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(XS):
+            mbarrier.init(x_ready.index(i), count=1)
+        for i in gl.static_range(WS):
+            mbarrier.init(w_ready.index(i), count=1)
+        w_words = w_smem._reinterpret(gl.int32, [2 * WS, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        nk = K // BK
+        for j in gl.static_range(XS):
+            _load_x(x_desc, x_smem, x_ready, row0, j, nk)
+        for j in gl.static_range(WS):
+            _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, j, nk)
+        offs0 = _scale_offsets(srow0, K, WARPS)
+        offs1 = _scale_offsets(srow1, K, WARPS)
+        below = 8 * (K // 16)
+        a0, a1, a2, a3 = _load_scale_bytes(s_ptr, offs0, offs1, below, 0)
+        b0, b1, b2, b3 = _load_scale_bytes(s_ptr, offs0, offs1, below, gl.minimum(1, nk - 1))
+        c0, c1, c2, c3 = _load_scale_bytes(s_ptr, offs0, offs1, below, gl.minimum(2, nk - 1))
+        mbarrier.wait(w_ready.index(0), 0)
+        _decode_into(d_smem.index(0), w_words, 0, a0, a1, a2, a3, WARPS, DIAG)
+        fence_async_shared()
+        gl.thread_barrier()
+        _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, WS, nk)
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                      instr_shape=[16, 256, 16])
+        acc = gl.zeros([BM, 256], gl.float32, mma)
+        for k in range(nk):
+            # scale bytes of step k + 1 are (b*), of k + 2 (c*); load k + 3's
+            n0, n1, n2, n3 = _load_scale_bytes(s_ptr, offs0, offs1, below, gl.minimum(k + 3, nk - 1))
+            xs = k % XS
+            mbarrier.wait(x_ready.index(xs), (k // XS) & 1)
+            if DIAG != 2:  # (DIAG 2, a diagnostic: no wgmma)
+                acc = warpgroup_mma(x_smem.index(xs), d_smem.index(k % 2).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])
+            gl.thread_barrier()  # step k - 1's wgmma is done in both warpgroups: its x and tile slots are free
+            if k > 0:
+                _load_x(x_desc, x_smem, x_ready, row0, k - 1 + XS, nk)
+            if k + 1 < nk:
+                ws = (k + 1) % WS
+                mbarrier.wait(w_ready.index(ws), ((k + 1) // WS) & 1)
+                _decode_into(d_smem.index((k + 1) % 2), w_words, ws, b0, b1, b2, b3, WARPS, DIAG)
+                fence_async_shared()
+                gl.thread_barrier()
+                _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, k + 1 + WS, nk)
+            b0, b1, b2, b3, c0, c1, c2, c3 = c0, c1, c2, c3, n0, n1, n2, n3
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1, BM)
+
+
+@gluon.jit
+def _decode_into(tile_slot, w_words, ws, s0, s1, s2, s3, WARPS: gl.constexpr, DIAG):
+    """Decode weight slot ``ws``'s two boxes into a ``[256, 64]`` bf16 tile slot (rows: box 0's, box 1's)."""
+    if DIAG != 1:
+        tile = tile_slot._reinterpret(gl.int32, [256, 32], _TILE_I32)
+        tile.slice(0, 128).store(_decode_box(w_words.index(2 * ws), s0, s1, WARPS))
+        tile.slice(128, 128).store(_decode_box(w_words.index(2 * ws + 1), s2, s3, WARPS))
+
+
 def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -294,7 +394,7 @@ def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
 
 def ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
                      row_end, bm: int = 128, stages=(4, 6, 2), maxnreg: int = 168, decoder_regs: int = 128,
-                     diag: int = 0):
+                     diag: int = 0, coop: bool = False):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order) ->
     ``y [S, H]`` float32 by slot (the top-k sum is the caller's). Weights in the paired layout
     (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``), scales as bytes."""
@@ -305,14 +405,20 @@ def ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_s
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     blocks = block_expert.numel()
-    common = dict(BM=bm, XS=xs, WS=ws, DS=ds, DECODER_REGS=decoder_regs, DIAG=diag, num_warps=bm // 16, maxnreg=maxnreg)
+    if coop:  # (the tile ring has 2 slots)
+        kernel = _coop_gemm_kernel
+        common = dict(BM=bm, XS=xs, WS=ws, DIAG=diag, num_warps=bm // 16)
+    else:
+        kernel = _ws_gemm_kernel
+        common = dict(BM=bm, XS=xs, WS=ws, DS=ds, DECODER_REGS=decoder_regs, DIAG=diag, num_warps=bm // 16,
+                      maxnreg=maxnreg)
     w13_bytes = w13.view(torch.uint8).reshape(num_experts * inter, hidden)
-    _ws_gemm_kernel[(inter // 128, blocks)](
+    kernel[(inter // 128, blocks)](
         _descriptor(x_sorted, [bm, BK.value], 128), _descriptor(w13_bytes, [PAIRS.value, BK.value], 0), s13.view(torch.uint8), g13, h,
         topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, SECOND_BOX=inter // 2, GEMM1=True, **common)
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 2, inter)
-    _ws_gemm_kernel[(hidden // 256, blocks)](
+    kernel[(hidden // 256, blocks)](
         _descriptor(h, [bm, BK.value], 128), _descriptor(w2_bytes, [PAIRS.value, BK.value], 0), s2.view(torch.uint8), g2, y,
         topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, SECOND_BOX=PAIRS.value, GEMM1=False, **common)
