@@ -1,7 +1,7 @@
 """The warp-specialized prefill GEMMs (``prefill_ws.py``, Gluon) against the Triton backend's
-kernels, one process (issue 17).
+single-role kernels, one process (issue 17).
 
-    python benchmarks/bench_ws_prefill.py [--tokens 512,2048,8192] [--variant XS,WS,DS ...]
+    python benchmarks/bench_ws_prefill.py [--tokens 512,2048,8192] [--variant XS,WS,DS ...] [--diag 0,1,2]
 
 First a small shape (E=8, H=1024, I=512, top-2; partial row blocks, rows past the end of the
 activations) checked against the reference backend, then the DeepSeek-V3 layer: each token count
@@ -25,14 +25,20 @@ from bench_moe import error_vs_reference, graph_time_ms, make_inputs, random_wei
 from fp4moe_ops.backends.triton_moe import launch, prefill_ws  # noqa: E402
 
 
-def ws_moe(x, ids, rw, tensors, stages=(4, 6, 2), bm=128, coop=False):
+def ws_moe(x, ids, rw, tensors, stages=(4, 6, 2), bm=128):
     w13, s13, g13, w2, s2, g2 = tensors
     num_experts, top_k = w13.shape[0], ids.shape[1]
     sorted_slot, block_expert, row_start, row_end = launch.route(ids, num_experts, bm)
     x_sorted = x.index_select(0, sorted_slot.long() // top_k)
     y = prefill_ws.ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, rw.float().contiguous(), sorted_slot,
-                                    block_expert, row_start, row_end, bm=bm, stages=stages, coop=coop)
+                                    block_expert, row_start, row_end, bm=bm, stages=stages)
     return launch._sum_topk(y, ids, x, num_experts)
+
+
+def single_role(x, ids, rw, tensors):
+    """The Triton backend's single-role kernels (its config with the warp-specialized path off)."""
+    cfg = launch.kernel_config(ids.numel(), tensors[2].shape[0], x.shape[1], tensors[1].shape[1] // 2)
+    return launch.triton_fused_moe(x, ids, rw, tensors, cfg | {"WARP_SPECIALIZED": False})
 
 
 def check(name, out, ref, limit=2e-3):
@@ -51,9 +57,7 @@ def main():
                     help="GEMM-only timings: 0 normal, 1 without the decode, 2 without the wgmma")
     ap.add_argument("--no-layer", action="store_true", help="GEMM-only timings")
     args = ap.parse_args()
-    # "XS,WS,DS": the warp-specialized kernel; "cXS,WS": the cooperative one (2 tile slots)
-    variants = [(4, 6, 2)] + [tuple(int(v) for v in s.lstrip("c").split(",")) + (("coop",) if s[0] == "c" else ())
-                              for s in args.variant]
+    variants = [(4, 6, 2)] + [tuple(int(v) for v in s.split(",")) for s in args.variant]
     torch.manual_seed(0)
 
     if not args.skip_small:
@@ -65,9 +69,9 @@ def main():
             x, ids, rw = make_inputs(t, h, k, e, "cuda", n=1)[0]
             ref = ref_impl(x, ids, rw)
             print(f"small T={t}", flush=True)
-            check("triton", launch.triton_fused_moe(x, ids, rw, tensors), ref)
+            check("triton", single_role(x, ids, rw, tensors), ref)
             for v in variants:
-                check(f"ws {v}", ws_moe(x, ids, rw, tensors, v[:3], coop=v[-1] == "coop"), ref)
+                check(f"ws {v}", ws_moe(x, ids, rw, tensors, v), ref)
 
     if not args.tokens:
         return
@@ -83,15 +87,15 @@ def main():
         ref = ref_impl(x[sub], ids[sub], rw[sub])
         flops = 2 * 3 * h * i * t * k
         print(f"T={t}", flush=True)
-        ok = check("triton", launch.triton_fused_moe(x, ids, rw, tensors)[sub], ref)
+        check("triton single-role", single_role(x, ids, rw, tensors)[sub], ref)
         if not args.no_layer:
-            ms = graph_time_ms(lambda a, b, c: launch.triton_fused_moe(a, b, c, tensors), inputs)
-            print(f"  triton layer {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+            ms = graph_time_ms(lambda a, b, c: single_role(a, b, c, tensors), inputs)
+            print(f"  triton single-role layer {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         for v in variants if not args.no_layer else ():
             try:
-                if not check(f"ws {v}", ws_moe(x, ids, rw, tensors, v[:3], coop=v[-1] == "coop")[sub], ref):
+                if not check(f"ws {v}", ws_moe(x, ids, rw, tensors, v)[sub], ref):
                     continue
-                ms = graph_time_ms(lambda a, b, c: ws_moe(a, b, c, tensors, v[:3], coop=v[-1] == "coop"), inputs)
+                ms = graph_time_ms(lambda a, b, c: ws_moe(a, b, c, tensors, v), inputs)
                 print(f"  ws {v} layer {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 print(f"  ws {v} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -104,8 +108,7 @@ def main():
         for diag in args.diag:  # 1: no decode, 2: no wgmma (diagnostics, wrong results)
             for v in variants:
                 ms = graph_time_ms(lambda xs, rw, *r: prefill_ws.ws_prefill_gemms(xs, w13, s13, g13, w2, s2, g2, rw, *r,
-                                                                                  stages=v[:3], diag=diag,
-                                                                                  coop=v[-1] == "coop"), pre)
+                                                                                  stages=v, diag=diag), pre)
                 print(f"  ws {v} GEMMs alone, diag {diag}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         del inputs, pre
         torch.cuda.empty_cache()

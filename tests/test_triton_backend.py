@@ -396,3 +396,75 @@ def test_static_k_loop_lets_ptxas_pipeline_the_wgmma(kernel, pipelined):
         assert waits.get("0x0", 0) <= 1, waits  # only the wait after the loop
     else:
         assert waits.get("0x0", 0) >= 16, waits
+
+
+# --- the warp-specialized prefill kernels (prefill_ws.py; Hopper only) ---------------------------
+
+def _ws_calls(monkeypatch):
+    """Count calls of the warp-specialized GEMMs (so a test knows that path ran)."""
+    from fp4moe_ops.backends.triton_moe import prefill_ws
+
+    calls = []
+    real = prefill_ws.ws_prefill_gemms
+    monkeypatch.setattr(prefill_ws, "ws_prefill_gemms", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_kernel_config_warp_specialized_from_256_rows_per_expert():
+    assert [kernel_config(t * 8, 256, 7168, 2048)["WARP_SPECIALIZED"] for t in (1, 4096, 8191, 8192, 16384)] == \
+        [False, False, False, True, True]
+    assert not kernel_config(8192 * 8, 256, 64, 32)["WARP_SPECIALIZED"]  # no TMA boxes: no paired weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="wgmma: Hopper only")
+def test_warp_specialized_prefill_matches_float64(monkeypatch):
+    # 8 experts, top-2, 1100 tokens: ~275 rows per expert (the warp-specialized bucket), loads
+    # skewed so that experts get 1 to 4 row blocks of 128 with partial last blocks; sentinels
+    # (-1, E) dropped
+    e, h, i, t, k = 8, 512, 256, 1100, 2
+    w = layer(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    p = torch.tensor([0.30, 0.25, 0.15, 0.1, 0.08, 0.06, 0.05, 0.01])
+    ids = torch.stack([torch.multinomial(p, k) for _ in range(t)])
+    ids[0, -1] = -1
+    ids[1, -1] = e
+    rw = torch.rand(t, k)
+    assert kernel_config(t * k, e, h, i)["WARP_SPECIALIZED"]
+    calls = _ws_calls(monkeypatch)
+    out = triton_fused_moe(x.cuda(), ids.cuda(), rw.cuda(), [a.cuda() for a in kernel_tensors(w)]).cpu()
+    assert calls == [1]
+    ref = moe64(x, ids, rw, *w.tensors())
+    # as test_triton_matches_float64: the intermediate and the output rounded to bf16, fp32 sums
+    ulp = 2.0**-8
+    torch.testing.assert_close(out.double(), ref, rtol=4 * ulp, atol=4 * ulp * ref.abs().max().item())
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 4 * ulp
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="wgmma: Hopper only")
+def test_warp_specialized_prefill_keeps_a_nan_expert_to_its_own_tokens(monkeypatch):
+    """A row block computes all its 128 rows, those past the expert's end (the next expert's
+    activations) included, and stores only its own: with one expert's weights NaN and one token
+    routed to it (a block of 1 row + 127 other tokens' rows), every other token keeps the output of
+    clean weights bit for bit."""
+    e, h, i, t, k = 8, 512, 256, 1100, 2
+    w = layer(e, h, i)
+    bad = fp4moe_ops.NVFP4MoEWeights(*(a.clone() for a in w.tensors()))
+    bad.w13_global[3] = float("nan")
+    bad.w2_global[3] = float("nan")
+    x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids = torch.where(ids == 3, 5, ids)
+    ids[2, 0] = 3
+    ids, rw = ids.cuda(), torch.rand(t, k, device="cuda")
+    calls = _ws_calls(monkeypatch)
+    clean = triton_fused_moe(x, ids, rw, [a.cuda() for a in kernel_tensors(w)])
+    dirty = triton_fused_moe(x, ids, rw, [a.cuda() for a in kernel_tensors(bad)])
+    assert calls == [1, 1]
+    assert torch.isnan(dirty[2]).all()
+    others = torch.arange(t, device="cuda") != 2
+    assert torch.isfinite(dirty[others]).all()
+    torch.testing.assert_close(dirty[others], clean[others], rtol=0, atol=0)

@@ -1,25 +1,26 @@
 """Warp-specialized prefill GEMMs (Gluon, Hopper): the experts' two GEMMs for prefill-sized batches,
-with loading, FP4 decoding and wgmma in separate warps so that the decode of one K step overlaps
-the tensor cores' work on another (issue 17; the single-role Triton kernels in :mod:`.kernels`
-keep the tensor pipe busy 39-46% of the time at 8192 tokens).
+with the FP4 decode in its own warps so that it overlaps the tensor cores' work (issue 17; the
+single-role Triton kernels in :mod:`.kernels` keep the tensor pipe busy 39-46% of the time at 8192
+tokens).
 
-One program computes a ``[BM tokens, 256 weight rows]`` tile of one expert, over K in 64-wide steps:
+One program computes a ``[BM = 128 tokens, 256 weight rows]`` tile of one expert's row block, over
+K in 64-wide steps, with shared-memory rings between two partitions:
 
-- **loader** (1 warp): TMA copies of the step's activation tile ``[BM, 64]`` bf16 (rows of the
-  expert-sorted activations) and of its two paired-layout weight boxes ``[64 pairs, 64]`` bytes
-  (:func:`.layout.paired_weight_layout`: a pair row holds weight rows ``r`` and ``r + 8``) into
-  shared-memory rings.
-- **decoder** (4 warps): each weight box -> 128 bf16 weight rows, times their E4M3 block scales
-  (loaded from global memory two steps ahead), into a ring of ``[256, 64]`` bf16 tiles laid out
-  for wgmma (128-byte swizzle), weight rows in natural order.
-- **consumer** (the default partition, ``BM / 16`` warps): ``wgmma(activations [BM, 64], decoded
-  weights^T [64, 256])`` from shared memory, one in flight while the next step's operands arrive,
-  then the epilogue: GEMM1's SwiGLU (the tile's columns are 128 gate rows then the same up rows,
-  both in one thread of the accumulator layout) into ``h [S, I]`` bf16 in sorted-row order; GEMM2's times the routing weight into
+- **consumer** (the default partition, 8 warps = 2 warpgroups): issues the TMA copies of each
+  step's activation tile ``[128, 64]`` bf16 (rows of the expert-sorted activations) and its two
+  paired-layout weight boxes ``[64 pair rows, 64]`` bytes (:func:`.layout.paired_weight_layout`:
+  a pair row holds weight rows ``r`` and ``r + 8``), runs ``wgmma(activations [128, 64],
+  weights^T [64, 256])`` from shared memory with one in flight, then the epilogue: GEMM1's
+  SwiGLU into ``h [S, I]`` bf16 in sorted-row order (the tile is 128 gate rows then the same up
+  rows, both in one thread of the accumulator), GEMM2's product times the routing weight into
   ``y [S, H]`` float32 by slot.
+- **producer** (4 warps): each step's boxes -> a ``[256, 64]`` bf16 tile (128-byte swizzle, for
+  wgmma), weight rows and K in natural order, times their E4M3 block scales (loaded from global
+  memory two steps ahead).
 
 Decoded values carry a 2^-22 factor (exact in bf16, as in :mod:`.kernels`), folded into the global
-scale in the epilogue. bf16 activations only. Imported only where Triton (with Gluon) is installed.
+scale in the epilogue. bf16 activations only. Imported only where Triton (with Gluon) is installed;
+written for Triton 3.6's Gluon (the GPU machine's). Measurements and what bounds it: NOTES.md.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
+BLOCK_M = 128  # tokens per row block (the consumer's two warpgroups, 64 each)
 BK = gl.constexpr(64)  # K per step: one 128-byte swizzled row of bf16 operands
 PAIRS = gl.constexpr(64)  # pair rows per weight box (128 weight rows); a tile is two boxes
 BN = gl.constexpr(256)  # weight rows per tile
@@ -298,93 +300,6 @@ def _ws_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_sl
         ], [4], [DECODER_REGS])
 
 
-@gluon.jit
-def _coop_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr,
-                      block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                      N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, SECOND_BOX: gl.constexpr,
-                      GEMM1: gl.constexpr, BM: gl.constexpr, XS: gl.constexpr, WS: gl.constexpr,
-                      DIAG: gl.constexpr = 0):
-    """:func:`_ws_gemm_kernel`'s tile without warp specialization: all ``BM / 16`` warps decode step
-    k + 1 into one of two tile slots while their wgmma of step k runs, then issue it. Twice the
-    decoding warps of the producer partition (whose one warp per scheduler left the decode
-    latency-bound), no waits between partitions, and up to 255 registers."""
-    t = gl.program_id(0)
-    b = gl.program_id(1)
-    e = gl.load(block_expert_ptr + b)
-    if e >= 0:
-        WARPS: gl.constexpr = BM // 16
-        row0 = gl.load(block_row_start_ptr + b)
-        nrows = gl.load(block_row_end_ptr + b) - row0
-        wrow0 = e * EXPERT_PAIR_ROWS + t * (PAIRS if GEMM1 else 2 * PAIRS)
-        wrow1 = wrow0 + SECOND_BOX
-        srow0 = 2 * wrow0
-        srow1 = 2 * wrow1
-        col0 = t * (128 if GEMM1 else 256)
-
-        x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        w_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [XS, BM, BK], x_layout)
-        w_smem = gl.allocate_shared_memory(gl.uint8, [2 * WS, PAIRS, BK], w_layout)
-        d_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 256, BK], x_layout)
-        x_ready = gl.allocate_shared_memory(gl.int64, [XS, 1], mbarrier.MBarrierLayout())
-        w_ready = gl.allocate_shared_memory(gl.int64, [WS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(XS):
-            mbarrier.init(x_ready.index(i), count=1)
-        for i in gl.static_range(WS):
-            mbarrier.init(w_ready.index(i), count=1)
-        w_words = w_smem._reinterpret(gl.int32, [2 * WS, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        nk = K // BK
-        for j in gl.static_range(XS):
-            _load_x(x_desc, x_smem, x_ready, row0, j, nk)
-        for j in gl.static_range(WS):
-            _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, j, nk)
-        offs0 = _scale_offsets(srow0, K, WARPS)
-        offs1 = _scale_offsets(srow1, K, WARPS)
-        below = 8 * (K // 16)
-        a0, a1, a2, a3 = _load_scale_bytes(s_ptr, offs0, offs1, below, 0)
-        b0, b1, b2, b3 = _load_scale_bytes(s_ptr, offs0, offs1, below, gl.minimum(1, nk - 1))
-        c0, c1, c2, c3 = _load_scale_bytes(s_ptr, offs0, offs1, below, gl.minimum(2, nk - 1))
-        mbarrier.wait(w_ready.index(0), 0)
-        _decode_into(d_smem.index(0), w_words, 0, a0, a1, a2, a3, WARPS, DIAG)
-        fence_async_shared()
-        gl.thread_barrier()
-        _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, WS, nk)
-
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                      instr_shape=[16, 256, 16])
-        acc = gl.zeros([BM, 256], gl.float32, mma)
-        for k in range(nk):
-            # scale bytes of step k + 1 are (b*), of k + 2 (c*); load k + 3's
-            n0, n1, n2, n3 = _load_scale_bytes(s_ptr, offs0, offs1, below, gl.minimum(k + 3, nk - 1))
-            xs = k % XS
-            mbarrier.wait(x_ready.index(xs), (k // XS) & 1)
-            if DIAG != 2:  # (DIAG 2, a diagnostic: no wgmma)
-                acc = warpgroup_mma(x_smem.index(xs), d_smem.index(k % 2).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=[acc])
-            gl.thread_barrier()  # step k - 1's wgmma is done in both warpgroups: its x and tile slots are free
-            if k > 0:
-                _load_x(x_desc, x_smem, x_ready, row0, k - 1 + XS, nk)
-            if k + 1 < nk:
-                ws = (k + 1) % WS
-                mbarrier.wait(w_ready.index(ws), ((k + 1) // WS) & 1)
-                _decode_into(d_smem.index((k + 1) % 2), w_words, ws, b0, b1, b2, b3, WARPS, DIAG)
-                fence_async_shared()
-                gl.thread_barrier()
-                _load_w(w_desc, w_smem, w_ready, wrow0, wrow1, k + 1 + WS, nk)
-            b0, b1, b2, b3, c0, c1, c2, c3 = c0, c1, c2, c3, n0, n1, n2, n3
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1, BM)
-
-
-@gluon.jit
-def _decode_into(tile_slot, w_words, ws, s0, s1, s2, s3, WARPS: gl.constexpr, DIAG):
-    """Decode weight slot ``ws``'s two boxes into a ``[256, 64]`` bf16 tile slot (rows: box 0's, box 1's)."""
-    if DIAG != 1:
-        tile = tile_slot._reinterpret(gl.int32, [256, 32], _TILE_I32)
-        tile.slice(0, 128).store(_decode_box(w_words.index(2 * ws), s0, s1, WARPS))
-        tile.slice(128, 128).store(_decode_box(w_words.index(2 * ws + 1), s2, s3, WARPS))
-
-
 def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -393,11 +308,14 @@ def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
 
 
 def ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
-                     row_end, bm: int = 128, stages=(4, 6, 2), maxnreg: int = 168, decoder_regs: int = 128,
-                     diag: int = 0, coop: bool = False):
+                     row_end, bm: int = BLOCK_M, stages=(4, 6, 2), maxnreg: int = 168, decoder_regs: int = 128,
+                     diag: int = 0):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order) ->
     ``y [S, H]`` float32 by slot (the top-k sum is the caller's). Weights in the paired layout
-    (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``), scales as bytes."""
+    (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``), scales as bytes; the row blocks as
+    :func:`.launch.route` makes them with ``block_m = bm``. ``stages``: slots of the activation,
+    weight-box and decoded-tile rings (4 + 6 + 2: 176 KB of shared memory). ``diag`` (diagnostics,
+    wrong results): 1 skips the decode, 2 the wgmma, to time each side alone."""
     num_slots, hidden = x_sorted.shape
     inter = s13.shape[1] // 2
     num_experts = w13.shape[0]
@@ -405,20 +323,15 @@ def ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_s
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     blocks = block_expert.numel()
-    if coop:  # (the tile ring has 2 slots)
-        kernel = _coop_gemm_kernel
-        common = dict(BM=bm, XS=xs, WS=ws, DIAG=diag, num_warps=bm // 16)
-    else:
-        kernel = _ws_gemm_kernel
-        common = dict(BM=bm, XS=xs, WS=ws, DS=ds, DECODER_REGS=decoder_regs, DIAG=diag, num_warps=bm // 16,
-                      maxnreg=maxnreg)
+    common = dict(BM=bm, XS=xs, WS=ws, DS=ds, DECODER_REGS=decoder_regs, DIAG=diag, num_warps=bm // 16,
+                  maxnreg=maxnreg)
     w13_bytes = w13.view(torch.uint8).reshape(num_experts * inter, hidden)
-    kernel[(inter // 128, blocks)](
+    _ws_gemm_kernel[(inter // 128, blocks)](
         _descriptor(x_sorted, [bm, BK.value], 128), _descriptor(w13_bytes, [PAIRS.value, BK.value], 0), s13.view(torch.uint8), g13, h,
         topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, SECOND_BOX=inter // 2, GEMM1=True, **common)
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 2, inter)
-    kernel[(hidden // 256, blocks)](
+    _ws_gemm_kernel[(hidden // 256, blocks)](
         _descriptor(h, [bm, BK.value], 128), _descriptor(w2_bytes, [PAIRS.value, BK.value], 0), s2.view(torch.uint8), g2, y,
         topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, SECOND_BOX=PAIRS.value, GEMM1=False, **common)
