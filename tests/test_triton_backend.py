@@ -410,8 +410,8 @@ def _ws_calls(monkeypatch):
     return calls
 
 
-def test_kernel_config_warp_specialized_from_256_rows_per_expert():
-    assert [kernel_config(t * 8, 256, 7168, 2048)["WARP_SPECIALIZED"] for t in (1, 4096, 8191, 8192, 16384)] == \
+def test_kernel_config_warp_specialized_from_192_rows_per_expert():
+    assert [kernel_config(t * 8, 256, 7168, 2048)["WARP_SPECIALIZED"] for t in (1, 4096, 6143, 6144, 16384)] == \
         [False, False, False, True, True]
     assert not kernel_config(8192 * 8, 256, 64, 32)["WARP_SPECIALIZED"]  # no TMA boxes: no paired weights
 

@@ -24,10 +24,11 @@ def interpreting() -> bool:
 
 
 FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (prefill)
-# From this many rows per expert on, the warp-specialized Gluon kernels (prefill_ws.py) on Hopper:
-# DeepSeek-V3's layer at 8192 tokens (256 rows per expert) 0.87x the time of the Triton kernels,
-# at 4096 (128 rows) 1.02x (H200, benchmarks/NOTES.md)
-WARP_SPECIALIZED_MIN_ROWS = 256
+# From this many rows per expert on, the warp-specialized Gluon kernels (prefill_ws.py) on Hopper.
+# DeepSeek-V3's layer against the single-role kernels, one process each (H200, benchmarks/NOTES.md):
+# 0.95x the time at 8192 tokens (256 rows per expert; 0.89x on another instance), 0.97x at 6144
+# (192 rows), 1.02x at 4096 (128 rows: the 128-row blocks are half empty)
+WARP_SPECIALIZED_MIN_ROWS = 192
 ROUTE_CHUNK = 64  # slots each routing program places
 
 
