@@ -26,9 +26,7 @@ written for Triton 3.6's Gluon (the GPU machine's). Measurements and what bounds
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
-from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
@@ -36,7 +34,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 BLOCK_M = 128  # tokens per row block (the consumer's two warpgroups, 64 each)
 BK = gl.constexpr(64)  # K per step: one 128-byte swizzled row of bf16 operands
 PAIRS = gl.constexpr(64)  # pair rows per weight box (128 weight rows); a tile is two boxes
-BN = gl.constexpr(256)  # weight rows per tile
 
 # A paired word (rows r and r + 8, K 4u .. 4u + 3; bits permuted, see .layout) -> four bf16x2
 # registers in natural K order: (row r: k0 k1), (row r: k2 k3), (row r+8: k0 k1), (row r+8: k2 k3).
@@ -78,22 +75,19 @@ mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $0, t, c;
 # neither conflicts. (With both boxes in one phase the decoded rows 2i, 2i + 1 of an interleaved
 # tile stored without conflicts but the loads conflicted 2-way; with both boxes in one thread the
 # stores did: 290 M of 581 M store wavefronts at 8192 tokens, Nsight Compute.)
+_WORDS: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+_WORDS_2D: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # the same as [pair, word]
+_SCALES: gl.constexpr = gl.SliceLayout(2, _WORDS)
 _TILE_I32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 
 
-@constexpr_function
-def _words_layout(warps):
-    return gl.BlockedLayout([1, 1, 4], [8, 4, 1], [warps, 1, 1], [2, 1, 0])
-
-
 @gluon.jit
-def _scale_offsets(srow, K, WARPS: gl.constexpr):
+def _scale_offsets(srow, K):
     """Byte offsets of the block scales of step 0 for rows r (the first of each pair row) of a box
     whose first weight row is ``srow``, ``[PAIRS, 4]`` (pair, block); rows r + 8 are ``8 K/16``
     further."""
-    SCALES: gl.constexpr = gl.SliceLayout(2, _words_layout(WARPS))
-    p = gl.arange(0, 64, layout=gl.SliceLayout(1, SCALES))
-    j = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALES))
+    p = gl.arange(0, 64, layout=gl.SliceLayout(1, _SCALES))
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, _SCALES))
     r = (p // 8) * 16 + p % 8
     return (srow + r).to(gl.int64)[:, None] * (K // 16) + j[None, :]
 
@@ -105,12 +99,11 @@ def _scales_bf16x2(raw):
 
 
 @gluon.jit
-def _decode_box(box, top, bottom, WARPS: gl.constexpr):
+def _decode_box(box, top, bottom):
     """A step's weight box (int32 ``[PAIRS, 16]`` in shared memory) and its raw scale bytes (rows
     r, rows r + 8; ``[PAIRS, 4]``) -> int32 ``[128, 32]``: bf16 pairs, the box's weight rows and K
     in natural order."""
-    words_2d: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])  # the same as [pair, word]
-    words = gl.convert_layout(gl.reshape(box.load(words_2d), [64, 4, 4]), _words_layout(WARPS), assert_trivial=True)
+    words = gl.convert_layout(gl.reshape(box.load(_WORDS_2D), [64, 4, 4]), _WORDS, assert_trivial=True)
     o0, o1, o2, o3 = gl.inline_asm_elementwise(
         _PAIRED_WORD_TO_BF16_NATURAL, "=r,=r,=r,=r,r,r,r",
         [words, gl.expand_dims(_scales_bf16x2(top), 2), gl.expand_dims(_scales_bf16x2(bottom), 2)],
@@ -135,8 +128,8 @@ def _producer(w_smem, d_smem, bars, s_ptr, srow0, srow1, K, DIAG):
     w_words = w_smem._reinterpret(gl.int32, [2 * WS, 64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # block scales come from global memory two steps ahead, kept as raw bytes until used (their
     # latency then hides behind two steps' decoding)
-    offs0 = _scale_offsets(srow0, K, 4)
-    offs1 = _scale_offsets(srow1, K, 4)
+    offs0 = _scale_offsets(srow0, K)
+    offs1 = _scale_offsets(srow1, K)
     below = 8 * (K // 16)  # rows r + 8
     a0, a1, a2, a3 = _load_scale_bytes(s_ptr, offs0, offs1, below, 0)
     b0, b1, b2, b3 = _load_scale_bytes(s_ptr, offs0, offs1, below, gl.minimum(1, nk - 1))
@@ -147,8 +140,8 @@ def _producer(w_smem, d_smem, bars, s_ptr, srow0, srow1, K, DIAG):
         ds = k % DS
         tile = d_smem.index(ds)._reinterpret(gl.int32, [256, 32], _TILE_I32)
         if DIAG != 1:  # (DIAG 1, a diagnostic: no decode, the tile is left as it was)
-            first = _decode_box(w_words.index(2 * ws), a0, a1, 4)
-            second = _decode_box(w_words.index(2 * ws + 1), a2, a3, 4)
+            first = _decode_box(w_words.index(2 * ws), a0, a1)
+            second = _decode_box(w_words.index(2 * ws + 1), a2, a3)
             mbarrier.wait(d_empty.index(ds), ((k // DS) & 1) ^ 1)
             tile.slice(0, 128).store(first)
             tile.slice(128, 128).store(second)
