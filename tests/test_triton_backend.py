@@ -105,7 +105,11 @@ def test_route_compiles_one_variant_for_every_token_count():
 @pytest.mark.parametrize("e,h,i,t,k", [(6, 64, 32, 5, 2), (8, 128, 64, 33, 3),
                                        (4, 512, 256, 3, 2),  # decode with TMA loads, fragment order
                                        (4, 512, 256, 24, 2),  # middle bucket (12 rows per expert)
-                                       (2, 256, 256, 40, 1)])  # prefill bucket (20 rows per expert), TMA
+                                       (2, 256, 256, 40, 1),  # prefill bucket (20 rows per expert), TMA
+                                       # 400 rows per expert: the warp-specialized kernels on Hopper in
+                                       # bf16 (K = 256: 4 steps, fewer than the rings' slots), the
+                                       # single-role ones in fp16 and on the CPU
+                                       (2, 256, 256, 400, 1)])
 def test_triton_matches_float64(dtype, e, h, i, t, k):
     w = layer(e, h, i)
     x = torch.randn(t, h, dtype=dtype)
