@@ -25,14 +25,9 @@ from bench_moe import error_vs_reference, graph_time_ms, make_inputs, random_wei
 from fp4moe_ops.backends.triton_moe import launch, prefill_ws  # noqa: E402
 
 
-def ws_moe(x, ids, rw, tensors, stages=(4, 6, 2), bm=128):
-    w13, s13, g13, w2, s2, g2 = tensors
-    num_experts, top_k = w13.shape[0], ids.shape[1]
-    sorted_slot, block_expert, row_start, row_end = launch.route(ids, num_experts, bm)
-    x_sorted = x.index_select(0, sorted_slot.long() // top_k)
-    y = prefill_ws.ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, rw.float().contiguous(), sorted_slot,
-                                    block_expert, row_start, row_end, bm=bm, stages=stages)
-    return launch._sum_topk(y, ids, x, num_experts)
+def ws_moe(x, ids, rw, tensors, stages=(4, 6, 2)):
+    """The backend's warp-specialized path (routing, gather, both GEMMs, top-k sum) with these ring depths."""
+    return launch._warp_specialized_moe(x, ids, rw, tensors, stages=stages)
 
 
 def single_role(x, ids, rw, tensors):
@@ -103,7 +98,7 @@ def main():
         w13, s13, g13, w2, s2, g2 = tensors
         pre = []
         for x, ids, rw in inputs:
-            routed = launch.route(ids, e, 128)
+            routed = launch.route(ids, e, prefill_ws.BLOCK_M)
             pre.append((x.index_select(0, routed[0].long() // k), rw.float().contiguous(), *routed))
         for diag in args.diag:  # 1: no decode, 2: no wgmma (diagnostics, wrong results)
             for v in variants:

@@ -26,7 +26,7 @@ def interpreting() -> bool:
 FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (prefill)
 # From this many rows per expert on, the warp-specialized Gluon kernels (prefill_ws.py) on Hopper.
 # DeepSeek-V3's layer against the single-role kernels, one process each (H200, benchmarks/NOTES.md):
-# 0.95x the time at 8192 tokens (256 rows per expert; 0.89x on another instance), 0.97x at 6144
+# 0.94-0.95x the time at 8192 tokens (256 rows per expert; two processes), 0.97x at 6144
 # (192 rows), 1.02x at 4096 (128 rows: the 128-row blocks are half empty)
 WARP_SPECIALIZED_MIN_ROWS = 192
 ROUTE_CHUNK = 64  # slots each routing program places
@@ -266,9 +266,9 @@ def _warp_specialized_runs(x: torch.Tensor) -> bool:
     return True
 
 
-def _warp_specialized_moe(x, topk_ids, topk_weights, expert_tensors):
+def _warp_specialized_moe(x, topk_ids, topk_weights, expert_tensors, **options):
     """Route into 128-row blocks, gather the activations in expert order, both GEMMs
-    (:func:`.prefill_ws.ws_prefill_gemms`), top-k sum."""
+    (:func:`.prefill_ws.ws_prefill_gemms`, ``options`` its tuning and diagnostic arguments), top-k sum."""
     from .prefill_ws import BLOCK_M, ws_prefill_gemms
 
     w13, s13, g13, w2, s2, g2 = expert_tensors
@@ -276,7 +276,7 @@ def _warp_specialized_moe(x, topk_ids, topk_weights, expert_tensors):
     sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, BLOCK_M)
     x_sorted = x.index_select(0, sorted_slot.long() // topk_ids.shape[1])
     y = ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
-                         row_start, row_end)
+                         row_start, row_end, **options)
     return _sum_topk(y, topk_ids, x, num_experts)
 
 
