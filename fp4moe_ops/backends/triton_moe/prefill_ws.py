@@ -134,7 +134,10 @@ def _producer(w_smem, d_smem, bars, s_ptr, srow0, srow1, K, DIAG):
     a0, a1, a2, a3 = _load_scale_bytes(s_ptr, offs0, offs1, below, 0)
     b0, b1, b2, b3 = _load_scale_bytes(s_ptr, offs0, offs1, below, gl.minimum(1, nk - 1))
     for k in range(nk):
-        c0, c1, c2, c3 = _load_scale_bytes(s_ptr, offs0, offs1, below, gl.minimum(k + 2, nk - 1))
+        ahead = gl.minimum(k + 2, nk - 1)
+        if DIAG == 3:  # (a diagnostic: step 0's scales every step, so they stay in L1)
+            ahead = 0
+        c0, c1, c2, c3 = _load_scale_bytes(s_ptr, offs0, offs1, below, ahead)
         ws = k % WS
         mbarrier.wait(w_ready.index(ws), (k // WS) & 1)
         ds = k % DS
@@ -308,7 +311,8 @@ def ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_s
     (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``), scales as bytes; the row blocks as
     :func:`.launch.route` makes them with ``block_m = bm``. ``stages``: slots of the activation,
     weight-box and decoded-tile rings (4 + 6 + 2: 176 KB of shared memory). ``diag`` (diagnostics,
-    wrong results): 1 skips the decode, 2 the wgmma, to time each side alone."""
+    wrong results): 1 skips the decode, 2 the wgmma, to time each side alone; 3 reads step 0's
+    block scales at every step (the cost of the scales' L2 traffic)."""
     num_slots, hidden = x_sorted.shape
     inter = s13.shape[1] // 2
     num_experts = w13.shape[0]
