@@ -152,29 +152,45 @@ def _rs_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_sl
         na = gl.load(s_ptr + offs + 4 * gl.minimum(1, nk - 1))
         nb = gl.load(s_ptr + offs + below + 4 * gl.minimum(1, nk - 1))
         acc = gl.zeros([256, BM], gl.float32, mma)
-        a_prev = gl.zeros([256, BK], gl.bfloat16, la)
-        for k in range(nk):
-            s = k % STAGES
-            ahead = 4 * gl.minimum(k + 2, nk - 1)
-            ca = gl.load(s_ptr + offs + ahead)
-            cb = gl.load(s_ptr + offs + below + ahead)
-            mbarrier.wait(ready.index(s), (k // STAGES) & 1)
-            if DIAG == 1:
-                a = gl.full([256, BK], 1.0, gl.bfloat16, la)
-            else:
-                words = w_words.index(s).load(wl)
-                a = _decode(words, gl.expand_dims(_scales_bf16x2(ra), 2), gl.expand_dims(_scales_bf16x2(rb), 2))
-                a = gl.convert_layout(a, la, assert_trivial=True)
-            acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-            # the previous step's wgmma done in this warpgroup (its registers were held till here)
-            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
-            a_prev = a
-            if k > 0:  # ... and in both: its slot can be refilled
-                gl.thread_barrier()
-                _issue(x_desc, w_desc, x_smem, w_smem, ready, row0, wrow0, wrow1, k - 1 + STAGES, nk)
-            ra, rb, na, nb = na, nb, ca, cb
-        acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
+        # Two A operands, for even and odd steps: wgmma reads its register operand while it runs,
+        # and ptxas does not guard those registers (a single loop-carried operand, copied at the
+        # back edge, left the decode of step k + 1 writing the registers wgmma k was reading: wrong
+        # sums and NaN on H200). Each is rewritten only after the wait that retires its wgmma.
+        a_odd = gl.zeros([256, BK], gl.bfloat16, la)
+        scales = (ra, rb, na, nb)
+        ring = (x_desc, w_desc, x_smem, w_smem, w_words, ready, row0, wrow0, wrow1, nk)
+        for k in range(0, nk, 2):  # (K a multiple of 128)
+            acc, a_even, scales = _step(k, acc, a_odd, scales, ring, s_ptr, offs, below, wl, la, DIAG)
+            acc, a_odd, scales = _step(k + 1, acc, a_even, scales, ring, s_ptr, offs, below, wl, la, DIAG)
+        acc, a_odd = warpgroup_mma_wait(0, deps=[acc, a_odd])
         _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1, BM)
+
+
+@gluon.jit
+def _step(k, acc, a_prev, scales, ring, s_ptr, offs, below, wl: gl.constexpr, la: gl.constexpr, DIAG: gl.constexpr):
+    """K step ``k``: decode its A operand, issue its wgmma, retire step k - 1's (``a_prev``, held
+    in registers till here), refill that step's slot. ``scales``: raw bytes of steps k, k + 1
+    (rows r, rows r + 8), returned for k + 1, k + 2."""
+    x_desc, w_desc, x_smem, w_smem, w_words, ready, row0, wrow0, wrow1, nk = ring
+    STAGES: gl.constexpr = x_smem.shape[0]
+    ra, rb, na, nb = scales
+    s = k % STAGES
+    ahead = 4 * gl.minimum(k + 2, nk - 1)
+    ca = gl.load(s_ptr + offs + ahead)
+    cb = gl.load(s_ptr + offs + below + ahead)
+    mbarrier.wait(ready.index(s), (k // STAGES) & 1)
+    if DIAG == 1:
+        a = gl.full([256, BK], 1.0, gl.bfloat16, la)
+    else:
+        words = w_words.index(s).load(wl)
+        a = _decode(words, gl.expand_dims(_scales_bf16x2(ra), 2), gl.expand_dims(_scales_bf16x2(rb), 2))
+        a = gl.convert_layout(a, la, assert_trivial=True)
+    acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+    acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
+    if k > 0:  # step k - 1's wgmma is done in both warpgroups: its slot can be refilled
+        gl.thread_barrier()
+        _issue(x_desc, w_desc, x_smem, w_smem, ready, row0, wrow0, wrow1, k - 1 + STAGES, nk)
+    return acc, a, (na, nb, ca, cb)
 
 
 @gluon.jit
