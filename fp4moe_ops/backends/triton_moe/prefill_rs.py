@@ -101,14 +101,15 @@ def _scales_bf16x2(raw):
 
 
 @gluon.jit
-def _issue(x_desc, w_desc, x_smem, w_smem, ready, row0, wrow0, wrow1, j, nk):
+def _issue(x_desc, w_desc, x_smem, w_smem, ready, row0, wbox, wpair, j, nk):
+    """Step ``j``'s TMA copies into its ring slot: the activation tile and both weight boxes (one
+    3-D box: boxes ``wbox``, ``wbox + 1`` of the weights viewed as ``[boxes, pair rows, bytes]``)."""
     S: gl.constexpr = x_smem.shape[0]
     if j < nk:
         s = j % S
-        mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
+        mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(x_desc, [row0, j * BK], ready.index(s), x_smem.index(s))
-        tma.async_copy_global_to_shared(w_desc, [wrow0, j * BK], ready.index(s), w_smem.index(2 * s))
-        tma.async_copy_global_to_shared(w_desc, [wrow1, j * BK], ready.index(s), w_smem.index(2 * s + 1))
+        tma.async_copy_global_to_shared(w_desc, [wbox, wpair, j * BK], ready.index(s), w_smem.index(s))
 
 
 @gluon.jit
@@ -127,11 +128,17 @@ def _rs_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_sl
         wrow0 = e * EXPERT_PAIR_ROWS + t * (PAIRS if GEMM1 else 2 * PAIRS)
         wrow1 = wrow0 + SECOND_BOX
         col0 = t * (128 if GEMM1 else 256)
+        if GEMM1:  # w13 as [2E, I/2, H] bytes: gate half 2e, up half 2e + 1, pair rows 64 t ..
+            wbox = 2 * e
+            wpair = t * PAIRS
+        else:  # w2 as [E H/128, 64, I] bytes: boxes of 64 pair rows
+            wbox = wrow0 // PAIRS
+            wpair = 0
 
         x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        w_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+        w_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_layout)
-        w_smem = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, PAIRS, BK], w_layout)
+        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 2, PAIRS, BK], w_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -140,7 +147,7 @@ def _rs_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_sl
 
         nk = K // BK
         for j in gl.static_range(STAGES):
-            _issue(x_desc, w_desc, x_smem, w_smem, ready, row0, wrow0, wrow1, j, nk)
+            _issue(x_desc, w_desc, x_smem, w_smem, ready, row0, wbox, wpair, j, nk)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 16])
         wl: gl.constexpr = _operand_layouts(mma).type.layout
@@ -158,7 +165,7 @@ def _rs_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_sl
         # sums and NaN on H200). Each is rewritten only after the wait that retires its wgmma.
         a_odd = gl.zeros([256, BK], gl.bfloat16, la)
         scales = (ra, rb, na, nb)
-        ring = (x_desc, w_desc, x_smem, w_smem, w_words, ready, row0, wrow0, wrow1, nk)
+        ring = (x_desc, w_desc, x_smem, w_smem, w_words, ready, row0, wbox, wpair, nk)
         for k in range(0, nk, 2):  # (K a multiple of 128)
             acc, a_even, scales = _step(k, acc, a_odd, scales, ring, s_ptr, offs, below, wl, la, DIAG)
             acc, a_odd, scales = _step(k + 1, acc, a_even, scales, ring, s_ptr, offs, below, wl, la, DIAG)
@@ -171,7 +178,7 @@ def _step(k, acc, a_prev, scales, ring, s_ptr, offs, below, wl: gl.constexpr, la
     """K step ``k``: decode its A operand, issue its wgmma, retire step k - 1's (``a_prev``, held
     in registers till here), refill that step's slot. ``scales``: raw bytes of steps k, k + 1
     (rows r, rows r + 8), returned for k + 1, k + 2."""
-    x_desc, w_desc, x_smem, w_smem, w_words, ready, row0, wrow0, wrow1, nk = ring
+    x_desc, w_desc, x_smem, w_smem, w_words, ready, row0, wbox, wpair, nk = ring
     STAGES: gl.constexpr = x_smem.shape[0]
     ra, rb, na, nb = scales
     s = k % STAGES
@@ -189,7 +196,7 @@ def _step(k, acc, a_prev, scales, ring, s_ptr, offs, below, wl: gl.constexpr, la
     acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
     if k > 0:  # step k - 1's wgmma is done in both warpgroups: its slot can be refilled
         gl.thread_barrier()
-        _issue(x_desc, w_desc, x_smem, w_smem, ready, row0, wrow0, wrow1, k - 1 + STAGES, nk)
+        _issue(x_desc, w_desc, x_smem, w_smem, ready, row0, wbox, wpair, k - 1 + STAGES, nk)
     return acc, a, (na, nb, ca, cb)
 
 
@@ -223,7 +230,7 @@ def _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, 
 def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=t.element_size() * 8, rank=2)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=t.element_size() * 8, rank=t.dim())
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
@@ -244,14 +251,14 @@ def rs_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_s
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     blocks = block_expert.numel()
     common = dict(BM=BLOCK_M, STAGES=stages, DIAG=diag, num_warps=8)
-    w13_bytes = w13.view(torch.uint8).reshape(num_experts * inter, hidden)
+    w13_bytes = w13.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
     _rs_gemm_kernel[(inter // 128, blocks)](
-        _descriptor(x_sorted, [BLOCK_M, BK.value], 128), _descriptor(w13_bytes, [PAIRS.value, BK.value], 0),
+        _descriptor(x_sorted, [BLOCK_M, BK.value], 128), _descriptor(w13_bytes, [2, PAIRS.value, BK.value], 0),
         s13.view(torch.uint8), g13, h, topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, SECOND_BOX=inter // 2, GEMM1=True, **common)
-    w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 2, inter)
+    w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 128, PAIRS.value, inter)
     _rs_gemm_kernel[(hidden // 256, blocks)](
-        _descriptor(h, [BLOCK_M, BK.value], 128), _descriptor(w2_bytes, [PAIRS.value, BK.value], 0),
+        _descriptor(h, [BLOCK_M, BK.value], 128), _descriptor(w2_bytes, [2, PAIRS.value, BK.value], 0),
         s2.view(torch.uint8), g2, y, topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, SECOND_BOX=PAIRS.value, GEMM1=False, **common)
     return y
