@@ -6,7 +6,7 @@ the activations are the right operand, from shared memory. Nothing decoded goes 
 memory, which the warp-specialized kernels (:mod:`.prefill_ws`) spend 2 x 32 KB of bandwidth per
 K step on.
 
-One program (8 warps, 2 warpgroups) computes ``[256 weight rows, BM = 128 tokens]`` of one
+One program (8 warps, 2 warpgroups) computes ``[256 weight rows, 128 tokens]`` of one
 expert's row block over K in 64-wide steps:
 
 - TMA copies of each step's activation tile ``[128 tokens, 64]`` bf16 and two paired-layout weight
@@ -32,7 +32,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from .kernels import _PAIRED_WORD_TO_BF16
 from .layout import fragment_column, fragment_order
 
-BLOCK_M = 128  # tokens per row block (wgmma N)
+# Gluon 3.6 passes constexpr arguments to a worker partition as run-time values: what must stay
+# a compile-time constant there (layouts) is a module constant
+BLOCK_M = gl.constexpr(128)  # tokens per row block (wgmma N)
 BK = gl.constexpr(64)  # K per step
 PAIRS = gl.constexpr(64)  # pair rows per weight box (128 weight rows)
 
@@ -53,44 +55,45 @@ mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $0, t, c;
 
 @gluon.jit
 def _operand_layouts(mma: gl.constexpr):
-    """The decode's layouts, derived from wgmma's A-operand layout for a ``[256, 64]`` tile:
-    returns a ``[128 pair rows, 4, 4]`` int32 zero tensor (pair row, ``t``, ``j``: word ``4 t + j``)
-    whose layout gives each thread the words of its own fragments (pair rows ``64 box + 8 warp +
-    lane // 4``, ``t = lane % 4``, all ``j``)."""
+    """The decode's layouts, derived from wgmma's A-operand layout for a warpgroup's ``[128, 64]``
+    tile: returns a ``[64 pair rows, 4, 4]`` int32 zero tensor (pair row, ``t``, ``j``: word ``4 t +
+    j``) whose layout gives each thread the words of its own fragments (pair rows ``32 box + 8 warp
+    + lane // 4``, ``t = lane % 4``, all ``j``)."""
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    ref = gl.zeros([256, 64], gl.bfloat16, la)
-    # row 128 box + 16 a + 8 rs + b, column 16 j + 8 s + 2 t + e
-    ref = gl.reshape(ref, [2, 8, 2, 8, 4, 2, 4, 2])
+    ref = gl.zeros([128, 64], gl.bfloat16, la)
+    # row 64 box + 16 a + 8 rs + b, column 16 j + 8 s + 2 t + e
+    ref = gl.reshape(ref, [2, 4, 2, 8, 4, 2, 4, 2])
     ref = gl.permute(ref, [0, 1, 3, 6, 4, 2, 5, 7])  # box, a, b, t, j, rs, s, e
-    ref = gl.reshape(ref, [128, 4, 4, 8])
+    ref = gl.reshape(ref, [64, 4, 4, 8])
     # the last dimension lives in registers; drop it
     return gl.max(ref.to(gl.int32), axis=3)
 
 
 @gluon.jit
 def _decode(words, sc_r, sc_r8):
-    """``words [128, 4, 4]`` int32 (pair row, t, j) and the bf16x2 scales of rows r and r + 8
-    (``[128, 4, 1]``) -> the A operand ``[256, 64]`` bf16 (rows in tile order, K in fragment order)."""
+    """``words [64, 4, 4]`` int32 (pair row, t, j) and the bf16x2 scales of rows r and r + 8
+    (``[64, 4, 1]``) -> the A operand ``[128, 64]`` bf16 (rows in tile order, K in fragment order)."""
     o0, o1, o2, o3 = gl.inline_asm_elementwise(
         _WORD_TO_BF16, "=r,=r,=r,=r,r,r,r", [words, sc_r, sc_r8],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
-    v = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [128, t, j, rs, s]
+    v = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [64, t, j, rs, s]
     lo, hi = gl.inline_asm_elementwise(_SPLIT_HALVES, "=h,=h,r", [v], dtype=(gl.bfloat16, gl.bfloat16),
                                        is_pure=True, pack=1)
-    a = gl.join(lo, hi)  # [128, t, j, rs, s, e]
-    a = gl.reshape(a, [2, 8, 8, 4, 4, 2, 2, 2])  # box, a, b, t, j, rs, s, e
+    a = gl.join(lo, hi)  # [64, t, j, rs, s, e]
+    a = gl.reshape(a, [2, 4, 8, 4, 4, 2, 2, 2])  # box, a, b, t, j, rs, s, e
     a = gl.permute(a, [0, 1, 5, 2, 4, 6, 3, 7])  # box, a, rs, b, j, s, t, e
-    return gl.reshape(a, [256, 64])
+    return gl.reshape(a, [128, 64])
 
 
 @gluon.jit
 def _scale_offsets(srow0, srow1, K, layout: gl.constexpr):
-    """Byte offsets of step 0's block scales of rows r, ``[128, 4]`` (pair row, t): the words
-    ``4 t .. 4 t + 3`` of a 64-wide step cover K ``16 t .. 16 t + 15`` (fragment order), block ``t``."""
-    p = gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
+    """Byte offsets of step 0's block scales of rows r, ``[64, 4]`` (pair row, t): box 0's pair
+    rows start at weight row ``srow0``, box 1's at ``srow1``; the words ``4 t .. 4 t + 3`` of a
+    64-wide step cover K ``16 t .. 16 t + 15`` (fragment order), block ``t``."""
+    p = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, layout))
-    q = p % 64
-    row = gl.where(p < 64, srow0, srow1) + (q // 8) * 16 + q % 8
+    q = p % 32
+    row = gl.where(p < 32, srow0, srow1) + (q // 8) * 16 + q % 8
     return row.to(gl.int64)[:, None] * (K // 16) + t[None, :]
 
 
@@ -101,130 +104,183 @@ def _scales_bf16x2(raw):
 
 
 @gluon.jit
-def _issue(x_desc, w_desc, x_smem, w_smem, ready, row0, wbox, wpair, j, nk):
-    """Step ``j``'s TMA copies into its ring slot: the activation tile and both weight boxes (one
-    3-D box: boxes ``wbox``, ``wbox + 1`` of the weights viewed as ``[boxes, pair rows, bytes]``)."""
+def _issue_x(x_desc, x_smem, x_ready, row0, j, nk):
     S: gl.constexpr = x_smem.shape[0]
     if j < nk:
         s = j % S
-        mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [row0, j * BK], ready.index(s), x_smem.index(s))
-        tma.async_copy_global_to_shared(w_desc, [wbox, wpair, j * BK], ready.index(s), w_smem.index(s))
+        mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [row0, j * BK], x_ready.index(s), x_smem.index(s))
+
+
+@gluon.jit
+def _issue_w(w_desc, w_smem, w_ready, base, wbox, wpair, j, nk):
+    """Step ``j``'s weight boxes (one 3-D box: boxes ``wbox``, ``wbox + 1`` of the weights viewed
+    as ``[boxes, pair rows, bytes]``) into a warpgroup's ring (slots ``base ..``)."""
+    S: gl.constexpr = w_smem.shape[0] // 2
+    if j < nk:
+        s = base + j % S
+        mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [wbox, wpair, j * BK], w_ready.index(s), w_smem.index(s))
+
+
+@gluon.jit
+def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_ptr, g_ptr, out_ptr, topk_w_ptr,
+               sorted_slot_ptr, e, row0, nrows, t, WG, N_OUT, K,
+               EXPERT_PAIR_ROWS, SECOND_BOX, GEMM1, DIAG):
+    """One warpgroup's half of the program: 128 weight rows (GEMM1: 64 gate rows and the same up
+    rows; GEMM2: 128 consecutive rows) x BLOCK_M tokens. Its weight ring is its own; the activation
+    ring is shared: warpgroup 0 refills it once both have retired a step (``x_empty``)."""
+    S: gl.constexpr = x_smem.shape[0]
+    # this warpgroup's rows, as pair rows of the weights: box 0, box 1
+    if GEMM1:
+        p0 = e * EXPERT_PAIR_ROWS + t * PAIRS + WG * (PAIRS // 2)
+        col0 = t * 128 + WG * 64
+        wbox = 2 * e  # w13 as [2E, I/2, H] bytes: gate half 2e, up half 2e + 1
+        wpair = t * PAIRS + WG * (PAIRS // 2)
+    else:
+        p0 = e * EXPERT_PAIR_ROWS + t * 2 * PAIRS + WG * PAIRS
+        col0 = t * 256 + WG * 128
+        wbox = p0 // (PAIRS // 2)  # w2 as [E H/64, 32, I] bytes: boxes of 32 pair rows
+        wpair = 0
+    p1 = p0 + (SECOND_BOX if GEMM1 else PAIRS // 2)
+    nk = K // BK
+    for j in gl.static_range(S):
+        _issue_w(w_desc, w_all, w_ready_all, WG * S, wbox, wpair, j, nk)
+    if WG == 0:
+        for j in gl.static_range(S):
+            _issue_x(x_desc, x_smem, x_ready, row0, j, nk)
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    wl: gl.constexpr = _operand_layouts(mma).type.layout
+    la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    # a slot's two boxes as one [64 pair rows, 4, 4] tile of words
+    w_words = w_all._reinterpret(gl.int32, [2 * S, PAIRS, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    offs = _scale_offsets(2 * p0, 2 * p1, K, gl.SliceLayout(2, wl))
+    below = 8 * (K // 16)  # rows r + 8
+    ra = gl.load(s_ptr + offs)
+    rb = gl.load(s_ptr + offs + below)
+    na = gl.load(s_ptr + offs + 4 * gl.minimum(1, nk - 1))
+    nb = gl.load(s_ptr + offs + below + 4 * gl.minimum(1, nk - 1))
+    acc = gl.zeros([128, BLOCK_M], gl.float32, mma)
+    # Two A operands, for even and odd steps: wgmma reads its register operand while it runs,
+    # and ptxas does not guard those registers (a single loop-carried operand, copied at the
+    # back edge, left the decode of step k + 1 writing the registers wgmma k was reading: wrong
+    # sums and NaN on H200). Each is rewritten only after the wait that retires its wgmma.
+    a_odd = gl.zeros([128, BK], gl.bfloat16, la)
+    scales = (ra, rb, na, nb)
+    ring = (x_desc, w_desc, x_smem, w_all, w_words, x_ready, x_empty, w_ready_all, row0, wbox, wpair, nk, WG)
+    for k in range(0, nk, 2):  # (K a multiple of 128)
+        acc, a_even, scales = _step(k, acc, a_odd, scales, ring, s_ptr, offs, below, wl, la, DIAG)
+        acc, a_odd, scales = _step(k + 1, acc, a_even, scales, ring, s_ptr, offs, below, wl, la, DIAG)
+    acc, a_odd = warpgroup_mma_wait(0, deps=[acc, a_odd])
+    _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1)
+
+
+@gluon.jit
+def _step(k, acc, a_prev, scales, ring, s_ptr, offs, below, wl: gl.constexpr, la: gl.constexpr, DIAG):
+    """K step ``k``: decode its A operand, issue its wgmma, retire step k - 1's (``a_prev``, held
+    in registers till here) and release its slots; warpgroup 0 refills the activation slot of
+    step k - 2. ``scales``: raw bytes of steps k, k + 1 (rows r, rows r + 8), returned for k + 1, k + 2."""
+    x_desc, w_desc, x_smem, w_smem, w_words, x_ready, x_empty, w_ready, row0, wbox, wpair, nk, WG = ring
+    S: gl.constexpr = x_smem.shape[0]
+    ra, rb, na, nb = scales
+    s = k % S
+    ws = WG * S + s  # this warpgroup's weight slot
+    ahead = 4 * gl.minimum(k + 2, nk - 1)
+    ca = gl.load(s_ptr + offs + ahead)
+    cb = gl.load(s_ptr + offs + below + ahead)
+    mbarrier.wait(w_ready.index(ws), (k // S) & 1)
+    if DIAG == 1:
+        a = gl.full([128, BK], 1.0, gl.bfloat16, la)
+    else:
+        words = w_words.index(ws).load(wl)
+        a = _decode(words, gl.expand_dims(_scales_bf16x2(ra), 2), gl.expand_dims(_scales_bf16x2(rb), 2))
+        a = gl.convert_layout(a, la, assert_trivial=True)
+    mbarrier.wait(x_ready.index(s), (k // S) & 1)
+    acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+    acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
+    if k > 0:  # step k - 1 retired in this warpgroup
+        mbarrier.arrive(x_empty.index((k - 1) % S))
+        _issue_w(w_desc, w_smem, w_ready, WG * S, wbox, wpair, k - 1 + S, nk)
+    if WG == 0:
+        if k > 1:  # the activation slot of step k - 2, once both warpgroups retired it
+            mbarrier.wait(x_empty.index((k - 2) % S), ((k - 2) // S) & 1)
+            _issue_x(x_desc, x_smem, x_ready, row0, k - 2 + S, nk)
+    return acc, a, (na, nb, ca, cb)
 
 
 @gluon.jit
 def _rs_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr,
                     block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
                     N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, SECOND_BOX: gl.constexpr,
-                    GEMM1: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr = 0):
-    """Program (weight tile ``t``, row block ``b``); tiles as in :mod:`.prefill_ws`. ``DIAG`` 1 (a
-    diagnostic, wrong results): no decode, the A operand is a constant."""
+                    GEMM1: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
+                    DIAG: gl.constexpr = 0):
+    """Program (weight tile ``t``, row block ``b``); tiles as in :mod:`.prefill_ws`, split between
+    two warpgroups that run as separate partitions (so the barriers Gluon puts around each TMA
+    copy hold 4 warps, not 8). ``DIAG`` 1 (a diagnostic, wrong results): no decode."""
     t = gl.program_id(0)
     b = gl.program_id(1)
     e = gl.load(block_expert_ptr + b)
     if e >= 0:
         row0 = gl.load(block_row_start_ptr + b)
         nrows = gl.load(block_row_end_ptr + b) - row0
-        wrow0 = e * EXPERT_PAIR_ROWS + t * (PAIRS if GEMM1 else 2 * PAIRS)
-        wrow1 = wrow0 + SECOND_BOX
-        col0 = t * (128 if GEMM1 else 256)
-        if GEMM1:  # w13 as [2E, I/2, H] bytes: gate half 2e, up half 2e + 1, pair rows 64 t ..
-            wbox = 2 * e
-            wpair = t * PAIRS
-        else:  # w2 as [E H/128, 64, I] bytes: boxes of 64 pair rows
-            wbox = wrow0 // PAIRS
-            wpair = 0
-
         x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         w_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_layout)
-        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 2, PAIRS, BK], w_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
+        w_smem = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, 2, PAIRS // 2, BK], w_layout)  # warpgroup 0's, 1's
+        x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        w_ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-        # a slot's two boxes as one [128 pair rows, 4, 4] tile of words
-        w_words = w_smem._reinterpret(gl.int32, [STAGES, 2 * PAIRS, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-
-        nk = K // BK
-        for j in gl.static_range(STAGES):
-            _issue(x_desc, w_desc, x_smem, w_smem, ready, row0, wbox, wpair, j, nk)
-
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 16])
-        wl: gl.constexpr = _operand_layouts(mma).type.layout
-        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        offs = _scale_offsets(2 * wrow0, 2 * wrow1, K, gl.SliceLayout(2, wl))
-        below = 8 * (K // 16)  # rows r + 8
-        ra = gl.load(s_ptr + offs)
-        rb = gl.load(s_ptr + offs + below)
-        na = gl.load(s_ptr + offs + 4 * gl.minimum(1, nk - 1))
-        nb = gl.load(s_ptr + offs + below + 4 * gl.minimum(1, nk - 1))
-        acc = gl.zeros([256, BM], gl.float32, mma)
-        # Two A operands, for even and odd steps: wgmma reads its register operand while it runs,
-        # and ptxas does not guard those registers (a single loop-carried operand, copied at the
-        # back edge, left the decode of step k + 1 writing the registers wgmma k was reading: wrong
-        # sums and NaN on H200). Each is rewritten only after the wait that retires its wgmma.
-        a_odd = gl.zeros([256, BK], gl.bfloat16, la)
-        scales = (ra, rb, na, nb)
-        ring = (x_desc, w_desc, x_smem, w_smem, w_words, ready, row0, wbox, wpair, nk)
-        for k in range(0, nk, 2):  # (K a multiple of 128)
-            acc, a_even, scales = _step(k, acc, a_odd, scales, ring, s_ptr, offs, below, wl, la, DIAG)
-            acc, a_odd, scales = _step(k + 1, acc, a_even, scales, ring, s_ptr, offs, below, wl, la, DIAG)
-        acc, a_odd = warpgroup_mma_wait(0, deps=[acc, a_odd])
-        _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1, BM)
+            mbarrier.init(x_ready.index(i), count=1)
+            mbarrier.init(x_empty.index(i), count=2)
+            mbarrier.init(w_ready.index(i), count=1)
+            mbarrier.init(w_ready.index(STAGES + i), count=1)
+        gl.warp_specialize([
+            (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
+                          sorted_slot_ptr, e, row0, nrows, t, 0, N_OUT, K, EXPERT_PAIR_ROWS, SECOND_BOX, GEMM1, DIAG)),
+            (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
+                          sorted_slot_ptr, e, row0, nrows, t, 1, N_OUT, K, EXPERT_PAIR_ROWS, SECOND_BOX, GEMM1, DIAG)),
+        ], [4], [REGS])
 
 
 @gluon.jit
-def _step(k, acc, a_prev, scales, ring, s_ptr, offs, below, wl: gl.constexpr, la: gl.constexpr, DIAG: gl.constexpr):
-    """K step ``k``: decode its A operand, issue its wgmma, retire step k - 1's (``a_prev``, held
-    in registers till here), refill that step's slot. ``scales``: raw bytes of steps k, k + 1
-    (rows r, rows r + 8), returned for k + 1, k + 2."""
-    x_desc, w_desc, x_smem, w_smem, w_words, ready, row0, wbox, wpair, nk = ring
-    STAGES: gl.constexpr = x_smem.shape[0]
-    ra, rb, na, nb = scales
-    s = k % STAGES
-    ahead = 4 * gl.minimum(k + 2, nk - 1)
-    ca = gl.load(s_ptr + offs + ahead)
-    cb = gl.load(s_ptr + offs + below + ahead)
-    mbarrier.wait(ready.index(s), (k // STAGES) & 1)
-    if DIAG == 1:
-        a = gl.full([256, BK], 1.0, gl.bfloat16, la)
-    else:
-        words = w_words.index(s).load(wl)
-        a = _decode(words, gl.expand_dims(_scales_bf16x2(ra), 2), gl.expand_dims(_scales_bf16x2(rb), 2))
-        a = gl.convert_layout(a, la, assert_trivial=True)
-    acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-    acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
-    if k > 0:  # step k - 1's wgmma is done in both warpgroups: its slot can be refilled
-        gl.thread_barrier()
-        _issue(x_desc, w_desc, x_smem, w_smem, ready, row0, wbox, wpair, k - 1 + STAGES, nk)
-    return acc, a, (na, nb, ca, cb)
-
-
-@gluon.jit
-def _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT: gl.constexpr,
-              GEMM1: gl.constexpr, BM: gl.constexpr):
-    """GEMM1: SwiGLU into ``h`` (sorted rows, K of GEMM2 in fragment order); GEMM2: times the
-    routing weight into ``y`` (by slot). ``acc [256 weight rows, BM tokens]``."""
-    mma: gl.constexpr = acc.type.layout
+def _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1):
+    """``acc [128 weight rows, BLOCK_M tokens]`` times the global scale: GEMM1's SwiGLU into ``h``
+    (sorted rows, K of GEMM2 in fragment order), GEMM2's times the routing weight into ``y`` (by slot)."""
     g = gl.load(g_ptr + e) * 4194304.0  # the decoded tiles' 2^-22
-    m = gl.arange(0, 256, layout=gl.SliceLayout(1, mma))
-    n = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-    if GEMM1:  # rows 0..127 gate rows i, 128..255 the same up rows: both in one thread
-        rows = gl.zeros([256, BM], gl.int32, mma) + m[:, None]
-        toks = gl.zeros([256, BM], gl.int32, mma) + n[None, :]
-        gate, up = gl.split(gl.permute(gl.reshape(acc * g, [2, 128, BM]), [1, 2, 0]))
-        c, _ = gl.split(gl.permute(gl.reshape(rows, [2, 128, BM]), [1, 2, 0]))
-        tok, _ = gl.split(gl.permute(gl.reshape(toks, [2, 128, BM]), [1, 2, 0]))
-        h = gate / (1.0 + gl.exp(-gate)) * up
-        offs = (row0 + tok).to(gl.int64) * N_OUT + _fragment_column(col0 + c, 64)
-        gl.store(out_ptr + offs, h.to(gl.bfloat16), mask=tok < nrows)
+    if GEMM1:  # (a run-time branch in the worker partition: see BLOCK_M)
+        _store_swiglu(acc * g, out_ptr, row0, nrows, col0, N_OUT)
     else:
-        valid = n < nrows
-        slot = gl.load(sorted_slot_ptr + row0 + n, mask=valid, other=0)
-        route = gl.load(topk_w_ptr + slot, mask=valid, other=0.0)
-        y = acc * g * route[None, :]
-        offs = slot.to(gl.int64)[None, :] * N_OUT + col0 + m[:, None]
-        gl.store(out_ptr + offs, y, mask=valid[None, :])
+        _store_routed(acc * g, out_ptr, topk_w_ptr, sorted_slot_ptr, row0, nrows, col0, N_OUT)
+
+
+@gluon.jit
+def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT):
+    """Rows 0..63 gate rows i, 64..127 the same up rows: both in one thread."""
+    mma: gl.constexpr = acc.type.layout
+    m = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
+    n = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    rows = gl.zeros([128, BLOCK_M], gl.int32, mma) + m[:, None]
+    toks = gl.zeros([128, BLOCK_M], gl.int32, mma) + n[None, :]
+    gate, up = gl.split(gl.permute(gl.reshape(acc, [2, 64, BLOCK_M]), [1, 2, 0]))
+    c, _ = gl.split(gl.permute(gl.reshape(rows, [2, 64, BLOCK_M]), [1, 2, 0]))
+    tok, _ = gl.split(gl.permute(gl.reshape(toks, [2, 64, BLOCK_M]), [1, 2, 0]))
+    h = gate / (1.0 + gl.exp(-gate)) * up
+    offs = (row0 + tok).to(gl.int64) * N_OUT + _fragment_column(col0 + c, 64)
+    gl.store(h_ptr + offs, h.to(gl.bfloat16), mask=tok < nrows)
+
+
+@gluon.jit
+def _store_routed(acc, y_ptr, topk_w_ptr, sorted_slot_ptr, row0, nrows, col0, N_OUT):
+    mma: gl.constexpr = acc.type.layout
+    m = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
+    n = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    valid = n < nrows
+    slot = gl.load(sorted_slot_ptr + row0 + n, mask=valid, other=0)
+    route = gl.load(topk_w_ptr + slot, mask=valid, other=0.0)
+    offs = slot.to(gl.int64)[None, :] * N_OUT + col0 + m[:, None]
+    gl.store(y_ptr + offs, acc * route[None, :], mask=valid[None, :])
 
 
 def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
@@ -240,7 +296,7 @@ def gather_fragment_order(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def rs_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
-                     row_end, stages: int = 6, diag: int = 0):
+                     row_end, stages: int = 6, regs: int = 248, diag: int = 0):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order, K in fragment
     order, :func:`gather_fragment_order`) -> ``y [S, H]`` float32 by slot (the top-k sum is the
     caller's). Weights and row blocks as for :func:`.prefill_ws.ws_prefill_gemms`."""
@@ -250,15 +306,15 @@ def rs_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_s
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     blocks = block_expert.numel()
-    common = dict(BM=BLOCK_M, STAGES=stages, DIAG=diag, num_warps=8)
+    common = dict(STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
     w13_bytes = w13.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
     _rs_gemm_kernel[(inter // 128, blocks)](
-        _descriptor(x_sorted, [BLOCK_M, BK.value], 128), _descriptor(w13_bytes, [2, PAIRS.value, BK.value], 0),
+        _descriptor(x_sorted, [BLOCK_M.value, BK.value], 128), _descriptor(w13_bytes, [2, PAIRS.value // 2, BK.value], 0),
         s13.view(torch.uint8), g13, h, topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, SECOND_BOX=inter // 2, GEMM1=True, **common)
-    w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 128, PAIRS.value, inter)
+    w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
     _rs_gemm_kernel[(hidden // 256, blocks)](
-        _descriptor(h, [BLOCK_M, BK.value], 128), _descriptor(w2_bytes, [2, PAIRS.value, BK.value], 0),
+        _descriptor(h, [BLOCK_M.value, BK.value], 128), _descriptor(w2_bytes, [2, PAIRS.value // 2, BK.value], 0),
         s2.view(torch.uint8), g2, y, topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, SECOND_BOX=PAIRS.value, GEMM1=False, **common)
     return y
