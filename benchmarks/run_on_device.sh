@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU-machine call: smoke test, GPU test suite, benchmarks. Logs and results go to $OUT.
 #   source .device/setup-on-device.sh && bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e
-#   route firstpass linear patchmem profile_decode decoder_layer pipeline ncu wsprefill)
+#   route firstpass linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill)
 set -o pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -12,7 +12,7 @@ for step in "$@"; do
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_triton_backend.py} 2>&1 | tee "$OUT/tests.log" | grep -E "rel err|passed|failed|Error|error" ;;
     bench) timeout 400 python3 benchmarks/bench_moe.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     sweep) timeout 300 python3 benchmarks/sweep_triton.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" ;;
-    wsprefill) timeout 300 python3 benchmarks/bench_ws_prefill.py ${WSPREFILL_ARGS:-} 2>&1 | tee "$OUT/ws_prefill.log" ;;
+    gluonprefill) timeout 300 python3 benchmarks/bench_gluon_prefill.py ${GLUON_PREFILL_ARGS:-} 2>&1 | tee "$OUT/gluon_prefill.log" ;;
     pipeline) timeout 300 python3 benchmarks/sweep_pipeline.py --out "$OUT" ${PIPELINE_ARGS:-} 2>&1 | tee "$OUT/sweep_pipeline.log" ;;
     ncu) timeout 200 ncu --clock-control none --kernel-name regex:_gemm --launch-skip 2 --launch-count 2 \
            --section SpeedOfLight --section WarpStateStats --section Occupancy \

@@ -106,8 +106,8 @@ def test_route_compiles_one_variant_for_every_token_count():
                                        (4, 512, 256, 3, 2),  # decode with TMA loads, fragment order
                                        (4, 512, 256, 24, 2),  # middle bucket (12 rows per expert)
                                        (2, 256, 256, 40, 1),  # prefill bucket (20 rows per expert), TMA
-                                       # 400 rows per expert: the warp-specialized kernels on Hopper in
-                                       # bf16 (K = 256: 4 steps, fewer than the rings' slots), the
+                                       # 400 rows per expert: the Gluon prefill kernels on Hopper in
+                                       # bf16 (K = 256: 4 steps, as many as the ring's slots), the
                                        # single-role ones in fp16 and on the CPU
                                        (2, 256, 256, 400, 1)])
 def test_triton_matches_float64(dtype, e, h, i, t, k):
@@ -402,29 +402,29 @@ def test_static_k_loop_lets_ptxas_pipeline_the_wgmma(kernel, pipelined):
         assert waits.get("0x0", 0) >= 16, waits
 
 
-# --- the warp-specialized prefill kernels (prefill_ws.py; Hopper only) ---------------------------
+# --- the Gluon prefill kernels (prefill_rs.py; Hopper only) ---------------------------------------
 
-def _ws_calls(monkeypatch):
-    """Count calls of the warp-specialized GEMMs (so a test knows that path ran)."""
-    from fp4moe_ops.backends.triton_moe import prefill_ws
+def _gluon_calls(monkeypatch):
+    """Count calls of the Gluon prefill GEMMs (so a test knows that path ran)."""
+    from fp4moe_ops.backends.triton_moe import prefill_rs
 
     calls = []
-    real = prefill_ws.ws_prefill_gemms
-    monkeypatch.setattr(prefill_ws, "ws_prefill_gemms", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = prefill_rs.prefill_gemms
+    monkeypatch.setattr(prefill_rs, "prefill_gemms", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
-def test_kernel_config_warp_specialized_from_192_rows_per_expert():
-    assert [kernel_config(t * 8, 256, 7168, 2048)["WARP_SPECIALIZED"] for t in (1, 4096, 6143, 6144, 16384)] == \
+def test_kernel_config_gluon_prefill_from_128_rows_per_expert():
+    assert [kernel_config(t * 8, 256, 7168, 2048)["GLUON_PREFILL"] for t in (1, 2048, 4095, 4096, 16384)] == \
         [False, False, False, True, True]
-    assert not kernel_config(8192 * 8, 256, 64, 32)["WARP_SPECIALIZED"]  # no TMA boxes: no paired weights
+    assert not kernel_config(8192 * 8, 256, 64, 32)["GLUON_PREFILL"]  # no TMA boxes: no paired weights
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="wgmma: Hopper only")
-def test_warp_specialized_prefill_matches_float64(monkeypatch):
-    # 8 experts, top-2, 1100 tokens: ~275 rows per expert (the warp-specialized bucket), loads
+def test_gluon_prefill_matches_float64(monkeypatch):
+    # 8 experts, top-2, 1100 tokens: ~275 rows per expert (the Gluon prefill bucket), loads
     # skewed so that experts get 1 to 4 row blocks of 128 with partial last blocks; sentinels
     # (-1, E) dropped
     e, h, i, t, k = 8, 512, 256, 1100, 2
@@ -435,8 +435,8 @@ def test_warp_specialized_prefill_matches_float64(monkeypatch):
     ids[0, -1] = -1
     ids[1, -1] = e
     rw = torch.rand(t, k)
-    assert kernel_config(t * k, e, h, i)["WARP_SPECIALIZED"]
-    calls = _ws_calls(monkeypatch)
+    assert kernel_config(t * k, e, h, i)["GLUON_PREFILL"]
+    calls = _gluon_calls(monkeypatch)
     out = triton_fused_moe(x.cuda(), ids.cuda(), rw.cuda(), [a.cuda() for a in kernel_tensors(w)]).cpu()
     assert calls == [1]
     ref = moe64(x, ids, rw, *w.tensors())
@@ -449,7 +449,7 @@ def test_warp_specialized_prefill_matches_float64(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="wgmma: Hopper only")
-def test_warp_specialized_prefill_keeps_a_nan_expert_to_its_own_tokens(monkeypatch):
+def test_gluon_prefill_keeps_a_nan_expert_to_its_own_tokens(monkeypatch):
     """A row block computes all its 128 rows, those past the expert's end (the next expert's
     activations) included, and stores only its own: with one expert's weights NaN and one token
     routed to it (a block of 1 row + 127 other tokens' rows), every other token keeps the output of
@@ -464,7 +464,7 @@ def test_warp_specialized_prefill_keeps_a_nan_expert_to_its_own_tokens(monkeypat
     ids = torch.where(ids == 3, 5, ids)
     ids[2, 0] = 3
     ids, rw = ids.cuda(), torch.rand(t, k, device="cuda")
-    calls = _ws_calls(monkeypatch)
+    calls = _gluon_calls(monkeypatch)
     clean = triton_fused_moe(x, ids, rw, [a.cuda() for a in kernel_tensors(w)])
     dirty = triton_fused_moe(x, ids, rw, [a.cuda() for a in kernel_tensors(bad)])
     assert calls == [1, 1]

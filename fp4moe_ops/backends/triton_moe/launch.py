@@ -24,11 +24,8 @@ def interpreting() -> bool:
 
 
 FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (prefill)
-# From this many rows per expert on, the warp-specialized Gluon kernels (prefill_ws.py) on Hopper.
-# DeepSeek-V3's layer against the single-role kernels, one process each (H200, benchmarks/NOTES.md):
-# 0.94-0.95x the time at 8192 tokens (256 rows per expert; two processes), 0.97x at 6144
-# (192 rows), 1.02x at 4096 (128 rows: the 128-row blocks are half empty)
-WARP_SPECIALIZED_MIN_ROWS = 192
+# From this many rows per expert on, the Gluon prefill kernels (prefill_rs.py) on Hopper.
+GLUON_PREFILL_MIN_ROWS = 128
 ROUTE_CHUNK = 64  # slots each routing program places
 
 
@@ -183,9 +180,9 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # generate() took 70.9 s instead of 53.8 s (20.1 instead of 16.4 s with Triton's disk cache; cause
     # not established; results/first_pass_pdl_2026-12-01.md, first_pass_860092d_2026-12-01.md). Off.
     cfg["PDL"] = False
-    # Prefill with many rows per expert: the warp-specialized kernels (prefill_ws.py; paired weights,
-    # bf16 activations and compute capability 9.x only, checked at the call)
-    cfg["WARP_SPECIALIZED"] = tma and rows_per_expert >= WARP_SPECIALIZED_MIN_ROWS
+    # Prefill with many rows per expert: the Gluon kernels (prefill_rs.py; paired weights, bf16
+    # activations and compute capability 9.x only, checked at the call)
+    cfg["GLUON_PREFILL"] = tma and rows_per_expert >= GLUON_PREFILL_MIN_ROWS
     return cfg
 
 
@@ -210,8 +207,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         # tiles compile but give wrong sums on H200 (benchmarks/results/sweep_narrow_*.log)
         raise ValueError(f"fragment-order configs need BN1 and BN2 multiples of 64, got {cfg['BN1']} and {cfg['BN2']}")
     x = hidden_states.contiguous()
-    if cfg.get("WARP_SPECIALIZED") and paired and _warp_specialized_runs(x):
-        return _warp_specialized_moe(x, topk_ids, topk_weights, expert_tensors)
+    if cfg.get("GLUON_PREFILL") and paired and _gluon_prefill_runs(x):
+        return _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors)
     pdl = cfg.get("PDL", False)
     fragment = cfg.get("FRAGMENT_ORDER", False)
     if fragment:  # GEMM1 reads x with K in fragment order
@@ -254,29 +251,31 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     return _sum_topk(y, topk_ids, x, num_experts, pdl)
 
 
-def _warp_specialized_runs(x: torch.Tensor) -> bool:
-    """The warp-specialized kernels need Hopper's wgmma (compute capability 9.x), bf16 activations
+def _gluon_prefill_runs(x: torch.Tensor) -> bool:
+    """The Gluon prefill kernels need Hopper's wgmma (compute capability 9.x), bf16 activations
     and Triton's Gluon (not in the interpreter)."""
     if interpreting() or not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
         return False
     try:
-        from .prefill_ws import ws_prefill_gemms  # noqa: F401  (Gluon importable)
+        from .prefill_rs import prefill_gemms  # noqa: F401  (Gluon importable)
     except ImportError:
         return False
     return True
 
 
-def _warp_specialized_moe(x, topk_ids, topk_weights, expert_tensors, **options):
-    """Route into 128-row blocks, gather the activations in expert order, both GEMMs
-    (:func:`.prefill_ws.ws_prefill_gemms`, ``options`` its tuning and diagnostic arguments), top-k sum."""
-    from .prefill_ws import BLOCK_M, ws_prefill_gemms
+def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, **options):
+    """Route into 128-row blocks, gather the activations in expert order (K in fragment order),
+    both GEMMs (:func:`.prefill_rs.prefill_gemms`, ``options`` its tuning and diagnostic
+    arguments), top-k sum."""
+    from .prefill_rs import BK, BLOCK_M, prefill_gemms
 
     w13, s13, g13, w2, s2, g2 = expert_tensors
     num_experts = s13.shape[0]
-    sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, BLOCK_M)
-    x_sorted = x.index_select(0, sorted_slot.long() // topk_ids.shape[1])
-    y = ws_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
-                         row_start, row_end, **options)
+    sorted_slot, block_expert, row_start, row_end, x_fragment = route(topk_ids, num_experts, BLOCK_M.value, x,
+                                                                      BK.value)
+    x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
+    y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
+                      row_start, row_end, **options)
     return _sum_topk(y, topk_ids, x, num_experts)
 
 

@@ -1,25 +1,31 @@
-"""Prefill GEMMs with the FP4 decode into wgmma's register operand (Gluon, Hopper; issue 17).
+"""Prefill GEMMs in Gluon for Hopper (issue 17): the FP4 weights decoded straight into the register
+operand of wgmma.
 
-The weights are the MMA's left operand, decoded by the warps that issue the MMA straight into the
-registers wgmma reads (as CUTLASS's mixed-input GEMMs do), while the previous step's wgmma runs;
-the activations are the right operand, from shared memory. Nothing decoded goes through shared
-memory, which the warp-specialized kernels (:mod:`.prefill_ws`) spend 2 x 32 KB of bandwidth per
-K step on.
+The weights are the MMA's left operand (M = weight rows), decoded by the warps that issue the MMA
+into the registers wgmma reads, while the previous K step's wgmma runs (the structure of
+CUTLASS's mixed-input GEMMs); the activations are the right operand (N = 128 tokens), from shared
+memory. Nothing decoded goes through shared memory (an earlier kernel decoded into shared memory
+in producer warps: 0.94x the single-role kernels' time at 8192 tokens against this one's ~0.8x;
+benchmarks/NOTES.md).
 
-One program (8 warps, 2 warpgroups) computes ``[256 weight rows, 128 tokens]`` of one
-expert's row block over K in 64-wide steps:
+One program computes ``[256 weight rows, 128 tokens]`` of one expert's row block, over K in
+64-wide steps, as two warpgroups that run as separate Gluon partitions (the barriers Gluon puts
+around each TMA copy then hold one warpgroup, not both):
 
-- TMA copies of each step's activation tile ``[128 tokens, 64]`` bf16 and two paired-layout weight
-  boxes ``[64 pair rows, 64 bytes]`` into a ring of ``STAGES`` slots;
+- each warpgroup has 128 of the weight rows (GEMM1: 64 gate rows and the same 64 up rows, so
+  SwiGLU needs no exchange; GEMM2: 128 consecutive rows of ``w2``) and its own ring of weight
+  boxes ``[2, 32 pair rows, 64 bytes]`` (:func:`.layout.paired_weight_layout`: a pair row holds
+  weight rows r and r + 8), filled by TMA;
+- the activation tile ``[128 tokens, 64]`` bf16 is shared: warpgroup 0 refills its ring slot
+  once both warpgroups retired the step (an mbarrier with two arrivals);
 - each thread decodes its own fragments: a paired word (rows r and r + 8, one 2-byte unit each)
-  is exactly the four bf16x2 registers of one 16-wide K chunk of wgmma's A operand when K runs in
+  is exactly four bf16x2 registers of one 16-wide K chunk of wgmma's A operand when K runs in
   :func:`.layout.fragment_order` (chunk 64), so the activations are stored that way (the gather
-  copy for GEMM1, GEMM1's epilogue for ``h``);
-- GEMM1's tile is 128 gate rows then the same up rows (rows r and r + 128 in one thread: SwiGLU
-  without exchange); GEMM2's is 256 consecutive rows of ``w2``.
+  copy for GEMM1, GEMM1's epilogue for ``h``).
 
 Decoded values carry a 2^-22 factor, folded into the global scale in the epilogue (as in
-:mod:`.kernels`). bf16 activations only; written for Triton 3.6's Gluon (the GPU machine's).
+:mod:`.kernels`). bf16 activations only; written for Triton 3.6's Gluon (the GPU machine's;
+Triton 3.9 renamed the TMA copy, so the CPU CI does not compile these kernels).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .kernels import _PAIRED_WORD_TO_BF16
-from .layout import fragment_column, fragment_order
+from .layout import fragment_column
 
 # Gluon 3.6 passes constexpr arguments to a worker partition as run-time values: what must stay
 # a compile-time constant there (layouts) is a module constant
@@ -42,7 +48,9 @@ _WORD_TO_BF16 = gl.constexpr(_PAIRED_WORD_TO_BF16.value)
 _fragment_column = gluon.jit(fragment_column)  # plain index arithmetic, shared with .layout
 _SPLIT_HALVES = gl.constexpr("mov.b32 {$0, $1}, $2;")  # int32 -> its two bf16 halves (no instruction)
 
-# E4M3 block-scale byte -> bf16x2 of scale * 2^104 in both halves (see prefill_ws._E4M3_TO_BF16X2)
+# An E4M3 block-scale byte (zero-extended) -> bf16x2 of ``scale * 2^104`` in both halves: the 7
+# exponent/mantissa bits moved into bf16's fields read as scale * 2^-120 (subnormals included;
+# the sign is dropped, scales are >= 0), times 2^112 twice (exact).
 _E4M3_TO_BF16X2 = gl.constexpr("""
 {
 .reg .b32 t, c;
@@ -210,14 +218,14 @@ def _step(k, acc, a_prev, scales, ring, s_ptr, offs, below, wl: gl.constexpr, la
 
 
 @gluon.jit
-def _rs_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr,
+def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr,
                     block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
                     N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, SECOND_BOX: gl.constexpr,
                     GEMM1: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
                     DIAG: gl.constexpr = 0):
-    """Program (weight tile ``t``, row block ``b``); tiles as in :mod:`.prefill_ws`, split between
-    two warpgroups that run as separate partitions (so the barriers Gluon puts around each TMA
-    copy hold 4 warps, not 8). ``DIAG`` 1 (a diagnostic, wrong results): no decode."""
+    """Program (weight tile ``t``, row block ``b``). GEMM1: tile ``t`` is gate rows ``128 t ..``
+    and the same up rows (``SECOND_BOX`` = I / 2 pair rows further); GEMM2: weight rows ``256 t ..``.
+    ``EXPERT_PAIR_ROWS``: pair rows per expert. ``DIAG`` 1 (a diagnostic, wrong results): no decode."""
     t = gl.program_id(0)
     b = gl.program_id(1)
     e = gl.load(block_expert_ptr + b)
@@ -290,16 +298,15 @@ def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
-def gather_fragment_order(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``x[rows]`` with each 64-wide piece of K in fragment order (GEMM1's activations)."""
-    return fragment_order(x, 64).index_select(0, rows)
-
-
-def rs_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
-                     row_end, stages: int = 6, regs: int = 248, diag: int = 0):
-    """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order, K in fragment
-    order, :func:`gather_fragment_order`) -> ``y [S, H]`` float32 by slot (the top-k sum is the
-    caller's). Weights and row blocks as for :func:`.prefill_ws.ws_prefill_gemms`."""
+def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
+                  row_end, stages: int = 4, regs: int = 248, diag: int = 0):
+    """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order, each 64-wide
+    piece of K in :func:`.layout.fragment_order`) -> ``y [S, H]`` float32 by slot (the top-k sum
+    is the caller's). Weights in the paired layout (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``),
+    scales as bytes, the row blocks as :func:`.launch.route` makes them with ``block_m = BLOCK_M``.
+    ``stages``: ring slots (4: 4 x (16 + 2 x 4) KB = 96 KB of shared memory); ``regs``: the worker
+    partition's registers; ``diag`` 1 (a diagnostic, wrong results) skips the decode. H and I
+    multiples of 256."""
     num_slots, hidden = x_sorted.shape
     inter = s13.shape[1] // 2
     num_experts = w13.shape[0]
@@ -308,12 +315,12 @@ def rs_prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_s
     blocks = block_expert.numel()
     common = dict(STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
     w13_bytes = w13.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
-    _rs_gemm_kernel[(inter // 128, blocks)](
+    _prefill_gemm_kernel[(inter // 128, blocks)](
         _descriptor(x_sorted, [BLOCK_M.value, BK.value], 128), _descriptor(w13_bytes, [2, PAIRS.value // 2, BK.value], 0),
         s13.view(torch.uint8), g13, h, topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, SECOND_BOX=inter // 2, GEMM1=True, **common)
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
-    _rs_gemm_kernel[(hidden // 256, blocks)](
+    _prefill_gemm_kernel[(hidden // 256, blocks)](
         _descriptor(h, [BLOCK_M.value, BK.value], 128), _descriptor(w2_bytes, [2, PAIRS.value // 2, BK.value], 0),
         s2.view(torch.uint8), g2, y, topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, SECOND_BOX=PAIRS.value, GEMM1=False, **common)
