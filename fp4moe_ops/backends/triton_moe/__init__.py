@@ -1,5 +1,5 @@
-"""Triton fused-MoE backend (a package: ``kernels`` the GPU code, ``prefill_ws`` the warp-specialized
-Gluon kernels for large prefills on Hopper, ``layout`` the data layouts, ``launch`` routing and
+"""Triton fused-MoE backend (a package: ``kernels`` the GPU code, ``prefill_rs`` the Gluon kernels
+for large prefills on Hopper, ``layout`` the data layouts, ``launch`` routing and
 launches, ``backend`` the op's view): exact NVFP4 weights x 16-bit activations (W4A16), any CUDA GPU
 Triton supports, written for Hopper (SM90) where FlashInfer's NVFP4 kernel does not run. The same
 decode loop serves ``fp4moe::nvfp4_linear``'s ``"triton"`` backend (one weight, K split into parts:
@@ -18,9 +18,9 @@ Pipeline of one call (no host syncs, CUDA-graph capturable):
 4. ``_sum_topk_kernel``: ``out[t] = sum_j y[t*k + j]`` over valid slots, cast to the input dtype
    (deterministic: no atomics).
 
-From 192 rows per expert on Hopper (bf16 activations, paired weights), steps 2-3 are instead
-``prefill_ws``'s two launches over 128-row blocks of activations gathered in expert order (the
-FP4 decode in its own warps, overlapping the wgmma).
+From 128 rows per expert on Hopper (bf16 activations, paired weights), steps 2-3 are instead
+``prefill_rs``'s two launches over 128-row blocks of activations gathered in expert order (the
+FP4 decode straight into wgmma's register operand, overlapping the previous step's wgmma).
 
 Only experts that some token picked are read, each weight byte once per (M block, N tile).
 Where H and I are multiples of 256 (every real MoE shape), weight and scale tiles come through
