@@ -112,23 +112,28 @@ def _scales_bf16x2(raw):
 
 
 @gluon.jit
-def _issue_x(x_desc, x_smem, x_ready, row0, j, nk):
-    S: gl.constexpr = x_smem.shape[0]
-    if j < nk:
-        s = j % S
+def _issue_x(x_desc, x_smem, x_ready, row0, i, n2):
+    """Pair step ``i``'s activation tiles (K steps 2i, 2i + 1: one 3-D box of the activations viewed
+    as ``[H/64, S, 64]``) into the shared ring."""
+    S: gl.constexpr = x_smem.shape[0] // 2
+    if i < n2:
+        s = i % S
+        # the ring's two tiles of a slot as one [2, BLOCK_M, 64] box (the same bytes and swizzle)
+        pairs = x_smem._reinterpret(gl.bfloat16, [S, 2, BLOCK_M, BK],
+                                    gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
         mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [row0, j * BK], x_ready.index(s), x_smem.index(s))
+        tma.async_copy_global_to_shared(x_desc, [2 * i, row0, 0], x_ready.index(s), pairs.index(s))
 
 
 @gluon.jit
-def _issue_w(w_desc, w_smem, w_ready, base, wbox, wpair, j, nk):
-    """Step ``j``'s weight boxes (one 3-D box: boxes ``wbox``, ``wbox + 1`` of the weights viewed
-    as ``[boxes, pair rows, bytes]``) into a warpgroup's ring (slots ``base ..``)."""
+def _issue_w(w_desc, w_smem, w_ready, base, wbox, wpair, i, n2):
+    """Pair step ``i``'s weight boxes (one 3-D box: boxes ``wbox``, ``wbox + 1`` of the weights viewed
+    as ``[boxes, pair rows, bytes]``, 128 bytes of K) into a warpgroup's ring (slots ``base ..``)."""
     S: gl.constexpr = w_smem.shape[0] // 2
-    if j < nk:
-        s = base + j % S
+    if i < n2:
+        s = base + i % S
         mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [wbox, wpair, j * BK], w_ready.index(s), w_smem.index(s))
+        tma.async_copy_global_to_shared(w_desc, [wbox, wpair, 2 * i * BK], w_ready.index(s), w_smem.index(s))
 
 
 @gluon.jit
@@ -137,8 +142,10 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
                EXPERT_PAIR_ROWS, SECOND_BOX, GEMM1, DIAG):
     """One warpgroup's half of the program: 128 weight rows (GEMM1: 64 gate rows and the same up
     rows; GEMM2: 128 consecutive rows) x BLOCK_M tokens. Its weight ring is its own; the activation
-    ring is shared: warpgroup 0 refills it once both have retired a step (``x_empty``)."""
-    S: gl.constexpr = x_smem.shape[0]
+    ring is shared: warpgroup 0 refills it once both have retired a slot (``x_empty``). A ring slot
+    holds two K steps (one TMA copy and one wait per two steps: Gluon puts a barrier of the
+    partition around each copy)."""
+    S: gl.constexpr = x_smem.shape[0] // 2
     # this warpgroup's rows, as pair rows of the weights: box 0, box 1
     if GEMM1:
         p0 = e * EXPERT_PAIR_ROWS + t * PAIRS + WG * (PAIRS // 2)
@@ -152,17 +159,19 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
         wpair = 0
     p1 = p0 + (SECOND_BOX if GEMM1 else PAIRS // 2)
     nk = K // BK
-    for j in gl.static_range(S):
-        _issue_w(w_desc, w_all, w_ready_all, WG * S, wbox, wpair, j, nk)
+    n2 = nk // 2  # pair steps (K a multiple of 128)
+    for i in gl.static_range(S):
+        _issue_w(w_desc, w_all, w_ready_all, WG * S, wbox, wpair, i, n2)
     if WG == 0:
-        for j in gl.static_range(S):
-            _issue_x(x_desc, x_smem, x_ready, row0, j, nk)
+        for i in gl.static_range(S):
+            _issue_x(x_desc, x_smem, x_ready, row0, i, n2)
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     wl: gl.constexpr = _operand_layouts(mma).type.layout
+    wl2: gl.constexpr = gl.reshape(_operand_layouts(mma), [PAIRS, 16]).type.layout  # the same as [pair row, word]
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    # a slot's two boxes as one [64 pair rows, 4, 4] tile of words
-    w_words = w_all._reinterpret(gl.int32, [2 * S, PAIRS, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    # a slot's two boxes as [64 pair rows, 32 words]: words 0..15 step 2i, 16..31 step 2i + 1
+    w_words = w_all._reinterpret(gl.int32, [2 * S, PAIRS, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     offs = _scale_offsets(2 * p0, 2 * p1, K, gl.SliceLayout(2, wl))
     below = 8 * (K // 16)  # rows r + 8
     ra = gl.load(s_ptr + offs)
@@ -176,44 +185,45 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     # sums and NaN on H200). Each is rewritten only after the wait that retires its wgmma.
     a_odd = gl.zeros([128, BK], gl.bfloat16, la)
     scales = (ra, rb, na, nb)
-    ring = (x_desc, w_desc, x_smem, w_all, w_words, x_ready, x_empty, w_ready_all, row0, wbox, wpair, nk, WG)
-    for k in range(0, nk, 2):  # (K a multiple of 128)
-        acc, a_even, scales = _step(k, acc, a_odd, scales, ring, s_ptr, offs, below, wl, la, DIAG)
-        acc, a_odd, scales = _step(k + 1, acc, a_even, scales, ring, s_ptr, offs, below, wl, la, DIAG)
+    for i in range(n2):
+        s = i % S
+        ws = WG * S + s  # this warpgroup's weight slot
+        mbarrier.wait(w_ready_all.index(ws), (i // S) & 1)
+        mbarrier.wait(x_ready.index(s), (i // S) & 1)
+        slot = w_words.index(ws)
+        acc, a_even, scales = _step(2 * i, acc, a_odd, scales, slot.slice(0, 16, dim=1), x_smem.index(2 * s),
+                                    s_ptr, offs, below, nk, wl, wl2, la, DIAG)
+        if i > 0:  # pair step i - 1 retired in this warpgroup (its odd step by the wait just done)
+            mbarrier.arrive(x_empty.index((i - 1) % S))
+            _issue_w(w_desc, w_all, w_ready_all, WG * S, wbox, wpair, i - 1 + S, n2)
+        if WG == 0:
+            if i > 1:  # the activation slot of pair step i - 2, once both warpgroups retired it
+                mbarrier.wait(x_empty.index((i - 2) % S), ((i - 2) // S) & 1)
+                _issue_x(x_desc, x_smem, x_ready, row0, i - 2 + S, n2)
+        acc, a_odd, scales = _step(2 * i + 1, acc, a_even, scales, slot.slice(16, 16, dim=1), x_smem.index(2 * s + 1),
+                                   s_ptr, offs, below, nk, wl, wl2, la, DIAG)
     acc, a_odd = warpgroup_mma_wait(0, deps=[acc, a_odd])
     _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1)
 
 
 @gluon.jit
-def _step(k, acc, a_prev, scales, ring, s_ptr, offs, below, wl: gl.constexpr, la: gl.constexpr, DIAG):
-    """K step ``k``: decode its A operand, issue its wgmma, retire step k - 1's (``a_prev``, held
-    in registers till here) and release its slots; warpgroup 0 refills the activation slot of
-    step k - 2. ``scales``: raw bytes of steps k, k + 1 (rows r, rows r + 8), returned for k + 1, k + 2."""
-    x_desc, w_desc, x_smem, w_smem, w_words, x_ready, x_empty, w_ready, row0, wbox, wpair, nk, WG = ring
-    S: gl.constexpr = x_smem.shape[0]
+def _step(k, acc, a_prev, scales, words_smem, x_tile, s_ptr, offs, below, nk, wl: gl.constexpr, wl2: gl.constexpr,
+          la: gl.constexpr, DIAG):
+    """K step ``k``: decode its A operand from ``words_smem`` (``[64, 16]``), issue its wgmma with
+    ``x_tile``, retire step k - 1's (``a_prev``, held in registers till here). ``scales``: raw
+    bytes of steps k, k + 1 (rows r, rows r + 8), returned for k + 1, k + 2."""
     ra, rb, na, nb = scales
-    s = k % S
-    ws = WG * S + s  # this warpgroup's weight slot
     ahead = 4 * gl.minimum(k + 2, nk - 1)
     ca = gl.load(s_ptr + offs + ahead)
     cb = gl.load(s_ptr + offs + below + ahead)
-    mbarrier.wait(w_ready.index(ws), (k // S) & 1)
     if DIAG == 1:
         a = gl.full([128, BK], 1.0, gl.bfloat16, la)
     else:
-        words = w_words.index(ws).load(wl)
+        words = gl.convert_layout(gl.reshape(words_smem.load(wl2), [PAIRS, 4, 4]), wl, assert_trivial=True)
         a = _decode(words, gl.expand_dims(_scales_bf16x2(ra), 2), gl.expand_dims(_scales_bf16x2(rb), 2))
         a = gl.convert_layout(a, la, assert_trivial=True)
-    mbarrier.wait(x_ready.index(s), (k // S) & 1)
-    acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a, x_tile.permute((1, 0)), acc, is_async=True)
     acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
-    if k > 0:  # step k - 1 retired in this warpgroup
-        mbarrier.arrive(x_empty.index((k - 1) % S))
-        _issue_w(w_desc, w_smem, w_ready, WG * S, wbox, wpair, k - 1 + S, nk)
-    if WG == 0:
-        if k > 1:  # the activation slot of step k - 2, once both warpgroups retired it
-            mbarrier.wait(x_empty.index((k - 2) % S), ((k - 2) // S) & 1)
-            _issue_x(x_desc, x_smem, x_ready, row0, k - 2 + S, nk)
     return acc, a, (na, nb, ca, cb)
 
 
@@ -234,8 +244,8 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
         nrows = gl.load(block_row_end_ptr + b) - row0
         x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         w_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
-        w_smem = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, 2, PAIRS // 2, BK], w_layout)  # warpgroup 0's, 1's
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_M, BK], x_layout)  # one K step per tile
+        w_smem = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, 2, PAIRS // 2, 2 * BK], w_layout)  # warpgroup 0's, 1's
         x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         w_ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
@@ -298,13 +308,18 @@ def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
+def _by_k_step(a: torch.Tensor) -> torch.Tensor:
+    """``a [S, K]`` viewed as ``[K/64, S, 64]`` (no copy): one TMA box covers two K steps of a row block."""
+    return a.view(a.shape[0], a.shape[1] // BK.value, BK.value).permute(1, 0, 2)
+
+
 def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
                   row_end, stages: int = 4, regs: int = 248, diag: int = 0):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order, each 64-wide
     piece of K in :func:`.layout.fragment_order`) -> ``y [S, H]`` float32 by slot (the top-k sum
     is the caller's). Weights in the paired layout (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``),
     scales as bytes, the row blocks as :func:`.launch.route` makes them with ``block_m = BLOCK_M``.
-    ``stages``: ring slots (4: 4 x (16 + 2 x 4) KB = 96 KB of shared memory); ``regs``: the worker
+    ``stages``: ring slots of two K steps each (4: 4 x (32 + 2 x 8) KB = 192 KB of shared memory); ``regs``: the worker
     partition's registers; ``diag`` 1 (a diagnostic, wrong results) skips the decode. H and I
     multiples of 256."""
     num_slots, hidden = x_sorted.shape
@@ -316,12 +331,14 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     common = dict(STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
     w13_bytes = w13.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
     _prefill_gemm_kernel[(inter // 128, blocks)](
-        _descriptor(x_sorted, [BLOCK_M.value, BK.value], 128), _descriptor(w13_bytes, [2, PAIRS.value // 2, BK.value], 0),
+        _descriptor(_by_k_step(x_sorted), [2, BLOCK_M.value, BK.value], 128),
+        _descriptor(w13_bytes, [2, PAIRS.value // 2, 2 * BK.value], 0),
         s13.view(torch.uint8), g13, h, topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, SECOND_BOX=inter // 2, GEMM1=True, **common)
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
     _prefill_gemm_kernel[(hidden // 256, blocks)](
-        _descriptor(h, [BLOCK_M.value, BK.value], 128), _descriptor(w2_bytes, [2, PAIRS.value // 2, BK.value], 0),
+        _descriptor(_by_k_step(h), [2, BLOCK_M.value, BK.value], 128),
+        _descriptor(w2_bytes, [2, PAIRS.value // 2, 2 * BK.value], 0),
         s2.view(torch.uint8), g2, y, topk_weights, sorted_slot, block_expert, row_start, row_end,
         N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, SECOND_BOX=PAIRS.value, GEMM1=False, **common)
     return y
