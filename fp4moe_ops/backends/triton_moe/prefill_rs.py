@@ -10,14 +10,15 @@ benchmarks/NOTES.md).
 
 One program computes ``[256 weight rows, 128 tokens]`` of one expert's row block, over K in
 64-wide steps, as two warpgroups that run as separate Gluon partitions (the barriers Gluon puts
-around each TMA copy then hold one warpgroup, not both):
+around each TMA copy then hold one warpgroup, not both). Ring slots hold two K steps (one TMA
+copy and one wait per two steps):
 
 - each warpgroup has 128 of the weight rows (GEMM1: 64 gate rows and the same 64 up rows, so
   SwiGLU needs no exchange; GEMM2: 128 consecutive rows of ``w2``) and its own ring of weight
-  boxes ``[2, 32 pair rows, 64 bytes]`` (:func:`.layout.paired_weight_layout`: a pair row holds
+  boxes ``[2, 32 pair rows, 128 bytes]`` (:func:`.layout.paired_weight_layout`: a pair row holds
   weight rows r and r + 8), filled by TMA;
-- the activation tile ``[128 tokens, 64]`` bf16 is shared: warpgroup 0 refills its ring slot
-  once both warpgroups retired the step (an mbarrier with two arrivals);
+- the activation tiles ``[2 steps, 128 tokens, 64]`` bf16 are shared: warpgroup 0 refills a ring
+  slot once both warpgroups retired its steps (an mbarrier with two arrivals);
 - each thread decodes its own fragments: a paired word (rows r and r + 8, one 2-byte unit each)
   is exactly four bf16x2 registers of one 16-wide K chunk of wgmma's A operand when K runs in
   :func:`.layout.fragment_order` (chunk 64), so the activations are stored that way (the gather
@@ -42,7 +43,7 @@ from .layout import fragment_column
 # a compile-time constant there (layouts) is a module constant
 BLOCK_M = gl.constexpr(128)  # tokens per row block (wgmma N)
 BK = gl.constexpr(64)  # K per step
-PAIRS = gl.constexpr(64)  # pair rows per weight box (128 weight rows)
+PAIRS = gl.constexpr(64)  # pair rows of a warpgroup's 128 weight rows (its two boxes: 32 each)
 
 _WORD_TO_BF16 = gl.constexpr(_PAIRED_WORD_TO_BF16.value)
 _fragment_column = gluon.jit(fragment_column)  # plain index arithmetic, shared with .layout
