@@ -40,7 +40,8 @@ def triton_variants() -> dict[str, int]:
     import importlib
 
     counts = {}
-    for module in ("fp4moe_ops.backends.triton_moe.kernels", "fp4moe_ops.routing"):
+    for module in ("fp4moe_ops.backends.triton_moe.kernels", "fp4moe_ops.backends.triton_moe.prefill_rs",
+                   "fp4moe_ops.routing"):
         try:
             mod = importlib.import_module(module)
         except ImportError:

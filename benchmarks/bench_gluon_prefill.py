@@ -1,7 +1,7 @@
 """The Gluon prefill GEMMs (``prefill_rs.py``) against the Triton backend's single-role kernels, one
 process (issue 17).
 
-    python benchmarks/bench_gluon_prefill.py [--tokens 2048,4096,6144,8192] [--stages 4,6] [--diag 0,1]
+    python benchmarks/bench_gluon_prefill.py [--tokens 2048,4096,6144,8192] [--stages 3,4] [--diag 0,1]
         [--balanced] [--no-layer] [--skip-small]
 
 First a small shape (E=8, H=1024, I=512, top-2; partial row blocks, rows past the end of the
@@ -52,7 +52,7 @@ def ints(s):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="2048,4096,6144,8192", type=ints)
-    ap.add_argument("--stages", default="4", type=ints, help="ring depths to compare")
+    ap.add_argument("--stages", default="4", type=ints, help="ring depths to compare (3 or 4)")
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--diag", default="0", type=ints, help="GEMM-only timings: 0 normal, 1 without the decode")
     ap.add_argument("--no-layer", action="store_true", help="GEMM-only timings")

@@ -107,8 +107,8 @@ def test_route_compiles_one_variant_for_every_token_count():
                                        (4, 512, 256, 24, 2),  # middle bucket (12 rows per expert)
                                        (2, 256, 256, 40, 1),  # prefill bucket (20 rows per expert), TMA
                                        # 400 rows per expert: the Gluon prefill kernels on Hopper in
-                                       # bf16 (K = 256: 4 steps, as many as the ring's slots), the
-                                       # single-role ones in fp16 and on the CPU
+                                       # bf16 (K = 256: 2 pair steps, fewer than the ring's slots),
+                                       # the single-role ones in fp16 and on the CPU
                                        (2, 256, 256, 400, 1)])
 def test_triton_matches_float64(dtype, e, h, i, t, k):
     w = layer(e, h, i)
@@ -420,14 +420,42 @@ def test_kernel_config_gluon_prefill_from_128_rows_per_expert():
     assert not kernel_config(8192 * 8, 256, 64, 32)["GLUON_PREFILL"]  # no TMA boxes: no paired weights
 
 
+def test_gluon_prefill_only_on_the_triton_release_it_is_written_for():
+    from fp4moe_ops.backends.triton_moe.launch import gluon_triton_supported
+
+    assert gluon_triton_supported("3.6.0") and gluon_triton_supported("3.6.1")
+    assert not any(gluon_triton_supported(v) for v in ("3.5.1", "3.9.0", "3.60.0", "4.6.0"))
+
+
+def test_gluon_prefill_gemms_refuse_ring_depths_and_shapes_they_cannot_run():
+    # checked before anything is launched: 2 slots would wait on their own refills (a hang), 5 do
+    # not fit in shared memory; K must split into pair steps of 128
+    pytest.importorskip("triton.experimental.gluon")
+    from fp4moe_ops.backends.triton_moe import prefill_rs
+
+    def call(h, i, stages):
+        x = torch.zeros(4, h, dtype=torch.bfloat16)
+        s13 = torch.zeros(1, 2 * i, h // 16, dtype=torch.uint8)
+        w13 = torch.zeros(1, i, h // 4, dtype=torch.int32)
+        prefill_rs.prefill_gemms(x, w13, s13, None, None, None, None, None, None, None, None, None, stages=stages)
+
+    for stages in (1, 2, 5, 6):
+        with pytest.raises(ValueError, match="stages must be 3 or 4"):
+            call(512, 256, stages)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        call(512 + 128, 256, 4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="wgmma: Hopper only")
-def test_gluon_prefill_matches_float64(monkeypatch):
+@pytest.mark.parametrize("h,i", [(512, 256),  # K shorter than the ring (2 and 4 pair steps, 4 slots)
+                                 (2048, 1024)])  # the ring wraps (16 and 8 pair steps)
+def test_gluon_prefill_matches_float64(monkeypatch, h, i):
     # 8 experts, top-2, 1100 tokens: ~275 rows per expert (the Gluon prefill bucket), loads
     # skewed so that experts get 1 to 4 row blocks of 128 with partial last blocks; sentinels
     # (-1, E) dropped
-    e, h, i, t, k = 8, 512, 256, 1100, 2
+    e, t, k = 8, 1100, 2
     w = layer(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
     p = torch.tensor([0.30, 0.25, 0.15, 0.1, 0.08, 0.06, 0.05, 0.01])

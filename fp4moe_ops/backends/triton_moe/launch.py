@@ -26,9 +26,14 @@ def interpreting() -> bool:
 FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (prefill)
 # From this many rows per expert on, the Gluon prefill kernels (prefill_rs.py) on Hopper.
 # DeepSeek-V3's layer against the single-role kernels, one process (H200, benchmarks/NOTES.md):
-# 0.82x the time at 8192 tokens (256 rows per expert), 0.86x at 6144, 0.89x at 4096 (128 rows),
-# 1.04x at 2048 (64 rows: the 128-row blocks are half empty)
+# 0.79x the time at 8192 tokens (256 rows per expert) and 0.84x at 4096 (128 rows); the session's
+# previous commit (one K step per ring slot) 0.82x at 8192, 0.86x at 6144, 0.89x at 4096 and 1.04x
+# at 2048 (64 rows: the 128-row blocks are half empty)
 GLUON_PREFILL_MIN_ROWS = 128
+# The Triton release (major.minor) whose Gluon the prefill kernels are written for and were tested
+# with on the H200; Gluon is experimental and changes between releases (Triton 3.9 does not
+# compile them). Other releases run the single-role kernels.
+GLUON_TRITON = "3.6"
 ROUTE_CHUNK = 64  # slots each routing program places
 
 
@@ -254,10 +259,17 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     return _sum_topk(y, topk_ids, x, num_experts, pdl)
 
 
+def gluon_triton_supported(version: str) -> bool:
+    """Whether this Triton release is the one the Gluon prefill kernels are written for."""
+    return version.split(".")[:2] == GLUON_TRITON.split(".")
+
+
 def _gluon_prefill_runs(x: torch.Tensor) -> bool:
     """The Gluon prefill kernels need Hopper's wgmma (compute capability 9.x), bf16 activations
-    and Triton's Gluon (not in the interpreter)."""
+    and Triton's Gluon of the release they were written for (not in the interpreter)."""
     if interpreting() or not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False
+    if not gluon_triton_supported(triton.__version__):
         return False
     try:
         from .prefill_rs import prefill_gemms  # noqa: F401  (Gluon importable)

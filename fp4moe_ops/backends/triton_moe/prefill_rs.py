@@ -115,7 +115,7 @@ def _scales_bf16x2(raw):
 @gluon.jit
 def _issue_x(x_desc, x_smem, x_ready, row0, i, n2):
     """Pair step ``i``'s activation tiles (K steps 2i, 2i + 1: one 3-D box of the activations viewed
-    as ``[H/64, S, 64]``) into the shared ring."""
+    as ``[K/64, S, 64]``) into the shared ring."""
     S: gl.constexpr = x_smem.shape[0] // 2
     if i < n2:
         s = i % S
@@ -326,6 +326,10 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     num_slots, hidden = x_sorted.shape
     inter = s13.shape[1] // 2
     num_experts = w13.shape[0]
+    if stages not in (3, 4):  # 2 would wait on its own refills; 5 slots (240 KB) do not fit
+        raise ValueError(f"prefill_gemms: stages must be 3 or 4, got {stages}")
+    if hidden % 256 or inter % 256:  # pair steps of 128 K, 128- and 256-row weight tiles
+        raise ValueError(f"prefill_gemms: H and I must be multiples of 256, got H={hidden}, I={inter}")
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     blocks = block_expert.numel()
