@@ -140,7 +140,7 @@ def _issue_w(w_desc, w_smem, w_ready, base, wbox, wpair, i, n2):
 @gluon.jit
 def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_ptr, g_ptr, out_ptr, topk_w_ptr,
                sorted_slot_ptr, e, row0, nrows, t, WG, N_OUT, K,
-               EXPERT_PAIR_ROWS, SECOND_BOX, GEMM1, DIAG):
+               EXPERT_PAIR_ROWS, GEMM1, DIAG):
     """One warpgroup's half of the program: 128 weight rows (GEMM1: 64 gate rows and the same up
     rows; GEMM2: 128 consecutive rows) x BLOCK_M tokens. Its weight ring is its own; the activation
     ring is shared: warpgroup 0 refills it once both have retired a slot (``x_empty``). A ring slot
@@ -158,7 +158,7 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
         col0 = t * 256 + WG * 128
         wbox = p0 // (PAIRS // 2)  # w2 as [E H/64, 32, I] bytes: boxes of 32 pair rows
         wpair = 0
-    p1 = p0 + (SECOND_BOX if GEMM1 else PAIRS // 2)
+    p1 = p0 + (EXPERT_PAIR_ROWS // 2 if GEMM1 else PAIRS // 2)  # GEMM1: the up rows, I / 2 pair rows further
     nk = K // BK
     n2 = nk // 2  # pair steps (K a multiple of 128)
     for i in gl.static_range(S):
@@ -168,8 +168,9 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
             _issue_x(x_desc, x_smem, x_ready, row0, i, n2)
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    wl: gl.constexpr = _operand_layouts(mma).type.layout
-    wl2: gl.constexpr = gl.reshape(_operand_layouts(mma), [PAIRS, 16]).type.layout  # the same as [pair row, word]
+    ref = _operand_layouts(mma)
+    wl: gl.constexpr = ref.type.layout
+    wl2: gl.constexpr = gl.reshape(ref, [PAIRS, 16]).type.layout  # the same as [pair row, word]
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     # a slot's two boxes as [64 pair rows, 32 words]: words 0..15 step 2i, 16..31 step 2i + 1
     w_words = w_all._reinterpret(gl.int32, [2 * S, PAIRS, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -230,12 +231,11 @@ def _step(k, acc, a_prev, scales, words_smem, x_tile, s_ptr, offs, below, nk, wl
 
 @gluon.jit
 def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr,
-                    block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                    N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, SECOND_BOX: gl.constexpr,
-                    GEMM1: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
-                    DIAG: gl.constexpr = 0):
+                         block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+                         N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, GEMM1: gl.constexpr,
+                         STAGES: gl.constexpr, REGS: gl.constexpr, DIAG: gl.constexpr = 0):
     """Program (weight tile ``t``, row block ``b``). GEMM1: tile ``t`` is gate rows ``128 t ..``
-    and the same up rows (``SECOND_BOX`` = I / 2 pair rows further); GEMM2: weight rows ``256 t ..``.
+    and the same up rows; GEMM2: weight rows ``256 t ..``.
     ``EXPERT_PAIR_ROWS``: pair rows per expert. ``DIAG`` 1 (a diagnostic, wrong results): no decode."""
     t = gl.program_id(0)
     b = gl.program_id(1)
@@ -257,9 +257,9 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
             mbarrier.init(w_ready.index(STAGES + i), count=1)
         gl.warp_specialize([
             (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-                          sorted_slot_ptr, e, row0, nrows, t, 0, N_OUT, K, EXPERT_PAIR_ROWS, SECOND_BOX, GEMM1, DIAG)),
+                          sorted_slot_ptr, e, row0, nrows, t, 0, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG)),
             (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-                          sorted_slot_ptr, e, row0, nrows, t, 1, N_OUT, K, EXPERT_PAIR_ROWS, SECOND_BOX, GEMM1, DIAG)),
+                          sorted_slot_ptr, e, row0, nrows, t, 1, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG)),
         ], [4], [REGS])
 
 
@@ -339,11 +339,11 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
         _descriptor(_by_k_step(x_sorted), [2, BLOCK_M.value, BK.value], 128),
         _descriptor(w13_bytes, [2, PAIRS.value // 2, 2 * BK.value], 0),
         s13.view(torch.uint8), g13, h, topk_weights, sorted_slot, block_expert, row_start, row_end,
-        N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, SECOND_BOX=inter // 2, GEMM1=True, **common)
+        N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, GEMM1=True, **common)
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
     _prefill_gemm_kernel[(hidden // 256, blocks)](
         _descriptor(_by_k_step(h), [2, BLOCK_M.value, BK.value], 128),
         _descriptor(w2_bytes, [2, PAIRS.value // 2, 2 * BK.value], 0),
         s2.view(torch.uint8), g2, y, topk_weights, sorted_slot, block_expert, row_start, row_end,
-        N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, SECOND_BOX=PAIRS.value, GEMM1=False, **common)
+        N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GEMM1=False, **common)
     return y
