@@ -31,7 +31,7 @@ def previous_config(t, k, e, h, i):
     default split gate and up into separate programs plus a SiLU kernel; that path is gone, and
     ``results/sweep_pipeline_2026-12-01*.log`` compared against it.)"""
     cfg = launch.kernel_config(t * k, e, h, i)
-    return cfg | dict(MERGED_GATE_UP=False, PIPELINED_MMA1=False, PIPELINED_MMA2=False, maxnreg=0,
+    return cfg | dict(GLUON_PREFILL=False, MERGED_GATE_UP=False, PIPELINED_MMA1=False, PIPELINED_MMA2=False, maxnreg=0,
                       num_warps=4 if cfg["BM"] in (16, 32) else cfg["num_warps"])
 
 
@@ -40,7 +40,8 @@ def configs(t, k, e, h, i, variants=(), pdl=False):
     on top of the defaults; a NAME starting with ``decode_``, ``middle_`` or ``prefill_`` applies
     only to that bucket's token counts), the defaults again (the drift over the rows) and, with ``pdl``,
     the defaults with programmatic dependent launch (opt-in), twice (A B A B)."""
-    base = launch.kernel_config(t * k, e, h, i)
+    # the single-role kernels' configs (with the Gluon prefill path on, their tiles would be ignored)
+    base = launch.kernel_config(t * k, e, h, i) | {"GLUON_PREFILL": False}
     out = {"two K loops U1 U2": previous_config(t, k, e, h, i), "default": base}
     for v in variants:
         name, _, sets = v.partition(":")

@@ -31,7 +31,8 @@ def main():
     canonical = fp4moe_ops.prepare_experts(w, "reference").op_tensors()
     for t in (int(x) for x in args.tokens.split(",")):
         inputs = make_inputs(t, h, k, routed, "cuda")
-        base = kernel_config(t * k, e, h, i)
+        # the single-role kernels' tiles (with the Gluon prefill path on, tiles would be ignored)
+        base = kernel_config(t * k, e, h, i) | {"GLUON_PREFILL": False}
         # the reference: canonical weights, portable decode
         ref = triton_fused_moe(*inputs[0], canonical, base | {"FAST_DECODE": False})
         results = []
