@@ -2,14 +2,18 @@
 process (issue 17).
 
     python benchmarks/bench_gluon_prefill.py [--tokens 2048,4096,6144,8192] [--stages 3,4] [--diag 0,1]
-        [--balanced] [--no-layer] [--skip-small]
+        [--block-m auto|8,16,...] [--compare-module NAME] [--balanced] [--no-layer] [--skip-small]
 
 First a small shape (E=8, H=1024, I=512, top-2; partial row blocks, rows past the end of the
 activations) checked against the reference backend, then the DeepSeek-V3 layer: each token count
 checked against the reference on the first 32 tokens (tokens are independent) and timed as in
 ``bench_moe.py`` (4 routings per CUDA graph, median of replays): the whole layer (routing, gather,
 both GEMMs, top-k sum) for both implementations, and the Gluon GEMMs alone (``--diag 1``: without
-the decode, to time the rest alone).
+the decode, to time the rest alone). ``--block-m``: row blocks of these sizes (``auto``: the sizes
+around the expected rows per expert), each with the deepest ring that fits (at most 8 slots) unless
+``--stages``, and with tail blocks (``--tail``: an expert's last block of at most that many
+rows in narrower tiles); ``--compare-module``: also the layer through another module of the same interface at
+128 rows (a copy of an earlier ``prefill_rs.py`` in ``fp4moe_ops/backends/triton_moe/``, for A/B).
 """
 
 from __future__ import annotations
@@ -27,9 +31,37 @@ from bench_moe import error_vs_reference, graph_time_ms, make_inputs, random_wei
 from fp4moe_ops.backends.triton_moe import launch, prefill_rs  # noqa: E402
 
 
-def gluon_moe(x, ids, rw, tensors, stages=4):
-    """The backend's Gluon prefill path (routing, gather, both GEMMs, top-k sum) with this ring depth."""
-    return launch._gluon_prefill_moe(x, ids, rw, tensors, stages=stages)
+def gluon_moe(x, ids, rw, tensors, stages=4, block_m=128, tail_m=0):
+    """The backend's Gluon prefill path (routing, gather, both GEMMs, top-k sum) with these row
+    blocks, ring depth and tail blocks."""
+    return launch._gluon_prefill_moe(x, ids, rw, tensors, block_m=block_m, stages=stages, tail_m=tail_m)
+
+
+def module_moe(module, x, ids, rw, tensors, stages=4):
+    """The same path through ``module.prefill_gemms`` (an earlier copy: 128-row blocks)."""
+    w13, s13, g13, w2, s2, g2 = tensors
+    *routed, x_fragment = launch.route(ids, s13.shape[0], 128, x, 64)
+    x_sorted = x_fragment.index_select(0, routed[0].long() // ids.shape[1])
+    y = module.prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, rw.contiguous(), *routed, stages=stages)
+    return launch._sum_topk(y, ids, x, s13.shape[0])
+
+
+def configs(block_ms, stages, rows_per_expert, tails=(0,)):
+    """(block_m, stages, tail_m) triples: ``block_ms`` or, for ``auto``, the smallest block holding
+    the expected rows per expert and its neighbours; ring depths given or the deepest that fits
+    (<= 8); the tails below block_m."""
+    if block_ms == "auto":
+        sizes = prefill_rs.BLOCK_MS
+        first = next((j for j, b in enumerate(sizes) if b >= rows_per_expert), len(sizes) - 1)
+        block_ms = sizes[max(0, first - 1):first + 2]
+    else:
+        block_ms = ints(block_ms)
+    out = []
+    for bm in block_ms:
+        depths = stages or [max(st for st in range(3, 9)
+                                if prefill_rs.ring_bytes(bm, st) + 1024 <= prefill_rs.SHARED_BYTES)]
+        out += [(bm, st, tm) for st in depths for tm in tails if tm < bm]
+    return out
 
 
 def single_role(x, ids, rw, tensors):
@@ -52,14 +84,22 @@ def ints(s):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="2048,4096,6144,8192", type=ints)
-    ap.add_argument("--stages", default="4", type=ints, help="ring depths to compare (3 or 4)")
+    ap.add_argument("--stages", default="", type=ints, help="ring depths to compare (default: the deepest that fits)")
+    ap.add_argument("--block-m", default="128", help="row block sizes, or auto")
+    ap.add_argument("--tail", default="0", type=ints, help="tail block sizes to try (0: none)")
+    ap.add_argument("--compare-module", default="", help="a module in fp4moe_ops.backends.triton_moe to A/B at 128 rows")
     ap.add_argument("--skip-small", action="store_true")
-    ap.add_argument("--diag", default="0", type=ints, help="GEMM-only timings: 0 normal, 1 without the decode")
+    ap.add_argument("--diag", default="", type=ints, help="GEMM-only timings: 0 normal, 1 without the decode")
     ap.add_argument("--no-layer", action="store_true", help="GEMM-only timings")
     ap.add_argument("--balanced", action="store_true",
                     help="every expert gets exactly T k / E rows (no partial row blocks where that divides)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    other = None
+    if args.compare_module:
+        import importlib
+
+        other = importlib.import_module(f"fp4moe_ops.backends.triton_moe.{args.compare_module}")
 
     if not args.skip_small:
         e, h, i, k = 8, 1024, 512, 2
@@ -71,8 +111,10 @@ def main():
             ref = ref_impl(x, ids, rw)
             print(f"small T={t}", flush=True)
             check("triton", single_role(x, ids, rw, tensors), ref)
-            for st in args.stages:
-                check(f"gluon {st}", gluon_moe(x, ids, rw, tensors, st), ref)
+            for bm, st, tm in configs(args.block_m, args.stages, t * k / e, args.tail):
+                check(f"gluon {bm}:{st}:{tm}", gluon_moe(x, ids, rw, tensors, st, bm, tm), ref)
+            if other is not None:
+                check(f"{args.compare_module} 4", module_moe(other, x, ids, rw, tensors), ref)
 
     e, h, i, k = 256, 7168, 2048, 8
     w = random_weights(e, h, i, "cuda")
@@ -92,20 +134,23 @@ def main():
         check("triton single-role", single_role(x, ids, rw, tensors)[sub], ref)
         if not args.no_layer:
             ms = graph_time_ms(lambda a, b, c: single_role(a, b, c, tensors), inputs)
-            print(f"  triton single-role layer {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-        for st in args.stages:
-            if not check(f"gluon {st}", gluon_moe(x, ids, rw, tensors, st)[sub], ref) or args.no_layer:
+            print(f"  triton single-role layer {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        for bm, st, tm in configs(args.block_m, args.stages, t * k / e, args.tail):
+            if not check(f"gluon {bm}:{st}:{tm}", gluon_moe(x, ids, rw, tensors, st, bm, tm)[sub], ref) or args.no_layer:
                 continue
-            ms = graph_time_ms(lambda a, b, c: gluon_moe(a, b, c, tensors, st), inputs)
-            print(f"  gluon {st} layer {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+            ms = graph_time_ms(lambda a, b, c: gluon_moe(a, b, c, tensors, st, bm, tm), inputs)
+            print(f"  gluon {bm}:{st}:{tm} layer {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        if other is not None and check(f"{args.compare_module} 4", module_moe(other, x, ids, rw, tensors)[sub], ref):
+            ms = graph_time_ms(lambda a, b, c: module_moe(other, a, b, c, tensors), inputs)
+            print(f"  {args.compare_module} 128:4 layer {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         # the GEMMs alone (routing and gather outside the graph)
         w13, s13, g13, w2, s2, g2 = tensors
         pre = []
         for x, ids, rw in inputs:
-            *routed, x_fragment = launch.route(ids, e, prefill_rs.BLOCK_M.value, x, prefill_rs.BK.value)
+            *routed, x_fragment = launch.route(ids, e, 128, x, prefill_rs.BK.value)
             pre.append((x_fragment.index_select(0, routed[0].long() // k), rw.float().contiguous(), *routed))
         for diag in args.diag:
-            for st in args.stages:
+            for st in args.stages or [4]:
                 ms = graph_time_ms(lambda xs, rw, *r: prefill_rs.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, rw, *r,
                                                                                stages=st, diag=diag), pre)
                 print(f"  gluon {st} GEMMs alone, diag {diag}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)

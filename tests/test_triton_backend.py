@@ -440,10 +440,20 @@ def test_gluon_prefill_gemms_refuse_ring_depths_and_shapes_they_cannot_run():
         prefill_rs.prefill_gemms(x, w13, s13, None, None, None, None, None, None, None, None, None, stages=stages)
 
     for stages in (1, 2, 5, 6):
-        with pytest.raises(ValueError, match="stages must be 3 or 4"):
+        with pytest.raises(ValueError, match="stages must be at least 3 and the rings fit"):
             call(512, 256, stages)
     with pytest.raises(ValueError, match="multiples of 256"):
         call(512 + 128, 256, 4)
+    # the shared memory the rings take (two K steps per slot: both warpgroups' weights, 2 x 8 KB,
+    # and the activations, 2 x block_m x 64 bf16) against Hopper's 227 KB
+    assert prefill_rs.ring_bytes(128, 4) == 4 * (16 + 32) * 1024
+    assert prefill_rs.ring_bytes(8, 12) == 12 * (16 + 2) * 1024
+    for block_m, stages, tail_m in ((8, 13, 0), (32, 10, 0), (64, 8, 0), (24, 4, 0), (256, 3, 0), (64, 4, 64),
+                                    (128, 4, 48)):
+        with pytest.raises(ValueError, match="block_m must be one of|stages must be at least 3"):
+            prefill_rs.prefill_gemms(torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(1, 256, 128, dtype=torch.int32),
+                                     torch.zeros(1, 512, 32, dtype=torch.uint8), *[None] * 9, block_m=block_m,
+                                     stages=stages, tail_m=tail_m)
 
 
 @pytest.mark.gpu
@@ -472,6 +482,33 @@ def test_gluon_prefill_matches_float64(monkeypatch, h, i):
     ref = moe64(x, ids, rw, *w.tensors())
     # as test_triton_matches_float64: the intermediate and the output rounded to bf16, fp32 sums
     ulp = 2.0**-8
+    torch.testing.assert_close(out.double(), ref, rtol=4 * ulp, atol=4 * ulp * ref.abs().max().item())
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 4 * ulp
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="wgmma: Hopper only")
+@pytest.mark.parametrize("block_m,stages,t,tail_m", [(8, 8, 5, 0), (16, 4, 40, 0), (32, 3, 150, 0), (64, 6, 300, 0),
+                                                    (128, 4, 1100, 64), (64, 4, 300, 16)])
+def test_gluon_row_blocks_and_tails_match_float64(block_m, stages, t, tail_m):
+    # the same kernels with narrower row blocks (wgmma N = block_m) and deeper rings where they
+    # fit, and with tail blocks (an expert's last block of at most tail_m rows in a second launch
+    # of tail_m-token tiles); H = 2048, I = 1024: the ring wraps. Skewed loads: partial and
+    # several blocks per expert
+    from fp4moe_ops.backends.triton_moe.launch import _gluon_prefill_moe
+
+    e, h, i, k = 8, 2048, 1024, 2
+    w = layer(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    p = torch.tensor([0.30, 0.25, 0.15, 0.1, 0.08, 0.06, 0.05, 0.01])
+    ids = torch.stack([torch.multinomial(p, k) for _ in range(t)])
+    ids[0, -1] = -1
+    rw = torch.rand(t, k)
+    out = _gluon_prefill_moe(x.cuda(), ids.cuda(), rw.cuda(), [a.cuda() for a in kernel_tensors(w)], block_m=block_m,
+                             stages=stages, tail_m=tail_m).cpu()
+    ref = moe64(x, ids, rw, *w.tensors())
+    ulp = 2.0**-8  # as test_gluon_prefill_matches_float64
     torch.testing.assert_close(out.double(), ref, rtol=4 * ulp, atol=4 * ulp * ref.abs().max().item())
     assert ((out.double() - ref).norm() / ref.norm()).item() < 4 * ulp
 

@@ -278,19 +278,18 @@ def _gluon_prefill_runs(x: torch.Tensor) -> bool:
     return True
 
 
-def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, **options):
-    """Route into 128-row blocks, gather the activations in expert order (K in fragment order),
-    both GEMMs (:func:`.prefill_rs.prefill_gemms`, ``options`` its tuning and diagnostic
+def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int = 128, **options):
+    """Route into ``block_m``-row blocks, gather the activations in expert order (K in fragment
+    order), both GEMMs (:func:`.prefill_rs.prefill_gemms`, ``options`` its tuning and diagnostic
     arguments), top-k sum."""
-    from .prefill_rs import BK, BLOCK_M, prefill_gemms
+    from .prefill_rs import BK, prefill_gemms
 
     w13, s13, g13, w2, s2, g2 = expert_tensors
     num_experts = s13.shape[0]
-    sorted_slot, block_expert, row_start, row_end, x_fragment = route(topk_ids, num_experts, BLOCK_M.value, x,
-                                                                      BK.value)
+    sorted_slot, block_expert, row_start, row_end, x_fragment = route(topk_ids, num_experts, block_m, x, BK.value)
     x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
     y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
-                      row_start, row_end, **options)
+                      row_start, row_end, block_m=block_m, **options)
     return _sum_topk(y, topk_ids, x, num_experts)
 
 

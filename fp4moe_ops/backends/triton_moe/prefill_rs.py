@@ -40,8 +40,8 @@ from .kernels import _PAIRED_WORD_TO_BF16
 from .layout import fragment_column
 
 # Gluon 3.6 passes constexpr arguments to a worker partition as run-time values: what must stay
-# a compile-time constant there (layouts) is a module constant
-BLOCK_M = gl.constexpr(128)  # tokens per row block (wgmma N)
+# a compile-time constant there (layouts) is a module constant, or read from a shape (the row
+# block's tokens, wgmma's N, are ``x_smem.shape[1]``)
 BK = gl.constexpr(64)  # K per step
 PAIRS = gl.constexpr(64)  # pair rows of a warpgroup's 128 weight rows (its two boxes: 32 each)
 
@@ -117,6 +117,7 @@ def _issue_x(x_desc, x_smem, x_ready, row0, i, n2):
     """Pair step ``i``'s activation tiles (K steps 2i, 2i + 1: one 3-D box of the activations viewed
     as ``[K/64, S, 64]``) into the shared ring."""
     S: gl.constexpr = x_smem.shape[0] // 2
+    BLOCK_M: gl.constexpr = x_smem.shape[1]
     if i < n2:
         s = i % S
         # the ring's two tiles of a slot as one [2, BLOCK_M, 64] box (the same bytes and swizzle)
@@ -128,13 +129,16 @@ def _issue_x(x_desc, x_smem, x_ready, row0, i, n2):
 
 @gluon.jit
 def _issue_w(w_desc, w_smem, w_ready, base, wbox, wpair, i, n2):
-    """Pair step ``i``'s weight boxes (one 3-D box: boxes ``wbox``, ``wbox + 1`` of the weights viewed
-    as ``[boxes, pair rows, bytes]``, 128 bytes of K) into a warpgroup's ring (slots ``base ..``)."""
+    """Pair step ``i``'s weight boxes (one 4-D box of the weights viewed as ``[K/64, boxes, pair
+    rows, 64 bytes]``: K steps 2i, 2i + 1 of boxes ``wbox``, ``wbox + 1``, 32 pair rows from
+    ``wpair``) into a warpgroup's ring (slots ``base ..``). Each step's 64-byte rows land
+    contiguous: a warp's reads of one step are free of bank conflicts (with 128-byte rows holding
+    both steps, two pair rows of a quarter-warp hit the same banks)."""
     S: gl.constexpr = w_smem.shape[0] // 2
     if i < n2:
         s = base + i % S
         mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [wbox, wpair, 2 * i * BK], w_ready.index(s), w_smem.index(s))
+        tma.async_copy_global_to_shared(w_desc, [2 * i, wbox, wpair, 0], w_ready.index(s), w_smem.index(s))
 
 
 @gluon.jit
@@ -147,6 +151,7 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     holds two K steps (one TMA copy and one wait per two steps: Gluon puts a barrier of the
     partition around each copy)."""
     S: gl.constexpr = x_smem.shape[0] // 2
+    BLOCK_M: gl.constexpr = x_smem.shape[1]
     # this warpgroup's rows, as pair rows of the weights: box 0, box 1
     if GEMM1:
         p0 = e * EXPERT_PAIR_ROWS + t * PAIRS + WG * (PAIRS // 2)
@@ -172,8 +177,8 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     wl: gl.constexpr = ref.type.layout
     wl2: gl.constexpr = gl.reshape(ref, [PAIRS, 16]).type.layout  # the same as [pair row, word]
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    # a slot's two boxes as [64 pair rows, 32 words]: words 0..15 step 2i, 16..31 step 2i + 1
-    w_words = w_all._reinterpret(gl.int32, [2 * S, PAIRS, 32], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # a slot's [2 steps, 2 boxes, 32 pair rows, 64 bytes] as [2 steps, 64 pair rows, 16 words]
+    w_words = w_all._reinterpret(gl.int32, [4 * S, PAIRS, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     offs = _scale_offsets(2 * p0, 2 * p1, K, gl.SliceLayout(2, wl))
     below = 8 * (K // 16)  # rows r + 8
     ra = gl.load(s_ptr + offs)
@@ -192,8 +197,7 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
         ws = WG * S + s  # this warpgroup's weight slot
         mbarrier.wait(w_ready_all.index(ws), (i // S) & 1)
         mbarrier.wait(x_ready.index(s), (i // S) & 1)
-        slot = w_words.index(ws)
-        acc, a_even, scales = _step(2 * i, acc, a_odd, scales, slot.slice(0, 16, dim=1), x_smem.index(2 * s),
+        acc, a_even, scales = _step(2 * i, acc, a_odd, scales, w_words.index(2 * ws), x_smem.index(2 * s),
                                     s_ptr, offs, below, nk, wl, wl2, la, DIAG)
         if i > 0:  # pair step i - 1 retired in this warpgroup (its odd step by the wait just done)
             mbarrier.arrive(x_empty.index((i - 1) % S))
@@ -202,7 +206,7 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
             if i > 1:  # the activation slot of pair step i - 2, once both warpgroups retired it
                 mbarrier.wait(x_empty.index((i - 2) % S), ((i - 2) // S) & 1)
                 _issue_x(x_desc, x_smem, x_ready, row0, i - 2 + S, n2)
-        acc, a_odd, scales = _step(2 * i + 1, acc, a_even, scales, slot.slice(16, 16, dim=1), x_smem.index(2 * s + 1),
+        acc, a_odd, scales = _step(2 * i + 1, acc, a_even, scales, w_words.index(2 * ws + 1), x_smem.index(2 * s + 1),
                                    s_ptr, offs, below, nk, wl, wl2, la, DIAG)
     acc, a_odd = warpgroup_mma_wait(0, deps=[acc, a_odd])
     _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1)
@@ -233,9 +237,9 @@ def _step(k, acc, a_prev, scales, words_smem, x_tile, s_ptr, offs, below, nk, wl
 def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr,
                          block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
                          N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, GEMM1: gl.constexpr,
-                         STAGES: gl.constexpr, REGS: gl.constexpr, DIAG: gl.constexpr = 0):
-    """Program (weight tile ``t``, row block ``b``). GEMM1: tile ``t`` is gate rows ``128 t ..``
-    and the same up rows; GEMM2: weight rows ``256 t ..``.
+                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr, DIAG: gl.constexpr = 0):
+    """Program (weight tile ``t``, row block ``b`` of up to ``BLOCK_M`` tokens). GEMM1: tile ``t``
+    is gate rows ``128 t ..`` and the same up rows; GEMM2: weight rows ``256 t ..``.
     ``EXPERT_PAIR_ROWS``: pair rows per expert. ``DIAG`` 1 (a diagnostic, wrong results): no decode."""
     t = gl.program_id(0)
     b = gl.program_id(1)
@@ -244,9 +248,10 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
         row0 = gl.load(block_row_start_ptr + b)
         nrows = gl.load(block_row_end_ptr + b) - row0
         x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        w_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
+        w_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4)
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_M, BK], x_layout)  # one K step per tile
-        w_smem = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, 2, PAIRS // 2, 2 * BK], w_layout)  # warpgroup 0's, 1's
+        # warpgroup 0's slots, then 1's: [2 steps, 2 boxes, 32 pair rows, 64 bytes] each
+        w_smem = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, 2, 2, PAIRS // 2, BK], w_layout)
         x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         w_ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
@@ -268,7 +273,7 @@ def _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, 
     """``acc [128 weight rows, BLOCK_M tokens]`` times the global scale: GEMM1's SwiGLU into ``h``
     (sorted rows, K of GEMM2 in fragment order), GEMM2's times the routing weight into ``y`` (by slot)."""
     g = gl.load(g_ptr + e) * 4194304.0  # the decoded tiles' 2^-22
-    if GEMM1:  # (a run-time branch in the worker partition: see BLOCK_M)
+    if GEMM1:  # (a run-time branch in the worker partition: see BK)
         _store_swiglu(acc * g, out_ptr, row0, nrows, col0, N_OUT)
     else:
         _store_routed(acc * g, out_ptr, topk_w_ptr, sorted_slot_ptr, row0, nrows, col0, N_OUT)
@@ -278,6 +283,7 @@ def _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, 
 def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT):
     """Rows 0..63 gate rows i, 64..127 the same up rows: both in one thread."""
     mma: gl.constexpr = acc.type.layout
+    BLOCK_M: gl.constexpr = acc.type.shape[1]
     m = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
     n = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     rows = gl.zeros([128, BLOCK_M], gl.int32, mma) + m[:, None]
@@ -293,6 +299,7 @@ def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT):
 @gluon.jit
 def _store_routed(acc, y_ptr, topk_w_ptr, sorted_slot_ptr, row0, nrows, col0, N_OUT):
     mma: gl.constexpr = acc.type.layout
+    BLOCK_M: gl.constexpr = acc.type.shape[1]
     m = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
     n = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     valid = n < nrows
@@ -314,36 +321,66 @@ def _by_k_step(a: torch.Tensor) -> torch.Tensor:
     return a.view(a.shape[0], a.shape[1] // BK.value, BK.value).permute(1, 0, 2)
 
 
+def _weight_boxes(w_bytes: torch.Tensor) -> torch.Tensor:
+    """Paired weights as bytes ``[boxes, 32 pair rows, K]`` viewed as ``[K/64, boxes, 32, 64]`` (no
+    copy): one TMA box ``[2, 2, 32, 64]`` holds two K steps of two boxes, each step's rows contiguous."""
+    boxes, pairs, k = w_bytes.shape
+    return w_bytes.view(boxes, pairs, k // BK.value, BK.value).permute(2, 0, 1, 3)
+
+
+BLOCK_MS = (8, 16, 32, 64, 128)  # tokens per row block (wgmma N; a power of two for the epilogue's aranges)
+SHARED_BYTES = 227 * 1024  # Hopper's shared memory per program
+
+
+def ring_bytes(block_m: int, stages: int) -> int:
+    """Shared memory of the rings: per slot two K steps of both warpgroups' weights (2 x 8 KB) and
+    of the activations (2 x ``block_m`` x 64 bf16)."""
+    return stages * (2 * 2 * PAIRS.value * 64 + 2 * block_m * BK.value * 2)
+
+
 def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
-                  row_end, stages: int = 4, regs: int = 248, diag: int = 0):
+                  row_end, block_m: int = 128, stages: int = 4, regs: int = 248, diag: int = 0, tail_m: int = 0):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order, each 64-wide
     piece of K in :func:`.layout.fragment_order`) -> ``y [S, H]`` float32 by slot (the top-k sum
     is the caller's). Weights in the paired layout (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``),
-    scales as bytes, the row blocks as :func:`.launch.route` makes them with ``block_m = BLOCK_M``.
-    ``stages``: ring slots of two K steps each (4: 4 x (32 + 2 x 8) KB = 192 KB of shared memory); ``regs``: the worker
-    partition's registers; ``diag`` 1 (a diagnostic, wrong results) skips the decode. H and I
-    multiples of 256."""
+    scales as bytes, the row blocks as :func:`.launch.route` makes them with ``block_m`` rows
+    (one of :data:`BLOCK_MS`). ``stages``: ring slots of two K steps each, at least 3, as many as
+    fit in shared memory (:func:`ring_bytes`: 4 x 48 KB at 128 rows); ``regs``: the worker
+    partition's registers; ``diag`` 1 (a diagnostic, wrong results) skips the decode. ``tail_m``
+    (one of :data:`BLOCK_MS`, below ``block_m``; 0: off): blocks of at most ``tail_m`` rows (an
+    expert's last) run in a second launch with ``tail_m``-token tiles, the MMA work of their
+    padding cut (each launch skips the other's blocks). H and I multiples of 256."""
     num_slots, hidden = x_sorted.shape
     inter = s13.shape[1] // 2
     num_experts = w13.shape[0]
-    if stages not in (3, 4):  # 2 would wait on its own refills; 5 slots (240 KB) do not fit
-        raise ValueError(f"prefill_gemms: stages must be 3 or 4, got {stages}")
+    if block_m not in BLOCK_MS or tail_m and (tail_m not in BLOCK_MS or tail_m >= block_m):
+        raise ValueError(f"prefill_gemms: block_m must be one of {BLOCK_MS} and tail_m smaller, got {block_m}, {tail_m}")
+    # 2 slots would wait on their own refills (a slot is refilled two pair steps after its use)
+    if stages < 3 or ring_bytes(block_m, stages) + 1024 > SHARED_BYTES:
+        raise ValueError(f"prefill_gemms: stages must be at least 3 and the rings fit in shared memory "
+                         f"({ring_bytes(block_m, stages)} bytes at block_m={block_m}), got {stages}")
     if hidden % 256 or inter % 256:  # pair steps of 128 K, 128- and 256-row weight tiles
         raise ValueError(f"prefill_gemms: H and I must be multiples of 256, got H={hidden}, I={inter}")
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
-    blocks = block_expert.numel()
-    common = dict(STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
+    launches = [(block_m, block_expert)]
+    if tail_m:  # split the blocks by size on the device (no host sync): -1 marks a block to skip
+        tail = (row_end - row_start) <= tail_m
+        launches = [(block_m, torch.where(tail, -1, block_expert)), (tail_m, torch.where(tail, block_expert, -1))]
     w13_bytes = w13.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
-    _prefill_gemm_kernel[(inter // 128, blocks)](
-        _descriptor(_by_k_step(x_sorted), [2, BLOCK_M.value, BK.value], 128),
-        _descriptor(w13_bytes, [2, PAIRS.value // 2, 2 * BK.value], 0),
-        s13.view(torch.uint8), g13, h, topk_weights, sorted_slot, block_expert, row_start, row_end,
-        N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, GEMM1=True, **common)
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
-    _prefill_gemm_kernel[(hidden // 256, blocks)](
-        _descriptor(_by_k_step(h), [2, BLOCK_M.value, BK.value], 128),
-        _descriptor(w2_bytes, [2, PAIRS.value // 2, 2 * BK.value], 0),
-        s2.view(torch.uint8), g2, y, topk_weights, sorted_slot, block_expert, row_start, row_end,
-        N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GEMM1=False, **common)
+    w_box = [2, 2, PAIRS.value // 2, BK.value]
+    w13_desc, w2_desc = _descriptor(_weight_boxes(w13_bytes), w_box, 0), _descriptor(_weight_boxes(w2_bytes), w_box, 0)
+    for bm, experts in launches:
+        common = dict(BLOCK_M=bm, STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
+        _prefill_gemm_kernel[(inter // 128, experts.numel())](
+            _descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), w13_desc,
+            s13.view(torch.uint8), g13, h, topk_weights, sorted_slot, experts, row_start, row_end,
+            N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, GEMM1=True, **common)
+    for bm, experts in launches:
+        common = dict(BLOCK_M=bm, STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
+        _prefill_gemm_kernel[(hidden // 256, experts.numel())](
+            _descriptor(_by_k_step(h), [2, bm, BK.value], 128), w2_desc,
+            s2.view(torch.uint8), g2, y, topk_weights, sorted_slot, experts, row_start, row_end,
+            N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GEMM1=False, **common)
     return y
