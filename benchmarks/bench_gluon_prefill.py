@@ -31,10 +31,10 @@ from bench_moe import error_vs_reference, graph_time_ms, make_inputs, random_wei
 from fp4moe_ops.backends.triton_moe import launch, prefill_rs  # noqa: E402
 
 
-def gluon_moe(x, ids, rw, tensors, stages=4, block_m=128, tail_m=0):
+def gluon_moe(x, ids, rw, tensors, stages=4, block_m=128, tails=()):
     """The backend's Gluon prefill path (routing, gather, both GEMMs, top-k sum) with these row
     blocks, ring depth and tail blocks."""
-    return launch._gluon_prefill_moe(x, ids, rw, tensors, block_m=block_m, stages=stages, tail_m=tail_m)
+    return launch._gluon_prefill_moe(x, ids, rw, tensors, block_m=block_m, stages=stages, tails=tails)
 
 
 def module_moe(module, x, ids, rw, tensors, stages=4):
@@ -46,8 +46,8 @@ def module_moe(module, x, ids, rw, tensors, stages=4):
     return launch._sum_topk(y, ids, x, s13.shape[0])
 
 
-def configs(block_ms, stages, rows_per_expert, tails=(0,)):
-    """(block_m, stages, tail_m) triples: ``block_ms`` or, for ``auto``, the smallest block holding
+def configs(block_ms, stages, rows_per_expert, tails=((),)):
+    """(block_m, stages, tails) triples: ``block_ms`` or, for ``auto``, the smallest block holding
     the expected rows per expert and its neighbours; ring depths given or the deepest that fits
     (<= 8); the tails below block_m."""
     if block_ms == "auto":
@@ -60,7 +60,7 @@ def configs(block_ms, stages, rows_per_expert, tails=(0,)):
     for bm in block_ms:
         depths = stages or [max(st for st in range(3, 9)
                                 if prefill_rs.ring_bytes(bm, st) + 1024 <= prefill_rs.SHARED_BYTES)]
-        out += [(bm, st, tm) for st in depths for tm in tails if tm < bm]
+        out += [(bm, st, tm) for st in depths for tm in tails if all(m < bm for m in tm)]
     return out
 
 
@@ -86,7 +86,8 @@ def main():
     ap.add_argument("--tokens", default="2048,4096,6144,8192", type=ints)
     ap.add_argument("--stages", default="", type=ints, help="ring depths to compare (default: the deepest that fits)")
     ap.add_argument("--block-m", default="128", help="row block sizes, or auto")
-    ap.add_argument("--tail", default="0", type=ints, help="tail block sizes to try (0: none)")
+    ap.add_argument("--tail", default="0", help="tail block sizes to try: 0 (none), 64, 64-32, ...",
+                    type=lambda s: [tuple(int(m) for m in v.split("-") if m != "0") for v in s.split(",")])
     ap.add_argument("--compare-module", default="", help="a module in fp4moe_ops.backends.triton_moe to A/B at 128 rows")
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--diag", default="", type=ints, help="GEMM-only timings: 0 normal, 1 without the decode")
@@ -136,10 +137,11 @@ def main():
             ms = graph_time_ms(lambda a, b, c: single_role(a, b, c, tensors), inputs)
             print(f"  triton single-role layer {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         for bm, st, tm in configs(args.block_m, args.stages, t * k / e, args.tail):
-            if not check(f"gluon {bm}:{st}:{tm}", gluon_moe(x, ids, rw, tensors, st, bm, tm)[sub], ref) or args.no_layer:
+            name = f"gluon {bm}:{st}:{'-'.join(map(str, tm)) or 0}"
+            if not check(name, gluon_moe(x, ids, rw, tensors, st, bm, tm)[sub], ref) or args.no_layer:
                 continue
             ms = graph_time_ms(lambda a, b, c: gluon_moe(a, b, c, tensors, st, bm, tm), inputs)
-            print(f"  gluon {bm}:{st}:{tm} layer {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+            print(f"  {name} layer {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         if other is not None and check(f"{args.compare_module} 4", module_moe(other, x, ids, rw, tensors)[sub], ref):
             ms = graph_time_ms(lambda a, b, c: module_moe(other, a, b, c, tensors), inputs)
             print(f"  {args.compare_module} 128:4 layer {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)

@@ -448,12 +448,12 @@ def test_gluon_prefill_gemms_refuse_ring_depths_and_shapes_they_cannot_run():
     # and the activations, 2 x block_m x 64 bf16) against Hopper's 227 KB
     assert prefill_rs.ring_bytes(128, 4) == 4 * (16 + 32) * 1024
     assert prefill_rs.ring_bytes(8, 12) == 12 * (16 + 2) * 1024
-    for block_m, stages, tail_m in ((8, 13, 0), (32, 10, 0), (64, 8, 0), (24, 4, 0), (256, 3, 0), (64, 4, 64),
-                                    (128, 4, 48)):
+    for block_m, stages, tails in ((8, 13, ()), (32, 10, ()), (64, 8, ()), (24, 4, ()), (256, 3, ()), (64, 4, (64,)),
+                                   (128, 4, (48,)), (128, 4, (32, 64))):
         with pytest.raises(ValueError, match="block_m must be one of|stages must be at least 3"):
             prefill_rs.prefill_gemms(torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(1, 256, 128, dtype=torch.int32),
                                      torch.zeros(1, 512, 32, dtype=torch.uint8), *[None] * 9, block_m=block_m,
-                                     stages=stages, tail_m=tail_m)
+                                     stages=stages, tails=tails)
 
 
 @pytest.mark.gpu
@@ -489,12 +489,12 @@ def test_gluon_prefill_matches_float64(monkeypatch, h, i):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="wgmma: Hopper only")
-@pytest.mark.parametrize("block_m,stages,t,tail_m", [(8, 8, 5, 0), (16, 4, 40, 0), (32, 3, 150, 0), (64, 6, 300, 0),
-                                                    (128, 4, 1100, 64), (64, 4, 300, 16)])
-def test_gluon_row_blocks_and_tails_match_float64(block_m, stages, t, tail_m):
+@pytest.mark.parametrize("block_m,stages,t,tails", [(8, 8, 5, ()), (16, 4, 40, ()), (32, 3, 150, ()), (64, 6, 300, ()),
+                                                   (128, 4, 1100, (64, 32)), (64, 4, 300, (16,))])
+def test_gluon_row_blocks_and_tails_match_float64(block_m, stages, t, tails):
     # the same kernels with narrower row blocks (wgmma N = block_m) and deeper rings where they
-    # fit, and with tail blocks (an expert's last block of at most tail_m rows in a second launch
-    # of tail_m-token tiles); H = 2048, I = 1024: the ring wraps. Skewed loads: partial and
+    # fit, and with tail blocks (a block of at most tails[j] rows in a launch of its own with
+    # narrower tiles); H = 2048, I = 1024: the ring wraps. Skewed loads: partial and
     # several blocks per expert
     from fp4moe_ops.backends.triton_moe.launch import _gluon_prefill_moe
 
@@ -506,7 +506,7 @@ def test_gluon_row_blocks_and_tails_match_float64(block_m, stages, t, tail_m):
     ids[0, -1] = -1
     rw = torch.rand(t, k)
     out = _gluon_prefill_moe(x.cuda(), ids.cuda(), rw.cuda(), [a.cuda() for a in kernel_tensors(w)], block_m=block_m,
-                             stages=stages, tail_m=tail_m).cpu()
+                             stages=stages, tails=tails).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
     ulp = 2.0**-8  # as test_gluon_prefill_matches_float64
     torch.testing.assert_close(out.double(), ref, rtol=4 * ulp, atol=4 * ulp * ref.abs().max().item())

@@ -339,22 +339,25 @@ def ring_bytes(block_m: int, stages: int) -> int:
 
 
 def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
-                  row_end, block_m: int = 128, stages: int = 4, regs: int = 248, diag: int = 0, tail_m: int = 0):
+                  row_end, block_m: int = 128, stages: int = 4, regs: int = 248, diag: int = 0, tails=()):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order, each 64-wide
     piece of K in :func:`.layout.fragment_order`) -> ``y [S, H]`` float32 by slot (the top-k sum
     is the caller's). Weights in the paired layout (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``),
     scales as bytes, the row blocks as :func:`.launch.route` makes them with ``block_m`` rows
     (one of :data:`BLOCK_MS`). ``stages``: ring slots of two K steps each, at least 3, as many as
     fit in shared memory (:func:`ring_bytes`: 4 x 48 KB at 128 rows); ``regs``: the worker
-    partition's registers; ``diag`` 1 (a diagnostic, wrong results) skips the decode. ``tail_m``
-    (one of :data:`BLOCK_MS`, below ``block_m``; 0: off): blocks of at most ``tail_m`` rows (an
-    expert's last) run in a second launch with ``tail_m``-token tiles, the MMA work of their
-    padding cut (each launch skips the other's blocks). H and I multiples of 256."""
+    partition's registers; ``diag`` 1 (a diagnostic, wrong results) skips the decode. ``tails``:
+    smaller sizes of :data:`BLOCK_MS`, decreasing: a block of at most ``tails[j]`` rows (an
+    expert's last, or all its rows) runs in a launch of its own with ``tails[j]``-token tiles,
+    the MMA work of its padding cut (each launch skips the others' blocks). H and I multiples of
+    256."""
     num_slots, hidden = x_sorted.shape
     inter = s13.shape[1] // 2
     num_experts = w13.shape[0]
-    if block_m not in BLOCK_MS or tail_m and (tail_m not in BLOCK_MS or tail_m >= block_m):
-        raise ValueError(f"prefill_gemms: block_m must be one of {BLOCK_MS} and tail_m smaller, got {block_m}, {tail_m}")
+    sizes = (block_m, *tails)
+    if any(m not in BLOCK_MS for m in sizes) or any(a <= b for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"prefill_gemms: block_m must be one of {BLOCK_MS} and the tails smaller, decreasing; "
+                         f"got {block_m}, {tuple(tails)}")
     # 2 slots would wait on their own refills (a slot is refilled two pair steps after its use)
     if stages < 3 or ring_bytes(block_m, stages) + 1024 > SHARED_BYTES:
         raise ValueError(f"prefill_gemms: stages must be at least 3 and the rings fit in shared memory "
@@ -364,9 +367,10 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     launches = [(block_m, block_expert)]
-    if tail_m:  # split the blocks by size on the device (no host sync): -1 marks a block to skip
-        tail = (row_end - row_start) <= tail_m
-        launches = [(block_m, torch.where(tail, -1, block_expert)), (tail_m, torch.where(tail, block_expert, -1))]
+    if tails:  # the blocks split by size on the device (no host sync): -1 marks a block to skip
+        rows = row_end - row_start
+        bounds = (*sizes, 0)
+        launches = [(m, torch.where((rows <= m) & (rows > below), block_expert, -1)) for m, below in zip(sizes, bounds[1:])]
     w13_bytes = w13.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
     w_box = [2, 2, PAIRS.value // 2, BK.value]
