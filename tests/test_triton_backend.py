@@ -414,8 +414,8 @@ def _gluon_calls(monkeypatch):
     return calls
 
 
-def test_kernel_config_gluon_prefill_from_128_rows_per_expert():
-    assert [kernel_config(t * 8, 256, 7168, 2048)["GLUON_PREFILL"] for t in (1, 2048, 4095, 4096, 16384)] == \
+def test_kernel_config_gluon_prefill_from_64_rows_per_expert():
+    assert [kernel_config(t * 8, 256, 7168, 2048)["GLUON_PREFILL"] for t in (1, 1024, 2047, 2048, 16384)] == \
         [False, False, False, True, True]
     assert not kernel_config(8192 * 8, 256, 64, 32)["GLUON_PREFILL"]  # no TMA boxes: no paired weights
 

@@ -24,12 +24,14 @@ def interpreting() -> bool:
 
 
 FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (prefill)
-# From this many rows per expert on, the Gluon prefill kernels (prefill_rs.py) on Hopper.
-# DeepSeek-V3's layer against the single-role kernels, one process (H200, benchmarks/NOTES.md):
-# 0.79x the time at 8192 tokens (256 rows per expert) and 0.84x at 4096 (128 rows); the session's
-# previous commit (one K step per ring slot) 0.82x at 8192, 0.86x at 6144, 0.89x at 4096 and 1.04x
-# at 2048 (64 rows: the 128-row blocks are half empty)
-GLUON_PREFILL_MIN_ROWS = 128
+# From this many rows per expert on, the Gluon prefill kernels (prefill_rs.py) on Hopper, with an
+# expert's last block in 64- or 32-token tiles when it holds that few rows (GLUON_PREFILL_TAILS).
+# DeepSeek-V3's layer against the single-role kernels, one process (H200, benchmarks/NOTES.md,
+# fourteenth session): 0.77x the time at 8192 tokens (256 rows per expert), 0.81x at 4096, 0.86-0.93x
+# at 2048 (64 rows), 0.95x at 1024 (32 rows: within the run-to-run drift, so not taken). Without the
+# tails 0.81x, 0.86x, 1.02x and 1.38x.
+GLUON_PREFILL_MIN_ROWS = 64
+GLUON_PREFILL_TAILS = (64, 32)
 # The Triton release (major.minor) whose Gluon the prefill kernels are written for and were tested
 # with on the H200; Gluon is experimental and changes between releases (Triton 3.9 does not
 # compile them). Other releases run the single-role kernels.
@@ -278,10 +280,11 @@ def _gluon_prefill_runs(x: torch.Tensor) -> bool:
     return True
 
 
-def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int = 128, **options):
+def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int = 128, tails=GLUON_PREFILL_TAILS,
+                       **options):
     """Route into ``block_m``-row blocks, gather the activations in expert order (K in fragment
-    order), both GEMMs (:func:`.prefill_rs.prefill_gemms`, ``options`` its tuning and diagnostic
-    arguments), top-k sum."""
+    order), both GEMMs (:func:`.prefill_rs.prefill_gemms`: ``tails``, the narrower tiles of an
+    expert's last block, and ``options``, its tuning and diagnostic arguments), top-k sum."""
     from .prefill_rs import BK, prefill_gemms
 
     w13, s13, g13, w2, s2, g2 = expert_tensors
@@ -289,7 +292,7 @@ def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int =
     sorted_slot, block_expert, row_start, row_end, x_fragment = route(topk_ids, num_experts, block_m, x, BK.value)
     x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
     y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
-                      row_start, row_end, block_m=block_m, **options)
+                      row_start, row_end, block_m=block_m, tails=tails, **options)
     return _sum_topk(y, topk_ids, x, num_experts)
 
 

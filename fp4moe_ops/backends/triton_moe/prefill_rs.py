@@ -366,25 +366,35 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
         raise ValueError(f"prefill_gemms: H and I must be multiples of 256, got H={hidden}, I={inter}")
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
-    launches = [(block_m, block_expert)]
+    launches = [(block_m, block_expert, row_start, row_end)]
     if tails:  # the blocks split by size on the device (no host sync): -1 marks a block to skip
         rows = row_end - row_start
         bounds = (*sizes, 0)
-        launches = [(m, torch.where((rows <= m) & (rows > below), block_expert, -1)) for m, below in zip(sizes, bounds[1:])]
+        launches = []
+        for m, below in zip(sizes, bounds[1:]):
+            mine = (rows <= m) & (rows > below)
+            experts = torch.where(mine, block_expert, -1)
+            if m == block_m:
+                launches.append((m, experts, row_start, row_end))
+                continue
+            # a tail level holds at most one block per expert (its last): those first, and a grid
+            # of E programs instead of one per block (each skipped program still costs a launch slot)
+            order = torch.argsort(~mine, stable=True)[:min(num_experts, rows.numel())]
+            launches.append((m, experts[order], row_start[order], row_end[order]))
     w13_bytes = w13.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
     w_box = [2, 2, PAIRS.value // 2, BK.value]
     w13_desc, w2_desc = _descriptor(_weight_boxes(w13_bytes), w_box, 0), _descriptor(_weight_boxes(w2_bytes), w_box, 0)
-    for bm, experts in launches:
+    for bm, experts, starts, ends in launches:
         common = dict(BLOCK_M=bm, STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
         _prefill_gemm_kernel[(inter // 128, experts.numel())](
             _descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), w13_desc,
-            s13.view(torch.uint8), g13, h, topk_weights, sorted_slot, experts, row_start, row_end,
+            s13.view(torch.uint8), g13, h, topk_weights, sorted_slot, experts, starts, ends,
             N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, GEMM1=True, **common)
-    for bm, experts in launches:
+    for bm, experts, starts, ends in launches:
         common = dict(BLOCK_M=bm, STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
         _prefill_gemm_kernel[(hidden // 256, experts.numel())](
             _descriptor(_by_k_step(h), [2, bm, BK.value], 128), w2_desc,
-            s2.view(torch.uint8), g2, y, topk_weights, sorted_slot, experts, row_start, row_end,
+            s2.view(torch.uint8), g2, y, topk_weights, sorted_slot, experts, starts, ends,
             N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GEMM1=False, **common)
     return y
