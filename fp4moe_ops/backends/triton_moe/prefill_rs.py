@@ -385,16 +385,40 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
     w_box = [2, 2, PAIRS.value // 2, BK.value]
     w13_desc, w2_desc = _descriptor(_weight_boxes(w13_bytes), w_box, 0), _descriptor(_weight_boxes(w2_bytes), w_box, 0)
+    calls = []  # (grid, arguments, constexprs): GEMM1 at each level, then GEMM2
     for bm, experts, starts, ends in launches:
-        common = dict(BLOCK_M=bm, STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
-        _prefill_gemm_kernel[(inter // 128, experts.numel())](
-            _descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), w13_desc,
-            s13.view(torch.uint8), g13, h, topk_weights, sorted_slot, experts, starts, ends,
-            N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, GEMM1=True, **common)
+        calls.append(((inter // 128, experts.numel()),
+                      (_descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), w13_desc, s13.view(torch.uint8), g13,
+                       h, topk_weights, sorted_slot, experts, starts, ends),
+                      dict(N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, GEMM1=True, BLOCK_M=bm)))
     for bm, experts, starts, ends in launches:
-        common = dict(BLOCK_M=bm, STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
-        _prefill_gemm_kernel[(hidden // 256, experts.numel())](
-            _descriptor(_by_k_step(h), [2, bm, BK.value], 128), w2_desc,
-            s2.view(torch.uint8), g2, y, topk_weights, sorted_slot, experts, starts, ends,
-            N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GEMM1=False, **common)
+        calls.append(((hidden // 256, experts.numel()),
+                      (_descriptor(_by_k_step(h), [2, bm, BK.value], 128), w2_desc, s2.view(torch.uint8), g2, y,
+                       topk_weights, sorted_slot, experts, starts, ends),
+                      dict(N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GEMM1=False, BLOCK_M=bm)))
+    common = dict(STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
+    _compile_together(calls, common, (hidden, inter, sizes, stages, regs, diag, x_sorted.device))
+    for grid, args, consts in calls:
+        _prefill_gemm_kernel[grid](*args, **consts, **common)
     return y
+
+
+_COMPILED = set()  # shapes and options whose kernels _compile_together has compiled
+
+
+def _compile_together(calls, common, key):
+    """The first call for a shape compiles its kernels (two GEMMs per row-block size) at once, in
+    threads, not one after another as they launch: most of a compile is ptxas, a process of its own.
+    Once per process and shape; launches whose kernels are compiled already find them cached."""
+    if key in _COMPILED:
+        return
+    _COMPILED.add(key)
+    if len(calls) < 2:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    with ThreadPoolExecutor(len(calls)) as pool, AsyncCompileMode(pool):
+        for grid, args, consts in calls:
+            _prefill_gemm_kernel.warmup(*args, grid=grid, **consts, **common)
