@@ -1,6 +1,6 @@
 """The float64 oracle of the tests and the self-test: independent MoE math that decodes NVFP4 bytes
 from the format definition (its own codebook and bit twiddling, not :mod:`fp4moe_ops.nvfp4`) and
-loops over tokens. Slow by design; nothing in the library computes with it."""
+loops over experts and their tokens. Slow by design; nothing in the library computes with it."""
 
 import torch
 import torch.nn.functional as F
@@ -33,17 +33,16 @@ def moe64(x, ids, weights, w13, s13, g13, w2, s2, g2, fc1_scale=None, fc2_scale=
     num_experts, two_i = w13.shape[0], w13.shape[1]
     i = two_i // 2
     out = torch.zeros(t_count, h, dtype=torch.float64)
-    for t in range(t_count):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if not 0 <= e < num_experts:
-                continue
+    # expert by expert, each decoded once (not once per token), one expert's matrices in memory at a time
+    for e in sorted(set(ids[(ids >= 0) & (ids < num_experts)].tolist())):
+        w13_e, w2_e = dequant64(w13[e], s13[e], g13[e]), dequant64(w2[e], s2[e], g2[e])
+        for t, j in (ids == e).nonzero().tolist():
             a = x[t:t + 1]
             if fc1_scale is not None:
                 a = quant(a, fc1_scale.reshape(-1)[e if fc1_scale.numel() > 1 else 0])
-            hgu = a.double() @ dequant64(w13[e], s13[e], g13[e]).T
+            hgu = a.double() @ w13_e.T
             act = (F.silu(hgu[:, :i]) * hgu[:, i:]).to(x.dtype)
             if fc2_scale is not None:
                 act = quant(act, fc2_scale.reshape(-1)[e if fc2_scale.numel() > 1 else 0])
-            out[t] += float(weights[t, j]) * (act.double() @ dequant64(w2[e], s2[e], g2[e]).T)[0]
+            out[t] += float(weights[t, j]) * (act.double() @ w2_e.T)[0]
     return out
