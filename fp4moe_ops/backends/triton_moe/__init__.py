@@ -18,9 +18,10 @@ Pipeline of one call (no host syncs, CUDA-graph capturable):
 4. ``_sum_topk_kernel``: ``out[t] = sum_j y[t*k + j]`` over valid slots, cast to the input dtype
    (deterministic: no atomics).
 
-From 128 rows per expert on Hopper (bf16 activations, paired weights), steps 2-3 are instead
-``prefill_rs``'s two launches over 128-row blocks of activations gathered in expert order (the
-FP4 decode straight into wgmma's register operand, overlapping the previous step's wgmma).
+From 64 rows per expert on Hopper (bf16 activations, paired weights, Triton 3.6), steps 2-3 are
+instead ``prefill_rs``'s kernels over 128-row blocks of activations gathered in expert order (the
+FP4 decode straight into wgmma's register operand, overlapping the previous step's wgmma), an
+expert's last block of at most 64 rows in 64-token tiles of a launch of its own.
 
 Only experts that some token picked are read, each weight byte once per (M block, N tile).
 Where H and I are multiples of 256 (every real MoE shape), weight and scale tiles come through

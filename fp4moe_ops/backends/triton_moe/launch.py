@@ -25,13 +25,14 @@ def interpreting() -> bool:
 
 FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (prefill)
 # From this many rows per expert on, the Gluon prefill kernels (prefill_rs.py) on Hopper, with an
-# expert's last block in 64- or 32-token tiles when it holds that few rows (GLUON_PREFILL_TAILS).
-# DeepSeek-V3's layer against the single-role kernels, one process (H200, benchmarks/NOTES.md,
-# fourteenth session): 0.77x the time at 8192 tokens (256 rows per expert), 0.81x at 4096, 0.86-0.93x
-# at 2048 (64 rows), 0.95x at 1024 (32 rows: within the run-to-run drift, so not taken). Without the
-# tails 0.81x, 0.86x, 1.02x and 1.38x.
+# expert's last block in 64-token tiles when it holds 64 rows or fewer (GLUON_PREFILL_TAILS).
+# DeepSeek-V3's layer against the single-role kernels, one process (H200, fourteenth session,
+# benchmarks/NOTES.md): 0.77x the time at 8192 tokens (256 rows per expert), 0.82x at 4096, 0.86x
+# at 2048 (64 rows); at 1024 (32 rows) 1.03x, so not there. Without tails 0.81x, 0.86x, 1.02x, 1.38x.
+# A second tail level of 32 rows moved 2048-8192 by -2% to +8% (within the drift) and costs two more
+# kernels to compile on a new machine (the first pass over new shapes: results/first_pass_tails_*).
 GLUON_PREFILL_MIN_ROWS = 64
-GLUON_PREFILL_TAILS = (64, 32)
+GLUON_PREFILL_TAILS = (64,)
 # The Triton release (major.minor) whose Gluon the prefill kernels are written for and were tested
 # with on the H200; Gluon is experimental and changes between releases (Triton 3.9 does not
 # compile them). Other releases run the single-role kernels.

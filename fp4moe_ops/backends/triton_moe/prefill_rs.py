@@ -3,26 +3,32 @@ operand of wgmma.
 
 The weights are the MMA's left operand (M = weight rows), decoded by the warps that issue the MMA
 into the registers wgmma reads, while the previous K step's wgmma runs (the structure of
-CUTLASS's mixed-input GEMMs); the activations are the right operand (N = 128 tokens), from shared
-memory. Nothing decoded goes through shared memory (an earlier kernel decoded into shared memory
+CUTLASS's mixed-input GEMMs); the activations are the right operand (N = a row block's tokens,
+``BLOCK_M``), from shared memory. Nothing decoded goes through shared memory (an earlier kernel decoded into shared memory
 in producer warps: 0.94x the single-role kernels' time at 8192 tokens against this one's ~0.8x;
 benchmarks/NOTES.md).
 
-One program computes ``[256 weight rows, 128 tokens]`` of one expert's row block, over K in
+One program computes ``[256 weight rows, BLOCK_M tokens]`` of one expert's row block, over K in
 64-wide steps, as two warpgroups that run as separate Gluon partitions (the barriers Gluon puts
 around each TMA copy then hold one warpgroup, not both). Ring slots hold two K steps (one TMA
 copy and one wait per two steps):
 
 - each warpgroup has 128 of the weight rows (GEMM1: 64 gate rows and the same 64 up rows, so
   SwiGLU needs no exchange; GEMM2: 128 consecutive rows of ``w2``) and its own ring of weight
-  boxes ``[2, 32 pair rows, 128 bytes]`` (:func:`.layout.paired_weight_layout`: a pair row holds
-  weight rows r and r + 8), filled by TMA;
-- the activation tiles ``[2 steps, 128 tokens, 64]`` bf16 are shared: warpgroup 0 refills a ring
+  boxes ``[2 steps, 2 boxes, 32 pair rows, 64 bytes]`` (:func:`.layout.paired_weight_layout`: a
+  pair row holds weight rows r and r + 8), filled by TMA;
+- the activation tiles ``[2 steps, BLOCK_M tokens, 64]`` bf16 are shared: warpgroup 0 refills a ring
   slot once both warpgroups retired its steps (an mbarrier with two arrivals);
 - each thread decodes its own fragments: a paired word (rows r and r + 8, one 2-byte unit each)
   is exactly four bf16x2 registers of one 16-wide K chunk of wgmma's A operand when K runs in
   :func:`.layout.fragment_order` (chunk 64), so the activations are stored that way (the gather
   copy for GEMM1, GEMM1's epilogue for ``h``).
+
+Row blocks are 128 tokens; an expert's last block, when it holds few rows, can run in a launch
+of its own with narrower tiles (``tails`` of :func:`prefill_gemms`): the MMA work of its padding
+shrinks, the decode per block stays. Narrow blocks throughout (8-64 tokens) run too, but lose to
+the single-role kernels at decode and middle sizes: the decode is the same work per block, done
+by 8 warps per SM (benchmarks/NOTES.md, fourteenth session).
 
 Decoded values carry a 2^-22 factor, folded into the global scale in the epilogue (as in
 :mod:`.kernels`). bf16 activations only; written for Triton 3.6's Gluon (the GPU machine's;
