@@ -88,7 +88,8 @@ def main():
     ap.add_argument("--block-m", default="128", help="row block sizes, or auto")
     ap.add_argument("--tail", default="0", help="tail block sizes to try: 0 (none), 64, 64-32, ...",
                     type=lambda s: [tuple(int(m) for m in v.split("-") if m != "0") for v in s.split(",")])
-    ap.add_argument("--compare-module", default="", help="a module in fp4moe_ops.backends.triton_moe to A/B at 128 rows")
+    ap.add_argument("--compare-module", default="",
+                    help="a module in fp4moe_ops.backends.triton_moe to A/B at 128 rows")
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--diag", default="", type=ints, help="GEMM-only timings: 0 normal, 1 without the decode")
     ap.add_argument("--no-layer", action="store_true", help="GEMM-only timings")

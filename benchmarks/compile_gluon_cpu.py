@@ -50,7 +50,8 @@ def layer_arguments(e: int, h: int, i: int, slots: int):
     blocks = e + slots // 128
     row_start = torch.arange(blocks, dtype=torch.int32) * 10
     return (torch.zeros(slots, h, dtype=torch.bfloat16), torch.zeros(e, i, h // 4, dtype=torch.int32),
-            torch.zeros(e, 2 * i, h // 16, dtype=torch.uint8), torch.ones(e), torch.zeros(e, h // 2, i // 4, dtype=torch.int32),
+            torch.zeros(e, 2 * i, h // 16, dtype=torch.uint8), torch.ones(e),
+            torch.zeros(e, h // 2, i // 4, dtype=torch.int32),
             torch.zeros(e, h, i // 16, dtype=torch.uint8), torch.ones(e), torch.ones(slots),
             torch.arange(slots, dtype=torch.int32), torch.arange(blocks, dtype=torch.int32) % e, row_start,
             row_start + torch.arange(blocks, dtype=torch.int32) % 100 + 1)

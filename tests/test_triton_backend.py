@@ -451,7 +451,8 @@ def test_gluon_prefill_gemms_refuse_ring_depths_and_shapes_they_cannot_run():
     for block_m, stages, tails in ((8, 13, ()), (32, 10, ()), (64, 8, ()), (24, 4, ()), (256, 3, ()), (64, 4, (64,)),
                                    (128, 4, (48,)), (128, 4, (32, 64))):
         with pytest.raises(ValueError, match="block_m must be one of|stages must be at least 3"):
-            prefill_rs.prefill_gemms(torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(1, 256, 128, dtype=torch.int32),
+            prefill_rs.prefill_gemms(torch.zeros(4, 512, dtype=torch.bfloat16),
+                                     torch.zeros(1, 256, 128, dtype=torch.int32),
                                      torch.zeros(1, 512, 32, dtype=torch.uint8), *[None] * 9, block_m=block_m,
                                      stages=stages, tails=tails)
 

@@ -4,9 +4,9 @@ operand of wgmma.
 The weights are the MMA's left operand (M = weight rows), decoded by the warps that issue the MMA
 into the registers wgmma reads, while the previous K step's wgmma runs (the structure of
 CUTLASS's mixed-input GEMMs); the activations are the right operand (N = a row block's tokens,
-``BLOCK_M``), from shared memory. Nothing decoded goes through shared memory (an earlier kernel decoded into shared memory
-in producer warps: 0.94x the single-role kernels' time at 8192 tokens against this one's ~0.8x;
-benchmarks/NOTES.md).
+``BLOCK_M``), from shared memory. Nothing decoded goes through shared memory (an earlier kernel
+decoded into shared memory in producer warps: 0.94x the single-role kernels' time at 8192 tokens
+against this one's ~0.8x; benchmarks/NOTES.md).
 
 One program computes ``[256 weight rows, BLOCK_M tokens]`` of one expert's row block, over K in
 64-wide steps, as two warpgroups that run as separate Gluon partitions (the barriers Gluon puts
