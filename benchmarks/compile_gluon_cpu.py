@@ -4,9 +4,9 @@ first call does: one after another, or together (``prefill_rs._compile_together`
     pip install --no-deps --target /tmp/t36 triton==3.6.0   # the release the kernels are written for
     PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/compile_gluon_cpu.py together [--shape deepseek]
 
-A stand-in driver answers Triton's JIT as an sm90 device would; nothing launches. The six
-kernels of the default path (both GEMMs at 128-row blocks and the 64- and 32-row tails) go
-through Triton's own warm-up (``JITFunction.warmup``), so the JIT cache holds them after; the
+A stand-in driver answers Triton's JIT as an sm90 device would; nothing launches. The kernels
+of the default path (both GEMMs at 128-row blocks and at each tail level of
+``launch.GLUON_PREFILL_TAILS``) go through Triton's own warm-up (``JITFunction.warmup``), so the JIT cache holds them after; the
 script checks that, and that a second warm-up compiles nothing. Use an empty TRITON_CACHE_DIR per
 run, or the disk cache answers.
 """
