@@ -8,8 +8,8 @@ First a small shape (E=8, H=1024, I=512, top-2; partial row blocks, rows past th
 activations) checked against the reference backend, then the DeepSeek-V3 layer: each token count
 checked against the reference on the first 32 tokens (tokens are independent) and timed as in
 ``bench_moe.py`` (4 routings per CUDA graph, median of replays): the whole layer (routing, gather,
-both GEMMs, top-k sum) for both implementations, and the Gluon GEMMs alone (``--diag 1``: without
-the decode, to time the rest alone). ``--block-m``: row blocks of these sizes (``auto``: the sizes
+both GEMMs, top-k sum) for both implementations, and with ``--diag`` the Gluon GEMMs alone (``--diag
+0,1``: as they are, and without the decode, to time the rest alone). ``--block-m``: row blocks of these sizes (``auto``: the sizes
 around the expected rows per expert), each with the deepest ring that fits (at most 8 slots) unless
 ``--stages``, and with tail blocks (``--tail``: an expert's last block of at most that many
 rows in narrower tiles); ``--compare-module``: also the layer through another module of the same interface at

@@ -330,8 +330,9 @@ def _by_k_step(a: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_boxes(w_bytes: torch.Tensor) -> torch.Tensor:
-    """Paired weights as bytes ``[boxes, 32 pair rows, K]`` viewed as ``[K/64, boxes, 32, 64]`` (no
-    copy): one TMA box ``[2, 2, 32, 64]`` holds two K steps of two boxes, each step's rows contiguous."""
+    """Paired weights as bytes ``[boxes, pair rows, K]`` (w13: ``[2E, I/2, H]``, w2: ``[E H/64, 32, I]``)
+    viewed as ``[K/64, boxes, pair rows, 64]`` (no copy): one TMA box ``[2, 2, 32, 64]`` holds two K
+    steps of 32 pair rows of two boxes, each step's rows contiguous."""
     boxes, pairs, k = w_bytes.shape
     return w_bytes.view(boxes, pairs, k // BK.value, BK.value).permute(2, 0, 1, 3)
 
@@ -344,6 +345,20 @@ def ring_bytes(block_m: int, stages: int) -> int:
     """Shared memory of the rings: per slot two K steps of both warpgroups' weights (2 x 8 KB) and
     of the activations (2 x ``block_m`` x 64 bf16)."""
     return stages * (2 * 2 * PAIRS.value * 64 + 2 * block_m * BK.value * 2)
+
+
+def check_config(hidden: int, inter: int, block_m: int, stages: int, tails=()):
+    """Raise ValueError unless :func:`prefill_gemms` can run these shapes and options."""
+    sizes = (block_m, *tails)
+    if any(m not in BLOCK_MS for m in sizes) or any(a <= b for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"prefill_gemms: block_m must be one of {BLOCK_MS} and the tails smaller, decreasing; "
+                         f"got {block_m}, {tuple(tails)}")
+    # 2 slots would wait on their own refills (a slot is refilled two pair steps after its use)
+    if stages < 3 or ring_bytes(block_m, stages) + 1024 > SHARED_BYTES:
+        raise ValueError(f"prefill_gemms: stages must be at least 3 and the rings fit in shared memory "
+                         f"({ring_bytes(block_m, stages)} bytes at block_m={block_m}), got {stages}")
+    if hidden % 256 or inter % 256:  # pair steps of 128 K, 128- and 256-row weight tiles
+        raise ValueError(f"prefill_gemms: H and I must be multiples of 256, got H={hidden}, I={inter}")
 
 
 def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
@@ -362,16 +377,8 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     num_slots, hidden = x_sorted.shape
     inter = s13.shape[1] // 2
     num_experts = w13.shape[0]
+    check_config(hidden, inter, block_m, stages, tails)
     sizes = (block_m, *tails)
-    if any(m not in BLOCK_MS for m in sizes) or any(a <= b for a, b in zip(sizes, sizes[1:])):
-        raise ValueError(f"prefill_gemms: block_m must be one of {BLOCK_MS} and the tails smaller, decreasing; "
-                         f"got {block_m}, {tuple(tails)}")
-    # 2 slots would wait on their own refills (a slot is refilled two pair steps after its use)
-    if stages < 3 or ring_bytes(block_m, stages) + 1024 > SHARED_BYTES:
-        raise ValueError(f"prefill_gemms: stages must be at least 3 and the rings fit in shared memory "
-                         f"({ring_bytes(block_m, stages)} bytes at block_m={block_m}), got {stages}")
-    if hidden % 256 or inter % 256:  # pair steps of 128 K, 128- and 256-row weight tiles
-        raise ValueError(f"prefill_gemms: H and I must be multiples of 256, got H={hidden}, I={inter}")
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     launches = [(block_m, block_expert, row_start, row_end)]
@@ -380,7 +387,8 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
         bounds = (*sizes, 0)
         launches = []
         for m, below in zip(sizes, bounds[1:]):
-            mine = (rows <= m) & (rows > below)
+            # (the routing kernel leaves the rows of unused blocks unwritten)
+            mine = (rows <= m) & (rows > below) & (block_expert >= 0)
             experts = torch.where(mine, block_expert, -1)
             if m == block_m:
                 launches.append((m, experts, row_start, row_end))
@@ -421,17 +429,23 @@ def _compile_together(calls, common, key):
     if key in _COMPILED:
         return
     _COMPILED.add(key)
-    if len(calls) < 2:
-        return
     from concurrent.futures import ThreadPoolExecutor
 
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime import _async_compile
 
-        # ignore_errors: a kernel that fails to compile here is left to its launch, which raises
-        with ThreadPoolExecutor(len(calls)) as pool, AsyncCompileMode(pool, ignore_errors=True):
-            for grid, args, consts in calls:
-                _prefill_gemm_kernel.warmup(*args, grid=grid, **consts, **common)
+    if len(calls) < 2 or _async_compile.active_mode.get() is not None:  # (a caller's own async compiles)
+        return
+    mode = None
+    try:
+        with ThreadPoolExecutor(len(calls)) as pool:
+            # ignore_errors: a kernel that fails to compile here is left to its launch, which raises
+            mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
+            with mode:
+                for grid, args, consts in calls:
+                    _prefill_gemm_kernel.warmup(*args, grid=grid, **consts, **common)
     except Exception as exc:  # a head start only: the launches compile what is missing, one by one
         warnings.warn(f"fp4moe: compiling the Gluon prefill kernels together failed ({exc!r}); "
                       "they compile one by one as they launch")
+    finally:  # Triton 3.6's AsyncCompileMode stays active if its exit raises: later compiles would fail
+        if mode is not None and _async_compile.active_mode.get() is mode:
+            _async_compile.active_mode.set(None)
