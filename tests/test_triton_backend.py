@@ -457,6 +457,40 @@ def test_gluon_prefill_gemms_refuse_ring_depths_and_shapes_they_cannot_run():
         prefill_rs.check_config(7168, 2048, block_m, stages, tails)
 
 
+@pytest.mark.parametrize("tails", [(64,), (64, 32), (64, 32, 16, 8)])
+def test_gluon_tail_levels_take_every_block_once(tails):
+    # the launches of prefill_gemms over 128-row blocks as routing makes them (torch ops, prefill's
+    # path past 4096 slots): every used block in exactly one launch, the one of the smallest size
+    # holding its rows; tail levels on grids of min(E, blocks) programs. Unused blocks' rows are
+    # garbage, as the routing kernel leaves them.
+    from collections import Counter
+
+    pytest.importorskip("triton.experimental.gluon")
+    from fp4moe_ops.backends.triton_moe import prefill_rs
+    from fp4moe_ops.backends.triton_moe.launch import route
+
+    e, k = 256, 8
+    sizes = (128, *tails, 0)
+    for t in (1, 37, 600, 2048):
+        ids = torch.randint(0, e, (t, k))
+        ids[0, 0], ids[-1, -1] = -1, e  # dropped
+        _, experts, starts, ends = route(ids, e, 128)
+        unused = experts < 0
+        starts = torch.where(unused, torch.randint(-9, 999, starts.shape, dtype=starts.dtype), starts)
+        ends = torch.where(unused, torch.randint(-9, 999, ends.shape, dtype=ends.dtype), ends)
+        want = Counter((int(a), int(b), int(c)) for a, b, c in zip(experts, starts, ends) if a >= 0)
+        seen = Counter()
+        launches = prefill_rs.split_blocks(experts, starts, ends, e, 128, tails)
+        assert [m for m, *_ in launches] == list(sizes[:-1])
+        for j, (m, got, got_starts, got_ends) in enumerate(launches):
+            assert got.numel() == (experts.numel() if j == 0 else min(e, experts.numel()))
+            for a, b, c in zip(got, got_starts, got_ends):
+                if a >= 0:
+                    assert sizes[j + 1] < c - b <= m
+                    seen[(int(a), int(b), int(c))] += 1
+        assert seen == want
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="wgmma: Hopper only")

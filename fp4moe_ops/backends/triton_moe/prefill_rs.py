@@ -361,6 +361,30 @@ def check_config(hidden: int, inter: int, block_m: int, stages: int, tails=()):
         raise ValueError(f"prefill_gemms: H and I must be multiples of 256, got H={hidden}, I={inter}")
 
 
+def split_blocks(block_expert, row_start, row_end, num_experts: int, block_m: int, tails=()):
+    """The launches of :func:`prefill_gemms`: ``[(rows per block, block_expert, row_start, row_end)]``,
+    one per size in ``(block_m, *tails)``, a block in the launch of the smallest size that holds
+    its rows, -1 in the others (split on the device, no host sync). The block lists as
+    :func:`.launch.route` makes them with ``block_m``."""
+    if not tails:
+        return [(block_m, block_expert, row_start, row_end)]
+    rows = row_end - row_start
+    sizes = (block_m, *tails)
+    launches = []
+    for m, below in zip(sizes, (*sizes[1:], 0)):
+        # (the routing kernel leaves the rows of unused blocks unwritten)
+        mine = (rows <= m) & (rows > below) & (block_expert >= 0)
+        experts = torch.where(mine, block_expert, -1)
+        if m == block_m:
+            launches.append((m, experts, row_start, row_end))
+            continue
+        # a tail level holds at most one block per expert (its last): those first, and a grid of E
+        # programs instead of one per block (each skipped program still costs a launch slot)
+        order = torch.argsort(~mine, stable=True)[:min(num_experts, rows.numel())]
+        launches.append((m, experts[order], row_start[order], row_end[order]))
+    return launches
+
+
 def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
                   row_end, block_m: int = 128, stages: int = 4, regs: int = 248, diag: int = 0, tails=()):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order, each 64-wide
@@ -381,22 +405,7 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     sizes = (block_m, *tails)
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
-    launches = [(block_m, block_expert, row_start, row_end)]
-    if tails:  # the blocks split by size on the device (no host sync): -1 marks a block to skip
-        rows = row_end - row_start
-        bounds = (*sizes, 0)
-        launches = []
-        for m, below in zip(sizes, bounds[1:]):
-            # (the routing kernel leaves the rows of unused blocks unwritten)
-            mine = (rows <= m) & (rows > below) & (block_expert >= 0)
-            experts = torch.where(mine, block_expert, -1)
-            if m == block_m:
-                launches.append((m, experts, row_start, row_end))
-                continue
-            # a tail level holds at most one block per expert (its last): those first, and a grid
-            # of E programs instead of one per block (each skipped program still costs a launch slot)
-            order = torch.argsort(~mine, stable=True)[:min(num_experts, rows.numel())]
-            launches.append((m, experts[order], row_start[order], row_end[order]))
+    launches = split_blocks(block_expert, row_start, row_end, num_experts, block_m, tails)
     w13_bytes = w13.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
     w_box = [2, 2, PAIRS.value // 2, BK.value]
