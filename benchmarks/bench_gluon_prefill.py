@@ -2,18 +2,20 @@
 process (issue 17).
 
     python benchmarks/bench_gluon_prefill.py [--tokens 2048,4096,6144,8192] [--stages 3,4] [--diag 0,1]
-        [--block-m auto|8,16,...] [--compare-module NAME] [--balanced] [--no-layer] [--skip-small]
+        [--block-m auto|8,16,...] [--tail 0,64,64-32] [--compare-module NAME] [--balanced] [--no-layer]
+        [--skip-small]
 
 First a small shape (E=8, H=1024, I=512, top-2; partial row blocks, rows past the end of the
 activations) checked against the reference backend, then the DeepSeek-V3 layer: each token count
 checked against the reference on the first 32 tokens (tokens are independent) and timed as in
 ``bench_moe.py`` (4 routings per CUDA graph, median of replays): the whole layer (routing, gather,
-both GEMMs, top-k sum) for both implementations, and with ``--diag`` the Gluon GEMMs alone (``--diag
-0,1``: as they are, and without the decode, to time the rest alone). ``--block-m``: row blocks of these sizes (``auto``: the sizes
-around the expected rows per expert), each with the deepest ring that fits (at most 8 slots) unless
-``--stages``, and with tail blocks (``--tail``: an expert's last block of at most that many
-rows in narrower tiles); ``--compare-module``: also the layer through another module of the same interface at
-128 rows (a copy of an earlier ``prefill_rs.py`` in ``fp4moe_ops/backends/triton_moe/``, for A/B).
+both GEMMs, top-k sum) for both implementations, and with ``--diag`` the Gluon GEMMs alone
+(``--diag 0,1``: as they are, and without the decode, to time the rest alone; 128-row blocks, no
+tails). ``--block-m``: row blocks of these sizes (``auto``: the sizes around the expected rows per
+expert), each with the deepest ring that fits (at most 8 slots) unless ``--stages``, and with tail
+blocks (``--tail``: an expert's last block of at most that many rows in narrower tiles);
+``--compare-module``: also the layer through another module of the same interface at 128 rows (a
+copy of an earlier ``prefill_rs.py`` in ``fp4moe_ops/backends/triton_moe/``, for A/B).
 """
 
 from __future__ import annotations
@@ -58,8 +60,7 @@ def configs(block_ms, stages, rows_per_expert, tails=((),)):
         block_ms = ints(block_ms)
     out = []
     for bm in block_ms:
-        depths = stages or [max(st for st in range(3, 9)
-                                if prefill_rs.ring_bytes(bm, st) + 1024 <= prefill_rs.SHARED_BYTES)]
+        depths = stages or [max(st for st in range(3, 9) if prefill_rs.ring_fits(bm, st))]
         out += [(bm, st, tm) for st in depths for tm in tails if all(m < bm for m in tm)]
     return out
 

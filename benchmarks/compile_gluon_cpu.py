@@ -6,9 +6,9 @@ first call does: one after another, or together (``prefill_rs._compile_together`
 
 A stand-in driver answers Triton's JIT as an sm90 device would; nothing launches. The kernels
 of the default path (both GEMMs at 128-row blocks and at each tail level of
-``launch.GLUON_PREFILL_TAILS``) go through Triton's own warm-up (``JITFunction.warmup``), so the JIT cache holds them after; the
-script checks that, and that a second warm-up compiles nothing. Use an empty TRITON_CACHE_DIR per
-run, or the disk cache answers.
+``launch.GLUON_PREFILL_TAILS``) go through Triton's own warm-up (``JITFunction.warmup``), so the
+JIT cache holds them after; the script checks that, and that a second warm-up compiles nothing.
+Use an empty TRITON_CACHE_DIR per run, or the disk cache answers.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from triton.backends.nvidia.driver import CudaDriver
 from triton.runtime import driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+class _Caught(Exception):
+    """Stops prefill_gemms once its launches are known."""
 
 
 class _Sm90WithoutGpu(CudaDriver):
@@ -70,13 +74,13 @@ def main():
 
     def catch(calls, common, key):
         caught.update(calls=calls, common=common)
-        raise KeyboardInterrupt
+        raise _Caught
 
     real, prefill_rs._compile_together = prefill_rs._compile_together, catch
     h, i = (7168, 2048) if args.shape == "deepseek" else (512, 256)
     try:
         prefill_rs.prefill_gemms(*layer_arguments(8, h, i, 600), tails=launch.GLUON_PREFILL_TAILS)
-    except KeyboardInterrupt:
+    except _Caught:
         pass
     prefill_rs._compile_together = real
     calls, common = caught["calls"], caught["common"]

@@ -495,8 +495,7 @@ def test_gluon_tail_levels_take_every_block_once(tails):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="wgmma: Hopper only")
 @pytest.mark.parametrize("h,i", [(512, 256),  # K shorter than the ring (2 and 4 pair steps, 4 slots)
-                                 # the ring wraps (16 and 8 pair steps); added 2026-12-01 after that
-                                 # session's GPU time was spent: not yet run on a GPU
+                                 # the ring wraps (16 and 8 pair steps)
                                  (2048, 1024)])
 def test_gluon_prefill_matches_float64(monkeypatch, h, i):
     # 8 experts, top-2, 1100 tokens: ~275 rows per expert (the Gluon prefill bucket), loads

@@ -347,6 +347,12 @@ def ring_bytes(block_m: int, stages: int) -> int:
     return stages * (2 * 2 * PAIRS.value * 64 + 2 * block_m * BK.value * 2)
 
 
+def ring_fits(block_m: int, stages: int) -> bool:
+    """Whether rings of ``stages`` slots at ``block_m`` rows fit in shared memory (1 KB left for
+    the barriers)."""
+    return ring_bytes(block_m, stages) + 1024 <= SHARED_BYTES
+
+
 def check_config(hidden: int, inter: int, block_m: int, stages: int, tails=()):
     """Raise ValueError unless :func:`prefill_gemms` can run these shapes and options."""
     sizes = (block_m, *tails)
@@ -354,7 +360,7 @@ def check_config(hidden: int, inter: int, block_m: int, stages: int, tails=()):
         raise ValueError(f"prefill_gemms: block_m must be one of {BLOCK_MS} and the tails smaller, decreasing; "
                          f"got {block_m}, {tuple(tails)}")
     # 2 slots would wait on their own refills (a slot is refilled two pair steps after its use)
-    if stages < 3 or ring_bytes(block_m, stages) + 1024 > SHARED_BYTES:
+    if stages < 3 or not ring_fits(block_m, stages):
         raise ValueError(f"prefill_gemms: stages must be at least 3 and the rings fit in shared memory "
                          f"({ring_bytes(block_m, stages)} bytes at block_m={block_m}), got {stages}")
     if hidden % 256 or inter % 256:  # pair steps of 128 K, 128- and 256-row weight tiles
