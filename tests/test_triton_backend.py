@@ -73,32 +73,62 @@ def test_route_drops_int64_ids_that_would_alias_a_valid_expert_in_32_bits():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")
-def test_route_compiles_one_variant_for_every_token_count():
-    # issue 17: a constexpr per padded size compiled a new routing kernel (seconds each) for
-    # every new size class of a prompt; the kernels' alignment specializations must not follow
-    # the token count either
+def test_first_call_compiles_every_variant_of_the_layer():
+    # issue 17 (first pass over new shapes): the first call of a layer shape compiles every kernel
+    # variant the shape can launch (compile_ahead), so no later token count compiles anything; in
+    # particular the kernels' alignment specializations must not follow the token count. A shape
+    # no other test uses, so that its kernels are not in the JIT cache before the first call.
     from fp4moe_ops.backends.triton_moe import kernels
+    from fp4moe_ops.backends.triton_moe.launch import _gluon_prefill_runs
 
-    def variants(fn):
-        return sum(len(c[0]) for c in fn.device_caches.values())
+    kernel_fns = [kernels._route_kernel, kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel,
+                  kernels._sum_topk_kernel]
+    gluon = _gluon_prefill_runs(torch.empty(1, dtype=torch.bfloat16, device="cuda"))
+    if gluon:
+        from fp4moe_ops.backends.triton_moe.prefill_rs import _prefill_gemm_kernel
+        kernel_fns.append(_prefill_gemm_kernel)
 
-    kernel_fns = (kernels._route_kernel, kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel,
-                  kernels._sum_topk_kernel)
-    w = layer(8, 512, 256)
+    def variants():
+        return [sum(len(c[0]) for c in fn.device_caches.values()) for fn in kernel_fns]
+
+    e, h, i, k = 8, 768, 512, 2
+    w = layer(e, h, i)
     tensors = [t.cuda() for t in kernel_tensors(w)]
-    # the decode bucket (<= 8 rows per expert, TMA config) has two variants of each GEMM: static K
-    # loops up to 8 slots, run-time ones past them (launch.kernel_config); each group adds at most one
-    for tokens in ((1, 2, 3, 4), (5, 20, 27, 32)):
-        before = [variants(fn) for fn in kernel_fns]  # (earlier tests may have compiled some of these)
-        for t in tokens:
-            ids = torch.randint(0, 8, (t, 2), device="cuda")
-            triton_fused_moe(torch.randn(t, 512, dtype=torch.bfloat16, device="cuda"), ids,
-                             torch.rand(t, 2, device="cuda"), tensors)
-        if tokens[0] == 5:
-            for s in (65, 100, 1000, 4096):  # routing past 64 slots: its second (and last) variant (launch._count_block)
-                route(torch.randint(0, 256, (s,), device="cuda"), 256, 16)
-        for fn, n in zip(kernel_fns, before):
-            assert variants(fn) - n <= (2 if fn is kernels._route_kernel else 1), (tokens, fn.__name__, variants(fn) - n)
+
+    def call(t):
+        x = torch.randn(t, h, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+        rw = torch.rand(t, k)
+        return x, ids, rw, triton_fused_moe(x.cuda(), ids.cuda(), rw.cuda(), tensors).cpu()
+
+    before = variants()
+    call(1)
+    first = variants()
+    if gluon:  # a 1-token call compiled the Gluon prefill kernels (both GEMMs at 128 rows and each tail)
+        assert first[-1] - before[-1] >= 4, (before, first)
+    # every bucket of kernel_config and both routing paths: decode with static and run-time K loops
+    # (<= 4 tokens, > 4), the routing kernel's two histogram steps (<= 64 slots, more), middle
+    # (> 8 rows per expert), prefill (> 16), Gluon prefill (>= 64), routing by torch ops (> 4096 slots)
+    for t in (1, 2, 3, 4, 5, 20, 32, 33, 40, 64, 65, 100, 200, 255, 256, 300, 1000, 2048, 2049, 2500):
+        x, ids, rw, out = call(t)
+        assert variants() == first, (t, [fn.__name__ for fn in kernel_fns], first, variants())
+        if t in (3, 40, 100, 300, 2500):  # the kernels compiled ahead compute what they should
+            ref = moe64(x, ids, rw, *w.tensors())
+            ulp = 2.0**-8  # as test_triton_matches_float64 (bf16 intermediate and output, fp32 sums)
+            torch.testing.assert_close(out.double(), ref, rtol=4 * ulp, atol=4 * ulp * ref.abs().max().item())
+
+
+def test_variant_slots_one_per_kernel_set():
+    # DeepSeek-V3 (E=256, top-8; launch.kernel_config's rules, by hand): 1 token (static K loops,
+    # 64-slot histogram steps), 2 (run-time K loops), 9 (1024-slot steps), 257 (middle: > 8 rows
+    # per expert), 513 (prefill: > 16 rows; past the routing kernel's 4096 slots), 2048 (Gluon: 64 rows)
+    from fp4moe_ops.backends.triton_moe.compile_ahead import variant_slots
+
+    assert variant_slots(256, 7168, 2048, 8) == [8 * t for t in (1, 2, 9, 257, 513, 2048)]
+    # an expert-parallel rank of 32 experts counts rows over the 256 routed: the same buckets
+    assert variant_slots(32, 7168, 2048, 8, routed_experts=256) == [8 * t for t in (1, 2, 9, 257, 513, 2048)]
+    # no TMA boxes (H, I not multiples of 256): no middle bucket, no Gluon; prefill from 16 rows (49 tokens)
+    assert variant_slots(6, 64, 32, 2) == [2, 66, 98, 4098]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -408,9 +438,17 @@ def _gluon_calls(monkeypatch):
     """Count calls of the Gluon prefill GEMMs (so a test knows that path ran)."""
     from fp4moe_ops.backends.triton_moe import prefill_rs
 
+    from fp4moe_ops.backends.triton_moe.compile_ahead import compiling_ahead
+
     calls = []
     real = prefill_rs.prefill_gemms
-    monkeypatch.setattr(prefill_rs, "prefill_gemms", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def counted(*args, **kwargs):
+        if not compiling_ahead():  # (a layer's first call also compiles them, running nothing)
+            calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prefill_rs, "prefill_gemms", counted)
     return calls
 
 
@@ -525,9 +563,7 @@ def test_gluon_prefill_matches_float64(monkeypatch, h, i):
                     reason="wgmma: Hopper only")
 @pytest.mark.parametrize("block_m,stages,t,tails", [(8, 8, 5, ()), (16, 4, 40, ()), (32, 3, 150, ()), (64, 6, 300, ()),
                                                    (128, 4, 1100, (64, 32)), (64, 4, 300, (16,)),
-                                                   # past 4096 slots: routing by torch ops (prefill's);
-                                                   # added after the session's GPU time was spent: not
-                                                   # yet run on a GPU
+                                                   # past 4096 slots: routing by torch ops (prefill's)
                                                    (128, 4, 2100, (64,))])
 def test_gluon_row_blocks_and_tails_match_float64(block_m, stages, t, tails):
     # the same kernels with narrower row blocks (wgmma N = block_m) and deeper rings where they

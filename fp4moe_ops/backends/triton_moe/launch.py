@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from .compile_ahead import compile_layer_once, compiling_ahead, launch, planned_slots
 from .layout import fits_tma, fragment_order
 
 try:
@@ -59,7 +60,8 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
     num_slots = flat.numel()
     num_blocks = min(num_slots, num_experts) + num_slots // block_m
     on_triton = triton is not None and (flat.is_cuda or interpreting())
-    fast = num_slots <= FAST_ROUTE_MAX_SLOTS and on_triton
+    decide_slots = planned_slots(num_slots)  # (compile_ahead: the representative count)
+    fast = decide_slots <= FAST_ROUTE_MAX_SLOTS and on_triton
     copy = activations is not None and on_triton  # the permute runs in _route_kernel's last programs
     e_pad = triton.next_power_of_2(num_experts + 2) if on_triton else 0  # + bins for invalid ids, padding
     route_programs = triton.cdiv(num_slots, ROUTE_CHUNK) if fast else 0
@@ -67,7 +69,9 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
         # one allocation, each part starting on a 16-byte boundary: the kernels reading these
         # pointers are specialized on alignment, which must not change with the token count
         sizes = [num_slots] + [num_blocks] * 3
-        out = torch.empty(sum(_round4(n) for n in sizes), dtype=torch.int32, device=flat.device)
+        # (zeros while compiling ahead: nothing writes them, and torch ops may index with them)
+        out = (torch.zeros if compiling_ahead() else torch.empty)(sum(_round4(n) for n in sizes), dtype=torch.int32,
+                                                                  device=flat.device)
         routed = tuple(p[:n] for p, n in zip(out.split([_round4(n) for n in sizes]), sizes))
     else:
         routed = _route_torch(flat, num_experts, block_m, num_blocks)
@@ -77,10 +81,10 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
         x_block = 1024
         grid = route_programs + (triton.cdiv(x.numel(), x_block) if copy else 0)
         if grid:
-            _route_kernel[(grid,)](
-                flat, *routed, num_slots, num_experts, num_blocks, x, x_fragment,
+            launch(
+                _route_kernel, (grid,), flat, *routed, num_slots, num_experts, num_blocks, x, x_fragment,
                 x.numel() if copy else 0, x.shape[-1] if copy else 1, BM=block_m, E_PAD=e_pad, R_CHUNK=ROUTE_CHUNK,
-                COUNT_BLOCK=_count_block(num_slots), CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, ROUTE=fast,
+                COUNT_BLOCK=_count_block(decide_slots), CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, ROUTE=fast,
                 num_warps=4, **_pdl_args(pdl),
             )
     if activations is None:
@@ -208,6 +212,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     top_k = topk_ids.shape[1]
     num_experts, inter = s13.shape[0], s13.shape[1] // 2
     num_slots = num_tokens * top_k
+    if config is None:
+        compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts)
     cfg = config or kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
     paired = w13.dtype == torch.int32
     if paired and not (cfg.get("TMA") and cfg.get("FRAGMENT_ORDER")):
@@ -228,7 +234,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     else:
         sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"], pdl=pdl)
         x_gemm1 = x
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PREFETCH=cfg.get("PREFETCH", True),
+    common = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PREFETCH=cfg.get("PREFETCH", True),
                   **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
                   FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting(),
                   FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True), **_pdl_args(pdl))
@@ -248,16 +254,16 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     grid1 = (block_expert.numel(), (2 if merged else 1) * inter // cfg["BN1"])
     # hidden and inter go in twice: as the constexprs H and I, and as K_RUNTIME, the K loop's bound
     # when PIPELINED_MMA is off (a run-time bound, see _expert_matmul)
-    _gemm1_swiglu_kernel[grid1](
-        x_gemm1, w13, s13, g13, inter_act, sorted_slot, block_expert,
+    launch(
+        _gemm1_swiglu_kernel, grid1, x_gemm1, w13, s13, g13, inter_act, sorted_slot, block_expert,
         row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
-        OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **launch,
+        OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **common,
     )
     grid2 = (block_expert.numel(), hidden // cfg["BN2"])
-    _gemm2_kernel[grid2](
-        inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end,
-        hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
-        PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), **launch,
+    launch(
+        _gemm2_kernel, grid2, inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start,
+        row_end, hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
+        PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), **common,
     )
     return _sum_topk(y, topk_ids, x, num_experts, pdl)
 
@@ -334,8 +340,9 @@ def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_expe
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
     bh = min(1024, triton.next_power_of_2(hidden))
-    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, bh))](
-        y, topk_ids.contiguous(), out, hidden, num_experts, TOPK=topk_ids.shape[1], BH=bh, **_pdl_args(pdl),
+    launch(
+        _sum_topk_kernel, (num_tokens, triton.cdiv(hidden, bh)), y, topk_ids.contiguous(), out, hidden, num_experts,
+        TOPK=topk_ids.shape[1], BH=bh, **_pdl_args(pdl),
     )
     return out
 

@@ -37,13 +37,12 @@ Triton 3.9 renamed the TMA copy, so the CPU CI does not compile these kernels).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from .compile_ahead import launch
 from .kernels import _PAIRED_WORD_TO_BF16
 from .layout import fragment_column
 
@@ -408,7 +407,6 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     inter = s13.shape[1] // 2
     num_experts = w13.shape[0]
     check_config(hidden, inter, block_m, stages, tails)
-    sizes = (block_m, *tails)
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     launches = split_blocks(block_expert, row_start, row_end, num_experts, block_m, tails)
@@ -428,39 +426,6 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
                        topk_weights, sorted_slot, experts, starts, ends),
                       dict(N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GEMM1=False, BLOCK_M=bm)))
     common = dict(STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
-    _compile_together(calls, common, (hidden, inter, sizes, stages, regs, diag, x_sorted.device))
     for grid, args, consts in calls:
-        _prefill_gemm_kernel[grid](*args, **consts, **common)
+        launch(_prefill_gemm_kernel, grid, *args, **consts, **common)
     return y
-
-
-_COMPILED = set()  # shapes and options whose kernels _compile_together has compiled
-
-
-def _compile_together(calls, common, key):
-    """The first call for a shape compiles its kernels (two GEMMs per row-block size) at once, in
-    threads, not one after another as they launch: most of a compile is ptxas, a process of its own.
-    Once per process and shape; launches whose kernels are compiled already find them cached."""
-    if key in _COMPILED:
-        return
-    _COMPILED.add(key)
-    from concurrent.futures import ThreadPoolExecutor
-
-    from triton.runtime import _async_compile
-
-    if len(calls) < 2 or _async_compile.active_mode.get() is not None:  # (a caller's own async compiles)
-        return
-    mode = None
-    try:
-        with ThreadPoolExecutor(len(calls)) as pool:
-            # ignore_errors: a kernel that fails to compile here is left to its launch, which raises
-            mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
-            with mode:
-                for grid, args, consts in calls:
-                    _prefill_gemm_kernel.warmup(*args, grid=grid, **consts, **common)
-    except Exception as exc:  # a head start only: the launches compile what is missing, one by one
-        warnings.warn(f"fp4moe: compiling the Gluon prefill kernels together failed ({exc!r}); "
-                      "they compile one by one as they launch")
-    finally:  # Triton 3.6's AsyncCompileMode stays active if its exit raises: later compiles would fail
-        if mode is not None and _async_compile.active_mode.get() is mode:
-            _async_compile.active_mode.set(None)

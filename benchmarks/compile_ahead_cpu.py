@@ -1,0 +1,98 @@
+"""Compile one MoE layer's Triton kernels for sm90 on a machine without a GPU, as
+``compile_ahead.compile_layer_once`` does at a layer's first call: all variant sets
+(``compile_ahead.variant_slots``) one by one, or together in threads, timed.
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0   # the release the Gluon kernels are written for
+    PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/compile_ahead_cpu.py together [--shape deepseek]
+
+A stand-in driver answers Triton's JIT as an sm90 device would; nothing launches. The tensors are
+CPU tensors, so two things differ from the GPU: routing takes the torch path (the routing kernel
+is not compiled), and the script lets the Gluon prefill kernels past their CUDA check. The script
+then checks that a second pass finds every kernel in the JIT cache (compiles nothing). Use an
+empty TRITON_CACHE_DIR per run, or the disk cache answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.driver import CudaDriver
+from triton.runtime import driver
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+class _Sm90WithoutGpu(CudaDriver):
+    """What the JIT asks of a driver before it launches: the target, a device and a stream."""
+
+    def __init__(self):  # (no CUDA library to load)
+        self.utils = None
+
+    def is_active(self):
+        return True
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def layer_arguments(e: int, h: int, i: int, top_k: int):
+    """A one-token call's arguments for a layer of ``e`` experts in the paired layout (contents
+    irrelevant: nothing runs)."""
+    import fp4moe_ops
+    from fp4moe_ops.backends import BACKENDS
+    from fp4moe_ops.backends.base import CANONICAL, canonical_layout, convert_packed
+
+    small = canonical_layout(fp4moe_ops.quantize_moe_weights(torch.randn(1, 512, 256), torch.randn(1, 256, 256)).tensors())
+    small[0], small[3] = (convert_packed(small[j], CANONICAL, BACKENDS["triton"].packed_layout(256, 256)) for j in (0, 3))
+    shapes = [(e, i, h // 4), (e, 2 * i, h // 16), (e,), (e, h // 2, i // 4), (e, h, i // 16), (e,)]
+    tensors = [torch.zeros(shape, dtype=t.dtype) for shape, t in zip(shapes, small)]
+    ids = torch.arange(top_k).reshape(1, top_k)
+    return torch.randn(1, h, dtype=torch.bfloat16), ids, torch.rand(1, top_k), tensors
+
+
+def cached_variants() -> int:
+    from fp4moe_ops.backends.triton_moe import kernels, prefill_rs
+
+    fns = (kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel, kernels._sum_topk_kernel,
+           prefill_rs._prefill_gemm_kernel)
+    return sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["serial", "together"])
+    ap.add_argument("--shape", choices=["small", "deepseek"], default="small")
+    args = ap.parse_args()
+    driver.set_active(_Sm90WithoutGpu())
+    from fp4moe_ops.backends.triton_moe import compile_ahead, launch
+
+    launch._gluon_prefill_runs = lambda x: True  # (CPU tensors: see the module docstring)
+    e, h, i, k = (256, 7168, 2048, 8) if args.shape == "deepseek" else (8, 512, 256, 2)
+    plans = compile_ahead.layer_plans(*layer_arguments(e, h, i, k))
+    t0 = time.time()
+    compile_ahead.compile_all(plans, together=args.mode == "together")
+    seconds = time.time() - t0
+    compiled = cached_variants()
+    t0 = time.time()
+    compile_ahead.compile_all(plans, together=False)
+    again = time.time() - t0
+    ok = cached_variants() == compiled and again < 1.0
+    print(f"{args.mode}, {args.shape} (E={e}, H={h}, I={i}, top-{k}): variant sets at slots "
+          f"{[s for s, _ in plans]}, {compiled} kernels in {seconds:.1f} s; a second pass {again:.2f} s, "
+          f"{'nothing compiled' if ok else 'WRONG'}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
