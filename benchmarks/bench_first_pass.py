@@ -11,7 +11,8 @@ machine):
     python benchmarks/bench_first_pass.py --impls fp4moe --tree /old/tree --label before
 
 Writes ``first_pass.json`` and ``first_pass.md`` to ``--out``. Also counts the Triton kernel
-variants each fp4moe process compiled or loaded (the size of the JIT caches after both passes).
+variants each fp4moe process compiled or loaded (the size of the JIT caches after both passes, and
+in the JSON after each call of the first pass: which calls compiled).
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def one_process(impl: str, layers: int, new_tokens: int) -> dict:
     kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, cache_implementation="static",
               compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
     gen = torch.Generator().manual_seed(0)
-    passes = []
-    for _ in range(2):
+    passes, compiled = [], []  # compiled: Triton variants in the JIT caches after each first-pass call
+    for n in range(2):
         seconds = []
         for batch, length in calls():
             prompt = torch.randint(1, 1000, (batch, length), generator=gen).cuda()
@@ -77,8 +78,11 @@ def one_process(impl: str, layers: int, new_tokens: int) -> dict:
             model.generate(prompt, **kw)
             torch.cuda.synchronize()
             seconds.append(time.perf_counter() - t0)
+            if n == 0:
+                compiled.append(sum(triton_variants().values()))
         passes.append(seconds)
-    return {"impl": impl, "first": passes[0], "warm": passes[1], "triton_variants": triton_variants()}
+    return {"impl": impl, "first": passes[0], "warm": passes[1], "triton_variants": triton_variants(),
+            "variants_after_call": compiled}
 
 
 def summary(r: dict) -> str:
