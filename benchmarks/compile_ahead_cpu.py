@@ -1,6 +1,6 @@
 """Compile one MoE layer's Triton kernels for sm90 on a machine without a GPU, as
-``compile_ahead.compile_layer_once`` does at a layer's first call: all variant sets
-(``compile_ahead.variant_slots``) one by one, or together in threads, timed.
+``launch.compile_layer_once`` does at a layer's first call: all variant sets
+(``launch.variant_slots``) one by one, or together in threads (``compile_ahead.compile_all``), timed.
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0   # the release the Gluon kernels are written for
     PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/compile_ahead_cpu.py together [--shape deepseek]
@@ -8,7 +8,9 @@
 A stand-in driver answers Triton's JIT as an sm90 device would; nothing launches. The tensors are
 CPU tensors, so two things differ from the GPU: routing takes the torch path (the routing kernel
 is not compiled), and the script lets the Gluon prefill kernels past their CUDA check. The script
-then checks that a second pass finds every kernel in the JIT cache (compiles nothing). Use an
+then checks that a second pass finds every kernel in the JIT cache (compiles nothing), and
+(``--check-tokens``) that the launch sequences of calls of those token counts, at their full
+size, find theirs there too: what the one-token plans compiled is what the calls use. Use an
 empty TRITON_CACHE_DIR per run, or the disk cache answers.
 """
 
@@ -73,21 +75,32 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["serial", "together"])
     ap.add_argument("--shape", choices=["small", "deepseek"], default="small")
+    ap.add_argument("--check-tokens", default="", help="comma-separated token counts (see the module docstring)")
     args = ap.parse_args()
     driver.set_active(_Sm90WithoutGpu())
     from fp4moe_ops.backends.triton_moe import compile_ahead, launch
 
     launch._gluon_prefill_runs = lambda x: True  # (CPU tensors: see the module docstring)
     e, h, i, k = (256, 7168, 2048, 8) if args.shape == "deepseek" else (8, 512, 256, 2)
-    plans = compile_ahead.layer_plans(*layer_arguments(e, h, i, k))
+    plans = launch.layer_plans(*layer_arguments(e, h, i, k))
     t0 = time.time()
-    compile_ahead.compile_all(plans, together=args.mode == "together")
+    errors = compile_ahead.compile_all(plans, together=args.mode == "together")
     seconds = time.time() - t0
     compiled = cached_variants()
     t0 = time.time()
-    compile_ahead.compile_all(plans, together=False)
+    errors += compile_ahead.compile_all(plans, together=False)
     again = time.time() - t0
-    ok = cached_variants() == compiled and again < 1.0
+    ok = cached_variants() == compiled and again < 1.0 and not errors
+    if errors:
+        print(f"plans failed: {errors}")
+    x, ids, rw, tensors = layer_arguments(e, h, i, k)
+    for t in (int(n) for n in args.check_tokens.split(",") if n):
+        xt, idst, rwt = x.expand(t, h).contiguous(), (torch.arange(t * k) % e).reshape(t, k), rw.expand(t, k).contiguous()
+        failed = compile_ahead.compile_all([(t * k, lambda: launch.triton_fused_moe(xt, idst, rwt, tensors))],
+                                           together=False)
+        if failed or cached_variants() != compiled:
+            print(f"a call of {t} tokens compiled {cached_variants() - compiled} more kernels {failed}: WRONG")
+            ok, compiled = False, cached_variants()
     print(f"{args.mode}, {args.shape} (E={e}, H={h}, I={i}, top-{k}): variant sets at slots "
           f"{[s for s, _ in plans]}, {compiled} kernels in {seconds:.1f} s; a second pass {again:.2f} s, "
           f"{'nothing compiled' if ok else 'WRONG'}")

@@ -28,6 +28,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _compile_ahead_off(monkeypatch):
+    """On the GPU a layer shape's first call compiles the kernels of every token-count bucket
+    (``launch.compile_layer_once``): seconds for each of the suite's many shapes. Off, except in
+    the tests of it, which turn it on."""
+    if torch.cuda.is_available():
+        from fp4moe_ops.backends.triton_moe import launch
+
+        monkeypatch.setattr(launch, "COMPILE_AHEAD", False)
+
+
+@pytest.fixture(autouse=True)
 def _seed_per_test(request):
     torch.manual_seed(RUN_SEED ^ zlib.crc32(request.node.nodeid.encode()))
 

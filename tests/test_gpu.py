@@ -137,6 +137,33 @@ def test_triton_cuda_graph_and_compile():
     torch.testing.assert_close(got, p(x2, ids2, rw2), rtol=0, atol=0)
 
 
+def test_compile_ahead_inside_a_compiled_graph(monkeypatch):
+    """A layer's first call inside ``torch.compile(mode="reduce-overhead")`` (CUDA graph trees run
+    it eagerly first, then capture) compiles every bucket's kernels there (launch.compile_layer_once),
+    and the replays match eager calls bit for bit (deterministic kernels)."""
+    from fp4moe_ops.backends.triton_moe import kernels, launch
+
+    monkeypatch.setattr(launch, "COMPILE_AHEAD", True)
+    w = layer(16, 1024, 768)  # a shape no other test uses
+
+    def gemm_variants():
+        return sum(len(c[0]) for c in kernels._gemm1_swiglu_kernel.device_caches.values())
+
+    p = fp4moe_ops.prepare_experts(w, "triton")
+    compiled = torch.compile(lambda a, b, c: p(a, b, c), fullgraph=True, mode="reduce-overhead", dynamic=False)
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    ids, rw = routing(4, 16, 4)
+    before = gemm_variants()
+    for _ in range(3):
+        got = compiled(x, ids, rw)
+    # decode with static and run-time K loops, middle and prefill: all compiled by 4-token calls
+    assert gemm_variants() - before == 4
+    torch.testing.assert_close(got, p(x, ids, rw), rtol=0, atol=0)
+    x2 = torch.randn_like(x)
+    ids2, rw2 = routing(4, 16, 4)
+    torch.testing.assert_close(compiled(x2, ids2, rw2), p(x2, ids2, rw2), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("t", [1, 8, 64, 512, 2048])
 def test_pdl_chain_in_a_graph_matches_plain_launches(t):
     """Programmatic dependent launch lets each kernel start while the previous one drains: a kernel

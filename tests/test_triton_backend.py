@@ -73,17 +73,20 @@ def test_route_drops_int64_ids_that_would_alias_a_valid_expert_in_32_bits():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")
-def test_first_call_compiles_every_variant_of_the_layer():
-    # issue 17 (first pass over new shapes): the first call of a layer shape compiles every kernel
-    # variant the shape can launch (compile_ahead), so no later token count compiles anything; in
-    # particular the kernels' alignment specializations must not follow the token count. A shape
-    # no other test uses, so that its kernels are not in the JIT cache before the first call.
+@pytest.mark.parametrize("e,h,i,k", [(8, 768, 512, 2),  # paired weights, TMA tiles, Gluon prefill on Hopper
+                                     (6, 96, 64, 2)])  # canonical weights, plain loads
+def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k):
+    # issue 17 (first pass over new shapes): a layer's first call compiles every kernel variant its
+    # shape can launch (launch.compile_layer_once), so no later token count compiles anything; in
+    # particular the kernels' alignment specializations must not follow the token count. Shapes no
+    # other test uses, so that their kernels are not in the JIT cache before.
     from fp4moe_ops.backends.triton_moe import kernels
-    from fp4moe_ops.backends.triton_moe.launch import _gluon_prefill_runs
+    from fp4moe_ops.backends.triton_moe.launch import _gluon_prefill_runs, compile_layer_once
 
     kernel_fns = [kernels._route_kernel, kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel,
                   kernels._sum_topk_kernel]
-    gluon = _gluon_prefill_runs(torch.empty(1, dtype=torch.bfloat16, device="cuda"))
+    gluon = kernel_config(64 * e, e, h, i)["GLUON_PREFILL"] and \
+        _gluon_prefill_runs(torch.empty(1, dtype=torch.bfloat16, device="cuda"))
     if gluon:
         from fp4moe_ops.backends.triton_moe.prefill_rs import _prefill_gemm_kernel
         kernel_fns.append(_prefill_gemm_kernel)
@@ -91,26 +94,28 @@ def test_first_call_compiles_every_variant_of_the_layer():
     def variants():
         return [sum(len(c[0]) for c in fn.device_caches.values()) for fn in kernel_fns]
 
-    e, h, i, k = 8, 768, 512, 2
     w = layer(e, h, i)
     tensors = [t.cuda() for t in kernel_tensors(w)]
 
-    def call(t):
-        x = torch.randn(t, h, dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
-        rw = torch.rand(t, k)
-        return x, ids, rw, triton_fused_moe(x.cuda(), ids.cuda(), rw.cuda(), tensors).cpu()
+    def inputs(t):
+        return (torch.randn(t, h, dtype=torch.bfloat16), torch.stack([torch.randperm(e)[:k] for _ in range(t)]),
+                torch.rand(t, k))
 
     before = variants()
-    call(1)
+    x, ids, rw = inputs(3)
+    compile_layer_once(x.cuda(), ids.cuda(), rw.cuda(), tensors)  # (what the first call does; runs nothing)
     first = variants()
-    if gluon:  # a 1-token call compiled the Gluon prefill kernels (both GEMMs at 128 rows and each tail)
-        assert first[-1] - before[-1] >= 4, (before, first)
+    # the GEMMs of every bucket: decode with static and run-time K loops, middle, prefill (TMA
+    # shapes); decode and prefill (plain loads); the Gluon kernels at 128 rows and each tail level
+    assert first[1] - before[1] == (4 if h % 256 == 0 and i % 256 == 0 else 2), (before, first)
+    if gluon:
+        assert first[-1] - before[-1] == 4, (before, first)
     # every bucket of kernel_config and both routing paths: decode with static and run-time K loops
     # (<= 4 tokens, > 4), the routing kernel's two histogram steps (<= 64 slots, more), middle
     # (> 8 rows per expert), prefill (> 16), Gluon prefill (>= 64), routing by torch ops (> 4096 slots)
     for t in (1, 2, 3, 4, 5, 20, 32, 33, 40, 64, 65, 100, 200, 255, 256, 300, 1000, 2048, 2049, 2500):
-        x, ids, rw, out = call(t)
+        x, ids, rw = inputs(t)
+        out = triton_fused_moe(x.cuda(), ids.cuda(), rw.cuda(), tensors).cpu()
         assert variants() == first, (t, [fn.__name__ for fn in kernel_fns], first, variants())
         if t in (3, 40, 100, 300, 2500):  # the kernels compiled ahead compute what they should
             ref = moe64(x, ids, rw, *w.tensors())
@@ -122,7 +127,7 @@ def test_variant_slots_one_per_kernel_set():
     # DeepSeek-V3 (E=256, top-8; launch.kernel_config's rules, by hand): 1 token (static K loops,
     # 64-slot histogram steps), 2 (run-time K loops), 9 (1024-slot steps), 257 (middle: > 8 rows
     # per expert), 513 (prefill: > 16 rows; past the routing kernel's 4096 slots), 2048 (Gluon: 64 rows)
-    from fp4moe_ops.backends.triton_moe.compile_ahead import variant_slots
+    from fp4moe_ops.backends.triton_moe.launch import variant_slots
 
     assert variant_slots(256, 7168, 2048, 8) == [8 * t for t in (1, 2, 9, 257, 513, 2048)]
     # an expert-parallel rank of 32 experts counts rows over the 256 routed: the same buckets
@@ -439,7 +444,6 @@ def _gluon_calls(monkeypatch):
     from fp4moe_ops.backends.triton_moe import prefill_rs
 
     from fp4moe_ops.backends.triton_moe.compile_ahead import compiling_ahead
-
     calls = []
     real = prefill_rs.prefill_gemms
 

@@ -1,14 +1,17 @@
 """Launching the Triton backend's kernels: routing (slots grouped by expert into row blocks),
-the tile table by shape bucket, and the launch sequence of one call; the same for one NVFP4
-linear layer (``fp4moe::nvfp4_linear``'s ``"triton"`` backend)."""
+the tile table by shape bucket, the launch sequence of one call, and every kernel variant of a
+layer compiled at its first call; the same for one NVFP4 linear layer (``fp4moe::nvfp4_linear``'s
+``"triton"`` backend)."""
 
 from __future__ import annotations
 
 import os
+import warnings
+from functools import partial
 
 import torch
 
-from .compile_ahead import compile_layer_once, compiling_ahead, launch, planned_slots
+from .compile_ahead import async_compile_active, compile_all, compiling_ahead, launch_or_compile, planned_slots
 from .layout import fits_tma, fragment_order
 
 try:
@@ -39,6 +42,9 @@ GLUON_PREFILL_TAILS = (64,)
 # compile them). Other releases run the single-role kernels.
 GLUON_TRITON = "3.6"
 ROUTE_CHUNK = 64  # slots each routing program places
+# A layer's first call compiles every kernel variant its shape can launch, together
+# (compile_layer_once); FP4MOE_COMPILE_AHEAD=0: each bucket's kernels compile when a call first reaches it
+COMPILE_AHEAD = os.environ.get("FP4MOE_COMPILE_AHEAD", "1") != "0"
 
 
 def _round4(n: int) -> int:
@@ -81,7 +87,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
         x_block = 1024
         grid = route_programs + (triton.cdiv(x.numel(), x_block) if copy else 0)
         if grid:
-            launch(
+            launch_or_compile(
                 _route_kernel, (grid,), flat, *routed, num_slots, num_experts, num_blocks, x, x_fragment,
                 x.numel() if copy else 0, x.shape[-1] if copy else 1, BM=block_m, E_PAD=e_pad, R_CHUNK=ROUTE_CHUNK,
                 COUNT_BLOCK=_count_block(decide_slots), CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, ROUTE=fast,
@@ -212,7 +218,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     top_k = topk_ids.shape[1]
     num_experts, inter = s13.shape[0], s13.shape[1] // 2
     num_slots = num_tokens * top_k
-    if config is None:
+    if config is None and COMPILE_AHEAD:
         compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts)
     cfg = config or kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
     paired = w13.dtype == torch.int32
@@ -254,18 +260,73 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     grid1 = (block_expert.numel(), (2 if merged else 1) * inter // cfg["BN1"])
     # hidden and inter go in twice: as the constexprs H and I, and as K_RUNTIME, the K loop's bound
     # when PIPELINED_MMA is off (a run-time bound, see _expert_matmul)
-    launch(
+    launch_or_compile(
         _gemm1_swiglu_kernel, grid1, x_gemm1, w13, s13, g13, inter_act, sorted_slot, block_expert,
         row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
         OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **common,
     )
     grid2 = (block_expert.numel(), hidden // cfg["BN2"])
-    launch(
+    launch_or_compile(
         _gemm2_kernel, grid2, inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start,
         row_end, hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
         PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), **common,
     )
     return _sum_topk(y, topk_ids, x, num_experts, pdl)
+
+
+def variant_slots(num_experts: int, hidden: int, inter: int, top_k: int, routed_experts: int = 0) -> list[int]:
+    """One slot count per distinct set of kernels a layer can launch: the smallest slot count (a
+    multiple of ``top_k``) of each combination of :func:`kernel_config` and routing path. Every
+    rule is a threshold on the slot count (rows per expert never fall as slots grow), and past the
+    Gluon threshold and the routing kernel's limit nothing changes."""
+    routed = routed_experts or num_experts
+    last = max(GLUON_PREFILL_MIN_ROWS * routed, FAST_ROUTE_MAX_SLOTS + 1)
+    seen = {}
+    for slots in range(top_k, last + top_k, top_k):
+        cfg = kernel_config(slots, num_experts, hidden, inter, routed_experts)
+        key = (tuple(sorted(cfg.items())), slots <= FAST_ROUTE_MAX_SLOTS, _count_block(slots))
+        seen.setdefault(key, slots)
+    return sorted(seen.values())
+
+
+def layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts: int = 0):
+    """:func:`.compile_ahead.compile_all`'s plans for a layer (a call's arguments): per
+    :func:`variant_slots` entry, the call's launch sequence with that slot count's tile config, on
+    a one-token copy. One token is enough: the kernels are specialized on dtypes, alignment, the
+    layer's sizes and the tile config, never on the token count (the routing kernel's counts are
+    ``do_not_specialize``; its path follows :func:`.compile_ahead.planned_slots`). A copy, not a
+    view: a call of several tokens makes a strided input contiguous in a fresh (aligned) buffer."""
+    num_experts, inter = expert_tensors[1].shape[0], expert_tensors[1].shape[1] // 2
+    hidden, top_k = hidden_states.shape[1], topk_ids.shape[1]
+    one = [t[:1].clone(memory_format=torch.contiguous_format) for t in (hidden_states, topk_ids, topk_weights)]
+    return [(slots, partial(triton_fused_moe, *one, expert_tensors, routed_experts=routed_experts,
+                            config=kernel_config(slots, num_experts, hidden, inter, routed_experts)))
+            for slots in variant_slots(num_experts, hidden, inter, top_k, routed_experts)]
+
+
+_COMPILED_LAYERS = set()  # layer shapes compile_layer_once has compiled in this process
+
+
+def compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts: int = 0):
+    """At the first call of a layer shape in this process, compile every kernel variant it can
+    launch (:func:`layer_plans`), together (:func:`.compile_ahead.compile_all`). Not under the
+    interpreter; put off to a later call while a CUDA graph is captured or Triton's async compile
+    mode is active. On failure a warning, and the launches compile as calls reach them."""
+    if interpreting() or not hidden_states.is_cuda or compiling_ahead() or hidden_states.shape[0] == 0:
+        return
+    w13, s13 = expert_tensors[0], expert_tensors[1]
+    key = (hidden_states.device, hidden_states.dtype, topk_ids.dtype, topk_weights.dtype, w13.dtype,
+           tuple(s13.shape), hidden_states.shape[1], topk_ids.shape[1], routed_experts)
+    if key in _COMPILED_LAYERS or torch.cuda.is_current_stream_capturing() or async_compile_active():
+        return
+    _COMPILED_LAYERS.add(key)
+    try:
+        errors = compile_all(layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts))
+    except Exception as exc:
+        errors = [exc]
+    if errors:  # a head start only
+        warnings.warn(f"fp4moe: compiling the layer's Triton kernels ahead failed ({errors[0]!r}, {len(errors)} "
+                      "plan(s)); they compile one by one as calls reach them")
 
 
 def gluon_triton_supported(version: str) -> bool:
@@ -340,7 +401,7 @@ def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_expe
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
     bh = min(1024, triton.next_power_of_2(hidden))
-    launch(
+    launch_or_compile(
         _sum_topk_kernel, (num_tokens, triton.cdiv(hidden, bh)), y, topk_ids.contiguous(), out, hidden, num_experts,
         TOPK=topk_ids.shape[1], BH=bh, **_pdl_args(pdl),
     )

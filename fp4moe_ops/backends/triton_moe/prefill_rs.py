@@ -42,7 +42,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .compile_ahead import launch
+from .compile_ahead import launch_or_compile
 from .kernels import _PAIRED_WORD_TO_BF16
 from .layout import fragment_column
 
@@ -427,5 +427,5 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
                       dict(N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GEMM1=False, BLOCK_M=bm)))
     common = dict(STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
     for grid, args, consts in calls:
-        launch(_prefill_gemm_kernel, grid, *args, **consts, **common)
+        launch_or_compile(_prefill_gemm_kernel, grid, *args, **consts, **common)
     return y
