@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU-machine call: smoke test, GPU test suite, benchmarks. Logs and results go to $OUT.
 #   source .device/setup-on-device.sh && bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e
-#   route firstpass linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill)
+#   route firstpass firstpass_noahead linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill)
 set -o pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -27,6 +27,9 @@ for step in "$@"; do
     decoder_layer) timeout ${LAYER_TIMEOUT:-400} python3 benchmarks/bench_decoder_layer.py --out "$OUT" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/decoder_layer.log" | grep -v -i "warn\|attention mask" ;;
     route) TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 benchmarks/bench_route.py 2>&1 | tee "$OUT/route.log" ;;
     firstpass) timeout 400 python3 benchmarks/bench_first_pass.py --out "$OUT" ${FIRSTPASS_ARGS:-} 2>&1 | tee "$OUT/first_pass.log" | grep "^|" ;;
+    # the same without the first-call compile of every variant (launch.COMPILE_AHEAD), rows added to first_pass.*
+    firstpass_noahead) FP4MOE_COMPILE_AHEAD=0 timeout 200 python3 benchmarks/bench_first_pass.py --out "$OUT" --impls fp4moe \
+           --label "no compile ahead" 2>&1 | tee "$OUT/first_pass_noahead.log" | grep "^|" ;;
     linear) timeout ${LINEAR_TIMEOUT:-200} python3 benchmarks/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/linear.log" ;;
     patchmem) timeout 200 python3 benchmarks/bench_patch_memory.py --device cuda ${PATCHMEM_ARGS:---layers 2 --experts 256 --hidden 7168 --inter 2048} 2>&1 | tee "$OUT/patch_memory.log" | grep -v -i warn ;;
   esac
