@@ -79,7 +79,8 @@ def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k):
     # issue 17 (first pass over new shapes): a layer's first call compiles every kernel variant its
     # shape can launch (launch.compile_layer_once), so no later token count compiles anything; in
     # particular the kernels' alignment specializations must not follow the token count. Shapes no
-    # other test uses, so that their kernels are not in the JIT cache before.
+    # other test uses, so that their kernels are not in the JIT cache before. Written after the
+    # fifteenth session's GPU time ended: not yet run on a GPU.
     from fp4moe_ops.backends.triton_moe import kernels
     from fp4moe_ops.backends.triton_moe.launch import _gluon_prefill_runs, compile_layer_once
 
