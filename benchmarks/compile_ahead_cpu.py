@@ -10,7 +10,8 @@ CPU tensors, so two things differ from the GPU: routing takes the torch path (th
 is not compiled), and the script lets the Gluon prefill kernels past their CUDA check. The script
 then checks that a second pass finds every kernel in the JIT cache (compiles nothing), and
 (``--check-tokens``) that the launch sequences of calls of those token counts, at their full
-size, find theirs there too: what the one-token plans compiled is what the calls use. Use an
+size, find theirs there too: what the one-token plans compiled is what the calls use. Together,
+it checks that the pool asked the driver for each kernel's launcher (the stand-in builds none). Use an
 empty TRITON_CACHE_DIR per run, or the disk cache answers.
 """
 
@@ -47,6 +48,11 @@ class _Sm90WithoutGpu(CudaDriver):
     def get_current_stream(self, device=None):
         return 0
 
+    launchers = []  # the kernels compile_all built a launcher for (no C module: no CUDA library to link)
+
+    def launcher_cls(self, src, metadata):
+        self.launchers.append(src.fn.__name__)
+
 
 def layer_arguments(e: int, h: int, i: int, top_k: int):
     """A one-token call's arguments for a layer of ``e`` experts in the paired layout (contents
@@ -77,7 +83,8 @@ def main():
     ap.add_argument("--shape", choices=["small", "deepseek"], default="small")
     ap.add_argument("--check-tokens", default="", help="comma-separated token counts (see the module docstring)")
     args = ap.parse_args()
-    driver.set_active(_Sm90WithoutGpu())
+    stand_in = _Sm90WithoutGpu()
+    driver.set_active(stand_in)
     from fp4moe_ops.backends.triton_moe import compile_ahead, launch
 
     launch._gluon_prefill_runs = lambda x: True  # (CPU tensors: see the module docstring)
@@ -87,6 +94,10 @@ def main():
     errors = compile_ahead.compile_all(plans, together=args.mode == "together")
     seconds = time.time() - t0
     compiled = cached_variants()
+    launchers = len(stand_in.launchers)
+    if args.mode == "together" and launchers != compiled:  # every compile in the pool builds its launcher
+        print(f"{launchers} launchers for {compiled} kernels: WRONG")
+        errors.append("launchers")
     t0 = time.time()
     errors += compile_ahead.compile_all(plans, together=False)
     again = time.time() - t0

@@ -140,8 +140,7 @@ def test_triton_cuda_graph_and_compile():
 def test_compile_ahead_inside_a_compiled_graph(monkeypatch):
     """A layer's first call inside ``torch.compile(mode="reduce-overhead")`` (CUDA graph trees run
     it eagerly first, then capture) compiles every bucket's kernels there (launch.compile_layer_once),
-    and the replays match eager calls bit for bit (deterministic kernels). Written after the
-    fifteenth session's GPU time ended: not yet run on a GPU."""
+    and the replays match eager calls bit for bit (deterministic kernels)."""
     from fp4moe_ops.backends.triton_moe import kernels, launch
 
     monkeypatch.setattr(launch, "COMPILE_AHEAD", True)

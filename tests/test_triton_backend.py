@@ -75,12 +75,15 @@ def test_route_drops_int64_ids_that_would_alias_a_valid_expert_in_32_bits():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")
 @pytest.mark.parametrize("e,h,i,k", [(8, 768, 512, 2),  # paired weights, TMA tiles, Gluon prefill on Hopper
                                      (6, 96, 64, 2)])  # canonical weights, plain loads
-def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k):
+def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k, monkeypatch, tmp_path):
     # issue 17 (first pass over new shapes): a layer's first call compiles every kernel variant its
     # shape can launch (launch.compile_layer_once), so no later token count compiles anything; in
     # particular the kernels' alignment specializations must not follow the token count. Shapes no
-    # other test uses, so that their kernels are not in the JIT cache before. Written after the
-    # fifteenth session's GPU time ended: not yet run on a GPU.
+    # other test uses, so that their kernels are not in the JIT cache before. Nor does a later call
+    # build a kernel launcher (Triton's C module per kernel signature, built with the C compiler at
+    # a kernel's first launch unless its cache has it): an empty Triton cache, and a count of builds.
+    import triton.runtime.build
+
     from fp4moe_ops.backends.triton_moe import kernels
     from fp4moe_ops.backends.triton_moe.launch import _gluon_prefill_runs, compile_layer_once
 
@@ -102,10 +105,14 @@ def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k):
         return (torch.randn(t, h, dtype=torch.bfloat16), torch.stack([torch.randperm(e)[:k] for _ in range(t)]),
                 torch.rand(t, k))
 
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    builds, build = [], triton.runtime.build._build
+    monkeypatch.setattr(triton.runtime.build, "_build", lambda name, *a, **kw: builds.append(name) or build(name, *a, **kw))
     before = variants()
     x, ids, rw = inputs(3)
     compile_layer_once(x.cuda(), ids.cuda(), rw.cuda(), tensors)  # (what the first call does; runs nothing)
-    first = variants()
+    first, built_ahead = variants(), len(builds)
+    assert built_ahead > 0  # (the launchers of the new GEMM variants at least)
     # the GEMMs of every bucket: decode with static and run-time K loops, middle, prefill (TMA
     # shapes); decode and prefill (plain loads); the Gluon kernels at 128 rows and each tail level
     assert first[1] - before[1] == (4 if h % 256 == 0 and i % 256 == 0 else 2), (before, first)
@@ -118,6 +125,7 @@ def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k):
         x, ids, rw = inputs(t)
         out = triton_fused_moe(x.cuda(), ids.cuda(), rw.cuda(), tensors).cpu()
         assert variants() == first, (t, [fn.__name__ for fn in kernel_fns], first, variants())
+        assert len(builds) == built_ahead, (t, builds)
         if t in (3, 40, 100, 300, 2500):  # the kernels compiled ahead compute what they should
             ref = moe64(x, ids, rw, *w.tensors())
             ulp = 2.0**-8  # as test_triton_matches_float64 (bf16 intermediate and output, fp32 sums)

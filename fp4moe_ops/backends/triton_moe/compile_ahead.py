@@ -8,7 +8,10 @@ What it is for: a layer launches a different set of kernels per token-count buck
 bucket used to stop the call that first reached it for the serial compile of its kernels, a few
 seconds each, so a user with varied prompts paid that several times over (issue 17, target 4).
 :func:`.launch.compile_layer_once` compiles them all at a layer's first call instead; most of a
-compile is ``ptxas``, a process of its own, so the compiles overlap in threads.
+compile is ``ptxas``, a process of its own, so the compiles overlap in threads. Each thread then
+also builds its kernel's launcher (Triton compiles a small C module per kernel signature with the
+host's C compiler, at the kernel's first launch: about a second each with an empty cache, serial,
+on the call that launches it).
 
 A launch sequence that runs here must not read what its kernels would have written as indices
 (:func:`.launch.route` fills its outputs with zeros here). Nothing here changes what a launch
@@ -53,9 +56,31 @@ def async_compile_active() -> bool:
     return _async_compile.active_mode.get() is not None
 
 
+class _CompileThenBuildLauncher(ThreadPoolExecutor):
+    """The pool for Triton's ``AsyncCompileMode``: each task compiles a kernel, then builds its
+    launcher into Triton's cache, where the kernel's first launch finds it."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        return super().submit(_compile_then_build_launcher, fn, *args, **kwargs)
+
+
+def _compile_then_build_launcher(compile_fn, *args, **kwargs):
+    kernel = compile_fn(*args, **kwargs)
+    try:
+        from triton.runtime import driver
+
+        # (only the C module: the kernel is loaded into the GPU context at its first launch)
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # a head start only: the first launch builds it, as before
+        pass
+    return kernel
+
+
 def compile_all(plans, together: bool = True) -> list[Exception]:
     """Run each ``(slots, fn)`` of ``plans`` with its launches compiled, not run, deciding as for
-    ``slots``; ``together``: all compiles at once, in a pool of threads (else one by one). Returns
+    ``slots``; ``together``: all compiles at once, in a pool of threads, with the kernels'
+    launchers (else one by one, the launchers left to the first launches). Plans start in order:
+    put the longest compiles first. Returns
     the plans' errors (a failing plan does not stop the others). Not while
     :func:`async_compile_active`."""
     from triton.runtime import _async_compile
@@ -63,7 +88,7 @@ def compile_all(plans, together: bool = True) -> list[Exception]:
     if async_compile_active():
         raise RuntimeError("compile_all: Triton's async compile mode is already active")
     errors, mode = [], None
-    pool = ThreadPoolExecutor(min(MAX_THREADS, os.cpu_count() or 1)) if together else None
+    pool = _CompileThenBuildLauncher(min(MAX_THREADS, os.cpu_count() or 1)) if together else None
     try:
         if pool is not None:
             # ignore_errors: a kernel that fails to compile here is left to its launch, which raises

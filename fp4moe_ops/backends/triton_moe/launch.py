@@ -295,13 +295,14 @@ def layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors, routed_ex
     a one-token copy. One token is enough: the kernels are specialized on dtypes, alignment, the
     layer's sizes and the tile config, never on the token count (the routing kernel's counts are
     ``do_not_specialize``; its path follows :func:`.compile_ahead.planned_slots`). A copy, not a
-    view: a call of several tokens makes a strided input contiguous in a fresh (aligned) buffer."""
+    view: a call of several tokens makes a strided input contiguous in a fresh (aligned) buffer.
+    Largest slot count first: the Gluon prefill kernels take longest to compile, so they start first."""
     num_experts, inter = expert_tensors[1].shape[0], expert_tensors[1].shape[1] // 2
     hidden, top_k = hidden_states.shape[1], topk_ids.shape[1]
     one = [t[:1].clone(memory_format=torch.contiguous_format) for t in (hidden_states, topk_ids, topk_weights)]
     return [(slots, partial(triton_fused_moe, *one, expert_tensors, routed_experts=routed_experts,
                             config=kernel_config(slots, num_experts, hidden, inter, routed_experts)))
-            for slots in variant_slots(num_experts, hidden, inter, top_k, routed_experts)]
+            for slots in reversed(variant_slots(num_experts, hidden, inter, top_k, routed_experts))]
 
 
 _COMPILED_LAYERS = set()  # layer shapes compile_layer_once has compiled in this process
