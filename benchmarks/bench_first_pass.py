@@ -54,6 +54,37 @@ def triton_variants() -> dict[str, int]:
     return counts
 
 
+def profile_first_call(impl: str, layers: int, new_tokens: int, top: int = 70) -> str:
+    """The first call of the list under cProfile (main thread; compiles in other threads show as
+    its waits): the functions with the largest cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    from transformers import CompileConfig
+
+    from bench_e2e import deepseek_v3_layers
+
+    model = deepseek_v3_layers(layers)
+    if impl == "fp4moe":
+        from hf_integration import patch_deepseek
+
+        patch_deepseek(model, verbose=False)
+    batch, length = calls()[0]
+    prompt = torch.randint(1, 1000, (batch, length), generator=torch.Generator().manual_seed(0)).cuda()
+    kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, cache_implementation="static",
+              compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    profile = cProfile.Profile()
+    t0 = time.perf_counter()
+    profile.runcall(model.generate, prompt, **kw)
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    return f"{impl}: first call {time.perf_counter() - t0:.2f} s under cProfile\n" + text.getvalue()
+
+
 def one_process(impl: str, layers: int, new_tokens: int) -> dict:
     import torch
     from transformers import CompileConfig
@@ -101,7 +132,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--json", help="one process: write its result here")
     ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument("--profile-first", action="store_true",
+                    help="instead: the first call of each implementation under cProfile, empty caches")
     args = ap.parse_args()
+    if args.impl and args.profile_first:
+        sys.path.append(str(HERE.parent))
+        Path(args.json).write_text(json.dumps(profile_first_call(args.impl, args.layers, args.new_tokens)))
+        return
     if args.impl:
         sys.path.append(str(HERE.parent))  # after PYTHONPATH, where the driver puts --tree
         result = one_process(args.impl, args.layers, args.new_tokens)
@@ -117,21 +154,27 @@ def main() -> None:
         env = dict(os.environ, TRITON_CACHE_DIR=f"{cache}/triton", TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor")
         if args.tree:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.tree, os.environ.get("PYTHONPATH")]))
-        for caches in ("cold", "disk"):
+        for caches in ("cold",) if args.profile_first else ("cold", "disk"):
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 cmd = [sys.executable, __file__, "--impl", impl, "--json", f.name, "--layers", str(args.layers),
-                       "--new-tokens", str(args.new_tokens)]
+                       "--new-tokens", str(args.new_tokens)] + (["--profile-first"] if args.profile_first else [])
                 t0 = time.time()
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if proc.returncode:
                     print(proc.stdout[-3000:], proc.stderr[-3000:])
                     continue
                 r = json.loads(Path(f.name).read_text())
+            if args.profile_first:
+                (out / f"profile_first_{impl}.txt").write_text(r)
+                print(r.splitlines()[0], flush=True)
+                continue
             r["impl"] = impl + (f" ({args.label})" if args.label and impl == "fp4moe" else "")
             r["caches"], r["process_s"] = caches, time.time() - t0
             rows.append(r)
             print(summary(r), flush=True)
             path.write_text(json.dumps({"calls": calls(), "rows": rows}, indent=1))
+    if args.profile_first:
+        return
     import torch
 
     lines = [f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}: {args.layers} DeepSeek-V3 MoE layers, "
