@@ -132,6 +132,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--json", help="one process: write its result here")
     ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument("--caches", default="cold,disk", help="driver: which starts to run (cold, disk)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="driver: run the list of implementations this many times, in reverse order every other time")
     ap.add_argument("--profile-first", action="store_true",
                     help="instead: the first call of each implementation under cProfile, empty caches")
     args = ap.parse_args()
@@ -149,12 +152,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "first_pass.json"
     rows = json.loads(path.read_text())["rows"] if path.exists() else []
-    for impl in args.impls.split(","):
+    impls = args.impls.split(",")
+    for run, impl in ((run, impl) for run in range(args.repeat) for impl in (impls if run % 2 == 0 else impls[::-1])):
         cache = tempfile.mkdtemp(prefix=f"cache_{impl}_")
         env = dict(os.environ, TRITON_CACHE_DIR=f"{cache}/triton", TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor")
         if args.tree:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.tree, os.environ.get("PYTHONPATH")]))
-        for caches in ("cold",) if args.profile_first else ("cold", "disk"):
+        for caches in ("cold",) if args.profile_first else args.caches.split(","):
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 cmd = [sys.executable, __file__, "--impl", impl, "--json", f.name, "--layers", str(args.layers),
                        "--new-tokens", str(args.new_tokens)] + (["--profile-first"] if args.profile_first else [])
@@ -169,7 +173,7 @@ def main() -> None:
                 print(r.splitlines()[0], flush=True)
                 continue
             r["impl"] = impl + (f" ({args.label})" if args.label and impl == "fp4moe" else "")
-            r["caches"], r["process_s"] = caches, time.time() - t0
+            r["caches"], r["process_s"] = caches + (f" #{run + 1}" if args.repeat > 1 else ""), time.time() - t0
             rows.append(r)
             print(summary(r), flush=True)
             path.write_text(json.dumps({"calls": calls(), "rows": rows}, indent=1))
