@@ -148,6 +148,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(result))
         return
 
+    if args.caches.split(",")[0] != "cold":  # each run starts from a fresh cache directory
+        ap.error("--caches: 'disk' reuses the caches of the 'cold' process before it; start with cold")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "first_pass.json"
@@ -169,7 +171,7 @@ def main() -> None:
                     continue
                 r = json.loads(Path(f.name).read_text())
             if args.profile_first:
-                (out / f"profile_first_{impl}.txt").write_text(r)
+                (out / f"profile_first_{impl}{f'_{run + 1}' if args.repeat > 1 else ''}.txt").write_text(r)
                 print(r.splitlines()[0], flush=True)
                 continue
             r["impl"] = impl + (f" ({args.label})" if args.label and impl == "fp4moe" else "")

@@ -107,7 +107,8 @@ def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k, monkeypatch,
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     builds, build = [], triton.runtime.build._build
-    monkeypatch.setattr(triton.runtime.build, "_build", lambda name, *a, **kw: builds.append(name) or build(name, *a, **kw))
+    monkeypatch.setattr(triton.runtime.build, "_build",  # (launchers only: not the driver's own C module)
+                        lambda name, *a, **kw: (name == "__triton_launcher" and builds.append(name)) or build(name, *a, **kw))
     before = variants()
     x, ids, rw = inputs(3)
     compile_layer_once(x.cuda(), ids.cuda(), rw.cuda(), tensors)  # (what the first call does; runs nothing)
@@ -130,6 +131,47 @@ def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k, monkeypatch,
             ref = moe64(x, ids, rw, *w.tensors())
             ulp = 2.0**-8  # as test_triton_matches_float64 (bf16 intermediate and output, fp32 sums)
             torch.testing.assert_close(out.double(), ref, rtol=4 * ulp, atol=4 * ulp * ref.abs().max().item())
+
+
+def test_launchers_built_ahead_once_per_signature(monkeypatch):
+    # compile_ahead's pool builds each compiled kernel's launcher; kernels of one signature share
+    # one, so at most one thread builds it at a time (the others then find it in Triton's cache),
+    # and a failing build leaves the kernel to its first launch. A stand-in driver records builds.
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from triton.runtime import driver
+
+    from fp4moe_ops.backends.triton_moe import compile_ahead
+
+    active, most, built, guard = {}, {}, [], threading.Lock()
+
+    def launcher_cls(src, metadata):
+        key = repr(src.signature)
+        with guard:
+            active[key] = active.get(key, 0) + 1
+            most[key] = max(most.get(key, 0), active[key])
+        time.sleep(0.05)  # (long enough for unserialized builds of one signature to overlap)
+        with guard:
+            active[key] -= 1
+            built.append(src.name)
+        if src.name == "broken":
+            raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(launcher_cls=launcher_cls))
+
+    def kernel(name, signature):
+        return SimpleNamespace(src=SimpleNamespace(name=name, signature=signature), metadata=SimpleNamespace())
+
+    same = {"x": "*bf16", "n": "i32"}
+    kernels = [kernel(f"k{j}", same) for j in range(4)] + [kernel("other", {"x": "*fp32"}),
+                                                           kernel("broken", {"y": "*i8"})]
+    with compile_ahead._CompileThenBuildLauncher(6) as pool:
+        futures = [pool.submit(lambda k=k: k) for k in kernels]
+        assert [f.result() for f in futures] == kernels  # (the failed build too: its kernel is returned)
+    assert sorted(built) == sorted(k.src.name for k in kernels)
+    assert most[repr(same)] == 1, most
 
 
 def test_variant_slots_one_per_kernel_set():

@@ -21,7 +21,9 @@ before.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 
@@ -64,15 +66,24 @@ class _CompileThenBuildLauncher(ThreadPoolExecutor):
         return super().submit(_compile_then_build_launcher, fn, *args, **kwargs)
 
 
+_LAUNCHER_LOCKS: dict[tuple[str, str], threading.Lock] = {}
+_LAUNCHER_LOCKS_GUARD = threading.Lock()
+
+
 def _compile_then_build_launcher(compile_fn, *args, **kwargs):
     kernel = compile_fn(*args, **kwargs)
     try:
         from triton.runtime import driver
 
-        # (only the C module: the kernel is loaded into the GPU context at its first launch)
-        driver.active.launcher_cls(kernel.src, kernel.metadata)
-    except Exception:  # a head start only: the first launch builds it, as before
-        pass
+        # Kernels of one signature share a launcher: one thread builds it, the others wait and
+        # then find it in the cache (a different launcher under the same key is built after the wait)
+        key = (repr(kernel.src.signature), repr(getattr(kernel.metadata, "tensordesc_meta", None)))
+        with _LAUNCHER_LOCKS_GUARD:
+            lock = _LAUNCHER_LOCKS.setdefault(key, threading.Lock())
+        with lock:  # (only the C module: the kernel is loaded into the GPU context at its first launch)
+            driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception as exc:  # a head start only: the first launch builds it, as before
+        logging.getLogger(__name__).debug("building the launcher of %s ahead failed: %r", kernel, exc)
     return kernel
 
 
