@@ -54,14 +54,8 @@ def triton_variants() -> dict[str, int]:
     return counts
 
 
-def profile_first_call(impl: str, layers: int, new_tokens: int, top: int = 70) -> str:
-    """The first call of the list under cProfile (main thread; compiles in other threads show as
-    its waits): the functions with the largest cumulative time."""
-    import cProfile
-    import io
-    import pstats
-
-    import torch
+def model_and_generate_kwargs(impl: str, layers: int, new_tokens: int):
+    """The model (BF16, or patched by fp4moe) and the keyword arguments of every ``generate`` call."""
     from transformers import CompileConfig
 
     from bench_e2e import deepseek_v3_layers
@@ -71,10 +65,24 @@ def profile_first_call(impl: str, layers: int, new_tokens: int, top: int = 70) -
         from hf_integration import patch_deepseek
 
         patch_deepseek(model, verbose=False)
-    batch, length = calls()[0]
-    prompt = torch.randint(1, 1000, (batch, length), generator=torch.Generator().manual_seed(0)).cuda()
     kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, cache_implementation="static",
               compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    return model, kw
+
+
+def profile_first_call(impl: str, layers: int, new_tokens: int, top: int = 70) -> str:
+    """The first call of the list under cProfile: the functions with the largest cumulative and
+    own time. (In Python 3.12 cProfile follows every thread, so this is CPU time summed over the
+    compile threads, not where the wall time goes.)"""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    model, kw = model_and_generate_kwargs(impl, layers, new_tokens)
+    batch, length = calls()[0]
+    prompt = torch.randint(1, 1000, (batch, length), generator=torch.Generator().manual_seed(0)).cuda()
     profile = cProfile.Profile()
     t0 = time.perf_counter()
     profile.runcall(model.generate, prompt, **kw)
@@ -87,17 +95,8 @@ def profile_first_call(impl: str, layers: int, new_tokens: int, top: int = 70) -
 
 def one_process(impl: str, layers: int, new_tokens: int) -> dict:
     import torch
-    from transformers import CompileConfig
 
-    from bench_e2e import deepseek_v3_layers
-
-    model = deepseek_v3_layers(layers)
-    if impl == "fp4moe":
-        from hf_integration import patch_deepseek
-
-        patch_deepseek(model, verbose=False)
-    kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, cache_implementation="static",
-              compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    model, kw = model_and_generate_kwargs(impl, layers, new_tokens)
     gen = torch.Generator().manual_seed(0)
     passes, compiled = [], []  # compiled: Triton variants in the JIT caches after each first-pass call
     for n in range(2):
@@ -155,7 +154,8 @@ def main() -> None:
     path = out / "first_pass.json"
     rows = json.loads(path.read_text())["rows"] if path.exists() else []
     impls = args.impls.split(",")
-    for run, impl in ((run, impl) for run in range(args.repeat) for impl in (impls if run % 2 == 0 else impls[::-1])):
+    order = [(r, impl) for r in range(args.repeat) for impl in (impls if r % 2 == 0 else impls[::-1])]
+    for run, impl in order:
         cache = tempfile.mkdtemp(prefix=f"cache_{impl}_")
         env = dict(os.environ, TRITON_CACHE_DIR=f"{cache}/triton", TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor")
         if args.tree:

@@ -54,9 +54,9 @@ class _Sm90WithoutGpu(CudaDriver):
         self.launchers.append(src.fn.__name__)
 
 
-def layer_arguments(e: int, h: int, i: int, top_k: int):
-    """A one-token call's arguments for a layer of ``e`` experts in the paired layout (contents
-    irrelevant: nothing runs)."""
+def layer_arguments(e: int, h: int, i: int, top_k: int, device: str = "cpu"):
+    """A one-token call's arguments for a layer of ``e`` experts in the paired layout (the weights
+    uninitialized: nothing here reads them)."""
     import fp4moe_ops
     from fp4moe_ops.backends import BACKENDS
     from fp4moe_ops.backends.base import CANONICAL, canonical_layout, convert_packed
@@ -64,9 +64,9 @@ def layer_arguments(e: int, h: int, i: int, top_k: int):
     small = canonical_layout(fp4moe_ops.quantize_moe_weights(torch.randn(1, 512, 256), torch.randn(1, 256, 256)).tensors())
     small[0], small[3] = (convert_packed(small[j], CANONICAL, BACKENDS["triton"].packed_layout(256, 256)) for j in (0, 3))
     shapes = [(e, i, h // 4), (e, 2 * i, h // 16), (e,), (e, h // 2, i // 4), (e, h, i // 16), (e,)]
-    tensors = [torch.zeros(shape, dtype=t.dtype) for shape, t in zip(shapes, small)]
-    ids = torch.arange(top_k).reshape(1, top_k)
-    return torch.randn(1, h, dtype=torch.bfloat16), ids, torch.rand(1, top_k), tensors
+    tensors = [torch.empty(shape, dtype=t.dtype, device=device) for shape, t in zip(shapes, small)]
+    ids = torch.arange(top_k, device=device).reshape(1, top_k)
+    return torch.randn(1, h, dtype=torch.bfloat16, device=device), ids, torch.rand(1, top_k, device=device), tensors
 
 
 def cached_variants() -> int:

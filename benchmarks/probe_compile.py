@@ -19,23 +19,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 E, H, I, K = 256, 7168, 2048, 8
-
-
-def layer_arguments():
-    """A one-token call of a DeepSeek-V3 layer in the paired layout (uninitialized weights: the
-    calls' outputs are not looked at)."""
-    import torch
-
-    import fp4moe_ops
-    from fp4moe_ops.backends import BACKENDS
-    from fp4moe_ops.backends.base import CANONICAL, canonical_layout, convert_packed
-
-    small = canonical_layout(fp4moe_ops.quantize_moe_weights(torch.randn(1, 512, 256), torch.randn(1, 256, 256)).tensors())
-    small[0], small[3] = (convert_packed(small[j], CANONICAL, BACKENDS["triton"].packed_layout(256, 256)) for j in (0, 3))
-    shapes = [(E, I, H // 4), (E, 2 * I, H // 16), (E,), (E, H // 2, I // 4), (E, H, I // 16), (E,)]
-    tensors = [torch.empty(s, dtype=t.dtype, device="cuda") for s, t in zip(shapes, small)]
-    return tensors
 
 
 def one_process(mode: str) -> dict:
@@ -44,6 +29,7 @@ def one_process(mode: str) -> dict:
     import triton.runtime.build
     from concurrent.futures import ThreadPoolExecutor
 
+    from compile_ahead_cpu import layer_arguments
     from fp4moe_ops.backends.triton_moe import compile_ahead, launch
 
     trace, builds, compile_ = [], [], triton.compiler.compile
@@ -61,7 +47,7 @@ def one_process(mode: str) -> dict:
         (name == "__triton_launcher" and builds.append(time.perf_counter())) or build(name, *a, **kw))
     if mode == "together-nolauncher":
         compile_ahead._CompileThenBuildLauncher.submit = ThreadPoolExecutor.submit
-    tensors = layer_arguments()
+    tensors = layer_arguments(E, H, I, K, device="cuda")[3]  # (the weights; calls below make their own inputs)
     slots = launch.variant_slots(E, H, I, K)
 
     def call(t):

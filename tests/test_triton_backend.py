@@ -82,6 +82,8 @@ def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k, monkeypatch,
     # other test uses, so that their kernels are not in the JIT cache before. Nor does a later call
     # build a kernel launcher (Triton's C module per kernel signature, built with the C compiler at
     # a kernel's first launch unless its cache has it): an empty Triton cache, and a count of builds.
+    # Ran on the H200 (2026-12-01) counting every C build; counting launchers only (not Triton's own
+    # driver module) came after the session's GPU time: that form not yet run on a GPU.
     import triton.runtime.build
 
     from fp4moe_ops.backends.triton_moe import kernels

@@ -91,9 +91,8 @@ def compile_all(plans, together: bool = True) -> list[Exception]:
     """Run each ``(slots, fn)`` of ``plans`` with its launches compiled, not run, deciding as for
     ``slots``; ``together``: all compiles at once, in a pool of threads, with the kernels'
     launchers (else one by one, the launchers left to the first launches). Plans start in order:
-    put the longest compiles first. Returns
-    the plans' errors (a failing plan does not stop the others). Not while
-    :func:`async_compile_active`."""
+    put the longest compiles first. Returns the plans' errors (a failing plan does not stop the
+    others). Not while :func:`async_compile_active`."""
     from triton.runtime import _async_compile
 
     if async_compile_active():
