@@ -135,13 +135,12 @@ def _issue_x(x_desc, x_smem, x_ready, row0, i, n2):
 
 
 @gluon.jit
-def _issue_w(w_desc, w_smem, w_ready, base, wbox, wpair, i, n2):
+def _issue_w(w_desc, w_smem, w_ready, base, S: gl.constexpr, wbox, wpair, i, n2):
     """Pair step ``i``'s weight boxes (one 4-D box of the weights viewed as ``[K/64, boxes, pair
     rows, 64 bytes]``: K steps 2i, 2i + 1 of boxes ``wbox``, ``wbox + 1``, 32 pair rows from
-    ``wpair``) into a warpgroup's ring (slots ``base ..``). Each step's 64-byte rows land
+    ``wpair``) into a warpgroup's ring (slots ``base .. base + S - 1``). Each step's 64-byte rows land
     contiguous: a warp's reads of one step are free of bank conflicts (with 128-byte rows holding
     both steps, two pair rows of a quarter-warp hit the same banks)."""
-    S: gl.constexpr = w_smem.shape[0] // 2
     if i < n2:
         s = base + i % S
         mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
@@ -177,7 +176,7 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     nk = K // BK
     n2 = nk // 2  # pair steps (K a multiple of 128)
     for i in gl.static_range(S):
-        _issue_w(w_desc, w_all, w_ready_all, RING * S, wbox, wpair, i, n2)
+        _issue_w(w_desc, w_all, w_ready_all, RING * S, S, wbox, wpair, i, n2)
     if REFILLS_X:
         for i in gl.static_range(S):
             _issue_x(x_desc, x_smem, x_ready, row0, i, n2)
@@ -211,7 +210,7 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
                                     s_ptr, offs, below, nk, wl, wl2, la, DIAG)
         if i > 0:  # pair step i - 1 retired in this warpgroup (its odd step by the wait just done)
             mbarrier.arrive(x_empty.index((i - 1) % S))
-            _issue_w(w_desc, w_all, w_ready_all, RING * S, wbox, wpair, i - 1 + S, n2)
+            _issue_w(w_desc, w_all, w_ready_all, RING * S, S, wbox, wpair, i - 1 + S, n2)
         if REFILLS_X:
             if i > 1:  # the activation slot of pair step i - 2, once both warpgroups retired it
                 mbarrier.wait(x_empty.index((i - 2) % S), ((i - 2) // S) & 1)
