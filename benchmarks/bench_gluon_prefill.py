@@ -33,11 +33,10 @@ from bench_moe import error_vs_reference, graph_time_ms, make_inputs, random_wei
 from fp4moe_ops.backends.triton_moe import launch, prefill_rs  # noqa: E402
 
 
-def gluon_moe(x, ids, rw, tensors, stages=4, block_m=128, tails=(), solo=False, maxnreg=0):
+def gluon_moe(x, ids, rw, tensors, stages=4, block_m=128, tails=()):
     """The backend's Gluon prefill path (routing, gather, both GEMMs, top-k sum) with these row
-    blocks, ring depth and tail blocks; ``solo``: programs of one warpgroup, ``maxnreg`` registers."""
-    return launch._gluon_prefill_moe(x, ids, rw, tensors, block_m=block_m, stages=stages, tails=tails, solo=solo,
-                                     maxnreg=maxnreg)
+    blocks, ring depth and tail blocks."""
+    return launch._gluon_prefill_moe(x, ids, rw, tensors, block_m=block_m, stages=stages, tails=tails)
 
 
 def module_moe(module, x, ids, rw, tensors, stages=4):
@@ -49,10 +48,10 @@ def module_moe(module, x, ids, rw, tensors, stages=4):
     return launch._sum_topk(y, ids, x, s13.shape[0])
 
 
-def configs(block_ms, stages, rows_per_expert, tails=((),), solo=False):
+def configs(block_ms, stages, rows_per_expert, tails=((),)):
     """(block_m, stages, tails) triples: ``block_ms`` or, for ``auto``, the smallest block holding
     the expected rows per expert and its neighbours; ring depths given or the deepest that fits
-    (<= 8; ``solo``: the rings of a one-warpgroup program); the tails below block_m."""
+    (<= 8); the tails below block_m."""
     if block_ms == "auto":
         sizes = prefill_rs.BLOCK_MS
         first = next((j for j, b in enumerate(sizes) if b >= rows_per_expert), len(sizes) - 1)
@@ -61,23 +60,8 @@ def configs(block_ms, stages, rows_per_expert, tails=((),), solo=False):
         block_ms = ints(block_ms)
     out = []
     for bm in block_ms:
-        depths = stages or [max(st for st in range(3, 9) if prefill_rs.ring_fits(bm, st, solo))]
+        depths = stages or [max(st for st in range(3, 9) if prefill_rs.ring_fits(bm, st))]
         out += [(bm, st, tm) for st in depths for tm in tails if all(m < bm for m in tm)]
-    return out
-
-
-def variants(args, rows_per_expert):
-    """(name, keyword arguments of :func:`gluon_moe`) of every Gluon variant asked for."""
-    kinds = args.kinds.split(",")
-    out = []
-    if "duo" in kinds:
-        for bm, st, tm in configs(args.block_m, args.stages, rows_per_expert, args.tail):
-            out.append((f"gluon {bm}:{st}:{'-'.join(map(str, tm)) or 0}", dict(block_m=bm, stages=st, tails=tm)))
-    if "solo" in kinds:
-        for bm, st, tm in configs(args.block_m, args.solo_stages, rows_per_expert, args.tail, solo=True):
-            for reg in args.maxnreg:
-                out.append((f"solo {bm}:{st}:{'-'.join(map(str, tm)) or 0}:r{reg}",
-                            dict(block_m=bm, stages=st, tails=tm, solo=True, maxnreg=reg)))
     return out
 
 
@@ -110,9 +94,6 @@ def main():
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--diag", default="", type=ints, help="GEMM-only timings: 0 normal, 1 without the decode")
     ap.add_argument("--no-layer", action="store_true", help="GEMM-only timings")
-    ap.add_argument("--kinds", default="duo", help="duo (two-warpgroup programs), solo (one warpgroup), or both")
-    ap.add_argument("--solo-stages", default="3,4", type=ints, help="ring depths of the solo programs")
-    ap.add_argument("--maxnreg", default="0", type=ints, help="register caps of the solo programs (0: none)")
     ap.add_argument("--balanced", action="store_true",
                     help="every expert gets exactly T k / E rows (no partial row blocks where that divides)")
     args = ap.parse_args()
@@ -133,8 +114,8 @@ def main():
             ref = ref_impl(x, ids, rw)
             print(f"small T={t}", flush=True)
             check("triton", single_role(x, ids, rw, tensors), ref)
-            for name, kw in variants(args, t * k / e):
-                check(name, gluon_moe(x, ids, rw, tensors, **kw), ref)
+            for bm, st, tm in configs(args.block_m, args.stages, t * k / e, args.tail):
+                check(f"gluon {bm}:{st}:{tm}", gluon_moe(x, ids, rw, tensors, st, bm, tm), ref)
             if other is not None:
                 check(f"{args.compare_module} 4", module_moe(other, x, ids, rw, tensors), ref)
 
@@ -157,10 +138,11 @@ def main():
         if not args.no_layer:
             ms = graph_time_ms(lambda a, b, c: single_role(a, b, c, tensors), inputs)
             print(f"  triton single-role layer {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-        for name, kw in variants(args, t * k / e):
-            if not check(name, gluon_moe(x, ids, rw, tensors, **kw)[sub], ref) or args.no_layer:
+        for bm, st, tm in configs(args.block_m, args.stages, t * k / e, args.tail):
+            name = f"gluon {bm}:{st}:{'-'.join(map(str, tm)) or 0}"
+            if not check(name, gluon_moe(x, ids, rw, tensors, st, bm, tm)[sub], ref) or args.no_layer:
                 continue
-            ms = graph_time_ms(lambda a, b, c: gluon_moe(a, b, c, tensors, **kw), inputs)
+            ms = graph_time_ms(lambda a, b, c: gluon_moe(a, b, c, tensors, st, bm, tm), inputs)
             print(f"  {name} layer {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         if other is not None and check(f"{args.compare_module} 4", module_moe(other, x, ids, rw, tensors)[sub], ref):
             ms = graph_time_ms(lambda a, b, c: module_moe(other, a, b, c, tensors), inputs)

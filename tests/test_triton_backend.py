@@ -80,10 +80,9 @@ def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k, monkeypatch,
     # shape can launch (launch.compile_layer_once), so no later token count compiles anything; in
     # particular the kernels' alignment specializations must not follow the token count. Shapes no
     # other test uses, so that their kernels are not in the JIT cache before. Nor does a later call
-    # build a kernel launcher (Triton's C module per kernel signature, built with the C compiler at
-    # a kernel's first launch unless its cache has it): an empty Triton cache, and a count of builds.
-    # Ran on the H200 (2026-12-01) counting every C build; counting launchers only (not Triton's own
-    # driver module) came after the session's GPU time: that form not yet run on a GPU.
+    # build a kernel launcher (Triton's C module per kernel function and argument types, built with
+    # the C compiler at a kernel's first launch unless its cache has it): an empty Triton cache, and
+    # a count of launcher builds (not Triton's own driver module).
     import triton.runtime.build
 
     from fp4moe_ops.backends.triton_moe import kernels
@@ -135,10 +134,12 @@ def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k, monkeypatch,
             torch.testing.assert_close(out.double(), ref, rtol=4 * ulp, atol=4 * ulp * ref.abs().max().item())
 
 
-def test_launchers_built_ahead_once_per_signature(monkeypatch):
-    # compile_ahead's pool builds each compiled kernel's launcher; kernels of one signature share
-    # one, so at most one thread builds it at a time (the others then find it in Triton's cache),
-    # and a failing build leaves the kernel to its first launch. A stand-in driver records builds.
+def test_launchers_built_ahead_once_per_kernel_function(monkeypatch):
+    # compile_ahead's pool builds each compiled kernel's launcher; the variants of one kernel
+    # function share one (its C source follows the argument types, not the constexprs or the
+    # descriptors' block shapes, which is why signature reprs are no key), so at most one thread
+    # builds a function's launcher at a time (the others then find it in Triton's cache), and a
+    # failing build leaves the kernel to its first launch. A stand-in driver records builds.
     import threading
     import time
     from types import SimpleNamespace
@@ -150,30 +151,31 @@ def test_launchers_built_ahead_once_per_signature(monkeypatch):
     active, most, built, guard = {}, {}, [], threading.Lock()
 
     def launcher_cls(src, metadata):
-        key = repr(src.signature)
         with guard:
-            active[key] = active.get(key, 0) + 1
-            most[key] = max(most.get(key, 0), active[key])
-        time.sleep(0.05)  # (long enough for unserialized builds of one signature to overlap)
+            active[src.fn] = active.get(src.fn, 0) + 1
+            most[src.fn] = max(most.get(src.fn, 0), active[src.fn])
+        time.sleep(0.05)  # (long enough for unserialized builds of one function to overlap)
         with guard:
-            active[key] -= 1
+            active[src.fn] -= 1
             built.append(src.name)
         if src.name == "broken":
             raise RuntimeError("no C compiler")
 
     monkeypatch.setattr(driver, "_active", SimpleNamespace(launcher_cls=launcher_cls))
 
-    def kernel(name, signature):
-        return SimpleNamespace(src=SimpleNamespace(name=name, signature=signature), metadata=SimpleNamespace())
+    def kernel(name, fn, block):
+        signature = {"x": "*bf16", "n": "i32", "BM": "constexpr"}
+        return SimpleNamespace(src=SimpleNamespace(name=name, fn=fn, signature=signature, constants={"BM": block}),
+                               metadata=SimpleNamespace(tensordesc_meta=[{"block_size": [block, 64]}]))
 
-    same = {"x": "*bf16", "n": "i32"}
-    kernels = [kernel(f"k{j}", same) for j in range(4)] + [kernel("other", {"x": "*fp32"}),
-                                                           kernel("broken", {"y": "*i8"})]
+    kernels = ([kernel(f"k{j}", "gemm", 16 * 2 ** j) for j in range(4)]
+               + [kernel("other", "sum", 16), kernel("broken", "route", 16)])
     with compile_ahead._CompileThenBuildLauncher(6) as pool:
         futures = [pool.submit(lambda k=k: k) for k in kernels]
         assert [f.result() for f in futures] == kernels  # (the failed build too: its kernel is returned)
     assert sorted(built) == sorted(k.src.name for k in kernels)
-    assert most[repr(same)] == 1, most
+    assert most["gemm"] == 1, most
+    assert max(active.values()) == 0
 
 
 def test_variant_slots_one_per_kernel_set():

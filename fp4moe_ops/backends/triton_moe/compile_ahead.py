@@ -66,7 +66,7 @@ class _CompileThenBuildLauncher(ThreadPoolExecutor):
         return super().submit(_compile_then_build_launcher, fn, *args, **kwargs)
 
 
-_LAUNCHER_LOCKS: dict[tuple[str, str], threading.Lock] = {}
+_LAUNCHER_LOCKS: dict[object, threading.Lock] = {}
 _LAUNCHER_LOCKS_GUARD = threading.Lock()
 
 
@@ -75,9 +75,11 @@ def _compile_then_build_launcher(compile_fn, *args, **kwargs):
     try:
         from triton.runtime import driver
 
-        # Kernels of one signature share a launcher: one thread builds it, the others wait and
-        # then find it in the cache (a different launcher under the same key is built after the wait)
-        key = (repr(kernel.src.signature), repr(getattr(kernel.metadata, "tensordesc_meta", None)))
+        # The variants of one kernel function share a launcher (its C source follows the argument
+        # types, not the constexprs or descriptor block shapes: DeepSeek-V3's 13 CPU-compiled
+        # variants have 4 launchers): one thread builds it, the others wait and then find it in
+        # the cache (a variant whose launcher differs builds its own after the wait)
+        key = kernel.src.fn
         with _LAUNCHER_LOCKS_GUARD:
             lock = _LAUNCHER_LOCKS.setdefault(key, threading.Lock())
         with lock:  # (only the C module: the kernel is loaded into the GPU context at its first launch)

@@ -135,12 +135,13 @@ def _issue_x(x_desc, x_smem, x_ready, row0, i, n2):
 
 
 @gluon.jit
-def _issue_w(w_desc, w_smem, w_ready, base, S: gl.constexpr, wbox, wpair, i, n2):
+def _issue_w(w_desc, w_smem, w_ready, base, wbox, wpair, i, n2):
     """Pair step ``i``'s weight boxes (one 4-D box of the weights viewed as ``[K/64, boxes, pair
     rows, 64 bytes]``: K steps 2i, 2i + 1 of boxes ``wbox``, ``wbox + 1``, 32 pair rows from
-    ``wpair``) into a warpgroup's ring (slots ``base .. base + S - 1``). Each step's 64-byte rows land
+    ``wpair``) into a warpgroup's ring (slots ``base ..``). Each step's 64-byte rows land
     contiguous: a warp's reads of one step are free of bank conflicts (with 128-byte rows holding
     both steps, two pair rows of a quarter-warp hit the same banks)."""
+    S: gl.constexpr = w_smem.shape[0] // 2
     if i < n2:
         s = base + i % S
         mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
@@ -149,16 +150,13 @@ def _issue_w(w_desc, w_smem, w_ready, base, S: gl.constexpr, wbox, wpair, i, n2)
 
 @gluon.jit
 def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-               sorted_slot_ptr, e, row0, nrows, t, WG, RING, REFILLS_X, N_OUT, K,
+               sorted_slot_ptr, e, row0, nrows, t, WG, N_OUT, K,
                EXPERT_PAIR_ROWS, GEMM1, DIAG):
     """One warpgroup's half of the program: 128 weight rows (GEMM1: 64 gate rows and the same up
     rows; GEMM2: 128 consecutive rows) x BLOCK_M tokens. Its weight ring is its own; the activation
     ring is shared: warpgroup 0 refills it once both have retired a slot (``x_empty``). A ring slot
     holds two K steps (one TMA copy and one wait per two steps: Gluon puts a barrier of the
-    partition around each copy). ``WG``: which 128 of the tile's 256 rows; ``RING``: which of the
-    weight rings is this warpgroup's; ``REFILLS_X``: whether it refills the activation ring (a
-    program of one warpgroup, :func:`_prefill_gemm_solo_kernel`, has one weight ring and refills
-    its own activations)."""
+    partition around each copy)."""
     S: gl.constexpr = x_smem.shape[0] // 2
     BLOCK_M: gl.constexpr = x_smem.shape[1]
     # this warpgroup's rows, as pair rows of the weights: box 0, box 1
@@ -176,8 +174,8 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     nk = K // BK
     n2 = nk // 2  # pair steps (K a multiple of 128)
     for i in gl.static_range(S):
-        _issue_w(w_desc, w_all, w_ready_all, RING * S, S, wbox, wpair, i, n2)
-    if REFILLS_X:
+        _issue_w(w_desc, w_all, w_ready_all, WG * S, wbox, wpair, i, n2)
+    if WG == 0:
         for i in gl.static_range(S):
             _issue_x(x_desc, x_smem, x_ready, row0, i, n2)
 
@@ -187,7 +185,7 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     wl2: gl.constexpr = gl.reshape(ref, [PAIRS, 16]).type.layout  # the same as [pair row, word]
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     # a slot's [2 steps, 2 boxes, 32 pair rows, 64 bytes] as [2 steps, 64 pair rows, 16 words]
-    w_words = w_all._reinterpret(gl.int32, [2 * w_all.shape[0], PAIRS, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    w_words = w_all._reinterpret(gl.int32, [4 * S, PAIRS, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     offs = _scale_offsets(2 * p0, 2 * p1, K, gl.SliceLayout(2, wl))
     below = 8 * (K // 16)  # rows r + 8
     ra = gl.load(s_ptr + offs)
@@ -203,15 +201,15 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     scales = (ra, rb, na, nb)
     for i in range(n2):
         s = i % S
-        ws = RING * S + s  # this warpgroup's weight slot
+        ws = WG * S + s  # this warpgroup's weight slot
         mbarrier.wait(w_ready_all.index(ws), (i // S) & 1)
         mbarrier.wait(x_ready.index(s), (i // S) & 1)
         acc, a_even, scales = _step(2 * i, acc, a_odd, scales, w_words.index(2 * ws), x_smem.index(2 * s),
                                     s_ptr, offs, below, nk, wl, wl2, la, DIAG)
         if i > 0:  # pair step i - 1 retired in this warpgroup (its odd step by the wait just done)
             mbarrier.arrive(x_empty.index((i - 1) % S))
-            _issue_w(w_desc, w_all, w_ready_all, RING * S, S, wbox, wpair, i - 1 + S, n2)
-        if REFILLS_X:
+            _issue_w(w_desc, w_all, w_ready_all, WG * S, wbox, wpair, i - 1 + S, n2)
+        if WG == 0:
             if i > 1:  # the activation slot of pair step i - 2, once both warpgroups retired it
                 mbarrier.wait(x_empty.index((i - 2) % S), ((i - 2) // S) & 1)
                 _issue_x(x_desc, x_smem, x_ready, row0, i - 2 + S, n2)
@@ -271,40 +269,10 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
             mbarrier.init(w_ready.index(STAGES + i), count=1)
         gl.warp_specialize([
             (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-                          sorted_slot_ptr, e, row0, nrows, t, 0, 0, True, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG)),
+                          sorted_slot_ptr, e, row0, nrows, t, 0, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG)),
             (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-                          sorted_slot_ptr, e, row0, nrows, t, 1, 1, False, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG)),
+                          sorted_slot_ptr, e, row0, nrows, t, 1, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG)),
         ], [4], [REGS])
-
-
-@gluon.jit
-def _prefill_gemm_solo_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr,
-                              block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                              N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr,
-                              GEMM1: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr = 0):
-    """One warpgroup per program: 128 weight rows (half ``u % 2`` of :func:`_prefill_gemm_kernel`'s
-    tile ``u // 2``) x ``BLOCK_M`` tokens, its own weight and activation rings. For narrow row blocks,
-    where the accumulator is small: with few registers and small rings several programs share an
-    SM, so more warps decode at once than the 8 of a two-warpgroup program of 255 registers."""
-    u = gl.program_id(0)
-    b = gl.program_id(1)
-    e = gl.load(block_expert_ptr + b)
-    if e >= 0:
-        row0 = gl.load(block_row_start_ptr + b)
-        nrows = gl.load(block_row_end_ptr + b) - row0
-        x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        w_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=4)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_M, BK], x_layout)
-        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 2, 2, PAIRS // 2, BK], w_layout)
-        x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(x_ready.index(i), count=1)
-            mbarrier.init(x_empty.index(i), count=1)
-            mbarrier.init(w_ready.index(i), count=1)
-        _warpgroup(x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-                   sorted_slot_ptr, e, row0, nrows, u // 2, u % 2, 0, True, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG)
 
 
 @gluon.jit
@@ -372,29 +340,28 @@ BLOCK_MS = (8, 16, 32, 64, 128)  # tokens per row block (wgmma N; a power of two
 SHARED_BYTES = 227 * 1024  # Hopper's shared memory per program
 
 
-def ring_bytes(block_m: int, stages: int, solo: bool = False) -> int:
-    """Shared memory of the rings: per slot two K steps of both warpgroups' weights (2 x 8 KB; one
-    warpgroup's if ``solo``) and of the activations (2 x ``block_m`` x 64 bf16)."""
-    warpgroups = 1 if solo else 2
-    return stages * (warpgroups * 2 * PAIRS.value * 64 + 2 * block_m * BK.value * 2)
+def ring_bytes(block_m: int, stages: int) -> int:
+    """Shared memory of the rings: per slot two K steps of both warpgroups' weights (2 x 8 KB) and
+    of the activations (2 x ``block_m`` x 64 bf16)."""
+    return stages * (2 * 2 * PAIRS.value * 64 + 2 * block_m * BK.value * 2)
 
 
-def ring_fits(block_m: int, stages: int, solo: bool = False) -> bool:
+def ring_fits(block_m: int, stages: int) -> bool:
     """Whether rings of ``stages`` slots at ``block_m`` rows fit in shared memory (1 KB left for
     the barriers)."""
-    return ring_bytes(block_m, stages, solo) + 1024 <= SHARED_BYTES
+    return ring_bytes(block_m, stages) + 1024 <= SHARED_BYTES
 
 
-def check_config(hidden: int, inter: int, block_m: int, stages: int, tails=(), solo: bool = False):
+def check_config(hidden: int, inter: int, block_m: int, stages: int, tails=()):
     """Raise ValueError unless :func:`prefill_gemms` can run these shapes and options."""
     sizes = (block_m, *tails)
     if any(m not in BLOCK_MS for m in sizes) or any(a <= b for a, b in zip(sizes, sizes[1:])):
         raise ValueError(f"prefill_gemms: block_m must be one of {BLOCK_MS} and the tails smaller, decreasing; "
                          f"got {block_m}, {tuple(tails)}")
     # 2 slots would wait on their own refills (a slot is refilled two pair steps after its use)
-    if stages < 3 or not ring_fits(block_m, stages, solo):
+    if stages < 3 or not ring_fits(block_m, stages):
         raise ValueError(f"prefill_gemms: stages must be at least 3 and the rings fit in shared memory "
-                         f"({ring_bytes(block_m, stages, solo)} bytes at block_m={block_m}), got {stages}")
+                         f"({ring_bytes(block_m, stages)} bytes at block_m={block_m}), got {stages}")
     if hidden % 256 or inter % 256:  # pair steps of 128 K, 128- and 256-row weight tiles
         raise ValueError(f"prefill_gemms: H and I must be multiples of 256, got H={hidden}, I={inter}")
 
@@ -424,8 +391,7 @@ def split_blocks(block_expert, row_start, row_end, num_experts: int, block_m: in
 
 
 def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
-                  row_end, block_m: int = 128, stages: int = 4, regs: int = 248, diag: int = 0, tails=(),
-                  solo: bool = False, maxnreg: int = 0):
+                  row_end, block_m: int = 128, stages: int = 4, regs: int = 248, diag: int = 0, tails=()):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order, each 64-wide
     piece of K in :func:`.layout.fragment_order`) -> ``y [S, H]`` float32 by slot (the top-k sum
     is the caller's). Weights in the paired layout (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``),
@@ -436,12 +402,11 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     smaller sizes of :data:`BLOCK_MS`, decreasing: a block of at most ``tails[j]`` rows (an
     expert's last, or all its rows) runs in a launch of its own with ``tails[j]``-token tiles,
     the MMA work of its padding cut (each launch skips the others' blocks). H and I multiples of
-    256. ``solo``: programs of one warpgroup (:func:`_prefill_gemm_solo_kernel`; ``regs`` unused),
-    ``maxnreg``: their register cap (0: the compiler's choice), which sets how many share an SM."""
+    256."""
     num_slots, hidden = x_sorted.shape
     inter = s13.shape[1] // 2
     num_experts = w13.shape[0]
-    check_config(hidden, inter, block_m, stages, tails, solo)
+    check_config(hidden, inter, block_m, stages, tails)
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     launches = split_blocks(block_expert, row_start, row_end, num_experts, block_m, tails)
@@ -451,21 +416,16 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     w13_desc, w2_desc = _descriptor(_weight_boxes(w13_bytes), w_box, 0), _descriptor(_weight_boxes(w2_bytes), w_box, 0)
     calls = []  # (grid, arguments, constexprs): GEMM1 at each level, then GEMM2
     for bm, experts, starts, ends in launches:
-        calls.append(((inter // 128 * (2 if solo else 1), experts.numel()),
+        calls.append(((inter // 128, experts.numel()),
                       (_descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), w13_desc, s13.view(torch.uint8), g13,
                        h, topk_weights, sorted_slot, experts, starts, ends),
                       dict(N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, GEMM1=True, BLOCK_M=bm)))
     for bm, experts, starts, ends in launches:
-        calls.append(((hidden // 256 * (2 if solo else 1), experts.numel()),
+        calls.append(((hidden // 256, experts.numel()),
                       (_descriptor(_by_k_step(h), [2, bm, BK.value], 128), w2_desc, s2.view(torch.uint8), g2, y,
                        topk_weights, sorted_slot, experts, starts, ends),
                       dict(N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GEMM1=False, BLOCK_M=bm)))
-    if solo:
-        kernel, common = _prefill_gemm_solo_kernel, dict(STAGES=stages, DIAG=diag, num_warps=4)
-        if maxnreg:
-            common["maxnreg"] = maxnreg
-    else:
-        kernel, common = _prefill_gemm_kernel, dict(STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
+    common = dict(STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
     for grid, args, consts in calls:
-        launch_or_compile(kernel, grid, *args, **consts, **common)
+        launch_or_compile(_prefill_gemm_kernel, grid, *args, **consts, **common)
     return y
