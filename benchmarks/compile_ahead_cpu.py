@@ -4,6 +4,7 @@
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0   # the release the Gluon kernels are written for
     PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/compile_ahead_cpu.py together [--shape deepseek]
+        [--check-tokens 1,9,300] [--linear]
 
 A stand-in driver answers Triton's JIT as an sm90 device would; nothing launches. The tensors are
 CPU tensors, so two things differ from the GPU: routing takes the torch path (the routing kernel
@@ -11,8 +12,10 @@ is not compiled), and the script lets the Gluon prefill kernels past their CUDA 
 then checks that a second pass finds every kernel in the JIT cache (compiles nothing), and
 (``--check-tokens``) that the launch sequences of calls of those token counts, at their full
 size, find theirs there too: what the one-token plans compiled is what the calls use. Together,
-it checks that the pool asked the driver for each kernel's launcher (the stand-in builds none). Use an
-empty TRITON_CACHE_DIR per run, or the disk cache answers.
+it checks that the pool asked the driver for each kernel's launcher (the stand-in builds none).
+``--linear``: the same for the NVFP4 linear kernels (``launch.compile_linear_once``) of the shape's
+linear layers, with and without bias, then every call of 1-70 tokens checked against the cache. Use
+an empty TRITON_CACHE_DIR per run, or the disk cache answers.
 """
 
 from __future__ import annotations
@@ -73,8 +76,53 @@ def cached_variants() -> int:
     from fp4moe_ops.backends.triton_moe import kernels, prefill_rs
 
     fns = (kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel, kernels._sum_topk_kernel,
-           prefill_rs._prefill_gemm_kernel)
+           prefill_rs._prefill_gemm_kernel, kernels._linear_kernel, kernels._linear_parts_kernel,
+           kernels._dequant_kernel)
     return sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
+
+
+# DeepSeek-V3's NVFP4 linear shapes [N, K] (benchmarks/bench_linear.py), and a small one
+LINEAR_SHAPES = {"deepseek": [(1536, 7168), (24576, 1536), (576, 7168), (32768, 512), (7168, 16384)],
+                 "small": [(128, 256), (576, 512)]}
+
+
+def linear_arguments(n: int, k: int, bias: bool):
+    """A one-token call's arguments for an NVFP4 linear of weight ``[n, k/2]`` (uninitialized) with a
+    split-K counter table, as ``NVFP4Linear`` calls it."""
+    from fp4moe_ops.linear import SPLIT_COUNTERS
+
+    return (torch.randn(1, k, dtype=torch.bfloat16), torch.empty(n, k // 2, dtype=torch.uint8),
+            torch.empty(n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(()), torch.randn(n, dtype=torch.bfloat16) if bias else None,
+            torch.zeros(SPLIT_COUNTERS, dtype=torch.int32))
+
+
+def linear_main(args) -> bool:
+    """The linear shapes' plans (``launch.linear_plans``) compiled as for the layer, then every token
+    count of 1-70 at each shape checked against the cache."""
+    from fp4moe_ops.backends.triton_moe import compile_ahead, launch
+
+    shapes = [(n, k, bias) for n, k in LINEAR_SHAPES[args.shape] for bias in (False, True)]
+    t0 = time.time()
+    errors, per_shape = [], []
+    for n, k, bias in shapes:
+        before = cached_variants()
+        errors += compile_ahead.compile_all(launch.linear_plans(*linear_arguments(n, k, bias)),
+                                            together=args.mode == "together")
+        per_shape.append(cached_variants() - before)
+    seconds, compiled, ok = time.time() - t0, cached_variants(), not errors
+    for n, k, bias in shapes:
+        x, *rest = linear_arguments(n, k, bias)
+        for t in range(1, 71):
+            failed = compile_ahead.compile_all([(t, lambda: launch.triton_nvfp4_linear(x.expand(t, k), *rest[:4],
+                                                                                      counters=rest[4]))],
+                                               together=False)
+            if failed or cached_variants() != compiled:
+                print(f"a call of {t} tokens at [{n}, {k}] (bias {bias}) compiled {cached_variants() - compiled} "
+                      f"more kernels {failed}: WRONG")
+                ok, compiled = False, cached_variants()
+    print(f"{args.mode}, linears {args.shape}: {compiled} kernels in {seconds:.1f} s (new per shape, without / with "
+          f"bias: {per_shape}); calls of 1-70 tokens {'compiled nothing' if ok else 'WRONG'} {errors or ''}")
+    return ok
 
 
 def main():
@@ -82,9 +130,12 @@ def main():
     ap.add_argument("mode", choices=["serial", "together"])
     ap.add_argument("--shape", choices=["small", "deepseek"], default="small")
     ap.add_argument("--check-tokens", default="", help="comma-separated token counts (see the module docstring)")
+    ap.add_argument("--linear", action="store_true", help="the NVFP4 linear shapes instead of the MoE layer")
     args = ap.parse_args()
     stand_in = _Sm90WithoutGpu()
     driver.set_active(stand_in)
+    if args.linear:
+        sys.exit(0 if linear_main(args) else 1)
     from fp4moe_ops.backends.triton_moe import compile_ahead, launch
 
     launch._gluon_prefill_runs = lambda x: True  # (CPU tensors: see the module docstring)

@@ -279,6 +279,54 @@ def test_triton_linear_compiles_and_replays_in_a_cuda_graph():
     assert torch.equal(out, f(fresh))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bias", [False, True])
+def test_first_linear_call_compiles_every_variant(bias, monkeypatch, tmp_path):
+    # issue 17 (first pass over new shapes), for NVFP4 linears: the first call of a linear shape
+    # compiles the kernels of every token count (launch.compile_linear_once), so no later count
+    # compiles a kernel or builds a launcher. The variants are shared by every shape (N and K
+    # specialize by divisibility only), so the kernels' in-process caches are emptied first and
+    # Triton's disk cache is a fresh directory: the first call must compile them all itself.
+    import triton.runtime.build
+
+    from fp4moe_ops.backends.triton_moe import kernels, launch
+    from fp4moe_ops.linear import split_counters
+
+    monkeypatch.setattr(launch, "COMPILE_AHEAD", True)
+    monkeypatch.setattr(launch, "_COMPILED_SHAPES", set())
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fns = [kernels._linear_kernel, kernels._linear_parts_kernel, kernels._dequant_kernel]
+    for fn in fns:
+        fn.device_caches.clear()
+    builds, build = [], triton.runtime.build._build
+    monkeypatch.setattr(triton.runtime.build, "_build",  # (launchers only: not the driver's own C module)
+                        lambda name, *a, **kw: (name == "__triton_launcher" and builds.append(name)) or build(name, *a, **kw))
+
+    def variants():
+        return [sum(len(c[0]) for c in fn.device_caches.values()) for fn in fns]
+
+    n, k = 192, 1024  # 3 column tiles: K split in parts up to 32 tokens (both ways of summing them)
+    packed, scale, g = (t.cuda() for t in nvfp4_weight(n, k, seed=11))
+    b = torch.randn(n, dtype=torch.bfloat16, device="cuda") if bias else None
+    for counters in (split_counters("cuda"), None):
+        x = torch.randn(3, k, dtype=torch.bfloat16, device="cuda")
+        fp4moe_ops.nvfp4_linear(x, packed, scale, g, b, backend="triton", counters=counters)
+        first, built = variants(), len(builds)
+        assert first[0] > 0 and first[2] == 1 and built > 0, (first, built)  # GEMV kernels, the dequantize one
+        for t in (*range(1, 71), 100, 257):  # every token count of the GEMV path, and the dequantize path
+            x = torch.randn(t, k, dtype=torch.bfloat16, device="cuda")
+            got = fp4moe_ops.nvfp4_linear(x, packed, scale, g, b, backend="triton", counters=counters)
+            assert variants() == first and len(builds) == built, (t, first, variants(), builds)
+            if t in (1, 8, 17, 33, 65, 257):
+                want = linear64(x, packed, scale, g, b)
+                # as test_nvfp4_linear_matches_float64 (bf16 weights decoded exactly here, then a
+                # float32 sum rounded once to bf16; cuBLAS on the dequantize path)
+                bound = 2 * 2.0**-9 * (x.double().abs() @ dequant64(packed, scale, g).abs().T + want.abs())
+                assert ((got.double() - want).abs() <= bound).all(), t
+    assert variants()[1] > 0  # without counters, the parts' second kernel compiled ahead too
+
+
 def test_flashinfer_linear_arguments_compute_the_linear_in_flashinfers_semantics():
     # Blackwell's W4A16 GEMM (never run here): the exact arguments, consumed by a CPU model of
     # mm_bf16_fp4's definition that enforces its argument contract, against the float64 oracle

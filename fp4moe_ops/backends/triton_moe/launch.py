@@ -305,29 +305,36 @@ def layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors, routed_ex
             for slots in reversed(variant_slots(num_experts, hidden, inter, top_k, routed_experts))]
 
 
-_COMPILED_LAYERS = set()  # layer shapes compile_layer_once has compiled in this process
+_COMPILED_SHAPES = set()  # layer and linear shapes compiled ahead in this process
+
+
+def _compile_once(key, x: torch.Tensor, make_plans, what: str) -> None:
+    """At the first call of ``key`` in this process, compile ``make_plans()`` together
+    (:func:`.compile_ahead.compile_all`). Not under the interpreter, nor for CPU or empty inputs;
+    put off to a later call while a CUDA graph is captured or Triton's async compile mode is active.
+    On failure a warning, and the launches compile as calls reach them."""
+    if interpreting() or not x.is_cuda or compiling_ahead() or x.numel() == 0:
+        return
+    if key in _COMPILED_SHAPES or torch.cuda.is_current_stream_capturing() or async_compile_active():
+        return
+    _COMPILED_SHAPES.add(key)
+    try:
+        errors = compile_all(make_plans())
+    except Exception as exc:
+        errors = [exc]
+    if errors:  # a head start only
+        warnings.warn(f"fp4moe: compiling the {what}'s Triton kernels ahead failed ({errors[0]!r}, {len(errors)} "
+                      "plan(s)); they compile one by one as calls reach them")
 
 
 def compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts: int = 0):
     """At the first call of a layer shape in this process, compile every kernel variant it can
-    launch (:func:`layer_plans`), together (:func:`.compile_ahead.compile_all`). Not under the
-    interpreter; put off to a later call while a CUDA graph is captured or Triton's async compile
-    mode is active. On failure a warning, and the launches compile as calls reach them."""
-    if interpreting() or not hidden_states.is_cuda or compiling_ahead() or hidden_states.shape[0] == 0:
-        return
+    launch (:func:`layer_plans`), together (see :func:`_compile_once`)."""
     w13, s13 = expert_tensors[0], expert_tensors[1]
-    key = (hidden_states.device, hidden_states.dtype, topk_ids.dtype, topk_weights.dtype, w13.dtype,
+    key = ("moe", hidden_states.device, hidden_states.dtype, topk_ids.dtype, topk_weights.dtype, w13.dtype,
            tuple(s13.shape), hidden_states.shape[1], topk_ids.shape[1], routed_experts)
-    if key in _COMPILED_LAYERS or torch.cuda.is_current_stream_capturing() or async_compile_active():
-        return
-    _COMPILED_LAYERS.add(key)
-    try:
-        errors = compile_all(layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts))
-    except Exception as exc:
-        errors = [exc]
-    if errors:  # a head start only
-        warnings.warn(f"fp4moe: compiling the layer's Triton kernels ahead failed ({errors[0]!r}, {len(errors)} "
-                      "plan(s)); they compile one by one as calls reach them")
+    _compile_once(key, hidden_states, lambda: layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors,
+                                                          routed_experts), "layer")
 
 
 def gluon_triton_supported(version: str) -> bool:
@@ -467,12 +474,14 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if tokens == 0:
         return x.new_empty(*x.shape[:-1], n)
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()  # the kernels assume dense rows
+    if config is None and COMPILE_AHEAD:
+        compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias, counters)
     cfg = config or linear_config(tokens, n, k)
     fast = not interpreting()
     if cfg["path"] == "dequantize":
         w = torch.empty(n, k, dtype=x.dtype, device=x.device)
-        _dequant_kernel[(n // cfg["BN"], k // cfg["BK"])](weight, weight_scale.view(torch.uint8), weight_scale_2, w, k,
-                                                        BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast)
+        launch_or_compile(_dequant_kernel, (n // cfg["BN"], k // cfg["BK"]), weight, weight_scale.view(torch.uint8),
+                          weight_scale_2, w, k, BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast)
         return torch.nn.functional.linear(x, w, bias)
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     bm, bn, bk, parts = cfg["BM"], cfg["BN"], cfg["BK"], cfg["PARTS"]
@@ -487,8 +496,8 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if parts == 1 or not cfg["SERIAL"] or counters is None or grid[0] * grid[1] > counters.numel():
         counters = None
     has_bias = bias is not None
-    _linear_kernel[grid](
-        x2, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out, out, partials,
+    launch_or_compile(
+        _linear_kernel, grid, x2, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out, out, partials,
         out if counters is None else counters, tokens, n, k, triton.cdiv(k // bk, parts) * bk, w_desc, s_desc,
         x_desc if x_tma else None, BM=bm, BN=bn, BK=bk, FAST_DECODE=fast, INTERPRET=interpreting(),
         HAS_BIAS=has_bias, SPLIT=parts > 1, SERIAL=counters is not None, X_TMA=x_tma, num_warps=cfg["num_warps"],
@@ -496,6 +505,28 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     )
     if parts > 1 and counters is None:
         block = 1024
-        _linear_parts_kernel[(triton.cdiv(tokens * n, block),)](
-            partials, bias if has_bias else out, out, tokens * n, n, parts, HAS_BIAS=has_bias, BLOCK=block)
+        launch_or_compile(_linear_parts_kernel, (triton.cdiv(tokens * n, block),), partials,
+                          bias if has_bias else out, out, tokens * n, n, parts, HAS_BIAS=has_bias, BLOCK=block)
     return out.reshape(*x.shape[:-1], n)
+
+
+def linear_plans(x2, weight, weight_scale, weight_scale_2, bias=None, counters=None):
+    """:func:`.compile_ahead.compile_all`'s plans for an NVFP4 linear (a call's arguments, ``x2 [T,
+    K]``): the launch sequence of every token count up to the first past the GEMV path, on fresh
+    inputs of that many tokens. Every count, not one per kernel set: which kernels a count launches
+    follows :func:`linear_config` and the split-K table (``counters``), and a count whose kernels
+    are already compiled costs a cache lookup. The token count itself is no specialization (``T``
+    is ``do_not_specialize``), so these kernels serve every larger count of their path."""
+    k = x2.shape[1]
+    return [(t, partial(triton_nvfp4_linear, x2.new_empty(t, k), weight, weight_scale, weight_scale_2, bias,
+                        counters=counters))
+            for t in range(1, LINEAR_GEMV_MAX_TOKENS + 2)]
+
+
+def compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias=None, counters=None):
+    """At the first call of a linear shape in this process, compile every kernel variant it can
+    launch (:func:`linear_plans`), together (see :func:`_compile_once`). The variants depend on
+    N and K only through divisibility, so most are shared by a model's linear shapes."""
+    key = ("linear", x2.device, x2.dtype, tuple(weight.shape), bias is not None,
+           None if counters is None else counters.numel())
+    _compile_once(key, x2, lambda: linear_plans(x2, weight, weight_scale, weight_scale_2, bias, counters), "linear")
