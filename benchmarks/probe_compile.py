@@ -7,6 +7,10 @@ to them: launcher builds, loading the kernels into the GPU context).
     python benchmarks/probe_compile.py [--modes serial,together,together-nolauncher]
 
 ``together-nolauncher``: as ``together`` without the launcher builds in the pool (the code before).
+``linear`` and ``linear-off``: DeepSeek-V3's NVFP4 linear shapes instead, called as a model calls
+them (every shape at 1 token, then at 8, 17, 33 and 65: the first count of each kernel set), with
+their first call compiling every token count's kernels (``launch.compile_linear_once``) or
+without it; each call timed, ``compile_all`` then being inside the first.
 """
 import argparse
 import json
@@ -21,6 +25,32 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 E, H, I, K = 256, 7168, 2048, 8
+
+
+def linear_process(mode: str) -> dict:
+    import torch
+    import triton.compiler
+
+    from compile_ahead_cpu import LINEAR_SHAPES
+    from fp4moe_ops.backends.triton_moe import launch
+    from fp4moe_ops.linear import split_counters
+
+    launch.COMPILE_AHEAD = mode == "linear"
+    trace, compile_ = [], triton.compiler.compile
+    triton.compiler.compile = lambda src, *a, **kw: trace.append(getattr(src, "name", "?")) or compile_(src, *a, **kw)
+    layers = [(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda"),
+               torch.full((n, k // 16), 1.0, device="cuda").to(torch.float8_e4m3fn), torch.ones((), device="cuda"),
+               split_counters("cuda")) for n, k in LINEAR_SHAPES["deepseek"]]
+    calls = []
+    for t in (1, 8, 17, 33, 65):
+        for (n, k), (w, s, g, counters) in zip(LINEAR_SHAPES["deepseek"], layers):
+            x = torch.randn(t, k, dtype=torch.bfloat16, device="cuda")
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            launch.triton_nvfp4_linear(x, w, s, g, counters=counters)
+            torch.cuda.synchronize()
+            calls.append((t, n, k, round(time.perf_counter() - start, 3)))
+    return {"mode": mode, "compiles": len(trace), "calls": calls}
 
 
 def one_process(mode: str) -> dict:
@@ -81,7 +111,8 @@ def main():
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        Path(args.json).write_text(json.dumps(one_process(args.one)))
+        fn = linear_process if args.one.startswith("linear") else one_process
+        Path(args.json).write_text(json.dumps(fn(args.one)))
         return
     print(f"CPUs {len(os.sched_getaffinity(0))}")
     for mode in args.modes.split(","):
@@ -93,6 +124,12 @@ def main():
                 print(mode, "failed", proc.stderr[-3000:])
                 continue
             r = json.loads(Path(f.name).read_text())
+        if mode.startswith("linear"):
+            print(f"{mode}: {r['compiles']} kernels compiled, calls {sum(c[-1] for c in r['calls']):.2f} s in all; "
+                  f"per token count {[(t, round(sum(c[-1] for c in r['calls'] if c[0] == t), 3)) for t in (1, 8, 17, 33, 65)]}")
+            for t, n, k, sec in r["calls"]:
+                print(f"    {t:3d} tokens [{n:5d}, {k:5d}] {sec:7.3f} s")
+            continue
         total = r["compile_all_s"] + sum(s for _, s in r["first_calls"])
         print(f"{mode}: compile_all {r['compile_all_s']:.2f} s ({len(r['trace'])} kernels, "
               f"{r['launcher_builds_ahead']} launchers built), then the first calls of "
