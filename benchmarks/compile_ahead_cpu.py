@@ -13,8 +13,9 @@ then checks that a second pass finds every kernel in the JIT cache (compiles not
 (``--check-tokens``) that the launch sequences of calls of those token counts, at their full
 size, find theirs there too: what the one-token plans compiled is what the calls use. Together,
 it checks that the pool asked the driver for each kernel's launcher (the stand-in builds none).
-``--linear``: the same for the NVFP4 linear kernels (``launch.compile_linear_once``) of the shape's
-linear layers, with and without bias, then every call of 1-70 tokens checked against the cache. Use
+``--linear``: the NVFP4 linear kernels (``launch.compile_linear_once``) of the shape's linear
+layers instead, with and without bias: compiled, then every call of 1-70 tokens checked against the
+cache (the launcher requests are not checked there). Use
 an empty TRITON_CACHE_DIR per run, or the disk cache answers.
 """
 

@@ -285,13 +285,19 @@ def test_triton_linear_compiles_and_replays_in_a_cuda_graph():
 def test_first_linear_call_compiles_every_variant(bias, monkeypatch, tmp_path):
     # issue 17 (first pass over new shapes), for NVFP4 linears: the first call of a linear shape
     # compiles the kernels of every token count (launch.compile_linear_once), so no later count
-    # compiles a kernel or builds a launcher. The variants are shared by every shape (N and K
-    # specialize by divisibility only), so the kernels' in-process caches are emptied first and
-    # Triton's disk cache is a fresh directory: the first call must compile them all itself.
+    # compiles a kernel or builds a launcher. A variant's code is shared by shapes whose N and K
+    # divide alike, so the kernels' in-process caches are emptied first and Triton's disk cache is
+    # a fresh directory: the first call must compile them all itself.
+    import triton.backends.nvidia.driver
     import triton.runtime.build
 
     from fp4moe_ops.backends.triton_moe import kernels, launch
     from fp4moe_ops.linear import split_counters
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the Triton linear needs TMA (compute capability 9.0+)")
+    # (Triton releases that launch through one generic module build no launcher per kernel)
+    per_kernel_launchers = hasattr(triton.backends.nvidia.driver, "make_launcher")
 
     monkeypatch.setattr(launch, "COMPILE_AHEAD", True)
     monkeypatch.setattr(launch, "_COMPILED_SHAPES", set())
@@ -306,14 +312,15 @@ def test_first_linear_call_compiles_every_variant(bias, monkeypatch, tmp_path):
     def variants():
         return [sum(len(c[0]) for c in fn.device_caches.values()) for fn in fns]
 
-    n, k = 192, 1024  # 3 column tiles: K split in parts up to 32 tokens (both ways of summing them)
+    n, k = 192, 1024  # 3 column tiles: K split in 4 parts at every GEMV count (both ways of summing them)
     packed, scale, g = (t.cuda() for t in nvfp4_weight(n, k, seed=11))
     b = torch.randn(n, dtype=torch.bfloat16, device="cuda") if bias else None
     for counters in (split_counters("cuda"), None):
         x = torch.randn(3, k, dtype=torch.bfloat16, device="cuda")
         fp4moe_ops.nvfp4_linear(x, packed, scale, g, b, backend="triton", counters=counters)
         first, built = variants(), len(builds)
-        assert first[0] > 0 and first[2] == 1 and built > 0, (first, built)  # GEMV kernels, the dequantize one
+        assert first[0] > 0 and first[2] == 1, first  # GEMV kernels, the dequantize one
+        assert built > 0 or not per_kernel_launchers
         for t in (*range(1, 71), 100, 257):  # every token count of the GEMV path, and the dequantize path
             x = torch.randn(t, k, dtype=torch.bfloat16, device="cuda")
             got = fp4moe_ops.nvfp4_linear(x, packed, scale, g, b, backend="triton", counters=counters)

@@ -8,10 +8,11 @@ What it is for: a layer launches a different set of kernels per token-count buck
 bucket used to stop the call that first reached it for the serial compile of its kernels, a few
 seconds each, so a user with varied prompts paid that several times over (issue 17, target 4).
 :func:`.launch.compile_layer_once` compiles them all at a layer's first call instead; most of a
-compile is ``ptxas``, a process of its own, so the compiles overlap in threads. Each thread then
-also builds its kernel's launcher (Triton compiles a small C module per kernel signature with the
-host's C compiler, at the kernel's first launch: about a second each with an empty cache, serial,
-on the call that launches it).
+compile is ``ptxas``, a process of its own, so the compiles overlap in threads (an NVFP4 linear
+shape's token counts the same way, :func:`.launch.compile_linear_once`). Each thread then also
+builds its kernel's launcher (Triton compiles a small C module per kernel function and argument
+types with the host's C compiler, at the kernel's first launch: about a second each with an
+empty cache, serial, on the call that launches it).
 
 A launch sequence that runs here must not read what its kernels would have written as indices
 (:func:`.launch.route` fills its outputs with zeros here). Nothing here changes what a launch
@@ -23,11 +24,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 
-# The slot count whose launch sequence is being compiled, or None: launches run
+# The slot (or token) count whose launch sequence is being compiled, or None: launches run
 _PLANNED_SLOTS: ContextVar[int | None] = ContextVar("fp4moe_planned_slots", default=None)
 MAX_THREADS = 16  # compiles at once (each runs ptxas): several processes per host may do this together
 
@@ -68,6 +70,24 @@ class _CompileThenBuildLauncher(ThreadPoolExecutor):
 
 _LAUNCHER_LOCKS: dict[object, threading.Lock] = {}
 _LAUNCHER_LOCKS_GUARD = threading.Lock()
+_DESCRIPTOR_RANK = re.compile(r"tensordesc<[^\[]*\[([^\]]*)\]")
+
+
+def launcher_key(src) -> tuple:
+    """What a kernel's launcher (its C module) follows: the kernel function and the kind of each
+    argument, with pointers of any dtype alike (a device address) and tensor descriptors by rank;
+    not the constexpr values or the descriptors' block shapes, which Triton's launcher source
+    (3.6's ``make_launcher``) does not depend on. Variants under one key build one launcher."""
+    kinds = []
+    for kind in src.signature.values():
+        kind = str(kind)
+        if kind.startswith("*"):
+            kind = "*"
+        elif kind.startswith("tensordesc"):
+            rank = _DESCRIPTOR_RANK.match(kind)
+            kind = f"tensordesc{len(rank.group(1).split(',')) if rank else '?'}"
+        kinds.append(kind)
+    return (src.fn, tuple(kinds))
 
 
 def _compile_then_build_launcher(compile_fn, *args, **kwargs):
@@ -75,11 +95,11 @@ def _compile_then_build_launcher(compile_fn, *args, **kwargs):
     try:
         from triton.runtime import driver
 
-        # The variants of one kernel function share a launcher (its C source follows the argument
-        # types, not the constexprs or descriptor block shapes: DeepSeek-V3's 13 CPU-compiled
-        # variants have 4 launchers): one thread builds it, the others wait and then find it in
-        # the cache (a variant whose launcher differs builds its own after the wait)
-        key = kernel.src.fn
+        # Variants that share a launcher build it in one thread, the others wait and then find it
+        # in the cache (DeepSeek-V3's 13 CPU-compiled variants have 4 launchers; a signature-repr
+        # key split them into 11 and built several at once). Should two variants under one key
+        # differ after all, the second builds its own after the wait: slower, not wrong.
+        key = launcher_key(kernel.src)
         with _LAUNCHER_LOCKS_GUARD:
             lock = _LAUNCHER_LOCKS.setdefault(key, threading.Lock())
         with lock:  # (only the C module: the kernel is loaded into the GPU context at its first launch)
@@ -91,7 +111,7 @@ def _compile_then_build_launcher(compile_fn, *args, **kwargs):
 
 def compile_all(plans, together: bool = True) -> list[Exception]:
     """Run each ``(slots, fn)`` of ``plans`` with its launches compiled, not run, deciding as for
-    ``slots``; ``together``: all compiles at once, in a pool of threads, with the kernels'
+    ``slots`` (a layer's slot count; an NVFP4 linear's plans pass their token count); ``together``: all compiles at once, in a pool of threads, with the kernels'
     launchers (else one by one, the launchers left to the first launches). Plans start in order:
     put the longest compiles first. Returns the plans' errors (a failing plan does not stop the
     others). Not while :func:`async_compile_active`."""

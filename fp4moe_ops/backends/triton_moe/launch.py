@@ -42,8 +42,9 @@ GLUON_PREFILL_TAILS = (64,)
 # compile them). Other releases run the single-role kernels.
 GLUON_TRITON = "3.6"
 ROUTE_CHUNK = 64  # slots each routing program places
-# A layer's first call compiles every kernel variant its shape can launch, together
-# (compile_layer_once); FP4MOE_COMPILE_AHEAD=0: each bucket's kernels compile when a call first reaches it
+# A layer's (an NVFP4 linear's) first call compiles every kernel variant its shape can launch, together
+# (compile_layer_once, compile_linear_once); FP4MOE_COMPILE_AHEAD=0: each bucket's kernels compile
+# when a call first reaches it
 COMPILE_AHEAD = os.environ.get("FP4MOE_COMPILE_AHEAD", "1") != "0"
 
 
@@ -479,6 +480,10 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     cfg = config or linear_config(tokens, n, k)
     fast = not interpreting()
     if cfg["path"] == "dequantize":
+        if compiling_ahead():  # only the kernel's compile: no n x k buffer, no GEMM on garbage
+            launch_or_compile(_dequant_kernel, (n // cfg["BN"], k // cfg["BK"]), weight, weight_scale.view(torch.uint8),
+                              weight_scale_2, x.new_empty(16), k, BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast)
+            return x.new_empty(*x.shape[:-1], n)
         w = torch.empty(n, k, dtype=x.dtype, device=x.device)
         launch_or_compile(_dequant_kernel, (n // cfg["BN"], k // cfg["BK"]), weight, weight_scale.view(torch.uint8),
                           weight_scale_2, w, k, BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast)
@@ -512,21 +517,26 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
 
 def linear_plans(x2, weight, weight_scale, weight_scale_2, bias=None, counters=None):
     """:func:`.compile_ahead.compile_all`'s plans for an NVFP4 linear (a call's arguments, ``x2 [T,
-    K]``): the launch sequence of every token count up to the first past the GEMV path, on fresh
-    inputs of that many tokens. Every count, not one per kernel set: which kernels a count launches
-    follows :func:`linear_config` and the split-K table (``counters``), and a count whose kernels
-    are already compiled costs a cache lookup. The token count itself is no specialization (``T``
-    is ``do_not_specialize``), so these kernels serve every larger count of their path."""
+    K]``): the launch sequence of every token count up to the first past the GEMV path, on a fresh
+    input of that many tokens (made when the plan runs). Every count, not one per kernel set: which
+    kernels a count launches follows :func:`linear_config` and the split-K table (``counters``),
+    and a count whose kernels are already compiled costs a cache lookup. The token count itself is
+    no specialization (``T`` is ``do_not_specialize``), so these kernels serve every larger count of
+    their path."""
     k = x2.shape[1]
-    return [(t, partial(triton_nvfp4_linear, x2.new_empty(t, k), weight, weight_scale, weight_scale_2, bias,
-                        counters=counters))
-            for t in range(1, LINEAR_GEMV_MAX_TOKENS + 2)]
+
+    def plan(t):
+        return triton_nvfp4_linear(x2.new_empty(t, k), weight, weight_scale, weight_scale_2, bias, counters=counters)
+
+    return [(t, partial(plan, t)) for t in range(1, LINEAR_GEMV_MAX_TOKENS + 2)]
 
 
 def compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias=None, counters=None):
     """At the first call of a linear shape in this process, compile every kernel variant it can
-    launch (:func:`linear_plans`), together (see :func:`_compile_once`). The variants depend on
-    N and K only through divisibility, so most are shared by a model's linear shapes."""
+    launch (:func:`linear_plans`), together (see :func:`_compile_once`). A variant's code depends on
+    N and K only through their divisibility, so later shapes find most of theirs compiled; which
+    variants a shape launches also follows N and K (whether K is split, whether the split-K table
+    covers its tiles)."""
     key = ("linear", x2.device, x2.dtype, tuple(weight.shape), bias is not None,
            None if counters is None else counters.numel())
     _compile_once(key, x2, lambda: linear_plans(x2, weight, weight_scale, weight_scale_2, bias, counters), "linear")
