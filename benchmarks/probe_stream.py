@@ -12,7 +12,9 @@ GEMM2 H/64) and load each program's weight tile (32 pair rows x 256 bytes) and s
 do; then they fold the words with XOR (a few instructions per step, so nothing is left but the
 loads) and store one word per program. No decode, no MMA, no activations. They use fewer registers
 and less shared memory than the GEMMs, so more programs share an SM: an upper bound for this
-grid and pipeline, not the same occupancy. Each row: median of CUDA-graph replays over 8 routings
+grid and pipeline, not the same occupancy. Between them, the layer without the decode (config
+key ``DIAG`` 1, wrong results: the decode's registers set to a constant, the weight tiles still
+copied and waited for; routing, activations, MMA and epilogues as they are). Each row: median of CUDA-graph replays over 8 routings
 (``bench_moe.graph_time_ms``), the routing kernel included in both; TB/s over the bytes of the
 distinct experts hit (24.8 MB each), and the ratio to the copy-bandwidth floor.
 """
@@ -99,6 +101,9 @@ def main():
 
         print(f"T={t}: {hit:.0f} experts, floor {floor:.4f} ms", flush=True)
         row("layer", graph_time_ms(lambda x, ids, rw: launch.triton_fused_moe(x, ids, rw, tensors), inputs))
+        no_decode = launch.kernel_config(t * K, E, H, I) | {"DIAG": 1}
+        row("layer, no decode", graph_time_ms(lambda x, ids, rw: launch.triton_fused_moe(x, ids, rw, tensors,
+                                                                                          config=no_decode), inputs))
         for st in (int(v) for v in args.stages.split(",")):
             row(f"stream, {st} stages", graph_time_ms(lambda x, ids, rw: stream(ids, w13, s13, w2, s2, st), inputs))
         del inputs

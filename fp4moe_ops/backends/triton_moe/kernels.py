@@ -63,6 +63,12 @@ mul.rn.bf16x2 $3, $3, $6;
 # halves as above. $0 = lo(row r), $1 = lo(row r+8), $2 = hi(row r), $3 = hi(row r+8); the
 # scales of row r are in $5, of row r+8 in $6. Not elementwise: it relies on Triton packing
 # the word's 4 bytes in order (checked by the GPU tests against the reference).
+# A diagnostic (config key DIAG 1, wrong results): the paired decode's registers set to 1.0 instead,
+# its inputs unused, so the weight tiles still arrive (the TMA copies and their waits stay) but
+# nothing decodes them; what the decode costs is then the difference (benchmarks/probe_stream.py).
+_NO_DECODE = tl.constexpr("mov.b32 $0, 0x3F803F80; mov.b32 $1, 0x3F803F80; mov.b32 $2, 0x3F803F80; "
+                          "mov.b32 $3, 0x3F803F80;")
+
 _PAIRED_WORD_TO_BF16 = tl.constexpr("""
 {
 .reg .b32 t;
@@ -152,7 +158,7 @@ def _decode_tile(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: 
 @triton.jit
 def _decode_tile_fragment_order(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr,
                                 FAST_DECODE: tl.constexpr, PAIRED: tl.constexpr = False,
-                                FAST_SCALES: tl.constexpr = True):
+                                FAST_SCALES: tl.constexpr = True, DIAG: tl.constexpr = 0):
     """:func:`_decode_tile` with the K axis in MMA-fragment order (see :func:`fragment_order`):
     ``[BN, BK]`` whose column ``16j + 8s + 2t + e`` is the weight at ``k = (BK/4)t + 4j + 2e + s``.
 
@@ -169,8 +175,9 @@ def _decode_tile_fragment_order(packed, sbytes, BN: tl.constexpr, BK: tl.constex
         scale = tl.broadcast_to(scale, (BN, 4, BK // 64, 4, 2)).reshape(BN, 4, BK // 16, 2)
         if PAIRED:
             p = _pairs_to_rows(packed.reshape(BN // 2, BK // 4, 2, 2), BN, BK)
-            lo, hi = tl.inline_asm_elementwise(_PAIRED_WORD_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, scale],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            lo, hi = tl.inline_asm_elementwise(_NO_DECODE if DIAG == 1 else _PAIRED_WORD_TO_BF16,
+                                               "=r,=r,=r,=r,r,r,r", [p, scale], dtype=(tl.bfloat16, tl.bfloat16),
+                                               is_pure=True, pack=4)
         else:
             p = packed.reshape(BN, 4, BK // 16, 2)  # byte (BK/8)t + 2j + e -> [row, t, j, e]
             lo, hi = tl.inline_asm_elementwise(_E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, scale],
@@ -228,7 +235,7 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                    FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
                    FAST_SCALES: tl.constexpr = True, k_lo=0, k_hi=0, A_NATURAL: tl.constexpr = False,
                    a_desc=None, a_row0=0, A_TMA: tl.constexpr = False, BM: tl.constexpr = 16,
-                   GATE_UP: tl.constexpr = False, desc_expert=0):
+                   GATE_UP: tl.constexpr = False, desc_expert=0, DIAG: tl.constexpr = 0):
     """``acc [BN, BM] += W[rows, k_lo:k_hi] @ A[a_rows, k_lo:k_hi]^T`` (``k_hi = 0``: K) with W NVFP4
     ``[*, K/2]`` bytes (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk,
     or with A_NATURAL too, A is in natural order and read permuted: for small A, no copy to make;
@@ -293,7 +300,7 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
             packed = tl.load(w_ptrs + k0 // 2)
             sbytes = tl.load(s_ptrs + k0 // 16)
         if FRAGMENT_ORDER:
-            w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED, FAST_SCALES)
+            w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED, FAST_SCALES, DIAG)
         else:
             w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE)
         if INTERPRET:  # Triton's CPU interpreter mis-multiplies bf16 dots
@@ -312,6 +319,7 @@ def _gemm1_swiglu_kernel(
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
     PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
     MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
+    DIAG: tl.constexpr = 0,
 ):
     """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
     MERGED_GATE_UP (TMA tiles) a program's BN rows are BN/2 gate rows and the same up rows, in one K
@@ -335,7 +343,7 @@ def _gemm1_swiglu_kernel(
             # (the weights come through the 4-D descriptors: w_e, s_e and the rows are unused there)
             acc = _expert_matmul(zero, w_e, s_e, tl.arange(0, BN), x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                  FAST_DECODE, INTERPRET, w_desc, s_desc, i0, TMA, FRAGMENT_ORDER, PAIRED,
-                                 FAST_SCALES, k_hi=k_stop, GATE_UP=True, desc_expert=e)
+                                 FAST_SCALES, k_hi=k_stop, GATE_UP=True, desc_expert=e, DIAG=DIAG)
             gate, up = tl.split(tl.permute((acc * g).reshape(2, BN // 2, BM), (1, 2, 0)))  # rows [gate; up]
             cols = i0 + tl.arange(0, BN // 2)
         else:
@@ -343,10 +351,10 @@ def _gemm1_swiglu_kernel(
             row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
             acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                       FAST_DECODE, INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER, PAIRED,
-                                      FAST_SCALES, k_hi=k_stop)
+                                      FAST_SCALES, k_hi=k_stop, DIAG=DIAG)
             acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                     FAST_DECODE, INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER, PAIRED,
-                                    FAST_SCALES, k_hi=k_stop)
+                                    FAST_SCALES, k_hi=k_stop, DIAG=DIAG)
             gate = acc_gate * g
             up = acc_up * g
         h = gate * tl.sigmoid(gate) * up
@@ -363,6 +371,7 @@ def _gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
     FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
+    DIAG: tl.constexpr = 0,
 ):
     _await_previous_kernel(PDL)
     b = tl.program_id(0)
@@ -376,7 +385,8 @@ def _gemm2_kernel(
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
                              BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
-                             e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop)
+                             e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop,
+                             DIAG=DIAG)
         g = tl.load(g_ptr + e)
         if a_ptr.dtype.element_ty == tl.bfloat16:
             g = g * 4194304.0

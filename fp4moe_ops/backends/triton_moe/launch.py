@@ -244,7 +244,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     common = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PREFETCH=cfg.get("PREFETCH", True),
                   **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
                   FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting(),
-                  FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True), **_pdl_args(pdl))
+                  FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True), **_pdl_args(pdl),
+                  **({"DIAG": cfg["DIAG"]} if cfg.get("DIAG") else {}))  # (a diagnostic: see kernels._NO_DECODE)
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
