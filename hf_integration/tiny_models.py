@@ -76,11 +76,17 @@ def _randomize_experts(model) -> None:
     """Give experts well-scaled random weights (the default init leaves some at zero), and
     routers and the LM head well-separated scores: with the default std 0.02 all router scores
     and logits are near ties, so any rounding difference (compiled vs eager) flips top-k and
-    greedy choices and comparisons become coin tosses."""
+    greedy choices and comparisons become coin tosses. Shared experts too: at std 0.02 their
+    output was ~1/700 of the routed experts' (DeepSeek-V3), so no comparison could see them."""
     # Peaky output distribution: greedy decoding then has clear winners instead of near-ties.
     lm_head = model.get_output_embeddings()
     lm_head.weight.normal_(0, 8 * lm_head.weight.shape[-1] ** -0.5)
     for m in model.modules():
+        shared = getattr(m, "shared_experts", None) or getattr(m, "shared_expert", None)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            linear = getattr(shared, name, None)
+            if isinstance(linear, torch.nn.Linear):
+                linear.weight.normal_(0, linear.in_features ** -0.5)
         experts = getattr(m, "experts", None)
         if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and experts.gate_up_proj.dim() == 3:
             fan_in = 1 if is_llama4_experts(experts) else -1  # Llama-4's bmm layout [E, K, N]
