@@ -42,6 +42,31 @@ def routing_record(model):
             h.remove()
 
 
+def assert_fused_like_unfused(unfused, fused, ids, tol):
+    """The fused model's outputs against the unfused one's on ``ids``: the first MoE block (the
+    same input in both) per token within ``tol``, and the logits of every token whose experts are
+    the same in both models in every MoE layer. The two differ by rounding only, which reaches the
+    next router: where two of a token's expert scores are nearly tied (these random models), the
+    two pick different experts for it and its logits differ by O(1). Those tokens must stay few."""
+    moe = [name for name, m in unfused.named_modules() if type(m).__name__ in SHARED_EXPERT_BLOCKS]
+    outputs = []
+    hooks = [model.get_submodule(moe[0]).register_forward_hook(lambda mod, args, out: outputs.append(out.double()))
+             for model in (unfused, fused)]
+    try:
+        with torch.no_grad(), routing_record(unfused) as routed_a, routing_record(fused) as routed_b:
+            a, b = unfused(ids).logits.double(), fused(ids).logits.double()
+    finally:
+        for h in hooks:
+            h.remove()
+    block_a, block_b = outputs
+    assert ((block_a - block_b).norm(dim=-1) / block_a.norm(dim=-1)).max() < tol
+    per_token = ((a - b).norm(dim=-1) / a.norm(dim=-1)).flatten()
+    same_route = torch.stack([(x.sort(-1).values == y.sort(-1).values).all(-1)
+                              for x, y in zip(routed_a, routed_b, strict=True)]).all(0)
+    assert same_route.sum() >= 0.75 * same_route.numel(), (same_route, per_token)
+    assert per_token[same_route].max() < tol, (same_route, per_token)
+
+
 def file_tensors(folder):
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
@@ -112,10 +137,7 @@ def test_fused_model_compiles_without_graph_breaks_and_generates_like_unfused():
     ids = torch.randint(1, 256, (2, 6))
     explanation = torch._dynamo.explain(fused)(ids)
     assert explanation.graph_break_count == 0
-    with torch.no_grad():
-        a, b = unfused(ids).logits.double(), fused(ids).logits.double()
-    per_token = (a - b).norm(dim=-1) / a.norm(dim=-1)
-    assert per_token.max() < 2e-2, per_token  # the same weights; only the order of bf16 roundings differs
+    assert_fused_like_unfused(unfused, fused, ids, 2e-2)  # the same weights; only the order of bf16 roundings differs
     assert fused.generate(ids, max_new_tokens=3, do_sample=False).shape == (2, 9)
 
 
@@ -152,28 +174,10 @@ def test_loading_with_kept_nvfp4_linears_fuses_and_matches_the_unfused_load(tmp_
     assert torch.equal(w.w13[0], torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))  # the file's bytes
     assert torch.equal(w.w2_global[0], shared.down_proj.weight_scale_2)
     ids = torch.randint(1, 200, (1, 8))
-    # the first MoE block sees the same input in both models: its outputs compared directly
-    first = next(name for name, m in unfused.named_modules() if m is moe_layers[0])
-    outputs = []
-    hooks = [model.get_submodule(first).register_forward_hook(lambda mod, args, out: outputs.append(out.double()))
-             for model in (unfused, fused)]
-    with torch.no_grad(), routing_record(unfused) as routed_a, routing_record(fused) as routed_b:
-        a, b = unfused(ids).logits.double(), fused(ids).logits.double()
-    for h in hooks:
-        h.remove()
-    block_a, block_b = outputs
-    # (the shared expert is ~half of this block's output: without it the block differs by 25-67%)
-    assert ((block_a - block_b).norm(dim=-1) / block_a.norm(dim=-1)).max() < 3e-2
-    per_token = ((a - b).norm(dim=-1) / a.norm(dim=-1))[0]
     # three NVFP4 linears (weight rounded to bf16 after the global scale) vs the expert kernel's
-    # arithmetic (exact decode, global scale on the float32 sum) on the same bytes. That difference
-    # reaches the next MoE layer's router, and where two of a token's expert scores are nearly tied
-    # (this random model, ~5% of draws) the two loads pick different experts for it and its logits
-    # differ by O(1): those tokens are left out, and they must stay few.
-    same_route = torch.stack([(x.sort(-1).values == y.sort(-1).values).all(-1)
-                              for x, y in zip(routed_a, routed_b, strict=True)]).all(0)
-    assert same_route.sum() >= 6, (same_route, per_token)
-    assert per_token[same_route].max() < 3e-2, (same_route, per_token)
+    # arithmetic (exact decode, global scale on the float32 sum) on the same bytes; the shared
+    # expert is about half of the first MoE block's output (without it the block differs by 25-67%)
+    assert_fused_like_unfused(unfused, fused, ids, 3e-2)
     saved = tmp_path / "again"
     fused.save_pretrained(saved)
     files = file_tensors(saved)
