@@ -14,8 +14,8 @@ loads) and store one word per program. No decode, no MMA, no activations. They u
 and less shared memory than the GEMMs, so more programs share an SM: an upper bound for this
 grid and pipeline, not the same occupancy. Between them, the layer without the decode (config
 key ``DIAG`` 1, wrong results: the decode's registers set to a constant, the weight tiles still
-copied and waited for; routing, activations, MMA and epilogues as they are). Each row: median of CUDA-graph replays over 8 routings
-(``bench_moe.graph_time_ms``), the routing kernel included in both; TB/s over the bytes of the
+copied and waited for; routing, activations, MMA and epilogues as they are). Each row: median of
+CUDA-graph replays over 8 routings (``bench_moe.graph_time_ms``), the routing kernel included in all; TB/s over the bytes of the
 distinct experts hit (24.8 MB each), and the ratio to the copy-bandwidth floor.
 """
 

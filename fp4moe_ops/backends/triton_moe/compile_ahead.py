@@ -111,8 +111,9 @@ def _compile_then_build_launcher(compile_fn, *args, **kwargs):
 
 def compile_all(plans, together: bool = True) -> list[Exception]:
     """Run each ``(slots, fn)`` of ``plans`` with its launches compiled, not run, deciding as for
-    ``slots`` (a layer's slot count; an NVFP4 linear's plans pass their token count); ``together``: all compiles at once, in a pool of threads, with the kernels'
-    launchers (else one by one, the launchers left to the first launches). Plans start in order:
+    ``slots`` (a layer's slot count; an NVFP4 linear's plans pass their token count);
+    ``together``: all compiles at once, in a pool of threads, with the kernels' launchers (else
+    one by one, the launchers left to the first launches). Plans start in order:
     put the longest compiles first. Returns the plans' errors (a failing plan does not stop the
     others). Not while :func:`async_compile_active`."""
     from triton.runtime import _async_compile

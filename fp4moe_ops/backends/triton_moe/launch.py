@@ -315,9 +315,9 @@ def _compile_once(key, x: torch.Tensor, make_plans, what: str) -> None:
     (:func:`.compile_ahead.compile_all`). Not under the interpreter, nor for CPU or empty inputs;
     put off to a later call while a CUDA graph is captured or Triton's async compile mode is active.
     On failure a warning, and the launches compile as calls reach them."""
-    if interpreting() or not x.is_cuda or compiling_ahead() or x.numel() == 0:
-        return
-    if key in _COMPILED_SHAPES or torch.cuda.is_current_stream_capturing() or async_compile_active():
+    if key in _COMPILED_SHAPES or interpreting() or not x.is_cuda or compiling_ahead() or x.numel() == 0:
+        return  # (the set first: every later call of the layer or linear stops there)
+    if torch.cuda.is_current_stream_capturing() or async_compile_active():
         return
     _COMPILED_SHAPES.add(key)
     try:
@@ -503,9 +503,9 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         counters = None
     has_bias = bias is not None
     launch_or_compile(
-        _linear_kernel, grid, x2, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out, out, partials,
-        out if counters is None else counters, tokens, n, k, triton.cdiv(k // bk, parts) * bk, w_desc, s_desc,
-        x_desc if x_tma else None, BM=bm, BN=bn, BK=bk, FAST_DECODE=fast, INTERPRET=interpreting(),
+        _linear_kernel, grid, x2, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out,
+        out, partials, out if counters is None else counters, tokens, n, k, triton.cdiv(k // bk, parts) * bk, w_desc,
+        s_desc, x_desc if x_tma else None, BM=bm, BN=bn, BK=bk, FAST_DECODE=fast, INTERPRET=interpreting(),
         HAS_BIAS=has_bias, SPLIT=parts > 1, SERIAL=counters is not None, X_TMA=x_tma, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
