@@ -32,6 +32,8 @@ from triton.backends.nvidia.driver import CudaDriver
 from triton.runtime import driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_linear import SHAPES  # noqa: E402
 
 
 class _Sm90WithoutGpu(CudaDriver):
@@ -82,9 +84,8 @@ def cached_variants() -> int:
     return sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
 
 
-# DeepSeek-V3's NVFP4 linear shapes [N, K] (benchmarks/bench_linear.py), and a small one
-LINEAR_SHAPES = {"deepseek": [(1536, 7168), (24576, 1536), (576, 7168), (32768, 512), (7168, 16384)],
-                 "small": [(128, 256), (576, 512)]}
+# DeepSeek-V3's NVFP4 attention linears [N, K] (bench_linear.py's first five shapes), and small ones
+LINEAR_SHAPES = {"deepseek": [(n, k) for _, n, k in SHAPES[:5]], "small": [(128, 256), (576, 512)]}
 
 
 def linear_arguments(n: int, k: int, bias: bool):
