@@ -2,7 +2,7 @@
 (routing, both GEMMs, top-k sum) against kernels that only stream the same bytes, in the same
 programs, the same way.
 
-    python benchmarks/probe_stream.py [--tokens 1,8,64,256,512] [--stages 3,4]
+    python benchmarks/probe_stream.py [--tokens 1,8,64,256,512] [--stages 3,4] [--parts]
 
 DeepSeek-V3's layer (E=256, H=7168, I=2048, top-8; paired weights with random bytes and valid
 block scales: the timing does not depend on the values). The stream kernels take the decode
@@ -17,6 +17,12 @@ key ``DIAG`` 1, wrong results: the decode's registers set to a constant, the wei
 copied and waited for; routing, activations, MMA and epilogues as they are). Each row: median of
 CUDA-graph replays over 8 routings (``bench_moe.graph_time_ms``), the routing kernel included in all; TB/s over the bytes of the
 distinct experts hit (24.8 MB each), and the ratio to the copy-bandwidth floor.
+
+``--parts`` (instead of the stream rows): what each of the layer's four launches (routing, GEMM1,
+GEMM2, top-k sum) adds, by timing graphs that leave some out. Routing then runs outside the graph
+(its outputs computed once per routing before capture), and a left-out kernel is not launched at
+all; also the layer with programmatic dependent launch (config key ``PDL``). What a fusion of the
+routing or the top-k sum into the GEMMs could save at most is the difference between rows.
 """
 
 from __future__ import annotations
@@ -73,10 +79,50 @@ def stream(ids, w13, s13, w2, s2, stages):
     return out
 
 
+def parts(t, inputs, tensors, row):
+    """The ``--parts`` rows (see the module docstring) for one token count."""
+    from fp4moe_ops.backends.triton_moe import kernels
+
+    real_route, real_launch = launch.route, launch.launch_or_compile
+    routed = {}
+
+    def cached_route(topk_ids, *args, **kwargs):  # computed eagerly before capture, then replayed without it
+        key = (topk_ids.data_ptr(), args, tuple(sorted(kwargs.items())))
+        if key not in routed:
+            routed[key] = real_route(topk_ids, *args, **kwargs)
+        return routed[key]
+
+    def without(*left_out):
+        def launch_or_skip(kernel, grid, *args, **kwargs):
+            if not any(kernel is k for k in left_out):
+                real_launch(kernel, grid, *args, **kwargs)
+        return launch_or_skip
+
+    layer = lambda x, ids, rw: launch.triton_fused_moe(x, ids, rw, tensors)
+    pdl = launch.kernel_config(t * K, E, H, I) | {"PDL": True}
+    row("layer", graph_time_ms(layer, inputs))
+    row("layer, PDL", graph_time_ms(lambda x, ids, rw: launch.triton_fused_moe(x, ids, rw, tensors, config=pdl),
+                                    inputs))
+    row("routing alone", graph_time_ms(lambda x, ids, rw: real_route(ids, E, 16, x, BK), inputs))
+    sum_out = [torch.randn(t * K, H, device=x.device) for x, _, _ in inputs]
+    row("top-k sum alone", graph_time_ms(lambda x, ids, rw, y: launch._sum_topk(y, ids, x, E),
+                                         [(*a, y) for a, y in zip(inputs, sum_out)]))
+    launch.route = cached_route
+    try:
+        for name, left_out in (("no routing", ()), ("GEMM1 + GEMM2", (kernels._sum_topk_kernel,)),
+                               ("GEMM1 alone", (kernels._sum_topk_kernel, kernels._gemm2_kernel)),
+                               ("GEMM2 alone", (kernels._sum_topk_kernel, kernels._gemm1_swiglu_kernel))):
+            launch.launch_or_compile = without(*left_out)
+            row(name, graph_time_ms(layer, inputs))
+    finally:
+        launch.route, launch.launch_or_compile = real_route, real_launch
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,8,64,256,512")
     ap.add_argument("--stages", default="2,3,4")
+    ap.add_argument("--parts", action="store_true", help="the launches' parts instead of the stream rows")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
@@ -100,6 +146,10 @@ def main():
             print(f"  T={t:4d} {name:18s} {ms:8.4f} ms  {nbytes / ms / 1e9:6.2f} TB/s  {ms / floor:5.2f}x floor", flush=True)
 
         print(f"T={t}: {hit:.0f} experts, floor {floor:.4f} ms", flush=True)
+        if args.parts:
+            parts(t, inputs, tensors, row)
+            del inputs
+            continue
         row("layer", graph_time_ms(lambda x, ids, rw: launch.triton_fused_moe(x, ids, rw, tensors), inputs))
         no_decode = launch.kernel_config(t * K, E, H, I) | {"DIAG": 1}
         row("layer, no decode", graph_time_ms(lambda x, ids, rw: launch.triton_fused_moe(x, ids, rw, tensors,
