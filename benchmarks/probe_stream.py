@@ -21,8 +21,10 @@ distinct experts hit (24.8 MB each), and the ratio to the copy-bandwidth floor.
 ``--parts`` (instead of the stream rows): what each of the layer's four launches (routing, GEMM1,
 GEMM2, top-k sum) adds, by timing graphs that leave some out. Routing then runs outside the graph
 (its outputs computed once per routing before capture), and a left-out kernel is not launched at
-all; also the layer with programmatic dependent launch (config key ``PDL``). What a fusion of the
-routing or the top-k sum into the GEMMs could save at most is the difference between rows.
+all; also the layer with programmatic dependent launch (config key ``PDL``), and with the routing
+launch at one token too (config key ``SLOT_BLOCKS`` off; it is on by default, and only one-token
+calls differ). What a fusion of the routing or the top-k sum into the GEMMs could save at most is
+the difference between rows.
 """
 
 from __future__ import annotations
@@ -100,7 +102,11 @@ def parts(t, inputs, tensors, row):
 
     layer = lambda x, ids, rw: launch.triton_fused_moe(x, ids, rw, tensors)
     pdl = launch.kernel_config(t * K, E, H, I) | {"PDL": True}
-    row("layer", graph_time_ms(layer, inputs))
+    with_routing = launch.kernel_config(t * K, E, H, I) | {"SLOT_BLOCKS": False}
+    routed_layer = lambda x, ids, rw: launch.triton_fused_moe(x, ids, rw, tensors, config=with_routing)
+    for _ in range(2):  # A B A B: the drift between runs shows
+        row("layer", graph_time_ms(layer, inputs))
+        row("layer, routing launch", graph_time_ms(routed_layer, inputs))
     row("layer, PDL", graph_time_ms(lambda x, ids, rw: launch.triton_fused_moe(x, ids, rw, tensors, config=pdl),
                                     inputs))
     row("routing alone", graph_time_ms(lambda x, ids, rw: real_route(ids, E, 16, x, BK), inputs))
@@ -113,7 +119,7 @@ def parts(t, inputs, tensors, row):
                                ("GEMM1 alone", (kernels._sum_topk_kernel, kernels._gemm2_kernel)),
                                ("GEMM2 alone", (kernels._sum_topk_kernel, kernels._gemm1_swiglu_kernel))):
             launch.launch_or_compile = without(*left_out)
-            row(name, graph_time_ms(layer, inputs))
+            row(name, graph_time_ms(routed_layer, inputs))  # (the routing launch's kernels, routing outside)
     finally:
         launch.route, launch.launch_or_compile = real_route, real_launch
 

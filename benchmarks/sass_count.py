@@ -92,7 +92,7 @@ def main():
                      TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"], PAIRED=paired,
                      FAST_SCALES=bool(cfg.get("FAST_SCALES", 1)), H=7168, I=2048,
                      PIPELINED_MMA=bool(cfg["PIPELINED_MMA1" if args.gemm1 else "PIPELINED_MMA2"]),
-                     PDL=bool(cfg.get("PDL")), DIAG=int(cfg.get("DIAG", 0)))
+                     PDL=bool(cfg.get("PDL")), DIAG=int(cfg.get("DIAG", 0)), SLOT_BLOCKS=False, E=0)
     common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "K_RUNTIME": "i32"}
     if args.gemm1:
         constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged)

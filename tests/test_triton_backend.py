@@ -214,7 +214,7 @@ def test_variant_slots_one_per_kernel_set():
     # an expert-parallel rank of 32 experts counts rows over the 256 routed: the same buckets
     assert variant_slots(32, 7168, 2048, 8, routed_experts=256) == [8 * t for t in (1, 2, 9, 257, 513, 2048)]
     # no TMA boxes (H, I not multiples of 256): no middle bucket, no Gluon; prefill from 16 rows (49 tokens)
-    assert variant_slots(6, 64, 32, 2) == [2, 66, 98, 4098]
+    assert variant_slots(6, 64, 32, 2) == [2, 4, 66, 98, 4098]  # (1 token: no routing launch, 2: routed)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -243,6 +243,34 @@ def test_triton_matches_float64(dtype, e, h, i, t, k):
     torch.testing.assert_close(out.double(), ref, rtol=4 * ulp, atol=4 * ulp * ref.abs().max().item())
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert rel < 4 * ulp, rel
+
+
+@pytest.mark.parametrize("e,h,i", [(6, 512, 256),  # TMA, paired weights, x read in fragment order
+                                   (5, 64, 32)])  # plain loads, canonical weights
+@pytest.mark.parametrize("ids", [[3, 0, 5, 1], [2, 2, -1, 6], [2**32 + 1, 4, -2**40, 0]])
+def test_one_token_needs_no_routing_launch(monkeypatch, e, h, i, ids):
+    # A one-token call takes each slot as a row block of its own, read from the ids by the GEMMs:
+    # no routing launch, bitwise the routed path's output (distinct, repeated and invalid ids,
+    # int64 ids that would alias a valid expert in 32 bits), and the float64 answer.
+    from fp4moe_ops.backends.triton_moe import launch
+
+    w = layer(e, h, i)
+    x = torch.randn(1, h, dtype=torch.bfloat16)
+    ids = torch.tensor([ids], dtype=torch.int64)
+    rw = torch.rand(1, ids.shape[1])
+    tensors = [t.to(DEVICE) for t in kernel_tensors(w)]
+    args = (x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), tensors)
+    routed = triton_fused_moe(*args, config=kernel_config(ids.shape[1], e, h, i) | {"SLOT_BLOCKS": False})
+
+    def no_route(*a, **k):
+        raise AssertionError("a one-token call launched the routing kernel")
+
+    monkeypatch.setattr(launch, "route", no_route)
+    out = triton_fused_moe(*args)
+    assert torch.equal(out, routed)
+    ref = moe64(x, ids, rw, *w.tensors())
+    # bf16 intermediate and output: a few bf16 ulps (2^-8) of the row scale, as above
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
 
 def test_triton_multiple_blocks_per_expert():

@@ -212,7 +212,23 @@ def _await_previous_kernel(PDL: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM: tl.constexpr):
+def _block_expert(b, block_expert_ptr, E: tl.constexpr, SLOT_BLOCKS: tl.constexpr):
+    """Row block ``b``'s expert, -1 for a block to skip. As :func:`.launch.route` made the blocks, or
+    with SLOT_BLOCKS (one-token calls, no routing launch) block ``b`` is slot ``b`` alone and
+    ``block_expert_ptr`` the flat ids, checked here against ``[0, E)`` as loaded (64-bit ids
+    included), so an id past the weights is never read."""
+    e = tl.load(block_expert_ptr + b)
+    if SLOT_BLOCKS:
+        e = tl.where((e >= 0) & (e < E), e, -1).to(tl.int32)
+    return e
+
+@triton.jit
+def _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM: tl.constexpr,
+                SLOT_BLOCKS: tl.constexpr = False):
+    """A used block's slots ``[BM]`` int64 and row mask (SLOT_BLOCKS: slot ``b`` alone). Not for a
+    skipped block: the routing kernel leaves their rows unwritten."""
+    if SLOT_BLOCKS:
+        return (b + tl.arange(0, BM) * 0).to(tl.int64), tl.arange(0, BM) == 0
     r0 = tl.load(block_row_start_ptr + b)
     r1 = tl.load(block_row_end_ptr + b)
     rows = r0 + tl.arange(0, BM)
@@ -319,16 +335,17 @@ def _gemm1_swiglu_kernel(
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
     PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
     MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
-    DIAG: tl.constexpr = 0,
+    DIAG: tl.constexpr = 0, SLOT_BLOCKS: tl.constexpr = False, E: tl.constexpr = 0,
 ):
     """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
     MERGED_GATE_UP (TMA tiles) a program's BN rows are BN/2 gate rows and the same up rows, in one K
-    loop with one accumulator; else BN gate rows and BN up rows in two K loops."""
+    loop with one accumulator; else BN gate rows and BN up rows in two K loops. SLOT_BLOCKS: see
+    :func:`_block_expert`; ``x`` is then in natural order (read permuted, with FRAGMENT_ORDER)."""
     _await_previous_kernel(PDL)
     b = tl.program_id(0)
-    e = tl.load(block_expert_ptr + b)
+    e = _block_expert(b, block_expert_ptr, E, SLOT_BLOCKS)
     if e >= 0:
-        slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
+        slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM, SLOT_BLOCKS)
         tokens = slots // TOPK
         k_stop = 0 if PIPELINED_MMA else K_RUNTIME  # a static K loop (wgmma pipelined) or not: see _expert_matmul
         e64 = e.to(tl.int64)
@@ -343,7 +360,8 @@ def _gemm1_swiglu_kernel(
             # (the weights come through the 4-D descriptors: w_e, s_e and the rows are unused there)
             acc = _expert_matmul(zero, w_e, s_e, tl.arange(0, BN), x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                  FAST_DECODE, INTERPRET, w_desc, s_desc, i0, TMA, FRAGMENT_ORDER, PAIRED,
-                                 FAST_SCALES, k_hi=k_stop, GATE_UP=True, desc_expert=e, DIAG=DIAG)
+                                 FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, GATE_UP=True, desc_expert=e,
+                                 DIAG=DIAG)
             gate, up = tl.split(tl.permute((acc * g).reshape(2, BN // 2, BM), (1, 2, 0)))  # rows [gate; up]
             cols = i0 + tl.arange(0, BN // 2)
         else:
@@ -351,10 +369,10 @@ def _gemm1_swiglu_kernel(
             row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
             acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                       FAST_DECODE, INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER, PAIRED,
-                                      FAST_SCALES, k_hi=k_stop, DIAG=DIAG)
+                                      FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, DIAG=DIAG)
             acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                     FAST_DECODE, INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER, PAIRED,
-                                    FAST_SCALES, k_hi=k_stop, DIAG=DIAG)
+                                    FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, DIAG=DIAG)
             gate = acc_gate * g
             up = acc_up * g
         h = gate * tl.sigmoid(gate) * up
@@ -371,13 +389,13 @@ def _gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
     FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
-    DIAG: tl.constexpr = 0,
+    DIAG: tl.constexpr = 0, SLOT_BLOCKS: tl.constexpr = False, E: tl.constexpr = 0,
 ):
     _await_previous_kernel(PDL)
     b = tl.program_id(0)
-    e = tl.load(block_expert_ptr + b)
+    e = _block_expert(b, block_expert_ptr, E, SLOT_BLOCKS)
     if e >= 0:
-        slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM)
+        slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM, SLOT_BLOCKS)
         k_stop = 0 if PIPELINED_MMA else K_RUNTIME  # a static K loop (wgmma pipelined) or not: see _expert_matmul
         e64 = e.to(tl.int64)
         w_e = w_ptr + e64 * H * (I // 2)

@@ -235,7 +235,15 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         return _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors)
     pdl = cfg.get("PDL", False)
     fragment = cfg.get("FRAGMENT_ORDER", False)
-    if fragment:  # GEMM1 reads x with K in fragment order
+    # One token: a row block per slot, read from the ids by the GEMMs themselves (its experts are
+    # distinct as a router picks them; were two the same, each block would read the weights), so
+    # no routing launch and no copy of x (GEMM1 reads it permuted; benchmarks/NOTES.md, eighteenth session)
+    slot_blocks = cfg.get("SLOT_BLOCKS", True) and planned_slots(num_slots) == top_k
+    if slot_blocks:
+        block_expert = topk_ids.reshape(-1).contiguous()
+        sorted_slot = row_start = row_end = block_expert  # (unused)
+        x_gemm1 = x
+    elif fragment:  # GEMM1 reads x with K in fragment order
         sorted_slot, block_expert, row_start, row_end, x_gemm1 = route(topk_ids, num_experts, cfg["BM"], x, cfg["BK1"],
                                                                        pdl=pdl)
     else:
@@ -245,7 +253,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
                   **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
                   FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting(),
                   FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True), **_pdl_args(pdl),
-                  **({"DIAG": cfg["DIAG"]} if cfg.get("DIAG") else {}))  # (a diagnostic: see kernels._NO_DECODE)
+                  **({"DIAG": cfg["DIAG"]} if cfg.get("DIAG") else {}),  # (a diagnostic: see kernels._NO_DECODE)
+                  **({"SLOT_BLOCKS": True, "E": num_experts} if slot_blocks else {}))
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
@@ -286,7 +295,7 @@ def variant_slots(num_experts: int, hidden: int, inter: int, top_k: int, routed_
     seen = {}
     for slots in range(top_k, last + top_k, top_k):
         cfg = kernel_config(slots, num_experts, hidden, inter, routed_experts)
-        key = (tuple(sorted(cfg.items())), slots <= FAST_ROUTE_MAX_SLOTS, _count_block(slots))
+        key = (tuple(sorted(cfg.items())), slots == top_k, slots <= FAST_ROUTE_MAX_SLOTS, _count_block(slots))
         seen.setdefault(key, slots)
     return sorted(seen.values())
 

@@ -216,6 +216,8 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
         acc, a_odd, scales = _step(2 * i + 1, acc, a_even, scales, w_words.index(2 * ws + 1), x_smem.index(2 * s + 1),
                                    s_ptr, offs, below, nk, wl, wl2, la, DIAG)
     acc, a_odd = warpgroup_mma_wait(0, deps=[acc, a_odd])
+    if DIAG >= 2:
+        acc += gl.sum(gl.sum(a_odd.to(gl.float32), axis=1), axis=0)
     _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1)
 
 
@@ -235,7 +237,12 @@ def _step(k, acc, a_prev, scales, words_smem, x_tile, s_ptr, offs, below, nk, wl
         words = gl.convert_layout(gl.reshape(words_smem.load(wl2), [PAIRS, 4, 4]), wl, assert_trivial=True)
         a = _decode(words, gl.expand_dims(_scales_bf16x2(ra), 2), gl.expand_dims(_scales_bf16x2(rb), 2))
         a = gl.convert_layout(a, la, assert_trivial=True)
-    acc = warpgroup_mma(a, x_tile.permute((1, 0)), acc, is_async=True)
+    if DIAG >= 2:  # each decoded tile XOR-ed into the next (so none is dead code), summed at the end
+        a = (a.to(gl.int16, bitcast=True) ^ a_prev.to(gl.int16, bitcast=True)).to(gl.bfloat16, bitcast=True)
+    if DIAG == 3:  # the MMA on a constant operand: both sides' work, neither waiting for the other
+        acc = warpgroup_mma(gl.full([128, BK], 1.0, gl.bfloat16, la), x_tile.permute((1, 0)), acc, is_async=True)
+    elif DIAG != 2:
+        acc = warpgroup_mma(a, x_tile.permute((1, 0)), acc, is_async=True)
     acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
     return acc, a, (na, nb, ca, cb)
 
@@ -247,7 +254,8 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
                          BLOCK_M: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr, DIAG: gl.constexpr = 0):
     """Program (weight tile ``t``, row block ``b`` of up to ``BLOCK_M`` tokens). GEMM1: tile ``t``
     is gate rows ``128 t ..`` and the same up rows; GEMM2: weight rows ``256 t ..``.
-    ``EXPERT_PAIR_ROWS``: pair rows per expert. ``DIAG`` 1 (a diagnostic, wrong results): no decode."""
+    ``EXPERT_PAIR_ROWS``: pair rows per expert. ``DIAG`` (diagnostics, wrong results): 1 no decode
+    (A a constant), 2 no MMA (the decode and the copies only), 3 both, the MMA on a constant A."""
     t = gl.program_id(0)
     b = gl.program_id(1)
     e = gl.load(block_expert_ptr + b)
@@ -398,7 +406,8 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     scales as bytes, the row blocks as :func:`.launch.route` makes them with ``block_m`` rows
     (one of :data:`BLOCK_MS`). ``stages``: ring slots of two K steps each, at least 3, as many as
     fit in shared memory (:func:`ring_bytes`: 4 x 48 KB at 128 rows); ``regs``: the worker
-    partition's registers; ``diag`` 1 (a diagnostic, wrong results) skips the decode. ``tails``:
+    partition's registers; ``diag`` (a diagnostic, wrong results): 1 skips the decode, 2 the MMA, 3 runs both
+    unlinked (the MMA on a constant operand). ``tails``:
     smaller sizes of :data:`BLOCK_MS`, decreasing: a block of at most ``tails[j]`` rows (an
     expert's last, or all its rows) runs in a launch of its own with ``tails[j]``-token tiles,
     the MMA work of its padding cut (each launch skips the others' blocks). H and I multiples of
