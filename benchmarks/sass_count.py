@@ -94,12 +94,10 @@ def main():
                      PIPELINED_MMA=bool(cfg["PIPELINED_MMA1" if args.gemm1 else "PIPELINED_MMA2"]),
                      PDL=bool(cfg.get("PDL")), DIAG=int(cfg.get("DIAG", 0)), SLOT_BLOCKS=False, E=0)
     common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "K_RUNTIME": "i32"}
-    constants["count_ptr"] = None  # (the one-token path's top-k sum: not compiled here)
     if args.gemm1:
-        constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, N_COUNTERS=0)
+        constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged)
         kernel, sig = kernels._gemm1_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32"}
     else:
-        constants["sum_ptr"] = None
         kernel, sig = kernels._gemm2_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
                                               "out_ptr": "*fp32"}
     sig = {n: sig[n] for n in kernel.arg_names if n in sig} | desc | {k: "constexpr" for k in constants}
