@@ -249,11 +249,10 @@ def test_triton_matches_float64(dtype, e, h, i, t, k):
 @pytest.mark.parametrize("e,h,i", [(6, 512, 256),  # TMA, paired weights, x read in fragment order
                                    (5, 64, 32)])  # plain loads, canonical weights
 @pytest.mark.parametrize("ids", [[3, 0, 5, 1], [2, 2, -1, 6], [2**32 + 1, 4, -2**40, 0]])
-def test_one_token_needs_no_routing_or_sum_launch(monkeypatch, e, h, i, ids):
-    # A one-token call takes each slot as a row block of its own, read from the ids by the GEMMs,
-    # and GEMM2's last programs add the slots: no routing launch, no top-k sum launch, bitwise the
-    # routed path's output (distinct, repeated and invalid ids, int64 ids that would alias a valid
-    # expert in 32 bits), and the float64 answer.
+def test_one_token_needs_no_routing_launch(monkeypatch, e, h, i, ids):
+    # A one-token call takes each slot as a row block of its own, read from the ids by the GEMMs:
+    # no routing launch, bitwise the routed path's output (distinct, repeated and invalid ids,
+    # int64 ids that would alias a valid expert in 32 bits), and the float64 answer.
     from fp4moe_ops.backends.triton_moe import launch
 
     w = layer(e, h, i)
@@ -264,11 +263,10 @@ def test_one_token_needs_no_routing_or_sum_launch(monkeypatch, e, h, i, ids):
     args = (x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), tensors)
     routed = triton_fused_moe(*args, config=kernel_config(ids.shape[1], e, h, i) | {"SLOT_BLOCKS": False})
 
-    def refuse(*a, **k):
-        raise AssertionError("a one-token call launched the routing or the top-k sum kernel")
+    def no_route(*a, **k):
+        raise AssertionError("a one-token call launched the routing kernel")
 
-    monkeypatch.setattr(launch, "route", refuse)
-    monkeypatch.setattr(launch, "_sum_topk", refuse)
+    monkeypatch.setattr(launch, "route", no_route)
     out = triton_fused_moe(*args)
     assert torch.equal(out, routed)
     ref = moe64(x, ids, rw, *w.tensors())

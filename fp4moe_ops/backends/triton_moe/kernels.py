@@ -335,19 +335,14 @@ def _gemm1_swiglu_kernel(
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, OUT_CHUNK: tl.constexpr = 256,
     PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
     MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
-    DIAG: tl.constexpr = 0, SLOT_BLOCKS: tl.constexpr = False, E: tl.constexpr = 0, count_ptr=None, N_COUNTERS=0,
+    DIAG: tl.constexpr = 0, SLOT_BLOCKS: tl.constexpr = False, E: tl.constexpr = 0,
 ):
     """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
     MERGED_GATE_UP (TMA tiles) a program's BN rows are BN/2 gate rows and the same up rows, in one K
-    loop with one accumulator; else BN gate rows and BN up rows in two K loops. SLOT_BLOCKS (one
-    token): see :func:`_block_expert`; ``x`` is then in natural order (read permuted, with
-    FRAGMENT_ORDER), and the programs of block 0 set GEMM2's ``N_COUNTERS`` counters to zero."""
+    loop with one accumulator; else BN gate rows and BN up rows in two K loops. SLOT_BLOCKS: see
+    :func:`_block_expert`; ``x`` is then in natural order (read permuted, with FRAGMENT_ORDER)."""
     _await_previous_kernel(PDL)
     b = tl.program_id(0)
-    if SLOT_BLOCKS:
-        if b == 0:
-            for c in range(tl.program_id(1), N_COUNTERS, tl.num_programs(1)):
-                tl.store(count_ptr + c, 0)
     e = _block_expert(b, block_expert_ptr, E, SLOT_BLOCKS)
     if e >= 0:
         slots, row_mask = _block_rows(b, sorted_slot_ptr, block_row_start_ptr, block_row_end_ptr, BM, SLOT_BLOCKS)
@@ -394,13 +389,8 @@ def _gemm2_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
     FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
-    DIAG: tl.constexpr = 0, SLOT_BLOCKS: tl.constexpr = False, E: tl.constexpr = 0, count_ptr=None, sum_ptr=None,
+    DIAG: tl.constexpr = 0, SLOT_BLOCKS: tl.constexpr = False, E: tl.constexpr = 0,
 ):
-    """Per (M block, N tile): ``y = (h W2^T) * routing weight`` into ``out [S, H]`` float32, by slot.
-    SLOT_BLOCKS (one token, :func:`_block_expert`): the top-k sum too, into ``sum_ptr [1, H]``: each
-    program counts itself in its column tile's counter (``count_ptr``, zeroed by GEMM1), and the
-    last of a tile adds the tile's valid slots in slot order, as :func:`_sum_topk_kernel` does
-    (the same float32 additions: the same bits)."""
     _await_previous_kernel(PDL)
     b = tl.program_id(0)
     e = _block_expert(b, block_expert_ptr, E, SLOT_BLOCKS)
@@ -421,17 +411,6 @@ def _gemm2_kernel(
         route = tl.load(topk_weights_ptr + slots, mask=row_mask, other=0.0)
         y = acc * g * route[None, :]
         tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
-    if SLOT_BLOCKS:  # every program counts, a skipped slot's too
-        tl.debug_barrier()  # all of this program's y stored before it counts itself
-        arrived = tl.atomic_add(count_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) - 1:
-            cols = tl.program_id(1) * BN + tl.arange(0, BN)
-            total = tl.zeros((BN,), dtype=tl.float32)
-            for j in range(0, tl.num_programs(0)):
-                e_j = tl.load(block_expert_ptr + j) + tl.zeros((BN,), dtype=tl.int32)
-                total += tl.load(out_ptr + j * H + cols, mask=(e_j >= 0) & (e_j < E), other=0.0,
-                                 cache_modifier=".cg")  # from L2, where the other programs' stores are
-            tl.store(sum_ptr + cols, total.to(sum_ptr.dtype.element_ty))
 
 @triton.jit(do_not_specialize=["S", "NUM_BLOCKS", "X_NUMEL", "H"])
 def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,

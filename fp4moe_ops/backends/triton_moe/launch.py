@@ -236,20 +236,13 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     pdl = cfg.get("PDL", False)
     fragment = cfg.get("FRAGMENT_ORDER", False)
     # One token: a row block per slot, read from the ids by the GEMMs themselves (its experts are
-    # distinct as a router picks them; were two the same, each block would read the weights), and
-    # the top-k sum done by GEMM2's last programs: no routing launch, no copy of x (GEMM1 reads it
-    # permuted), no top-k sum launch (benchmarks/NOTES.md, eighteenth session)
+    # distinct as a router picks them; were two the same, each block would read the weights), so
+    # no routing launch and no copy of x (GEMM1 reads it permuted; benchmarks/NOTES.md, eighteenth session)
     slot_blocks = cfg.get("SLOT_BLOCKS", True) and planned_slots(num_slots) == top_k
-    only_gemm1, only_gemm2 = {}, {}  # the one-token path's arguments
     if slot_blocks:
         block_expert = topk_ids.reshape(-1).contiguous()
         sorted_slot = row_start = row_end = block_expert  # (unused)
         x_gemm1 = x
-        tiles2 = hidden // cfg["BN2"]
-        counters = torch.empty(tiles2, dtype=torch.int32, device=x.device)  # (GEMM1 zeroes them)
-        out = torch.empty_like(x)
-        only_gemm1 = dict(SLOT_BLOCKS=True, E=num_experts, count_ptr=counters, N_COUNTERS=tiles2)
-        only_gemm2 = dict(SLOT_BLOCKS=True, E=num_experts, count_ptr=counters, sum_ptr=out)
     elif fragment:  # GEMM1 reads x with K in fragment order
         sorted_slot, block_expert, row_start, row_end, x_gemm1 = route(topk_ids, num_experts, cfg["BM"], x, cfg["BK1"],
                                                                        pdl=pdl)
@@ -260,7 +253,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
                   **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
                   FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting(),
                   FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True), **_pdl_args(pdl),
-                  **({"DIAG": cfg["DIAG"]} if cfg.get("DIAG") else {}))  # (a diagnostic: see kernels._NO_DECODE)
+                  **({"DIAG": cfg["DIAG"]} if cfg.get("DIAG") else {}),  # (a diagnostic: see kernels._NO_DECODE)
+                  **({"SLOT_BLOCKS": True, "E": num_experts} if slot_blocks else {}))
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
@@ -281,15 +275,14 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         _gemm1_swiglu_kernel, grid1, x_gemm1, w13, s13, g13, inter_act, sorted_slot, block_expert,
         row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
         OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **common,
-        **only_gemm1,
     )
     grid2 = (block_expert.numel(), hidden // cfg["BN2"])
     launch_or_compile(
         _gemm2_kernel, grid2, inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start,
         row_end, hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
-        PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), **common, **only_gemm2,
+        PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), **common,
     )
-    return out if slot_blocks else _sum_topk(y, topk_ids, x, num_experts, pdl)
+    return _sum_topk(y, topk_ids, x, num_experts, pdl)
 
 
 def variant_slots(num_experts: int, hidden: int, inter: int, top_k: int, routed_experts: int = 0) -> list[int]:
