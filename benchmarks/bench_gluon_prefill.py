@@ -10,7 +10,8 @@ activations) checked against the reference backend, then the DeepSeek-V3 layer: 
 checked against the reference on the first 32 tokens (tokens are independent) and timed as in
 ``bench_moe.py`` (4 routings per CUDA graph, median of replays): the whole layer (routing, gather,
 both GEMMs, top-k sum) for both implementations, and with ``--diag`` the Gluon GEMMs alone
-(``--diag 0,1``: as they are, and without the decode, to time the rest alone; 128-row blocks, no
+(``--diag 0,1,2,3``: as they are; without the decode; without the MMA; both, the MMA on a constant
+operand so that neither waits for the other: wrong results, to time each side; 128-row blocks, no
 tails). ``--block-m``: row blocks of these sizes (``auto``: the sizes around the expected rows per
 expert), each with the deepest ring that fits (at most 8 slots) unless ``--stages``, and with tail
 blocks (``--tail``: an expert's last block of at most that many rows in narrower tiles);
@@ -92,7 +93,9 @@ def main():
     ap.add_argument("--compare-module", default="",
                     help="a module in fp4moe_ops.backends.triton_moe to A/B at 128 rows")
     ap.add_argument("--skip-small", action="store_true")
-    ap.add_argument("--diag", default="", type=ints, help="GEMM-only timings: 0 normal, 1 without the decode")
+    ap.add_argument("--diag", default="", type=ints,
+                    help="GEMM-only timings: 0 normal, 1 without the decode, 2 without the MMA, 3 both unlinked "
+                         "(prefill_rs.prefill_gemms' diag)")
     ap.add_argument("--no-layer", action="store_true", help="GEMM-only timings")
     ap.add_argument("--balanced", action="store_true",
                     help="every expert gets exactly T k / E rows (no partial row blocks where that divides)")
