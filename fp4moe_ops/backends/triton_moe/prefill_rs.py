@@ -406,12 +406,11 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     scales as bytes, the row blocks as :func:`.launch.route` makes them with ``block_m`` rows
     (one of :data:`BLOCK_MS`). ``stages``: ring slots of two K steps each, at least 3, as many as
     fit in shared memory (:func:`ring_bytes`: 4 x 48 KB at 128 rows); ``regs``: the worker
-    partition's registers; ``diag`` (a diagnostic, wrong results): 1 skips the decode, 2 the MMA, 3 runs both
-    unlinked (the MMA on a constant operand). ``tails``:
-    smaller sizes of :data:`BLOCK_MS`, decreasing: a block of at most ``tails[j]`` rows (an
-    expert's last, or all its rows) runs in a launch of its own with ``tails[j]``-token tiles,
-    the MMA work of its padding cut (each launch skips the others' blocks). H and I multiples of
-    256."""
+    partition's registers; ``diag`` (a diagnostic, wrong results): 1 skips the decode, 2 the
+    MMA, 3 runs both unlinked (the MMA on a constant operand). ``tails``: smaller sizes of
+    :data:`BLOCK_MS`, decreasing: a block of at most ``tails[j]`` rows (an expert's last, or all
+    its rows) runs in a launch of its own with ``tails[j]``-token tiles, the MMA work of its
+    padding cut (each launch skips the others' blocks). H and I multiples of 256."""
     num_slots, hidden = x_sorted.shape
     inter = s13.shape[1] // 2
     num_experts = w13.shape[0]
