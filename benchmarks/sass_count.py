@@ -88,11 +88,14 @@ def main():
         desc = {"w_desc": f"tensordesc<u8{w_box}>",
                 "s_desc": f"tensordesc<u8[{bn}, {bk // 16}]>" if bk >= 256 else "*u8"}
     routing = {n: "*i32" for n in ("sorted_slot_ptr", "block_expert_ptr", "block_row_start_ptr", "block_row_end_ptr")}
+    if args.tokens == 1:  # the flat top-k ids (int64 from a torch router)
+        routing["block_expert_ptr"] = "*i64"
     constants = dict(BM=cfg["BM"], BN=bn, BK=bk, PREFETCH=cfg["PREFETCH"], FAST_DECODE=True, INTERPRET=False,
                      TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"], PAIRED=paired,
                      FAST_SCALES=bool(cfg.get("FAST_SCALES", 1)), H=7168, I=2048,
                      PIPELINED_MMA=bool(cfg["PIPELINED_MMA1" if args.gemm1 else "PIPELINED_MMA2"]),
-                     PDL=bool(cfg.get("PDL")), DIAG=int(cfg.get("DIAG", 0)), SLOT_BLOCKS=False, E=0)
+                     PDL=bool(cfg.get("PDL")), DIAG=int(cfg.get("DIAG", 0)),
+                     SLOT_BLOCKS=args.tokens == 1, E=256)  # (one token: the GEMMs read the ids themselves)
     common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "K_RUNTIME": "i32"}
     if args.gemm1:
         constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged)

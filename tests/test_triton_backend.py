@@ -22,6 +22,20 @@ def kernel_tensors(w):
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+try:  # (a module-level jit function: Triton resolves the names it calls in the module's globals)
+    import triton
+    import triton.language as tl
+
+    from fp4moe_ops.backends.triton_moe.kernels import _block_expert
+
+    @triton.jit
+    def _slot_block_experts(ids_ptr, out_ptr, E: tl.constexpr):
+        """Each block's expert as a one-token call's GEMMs see it (``kernels._block_expert``)."""
+        b = tl.program_id(0)
+        tl.store(out_ptr + b, _block_expert(b, ids_ptr, E, True))
+except ImportError:  # pragma: no cover - CPU installs without triton
+    _slot_block_experts = None
+
 
 def layer(e, h, i):
     gate_up = torch.randn(e, 2 * i, h) / h**0.5 * torch.logspace(-1, 1, e)[:, None, None]
@@ -246,17 +260,34 @@ def test_triton_matches_float64(dtype, e, h, i, t, k):
     assert rel < 4 * ulp, rel
 
 
+def test_one_token_blocks_check_ids_as_loaded():
+    # A one-token call's GEMMs take their experts straight from the ids: an id outside [0, E) must
+    # give -1 (a skipped block, whose weights are never read), checked before any narrowing, so an
+    # int64 id that would alias a valid expert in 32 bits is refused too. (The layer's output cannot
+    # show this: the top-k sum ignores such slots anyway.)
+    if _slot_block_experts is None:
+        pytest.skip("needs Triton")
+    e = 6
+    for dtype, values in ((torch.int32, [e, e - 1, -1, 0, 3, 2**31 - 1]),
+                          (torch.int64, [e, e - 1, -1, 0, 3, 2**32 + 1, 2**32, -2**40, 2**31])):
+        ids = torch.tensor(values, dtype=dtype, device=DEVICE)
+        out = torch.full((len(values),), 99, dtype=torch.int32, device=DEVICE)
+        _slot_block_experts[(len(values),)](ids, out, E=e)
+        assert out.cpu().tolist() == [v if 0 <= v < e else -1 for v in values], (dtype, out.cpu().tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("e,h,i", [(6, 512, 256),  # TMA, paired weights, x read in fragment order
                                    (5, 64, 32)])  # plain loads, canonical weights
 @pytest.mark.parametrize("ids", [[3, 0, 5, 1], [2, 2, -1, 6], [2**32 + 1, 4, -2**40, 0]])
-def test_one_token_needs_no_routing_launch(monkeypatch, e, h, i, ids):
+def test_one_token_needs_no_routing_launch(monkeypatch, e, h, i, ids, dtype):
     # A one-token call takes each slot as a row block of its own, read from the ids by the GEMMs:
     # no routing launch, bitwise the routed path's output (distinct, repeated and invalid ids,
     # int64 ids that would alias a valid expert in 32 bits), and the float64 answer.
     from fp4moe_ops.backends.triton_moe import launch
 
     w = layer(e, h, i)
-    x = torch.randn(1, h, dtype=torch.bfloat16)
+    x = torch.randn(1, h, dtype=dtype)
     ids = torch.tensor([ids], dtype=torch.int64)
     rw = torch.rand(1, ids.shape[1])
     tensors = [t.to(DEVICE) for t in kernel_tensors(w)]
@@ -270,7 +301,7 @@ def test_one_token_needs_no_routing_launch(monkeypatch, e, h, i, ids):
     out = triton_fused_moe(*args)
     assert torch.equal(out, routed)
     ref = moe64(x, ids, rw, *w.tensors())
-    # bf16 intermediate and output: a few bf16 ulps (2^-8) of the row scale, as above
+    # 16-bit intermediate and output: a few ulps (bf16 2^-8) of the row scale, as above
     torch.testing.assert_close(out.cpu().double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
 

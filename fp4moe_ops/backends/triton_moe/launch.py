@@ -194,8 +194,8 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # the middle and prefill buckets. In the rest of the decode bucket a run-time loop is faster:
     # pipelined, the layer took 1.01-1.07x the time at 2-256 tokens (cause not established).
     cfg["PIPELINED_MMA1"] = cfg["PIPELINED_MMA2"] = tma and not (decode and num_slots > 8)
-    # Programmatic dependent launch (sm90+; opt-in, config key PDL) for the four launches of a call
-    # (routing, GEMM1, GEMM2, top-k sum): each kernel's programs start while the previous one drains
+    # Programmatic dependent launch (sm90+; opt-in, config key PDL) for the launches of a call
+    # (routing, GEMM1, GEMM2, top-k sum; no routing at one token): each kernel's programs start while the previous one drains
     # its last wave, and wait for it (griddepcontrol) before reading anything it wrote. 0.97-0.98x
     # the layer's time at 1 token, 0.98-0.99x at 2, nothing measurable from 8 (H200,
     # results/sweep_pdl_2026-12-01.log); but the first pass over 24 new shapes of a compiled
@@ -305,8 +305,11 @@ def layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors, routed_ex
     :func:`variant_slots` entry, the call's launch sequence with that slot count's tile config, on
     a one-token copy. One token is enough: the kernels are specialized on dtypes, alignment, the
     layer's sizes and the tile config, never on the token count (the routing kernel's counts are
-    ``do_not_specialize``; its path follows :func:`.compile_ahead.planned_slots`). A copy, not a
-    view: a call of several tokens makes a strided input contiguous in a fresh (aligned) buffer.
+    ``do_not_specialize``; its path, and whether the GEMMs read a one-token call's ids themselves,
+    follow :func:`.compile_ahead.planned_slots`). A copy, not a view: a call of several tokens makes
+    a strided input contiguous in a fresh (aligned) buffer. A one-token call hands its own ``x``
+    and ids to the GEMMs: were they views not 16-byte aligned, that call would compile a variant of
+    its own (correct, only not ahead).
     Largest slot count first: the Gluon prefill kernels take longest to compile, so they start first."""
     num_experts, inter = expert_tensors[1].shape[0], expert_tensors[1].shape[1] // 2
     hidden, top_k = hidden_states.shape[1], topk_ids.shape[1]
