@@ -17,12 +17,16 @@ each program reads.
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_moe import graph_time_ms  # noqa: E402
 
 BOX_ROWS, BOX_WORDS = 128, 64  # 32 KB per box
 
@@ -37,22 +41,6 @@ def _read_kernel(desc, out_ptr, NUM_BOXES, STEPS: tl.constexpr, GROUP: tl.conste
         box = (first + k) % NUM_BOXES
         acc ^= desc.load([box * BOX_ROWS, 0])
     tl.store(out_ptr + p, tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0))
-
-
-def graph_ms(fn, replays=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main():
@@ -78,7 +66,7 @@ def main():
                     run = lambda: _read_kernel[(programs,)](desc, out, num_boxes, STEPS=args.steps, GROUP=group,
                                                             STAGES=stages, BOX_ROWS=BOX_ROWS, BOX_WORDS=BOX_WORDS,
                                                             num_warps=4, num_stages=stages)
-                    ms = graph_ms(run)
+                    ms = graph_time_ms(run, [()])
                     tbs = programs * args.steps * box_bytes / ms / 1e9
                     print(f"  {mib:5d} MiB  {per_sm} programs/SM  {stages} stages  {name:13s} {ms:8.4f} ms  "
                           f"{tbs:6.2f} TB/s", flush=True)
