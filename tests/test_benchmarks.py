@@ -35,6 +35,7 @@ def test_gpu_only_benchmark_scripts_import_on_cpu():
     """The GPU-only scripts at least import (their helpers and names exist) where CI runs."""
     import importlib
 
-    for name in ("bench_e2e", "bench_router", "profile_decode_step", "sweep_triton", "profile_layer"):
+    for name in ("bench_e2e", "bench_router", "profile_decode_step", "sweep_triton", "profile_layer", "probe_stream",
+                 "probe_l2"):
         module = importlib.import_module(name)
         assert callable(module.main), name
