@@ -283,7 +283,8 @@ def test_one_token_blocks_check_ids_as_loaded():
 def test_one_token_needs_no_routing_launch(monkeypatch, e, h, i, ids, dtype):
     # A one-token call takes each slot as a row block of its own, read from the ids by the GEMMs:
     # no routing launch, bitwise the routed path's output (distinct, repeated and invalid ids,
-    # int64 ids that would alias a valid expert in 32 bits), and the float64 answer.
+    # int64 ids that would alias a valid expert in 32 bits), and the float64 answer. (The output
+    # cannot show the id check itself: test_one_token_blocks_check_ids_as_loaded does.)
     from fp4moe_ops.backends.triton_moe import launch
 
     w = layer(e, h, i)
