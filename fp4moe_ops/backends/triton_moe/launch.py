@@ -197,9 +197,8 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # Programmatic dependent launch (sm90+; opt-in, config key PDL) for the launches of a call
     # (routing, GEMM1, GEMM2, top-k sum; no routing at one token): each kernel's programs start while
     # the previous one drains its last wave, and wait for it (griddepcontrol) before reading anything
-    # it wrote. 0.97-0.98x
-    # the layer's time at 1 token, 0.98-0.99x at 2, nothing measurable from 8 (H200,
-    # results/sweep_pdl_2026-12-01.log); but the first pass over 24 new shapes of a compiled
+    # it wrote. 0.97-0.98x the layer's time at 1 token, 0.98-0.99x at 2, nothing measurable from 8
+    # (H200, results/sweep_pdl_2026-12-01.log); but the first pass over 24 new shapes of a compiled
     # generate() took 70.9 s instead of 53.8 s (20.1 instead of 16.4 s with Triton's disk cache; cause
     # not established; results/first_pass_pdl_2026-12-01.md, first_pass_860092d_2026-12-01.md). Off.
     cfg["PDL"] = False
