@@ -1,7 +1,8 @@
 #!/bin/bash
 # One GPU-machine call: smoke test, GPU test suite, benchmarks. Logs and results go to $OUT.
 #   source .device/setup-on-device.sh && bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e
-#   route firstpass firstpass_noahead probecompile probestream linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill)
+#   route firstpass firstpass_noahead probecompile probestream linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill
+#   densebound)
 set -o pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -31,6 +32,7 @@ for step in "$@"; do
     firstpass_noahead) FP4MOE_COMPILE_AHEAD=0 timeout 200 python3 benchmarks/bench_first_pass.py --out "$OUT" --impls fp4moe \
            --label "no compile ahead" 2>&1 | tee "$OUT/first_pass_noahead.log" | grep "^|" ;;
     probestream) timeout 200 python3 benchmarks/probe_stream.py ${STREAM_ARGS:-} 2>&1 | tee "$OUT/probe_stream.log" ;;
+    densebound) timeout 300 python3 benchmarks/probe_dense_bound.py ${DENSE_ARGS:-} 2>&1 | tee "$OUT/probe_dense_bound.log" ;;
     probecompile) timeout 200 python3 benchmarks/probe_compile.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_compile.log" | grep -v -i warn ;;
     linear) timeout ${LINEAR_TIMEOUT:-200} python3 benchmarks/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/linear.log" ;;
     patchmem) timeout 200 python3 benchmarks/bench_patch_memory.py --device cuda ${PATCHMEM_ARGS:---layers 2 --experts 256 --hidden 7168 --inter 2048} 2>&1 | tee "$OUT/patch_memory.log" | grep -v -i warn ;;
