@@ -532,8 +532,8 @@ def test_scale_ptx_on_the_gpu_every_e4m3_byte():
 
 
 def test_fragment_order_config_with_narrow_tiles_is_refused():
-    """BN below 64 with fragment order gave wrong sums on H200 (the CPU interpreter's portable
-    decode does not show it): such a config must fail loudly, not run."""
+    """BN below 64 or BM below 16 with fragment order gave wrong sums on H200 (the CPU
+    interpreter's portable decode does not show it): such a config must fail loudly, not run."""
     w = layer(4, 512, 256)
     dev = [x.to(DEVICE) for x in kernel_tensors(w)]
     x = torch.randn(2, 512, dtype=torch.bfloat16, device=DEVICE)
@@ -542,6 +542,9 @@ def test_fragment_order_config_with_narrow_tiles_is_refused():
     assert cfg["FRAGMENT_ORDER"]
     with pytest.raises(ValueError, match="multiples of 64"):
         triton_fused_moe(x, ids, torch.rand(2, 2, device=DEVICE), dev, cfg)
+    # 8-row blocks likewise (wrong sums on H200, 2026-12-02)
+    with pytest.raises(ValueError, match="BM a multiple of 16"):
+        triton_fused_moe(x, ids, torch.rand(2, 2, device=DEVICE), dev, kernel_config(4, 4, 512, 256) | dict(BM=8))
 
 
 

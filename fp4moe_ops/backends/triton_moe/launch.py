@@ -230,6 +230,11 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         # the GPU decode maps a 64-row weight tile onto the warpgroup's MMA fragments; narrower
         # tiles compile but give wrong sums on H200 (benchmarks/results/sweep_narrow_*.log)
         raise ValueError(f"fragment-order configs need BN1 and BN2 multiples of 64, got {cfg['BN1']} and {cfg['BN2']}")
+    if cfg.get("FRAGMENT_ORDER") and cfg["BM"] % 16:
+        # 8-token row blocks (wgmma N = 8) gave wrong sums on H200, at 1, 8 and 64 tokens (relative
+        # error 1.5-1.6; benchmarks/results/probe_v3_decode_bm8_*_2026-12-02.log); kernel_config never
+        # makes them
+        raise ValueError(f"fragment-order configs need BM a multiple of 16, got {cfg['BM']}")
     x = hidden_states.contiguous()
     if cfg.get("GLUON_PREFILL") and paired and _gluon_prefill_runs(x):
         return _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors)
