@@ -231,9 +231,11 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         # tiles compile but give wrong sums on H200 (benchmarks/results/sweep_narrow_*.log)
         raise ValueError(f"fragment-order configs need BN1 and BN2 multiples of 64, got {cfg['BN1']} and {cfg['BN2']}")
     if cfg.get("FRAGMENT_ORDER") and cfg["BM"] % 16:
-        # 8-token row blocks (wgmma N = 8) gave wrong sums on H200, at 1, 8 and 64 tokens (relative
-        # error 1.5-1.6; benchmarks/results/probe_v3_decode_bm8_*_2026-12-02.log); kernel_config never
-        # makes them
+        # 8-token row blocks gave wrong sums on H200 at 1, 8 and 64 tokens (relative error 1.5-1.6;
+        # benchmarks/results/probe_v3_decode_bm8_*_2026-12-02.log): at N = 8 Triton 3.6 compiles the
+        # dot to mma.sync through a shared-memory layout conversion, not wgmma, and the paired
+        # decode's packing assumption likely fails there (the CPU interpreter's sums are right).
+        # kernel_config never makes them
         raise ValueError(f"fragment-order configs need BM a multiple of 16, got {cfg['BM']}")
     x = hidden_states.contiguous()
     if cfg.get("GLUON_PREFILL") and paired and _gluon_prefill_runs(x):
