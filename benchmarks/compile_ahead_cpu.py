@@ -76,10 +76,10 @@ def layer_arguments(e: int, h: int, i: int, top_k: int, device: str = "cpu"):
 
 
 def cached_variants() -> int:
-    from fp4moe_ops.backends.triton_moe import kernels, prefill_rs
+    from fp4moe_ops.backends.triton_moe import decode_v3, kernels, prefill_rs
 
     fns = (kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel, kernels._sum_topk_kernel,
-           prefill_rs._prefill_gemm_kernel, kernels._linear_kernel, kernels._linear_parts_kernel,
+           prefill_rs._prefill_gemm_kernel, decode_v3._gemm1_v3_kernel, decode_v3._gemm2_v3_kernel, kernels._linear_kernel, kernels._linear_parts_kernel,
            kernels._dequant_kernel)
     return sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
 
@@ -140,7 +140,7 @@ def main():
         sys.exit(0 if linear_main(args) else 1)
     from fp4moe_ops.backends.triton_moe import compile_ahead, launch
 
-    launch._gluon_prefill_runs = lambda x: True  # (CPU tensors: see the module docstring)
+    launch._gluon_runs = lambda x: True  # (CPU tensors: see the module docstring)
     e, h, i, k = (256, 7168, 2048, 8) if args.shape == "deepseek" else (8, 512, 256, 2)
     plans = launch.layer_plans(*layer_arguments(e, h, i, k))
     t0 = time.time()

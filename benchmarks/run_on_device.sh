@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU-machine call: smoke test, GPU test suite, benchmarks. Logs and results go to $OUT.
 #   source .device/setup-on-device.sh && bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e
-#   route firstpass firstpass_noahead probecompile probestream linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill
+#   route firstpass firstpass_noahead probecompile probev3 probestream linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill
 #   densebound)
 set -o pipefail
 OUT=${OUT:-benchmarks/out}
@@ -31,6 +31,7 @@ for step in "$@"; do
     # the same without the first-call compile of every variant (launch.COMPILE_AHEAD), rows added to first_pass.*
     firstpass_noahead) FP4MOE_COMPILE_AHEAD=0 timeout 200 python3 benchmarks/bench_first_pass.py --out "$OUT" --impls fp4moe \
            --label "no compile ahead" 2>&1 | tee "$OUT/first_pass_noahead.log" | grep "^|" ;;
+    probev3) timeout 300 python3 benchmarks/probe_v3_decode.py ${V3_ARGS:-} 2>&1 | tee "$OUT/probe_v3_decode.log" | grep "ms;" ;;
     probestream) timeout 200 python3 benchmarks/probe_stream.py ${STREAM_ARGS:-} 2>&1 | tee "$OUT/probe_stream.log" ;;
     densebound) timeout 300 python3 benchmarks/probe_dense_bound.py ${DENSE_ARGS:-} 2>&1 | tee "$OUT/probe_dense_bound.log" ;;
     probecompile) timeout 200 python3 benchmarks/probe_compile.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_compile.log" | grep -v -i warn ;;

@@ -36,6 +36,6 @@ def test_gpu_only_benchmark_scripts_import_on_cpu():
     import importlib
 
     for name in ("bench_e2e", "bench_router", "profile_decode_step", "sweep_triton", "profile_layer", "probe_stream",
-                 "probe_l2", "probe_dense_bound"):
+                 "probe_l2", "probe_dense_bound", "probe_v3_decode"):
         module = importlib.import_module(name)
         assert callable(module.main), name

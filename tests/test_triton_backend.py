@@ -101,12 +101,16 @@ def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k, monkeypatch,
     import triton.runtime.build
 
     from fp4moe_ops.backends.triton_moe import kernels
-    from fp4moe_ops.backends.triton_moe.launch import _gluon_prefill_runs, compile_layer_once
+    from fp4moe_ops.backends.triton_moe.launch import _gluon_runs, compile_layer_once
 
     kernel_fns = [kernels._route_kernel, kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel,
                   kernels._sum_topk_kernel]
-    gluon = kernel_config(64 * e, e, h, i)["GLUON_PREFILL"] and \
-        _gluon_prefill_runs(torch.empty(1, dtype=torch.bfloat16, device="cuda"))
+    gluon_runs = _gluon_runs(torch.empty(1, dtype=torch.bfloat16, device="cuda"))
+    gluon = kernel_config(64 * e, e, h, i)["GLUON_PREFILL"] and gluon_runs
+    v3 = kernel_config(k, e, h, i)["DECODE_V3"] and gluon_runs
+    if v3:
+        from fp4moe_ops.backends.triton_moe.decode_v3 import _gemm1_v3_kernel, _gemm2_v3_kernel
+        kernel_fns += [_gemm1_v3_kernel, _gemm2_v3_kernel]
     if gluon:
         from fp4moe_ops.backends.triton_moe.prefill_rs import _prefill_gemm_kernel
         kernel_fns.append(_prefill_gemm_kernel)
@@ -135,7 +139,11 @@ def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k, monkeypatch,
     # the GEMMs of every bucket: one token (its blocks read from the ids), decode with static and
     # run-time K loops, middle, prefill (TMA shapes); one token, decode and prefill (plain loads);
     # the Gluon kernels at 128 rows and each tail level
-    assert first[1] - before[1] == (5 if h % 256 == 0 and i % 256 == 0 else 3), (before, first)
+    # (with decode_v3: one token and the rest of a row or less per expert on its two kernels, one
+    # variant each per path, and the Triton GEMMs from the second row per expert on)
+    assert first[1] - before[1] == (3 if v3 else 5 if h % 256 == 0 and i % 256 == 0 else 3), (before, first)
+    if v3:
+        assert [first[j] - before[j] for j in (4, 5)] == [2, 2], (before, first)
     if gluon:
         assert first[-1] - before[-1] == 4, (before, first)
     # every bucket of kernel_config and both routing paths: decode with static and run-time K loops
@@ -332,6 +340,47 @@ def test_kernel_config_buckets():
                      (True, True, True)]
     small = kernel_config(8, 4, 64, 32)
     assert not small["MERGED_GATE_UP"] and not small["PIPELINED_MMA1"]
+
+
+def test_kernel_config_puts_a_row_or_less_per_expert_on_decode_v3():
+    # DeepSeek-V3: 1-32 tokens of top-8 over 256 experts (a row or less per expert), not 33+
+    assert [kernel_config(t * 8, 256, 7168, 2048)["DECODE_V3"] for t in (1, 16, 32, 33, 64, 8192)] == \
+        [True, True, True, False, False, False]
+    assert kernel_config(8, 256, 7168, 2048)["V3_SPS"] == 2 and kernel_config(8, 128, 2048, 768)["V3_SPS"] == 1
+    assert not kernel_config(8, 256, 64, 32)["DECODE_V3"]  # no TMA boxes
+    assert not kernel_config(8, 256, 7168, 1408)["DECODE_V3"]  # I not a multiple of 256 (a step of the ring)
+    assert kernel_config(256, 32, 7168, 2048, routed_experts=256)["DECODE_V3"]  # rows over the routed experts
+
+
+def test_decode_v3_views_hold_each_warps_chunk():
+    # decode_v3's TMA boxes read the op's own tensors through strided views: step s, warp w is K chunk
+    # 4s + w (64 elements); checked here against the definition, byte by byte from the flat tensors
+    from fp4moe_ops.backends.triton_moe.decode_v3 import gate_up_views, scale_view, weight_view
+
+    e, h, i = 3, 512, 1024
+    w2 = torch.randint(-2**31, 2**31 - 1, (e, h // 2, i // 4), dtype=torch.int32)
+    s2 = torch.randint(0, 256, (e, h, i // 16), dtype=torch.uint8)
+    pair_bytes, scale_bytes = w2.view(torch.uint8).reshape(e * h // 2, i), s2.reshape(e * h, i // 16).long()
+
+    def word(row_bytes, c):  # little-endian int32 of blocks 4c .. 4c + 3
+        v = sum(int(row_bytes[4 * c + b]) << (8 * b) for b in range(4))
+        return v - (1 << 32) if v >= 1 << 31 else v
+
+    for sps in (1, 2):
+        wv, sv = weight_view(w2, sps), scale_view(s2, sps)
+        assert wv.shape == (sps, 4, i // (256 * sps), e * h // 2, 64) and sv.shape == (sps, i // (256 * sps), e * h, 4)
+        for j, w, q, p in [(0, 0, 0, 0), (sps - 1, 3, 1, 5), (0, 2, i // (256 * sps) - 1, e * h // 2 - 1)]:
+            c = 4 * (sps * q + j) + w
+            assert torch.equal(wv[j, w, q, p], pair_bytes[p, 64 * c:64 * c + 64])
+            assert int(sv[j, q, 2 * p + 1, w]) == word(scale_bytes[2 * p + 1], c)
+    w13 = torch.randint(-2**31, 2**31 - 1, (e, i, h // 4), dtype=torch.int32)
+    s13 = torch.randint(0, 256, (e, 2 * i, h // 16), dtype=torch.uint8)
+    wv, sv = gate_up_views(w13, s13)
+    gate_up_bytes = w13.view(torch.uint8).reshape(e, i, h)  # pair rows: gate's i/2, then up's
+    for step, w, ex, u, p in [(0, 0, 0, 0, 0), (h // 256 - 1, 3, 2, 1, i // 2 - 1), (0, 1, 1, 1, 7)]:
+        c = 4 * step + w
+        assert torch.equal(wv[w, step, 2 * ex + u, p], gate_up_bytes[ex, u * i // 2 + p, 64 * c:64 * c + 64])
+        assert int(sv[step, u, ex, 2 * p, w]) == word(s13[ex, u * i + 2 * p].long(), c)
 
 
 def test_kernel_config_uses_tma_only_where_boxes_fit():
@@ -769,3 +818,35 @@ def test_gluon_prefill_keeps_a_nan_expert_to_its_own_tokens(monkeypatch):
     others = torch.arange(t, device="cuda") != 2
     assert torch.isfinite(dirty[others]).all()
     torch.testing.assert_close(dirty[others], clean[others], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="decode_v3 needs Hopper (TMA, mma.sync) and Gluon")
+@pytest.mark.parametrize("stages,sps", [(2, 2), (2, 1), (3, 1)])
+@pytest.mark.parametrize("i", [512, 2048])
+@pytest.mark.parametrize("t", [1, 3, 16])
+def test_decode_v3_matches_float64(t, i, stages, sps):
+    # decode_v3 (mma.sync, weights and scales through a TMA ring, four warps splitting K): the layer
+    # against the float64 oracle at one token (a row block per slot) and with routed 16-row blocks,
+    # partly filled (3 tokens: 1.5 rows per expert, past kernel_config's rule, so forced here; 16: 8
+    # rows); I = H = 512 and 2048: 2 and 8 steps, so the rings of 2 or 3 slots of 1 or 2 steps wrap
+    from fp4moe_ops.backends.triton_moe.launch import _gluon_runs
+
+    e, h, k = 8, i, 4
+    w = layer(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    rw = torch.rand(t, k)
+    tensors = [a.cuda() for a in kernel_tensors(w)]
+    assert _gluon_runs(x.cuda())
+    cfg = kernel_config(t * k, e, h, i)
+    v3 = cfg | {"DECODE_V3": True, "V3_STAGES": stages, "V3_SPS": sps, "V3_STAGES1": stages}
+    wgmma = cfg | {"DECODE_V3": False}
+    out = triton_fused_moe(x.cuda(), ids.cuda(), rw.cuda(), tensors, config=v3).cpu().double()
+    ref = moe64(x, ids, rw, *w.tensors())
+    # bf16 h and output: a few ulps (2^-8) of the row scale, as the other layer tests
+    torch.testing.assert_close(out, ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+    base = triton_fused_moe(x.cuda(), ids.cuda(), rw.cuda(), tensors, config=wgmma).cpu().double()
+    err, base_err = ((out - ref).norm() / ref.norm()).item(), ((base - ref).norm() / ref.norm()).item()
+    assert err < 2 * base_err + 1e-4, (err, base_err)  # as close as the wgmma kernels (summation order only)

@@ -205,6 +205,14 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # Prefill with many rows per expert: the Gluon kernels (prefill_rs.py; paired weights, bf16
     # activations and compute capability 9.x only, checked at the call)
     cfg["GLUON_PREFILL"] = tma and rows_per_expert >= GLUON_PREFILL_MIN_ROWS
+    # A row or less per expert: both GEMMs on mma.sync with weights and scales through a TMA ring
+    # (decode_v3.py; Hopper, bf16 and Gluon only, checked at the call). DeepSeek-V3's layer against
+    # the wgmma kernels, one process (H200, benchmarks/NOTES.md, twenty-first session): 0.92-0.94x
+    # the time at 1-8 tokens, 0.96x at 16, 0.92-0.99x at 32; at 64 (2 rows) level, so not there.
+    # Ring: 2 slots of 2 steps (256 K each) for GEMM2 where I allows, 2 slots of one step for GEMM1
+    cfg["DECODE_V3"] = tma and rows_per_expert <= 1 and hidden % 256 == 0 and inter % 256 == 0
+    if cfg["DECODE_V3"]:
+        cfg |= dict(V3_STAGES=2, V3_SPS=2 if inter % 512 == 0 else 1, V3_STAGES1=2)
     return cfg
 
 
@@ -238,8 +246,10 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         # kernel_config never makes them
         raise ValueError(f"fragment-order configs need BM a multiple of 16, got {cfg['BM']}")
     x = hidden_states.contiguous()
-    if cfg.get("GLUON_PREFILL") and paired and _gluon_prefill_runs(x):
+    if cfg.get("GLUON_PREFILL") and paired and _gluon_runs(x):
         return _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors)
+    if cfg.get("DECODE_V3") and paired and _gluon_runs(x):
+        return _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg)
     pdl = cfg.get("PDL", False)
     fragment = cfg.get("FRAGMENT_ORDER", False)
     # One token: a row block per slot, read from the ids by the GEMMs themselves (its experts are
@@ -363,18 +373,20 @@ def gluon_triton_supported(version: str) -> bool:
     return version.split(".")[:2] == GLUON_TRITON.split(".")
 
 
-def _gluon_prefill_runs(x: torch.Tensor) -> bool:
-    """The Gluon prefill kernels need Hopper's wgmma (compute capability 9.x), bf16 activations
-    and Triton's Gluon of the release they were written for (not in the interpreter)."""
+def _gluon_runs(x: torch.Tensor) -> bool:
+    """The Gluon kernels (prefill_rs.py, decode_v3.py) need Hopper (compute capability 9.x: wgmma,
+    TMA), bf16 activations and Triton's Gluon of the release they were written for (not in the
+    interpreter)."""
     if interpreting() or not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
         return False
     if not gluon_triton_supported(triton.__version__):
         return False
     try:
-        from .prefill_rs import prefill_gemms  # noqa: F401  (Gluon importable)
+        from . import decode_v3, prefill_rs  # noqa: F401  (Gluon importable)
     except ImportError:
         return False
     return True
+
 
 
 def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int = 128, tails=GLUON_PREFILL_TAILS,
@@ -390,6 +402,32 @@ def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int =
     x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
     y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
                       row_start, row_end, block_m=block_m, tails=tails, **options)
+    return _sum_topk(y, topk_ids, x, num_experts)
+
+
+def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict):
+    """A row or less per expert: route (one token: a row block per slot, read from the ids by the
+    GEMMs, as in :func:`triton_fused_moe`), :func:`.decode_v3.gemm1_v3` (``h`` with K's bits 0, 1
+    swapped), :func:`.decode_v3.gemm2_v3`, top-k sum."""
+    from .decode_v3 import gemm1_v3, gemm2_v3
+
+    w13, s13, g13, w2, s2, g2 = expert_tensors
+    num_experts, inter = s13.shape[0], s13.shape[1] // 2
+    (num_tokens, hidden), top_k = x.shape, topk_ids.shape[1]
+    num_slots = num_tokens * top_k
+    slot_blocks = cfg.get("SLOT_BLOCKS", True) and planned_slots(num_slots) == top_k
+    if slot_blocks:
+        block_expert = topk_ids.reshape(-1).contiguous()
+        sorted_slot = row_start = row_end = block_expert  # (unused)
+    else:
+        sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
+    bm = 8 if slot_blocks else cfg["BM"]
+    h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
+    gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end, hidden, inter, top_k, bm, slot_blocks,
+             num_experts, cfg["V3_STAGES1"])
+    gemm2_v3(h, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end, hidden, inter,
+             bm, slot_blocks, num_experts, cfg["V3_STAGES"], cfg["V3_SPS"])
     return _sum_topk(y, topk_ids, x, num_experts)
 
 

@@ -1,0 +1,423 @@
+"""The decode-sized expert GEMMs on ``mma.sync``, weights and scales through a TMA ring (issue 17).
+
+Why: at 1-32 tokens (a row or less per expert) the layer is a stream of FP4 weights, and the wgmma
+kernels (kernels.py) issue ~3.5 instructions per weight element there (454 per K step of 128
+elements and thread, sm90 SASS), of which the decode is ~1.65; the rest is wgmma's descriptors,
+fences and waits. ``mma.sync m16n8k16`` takes both operands from registers: one instruction per
+16-wide chunk (GEMM2's loop: 287-323 instructions per step; GEMM1's: ~350). Plain global loads of
+the weights saturated the L1/TEX pipe (decode_v2, benchmarks/NOTES.md, nineteenth session), and
+per-thread scale loads bound the first version of these kernels (twentieth session); here both
+come through TMA into a shared-memory ring, and each thread reads its weight words with one
+128-bit shared load per 32 elements.
+
+Layout: a program computes ``[64 weight rows, BM tokens]`` of one row block with 4 warps that
+split K: step ``s`` covers natural K ``[256 s, 256 s + 256)``, warp ``w`` its chunk ``4 s + w``
+(64 elements). Each warp holds all 64 rows (4 m16 tiles), so its activation fragments serve four
+MMAs, and the four partial sums are added through shared memory at the end. Thread ``t = lane %
+4`` of a pair row decodes words ``4t .. 4t+3`` of a chunk (K ``16t .. 16t+15`` of the chunk, one
+scale block per row), exactly its A registers of the chunk's four 16-wide MMAs. Its B registers
+are then K ``16t .. 16t+15`` of its token in the order ``16t + 4j + 2e + s`` (MMA j, register half
+e, s = 0 for the first register): GEMM1 stores ``h`` with bits 0 and 1 of K swapped, so they are
+one contiguous 32-byte run for GEMM2, and reads ``x`` in natural order (two ``prmt`` per pair).
+
+The TMA boxes read the op's own tensors (paired weights ``[E, N/2, K/4]`` int32, scales ``[E, N,
+K/16]``; layout.py), no copies: a chunk's 64 bytes of a pair row, and a step's four scale words
+of a row (chunks ``4 s .. 4 s + 3``, 16 contiguous bytes), so a warp's eight scale rows in shared
+memory are 16 bytes apart (no bank conflicts).
+
+Compute capability 9.x and Triton's Gluon of :data:`.launch.GLUON_TRITON` only (checked by the
+caller); sizes: ``H % 256 == 0``, ``I % (256 SPS) == 0``.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from .compile_ahead import launch_or_compile
+from .prefill_rs import _SPLIT_HALVES, _WORD_TO_BF16
+
+# Two E4M3 scale bytes (byte t of $2 for row r, of $3 for row r + 8, picked by the selector $4 =
+# t | t << 4 | (4 + t) << 8 | (4 + t) << 12: one selector nibble per output byte) -> bf16x2 ``(S_r, S_r)`` and ``(S_r8, S_r8)``,
+# S = scale * 2^104 (as prefill_rs._E4M3_TO_BF16X2, both rows in one pass). The four threads of a
+# quad load the same aligned word (the scales of their four blocks).
+_E4M3X2_TO_BF16X2 = gl.constexpr("""
+{
+.reg .b32 t, c;
+mov.b32 c, 0x77807780;
+prmt.b32 t, $2, $3, $4;
+and.b32 t, t, 0x007F007F; shl.b32 t, t, 4;
+mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 t, t, c;
+prmt.b32 $0, t, 0, 0x1010;
+prmt.b32 $1, t, 0, 0x3232;
+}
+""")
+
+
+@gluon.jit
+def _words_ref(la: gl.constexpr):
+    """A ``[4 warps, 32 pair rows, 4 (t), 4 (j)]`` int32 zero tensor whose layout gives each thread
+    the words of its A fragments of a ``[4, 64, 64]`` step (row ``16m + 8rs + g``, column
+    ``16j + 8s + 2t + e``; pair row ``8m + g``)."""
+    ref = gl.zeros([4, 64, 64], gl.bfloat16, la)
+    ref = gl.reshape(ref, [4, 4, 2, 8, 4, 2, 4, 2])  # w, m, rs, g, j, s, t, e
+    ref = gl.permute(ref, [0, 1, 3, 6, 4, 2, 5, 7])  # w, m, g, t, j, rs, s, e
+    ref = gl.reshape(ref, [4, 32, 4, 4, 8])
+    return gl.max(ref.to(gl.int32), axis=4)
+
+
+@gluon.jit
+def _act_ref(lb: gl.constexpr, BM: gl.constexpr):
+    """A ``[4, BM, 32]`` int32 zero tensor (warp, token, word ``8t + 2j + s`` of the step: positions
+    ``16t + 4j + 2s + e``) whose layout is the B operand's: a thread's 8 words of a token are contiguous."""
+    ref = gl.zeros([4, 64, BM], gl.bfloat16, lb)
+    ref = gl.reshape(ref, [4, 4, 2, 4, 2, BM])  # w, j, s, t, e, n
+    ref = gl.permute(ref, [0, 5, 3, 1, 2, 4])  # w, n, t, j, s, e
+    ref = gl.reshape(ref, [4, BM, 32, 2])
+    return gl.max(ref.to(gl.int32), axis=3)  # [4, BM, 32] int32 words
+
+
+@gluon.jit
+def _decode(words, sc_r, sc_r8):
+    """``words [4, 32, 4, 4]`` and bf16x2 scales ``[4, 32, 4, 1]`` -> A ``[4, 64, 64]`` bf16."""
+    o0, o1, o2, o3 = gl.inline_asm_elementwise(
+        _WORD_TO_BF16, "=r,=r,=r,=r,r,r,r", [words, sc_r, sc_r8],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    v = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [w, p, t, j, rs, s]
+    lo, hi = gl.inline_asm_elementwise(_SPLIT_HALVES, "=h,=h,r", [v], dtype=(gl.bfloat16, gl.bfloat16),
+                                       is_pure=True, pack=1)
+    a = gl.join(lo, hi)  # [w, p, t, j, rs, s, e]
+    a = gl.reshape(a, [4, 4, 8, 4, 4, 2, 2, 2])  # w, m, g, t, j, rs, s, e
+    a = gl.permute(a, [0, 1, 5, 2, 4, 6, 3, 7])  # w, m, rs, g, j, s, t, e
+    return gl.reshape(a, [4, 64, 64])
+
+
+# Two words of natural-order activations (k, k+1), (k+2, k+3) -> the B registers (k, k+2), (k+1, k+3)
+_NATURAL_TO_B = gl.constexpr("prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;")
+
+
+@gluon.jit
+def _step(acc, words, ra, rb, sel, x, WL: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, BM: gl.constexpr,
+          NATURAL_B: gl.constexpr = False):
+    """One K step: decode ``words`` ([4, 32, 16] int32) with the raw scale words ``ra``, ``rb``,
+    the MMA with the activation words ``x`` ([4, BM, 32]; with NATURAL_B in natural K order,
+    else with K's bits 0 and 1 swapped)."""
+    if NATURAL_B:
+        xa, xc = gl.split(gl.reshape(x, [4, BM, 16, 2]))
+        x0, x1 = gl.inline_asm_elementwise(_NATURAL_TO_B, "=r,=r,r,r", [xa, xc], dtype=(gl.int32, gl.int32),
+                                           is_pure=True, pack=1)
+        x = gl.reshape(gl.join(x0, x1), [4, BM, 32])
+    words = gl.convert_layout(gl.reshape(words, [4, 32, 4, 4]), WL, assert_trivial=True)
+    sc_r, sc_r8 = gl.inline_asm_elementwise(_E4M3X2_TO_BF16X2, "=r,=r,r,r,r", [ra, rb, sel],
+                                            dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    a = _decode(words, gl.expand_dims(sc_r, 3), gl.expand_dims(sc_r8, 3))
+    a = gl.convert_layout(a, la, assert_trivial=True)
+    xlo, xhi = gl.inline_asm_elementwise(_SPLIT_HALVES, "=h,=h,r", [x], dtype=(gl.bfloat16, gl.bfloat16),
+                                         is_pure=True, pack=1)
+    xb = gl.reshape(gl.join(xlo, xhi), [4, BM, 4, 4, 2, 2])  # w, n, t, j, s, e
+    xb = gl.reshape(gl.permute(xb, [0, 3, 4, 2, 5, 1]), [4, 64, BM])  # column 16j + 8s + 2t + e
+    xb = gl.convert_layout(xb, lb, assert_trivial=True)
+    return mma_v2(a, xb, acc)
+
+
+@gluon.jit
+def _slot_scales(step, SL: gl.constexpr):
+    """One step's scale words in the ring (``[64 rows, 4 warps]`` int32: word (r, w) holds row r's
+    four blocks of warp w's chunk) -> the words of rows r and r + 8, ``[4, 32, 1]`` each in
+    ``SL``'s slice (warp, pair row ``8m + g``; the four threads t of a quad read the same word).
+    Row ``16m + 8rs + g`` of a warp's load is 16 bytes from the next g: no bank conflicts."""
+    RL: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0], [16, 0], [32, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[0, 1], [0, 2]], block_bases=[], shape=[64, 4])
+    v = step.load(RL)  # [64 rows, 4 warps]
+    v = gl.permute(gl.reshape(v, [4, 2, 8, 4]), [3, 0, 2, 1])  # w, m, g, rs
+    r_lo, r_hi = gl.split(gl.reshape(v, [4, 32, 2]))
+    PL: gl.constexpr = gl.SliceLayout(2, SL)
+    r_lo = gl.convert_layout(r_lo, PL, assert_trivial=True)
+    r_hi = gl.convert_layout(r_hi, PL, assert_trivial=True)
+    return gl.expand_dims(r_lo, 2), gl.expand_dims(r_hi, 2)
+
+
+@gluon.jit
+def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slot_ptr, block_expert_ptr,
+                     row_start_ptr, row_end_ptr, H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr,
+                     SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr, SPS: gl.constexpr):
+    """Program (row block ``b``, weight tile ``n``): ``y[slot, 64 n ..] = route * g * w2[e] @ h[slot]``.
+    ``w_desc``: TMA descriptors of :func:`weight_view` (box ``[SPS, 4, 1, 32,
+    64]``: SPS steps of w2 per ring slot) and :func:`scale_view` (box ``[SPS, 1, 64, 4]``: their scale words); ``h [S, I]`` bf16 with K's bits 0, 1 swapped;
+    ``y [S, H]`` float32."""
+    b = gl.program_id(0)
+    n = gl.program_id(1)
+    e = gl.load(block_expert_ptr + b)
+    if SLOT_BLOCKS:
+        e = gl.where((e >= 0) & (e < E), e, -1).to(gl.int32)
+    if e >= 0:
+        NSTEPS: gl.constexpr = I // 256
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        wref = _words_ref(la)
+        WL: gl.constexpr = wref.type.layout
+        WL16: gl.constexpr = gl.reshape(wref, [4, 32, 16]).type.layout
+        SL: gl.constexpr = gl.SliceLayout(3, WL)
+        BL: gl.constexpr = _act_ref(lb, BM).type.layout
+
+        # the ring: per slot SPS steps x [4 warps' chunks, 32 pair rows, 64 bytes] and their
+        # scale words [64 rows, 4 warps]
+        NSLOTS: gl.constexpr = NSTEPS // SPS
+        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, SPS, 4, 1, 32, 64], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, SPS, 1, 64, 4], s_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for q in gl.static_range(STAGES):
+            mbarrier.init(ready.index(q), count=1)
+        pair0 = e * (H // 2) + n * 32
+        row0 = e * H + n * 64
+        SLOT_BYTES: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes
+        for q in gl.static_range(STAGES):
+            if q < NSLOTS:
+                mbarrier.expect(ready.index(q), SLOT_BYTES)
+                tma.async_copy_global_to_shared(s_desc, [0, q, row0, 0], ready.index(q), s_smem.index(q))
+                tma.async_copy_global_to_shared(w_desc, [0, 0, q, pair0, 0], ready.index(q), w_smem.index(q))
+        words_smem = w_smem._reinterpret(gl.int32, [STAGES * SPS, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        s_steps = s_smem._reinterpret(gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+        # the byte selector of each thread's scale bytes (its block t of rows r and r + 8)
+        ti = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+        sel = gl.expand_dims(gl.expand_dims(ti | (ti << 4) | ((ti + 4) << 8) | ((ti + 4) << 12), 0), 1)
+        sel = sel + gl.zeros([4, 32, 4], gl.int32, SL)
+
+        # the block's tokens and activation offsets [4, BM, 32] (int32 words) of step 0
+        bw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
+        bn = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
+        bq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
+        if SLOT_BLOCKS:
+            valid_b = bn == 0
+            slots_b = (b + bn * 0).to(gl.int64)
+        else:
+            r0 = gl.load(row_start_ptr + b)
+            r1 = gl.load(row_end_ptr + b)
+            valid_b = r0 + bn < r1
+            slots_b = gl.load(sorted_slot_ptr + r0 + bn, mask=valid_b, other=0).to(gl.int64)
+        h_off = (gl.expand_dims(gl.expand_dims(slots_b * (I // 2), 0), 2) + gl.expand_dims(gl.expand_dims(bw * 32, 1), 2)
+                 + gl.expand_dims(gl.expand_dims(bq, 0), 1))
+        h_words = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        h_mask = gl.expand_dims(gl.expand_dims(valid_b, 0), 2) & gl.expand_dims(gl.expand_dims(bq >= 0, 0), 1)
+
+        x_cur = gl.load(h_words + h_off, mask=h_mask, other=0)
+        acc = gl.zeros([4, 64, BM], gl.float32, mma)
+        for i in range(NSLOTS):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            words0 = words_smem.index(SPS * s).load(WL16)
+            ra, rb = _slot_scales(s_steps.index(SPS * s), SL)
+            if SPS == 2:
+                words1 = words_smem.index(SPS * s + 1).load(WL16)
+                na, nb = _slot_scales(s_steps.index(SPS * s + 1), SL)
+            gl.thread_barrier()  # every warp has its words and scales of slot s: refill it
+            if i + STAGES < NSLOTS:
+                mbarrier.expect(ready.index(s), SLOT_BYTES)
+                tma.async_copy_global_to_shared(s_desc, [0, i + STAGES, row0, 0], ready.index(s), s_smem.index(s))
+                tma.async_copy_global_to_shared(w_desc, [0, 0, i + STAGES, pair0, 0], ready.index(s), w_smem.index(s))
+            # the next step's activations, issued after the copy (its proxy fence waits for the
+            # thread's outstanding memory operations)
+            x_nxt = gl.load(h_words + h_off + gl.minimum(SPS * i + 1, NSTEPS - 1) * 128, mask=h_mask, other=0)
+            acc = _step(acc, words0, ra, rb, sel, x_cur, WL, la, lb, BM)
+            if SPS == 2:
+                x_cur = gl.load(h_words + h_off + gl.minimum(SPS * i + 2, NSTEPS - 1) * 128, mask=h_mask, other=0)
+                acc = _step(acc, words1, na, nb, sel, x_nxt, WL, la, lb, BM)
+            else:
+                x_cur = x_nxt
+
+        # the four warps' partial sums added through shared memory: each warp stores its partial
+        # sums, each thread then adds the four partials of its outputs (a generic reduction over
+        # the warp axis also shuffled within warps, with bank conflicts: 202 us instead of 152)
+        red = gl.allocate_shared_memory(gl.float32, [4, 64, BM], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        red.store(acc)
+        gl.thread_barrier()
+        RL: gl.constexpr = gl.BlockedLayout([4, 1, 4], [1, 32 // (BM // 4), BM // 4], [1, 4, 1], [2, 1, 0])
+        y = gl.sum(red.load(RL), axis=0)
+        YL: gl.constexpr = y.type.layout
+        g = gl.load(g_ptr + e) * 4194304.0  # the decoded tiles' 2^-22
+        mo = gl.arange(0, BM, layout=gl.SliceLayout(0, YL))
+        rr = gl.arange(0, 64, layout=gl.SliceLayout(1, YL))
+        if SLOT_BLOCKS:
+            slots = (b + mo * 0).to(gl.int64)
+            valid = mo == 0
+        else:
+            valid = r0 + mo < r1
+            slots = gl.load(sorted_slot_ptr + r0 + mo, mask=valid, other=0).to(gl.int64)
+        route = gl.load(topk_w_ptr + slots, mask=valid, other=0.0)
+        y = y * g * gl.expand_dims(route, 0)
+        y_off = gl.expand_dims(slots * H, 0) + gl.expand_dims(n * 64 + rr, 1)
+        gl.store(y_ptr + y_off, y, mask=gl.expand_dims(valid, 0) & gl.expand_dims(rr >= 0, 1))
+
+
+def weight_view(w2: torch.Tensor, sps: int) -> torch.Tensor:
+    """w2's paired words ``[E, H/2, I/4]`` int32 as bytes ``[E H/2 pair rows, I]``, viewed ``[SPS
+    (step in slot), 4 (warp), I/(256 SPS) (slot), E H/2, 64]``: entry ``[j, w, q, p]`` is pair row
+    ``p``'s K chunk ``4 (SPS q + j) + w`` (64 elements of both its rows)."""
+    num_experts, half_h, quarter_i = w2.shape
+    inter = 4 * quarter_i
+    return w2.view(torch.uint8).reshape(num_experts * half_h, inter // (256 * sps), sps, 4, 64).permute(2, 3, 1, 0, 4)
+
+
+def scale_view(s2: torch.Tensor, sps: int) -> torch.Tensor:
+    """w2's block scales ``[E, H, I/16]`` as int32 words ``[E H, I/64]`` (word ``c``: the four
+    blocks of K chunk ``c``), viewed ``[SPS, I/(256 SPS) (slot), E H, 4 (warp)]``: entry ``[j, q,
+    r, w]`` is row ``r``'s word of chunk ``4 (SPS q + j) + w``."""
+    num_experts, hidden, blocks = s2.shape
+    words = s2.view(torch.uint8).view(torch.int32)
+    return words.reshape(num_experts * hidden, blocks // (16 * sps), sps, 4).permute(2, 1, 0, 3)
+
+
+def _descriptor(view: torch.Tensor, box: list[int]):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * view.element_size(), rank=view.dim())
+    return TensorDescriptor.from_tensor(view, box, layout)
+
+
+def gemm2_v3(h, w2, s2, g2, topk_weights, y, sorted_slot, block_expert, row_start, row_end, hidden, inter, bm,
+             slot_blocks, num_experts, stages=2, sps=2):
+    """``y = route * w2 @ h`` per slot (:func:`_gemm2_v3_kernel`) over the routed row blocks (one
+    per slot with ``slot_blocks``, ``bm`` 8)."""
+    if inter % (256 * sps) or hidden % 64:
+        raise ValueError(f"decode_v3: I must be a multiple of {256 * sps} and H of 64, got {inter}, {hidden}")
+    launch_or_compile(_gemm2_v3_kernel, (block_expert.numel(), hidden // 64), h,
+                      _descriptor(weight_view(w2, sps), [sps, 4, 1, 32, 64]),
+                      _descriptor(scale_view(s2, sps), [sps, 1, 64, 4]), g2, topk_weights, y, sorted_slot, block_expert,
+                      row_start, row_end,
+                      H=hidden, I=inter, BM=bm, SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, SPS=sps,
+                      num_warps=4)
+
+
+@gluon.jit
+def _gemm1_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block_expert_ptr, row_start_ptr,
+                     row_end_ptr, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, BM: gl.constexpr,
+                     SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr):
+    """Program (row block ``b``, tile ``n``): ``h[slot, i] = silu(gate_i . x) * (up_i . x)`` for
+    ``i = 32 n ..`` (rows 0-31 of the tile gate rows, 32-63 the same up rows), stored with K's
+    bits 0, 1 swapped for :func:`_gemm2_v3_kernel`. ``w_desc``, ``s_desc``:
+    TMA descriptors of :func:`gate_up_views` (boxes ``[4, 1, 2, 16, 64]`` and ``[1, 2, 1, 32, 4]``:
+    one step per ring slot); ``x [T, H]`` bf16 in natural order
+    (token = slot // TOPK)."""
+    b = gl.program_id(0)
+    n = gl.program_id(1)
+    e = gl.load(block_expert_ptr + b)
+    if SLOT_BLOCKS:
+        e = gl.where((e >= 0) & (e < E), e, -1).to(gl.int32)
+    if e >= 0:
+        NSTEPS: gl.constexpr = H // 256
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        wref = _words_ref(la)
+        WL: gl.constexpr = wref.type.layout
+        WL16: gl.constexpr = gl.reshape(wref, [4, 32, 16]).type.layout
+        SL: gl.constexpr = gl.SliceLayout(3, WL)
+        BL: gl.constexpr = _act_ref(lb, BM).type.layout
+
+        # the ring: per slot [4 warps' chunks, gate/up, 16 pair rows, 64 bytes] (pair row 16 half
+        # + p) and the scale words [gate/up, 32 rows, 4 warps]
+        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 1, 2, 16, 64], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, 2, 1, 32, 4], s_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for q in gl.static_range(STAGES):
+            mbarrier.init(ready.index(q), count=1)
+        SLOT_BYTES: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes
+        for q in gl.static_range(STAGES):
+            if q < NSTEPS:
+                mbarrier.expect(ready.index(q), SLOT_BYTES)
+                tma.async_copy_global_to_shared(s_desc, [q, 0, e, n * 32, 0], ready.index(q), s_smem.index(q))
+                tma.async_copy_global_to_shared(w_desc, [0, q, 2 * e, n * 16, 0], ready.index(q), w_smem.index(q))
+        words_smem = w_smem._reinterpret(gl.int32, [STAGES, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        s_steps = s_smem._reinterpret(gl.int32, [STAGES, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+        ti = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+        sel = gl.expand_dims(gl.expand_dims(ti | (ti << 4) | ((ti + 4) << 8) | ((ti + 4) << 12), 0), 1)
+        sel = sel + gl.zeros([4, 32, 4], gl.int32, SL)
+
+        bw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
+        bn = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
+        bq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
+        if SLOT_BLOCKS:
+            valid_b = bn == 0
+            tok_b = (b // TOPK + bn * 0).to(gl.int64)
+        else:
+            r0 = gl.load(row_start_ptr + b)
+            r1 = gl.load(row_end_ptr + b)
+            valid_b = r0 + bn < r1
+            tok_b = (gl.load(sorted_slot_ptr + r0 + bn, mask=valid_b, other=0) // TOPK).to(gl.int64)
+        x_off = (gl.expand_dims(gl.expand_dims(tok_b * (H // 2), 0), 2) + gl.expand_dims(gl.expand_dims(bw * 32, 1), 2)
+                 + gl.expand_dims(gl.expand_dims(bq, 0), 1))
+        x_words = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        x_mask = gl.expand_dims(gl.expand_dims(valid_b, 0), 2) & gl.expand_dims(gl.expand_dims(bq >= 0, 0), 1)
+
+        x_cur = gl.load(x_words + x_off, mask=x_mask, other=0)
+        acc = gl.zeros([4, 64, BM], gl.float32, mma)
+        for i in range(NSTEPS):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            words = words_smem.index(s).load(WL16)
+            ra, rb = _slot_scales(s_steps.index(s), SL)
+            gl.thread_barrier()  # every warp has its words and scales of slot s: refill it
+            if i + STAGES < NSTEPS:
+                mbarrier.expect(ready.index(s), SLOT_BYTES)
+                tma.async_copy_global_to_shared(s_desc, [i + STAGES, 0, e, n * 32, 0], ready.index(s), s_smem.index(s))
+                tma.async_copy_global_to_shared(w_desc, [0, i + STAGES, 2 * e, n * 16, 0], ready.index(s),
+                                                w_smem.index(s))
+            x_nxt = gl.load(x_words + x_off + gl.minimum(i + 1, NSTEPS - 1) * 128, mask=x_mask, other=0)
+            acc = _step(acc, words, ra, rb, sel, x_cur, WL, la, lb, BM, NATURAL_B=True)
+            x_cur = x_nxt
+
+        # the warps' partial sums through shared memory; rows r (gate) and 32 + r (up) in one thread
+        red = gl.allocate_shared_memory(gl.float32, [4, 64, BM], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        red.store(acc)
+        gl.thread_barrier()
+        red4 = red._reinterpret(gl.float32, [4, 2, 32, BM], gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
+        RL: gl.constexpr = gl.BlockedLayout([4, 2, 1, BM // 4], [1, 1, 8, 4], [1, 1, 4, 1], [3, 2, 1, 0])
+        y = gl.sum(red4.load(RL), axis=0)  # [2, 32, BM]
+        g = gl.load(g_ptr + e) * 4194304.0  # the decoded tiles' 2^-22
+        gate, up = gl.split(gl.permute(y * g, [1, 2, 0]))
+        hv = gate / (1.0 + gl.exp(-gate)) * up
+        HL: gl.constexpr = hv.type.layout
+        mo = gl.arange(0, BM, layout=gl.SliceLayout(0, HL))
+        rr = gl.arange(0, 32, layout=gl.SliceLayout(1, HL))
+        if SLOT_BLOCKS:
+            slots = (b + mo * 0).to(gl.int64)
+            valid = mo == 0
+        else:
+            valid = r0 + mo < r1
+            slots = gl.load(sorted_slot_ptr + r0 + mo, mask=valid, other=0).to(gl.int64)
+        col = n * 32 + rr
+        col = (col & ~3) | ((col & 1) << 1) | ((col >> 1) & 1)  # K's bits 0, 1 swapped for GEMM2
+        h_off = gl.expand_dims(slots * I, 0) + gl.expand_dims(col, 1)
+        gl.store(h_ptr + h_off, hv.to(gl.bfloat16), mask=gl.expand_dims(valid, 0) & gl.expand_dims(rr >= 0, 1))
+
+
+def gate_up_views(w13: torch.Tensor, s13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13's paired words ``[E, I, H/4]`` int32 as bytes ``[2E (expert, gate/up), I/2 pair rows,
+    H]`` viewed ``[4 (warp), H/256 (step), 2E, I/2, 64]`` (entry ``[w, s, 2e + u, p]``: chunk ``4s +
+    w`` of pair row ``p`` of expert e's gate (u 0) or up (u 1) rows), and its scales ``[E, 2I,
+    H/16]`` as int32 words viewed ``[H/256 (step), 2 (gate/up), E, I, 4 (warp)]`` (entry ``[s, u, e,
+    i, w]``: row ``u I + i``'s word of chunk ``4s + w``)."""
+    num_experts, inter, quarter_h = w13.shape
+    hidden = 4 * quarter_h
+    weights = w13.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden // 256, 4, 64).permute(3, 2, 0, 1, 4)
+    words = s13.view(torch.uint8).view(torch.int32).reshape(num_experts, 2, inter, hidden // 256, 4)
+    return weights, words.permute(3, 1, 0, 2, 4)
+
+
+def gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end, hidden, inter, top_k, bm,
+             slot_blocks, num_experts, stages=2):
+    """``h = silu(gate . x) * (up . x)`` per slot (:func:`_gemm1_v3_kernel`), ``h``'s K bits 0, 1 swapped."""
+    if hidden % 256 or inter % 32:
+        raise ValueError(f"decode_v3: H must be a multiple of 256 and I of 32, got {hidden}, {inter}")
+    weights, scales = gate_up_views(w13, s13)
+    launch_or_compile(_gemm1_v3_kernel, (block_expert.numel(), inter // 32), x, _descriptor(weights, [4, 1, 2, 16, 64]),
+                      _descriptor(scales, [1, 2, 1, 32, 4]), g13, h,
+                      sorted_slot, block_expert, row_start, row_end, H=hidden, I=inter, TOPK=top_k, BM=bm,
+                      SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, num_warps=4)
