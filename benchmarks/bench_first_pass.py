@@ -42,7 +42,7 @@ def triton_variants() -> dict[str, int]:
 
     counts = {}
     for module in ("fp4moe_ops.backends.triton_moe.kernels", "fp4moe_ops.backends.triton_moe.prefill_rs",
-                   "fp4moe_ops.routing"):
+                   "fp4moe_ops.backends.triton_moe.decode_v3", "fp4moe_ops.routing"):
         try:
             mod = importlib.import_module(module)
         except ImportError:

@@ -43,8 +43,8 @@ def main():
         variants = {"wgmma": cfg | {"DECODE_V3": False}, "as configured": cfg}
         for v in args.variants.split(","):
             stages, sps, stages1 = (int(f) for f in v.split(":"))
-            variants[f"v3 {v}"] = cfg | dict(DECODE_V3=True, V3_STAGES=stages, V3_SPS=sps, V3_STAGES1=stages1,
-                                             BM=cfg["BM"])
+            variants[f"v3 {v}"] = cfg | dict(DECODE_V3=True, V3_STAGES=stages, V3_SPS=sps, V3_SPS_ONE_TOKEN=sps,
+                                             V3_STAGES1=stages1)
         x, ids, rw = inputs[0]
         sub = slice(0, 32)
         ref = ref_impl(x[sub], ids[sub], rw[sub])

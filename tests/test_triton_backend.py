@@ -841,7 +841,7 @@ def test_decode_v3_matches_float64(t, i, stages, sps):
     tensors = [a.cuda() for a in kernel_tensors(w)]
     assert _gluon_runs(x.cuda())
     cfg = kernel_config(t * k, e, h, i)
-    v3 = cfg | {"DECODE_V3": True, "V3_STAGES": stages, "V3_SPS": sps, "V3_STAGES1": stages}
+    v3 = cfg | {"DECODE_V3": True, "V3_STAGES": stages, "V3_SPS": sps, "V3_SPS_ONE_TOKEN": sps, "V3_STAGES1": stages}
     wgmma = cfg | {"DECODE_V3": False}
     out = triton_fused_moe(x.cuda(), ids.cuda(), rw.cuda(), tensors, config=v3).cpu().double()
     ref = moe64(x, ids, rw, *w.tensors())

@@ -209,10 +209,11 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # (decode_v3.py; Hopper, bf16 and Gluon only, checked at the call). DeepSeek-V3's layer against
     # the wgmma kernels, one process (H200, benchmarks/NOTES.md, twenty-first session): 0.92-0.94x
     # the time at 1-8 tokens, 0.96x at 16, 0.92-0.99x at 32; at 64 (2 rows) level, so not there.
-    # Ring: 2 slots of 2 steps (256 K each) for GEMM2 where I allows, 2 slots of one step for GEMM1
+    # Rings of 2 slots: GEMM2's of 2 steps (256 K each) where I allows, of one at one token (0.97x
+    # there), GEMM1's of one step
     cfg["DECODE_V3"] = tma and rows_per_expert <= 1 and hidden % 256 == 0 and inter % 256 == 0
     if cfg["DECODE_V3"]:
-        cfg |= dict(V3_STAGES=2, V3_SPS=2 if inter % 512 == 0 else 1, V3_STAGES1=2)
+        cfg |= dict(V3_STAGES=2, V3_SPS=2 if inter % 512 == 0 else 1, V3_SPS_ONE_TOKEN=1, V3_STAGES1=2)
     return cfg
 
 
@@ -427,7 +428,7 @@ def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict):
     gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end, hidden, inter, top_k, bm, slot_blocks,
              num_experts, cfg["V3_STAGES1"])
     gemm2_v3(h, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end, hidden, inter,
-             bm, slot_blocks, num_experts, cfg["V3_STAGES"], cfg["V3_SPS"])
+             bm, slot_blocks, num_experts, cfg["V3_STAGES"], cfg["V3_SPS_ONE_TOKEN" if slot_blocks else "V3_SPS"])
     return _sum_topk(y, topk_ids, x, num_experts)
 
 
