@@ -4,8 +4,8 @@ the wgmma kernels, A B A B in one process (issue 17).
     python benchmarks/probe_v3_decode.py [--tokens 1,2,4,8,16,32,64] [--variants 2:2:2,2:1:2,3:2:2]
 
 DeepSeek-V3's layer, random NVFP4 weights and routing (bench_moe's), 8 routings per CUDA graph,
-median of replays. Variants: ``STAGES:SPS:STAGES1`` (GEMM2's ring slots and steps per slot,
-GEMM1's ring slots); kernel_config's own choice is reported as "as configured". Every variant is
+median of replays. Variants: ``STAGES:SPS:STAGES1[:BM]`` (GEMM2's ring slots and steps per slot,
+GEMM1's ring slots, the routed row blocks' rows); kernel_config's own choice is reported as "as configured". Every variant is
 checked against the reference backend on the first 32 tokens.
 """
 
@@ -29,7 +29,7 @@ E, H, I, K = 256, 7168, 2048, 8
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
-    ap.add_argument("--variants", default="2:2:2,2:1:2,3:2:2", help="STAGES:SPS:STAGES1 of decode_v3")
+    ap.add_argument("--variants", default="2:2:2,2:1:2,3:2:2", help="STAGES:SPS:STAGES1[:BM] of decode_v3 (BM: routed row blocks, 16 unless given)")
     ap.add_argument("--rounds", type=int, default=2, help="A B A B rounds")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -42,9 +42,9 @@ def main():
         cfg = launch.kernel_config(t * K, E, H, I)
         variants = {"wgmma": cfg | {"DECODE_V3": False}, "as configured": cfg}
         for v in args.variants.split(","):
-            stages, sps, stages1 = (int(f) for f in v.split(":"))
+            stages, sps, stages1, bm = ([int(f) for f in v.split(":")] + [16])[:4]
             variants[f"v3 {v}"] = cfg | dict(DECODE_V3=True, V3_STAGES=stages, V3_SPS=sps, V3_SPS_ONE_TOKEN=sps,
-                                             V3_STAGES1=stages1)
+                                             V3_STAGES1=stages1, V3_BM=bm)
         x, ids, rw = inputs[0]
         sub = slice(0, 32)
         ref = ref_impl(x[sub], ids[sub], rw[sub])

@@ -823,14 +823,15 @@ def test_gluon_prefill_keeps_a_nan_expert_to_its_own_tokens(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="decode_v3 needs Hopper (TMA, mma.sync) and Gluon")
-@pytest.mark.parametrize("stages,sps", [(2, 2), (2, 1), (3, 1)])
+@pytest.mark.parametrize("stages,sps,bm", [(2, 2, 16), (2, 1, 16), (3, 1, 16), (2, 2, 8)])
 @pytest.mark.parametrize("i", [512, 2048])
 @pytest.mark.parametrize("t", [1, 3, 16])
-def test_decode_v3_matches_float64(t, i, stages, sps):
+def test_decode_v3_matches_float64(t, i, stages, sps, bm):
     # decode_v3 (mma.sync, weights and scales through a TMA ring, four warps splitting K): the layer
-    # against the float64 oracle at one token (a row block per slot) and with routed 16-row blocks,
-    # partly filled (3 tokens: 1.5 rows per expert, past kernel_config's rule, so forced here; 16: 8
-    # rows); I = H = 512 and 2048: 2 and 8 steps, so the rings of 2 or 3 slots of 1 or 2 steps wrap
+    # against the float64 oracle at one token (a row block per slot) and with routed row blocks of 16
+    # or 8 rows, partly filled (3 tokens: 1.5 rows per expert, past kernel_config's rule, so forced
+    # here; 16: 8 rows, some experts over two blocks); I = H = 512 and 2048: 2 and 8 steps, so the
+    # rings of 2 or 3 slots of 1 or 2 steps wrap
     from fp4moe_ops.backends.triton_moe.launch import _gluon_runs
 
     e, h, k = 8, i, 4
@@ -841,7 +842,8 @@ def test_decode_v3_matches_float64(t, i, stages, sps):
     tensors = [a.cuda() for a in kernel_tensors(w)]
     assert _gluon_runs(x.cuda())
     cfg = kernel_config(t * k, e, h, i)
-    v3 = cfg | {"DECODE_V3": True, "V3_STAGES": stages, "V3_SPS": sps, "V3_SPS_ONE_TOKEN": sps, "V3_STAGES1": stages}
+    v3 = cfg | {"DECODE_V3": True, "V3_STAGES": stages, "V3_SPS": sps, "V3_SPS_ONE_TOKEN": sps, "V3_STAGES1": stages,
+                "V3_BM": bm}
     wgmma = cfg | {"DECODE_V3": False}
     out = triton_fused_moe(x.cuda(), ids.cuda(), rw.cuda(), tensors, config=v3).cpu().double()
     ref = moe64(x, ids, rw, *w.tensors())

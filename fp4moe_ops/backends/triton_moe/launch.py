@@ -421,8 +421,8 @@ def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict):
         block_expert = topk_ids.reshape(-1).contiguous()
         sorted_slot = row_start = row_end = block_expert  # (unused)
     else:
-        sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"])
-    bm = 8 if slot_blocks else cfg["BM"]
+        sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg.get("V3_BM", cfg["BM"]))
+    bm = 8 if slot_blocks else cfg.get("V3_BM", cfg["BM"])
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end, hidden, inter, top_k, bm, slot_blocks,
