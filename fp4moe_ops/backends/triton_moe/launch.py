@@ -36,6 +36,8 @@ FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (
 # A second tail level of 32 rows moved 2048-8192 by -2% to +8% (within the drift) and costs two more
 # kernels to compile on a new machine (the first pass over new shapes: results/first_pass_tails_*).
 GLUON_PREFILL_MIN_ROWS = 64
+# Up to this many rows per expert, decode_v3's kernels in 8-row blocks (kernel_config)
+V3_MAX_ROWS = 4
 GLUON_PREFILL_TAILS = (64,)
 # The Triton release (major.minor) whose Gluon the prefill kernels are written for and were tested
 # with on the H200; Gluon is experimental and changes between releases (Triton 3.9 does not
@@ -211,9 +213,9 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # the time at 1-8 tokens, 0.96x at 16, 0.92-0.99x at 32; at 64 (2 rows) level, so not there.
     # Rings of 2 slots: GEMM2's of 2 steps (256 K each) where I allows, of one at one token (0.97x
     # there), GEMM1's of one step
-    cfg["DECODE_V3"] = tma and rows_per_expert <= 1 and hidden % 256 == 0 and inter % 256 == 0
+    cfg["DECODE_V3"] = tma and rows_per_expert <= V3_MAX_ROWS and hidden % 256 == 0 and inter % 256 == 0
     if cfg["DECODE_V3"]:
-        cfg |= dict(V3_STAGES=2, V3_SPS=2 if inter % 512 == 0 else 1, V3_SPS_ONE_TOKEN=1, V3_STAGES1=2)
+        cfg |= dict(V3_STAGES=2, V3_SPS=2 if inter % 512 == 0 else 1, V3_SPS_ONE_TOKEN=1, V3_STAGES1=2, V3_BM=8)
     return cfg
 
 
