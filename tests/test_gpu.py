@@ -110,7 +110,7 @@ def test_triton_tma_loads_match_reference_on_gpu(t):
     assert err < 4e-3 and torch.isfinite(ours).all()
 
 
-@pytest.mark.parametrize("t", [2, 8])  # a row per expert (decode_v3 on Hopper), two (the wgmma kernels)
+@pytest.mark.parametrize("t", [2, 8])  # a row per expert, two (both decode_v3's routed blocks on Hopper)
 def test_triton_cuda_graph_and_compile(t):
     w = layer(16, 1024, 512)
     p = fp4moe_ops.prepare_experts(w, "triton")
@@ -150,7 +150,7 @@ def test_compile_ahead_inside_a_compiled_graph(monkeypatch):
 
     from fp4moe_ops.backends.triton_moe.decode_v3 import _gemm1_v3_kernel
 
-    def gemm_variants():  # (GEMM1's: the wgmma kernel's, and decode_v3's where a row or less per expert)
+    def gemm_variants():  # (GEMM1's: the wgmma kernel's, and decode_v3's up to 4 rows per expert)
         return sum(len(c[0]) for fn in (kernels._gemm1_swiglu_kernel, _gemm1_v3_kernel) for c in fn.device_caches.values())
 
     p = fp4moe_ops.prepare_experts(w, "triton")

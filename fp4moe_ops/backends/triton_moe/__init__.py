@@ -1,5 +1,5 @@
 """Triton fused-MoE backend (a package: ``kernels`` the GPU code, ``prefill_rs`` the Gluon kernels
-for large prefills on Hopper, ``decode_v3`` the Gluon kernels for a row or less per expert on Hopper, ``layout`` the data layouts, ``launch`` routing and launches,
+for large prefills on Hopper, ``decode_v3`` the Gluon kernels for up to 4 rows per expert on Hopper, ``layout`` the data layouts, ``launch`` routing and launches,
 ``compile_ahead`` launch sequences that only compile (every kernel variant of a layer at its first
 call), ``backend`` the op's view): exact NVFP4 weights x 16-bit activations (W4A16), any CUDA GPU
 Triton supports, written for Hopper (SM90) where FlashInfer's NVFP4 kernel does not run. The same
@@ -23,10 +23,11 @@ Pipeline of one call (no host syncs, CUDA-graph capturable):
 From 64 rows per expert on Hopper (bf16 activations, paired weights, Triton 3.6), steps 2-3 are
 instead ``prefill_rs``'s kernels over 128-row blocks of activations gathered in expert order (the
 FP4 decode straight into wgmma's register operand, overlapping the previous step's wgmma), an
-expert's last block of at most 64 rows in 64-token tiles of a launch of its own. At a row or
-less per expert (DeepSeek-V3: 1-32 tokens), on the same condition, steps 2-3 are ``decode_v3``'s:
-``mma.sync`` with the weights and scales through a TMA ring (0.81-0.97x the time of the kernels
-above; ``x`` read in natural order, so the routing launch makes no permuted copy).
+expert's last block of at most 64 rows in 64-token tiles of a launch of its own. Up to 4 rows
+per expert (DeepSeek-V3: 1-128 tokens), on the same condition, steps 2-3 are ``decode_v3``'s:
+``mma.sync`` with the weights and scales through a TMA ring, 8-row blocks (0.76-0.88x the time of
+the kernels above on the H200; ``x`` read in natural order, so the routing launch makes no
+permuted copy).
 
 Only experts that some token picked are read, each weight byte once per (M block, N tile).
 Where H and I are multiples of 256 (every real MoE shape), weight and scale tiles come through

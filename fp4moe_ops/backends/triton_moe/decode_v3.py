@@ -1,6 +1,6 @@
 """The decode-sized expert GEMMs on ``mma.sync``, weights and scales through a TMA ring (issue 17).
 
-Why: at 1-32 tokens (a row or less per expert) the layer is a stream of FP4 weights, and the wgmma
+Why: at decode sizes (up to 4 rows per expert) the layer is a stream of FP4 weights, and the wgmma
 kernels (kernels.py) issue ~3.5 instructions per weight element there (454 per K step of 128
 elements and thread, sm90 SASS), of which the decode is ~1.65; the rest is wgmma's descriptors,
 fences and waits. ``mma.sync m16n8k16`` takes both operands from registers: one instruction per

@@ -207,12 +207,13 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # Prefill with many rows per expert: the Gluon kernels (prefill_rs.py; paired weights, bf16
     # activations and compute capability 9.x only, checked at the call)
     cfg["GLUON_PREFILL"] = tma and rows_per_expert >= GLUON_PREFILL_MIN_ROWS
-    # A row or less per expert: both GEMMs on mma.sync with weights and scales through a TMA ring
-    # (decode_v3.py; Hopper, bf16 and Gluon only, checked at the call). DeepSeek-V3's layer against
-    # the wgmma kernels, one process (H200, benchmarks/NOTES.md, twenty-first session): 0.92-0.94x
-    # the time at 1-8 tokens, 0.96x at 16, 0.92-0.99x at 32; at 64 (2 rows) level, so not there.
-    # Rings of 2 slots: GEMM2's of 2 steps (256 K each) where I allows, of one at one token (0.97x
-    # there), GEMM1's of one step
+    # Up to V3_MAX_ROWS rows per expert: both GEMMs on mma.sync with weights and scales through a
+    # TMA ring (decode_v3.py; Hopper, bf16 and Gluon only, checked at the call), in 8-row blocks.
+    # DeepSeek-V3's layer against the wgmma kernels, one process (H200, benchmarks/NOTES.md,
+    # twenty-first session): 0.83x the time at 1 token, 0.76-0.81x at 8, 0.86-0.87x at 64, 0.85-0.88x
+    # at 128 (4 rows); at 256 (8 rows) 1.07-1.15x, so not there. 8-row blocks against 16: 0.90x at 8 tokens,
+    # 0.87x at 32. Rings of 2 slots: GEMM2's of 2 steps (256 K each) where I allows, of one at one
+    # token (0.97x there), GEMM1's of one step
     cfg["DECODE_V3"] = tma and rows_per_expert <= V3_MAX_ROWS and hidden % 256 == 0 and inter % 256 == 0
     if cfg["DECODE_V3"]:
         cfg |= dict(V3_STAGES=2, V3_SPS=2 if inter % 512 == 0 else 1, V3_SPS_ONE_TOKEN=1, V3_STAGES1=2, V3_BM=8)
@@ -385,7 +386,8 @@ def _gluon_runs(x: torch.Tensor) -> bool:
     if not gluon_triton_supported(triton.__version__):
         return False
     try:
-        from . import decode_v3, prefill_rs  # noqa: F401  (Gluon importable)
+        from .decode_v3 import gemm1_v3  # noqa: F401  (Gluon importable)
+        from .prefill_rs import prefill_gemms  # noqa: F401
     except ImportError:
         return False
     return True
@@ -409,9 +411,9 @@ def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int =
 
 
 def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict):
-    """A row or less per expert: route (one token: a row block per slot, read from the ids by the
-    GEMMs, as in :func:`triton_fused_moe`), :func:`.decode_v3.gemm1_v3` (``h`` with K's bits 0, 1
-    swapped), :func:`.decode_v3.gemm2_v3`, top-k sum."""
+    """Up to :data:`V3_MAX_ROWS` rows per expert: route (one token: a row block per slot, read from
+    the ids by the GEMMs, as in :func:`triton_fused_moe`), :func:`.decode_v3.gemm1_v3` (``h`` with
+    K's bits 0, 1 swapped), :func:`.decode_v3.gemm2_v3`, top-k sum."""
     from .decode_v3 import gemm1_v3, gemm2_v3
 
     w13, s13, g13, w2, s2, g2 = expert_tensors
