@@ -141,24 +141,73 @@ def _slot_scales(step, SL: gl.constexpr):
     return gl.expand_dims(r_lo, 2), gl.expand_dims(r_hi, 2)
 
 
+# Both kernels' MMA: mma.sync m16n8k16 over [4 warps, 64 weight rows, BM tokens], and its operands
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
+_LA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2))
+_LB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2))
+
+
+@gluon.jit
+def _block_expert(block_expert_ptr, b, SLOT_BLOCKS: gl.constexpr, E: gl.constexpr):
+    """Row block ``b``'s expert, -1 for none (a one-token call's block: its slot's id, any integer
+    type, checked against E)."""
+    e = gl.load(block_expert_ptr + b)
+    if SLOT_BLOCKS:
+        e = gl.where((e >= 0) & (e < E), e, -1).to(gl.int32)
+    return e
+
+
+@gluon.jit
+def _rows_in(b, rows, r0, r1, sorted_slot_ptr, SLOT_BLOCKS: gl.constexpr):
+    """The slots of row block ``b`` (rows ``[r0, r1)`` of ``sorted_slot``; with SLOT_BLOCKS the
+    block is slot ``b``) at ``rows`` (an arange over its BM rows), int64, and which are real."""
+    if SLOT_BLOCKS:
+        valid = rows == 0
+        slots = (b + rows * 0).to(gl.int64)
+    else:
+        valid = r0 + rows < r1
+        slots = gl.load(sorted_slot_ptr + r0 + rows, mask=valid, other=0).to(gl.int64)
+    return slots, valid
+
+
+@gluon.jit
+def _block_rows(b, rows, sorted_slot_ptr, row_start_ptr, row_end_ptr, SLOT_BLOCKS: gl.constexpr):
+    """:func:`_rows_in` with the block's bounds loaded (returned too, for the epilogue)."""
+    if SLOT_BLOCKS:
+        r0 = b * 0
+        r1 = r0 + 1
+    else:
+        r0 = gl.load(row_start_ptr + b)
+        r1 = gl.load(row_end_ptr + b)
+    slots, valid = _rows_in(b, rows, r0, r1, sorted_slot_ptr, SLOT_BLOCKS)
+    return slots, valid, r0, r1
+
+
+@gluon.jit
+def _scale_selector(SL: gl.constexpr):
+    """``[4, 32, 4]`` int32 in ``SL``: each thread's ``prmt`` selector of its scale bytes (block t of
+    rows r and r + 8, one selector nibble per output byte)."""
+    ti = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+    sel = gl.expand_dims(gl.expand_dims(ti | (ti << 4) | ((ti + 4) << 8) | ((ti + 4) << 12), 0), 1)
+    return sel + gl.zeros([4, 32, 4], gl.int32, SL)
+
+
 @gluon.jit
 def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slot_ptr, block_expert_ptr,
                      row_start_ptr, row_end_ptr, H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr,
                      SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr, SPS: gl.constexpr):
     """Program (row block ``b``, weight tile ``n``): ``y[slot, 64 n ..] = route * g * w2[e] @ h[slot]``.
-    ``w_desc``: TMA descriptors of :func:`weight_view` (box ``[SPS, 4, 1, 32,
-    64]``: SPS steps of w2 per ring slot) and :func:`scale_view` (box ``[SPS, 1, 64, 4]``: their scale words); ``h [S, I]`` bf16 with K's bits 0, 1 swapped;
-    ``y [S, H]`` float32."""
+    ``w_desc``, ``s_desc``: TMA descriptors of :func:`weight_view` (box ``[SPS, 4, 1, 32, 64]``: SPS
+    steps of w2 per ring slot) and :func:`scale_view` (box ``[SPS, 1, 64, 4]``: their scale words);
+    ``h [S, I]`` bf16 with K's bits 0, 1 swapped; ``y [S, H]`` float32."""
     b = gl.program_id(0)
     n = gl.program_id(1)
-    e = gl.load(block_expert_ptr + b)
-    if SLOT_BLOCKS:
-        e = gl.where((e >= 0) & (e < E), e, -1).to(gl.int32)
+    e = _block_expert(block_expert_ptr, b, SLOT_BLOCKS, E)
     if e >= 0:
         NSTEPS: gl.constexpr = I // 256
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
-        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        mma: gl.constexpr = _MMA
+        la: gl.constexpr = _LA
+        lb: gl.constexpr = _LB
         wref = _words_ref(la)
         WL: gl.constexpr = wref.type.layout
         WL16: gl.constexpr = gl.reshape(wref, [4, 32, 16]).type.layout
@@ -184,23 +233,13 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
         words_smem = w_smem._reinterpret(gl.int32, [STAGES * SPS, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         s_steps = s_smem._reinterpret(gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
-        # the byte selector of each thread's scale bytes (its block t of rows r and r + 8)
-        ti = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
-        sel = gl.expand_dims(gl.expand_dims(ti | (ti << 4) | ((ti + 4) << 8) | ((ti + 4) << 12), 0), 1)
-        sel = sel + gl.zeros([4, 32, 4], gl.int32, SL)
+        sel = _scale_selector(SL)
 
         # the block's tokens and activation offsets [4, BM, 32] (int32 words) of step 0
         bw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
         bn = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
         bq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
-        if SLOT_BLOCKS:
-            valid_b = bn == 0
-            slots_b = (b + bn * 0).to(gl.int64)
-        else:
-            r0 = gl.load(row_start_ptr + b)
-            r1 = gl.load(row_end_ptr + b)
-            valid_b = r0 + bn < r1
-            slots_b = gl.load(sorted_slot_ptr + r0 + bn, mask=valid_b, other=0).to(gl.int64)
+        slots_b, valid_b, r0, r1 = _block_rows(b, bn, sorted_slot_ptr, row_start_ptr, row_end_ptr, SLOT_BLOCKS)
         h_off = (gl.expand_dims(gl.expand_dims(slots_b * (I // 2), 0), 2) + gl.expand_dims(gl.expand_dims(bw * 32, 1), 2)
                  + gl.expand_dims(gl.expand_dims(bq, 0), 1))
         h_words = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
@@ -243,12 +282,7 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
         g = gl.load(g_ptr + e) * 4194304.0  # the decoded tiles' 2^-22
         mo = gl.arange(0, BM, layout=gl.SliceLayout(0, YL))
         rr = gl.arange(0, 64, layout=gl.SliceLayout(1, YL))
-        if SLOT_BLOCKS:
-            slots = (b + mo * 0).to(gl.int64)
-            valid = mo == 0
-        else:
-            valid = r0 + mo < r1
-            slots = gl.load(sorted_slot_ptr + r0 + mo, mask=valid, other=0).to(gl.int64)
+        slots, valid = _rows_in(b, mo, r0, r1, sorted_slot_ptr, SLOT_BLOCKS)
         route = gl.load(topk_w_ptr + slots, mask=valid, other=0.0)
         y = y * g * gl.expand_dims(route, 0)
         y_off = gl.expand_dims(slots * H, 0) + gl.expand_dims(n * 64 + rr, 1)
@@ -302,18 +336,15 @@ def _gemm1_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block
     ``i = 32 n ..`` (rows 0-31 of the tile gate rows, 32-63 the same up rows), stored with K's
     bits 0, 1 swapped for :func:`_gemm2_v3_kernel`. ``w_desc``, ``s_desc``:
     TMA descriptors of :func:`gate_up_views` (boxes ``[4, 1, 2, 16, 64]`` and ``[1, 2, 1, 32, 4]``:
-    one step per ring slot); ``x [T, H]`` bf16 in natural order
-    (token = slot // TOPK)."""
+    one step per ring slot); ``x [T, H]`` bf16 in natural order (token = slot // TOPK)."""
     b = gl.program_id(0)
     n = gl.program_id(1)
-    e = gl.load(block_expert_ptr + b)
-    if SLOT_BLOCKS:
-        e = gl.where((e >= 0) & (e < E), e, -1).to(gl.int32)
+    e = _block_expert(block_expert_ptr, b, SLOT_BLOCKS, E)
     if e >= 0:
         NSTEPS: gl.constexpr = H // 256
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
-        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        mma: gl.constexpr = _MMA
+        la: gl.constexpr = _LA
+        lb: gl.constexpr = _LB
         wref = _words_ref(la)
         WL: gl.constexpr = wref.type.layout
         WL16: gl.constexpr = gl.reshape(wref, [4, 32, 16]).type.layout
@@ -336,21 +367,16 @@ def _gemm1_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block
         words_smem = w_smem._reinterpret(gl.int32, [STAGES, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         s_steps = s_smem._reinterpret(gl.int32, [STAGES, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
-        ti = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
-        sel = gl.expand_dims(gl.expand_dims(ti | (ti << 4) | ((ti + 4) << 8) | ((ti + 4) << 12), 0), 1)
-        sel = sel + gl.zeros([4, 32, 4], gl.int32, SL)
+        sel = _scale_selector(SL)
 
         bw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
         bn = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
         bq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
-        if SLOT_BLOCKS:
-            valid_b = bn == 0
+        slots_b, valid_b, r0, r1 = _block_rows(b, bn, sorted_slot_ptr, row_start_ptr, row_end_ptr, SLOT_BLOCKS)
+        if SLOT_BLOCKS:  # (the division in 32 bits, as the program id)
             tok_b = (b // TOPK + bn * 0).to(gl.int64)
         else:
-            r0 = gl.load(row_start_ptr + b)
-            r1 = gl.load(row_end_ptr + b)
-            valid_b = r0 + bn < r1
-            tok_b = (gl.load(sorted_slot_ptr + r0 + bn, mask=valid_b, other=0) // TOPK).to(gl.int64)
+            tok_b = slots_b // TOPK
         x_off = (gl.expand_dims(gl.expand_dims(tok_b * (H // 2), 0), 2) + gl.expand_dims(gl.expand_dims(bw * 32, 1), 2)
                  + gl.expand_dims(gl.expand_dims(bq, 0), 1))
         x_words = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
@@ -386,12 +412,7 @@ def _gemm1_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block
         HL: gl.constexpr = hv.type.layout
         mo = gl.arange(0, BM, layout=gl.SliceLayout(0, HL))
         rr = gl.arange(0, 32, layout=gl.SliceLayout(1, HL))
-        if SLOT_BLOCKS:
-            slots = (b + mo * 0).to(gl.int64)
-            valid = mo == 0
-        else:
-            valid = r0 + mo < r1
-            slots = gl.load(sorted_slot_ptr + r0 + mo, mask=valid, other=0).to(gl.int64)
+        slots, valid = _rows_in(b, mo, r0, r1, sorted_slot_ptr, SLOT_BLOCKS)
         col = n * 32 + rr
         col = (col & ~3) | ((col & 1) << 1) | ((col >> 1) & 1)  # K's bits 0, 1 swapped for GEMM2
         h_off = gl.expand_dims(slots * I, 0) + gl.expand_dims(col, 1)
