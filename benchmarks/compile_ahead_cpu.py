@@ -79,8 +79,8 @@ def cached_variants() -> int:
     from fp4moe_ops.backends.triton_moe import decode_v3, kernels, prefill_rs
 
     fns = (kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel, kernels._sum_topk_kernel,
-           prefill_rs._prefill_gemm_kernel, decode_v3._gemm1_v3_kernel, decode_v3._gemm2_v3_kernel, kernels._linear_kernel, kernels._linear_parts_kernel,
-           kernels._dequant_kernel)
+           prefill_rs._prefill_gemm_kernel, decode_v3._gemm1_v3_kernel, decode_v3._gemm2_v3_kernel,
+           kernels._linear_kernel, kernels._linear_parts_kernel, kernels._dequant_kernel)
     return sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
 
 

@@ -1,12 +1,12 @@
 """The layer at decode sizes on decode_v3 (mma.sync, weights and scales through a TMA ring) against
 the wgmma kernels, A B A B in one process (issue 17).
 
-    python benchmarks/probe_v3_decode.py [--tokens 1,2,4,8,16,32,64] [--variants 2:2:2,2:1:2,3:2:2]
+    python benchmarks/probe_v3_decode.py [--tokens 1,2,4,8,16,32,64] [--variants 2:2:2:8,2:1:2:8]
 
 DeepSeek-V3's layer, random NVFP4 weights and routing (bench_moe's), 8 routings per CUDA graph,
 median of replays. Variants: ``STAGES:SPS:STAGES1[:BM]`` (GEMM2's ring slots and steps per slot,
-GEMM1's ring slots, the routed row blocks' rows); kernel_config's own choice is reported as "as configured". Every variant is
-checked against the reference backend on the first 32 tokens.
+GEMM1's ring slots, the routed row blocks' rows); kernel_config's own choice is reported as "as
+configured". Every variant is checked against the reference backend on the first 32 tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ E, H, I, K = 256, 7168, 2048, 8
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
-    ap.add_argument("--variants", default="2:2:2,2:1:2,3:2:2", help="STAGES:SPS:STAGES1[:BM] of decode_v3 (BM: routed row blocks, 16 unless given)")
+    ap.add_argument("--variants", default="2:2:2:8,2:1:2:8,2:2:2:16",
+                    help="STAGES:SPS:STAGES1[:BM] of decode_v3 (BM: routed row blocks, 16 unless given)")
     ap.add_argument("--rounds", type=int, default=2, help="A B A B rounds")
     args = ap.parse_args()
     torch.manual_seed(0)

@@ -1,5 +1,6 @@
 """Triton fused-MoE backend (a package: ``kernels`` the GPU code, ``prefill_rs`` the Gluon kernels
-for large prefills on Hopper, ``decode_v3`` the Gluon kernels for up to 4 rows per expert on Hopper, ``layout`` the data layouts, ``launch`` routing and launches,
+for large prefills on Hopper, ``decode_v3`` the Gluon kernels for up to 4 rows per expert on
+Hopper, ``layout`` the data layouts, ``launch`` routing and launches,
 ``compile_ahead`` launch sequences that only compile (every kernel variant of a layer at its first
 call), ``backend`` the op's view): exact NVFP4 weights x 16-bit activations (W4A16), any CUDA GPU
 Triton supports, written for Hopper (SM90) where FlashInfer's NVFP4 kernel does not run. The same

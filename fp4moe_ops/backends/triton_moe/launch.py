@@ -36,9 +36,9 @@ FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (
 # A second tail level of 32 rows moved 2048-8192 by -2% to +8% (within the drift) and costs two more
 # kernels to compile on a new machine (the first pass over new shapes: results/first_pass_tails_*).
 GLUON_PREFILL_MIN_ROWS = 64
+GLUON_PREFILL_TAILS = (64,)
 # Up to this many rows per expert, decode_v3's kernels in 8-row blocks (kernel_config)
 V3_MAX_ROWS = 4
-GLUON_PREFILL_TAILS = (64,)
 # The Triton release (major.minor) whose Gluon the prefill kernels are written for and were tested
 # with on the H200; Gluon is experimental and changes between releases (Triton 3.9 does not
 # compile them). Other releases run the single-role kernels.
@@ -210,10 +210,10 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # Up to V3_MAX_ROWS rows per expert: both GEMMs on mma.sync with weights and scales through a
     # TMA ring (decode_v3.py; Hopper, bf16 and Gluon only, checked at the call), in 8-row blocks.
     # DeepSeek-V3's layer against the wgmma kernels, one process (H200, benchmarks/NOTES.md,
-    # twenty-first session): 0.83x the time at 1 token, 0.76-0.81x at 8, 0.86-0.95x at 64, 0.85-0.88x
-    # at 128 (4 rows); at 256 (8 rows) 1.07-1.15x, so not there. 8-row blocks against 16: 0.90x at 8 tokens,
-    # 0.87x at 32. Rings of 2 slots: GEMM2's of 2 steps (256 K each) where I allows, of one at one
-    # token (0.97x there), GEMM1's of one step
+    # twenty-first session): 0.83x the time at 1 token, 0.76-0.81x at 8, 0.86-0.95x at 64,
+    # 0.85-0.88x at 128 (4 rows); at 256 (8 rows) 1.07-1.15x, so not there. 8-row blocks against
+    # 16: 0.90x at 8 tokens, 0.87x at 32. Rings of 2 slots: GEMM2's of 2 steps (256 K each) where I
+    # allows, of one at one token (0.97x there), GEMM1's of one step
     cfg["DECODE_V3"] = tma and rows_per_expert <= V3_MAX_ROWS and hidden % 256 == 0 and inter % 256 == 0
     if cfg["DECODE_V3"]:
         cfg |= dict(V3_STAGES=2, V3_SPS=2 if inter % 512 == 0 else 1, V3_SPS_ONE_TOKEN=1, V3_STAGES1=2, V3_BM=8)
@@ -259,10 +259,10 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     # One token: a row block per slot, read from the ids by the GEMMs themselves (its experts are
     # distinct as a router picks them; were two the same, each block would read the weights), so
     # no routing launch and no copy of x (GEMM1 reads it permuted; benchmarks/NOTES.md, eighteenth session)
-    slot_blocks = cfg.get("SLOT_BLOCKS", True) and planned_slots(num_slots) == top_k
+    blocks = _one_token_blocks(cfg, topk_ids)
+    slot_blocks = blocks is not None
     if slot_blocks:
-        block_expert = topk_ids.reshape(-1).contiguous()
-        sorted_slot = row_start = row_end = block_expert  # (unused)
+        sorted_slot, block_expert, row_start, row_end = blocks
         x_gemm1 = x
     elif fragment:  # GEMM1 reads x with K in fragment order
         sorted_slot, block_expert, row_start, row_end, x_gemm1 = route(topk_ids, num_experts, cfg["BM"], x, cfg["BK1"],
@@ -393,6 +393,15 @@ def _gluon_runs(x: torch.Tensor) -> bool:
     return True
 
 
+def _one_token_blocks(cfg: dict, topk_ids: torch.Tensor):
+    """A one-token call's row blocks: one per slot, whose expert the GEMMs read from the ids
+    themselves (see :func:`triton_fused_moe`), as :func:`route`'s four tensors (only
+    ``block_expert`` is read); None for other calls or with ``SLOT_BLOCKS`` off."""
+    if not (cfg.get("SLOT_BLOCKS", True) and planned_slots(topk_ids.numel()) == topk_ids.shape[1]):
+        return None
+    block_expert = topk_ids.reshape(-1).contiguous()
+    return block_expert, block_expert, block_expert, block_expert
+
 
 def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int = 128, tails=GLUON_PREFILL_TAILS,
                        **options):
@@ -420,13 +429,10 @@ def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict):
     num_experts, inter = s13.shape[0], s13.shape[1] // 2
     (num_tokens, hidden), top_k = x.shape, topk_ids.shape[1]
     num_slots = num_tokens * top_k
-    slot_blocks = cfg.get("SLOT_BLOCKS", True) and planned_slots(num_slots) == top_k
-    if slot_blocks:
-        block_expert = topk_ids.reshape(-1).contiguous()
-        sorted_slot = row_start = row_end = block_expert  # (unused)
-    else:
-        sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg.get("V3_BM", cfg["BM"]))
+    blocks = _one_token_blocks(cfg, topk_ids)
+    slot_blocks = blocks is not None
     bm = 8 if slot_blocks else cfg.get("V3_BM", cfg["BM"])
+    sorted_slot, block_expert, row_start, row_end = blocks if slot_blocks else route(topk_ids, num_experts, bm)
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end, hidden, inter, top_k, bm, slot_blocks,
