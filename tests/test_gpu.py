@@ -151,7 +151,7 @@ def test_compile_ahead_inside_a_compiled_graph(monkeypatch):
 
     from fp4moe_ops.backends.triton_moe.decode_v3 import _gemm1_v3_kernel
 
-    def gemm_variants():  # (GEMM1's: the wgmma kernel's, and decode_v3's up to 4 rows per expert)
+    def gemm_variants():  # (GEMM1's: the wgmma kernel's, and decode_v3's up to 6 rows per expert)
         fns = (kernels._gemm1_swiglu_kernel, _gemm1_v3_kernel)
         return sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
 
@@ -163,7 +163,7 @@ def test_compile_ahead_inside_a_compiled_graph(monkeypatch):
     for _ in range(3):
         got = compiled(x, ids, rw)
     # one token (its blocks read from the ids: top-4 here), decode with static and run-time K loops,
-    # middle and prefill: all compiled by 4-token calls (on Hopper: one token and up to 4 rows per
+    # middle and prefill: all compiled by 4-token calls (on Hopper: one token and up to 6 rows per
     # expert on decode_v3, then run-time K loops, middle and prefill)
     assert gemm_variants() - before == 5
     torch.testing.assert_close(got, p(x, ids, rw), rtol=0, atol=0)

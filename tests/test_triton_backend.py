@@ -139,8 +139,8 @@ def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k, monkeypatch,
     # the GEMMs of every bucket: one token (its blocks read from the ids), decode with static and
     # run-time K loops, middle, prefill (TMA shapes); one token, decode and prefill (plain loads);
     # the Gluon kernels at 128 rows and each tail level
-    # (with decode_v3: one token and the rest of up to 4 rows per expert on its two kernels, one
-    # variant each per path, and the Triton GEMMs from the fifth row per expert on)
+    # (with decode_v3: one token and the rest of up to 6 rows per expert on its two kernels, one
+    # variant each per path, and the Triton GEMMs from the seventh row per expert on)
     assert first[1] - before[1] == (3 if v3 else 5 if h % 256 == 0 and i % 256 == 0 else 3), (before, first)
     if v3:
         assert [first[j] - before[j] for j in (4, 5)] == [2, 2], (before, first)
@@ -229,14 +229,14 @@ def test_launchers_built_ahead_once_per_launcher(monkeypatch):
 
 def test_variant_slots_one_per_kernel_set():
     # DeepSeek-V3 (E=256, top-8; launch.kernel_config's rules, by hand): 1 token (decode_v3 with a
-    # block per slot, 64-slot histogram steps), 2 (routed), 9 (1024-slot steps), 129 (the wgmma
-    # kernels: > 4 rows per expert; run-time K loops), 257 (middle: > 8 rows), 513 (prefill: > 16
+    # block per slot, 64-slot histogram steps), 2 (routed), 9 (1024-slot steps), 193 (the wgmma
+    # kernels: > 6 rows per expert; run-time K loops), 257 (middle: > 8 rows), 513 (prefill: > 16
     # rows; past the routing kernel's 4096 slots), 2048 (Gluon prefill: 64 rows)
     from fp4moe_ops.backends.triton_moe.launch import variant_slots
 
-    assert variant_slots(256, 7168, 2048, 8) == [8 * t for t in (1, 2, 9, 129, 257, 513, 2048)]
+    assert variant_slots(256, 7168, 2048, 8) == [8 * t for t in (1, 2, 9, 193, 257, 513, 2048)]
     # an expert-parallel rank of 32 experts counts rows over the 256 routed: the same buckets
-    assert variant_slots(32, 7168, 2048, 8, routed_experts=256) == [8 * t for t in (1, 2, 9, 129, 257, 513, 2048)]
+    assert variant_slots(32, 7168, 2048, 8, routed_experts=256) == [8 * t for t in (1, 2, 9, 193, 257, 513, 2048)]
     # no TMA boxes (H, I not multiples of 256): no middle bucket, no Gluon; prefill from 16 rows (49 tokens)
     assert variant_slots(6, 64, 32, 2) == [2, 4, 66, 98, 4098]  # (1 token: no routing launch, 2: routed)
 
@@ -343,10 +343,10 @@ def test_kernel_config_buckets():
     assert not small["MERGED_GATE_UP"] and not small["PIPELINED_MMA1"]
 
 
-def test_kernel_config_puts_up_to_four_rows_per_expert_on_decode_v3():
-    # DeepSeek-V3: 1-128 tokens of top-8 over 256 experts (up to 4 rows per expert), not 129+
-    assert [kernel_config(t * 8, 256, 7168, 2048)["DECODE_V3"] for t in (1, 32, 64, 128, 129, 8192)] == \
-        [True, True, True, True, False, False]
+def test_kernel_config_puts_up_to_six_rows_per_expert_on_decode_v3():
+    # DeepSeek-V3: 1-192 tokens of top-8 over 256 experts (up to 6 rows per expert), not 193+
+    assert [kernel_config(t * 8, 256, 7168, 2048)["DECODE_V3"] for t in (1, 32, 64, 128, 192, 193, 8192)] == \
+        [True, True, True, True, True, False, False]
     assert kernel_config(8, 256, 7168, 2048)["V3_SPS"] == 2 and kernel_config(8, 128, 2048, 768)["V3_SPS"] == 1
     assert kernel_config(64, 256, 7168, 2048)["V3_BM"] == 8 and kernel_config(64, 256, 7168, 2048)["BM"] == 16
     assert not kernel_config(8, 256, 64, 32)["DECODE_V3"]  # no TMA boxes

@@ -1,5 +1,5 @@
 """Triton fused-MoE backend (a package: ``kernels`` the GPU code, ``prefill_rs`` the Gluon kernels
-for large prefills on Hopper, ``decode_v3`` the Gluon kernels for up to 4 rows per expert on
+for large prefills on Hopper, ``decode_v3`` the Gluon kernels for up to 6 rows per expert on
 Hopper, ``layout`` the data layouts, ``launch`` routing and launches,
 ``compile_ahead`` launch sequences that only compile (every kernel variant of a layer at its first
 call), ``backend`` the op's view): exact NVFP4 weights x 16-bit activations (W4A16), any CUDA GPU
@@ -24,9 +24,9 @@ Pipeline of one call (no host syncs, CUDA-graph capturable):
 From 64 rows per expert on Hopper (bf16 activations, paired weights, Triton 3.6), steps 2-3 are
 instead ``prefill_rs``'s kernels over 128-row blocks of activations gathered in expert order (the
 FP4 decode straight into wgmma's register operand, overlapping the previous step's wgmma), an
-expert's last block of at most 64 rows in 64-token tiles of a launch of its own. Up to 4 rows
-per expert (DeepSeek-V3: 1-128 tokens), on the same condition, steps 2-3 are ``decode_v3``'s:
-``mma.sync`` with the weights and scales through a TMA ring, 8-row blocks (0.76-0.88x the time of
+expert's last block of at most 64 rows in 64-token tiles of a launch of its own. Up to 6 rows
+per expert (DeepSeek-V3: 1-192 tokens), on the same condition, steps 2-3 are ``decode_v3``'s:
+``mma.sync`` with the weights and scales through a TMA ring, 8-row blocks (0.76-0.98x the time of
 the kernels above on the H200; ``x`` read in natural order, so the routing launch makes no
 permuted copy).
 

@@ -38,7 +38,7 @@ FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (
 GLUON_PREFILL_MIN_ROWS = 64
 GLUON_PREFILL_TAILS = (64,)
 # Up to this many rows per expert, decode_v3's kernels in 8-row blocks (kernel_config)
-V3_MAX_ROWS = 4
+V3_MAX_ROWS = 6
 # The Triton release (major.minor) whose Gluon the prefill kernels are written for and were tested
 # with on the H200; Gluon is experimental and changes between releases (Triton 3.9 does not
 # compile them). Other releases run the single-role kernels.
@@ -210,9 +210,10 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # Up to V3_MAX_ROWS rows per expert: both GEMMs on mma.sync with weights and scales through a
     # TMA ring (decode_v3.py; Hopper, bf16 and Gluon only, checked at the call), in 8-row blocks.
     # DeepSeek-V3's layer against the wgmma kernels, one process (H200, benchmarks/NOTES.md,
-    # twenty-first session): 0.83x the time at 1 token, 0.76-0.81x at 8, 0.86-0.95x at 64,
-    # 0.85-0.88x at 128 (4 rows); at 256 (8 rows) 1.07-1.15x, so not there. 8-row blocks against
-    # 16: 0.90x at 8 tokens, 0.87x at 32. Rings of 2 slots: GEMM2's of 2 steps (256 K each) where I
+    # twenty-first and twenty-second sessions): 0.83x the time at 1 token, 0.76-0.81x at 8,
+    # 0.86-0.95x at 64, 0.85-0.88x at 128 (4 rows), 0.89-0.93x at 160 (5), 0.91-0.98x at 192 (6);
+    # at 256 (8 rows) 1.07-1.15x, so not there. 8-row blocks against 16: 0.90x at 8 tokens, 0.87x
+    # at 32. Rings of 2 slots: GEMM2's of 2 steps (256 K each) where I
     # allows, of one at one token (0.97x there), GEMM1's of one step
     cfg["DECODE_V3"] = tma and rows_per_expert <= V3_MAX_ROWS and hidden % 256 == 0 and inter % 256 == 0
     if cfg["DECODE_V3"]:
