@@ -8,12 +8,15 @@ bench_moe's ``graph_time_ms`` (one call per routing, 8 routings as in issue 17's
 profiled over ``--replays`` replays, and beside it the replays' own time from CUDA events. At 64
 tokens the eager kernels summed 1.32 ms while graph replays measured 1.41-1.56 ms per call
 (benchmarks/RESULTS.md, twenty-second session): this says whether the difference is in the
-kernels (each instance's duration, median and slowest) or between them.
+kernels (each instance's duration, median and slowest) or between them, and (nvidia-smi sampled
+every 20 ms during a second of replays) whether the SM clock or the power draw moves under that load.
 """
 
 import argparse
 import statistics
+import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -45,9 +48,10 @@ def report(label: str, durations: dict[str, list[float]], per: int, wall_ms: flo
               f"slowest {max(d):.4f})")
 
 
-def graph_profile(inputs, tensors, replays: int) -> tuple[dict[str, list[float]], float, int]:
-    """The CUDA graph of one call per input set: kernel instances over ``replays`` replays, and the
-    median replay time per call from CUDA events (the same replays, outside the profiler too)."""
+def graph_profile(inputs, tensors, replays: int) -> tuple[dict[str, list[float]], float, int, str]:
+    """The CUDA graph of one call per input set: kernel instances over ``replays`` replays, the
+    median replay time per call from CUDA events (the same replays, outside the profiler too), the
+    calls profiled, and :func:`clocks_under_load`'s line."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -70,7 +74,55 @@ def graph_profile(inputs, tensors, replays: int) -> tuple[dict[str, list[float]]
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
-    return kernel_durations(prof), statistics.median(walls), replays * len(inputs)
+    load = clocks_under_load(g)
+    return kernel_durations(prof), statistics.median(walls), replays * len(inputs), load
+
+
+SMI_FIELDS = ("clocks.sm", "power.draw")
+# the reasons' field was renamed in newer drivers; whichever one this nvidia-smi accepts
+SMI_REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+
+
+def smi_fields() -> list[str] | None:
+    """The query fields this nvidia-smi accepts (None: no nvidia-smi)."""
+    for reasons in SMI_REASONS:
+        fields = [*SMI_FIELDS, reasons]
+        try:
+            done = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+                                  capture_output=True, timeout=20, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if done.returncode == 0:
+            return fields
+    return None
+
+
+def clocks_under_load(graph, seconds: float = 1.0) -> str:
+    """nvidia-smi's SM clock, power draw and clock-event reasons, sampled every 20 ms while the
+    graph replays for about ``seconds``; a summary line ('' where nvidia-smi does not run)."""
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    st.record(); graph.replay(); en.record(); torch.cuda.synchronize()
+    replays = max(1, int(seconds * 1e3 / st.elapsed_time(en)))
+    fields = smi_fields()
+    if fields is None:
+        return ""
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+                            "-lms", "20"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    time.sleep(0.2)  # its first samples: before the load
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    smi.terminate()
+    rows = [line.split(", ") for line in smi.communicate()[0].splitlines() if line.count(",") == 2]
+    if not rows:
+        return "nvidia-smi gave no samples"
+    try:
+        clocks, power = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
+    except ValueError:
+        return f"nvidia-smi samples not numbers: {rows[:2]}"
+    return (f"{len(rows)} samples over {replays} replays: SM clock {min(clocks):.0f}-{max(clocks):.0f} MHz "
+            f"(median {statistics.median(clocks):.0f}), power {min(power):.0f}-{max(power):.0f} W, "
+            f"reasons {sorted({r[2] for r in rows})}")
 
 
 def main():
@@ -94,8 +146,9 @@ def main():
             torch.cuda.synchronize()
         report(f"T={t} eager", kernel_durations(prof), args.calls)
         if args.graph:
-            durations, wall, calls = graph_profile(inputs, tensors, args.replays)
+            durations, wall, calls, load = graph_profile(inputs, tensors, args.replays)
             report(f"T={t} graph", durations, calls, wall)
+            print(f"  under a second of replays: {load}")
 
 
 if __name__ == "__main__":
