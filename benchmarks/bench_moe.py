@@ -98,8 +98,9 @@ def copy_bandwidth(device) -> float:
     return 2 * a.numel() / statistics.median(times)
 
 
-def graph_time_ms(fn, inputs, replays=20) -> float:
-    """Median per-call time of a CUDA graph that calls ``fn`` once per input set."""
+def capture_graph(fn, inputs) -> torch.cuda.CUDAGraph:
+    """A CUDA graph that calls ``fn`` once per input set (run once eagerly first, on a side
+    stream), replayed three times to warm up."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -113,11 +114,23 @@ def graph_time_ms(fn, inputs, replays=20) -> float:
     torch.cuda.current_stream().wait_stream(s)
     for _ in range(3):
         g.replay()
+    return g
+
+
+def replay_times_ms(g: torch.cuda.CUDAGraph, calls: int, replays: int = 20) -> list[float]:
+    """Each replay's time from CUDA events, per call of the ``calls`` the graph holds."""
     times = []
     for _ in range(replays):
         st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         st.record(); g.replay(); en.record(); torch.cuda.synchronize()
-        times.append(st.elapsed_time(en) / len(inputs))
+        times.append(st.elapsed_time(en) / calls)
+    return times
+
+
+def graph_time_ms(fn, inputs, replays=20) -> float:
+    """Median per-call time of a CUDA graph that calls ``fn`` once per input set."""
+    g = capture_graph(fn, inputs)
+    times = replay_times_ms(g, len(inputs), replays)
     del g
     return statistics.median(times)
 

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fp4moe_ops  # noqa: E402
 from fp4moe_ops.backends.triton_moe import triton_fused_moe  # noqa: E402
-from bench_moe import SHAPES, make_inputs, random_weights  # noqa: E402
+from bench_moe import SHAPES, capture_graph, make_inputs, random_weights, replay_times_ms  # noqa: E402
 
 
 def kernel_durations(prof, name_chars: int = 70) -> dict[str, list[float]]:
@@ -52,24 +52,8 @@ def graph_profile(inputs, tensors, replays: int) -> tuple[dict[str, list[float]]
     """The CUDA graph of one call per input set: kernel instances over ``replays`` replays, the
     median replay time per call from CUDA events (the same replays, outside the profiler too), the
     calls profiled, and :func:`clocks_under_load`'s line."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for args_ in inputs:
-            triton_fused_moe(*args_, tensors)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for args_ in inputs:
-                triton_fused_moe(*args_, tensors)
-    torch.cuda.current_stream().wait_stream(s)
-    for _ in range(3):
-        g.replay()
-    walls = []
-    for _ in range(replays):
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        st.record(); g.replay(); en.record(); torch.cuda.synchronize()
-        walls.append(st.elapsed_time(en) / len(inputs))
+    g = capture_graph(lambda *a: triton_fused_moe(*a, tensors), inputs)
+    walls = replay_times_ms(g, len(inputs), replays)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             g.replay()
