@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one fused-MoE call of the Triton backend (DeepSeek-V3 layer), from
 torch.profiler over several calls on rotated inputs: where the decode time goes.
 
-    python3 benchmarks/profile_layer.py --tokens 1,8,64 [--graph]
+    python3 benchmarks/profile_layer.py --tokens 1,8,64 [--graph [--idle-us 0,2000]]
 
 Eager by default: ``--calls`` calls, launched from the host. ``--graph``: the CUDA graph of
 bench_moe's ``graph_time_ms`` (one call per routing, 8 routings as in issue 17's measurement),
@@ -10,6 +10,9 @@ tokens the eager kernels summed 1.32 ms while graph replays measured 1.41-1.56 m
 (benchmarks/RESULTS.md, twenty-second session): this says whether the difference is in the
 kernels (each instance's duration, median and slowest) or between them, and (nvidia-smi sampled
 every 20 ms during a second of replays) whether the SM clock or the power draw moves under that load.
+``--idle-us``: graphs with the GPU left idle that long after each call (``torch.cuda._sleep``, its
+kernel counted apart): if the layer's own kernels get faster with idle time between calls, sustained
+load (power, clocks) slows them, not the kernels' design.
 """
 
 import argparse
@@ -38,21 +41,35 @@ def kernel_durations(prof, name_chars: int = 70) -> dict[str, list[float]]:
     return out
 
 
+IDLE_KERNEL = "spin_kernel"  # torch.cuda._sleep's
+
+
 def report(label: str, durations: dict[str, list[float]], per: int, wall_ms: float | None = None) -> None:
-    """Per call: each kernel's total, its instances' median and slowest; the sum against the wall."""
-    total = sum(sum(d) for d in durations.values()) / per
-    wall = f"; wall {wall_ms:.4f} ms per call, {wall_ms - total:+.4f} outside the kernels" if wall_ms else ""
+    """Per call: each kernel's total, its instances' median and slowest; the layer's kernels' sum
+    (idle kernels apart) against the wall."""
+    total = sum(sum(d) for name, d in durations.items() if IDLE_KERNEL not in name) / per
+    idle = sum(sum(d) for name, d in durations.items() if IDLE_KERNEL in name) / per
+    wall = (f"; wall {wall_ms:.4f} ms per call, {wall_ms - total - idle:+.4f} outside the kernels"
+            if wall_ms else "")
     print(f"{label}: kernels sum {total:.4f} ms per call{wall}")
     for name, d in sorted(durations.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {sum(d) / per:8.4f} ms  {name}  ({len(d)} instances: median {statistics.median(d):.4f}, "
               f"slowest {max(d):.4f})")
 
 
-def graph_profile(inputs, tensors, replays: int) -> tuple[dict[str, list[float]], float, int, str]:
-    """The CUDA graph of one call per input set: kernel instances over ``replays`` replays, the
-    median replay time per call from CUDA events (the same replays, outside the profiler too), the
-    calls profiled, and :func:`clocks_under_load`'s line."""
-    g = capture_graph(lambda *a: triton_fused_moe(*a, tensors), inputs)
+def graph_profile(inputs, tensors, replays: int,
+                  idle_cycles: int = 0) -> tuple[dict[str, list[float]], float, int, str]:
+    """The CUDA graph of one call per input set (each followed by ``idle_cycles`` of
+    ``torch.cuda._sleep`` if given): kernel instances over ``replays`` replays, the median replay
+    time per call from CUDA events (the same replays, outside the profiler too), the calls
+    profiled, and :func:`clocks_under_load`'s line."""
+
+    def call(*a):
+        triton_fused_moe(*a, tensors)
+        if idle_cycles:
+            torch.cuda._sleep(idle_cycles)
+
+    g = capture_graph(call, inputs)
     walls = replay_times_ms(g, len(inputs), replays)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
@@ -116,6 +133,7 @@ def main():
     ap.add_argument("--calls", type=int, default=20, help="eager: calls profiled")
     ap.add_argument("--graph", action="store_true", help="also profile CUDA-graph replays (8 routings per graph)")
     ap.add_argument("--replays", type=int, default=10, help="graph: replays profiled and timed")
+    ap.add_argument("--idle-us", default="0", help="graph: idle microseconds after each call, one graph per value")
     args = ap.parse_args()
     e, h, i, k, routed = SHAPES[args.shape]
     tensors = fp4moe_ops.prepare_experts(random_weights(e, h, i, "cuda"), "triton").op_tensors()
@@ -130,9 +148,11 @@ def main():
             torch.cuda.synchronize()
         report(f"T={t} eager", kernel_durations(prof), args.calls)
         if args.graph:
-            durations, wall, calls, load = graph_profile(inputs, tensors, args.replays)
-            report(f"T={t} graph", durations, calls, wall)
-            print(f"  under a second of replays: {load}")
+            for idle_us in (int(v) for v in args.idle_us.split(",")):
+                # cycles at the H200's 1980 MHz boost clock; the profile reports the idle time spent
+                durations, wall, calls, load = graph_profile(inputs, tensors, args.replays, idle_us * 1980)
+                report(f"T={t} graph, idle {idle_us} us after each call", durations, calls, wall)
+                print(f"  under a second of replays: {load}")
 
 
 if __name__ == "__main__":
