@@ -176,6 +176,21 @@ def _to_model_key(key: str, renamings, prefix: str, owners: set[str]) -> str:
     return key
 
 
+def _nvfp4_experts_prefix(in_model: dict[str, str], scan: CheckpointScan, name: str, e_total: int, lv,
+                          packed: str, block: str) -> str | None:
+    """The checkpoint prefix of experts module ``name`` if any of its linears is NVFP4 in the
+    checkpoint (an E4M3 block scale or packed uint8 bytes), else None. Any expert, not only the
+    first: a bad or missing tensor of expert 0 is then reported as itself by the checks, instead of
+    the layer being taken for a BF16 or FP8 one."""
+    for e in range(e_total):
+        for leaf in lv:
+            for tensor, dtype in ((block, torch.float8_e4m3fn), (packed, torch.uint8)):
+                key = in_model.get(f"{name}.{e}.{leaf}.{tensor}")
+                if key is not None and scan.tensors[key][1] == dtype:
+                    return key[:-len(f".{e}.{leaf}.{tensor}")]
+    return None
+
+
 def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, shard_of=None) -> LoadPlan:
     """Decide from the checkpoint which modules load as NVFP4 and check all their tensors.
 
@@ -200,17 +215,18 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
         e_total, two_i, hidden = m.gate_up_proj.shape
         inter = two_i // 2
         lv = leaves[name]
-        first = in_model.get(f"{name}.0.{lv.gate}.{block}")
-        if first is None or scan.tensors[first][1] != torch.float8_e4m3fn:
+        ckpt_prefix = _nvfp4_experts_prefix(in_model, scan, name, e_total, lv, packed, block)
+        if ckpt_prefix is None:
             if f"{name}.0.{lv.gate}.weight" in in_model:
                 continue  # this layer's experts are not NVFP4 in the checkpoint: loaded as they are
             raise CheckpointError(f"checkpoint has no NVFP4 tensors for the experts of {name} "
                                   f"(looked for {name}.<e>.{lv.gate}.{block} ...)")
-        ckpt_prefix = first[:-len(f".0.{lv.gate}.{block}")]
         shard = shard_of(e_total) if shard_of else None
         ids = range(shard.offset, shard.offset + shard.count) if shard else range(e_total)
         p = ExpertsPlan(name, ckpt_prefix, lv, e_total, ids, hidden, inter, input_scales=False)
-        p.input_scales = not config.weights_only and f"{ckpt_prefix}.0.{lv.gate}.{input_}" in scan.tensors
+        # any expert's input scale: one missing (expert 0's included) is then named below as missing
+        p.input_scales = not config.weights_only and any(
+            f"{ckpt_prefix}.{e}.{leaf}.{input_}" in scan.tensors for e in range(e_total) for leaf in lv)
         for e in ids:
             for leaf, (n_out, k_in) in ((lv.gate, (inter, hidden)), (lv.up, (inter, hidden)), (lv.down, (hidden, inter))):
                 specs = scheme.specs(f"{ckpt_prefix}.{e}.{leaf}", n_out, k_in, p.input_scales)

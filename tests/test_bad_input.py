@@ -581,6 +581,23 @@ def test_missing_quantized_tensors(ckpt, key):
         load_modelopt_nvfp4(path)
 
 
+@pytest.mark.parametrize("leaf,tensor,drop", [("gate_proj", "weight_scale", True), ("gate_proj", "weight_scale", False),
+                                               ("gate_proj", "input_scale", True), ("down_proj", "weight", True)])
+def test_a_bad_tensor_of_expert_0_is_named_as_itself(ckpt, leaf, tensor, drop):
+    # the loader once decided from expert 0's gate alone whether a layer is NVFP4 and has input
+    # scales: with that tensor missing or float32 it named another tensor, or listed 23 as unexpected
+    path, tensors = ckpt
+    key = f"model.layers.1.mlp.experts.0.{leaf}.{tensor}"
+    if drop:
+        rewrite(path, key, drop=True)
+        match = rf"'{key}' is missing"
+    else:
+        rewrite(path, key, tensors[key].float())
+        match = rf"'{key}' in model-0000.-of-00002.safetensors: expected dtype torch.float8_e4m3fn, found torch.float32"
+    with pytest.raises(CheckpointError, match=match):
+        load_modelopt_nvfp4(path)
+
+
 def test_config_that_lies_about_the_number_of_experts(ckpt):
     path, _ = ckpt
     cfg = json.loads((path / "config.json").read_text())
