@@ -7,7 +7,9 @@ generation config are Transformers') into a fresh folder beside ``path``, adds
 ``hf_quant_config.json``, carries over the files of ``path`` that Transformers keeps when it saves
 into a folder (anything but the old checkpoint's weights and configs: tokenizer files, a README),
 and only then swaps the new folder in. A failure before the swap (disk full, permission error, a
-bad tensor) leaves ``path`` exactly as it was; the swap itself is two renames.
+bad tensor) leaves ``path`` exactly as it was; the swap itself is two renames. As a plain save would:
+``path`` may be ``"."`` or a symlink (the real folder is replaced, the link keeps pointing at it), and
+the new folder gets the old one's permissions (or mkdir's under the umask).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
+import stat
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
@@ -112,11 +116,11 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
     cls_save = type(model).save_pretrained
     if push_to_hub:  # the Hub upload is Transformers' own business (it stages in a folder of its own)
         return cls_save(model, save_directory, *args, push_to_hub=True, **kwargs)
-    target = Path(save_directory)
+    target = Path(save_directory).resolve()  # "." and symlinks: the real folder is swapped
     if target.is_file():
         raise ValueError(f"save_pretrained: {target} is a file, not a folder")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.fp4moe-", dir=target.parent))
+    staging = _staging_folder(target)
     previous = model.hf_quantizer.quantization_config
     try:
         config = saved_config(model, previous)
@@ -140,6 +144,21 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
         raise
 
 
+def _staging_folder(target: Path) -> Path:
+    """A new folder beside ``target`` with the mode a plain save leaves: the existing folder's, else
+    mkdir's under the umask (``tempfile.mkdtemp``'s 0700 would hide the checkpoint from other users)."""
+    while True:
+        staging = target.parent / f".{target.name}.fp4moe-{secrets.token_hex(4)}"
+        try:
+            staging.mkdir()
+            break
+        except FileExistsError:
+            continue
+    if target.is_dir():
+        os.chmod(staging, stat.S_IMODE(target.stat().st_mode))
+    return staging
+
+
 def _copy(src: Path, dst: Path) -> None:
     if src.is_dir():
         shutil.copytree(src, dst)
@@ -157,12 +176,19 @@ def _swap_in(staging: Path, target: Path) -> None:
         return
     old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
     os.rmdir(old)
+    try:
+        cwd = Path.cwd()
+    except FileNotFoundError:
+        cwd = None
     os.replace(target, old)
     try:
         os.replace(staging, target)
     except BaseException:
         os.replace(old, target)  # put the previous checkpoint back
         raise
+    if cwd is not None and (cwd == target or target in cwd.parents):
+        # the process stood in the old folder, about to be deleted: into the same path in the new one
+        os.chdir(cwd if cwd.is_dir() else target)
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -6,6 +6,7 @@ logits); a failed save leaves the previous checkpoint loadable with its old logi
 import json
 import os
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -808,6 +809,30 @@ def test_saving_into_a_file_path_and_unquantized_models(saved, tmp_path):
     with pytest.raises(ValueError, match="has no fp4moe quantizer"):
         save_modelopt_nvfp4(tiny_deepseek_v3(), tmp_path / "plain")
     assert not (tmp_path / "plain").exists()
+
+
+def test_saving_through_a_symlink_into_dot_and_the_folder_mode_as_a_plain_save(saved, tmp_path, monkeypatch):
+    # the new folder is swapped in whole, so what a plain save keeps must be kept by hand: the
+    # folder's mode (tempfile's 0700 hid the checkpoint from other users), a symlink (the real
+    # folder is replaced; the link had been replaced by a folder), "." (renaming "." failed)
+    model, out, want, _ = saved
+    other = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=6))
+    umask = os.umask(0)
+    os.umask(umask)
+    model.save_pretrained(tmp_path / "new")
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o777 & ~umask
+    out.chmod(0o750)
+    link = tmp_path / "link"
+    link.symlink_to(out, target_is_directory=True)
+    other.save_pretrained(link)
+    assert link.is_symlink() and link.resolve() == out.resolve()
+    assert out.stat().st_mode & 0o777 == 0o750
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16), IDS), logits(other, IDS))
+    monkeypatch.chdir(out)
+    model.save_pretrained(".")
+    assert Path.cwd() == out.resolve() and "config.json" in os.listdir(".")  # still standing in the folder
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(".", dtype=torch.bfloat16), IDS), want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "new", "out"]  # nothing left beside them
 
 
 def test_saving_over_a_bigger_sharded_checkpoint_leaves_no_stale_shards(saved, tmp_path):
