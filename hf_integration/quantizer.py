@@ -41,7 +41,8 @@ from transformers.quantizers import HfQuantizer
 from transformers.utils import logging
 
 from fp4moe_ops.moe_weights import check_scale_values
-from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS
+from fp4moe_ops.op import _HIDDEN_DTYPES
+from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS, PreparedExperts
 
 from .experts import FP8Linear, NVFP4Experts, NVFP4Linear
 from .checkpoint_format import (
@@ -646,6 +647,8 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
     * ``model.hf_quantizer`` / ``is_quantized`` / ``config.quantization_config``: Transformers then
       refuses ``.half()`` / ``.float()``, compiles ``generate`` (``is_compileable``) and saves through
       the quantizer (the NVFP4 modules also keep their dtypes under ``model.to(dtype)``);
+    * ``model.to(dtype)`` to a dtype the experts' op does not run (float32) and ``.double()`` raise
+      at the call, leaving the model as it was (the forward would fail later, naming no cause);
     * ``set_experts_implementation`` away from fp4moe raises at the call;
     * ``save_pretrained`` writes a ModelOpt checkpoint atomically (:mod:`hf_integration.saving`).
     """
@@ -662,6 +665,8 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
         type(model).set_experts_implementation(model, EXPERTS_IMPLEMENTATION)
     model.set_experts_implementation = types.MethodType(_guarded_set_experts_implementation, model)
     model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
+    model.to = types.MethodType(_guarded_to, model)
+    model.double = types.MethodType(_guarded_double, model)
 
 
 EXPERTS_IMPLEMENTATION = "fp4moe"
@@ -680,6 +685,21 @@ def register_experts_implementation() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, _bf16_experts_forward)
+
+
+def _guarded_to(model, *args, **kwargs):
+    """``model.to(...)``: any device, and the dtypes fp4moe's experts op runs (bfloat16, float16);
+    another dtype in a model with NVFP4 experts is refused before anything moves."""
+    dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
+    if dtype is not None and dtype not in _HIDDEN_DTYPES and any(isinstance(m, PreparedExperts) for m in model.modules()):
+        raise ValueError(f"model.to({dtype}): this model's NVFP4 experts run bfloat16 or float16 activations only, so "
+                         "its 16-bit parts must stay in one of those (model.to(torch.float16) works); "
+                         "the model is left as it was")
+    return type(model).to(model, *args, **kwargs)
+
+
+def _guarded_double(model):
+    return _guarded_to(model, torch.float64)  # (Transformers refuses .half() and .float() itself)
 
 
 def _guarded_set_experts_implementation(model, experts_implementation):

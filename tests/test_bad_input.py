@@ -402,6 +402,25 @@ def test_patch_twice_and_non_moe_models():
         patch_moe(llama)
 
 
+@pytest.mark.parametrize("cast", ["to_float32", "to_device_and_float64", "double"])
+def test_casting_a_model_with_nvfp4_experts_to_a_dtype_the_op_does_not_run_is_refused(cast):
+    # .half() / .float() Transformers refuses for any quantized model; .to(torch.float32) and
+    # .double() used to succeed and leave a model whose every forward failed, naming no layer
+    model = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=5))
+    want = logits(model, IDS)
+    with pytest.raises(ValueError, match=r"model\.to\(torch\.float(32|64)\): .*bfloat16 or float16"):
+        if cast == "to_float32":
+            model.to(torch.float32)
+        elif cast == "to_device_and_float64":
+            model.to("cpu", dtype=torch.float64)
+        else:
+            model.double()
+    assert model.dtype == torch.bfloat16
+    assert torch.equal(logits(model, IDS), want)
+    model.to(torch.float16)  # the op's other dtype, and devices, as before
+    assert model.dtype == torch.float16 and torch.isfinite(logits(model.to("cpu"), IDS)).all()
+
+
 def test_patching_does_not_touch_a_config_shared_with_another_model(tmp_path):
     """Today's models from one config object: patching one must not change the other (it used to fail
     with "has no attribute 'fp4moe_act_scales'")."""
