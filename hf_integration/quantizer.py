@@ -177,6 +177,24 @@ def _to_model_key(key: str, renamings, prefix: str, owners: set[str]) -> str:
     return key
 
 
+def read_kv_cache_scales(model: nn.Module, files: list[str], scan: CheckpointScan) -> dict[str, torch.Tensor]:
+    """The checkpoint's FP8 KV-cache scales (``<attn>.k_proj.k_scale``, ``<attn>.v_proj.v_scale``),
+    by model key, read from ``files``. fp4moe does not use them (the KV cache stays 16-bit), so they
+    are not loaded into the model (where casts such as ``model.to(torch.float16)`` would round them):
+    the quantizer holds them, and ``save_pretrained`` writes them back for readers that use them
+    (vLLM, SGLang)."""
+    renamings, _ = model_conversions(model)
+    owners = {n for n, _ in model.named_modules()}
+    prefix = getattr(model, "base_model_prefix", "model")
+    paths = {Path(f).name: f for f in files}
+    scales = {}
+    for key, (file, _, _) in scan.tensors.items():
+        if key.rpartition(".")[2] in KV_CACHE_SCALES:
+            with safe_open(paths[file], framework="pt") as handle:
+                scales[_to_model_key(key, renamings, prefix, owners)] = handle.get_tensor(key)
+    return scales
+
+
 def _nvfp4_experts_prefix(in_model: dict[str, str], scan: CheckpointScan, name: str, e_total: int, lv,
                           packed: str, block: str) -> str | None:
     """The checkpoint prefix of experts module ``name`` if any of its linears is NVFP4 in the
@@ -495,6 +513,7 @@ class ModelOptQuantizer(HfQuantizer):
     def __init__(self, quantization_config: ModelOptConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.plan: LoadPlan | None = None
+        self.kv_cache_scales: dict[str, torch.Tensor] = {}  # FP8 KV-cache scales, by model key (not used)
         self.load_errors: list[CheckpointError] = []  # found while converting, raised once loading is done
 
     def validate_environment(self, *args, device_map=None, **kwargs):
@@ -554,10 +573,13 @@ class ModelOptQuantizer(HfQuantizer):
                 replace_module(model.get_submodule(parent_name), attr, new)
         ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
         model._keys_to_ignore_on_load_unexpected = set(ignore or [])
+        self.kv_cache_scales = {}
         if self.quantization_config.kv_cache_quant_algo:
+            self.kv_cache_scales = read_kv_cache_scales(model, files, scan)
             model._keys_to_ignore_on_load_unexpected.add(rf"\.({'|'.join(KV_CACHE_SCALES)})$")
-            logger.warning("fp4moe: the checkpoint's FP8 KV-cache scales (k_scale, v_scale) are not used; "
-                                "the KV cache stays in the model dtype")
+            logger.warning("fp4moe: the checkpoint's FP8 KV-cache scales (k_scale, v_scale) are not used; the KV "
+                           "cache stays in the model dtype (its %d scales are kept for save_pretrained)",
+                           len(self.kv_cache_scales))
         if shard_of is not None:  # other ranks' experts: never read, not reported
             for p in self.plan.experts.values():
                 model._keys_to_ignore_on_load_unexpected.add(rf"{re.escape(p.name.split('.')[-1])}\.\d+\.")

@@ -44,7 +44,8 @@ _REPLACED = re.compile(r"^(config\.json|generation_config\.json|hf_quant_config\
 def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict in ModelOpt's layout: NVFP4 experts, shared experts run inside the
     routed call and NVFP4 linears (dense MLPs, attention) as per-expert / per-linear ModelOpt tensors
-    (canonical bytes, as views where the layout allows), the rest as the model holds it."""
+    (canonical bytes, as views where the layout allows), the rest as the model holds it; the FP8
+    KV-cache scales of the checkpoint it was loaded from, as they were (fp4moe does not use them)."""
     shared = nvfp4_modules(model, SharedExpertMoE)
     inside = {f"{n}.experts" for n, _ in shared}
     experts = [(n, m) for n, m in nvfp4_modules(model, NVFP4Experts) if n not in inside]
@@ -71,7 +72,12 @@ def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for key, t in model.state_dict().items():
         if not any(key.startswith(f"{n}.") for n in nvfp4_names):
             state[key] = t
-    return state
+    return state | kv_cache_scales(model)
+
+
+def kv_cache_scales(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The FP8 KV-cache scales the quantizer read from the loaded checkpoint, by model key."""
+    return dict(getattr(getattr(model, "hf_quantizer", None), "kv_cache_scales", None) or {})
 
 
 def saved_config(model: nn.Module, config: ModelOptConfig) -> ModelOptConfig:
@@ -81,7 +87,8 @@ def saved_config(model: nn.Module, config: ModelOptConfig) -> ModelOptConfig:
         not isinstance(m, nn.Embedding) and isinstance(m._parameters.get("weight"), torch.Tensor)
         and m._parameters["weight"].dim() == 2))
     return ModelOptConfig(quant_algo="NVFP4" if _has_input_scales(model) else "W4A16_NVFP4",
-                          exclude_modules=kept, kv_cache_quant_algo=None, producer={"name": "fp4moe"},
+                          exclude_modules=kept, kv_cache_quant_algo="FP8" if kv_cache_scales(model) else None,
+                          producer={"name": "fp4moe"},
                           backend=config.backend, act_scale_mode=config.act_scale_mode,
                           fuse_router=config.fuse_router, expert_parallel=config.expert_parallel,
                           nvfp4_linears=config.nvfp4_linears, fuse_shared_experts=config.fuse_shared_experts)

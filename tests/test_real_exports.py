@@ -45,11 +45,26 @@ def test_modelopt_export_through_from_pretrained_matches_modelopt_fake_quant(nam
     assert per_token_error(ref["logits_bf16"], want).median() > 0.2  # the quantization is really there
 
 
-def test_modelopt_fp8_kv_cache_scales_are_accepted_and_reported_unused(hf_logs):
+def test_modelopt_fp8_kv_cache_scales_are_reported_unused_and_saved_back(hf_logs, tmp_path):
+    # fp4moe's KV cache stays 16-bit, but a re-save must not drop the export's FP8 KV-cache scales
+    # and their config field (vLLM reads them): they were lost before. After a cast to float16 too.
     folder = FIXTURES / "modelopt" / "qwen3_moe_nvfp4_fp8kv"
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     assert model.config.quantization_config.kv_cache_quant_algo == "FP8"
     assert "KV-cache scales (k_scale, v_scale) are not used" in hf_logs.text
+    original = {k: v for k, v in load_file(folder / "model.safetensors").items() if k.endswith(("k_scale", "v_scale"))}
+    assert len(original) == 4  # the export's two layers, k and v
+    model.to(torch.float16)
+    model.save_pretrained(tmp_path)
+    saved = {k: v for k, v in load_file(tmp_path / "model.safetensors").items() if k.endswith(("k_scale", "v_scale"))}
+    assert saved.keys() == original.keys()
+    assert all(saved[k].dtype == torch.float32 and torch.equal(saved[k], original[k]) for k in original)
+    quant = json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["kv_cache_quant_algo"] == "FP8"
+    scheme = json.loads((folder / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["kv_cache_scheme"] == scheme
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert again.hf_quantizer.kv_cache_scales.keys() == original.keys()
 
 
 def _decode32(packed, block_scale, global_scale):
