@@ -26,7 +26,7 @@ from torch import nn
 from .backends import resolve_backend
 from .backends.base import CANONICAL, convert_packed
 from .backends.base import canonical_layout as op_layout  # contiguous + views; not the context manager below
-from .moe_weights import NVFP4MoEWeights
+from .moe_weights import NVFP4MoEWeights, check_scale_values
 from .nvfp4 import BLOCK_SIZE
 
 CANONICAL_BUFFERS = ("gate_up_proj_packed", "gate_up_proj_scale", "gate_up_proj_global_scale",
@@ -34,6 +34,9 @@ CANONICAL_BUFFERS = ("gate_up_proj_packed", "gate_up_proj_scale", "gate_up_proj_
 INPUT_SCALE_BUFFERS = ("fc1_input_scale", "fc2_input_scale")
 ACT_SCALE_MODES = ("per_expert", "global_max")
 _PACKED = (CANONICAL_BUFFERS[0], CANONICAL_BUFFERS[3])
+# buffer -> the rule of moe_weights.SCALE_CHECKS its values follow
+_SCALE_KINDS = {CANONICAL_BUFFERS[1]: "block", CANONICAL_BUFFERS[2]: "global", CANONICAL_BUFFERS[4]: "block",
+                CANONICAL_BUFFERS[5]: "global", INPUT_SCALE_BUFFERS[0]: "input", INPUT_SCALE_BUFFERS[1]: "input"}
 
 
 def activation_scales(fc1_input_scale: torch.Tensor | None, fc2_input_scale: torch.Tensor | None,
@@ -72,7 +75,19 @@ def activation_scales(fc1_input_scale: torch.Tensor | None, fc2_input_scale: tor
 class QuantizedBuffers(nn.Module):
     """A module whose buffers are quantized bytes and their scales: moves apply, dtype casts do
     not (``model.to(torch.bfloat16)`` / ``.half()`` must not round the FP8 block scales or the
-    float32 scales, or reinterpret the packed bytes). Parameters (a bias) follow casts as usual."""
+    float32 scales, or reinterpret the packed bytes). Parameters (a bias) follow casts as usual.
+    ``load_state_dict`` checks the incoming values of the scales :meth:`scale_checks` names, as
+    the constructors and the checkpoint loader do: a NaN or zero global scale, say, is refused
+    naming its key before this module changes (it would poison or zero its outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self._register_load_state_dict_pre_hook(_check_incoming_scales, with_module=True)
+
+    def scale_checks(self) -> list[tuple[str, str]]:
+        """``(buffer, kind)`` of the scales whose values are checked (kinds of
+        :data:`fp4moe_ops.moe_weights.SCALE_CHECKS`)."""
+        return []
 
     def _apply(self, fn, recurse=True):
         before = dict(self._buffers)
@@ -131,6 +146,9 @@ class PreparedExperts(QuantizedBuffers):
         self._register_state_dict_hook(_canonical_state_dict)
         self._register_load_state_dict_pre_hook(_load_into_layout, with_module=True)
         self.register_load_state_dict_post_hook(_reprepare_after_load)
+
+    def scale_checks(self) -> list[tuple[str, str]]:
+        return [(name, kind) for name, kind in _SCALE_KINDS.items() if name in self._buffers]
 
     # --- the weights ------------------------------------------------------------------------
 
@@ -280,6 +298,21 @@ def _canonical_state_dict(module: PreparedExperts, state_dict, prefix, local_met
         key = prefix + name
         if key in state_dict:
             state_dict[key] = convert_packed(state_dict[key], module.layout, CANONICAL)
+
+
+def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, *args):
+    """Scales of the wrong dtype or shape are left to ``load_state_dict``'s own report. Experts'
+    scales are per expert (``[E]``, ``[E, N, K/16]``); a linear's are one ``[]`` / ``[N, K/16]``."""
+    experts = isinstance(module, PreparedExperts)
+    for name, kind in module.scale_checks():
+        key, t, held = prefix + name, state_dict.get(prefix + name), module._buffers.get(name)
+        if not (isinstance(t, torch.Tensor) and held is not None and t.dtype == held.dtype and t.shape == held.shape):
+            continue
+        if experts:
+            check_scale_values(t, kind, lambda e, key=key: f"load_state_dict: {key}[{e}]")
+        else:
+            check_scale_values(t[None] if kind == "block" else t.reshape(-1), kind,
+                               lambda e, key=key: f"load_state_dict: {key}")
 
 
 def _load_into_layout(module: PreparedExperts, state_dict, prefix, *args):

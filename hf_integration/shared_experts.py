@@ -99,17 +99,21 @@ def _split_weights(w: NVFP4MoEWeights, e: int) -> tuple[NVFP4MoEWeights, NVFP4Mo
 
 def _linear_state(module: SharedExpertMoE, one: NVFP4MoEWeights) -> dict[str, torch.Tensor]:
     """The shared expert ``[1]`` as its three linears' tensors, under the scheme's names, with the
-    file's scalars (``<leaf>.<tensor>`` keys)."""
+    file's scalars (``<leaf>.<tensor>`` keys). Input scales that calibration gave the fused layer
+    after loading or patching (no file scalar) come from ``one``, in the scheme's units."""
     s, i = module.shared_scheme, one.intermediate_size
-    rows = {"gate_proj": (one.w13[0, :i], one.w13_scale[0, :i]), "up_proj": (one.w13[0, i:], one.w13_scale[0, i:]),
-            "down_proj": (one.w2[0], one.w2_scale[0])}
+    rows = {"gate_proj": (one.w13[0, :i], one.w13_scale[0, :i], one.fc1_input_scale),
+            "up_proj": (one.w13[0, i:], one.w13_scale[0, i:], one.fc1_input_scale),
+            "down_proj": (one.w2[0], one.w2_scale[0], one.fc2_input_scale)}
     out = {}
-    for leaf, (packed, block) in rows.items():
+    for leaf, (packed, block, calibrated) in rows.items():
         out[f"{leaf}.{s.packed}"], out[f"{leaf}.{s.block_scale}"] = packed, block
         for tensor in (s.global_scale, s.input_scale):
             name = _scalar_buffer(f"{leaf}.{tensor}")
             if name in module._buffers:
                 out[f"{leaf}.{tensor}"] = module._buffers[name]
+            elif tensor == s.input_scale and calibrated is not None:
+                out[f"{leaf}.{tensor}"] = s.multiplier(calibrated[0]).reshape(s.scalar_shape)
     return out
 
 
@@ -120,7 +124,7 @@ def _split_state_dict(module: SharedExpertMoE, state_dict, prefix, local_metadat
              if f"{prefix}experts.{name}" in state_dict}
     for name, t in fused.items():
         state_dict[f"{prefix}experts.{name}"] = t[:e]
-    w = NVFP4MoEWeights(*(fused[n] for n in CANONICAL_BUFFERS))
+    w = NVFP4MoEWeights(*(fused[n] for n in CANONICAL_BUFFERS), *(fused.get(n) for n in INPUT_SCALE_BUFFERS))
     for key, t in _linear_state(module, _split_weights(w, e)[1]).items():
         state_dict[f"{prefix}shared_experts.{key}"] = t
 

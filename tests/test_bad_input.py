@@ -421,6 +421,24 @@ def test_casting_a_model_with_nvfp4_experts_to_a_dtype_the_op_does_not_run_is_re
     assert model.dtype == torch.float16 and torch.isfinite(logits(model.to("cpu"), IDS)).all()
 
 
+@pytest.mark.parametrize("key,value", [("model.layers.1.mlp.experts.gate_up_proj_global_scale", float("nan")),
+                                       ("model.layers.1.mlp.experts.down_proj_global_scale", 0.0),
+                                       ("model.layers.1.mlp.experts.fc1_input_scale", -1.0),
+                                       ("model.layers.0.mlp.up_proj.weight_scale_2", float("nan"))])
+def test_load_state_dict_checks_scale_values_as_loading_a_checkpoint_does(key, value):
+    # a zero global scale zeroed its expert's output and a NaN one poisoned it, silently: the
+    # constructors and from_pretrained refuse them; load_state_dict now does too, before the module changes
+    model = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=5), quantize_dense_mlps=True)
+    calibrate_activation_scales(model, [IDS])
+    want = logits(model, IDS)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert key in state
+    state[key][...] = value
+    with pytest.raises(ValueError, match=rf"load_state_dict: {key}(\[\d+\])? must be finite and >=? 0"):
+        model.load_state_dict(state)
+    assert torch.equal(logits(model, IDS), want)
+
+
 def test_patching_does_not_touch_a_config_shared_with_another_model(tmp_path):
     """Today's models from one config object: patching one must not change the other (it used to fail
     with "has no attribute 'fp4moe_act_scales'")."""

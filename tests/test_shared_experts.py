@@ -127,6 +127,26 @@ def test_state_dict_and_saved_checkpoint_are_the_unfused_ones(tmp_path):
     assert all(torch.equal(v, fused.state_dict()[k]) for k, v in again.state_dict().items())
 
 
+def test_a_calibrated_fused_model_state_dict_holds_the_shared_input_scales_and_loads_back():
+    # calibration gives the fused layer input scales [E + 1] that no file scalar of the shared
+    # expert holds: its state dict left the shared expert's out, and loading it back failed with
+    # a size mismatch ([E] against [E + 1])
+    from hf_integration import calibrate_activation_scales
+
+    model = patched(fuse=True)
+    calibrate_activation_scales(model, [torch.randint(1, 256, (2, 12))])
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # (not aliases of the buffers changed below)
+    key = next(k for k in state if k.endswith("shared_experts.down_proj.input_scale"))
+    fused = next(m for m in model.modules() if isinstance(m, SharedExpertMoE))
+    assert torch.equal(state[key], fused.experts.fc2_input_scale[-1])
+    before = {k: v.clone() for k, v in state.items()}
+    for m in model.modules():
+        if isinstance(m, SharedExpertMoE):
+            m.experts.fc1_input_scale.mul_(2)
+    model.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_fused_model_compiles_without_graph_breaks_and_generates_like_unfused():
     torch.manual_seed(1)
     unfused = patched(fuse=False)
