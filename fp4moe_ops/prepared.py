@@ -300,19 +300,29 @@ def _canonical_state_dict(module: PreparedExperts, state_dict, prefix, local_met
             state_dict[key] = convert_packed(state_dict[key], module.layout, CANONICAL)
 
 
-def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, *args):
-    """Scales of the wrong dtype or shape are left to ``load_state_dict``'s own report. Experts'
-    scales are per expert (``[E]``, ``[E, N, K/16]``); a linear's are one ``[]`` / ``[N, K/16]``."""
+def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> None:
+    """Raise ValueError naming the key of the first scale in ``state_dict`` (under ``prefix``) whose
+    value breaks its rule, for the ``(name, kind)`` pairs of ``module.scale_checks()`` (names
+    relative to ``module``; kinds of :data:`fp4moe_ops.moe_weights.SCALE_CHECKS`). Scales of another
+    dtype or shape, and meta tensors, are left to ``load_state_dict``'s own report. Experts' scales
+    are per expert (``[E]``, ``[E, N, K/16]``; a fused layer may hold more experts than the state
+    dict's routed ones); a linear's are one ``[]`` / ``[1]`` / ``[N, K/16]``."""
     experts = isinstance(module, PreparedExperts)
     for name, kind in module.scale_checks():
         key, t, held = prefix + name, state_dict.get(prefix + name), module._buffers.get(name)
-        if not (isinstance(t, torch.Tensor) and held is not None and t.dtype == held.dtype and t.shape == held.shape):
+        dtype = held.dtype if held is not None else (torch.float8_e4m3fn if kind == "block" else torch.float32)
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.dtype != dtype:
             continue
         if experts:
-            check_scale_values(t, kind, lambda e, key=key: f"load_state_dict: {key}[{e}]")
-        else:
+            if t.dim() == held.dim() and t.shape[1:] == held.shape[1:]:
+                check_scale_values(t, kind, lambda e, key=key: f"load_state_dict: {key}[{e}]")
+        elif (t.dim() == 2 if kind == "block" else t.numel() == 1) and (held is None or t.shape == held.shape):
             check_scale_values(t[None] if kind == "block" else t.reshape(-1), kind,
                                lambda e, key=key: f"load_state_dict: {key}")
+
+
+def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, *args):
+    check_incoming_scales(module, state_dict, prefix)
 
 
 def _load_into_layout(module: PreparedExperts, state_dict, prefix, *args):

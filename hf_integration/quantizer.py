@@ -42,7 +42,7 @@ from transformers.utils import logging
 
 from fp4moe_ops.moe_weights import check_scale_values
 from fp4moe_ops.op import _HIDDEN_DTYPES
-from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS, PreparedExperts
+from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS, PreparedExperts, check_incoming_scales
 
 from .experts import FP8Linear, NVFP4Experts, NVFP4Linear
 from .checkpoint_format import (
@@ -574,12 +574,18 @@ class ModelOptQuantizer(HfQuantizer):
         ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
         model._keys_to_ignore_on_load_unexpected = set(ignore or [])
         self.kv_cache_scales = {}
-        if self.quantization_config.kv_cache_quant_algo:
+        kv_algo = self.quantization_config.kv_cache_quant_algo
+        if kv_algo == "FP8":  # a save writes them back under this name (the only KV format it writes)
             self.kv_cache_scales = read_kv_cache_scales(model, files, scan)
-            model._keys_to_ignore_on_load_unexpected.add(rf"\.({'|'.join(KV_CACHE_SCALES)})$")
             logger.warning("fp4moe: the checkpoint's FP8 KV-cache scales (k_scale, v_scale) are not used; the KV "
                            "cache stays in the model dtype (its %d scales are kept for save_pretrained)",
                            len(self.kv_cache_scales))
+        elif kv_algo:
+            logger.warning("fp4moe: the checkpoint's KV-cache scales (k_scale, v_scale; KV cache %s) are not used, "
+                           "and save_pretrained does not write them back: the KV cache stays in the model dtype",
+                           kv_algo)
+        if kv_algo:
+            model._keys_to_ignore_on_load_unexpected.add(rf"\.({'|'.join(KV_CACHE_SCALES)})$")
         if shard_of is not None:  # other ranks' experts: never read, not reported
             for p in self.plan.experts.values():
                 model._keys_to_ignore_on_load_unexpected.add(rf"{re.escape(p.name.split('.')[-1])}\.\d+\.")
@@ -671,6 +677,9 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
       the quantizer (the NVFP4 modules also keep their dtypes under ``model.to(dtype)``);
     * ``model.to(dtype)`` to a dtype the experts' op does not run (float32) and ``.double()`` raise
       at the call, leaving the model as it was (the forward would fail later, naming no cause);
+      a ``to`` already on the model (accelerate's guard of a dispatched model) still runs after;
+    * ``load_state_dict`` checks every incoming scale value of the model's NVFP4 modules before
+      any module changes (each module also checks its own, as it loads);
     * ``set_experts_implementation`` away from fp4moe raises at the call;
     * ``save_pretrained`` writes a ModelOpt checkpoint atomically (:mod:`hf_integration.saving`).
     """
@@ -687,8 +696,10 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
         type(model).set_experts_implementation(model, EXPERTS_IMPLEMENTATION)
     model.set_experts_implementation = types.MethodType(_guarded_set_experts_implementation, model)
     model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
+    model._fp4moe_next_to = model.__dict__.get("to")  # accelerate's, on a dispatched model
     model.to = types.MethodType(_guarded_to, model)
     model.double = types.MethodType(_guarded_double, model)
+    model._register_load_state_dict_pre_hook(_check_model_scales, with_module=True)
 
 
 EXPERTS_IMPLEMENTATION = "fp4moe"
@@ -717,7 +728,16 @@ def _guarded_to(model, *args, **kwargs):
         raise ValueError(f"model.to({dtype}): this model's NVFP4 experts run bfloat16 or float16 activations only, so "
                          "its 16-bit parts must stay in one of those (model.to(torch.float16) works); "
                          "the model is left as it was")
-    return type(model).to(model, *args, **kwargs)
+    inner = model.__dict__.get("_fp4moe_next_to")
+    return inner(*args, **kwargs) if inner is not None else type(model).to(model, *args, **kwargs)
+
+
+def _check_model_scales(model, state_dict, prefix, *args):
+    """The model's own pre-hook runs before any module loads: a bad scale anywhere is refused
+    with the model untouched (the modules' hooks alone would leave the earlier modules loaded)."""
+    for name, m in model.named_modules():
+        if name and callable(getattr(m, "scale_checks", None)):
+            check_incoming_scales(m, state_dict, f"{prefix}{name}.")
 
 
 def _guarded_double(model):

@@ -78,6 +78,15 @@ class SharedExpertMoE(nn.Module):
         weights = torch.cat([weights.float(), weights.new_ones((t, 1), dtype=torch.float32)], dim=1)
         return self.experts(flat, ids, weights).view(shape)
 
+    def scale_checks(self) -> list[tuple[str, str]]:
+        """``(key, kind)`` of the shared expert's scales in the unfused state dict (see
+        :func:`fp4moe_ops.prepared.check_incoming_scales`); compressed-tensors' input scales divide."""
+        s = self.shared_scheme
+        return [check for leaf in ("gate_proj", "up_proj", "down_proj")
+                for check in ((f"shared_experts.{leaf}.{s.global_scale}", "global"),
+                              (f"shared_experts.{leaf}.{s.block_scale}", "block"),
+                              (f"shared_experts.{leaf}.{s.input_scale}", "global" if s.reciprocal else "input"))]
+
     def split(self) -> tuple[NVFP4MoEWeights, NVFP4MoEWeights]:
         """``(routed [E], shared [1])`` canonical weights (views of the fused tensors where the
         layout allows)."""

@@ -424,19 +424,46 @@ def test_casting_a_model_with_nvfp4_experts_to_a_dtype_the_op_does_not_run_is_re
 @pytest.mark.parametrize("key,value", [("model.layers.1.mlp.experts.gate_up_proj_global_scale", float("nan")),
                                        ("model.layers.1.mlp.experts.down_proj_global_scale", 0.0),
                                        ("model.layers.1.mlp.experts.fc1_input_scale", -1.0),
+                                       ("model.layers.1.mlp.shared_experts.down_proj.weight_scale_2", float("nan")),
                                        ("model.layers.0.mlp.up_proj.weight_scale_2", float("nan"))])
 def test_load_state_dict_checks_scale_values_as_loading_a_checkpoint_does(key, value):
     # a zero global scale zeroed its expert's output and a NaN one poisoned it, silently: the
-    # constructors and from_pretrained refuse them; load_state_dict now does too, before the module changes
-    model = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=5), quantize_dense_mlps=True)
-    calibrate_activation_scales(model, [IDS])
-    want = logits(model, IDS)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    # constructors and from_pretrained refuse them; load_state_dict now does too, before any module
+    # of the model changes (another model's state dict: every tensor differs, so any partial load shows)
+    def calibrated(seed):
+        m = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=seed), quantize_dense_mlps=True)
+        return calibrate_activation_scales(m, [IDS])
+
+    model, other = calibrated(5), calibrated(6)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.clone() for k, v in other.state_dict().items()}
     assert key in state
     state[key][...] = value
     with pytest.raises(ValueError, match=rf"load_state_dict: {key}(\[\d+\])? must be finite and >=? 0"):
         model.load_state_dict(state)
-    assert torch.equal(logits(model, IDS), want)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    del state[key]
+    model.load_state_dict(state | {key: other.state_dict()[key]})  # the fault gone, the load goes through
+    assert torch.equal(logits(model, IDS), logits(other, IDS))
+
+
+def test_the_dtype_guard_runs_a_to_already_on_the_model_and_scale_checks_skip_meta_tensors():
+    # accelerate's dispatch puts its own guard on model.to (refusing moves of offloaded models)
+    # before Transformers marks the model quantized: ours must run it, not replace it
+    from hf_integration.experts import NVFP4Linear
+
+    model = tiny_deepseek_v3(num_hidden_layers=2, seed=5)
+    calls = []
+    model.to = lambda *a, **k: calls.append(a) or model
+    patch_deepseek(model)
+    model.to("cpu")
+    with pytest.raises(ValueError, match="float32"):
+        model.to(torch.float32)
+    assert calls == [("cpu",)]
+    # load_state_dict(assign=True) of meta tensors (building a model skeleton) checks no values
+    linear = NVFP4Linear.quantize(torch.nn.Linear(64, 32, dtype=torch.bfloat16))
+    linear.load_state_dict({k: torch.empty_like(v, device="meta") for k, v in linear.state_dict().items()}, assign=True)
+    assert linear.weight_scale_2.is_meta
 
 
 def test_patching_does_not_touch_a_config_shared_with_another_model(tmp_path):

@@ -67,6 +67,29 @@ def test_modelopt_fp8_kv_cache_scales_are_reported_unused_and_saved_back(hf_logs
     assert again.hf_quantizer.kv_cache_scales.keys() == original.keys()
 
 
+def test_kv_cache_scales_of_another_kv_format_are_not_saved_back_as_fp8(hf_logs, tmp_path):
+    # a save writes KV-cache scales only as FP8's: an export's NVFP4 KV-cache scales (a ModelOpt
+    # option) must not come back labelled FP8, where vLLM would read them with the wrong meaning
+    import shutil
+
+    folder = tmp_path / "nvfp4_kv"
+    shutil.copytree(FIXTURES / "modelopt" / "qwen3_moe_nvfp4_fp8kv", folder, ignore=shutil.ignore_patterns("source"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = {"dynamic": False, "num_bits": 4, "type": "float"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    hf_quant = folder / "hf_quant_config.json"
+    if hf_quant.exists():
+        quant = json.loads(hf_quant.read_text())
+        quant["quantization"]["kv_cache_quant_algo"] = "NVFP4"
+        hf_quant.write_text(json.dumps(quant))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert "save_pretrained does not write them back" in hf_logs.text
+    model.save_pretrained(tmp_path / "out")
+    assert not [k for k in load_file(tmp_path / "out" / "model.safetensors") if k.endswith(("k_scale", "v_scale"))]
+    assert json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]["kv_cache_quant_algo"] is None
+    assert "kv_cache_scheme" not in json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+
+
 def _decode32(packed, block_scale, global_scale):
     """The format definition in ModelOpt's float32 arithmetic: ``e2m1 * (float(block) * global)``
     (the codebook and nibble order of fp4moe_ops.oracle64)."""
