@@ -109,7 +109,8 @@ def _split_weights(w: NVFP4MoEWeights, e: int) -> tuple[NVFP4MoEWeights, NVFP4Mo
 def _linear_state(module: SharedExpertMoE, one: NVFP4MoEWeights) -> dict[str, torch.Tensor]:
     """The shared expert ``[1]`` as its three linears' tensors, under the scheme's names, with the
     file's scalars (``<leaf>.<tensor>`` keys). Input scales that calibration gave the fused layer
-    after loading or patching (no file scalar) come from ``one``, in the scheme's units."""
+    after loading or patching (no file scalar, or one it made stale) come from ``one``, in the
+    scheme's units."""
     s, i = module.shared_scheme, one.intermediate_size
     rows = {"gate_proj": (one.w13[0, :i], one.w13_scale[0, :i], one.fc1_input_scale),
             "up_proj": (one.w13[0, i:], one.w13_scale[0, i:], one.fc1_input_scale),
@@ -118,11 +119,13 @@ def _linear_state(module: SharedExpertMoE, one: NVFP4MoEWeights) -> dict[str, to
     for leaf, (packed, block, calibrated) in rows.items():
         out[f"{leaf}.{s.packed}"], out[f"{leaf}.{s.block_scale}"] = packed, block
         for tensor in (s.global_scale, s.input_scale):
-            name = _scalar_buffer(f"{leaf}.{tensor}")
-            if name in module._buffers:
-                out[f"{leaf}.{tensor}"] = module._buffers[name]
-            elif tensor == s.input_scale and calibrated is not None:
+            kept = module._buffers.get(_scalar_buffer(f"{leaf}.{tensor}"))
+            if tensor == s.input_scale and calibrated is not None and not calibrated.is_meta and (
+                    kept is None or s.multiplier(kept).reshape(-1)[0].item() != calibrated[0].item()):
+                # calibrated after loading or patching: the file's scalar (if any) is stale
                 out[f"{leaf}.{tensor}"] = s.multiplier(calibrated[0]).reshape(s.scalar_shape)
+            elif kept is not None:
+                out[f"{leaf}.{tensor}"] = kept
     return out
 
 

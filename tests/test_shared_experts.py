@@ -241,6 +241,26 @@ def test_a_loaded_fused_model_has_the_unfused_state_dict_and_takes_it_back(fmt, 
     assert all(torch.equal(after[k], before[k]) for k in before)
 
 
+def test_recalibrating_a_loaded_fused_model_moves_the_shared_input_scales_of_its_state_dict():
+    # a W4A4 export's shared-expert input scales are kept as the file's scalars; after calibration
+    # the state dict gave those stale scalars, and loading it back put them into the fused layer
+    from hf_integration import calibrate_activation_scales
+
+    folder = FIXTURES / "modelopt" / "deepseek_v3_nvfp4_default"
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=ModelOptConfig(fuse_shared_experts=True),
+                                                 dtype=torch.bfloat16)
+    fused = blocks(model, SharedExpertMoE)[0]
+    key = next(k for k in model.state_dict() if k.endswith("shared_experts.down_proj.input_scale"))
+    filed = model.state_dict()[key].clone()
+    calibrate_activation_scales(model, [torch.randint(1, 200, (2, 10))])
+    calibrated = fused.experts.fc2_input_scale[-1].clone()
+    assert not torch.equal(calibrated, filed)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert torch.equal(state[key], calibrated)
+    model.load_state_dict(state)
+    assert torch.equal(fused.experts.fc2_input_scale[-1], calibrated)
+
+
 def test_nvfp4_activations_are_refused_on_fused_experts_and_change_nothing():
     from hf_integration import calibrate_activation_scales, set_backend
 
