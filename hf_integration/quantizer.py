@@ -186,12 +186,16 @@ def read_kv_cache_scales(model: nn.Module, files: list[str], scan: CheckpointSca
     renamings, _ = model_conversions(model)
     owners = {n for n, _ in model.named_modules()}
     prefix = getattr(model, "base_model_prefix", "model")
-    paths = {Path(f).name: f for f in files}
-    scales = {}
+    wanted: dict[str, list[str]] = {}  # file -> its KV-scale keys: each shard opened once
     for key, (file, _, _) in scan.tensors.items():
         if key.rpartition(".")[2] in KV_CACHE_SCALES:
-            with safe_open(paths[file], framework="pt") as handle:
-                scales[_to_model_key(key, renamings, prefix, owners)] = handle.get_tensor(key)
+            wanted.setdefault(file, []).append(key)
+    scales = {}
+    for f in files:
+        if Path(f).name in wanted:
+            with safe_open(f, framework="pt") as handle:
+                for key in wanted[Path(f).name]:
+                    scales[_to_model_key(key, renamings, prefix, owners)] = handle.get_tensor(key)
     return scales
 
 
@@ -696,10 +700,11 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
         type(model).set_experts_implementation(model, EXPERTS_IMPLEMENTATION)
     model.set_experts_implementation = types.MethodType(_guarded_set_experts_implementation, model)
     model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
-    model._fp4moe_next_to = model.__dict__.get("to")  # accelerate's, on a dispatched model
-    model.to = types.MethodType(_guarded_to, model)
-    model.double = types.MethodType(_guarded_double, model)
-    model._register_load_state_dict_pre_hook(_check_model_scales, with_module=True)
+    if getattr(model.__dict__.get("to"), "__func__", None) is not _guarded_to:  # (attached once)
+        model._fp4moe_next_to = model.__dict__.get("to")  # accelerate's, on a dispatched model
+        model.to = types.MethodType(_guarded_to, model)
+        model.double = types.MethodType(_guarded_double, model)
+        model._register_load_state_dict_pre_hook(_check_model_scales, with_module=True)
 
 
 EXPERTS_IMPLEMENTATION = "fp4moe"

@@ -456,6 +456,9 @@ def test_the_dtype_guard_runs_a_to_already_on_the_model_and_scale_checks_skip_me
     calls = []
     model.to = lambda *a, **k: calls.append(a) or model
     patch_deepseek(model)
+    from hf_integration.quantizer import attach
+
+    attach(model, model.hf_quantizer)  # a second attach must not chain the guard onto itself
     model.to("cpu")
     with pytest.raises(ValueError, match="float32"):
         model.to(torch.float32)

@@ -26,7 +26,7 @@ instead ``prefill_rs``'s kernels over 128-row blocks of activations gathered in 
 FP4 decode straight into wgmma's register operand, overlapping the previous step's wgmma), an
 expert's last block of at most 64 rows in 64-token tiles of a launch of its own. Up to 6 rows
 per expert (DeepSeek-V3: 1-192 tokens), on the same condition, steps 2-3 are ``decode_v3``'s:
-``mma.sync`` with the weights and scales through a TMA ring, 8-row blocks (0.76-0.98x the time of
+``mma.sync`` with the weights and scales through a TMA ring, 8-row blocks (0.76-1.02x the time of
 the kernels above on the H200; ``x`` read in natural order, so the routing launch makes no
 permuted copy).
 

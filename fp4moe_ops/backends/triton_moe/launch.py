@@ -211,7 +211,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # TMA ring (decode_v3.py; Hopper, bf16 and Gluon only, checked at the call), in 8-row blocks.
     # DeepSeek-V3's layer against the wgmma kernels, one process (H200, benchmarks/NOTES.md,
     # twenty-first and twenty-second sessions): 0.83x the time at 1 token, 0.76-0.81x at 8,
-    # 0.86-0.95x at 64, 0.85-0.88x at 128 (4 rows), 0.89-0.93x at 160 (5), 0.91-0.98x at 192 (6);
+    # 0.86-0.95x at 64, 0.85-0.88x at 128 (4 rows), 0.91-0.95x at 160 (5), 0.93-1.02x at 192 (6);
     # at 256 (8 rows) 1.07-1.15x, so not there. 8-row blocks against 16: 0.90x at 8 tokens, 0.87x
     # at 32. Rings of 2 slots: GEMM2's of 2 steps (256 K each) where I
     # allows, of one at one token (0.97x there), GEMM1's of one step
