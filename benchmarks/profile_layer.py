@@ -98,9 +98,20 @@ def smi_fields() -> list[str] | None:
     return None
 
 
+def board_limits() -> str:
+    """The board's power limit and top SM clock, as nvidia-smi reports them ('' without it)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=power.limit,clocks.max.sm", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
 def clocks_under_load(graph, seconds: float = 1.0) -> str:
     """nvidia-smi's SM clock, power draw and clock-event reasons, sampled every 20 ms while the
-    graph replays for about ``seconds``; a summary line ('' where nvidia-smi does not run)."""
+    graph replays for about ``seconds``; a summary line ('' where nvidia-smi does not run). The
+    samples include 0.2 s before the replays start, so each range's low end is the idle GPU."""
     st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     st.record(); graph.replay(); en.record(); torch.cuda.synchronize()
     replays = max(1, int(seconds * 1e3 / st.elapsed_time(en)))
@@ -136,6 +147,8 @@ def main():
     ap.add_argument("--idle-us", default="0", help="graph: idle microseconds after each call, one graph per value")
     args = ap.parse_args()
     e, h, i, k, routed = SHAPES[args.shape]
+    if args.graph:
+        print(f"board: power limit, top SM clock: {board_limits() or 'nvidia-smi did not answer'}")
     tensors = fp4moe_ops.prepare_experts(random_weights(e, h, i, "cuda"), "triton").op_tensors()
     for t in (int(x) for x in args.tokens.split(",")):
         inputs = make_inputs(t, h, k, routed, "cuda", n=8 if args.graph else 4)
