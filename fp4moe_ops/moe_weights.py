@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .nvfp4 import BLOCK_SIZE, NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from .nvfp4 import BLOCK_SIZE, E2M1_MAX, NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 
 QUANTIZE_CHUNK_ELEMENTS = 1 << 22  # weights quantized at a time (whole experts, at least one)
 
@@ -91,7 +91,8 @@ class NVFP4MoEWeights:
         a global scale that is not finite and > 0, an E4M3 NaN byte (0x7F / 0xFF) or a negative
         block scale, a calibrated input scale that is NaN, Inf or negative (0 is allowed: an expert
         calibration never routed to; NVFP4 activations refuse it, see
-        :func:`fp4moe_ops.activation_scales`).
+        :func:`fp4moe_ops.activation_scales`), or scales whose largest weight is past bfloat16's range
+        (:func:`check_weight_range`).
 
         The message names the tensor and expert (``"w13_global[3]"``). One host sync per tensor:
         for load time, not per call.
@@ -101,6 +102,9 @@ class NVFP4MoEWeights:
             t = getattr(self, name)
             if t is not None:
                 check_scale_values(t, kind, lambda e, name=name: f"{name}[{e}]")
+        for w in ("w13", "w2"):
+            check_weight_range(getattr(self, f"{w}_scale"), getattr(self, f"{w}_global"),
+                               lambda e, w=w: f"{w}_global[{e}]")
 
 
 def _bad_global(t):
@@ -130,6 +134,35 @@ def check_scale_values(t: torch.Tensor, kind: str, describe) -> None:
         e = int(bad.nonzero()[0, 0])
         value = f" (got {t[e].item()})" if t.dim() == 1 else ""
         raise ValueError(f"{describe(e)} {what}{value}; {int(bad.sum())} expert(s) affected")
+
+
+# The largest weight a layer may hold: bfloat16's (float32's is 0.4% above). Past it a decoded
+# weight is Inf in the kernels, and every token routed to the expert gets Inf or NaN.
+LARGEST_WEIGHT = torch.finfo(torch.bfloat16).max
+
+
+def largest_weights(block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """``[E] float64``: the largest ``|W|`` each expert's scales allow, ``6 x`` its largest block
+    scale ``x`` its global scale (the multiplier: ModelOpt's ``weight_scale_2``). ``block_scale``
+    ``[E, N, K/16]`` E4M3 with no NaN or negative bytes (:func:`check_scale_values` first);
+    ``global_scale`` ``[E]``. Reduced on the bytes, without a copy of the block scales (DeepSeek-V3:
+    470 MB a layer): non-negative E4M3 bytes order as their values, and as int8 the one sign-bit
+    byte left, -0 (0x80), is the smallest."""
+    top = block_scale.view(torch.int8).flatten(1).amax(1)
+    return top.view(torch.float8_e4m3fn).double() * E2M1_MAX * global_scale.double()
+
+
+def check_weight_range(block_scale: torch.Tensor, global_scale: torch.Tensor, describe) -> None:
+    """Raise ValueError naming ``describe(e)`` of the first expert whose largest weight
+    (:func:`largest_weights`) is past :data:`LARGEST_WEIGHT`. A global scale such as 1e38 is finite
+    and > 0, passes :func:`check_scale_values`, and still decodes to Inf: a corrupt file."""
+    top = largest_weights(block_scale, global_scale)
+    bad = ~(top <= LARGEST_WEIGHT)
+    if bool(bad.any()):
+        e = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{describe(e)}: its largest weight would be {top[e].item():.3g} "
+                         f"(6 x block scale x global scale {global_scale[e].item():.3g}), past bfloat16's "
+                         f"largest finite value {LARGEST_WEIGHT:.3g}; {int(bad.sum())} expert(s) affected")
 
 
 def quantize_moe_weights(gate_up: torch.Tensor, down: torch.Tensor) -> NVFP4MoEWeights:

@@ -18,6 +18,7 @@ own (FlashInfer) gets them as non-persistent ``prepared_<i>`` buffers beside the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 from .backends import resolve_backend
 from .backends.base import CANONICAL, convert_packed
 from .backends.base import canonical_layout as op_layout  # contiguous + views; not the context manager below
-from .moe_weights import NVFP4MoEWeights, check_scale_values
+from .moe_weights import NVFP4MoEWeights, check_scale_values, check_weight_range
 from .nvfp4 import BLOCK_SIZE
 
 CANONICAL_BUFFERS = ("gate_up_proj_packed", "gate_up_proj_scale", "gate_up_proj_global_scale",
@@ -89,6 +90,12 @@ class QuantizedBuffers(nn.Module):
         :data:`fp4moe_ops.moe_weights.SCALE_CHECKS`)."""
         return []
 
+    def weight_ranges(self) -> list[tuple[str, str, Callable | None]]:
+        """``(block scale buffer, global scale buffer, to_multiplier)`` of the weights whose largest
+        decoded value is checked (:func:`fp4moe_ops.moe_weights.check_weight_range`);
+        ``to_multiplier`` turns a stored global scale into the multiplying one (None: it is)."""
+        return []
+
     def _apply(self, fn, recurse=True):
         before = dict(self._buffers)
         super()._apply(fn, recurse)
@@ -149,6 +156,9 @@ class PreparedExperts(QuantizedBuffers):
 
     def scale_checks(self) -> list[tuple[str, str]]:
         return [(name, kind) for name, kind in _SCALE_KINDS.items() if name in self._buffers]
+
+    def weight_ranges(self) -> list[tuple[str, str, Callable | None]]:
+        return [(CANONICAL_BUFFERS[1], CANONICAL_BUFFERS[2], None), (CANONICAL_BUFFERS[4], CANONICAL_BUFFERS[5], None)]
 
     # --- the weights ------------------------------------------------------------------------
 
@@ -319,6 +329,25 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
         elif (t.dim() == 2 if kind == "block" else t.numel() == 1) and (held is None or t.shape == held.shape):
             check_scale_values(t[None] if kind == "block" else t.reshape(-1), kind,
                                lambda e, key=key: f"load_state_dict: {key}")
+    for block_name, global_name, to_multiplier in getattr(module, "weight_ranges", list)():  # valid: in range?
+        block, scale = state_dict.get(prefix + block_name), state_dict.get(prefix + global_name)
+        if not (_loadable(block, module._buffers.get(block_name), torch.float8_e4m3fn)
+                and _loadable(scale, module._buffers.get(global_name), torch.float32)
+                and (experts or (block.dim() == 2 and scale.numel() == 1))):
+            continue
+        multiplier = to_multiplier(scale) if to_multiplier is not None else scale
+        key = prefix + global_name
+        if experts:
+            check_weight_range(block, multiplier, lambda e, key=key: f"load_state_dict: {key}[{e}]")
+        else:
+            check_weight_range(block[None], multiplier.reshape(1), lambda e, key=key: f"load_state_dict: {key}")
+
+
+def _loadable(t, held: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """``t`` is a tensor with values that ``load_state_dict`` would take into ``held`` (or into a
+    ``dtype`` tensor where the module holds none under that name)."""
+    return (isinstance(t, torch.Tensor) and not t.is_meta and t.dtype == (held.dtype if held is not None else dtype)
+            and (held is None or t.shape == held.shape))
 
 
 def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, *args):

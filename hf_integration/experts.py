@@ -118,6 +118,10 @@ class NVFP4Linear(QuantizedBuffers):
             checks.append((s.input_scale, "global" if s.reciprocal else "input"))
         return checks
 
+    def weight_ranges(self):
+        s = self.scheme
+        return [(s.block_scale, s.global_scale, s.multiplier)]
+
     def weight_value(self) -> torch.Tensor:
         b, s = self._buffers, self.scheme
         return nvfp4.dequantize_nvfp4(b[s.packed], b[s.block_scale], s.multiplier(b[s.global_scale]), self.dtype)

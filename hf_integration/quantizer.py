@@ -40,7 +40,7 @@ from transformers.modeling_utils import str_to_torch_dtype  # safetensors' dtype
 from transformers.quantizers import HfQuantizer
 from transformers.utils import logging
 
-from fp4moe_ops.moe_weights import check_scale_values
+from fp4moe_ops.moe_weights import check_scale_values, check_weight_range
 from fp4moe_ops.op import _HIDDEN_DTYPES
 from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS, PreparedExperts, check_incoming_scales
 
@@ -397,6 +397,7 @@ class StackNVFP4Experts(ConversionOps):
         # values as the file has them: ModelOpt's input scales may be 0 (never calibrated), a
         # compressed-tensors input global scale (it divides) may not
         input_kind = "global" if scheme.reciprocal else "input"
+        errors_before = len(self.hf_quantizer.load_errors)
         for leaf, role, kind, values in ((0, "global", "global", g_gate), (1, "global", "global", g_up),
                                          (2, "global", "global", g2), (0, "block", "block", s13[:, :inter]),
                                          (1, "block", "block", s13[:, inter:]), (2, "block", "block", s2),
@@ -405,6 +406,9 @@ class StackNVFP4Experts(ConversionOps):
             if values is not None:
                 self._check(values, kind, plan, leaves[leaf], names[role])
         g_gate, g_up, g2 = scheme.multiplier(g_gate), scheme.multiplier(g_up), scheme.multiplier(g2)
+        if len(self.hf_quantizer.load_errors) == errors_before:  # valid values: do they decode in range?
+            for leaf, block, multiplier in ((0, s13[:, :inter], g_gate), (1, s13[:, inter:], g_up), (2, s2, g2)):
+                self._check_range(block, multiplier, plan, leaves[leaf], names["global"])
         if plan.input_scales:
             fc1_gate, fc1_up, fc2_in = scheme.multiplier(fc1_gate), scheme.multiplier(fc1_up), scheme.multiplier(fc2_in)
 
@@ -430,6 +434,17 @@ class StackNVFP4Experts(ConversionOps):
 
         try:
             check_scale_values(stacked, kind, describe)
+        except ValueError as exc:
+            self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
+
+    def _check_range(self, block: torch.Tensor, multiplier: torch.Tensor, plan: ExpertsPlan, leaf: str,
+                     tensor: str) -> None:
+        def describe(e: int) -> str:
+            key = plan.key(plan.ids[e], leaf, tensor)
+            return f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(key)}"
+
+        try:
+            check_weight_range(block, multiplier, describe)
         except ValueError as exc:
             self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
 
@@ -459,6 +474,7 @@ class UnfuseNVFP4Experts(StackNVFP4Experts):
         input_dict.clear()
         if not plan.input_scales:  # a weights-only load of a W4A4 export: the input scales go unused
             got = {k: v for k, v in got.items() if not k.endswith(".input")}
+        errors_before = len(self.hf_quantizer.load_errors)
         for name, t in got.items():
             leaf, role = name.split(".")
             if role == "packed":
@@ -471,6 +487,15 @@ class UnfuseNVFP4Experts(StackNVFP4Experts):
             except ValueError as exc:
                 self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
         weights = canonical_from_fused(got, plan.ids)
+        if len(self.hf_quantizer.load_errors) == errors_before:  # valid values: do they decode in range?
+            for leaf, w in zip(FUSED_LEAVES, ("w13", "w2")):
+                where = f"checkpoint tensor {fused_key(plan.checkpoint_prefix, leaf, 'global')!r} in " \
+                        f"{self.hf_quantizer.plan.files.get(fused_key(plan.checkpoint_prefix, leaf, 'global'))}"
+                try:
+                    check_weight_range(getattr(weights, f"{w}_scale"), getattr(weights, f"{w}_global"),
+                                       lambda e, where=where: f"{where} (expert {e})")
+                except ValueError as exc:
+                    self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
         base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
         out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, weights.tensors())}
         if plan.input_scales:
@@ -616,6 +641,13 @@ class ModelOptQuantizer(HfQuantizer):
                 values = m._buffers[tensor]
                 try:
                     check_scale_values(values[None] if kind == "block" else values.reshape(-1), kind,
+                                       lambda e, key=key: f"checkpoint tensor {key!r} in {self.plan.files.get(key)}")
+                except ValueError as exc:
+                    raise CheckpointError(str(exc)) from None
+            for block, scale, to_multiplier in getattr(m, "weight_ranges", list)():  # valid: in range?
+                key = f"{name}.{scale}"
+                try:
+                    check_weight_range(m._buffers[block][None], to_multiplier(m._buffers[scale]).reshape(1),
                                        lambda e, key=key: f"checkpoint tensor {key!r} in {self.plan.files.get(key)}")
                 except ValueError as exc:
                     raise CheckpointError(str(exc)) from None

@@ -87,6 +87,12 @@ class SharedExpertMoE(nn.Module):
                               (f"shared_experts.{leaf}.{s.block_scale}", "block"),
                               (f"shared_experts.{leaf}.{s.input_scale}", "global" if s.reciprocal else "input"))]
 
+    def weight_ranges(self):
+        """The shared expert's linears in the unfused state dict (see ``scale_checks``)."""
+        s = self.shared_scheme
+        return [(f"shared_experts.{leaf}.{s.block_scale}", f"shared_experts.{leaf}.{s.global_scale}", s.multiplier)
+                for leaf in ("gate_proj", "up_proj", "down_proj")]
+
     def split(self) -> tuple[NVFP4MoEWeights, NVFP4MoEWeights]:
         """``(routed [E], shared [1])`` canonical weights (views of the fused tensors where the
         layout allows)."""

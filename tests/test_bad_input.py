@@ -189,6 +189,32 @@ def test_scale_values_are_checked_before_use(field, value, match):
         fp4moe_ops.prepare_experts(w, "reference")
 
 
+def test_largest_weights_reduce_the_block_scale_bytes_as_their_float_values():
+    from fp4moe_ops.moe_weights import largest_weights
+
+    scale = (torch.rand(5, 32, 8) * 448).to(torch.float8_e4m3fn)
+    scale.view(torch.uint8)[1, 3, 2] = 0x80  # -0: valid, and the largest byte as uint8
+    scale[4] = 0.0
+    scale.view(torch.uint8)[4, 0, 0] = 0x80
+    g = torch.rand(5) * 1e-2 + 1e-4
+    want = scale.double().flatten(1).amax(1).clamp(min=0) * 6 * g.double()
+    assert torch.equal(largest_weights(scale, g), want)
+
+
+@pytest.mark.parametrize("field", ["w13_global", "w2_global"])
+def test_global_scales_whose_weights_decode_past_bfloat16(field):
+    w = layer()
+    scale = getattr(w, field.replace("global", "scale"))
+    fits = torch.finfo(torch.bfloat16).max / (6 * scale[2].float().max().item())
+    getattr(w, field)[2] = fits * 0.99
+    w.check_values()  # large but representable
+    getattr(w, field)[2] = fits * 1.01
+    with pytest.raises(ValueError, match=rf"{field}\[2\]: its largest weight would be 3\.4\de\+38"):
+        w.check_values()
+    with pytest.raises(ValueError, match=rf"{field}\[2\]: its largest weight"):
+        fp4moe_ops.prepare_experts(w, "reference")
+
+
 @pytest.mark.parametrize("field", ["w13_scale", "w2_scale"])
 @pytest.mark.parametrize("byte", [0x7F, 0xFF, 0x81, 0xC0])
 def test_e4m3_nan_bytes_and_negative_block_scales(field, byte):
@@ -447,6 +473,19 @@ def test_load_state_dict_checks_scale_values_as_loading_a_checkpoint_does(key, v
     assert torch.equal(logits(model, IDS), logits(other, IDS))
 
 
+@pytest.mark.parametrize("key", ["model.layers.1.mlp.experts.down_proj_global_scale",
+                                 "model.layers.1.mlp.shared_experts.up_proj.weight_scale_2",
+                                 "model.layers.0.mlp.up_proj.weight_scale_2"])
+def test_load_state_dict_refuses_global_scales_that_decode_past_bfloat16(key):
+    model = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=5), quantize_dense_mlps=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.clone() for k, v in before.items()}
+    state[key][...] = 1e38  # finite and > 0: passes the value rules, decodes to Inf
+    with pytest.raises(ValueError, match=rf"load_state_dict: {key}(\[\d+\])?: its largest weight would be"):
+        model.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_the_dtype_guard_runs_a_to_already_on_the_model_and_scale_checks_skip_meta_tensors():
     # accelerate's dispatch puts its own guard on model.to (refusing moves of offloaded models)
     # before Transformers marks the model quantized: ours must run it, not replace it
@@ -624,6 +663,45 @@ def test_bad_scales_of_a_dequantized_linear(ckpt, tensor, value):
     rewrite(path, key, value)
     with pytest.raises(CheckpointError, match=rf"'{key}' in .* must be finite and > 0"):
         load_modelopt_nvfp4(path)
+
+
+# finite and > 0, yet 6 x 448 x 1e38 is past bfloat16's largest value: every decoded weight of the
+# expert's top block is Inf, and every token routed there gets Inf or NaN logits
+@pytest.mark.parametrize("key", [f"{E3}.gate_proj.weight_scale_2", f"{E3}.down_proj.weight_scale_2",
+                                 "model.layers.0.mlp.up_proj.weight_scale_2"])
+def test_a_global_scale_that_decodes_past_bfloat16_names_the_key_and_file(ckpt, key):
+    path, tensors = ckpt
+    block = tensors[key.replace("weight_scale_2", "weight_scale")].float().max().item()
+    fits = torch.finfo(torch.bfloat16).max / (6 * block)  # its largest weight just inside the range
+    rewrite(path, key, torch.tensor(fits * 0.99))
+    model = load_modelopt_nvfp4(path)  # loads: large but representable
+    del model
+    rewrite(path, key, torch.tensor(fits * 1.01))
+    with pytest.raises(CheckpointError, match=rf"'{key}' in {shard_of(path, key).name}: its largest weight "
+                                              r"would be 3\.4\de\+38 .* past bfloat16's largest finite value"):
+        load_modelopt_nvfp4(path)
+
+
+@pytest.mark.parametrize("export,key,value", [
+    # compressed-tensors' global scale divides: 1e-38 is a multiplier of 1e38
+    ("llmcompressor/qwen3_moe_nvfp4a16", "model.layers.1.mlp.experts.2.up_proj.weight_global_scale", torch.tensor([1e-38])),
+    # Llama-4's fused experts: one scalar for the layer's gate_up_proj
+    ("modelopt/llama4_text_nvfp4_mlp_only", "model.layers.1.feed_forward.experts.gate_up_proj_weight_scale_2",
+     torch.tensor(1e38)),
+])
+def test_global_scales_past_bfloat16_in_genuine_exports(tmp_path, export, key, value):
+    source = Path(__file__).parent / "fixtures" / export
+    folder = tmp_path / "export"
+    folder.mkdir()
+    for f in source.iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    data = load_file(folder / "model.safetensors")
+    assert data[key].dtype == value.dtype and data[key].shape == value.shape
+    data[key] = value
+    save_file(data, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"'{key}' in model.safetensors.*: its largest weight would be"):
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("key,value,match", [
