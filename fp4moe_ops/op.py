@@ -22,9 +22,13 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
     if routed_experts < 0:
         raise ValueError(f"routed_experts must be >= 0 (0: all experts are local), got {routed_experts}")
     if hidden_states.dim() != 2 or hidden_states.dtype not in _HIDDEN_DTYPES:
+        # a float32 model reaches here when something took the model.to guard away (accelerate's
+        # remove_hook_from_module pops instance attributes named "to")
+        hint = ("; a model with NVFP4 experts runs in bfloat16 or float16: cast it back with "
+                "model.to(torch.bfloat16)") if hidden_states.is_floating_point() else ""
         raise TypeError(
             f"hidden_states must be [T, H] bfloat16/float16, got {hidden_states.dtype} "
-            f"{list(hidden_states.shape)}"
+            f"{list(hidden_states.shape)}{hint}"
         )
     t, h = hidden_states.shape
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):

@@ -486,6 +486,23 @@ def test_load_state_dict_refuses_global_scales_that_decode_past_bfloat16(key):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_a_cast_past_the_dtype_guard_fails_at_the_forward_saying_how_to_cast_back():
+    # accelerate's remove_hook_from_module pops the instance attribute "to", and the guard with it
+    from accelerate.hooks import remove_hook_from_module
+
+    model = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=5))
+    experts = model.model.layers[1].mlp.experts
+    held = {k: v.clone() for k, v in experts.state_dict().items()}
+    remove_hook_from_module(model, recurse=True)
+    model.to(torch.float32)
+    with pytest.raises(TypeError, match=r"got torch.float32 .*cast it back with model.to\(torch.bfloat16\)"):
+        model(IDS)
+    model.to(torch.bfloat16)  # the NVFP4 buffers never took the cast (float32 buffers such as
+    # the rotary frequencies come back rounded to bfloat16, as in any model, so logits are not compared)
+    assert all(torch.equal(v, held[k]) for k, v in experts.state_dict().items())
+    assert torch.isfinite(logits(model, IDS)).all()
+
+
 def test_the_dtype_guard_runs_a_to_already_on_the_model_and_scale_checks_skip_meta_tensors():
     # accelerate's dispatch puts its own guard on model.to (refusing moves of offloaded models)
     # before Transformers marks the model quantized: ours must run it, not replace it
