@@ -14,6 +14,7 @@ the new folder gets the old one's permissions (or mkdir's under the umask).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -119,10 +120,17 @@ def nvfp4_modules(model: nn.Module, kind) -> list[tuple[str, nn.Module]]:
 
 def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub: bool = False, **kwargs):
     """``save_pretrained`` for fp4moe models (installed on the model by
-    :func:`hf_integration.quantizer.attach`); arguments as Transformers'. See the module docstring."""
+    :func:`hf_integration.quantizer.attach`); arguments as Transformers'. See the module docstring.
+    ``push_to_hub=True`` uploads the folder this save wrote (Transformers' own upload steps), so the
+    Hub gets the same files and config as a local save. ``state_dict=`` is refused: Transformers
+    saves a quantized model's state dict from its quantizer and would ignore it."""
     cls_save = type(model).save_pretrained
-    if push_to_hub:  # the Hub upload is Transformers' own business (it stages in a folder of its own)
-        return cls_save(model, save_directory, *args, push_to_hub=True, **kwargs)
+    if kwargs.get("state_dict") is not None:
+        raise ValueError("save_pretrained(state_dict=...): a model with fp4moe NVFP4 modules is saved from its own "
+                         "tensors (Transformers takes a quantized model's state dict from its quantizer and would "
+                         "ignore the one given); load the changed tensors into the model with load_state_dict, "
+                         "then save it")
+    upload = _HubUpload(model, save_directory, cls_save, kwargs) if push_to_hub else None
     target = Path(save_directory).resolve()  # "." and symlinks: the real folder is swapped
     if target.is_file():
         raise ValueError(f"save_pretrained: {target} is a file, not a folder")
@@ -149,6 +157,36 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
         model.hf_quantizer.quantization_config = previous
         model.config.quantization_config = previous
         raise
+    if upload is not None:
+        upload.finish(target)
+
+
+class _HubUpload:
+    """``save_pretrained(..., push_to_hub=True)``'s Hub steps, in Transformers' order and with its
+    helpers: the repository is created before the save, then the model card is written and the
+    files the save changed are uploaded. The hub arguments (``repo_id``, ``commit_message``,
+    ``create_pr``, and any that ``save_pretrained`` does not take itself, which go to
+    ``create_repo``) are taken out of ``kwargs``."""
+
+    def __init__(self, model: nn.Module, save_directory, cls_save, kwargs: dict):
+        from huggingface_hub import create_repo
+
+        own = set(inspect.signature(cls_save).parameters)
+        self.model, self.token = model, kwargs.get("token")
+        self.commit_message = kwargs.pop("commit_message", None)
+        self.create_pr = kwargs.pop("create_pr", False)
+        repo_id = kwargs.pop("repo_id", os.fspath(save_directory).split(os.path.sep)[-1])
+        repo_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
+        self.repo_id = create_repo(repo_id, exist_ok=True, token=self.token, **repo_kwargs).repo_id
+        self.timestamps = model._get_files_timestamps(save_directory) if os.path.isdir(save_directory) else {}
+
+    def finish(self, folder: Path) -> None:
+        from transformers.utils.hub import create_and_tag_model_card
+
+        card = create_and_tag_model_card(self.repo_id, self.model.model_tags, token=self.token)
+        card.save(os.path.join(folder, "README.md"))
+        self.model._upload_modified_files(folder, self.repo_id, self.timestamps, commit_message=self.commit_message,
+                                          token=self.token, create_pr=self.create_pr)
 
 
 def _staging_folder(target: Path) -> Path:

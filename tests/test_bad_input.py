@@ -973,6 +973,40 @@ def test_saving_into_a_file_path_and_unquantized_models(saved, tmp_path):
     assert not (tmp_path / "plain").exists()
 
 
+def test_push_to_hub_uploads_what_a_local_save_writes_and_a_given_state_dict_is_refused(saved, tmp_path, monkeypatch):
+    # save_pretrained(push_to_hub=True) went straight to Transformers: no hf_quant_config.json, and a
+    # config whose ignore list left out the BF16 modules (other readers would take them for NVFP4)
+    import huggingface_hub
+    import transformers.utils.hub as hf_hub
+
+    model, out, want, files = saved
+    repos, uploads = [], []
+
+    class Repo:
+        repo_id = "me/tiny-nvfp4"
+
+    monkeypatch.setattr(huggingface_hub, "create_repo", lambda repo_id, **kw: repos.append((repo_id, kw)) or Repo())
+    monkeypatch.setattr(hf_hub, "create_and_tag_model_card",
+                        lambda repo_id, tags=None, token=None: huggingface_hub.ModelCard("---\nlicense: mit\n---\ncard"))
+
+    def upload(self, working_dir, repo_id, files_timestamps, **kw):
+        uploads.append((repo_id, {f.name: f.read_bytes() for f in Path(working_dir).iterdir()}, kw))
+
+    monkeypatch.setattr(type(model), "_upload_modified_files", upload)
+    pushed = tmp_path / "pushed"
+    model.save_pretrained(pushed, push_to_hub=True, repo_id="me/tiny-nvfp4", commit_message="nvfp4", private=True)
+    assert repos == [("me/tiny-nvfp4", {"exist_ok": True, "token": None, "private": True})]
+    [(repo_id, sent, kw)] = uploads
+    assert repo_id == "me/tiny-nvfp4" and kw["commit_message"] == "nvfp4"
+    assert {k: v for k, v in sent.items() if k != "README.md"} == files  # byte for byte the local save
+    assert "card" in sent["README.md"].decode()
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(pushed, dtype=torch.bfloat16), IDS), want)
+
+    with pytest.raises(ValueError, match=r"save_pretrained\(state_dict=...\).*load_state_dict"):
+        model.save_pretrained(tmp_path / "sd", state_dict={k: v.clone() for k, v in model.state_dict().items()})
+    assert not (tmp_path / "sd").exists()
+
+
 def test_saving_through_a_symlink_into_dot_and_the_folder_mode_as_a_plain_save(saved, tmp_path, monkeypatch):
     # the new folder is swapped in whole, so what a plain save keeps must be kept by hand: the
     # folder's mode (tempfile's 0700 hid the checkpoint from other users), a symlink (the real
