@@ -546,8 +546,24 @@ class ModelOptQuantizer(HfQuantizer):
         self.load_errors: list[CheckpointError] = []  # found while converting, raised once loading is done
 
     def validate_environment(self, *args, device_map=None, **kwargs):
-        if isinstance(device_map, dict) and "disk" in device_map.values():
-            raise ValueError("fp4moe cannot offload NVFP4 experts to disk; use GPU or CPU devices in device_map")
+        # called before the plan exists (the device_map as given: checked again once the plan is
+        # made, in _process_model_before_weight_loading) and after "auto" placed the modules
+        if self.plan is not None:
+            self._refuse_nvfp4_on_disk(device_map, inferred=True)
+
+    def _refuse_nvfp4_on_disk(self, device_map, inferred: bool = False) -> None:
+        """Raise ValueError naming the first NVFP4 module ``device_map`` puts on disk: accelerate's
+        disk offload round-trips parameters through numpy files, and the quantized tensors are
+        buffers the quantizer fills itself. BF16 modules (an ``lm_head``, say) may go to disk."""
+        if not isinstance(device_map, dict) or "disk" not in device_map.values():
+            return
+        for name in [*self.plan.experts, *self.plan.linears]:
+            for key, where in device_map.items():
+                if where == "disk" and (key == "" or name == key or name.startswith(key + ".") or key.startswith(name + ".")):
+                    hint = ("raise max_memory (or leave it out) so that every NVFP4 module fits on the GPUs and the CPU"
+                            if inferred else "put it on a GPU or the CPU in device_map")
+                    raise ValueError(f"fp4moe cannot offload the NVFP4 module {name!r} to disk (device_map entry "
+                                     f"{key!r}: 'disk'); {hint}")
 
     def update_dtype(self, dtype):
         if dtype not in (torch.bfloat16, torch.float16):
@@ -580,6 +596,7 @@ class ModelOptQuantizer(HfQuantizer):
         scan = CheckpointScan(files)
         scan.check_index(files)
         self.plan = plan_load(model, scan, self.quantization_config, shard_of)
+        self._refuse_nvfp4_on_disk(kwargs.get("device_map"))
         for name, m in list(model.named_modules()):
             parent_name, _, attr = name.rpartition(".")
             if name in self.plan.experts:

@@ -961,6 +961,25 @@ def test_a_save_failing_at_any_step_leaves_the_old_checkpoint(saved, tmp_path, m
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16), IDS), logits(other, IDS))
 
 
+def test_disk_offload_of_bf16_modules_works_and_of_nvfp4_modules_is_refused_naming_them(tmp_path):
+    # all disk offload was refused, naming "NVFP4 experts" even when only lm_head went to disk
+    folder = Path(__file__).parent / "fixtures" / "modelopt" / "qwen3_moe_nvfp4_default"
+    ids = torch.randint(1, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    want = logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16), ids)
+    rest = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, offload_folder=tmp_path / "off",
+                                                 device_map=rest | {"model.layers": "cpu", "lm_head": "disk"})
+    assert torch.equal(logits(model, ids), want)
+    with pytest.raises(ValueError, match=r"NVFP4 module 'model.layers.1.mlp.experts' to disk \(device_map entry "
+                                         r"'model.layers.1': 'disk'\); put it on a GPU or the CPU"):
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, offload_folder=tmp_path / "off2",
+                                             device_map=rest | {"model.layers.0": "cpu", "model.layers.1": "disk",
+                                                                "lm_head": "cpu"})
+    with pytest.raises(ValueError, match=r"to disk .*; raise max_memory"):
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="auto",
+                                             max_memory={"cpu": "60KB"}, offload_folder=tmp_path / "off3")
+
+
 def test_saving_into_a_file_path_and_unquantized_models(saved, tmp_path):
     model, out, want, files = saved
     f = tmp_path / "a_file"
