@@ -118,6 +118,15 @@ def test_state_dict_and_saved_checkpoint_are_the_unfused_ones(tmp_path):
     fa, fb = file_tensors(tmp_path / "unfused"), file_tensors(tmp_path / "fused")
     assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
     assert any(".shared_experts.gate_proj.weight_scale_2" in k for k in fb)
+    # reloaded, each gives its own logits bit for bit when it runs the shared experts the same way
+    # (from_pretrained does not fuse by default; the README says so)
+    ids = torch.randint(1, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for model, config in ((fused, ModelOptConfig(fuse_shared_experts=True)), (unfused, None)):
+            kw = {"quantization_config": config} if config is not None else {}
+            back = AutoModelForCausalLM.from_pretrained(tmp_path / "fused", dtype=torch.bfloat16, **kw)
+            assert isinstance(back.model.layers[1].mlp, SharedExpertMoE) == (config is not None)
+            assert torch.equal(back(ids).logits, model(ids).logits)
     # load_state_dict takes the unfused layout back
     again = copy.deepcopy(fused)
     for m in again.modules():
