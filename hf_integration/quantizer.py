@@ -749,6 +749,7 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
         type(model).set_experts_implementation(model, EXPERTS_IMPLEMENTATION)
     model.set_experts_implementation = types.MethodType(_guarded_set_experts_implementation, model)
     model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
+    model.num_parameters = types.MethodType(_num_parameters, model)
     if getattr(model.__dict__.get("to"), "__func__", None) is not _guarded_to:  # (attached once)
         model._fp4moe_next_to = model.__dict__.get("to")  # accelerate's, on a dispatched model
         model.to = types.MethodType(_guarded_to, model)
@@ -784,6 +785,20 @@ def _guarded_to(model, *args, **kwargs):
                          "the model is left as it was")
     inner = model.__dict__.get("_fp4moe_next_to")
     return inner(*args, **kwargs) if inner is not None else type(model).to(model, *args, **kwargs)
+
+
+def _num_parameters(model, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    """Transformers' ``num_parameters`` plus the NVFP4 weights, which are buffers (two per packed
+    byte, as Transformers counts bitsandbytes' 4-bit weights): the model's logical weight count.
+    Frozen, so not counted with ``only_trainable``."""
+    total = type(model).num_parameters(model, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+    if only_trainable:
+        return total
+    for m in model.modules():
+        packed = ([CANONICAL_BUFFERS[0], CANONICAL_BUFFERS[3]] if isinstance(m, PreparedExperts)
+                  else [m.scheme.packed] if isinstance(m, NVFP4Linear) else [])
+        total += sum(2 * m._buffers[name].numel() * m._buffers[name].element_size() for name in packed)
+    return total
 
 
 def _check_model_scales(model, state_dict, prefix, *args):

@@ -412,3 +412,21 @@ def test_global_max_activation_scale_follows_a_loaded_state_dict():
     sd["fc2_input_scale"] = torch.tensor([float("nan"), 0.02, 0.02, 0.02])
     with pytest.raises(ValueError, match="fc2_input_scale"):
         m.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("export", ["modelopt/qwen3_moe_nvfp4_default", "llmcompressor/qwen3_moe_nvfp4",
+                                    "modelopt/deepseek_v3_nvfp4_default"])
+def test_num_parameters_counts_the_nvfp4_weights_as_the_bf16_source_model_does(export):
+    # the packed weights are buffers: Transformers' count left out every NVFP4 weight (34,176
+    # against 157,056 for the Qwen3-MoE export)
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(__file__).parent / "fixtures" / export
+    source = AutoModelForCausalLM.from_pretrained(folder / "source", dtype=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    for kw in ({}, {"exclude_embeddings": True}):
+        assert loaded.num_parameters(**kw) == source.num_parameters(**kw)
+    bf16_left = sum(p.numel() for p in loaded.parameters())
+    assert loaded.num_parameters(only_trainable=True) == bf16_left < source.num_parameters()
