@@ -195,8 +195,22 @@ def read_kv_cache_scales(model: nn.Module, files: list[str], scan: CheckpointSca
         if Path(f).name in wanted:
             with safe_open(f, framework="pt") as handle:
                 for key in wanted[Path(f).name]:
-                    scales[_to_model_key(key, renamings, prefix, owners)] = handle.get_tensor(key)
+                    scales.update([_modelopt_kv_scale(_to_model_key(key, renamings, prefix, owners),
+                                                      handle.get_tensor(key), owners)])
     return scales
+
+
+def _modelopt_kv_scale(key: str, scale: torch.Tensor, owners: set[str]) -> tuple[str, torch.Tensor]:
+    """A KV-cache scale under ModelOpt's key and dtype, which a save writes: compressed-tensors
+    keeps ``<attn>.k_scale`` as bfloat16 ``[1]``, ModelOpt ``<attn>.k_proj.k_scale`` float32 ``[]``.
+    Both multiply (key = fp8 x k_scale; tests/fixtures/llmcompressor/README.md), so the value is
+    kept (a bfloat16 value is exact in float32). Left as it is where the model has no such
+    projection (another attention layout)."""
+    parent, _, leaf = key.rpartition(".")
+    proj = f"{parent}.{leaf[0]}_proj"
+    if parent.endswith(f".{leaf[0]}_proj") or proj not in owners:
+        return key, scale
+    return f"{proj}.{leaf}", scale.float().reshape(()) if scale.numel() == 1 else scale
 
 
 def _nvfp4_experts_prefix(in_model: dict[str, str], scan: CheckpointScan, name: str, e_total: int, lv,

@@ -67,6 +67,30 @@ def test_modelopt_fp8_kv_cache_scales_are_reported_unused_and_saved_back(hf_logs
     assert again.hf_quantizer.kv_cache_scales.keys() == original.keys()
 
 
+def test_compressed_tensors_fp8_kv_cache_scales_are_saved_under_modelopts_names(hf_logs, tmp_path):
+    # llm-compressor keeps them on the attention module as bfloat16 [1] (<attn>.k_scale); a
+    # ModelOpt checkpoint has them on the projections as float32 [] (<attn>.k_proj.k_scale): they were
+    # re-saved under the compressed-tensors names, which ModelOpt readers do not look for
+    folder = FIXTURES / "llmcompressor" / "qwen3_moe_nvfp4a16_fp8kv"
+    original = {k: v for k, v in load_file(folder / "model.safetensors").items() if k.endswith(("k_scale", "v_scale"))}
+    assert sorted(original) == [f"model.layers.{i}.self_attn.{kv}_scale" for i in (0, 1) for kv in "kv"]
+    assert all(v.dtype == torch.bfloat16 and v.shape == (1,) for v in original.values())
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert "KV-cache scales (k_scale, v_scale) are not used" in hf_logs.text
+    ref = load_file(folder / "reference_logits.safetensors")  # fp4moe's KV cache stays 16-bit
+    with torch.no_grad():
+        err = per_token_error(model(ref["input_ids"]).logits, ref["logits_weights_only"])
+    assert err.median() < 2e-2 and err.max() < 5e-2, err
+    model.save_pretrained(tmp_path)
+    saved = {k: v for k, v in load_file(tmp_path / "model.safetensors").items() if k.endswith(("k_scale", "v_scale"))}
+    renamed = {k.replace(f".{k[-7]}_scale", f".{k[-7]}_proj.{k[-7]}_scale"): v for k, v in original.items()}
+    assert saved.keys() == renamed.keys()
+    assert all(saved[k].dtype == torch.float32 and saved[k].shape == () and saved[k] == renamed[k].float() for k in saved)
+    assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["kv_cache_quant_algo"] == "FP8"
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert again.hf_quantizer.kv_cache_scales.keys() == saved.keys()
+
+
 def test_kv_cache_scales_of_another_kv_format_are_not_saved_back_as_fp8(hf_logs, tmp_path):
     # a save writes KV-cache scales only as FP8's: an export's NVFP4 KV-cache scales (a ModelOpt
     # option) must not come back labelled FP8, where vLLM would read them with the wrong meaning
