@@ -8,7 +8,7 @@ Typical use::
     out = experts(hidden [T, H] bf16, topk_ids [T, k], topk_weights [T, k] fp32)
 
 Modules: ``nvfp4`` the format, ``moe_weights`` a layer's canonical experts, ``op`` the op,
-``linear`` the NVFP4 linear-layer op,
+``linear`` the NVFP4 linear-layer op, ``autograd`` the three ops' backward (frozen weights),
 ``prepared`` the prepared layer, ``backends`` the kernels behind the op, ``moe_math`` the
 pure-torch MoE math, ``routing`` the router op, ``flashinfer_sim`` a CPU model of FlashInfer's
 NVFP4 kernel (a test oracle), ``oracle64`` the float64 oracle, ``selftest`` ``python -m
@@ -22,6 +22,7 @@ from .linear import nvfp4_linear
 from .op import fused_moe
 from .prepared import ACT_SCALE_MODES, PreparedExperts, activation_scales, prepare_experts
 from .routing import grouped_topk
+from . import autograd  # noqa: F401 (registers the ops' backward)
 
 __all__ = [
     "ACT_SCALE_MODES", "AUTO_ORDER", "BACKENDS", "NVFP4MoEWeights", "PreparedExperts",

@@ -47,7 +47,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import nvfp4
+from .nvfp4 import BLOCK_SIZE, dequantize_nvfp4
 
 LINEAR_BACKENDS = ("auto", "reference", "triton", "flashinfer")
 SPLIT_COUNTERS = 1024  # tiles of a split-K Triton call one counter table serves (it needs < 264)
@@ -73,11 +73,11 @@ def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counte
     if weight.dtype != torch.uint8 or weight.dim() != 2:
         raise TypeError(f"weight must be [N, K/2] uint8 (packed E2M1), got {weight.dtype} {list(weight.shape)}")
     n = weight.shape[0]
-    if k % nvfp4.BLOCK_SIZE or weight.shape[1] * 2 != k:
+    if k % BLOCK_SIZE or weight.shape[1] * 2 != k:
         raise ValueError(f"weight {list(weight.shape)} does not match x's K={k}: expected [N, {k // 2}] "
-                         f"and K a multiple of {nvfp4.BLOCK_SIZE}")
-    if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (n, k // nvfp4.BLOCK_SIZE):
-        raise TypeError(f"weight_scale must be [N={n}, K/16={k // nvfp4.BLOCK_SIZE}] float8_e4m3fn, got "
+                         f"and K a multiple of {BLOCK_SIZE}")
+    if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (n, k // BLOCK_SIZE):
+        raise TypeError(f"weight_scale must be [N={n}, K/16={k // BLOCK_SIZE}] float8_e4m3fn, got "
                         f"{weight_scale.dtype} {list(weight_scale.shape)}")
     if weight_scale_2.dtype != torch.float32 or weight_scale_2.dim() != 0:
         raise TypeError(f"weight_scale_2 must be a 0-dim float32 (the multiplying per-tensor scale), got "
@@ -173,7 +173,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         from .backends.triton_moe.launch import triton_nvfp4_linear
 
         return triton_nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias, counters=counters)
-    return F.linear(x, nvfp4.dequantize_nvfp4(weight, weight_scale, weight_scale_2, x.dtype), bias)
+    return F.linear(x, dequantize_nvfp4(weight, weight_scale, weight_scale_2, x.dtype), bias)
 
 
 @nvfp4_linear.register_fake

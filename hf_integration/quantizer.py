@@ -722,7 +722,9 @@ class ModelOptQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return False
+        # adapters (PEFT LoRA) train on a frozen NVFP4 model: the ops pass gradients to their
+        # activations (fp4moe_ops/autograd.py), never to the quantized tensors
+        return True
 
     @property
     def is_compileable(self) -> bool:

@@ -1,0 +1,153 @@
+"""Backward of fp4moe's three ops, for training adapters (LoRA) on a model whose NVFP4 weights stay
+frozen: gradients flow to the ops' activations and routing weights, never to the quantized tensors.
+
+* ``fp4moe::fused_moe``: ``d hidden_states`` and ``d topk_weights`` through a second op,
+  ``fp4moe::fused_moe_backward``, opaque to Dynamo like the forward. It recomputes each expert's
+  GEMMs for the tokens routed to it (as :mod:`fp4moe_ops.moe_math` does for the forward), in
+  float32 on weights decoded one expert at a time, so a NaN in one expert reaches only the
+  gradients of its own tokens. It is the derivative of the forward's math without the forward's
+  roundings (the 16-bit intermediate, NVFP4 activations under activation scales: straight
+  through). Eager torch with one host sync per call, on any device: a correctness path, as the
+  reference backend is, not a kernel.
+* ``fp4moe::nvfp4_linear``: ``d x = d y . W`` with W decoded to the gradient's dtype as the
+  reference backend decodes it (``d bias`` summed), in torch ops that Dynamo traces.
+* ``fp4moe::grouped_topk``: ``d router_logits`` of the chosen experts' sigmoid scores
+  (renormalized and scaled as the forward); the ids and the correction bias get none (they only
+  choose).
+
+Which backends: the canonical tensors and the Triton backend's paired layout (converted expert by
+expert). FlashInfer's own tensors (MXFP4 re-quantized, dequantized BF16) are refused, naming the
+backend to use instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .backends.base import CANONICAL, PACKED_LAYOUTS, get_backend
+from .linear import nvfp4_linear
+from .moe_math import expert_scale
+from .nvfp4 import dequantize_nvfp4, quantize_activation_nvfp4
+from .op import _check_inputs, fused_moe
+from .routing import grouped_topk
+
+# the Triton backend's packed weights are int32 words where they are paired (backends/triton_moe/layout.py)
+_PAIRED = "paired"
+
+
+def _packed_expert(packed: torch.Tensor, e: int) -> torch.Tensor:
+    """Expert ``e``'s canonical ``[N, K/2]`` uint8 bytes from a packed tensor in either layout."""
+    if packed.dtype == torch.uint8:
+        return packed[e]
+    return PACKED_LAYOUTS[_PAIRED][1](packed[e])
+
+
+def _canonical_experts(expert_tensors: list[torch.Tensor], backend: str):
+    if get_backend(backend).tensors != "canonical":
+        raise NotImplementedError(
+            f"fp4moe: no backward through backend {backend!r}, whose tensors are its own copy of the weights; "
+            "train with backend 'triton' (CUDA) or 'reference' (model: hf_integration.set_backend)")
+    return expert_tensors
+
+
+@torch.library.custom_op("fp4moe::fused_moe_backward", mutates_args=())
+def fused_moe_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor, expert_tensors: list[torch.Tensor],
+                       fc1_act_scale: torch.Tensor | None, fc2_act_scale: torch.Tensor | None,
+                       backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d hidden_states [T, H] in its dtype, d topk_weights [T, k] float32)`` of
+    :func:`fp4moe_ops.op.fused_moe` for ``grad_out [T, H]`` (see the module docstring)."""
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend)
+    w13, s13, g13, w2, s2, g2 = _canonical_experts(expert_tensors, backend)
+    s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
+    num_experts, k = g13.shape[0], topk_ids.shape[1]
+    grad_x = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    grad_w = torch.zeros(topk_weights.shape, dtype=torch.float32, device=hidden_states.device)
+    flat = topk_ids.reshape(-1).long()
+    expert_of = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    pairs = torch.argsort(expert_of, stable=True)
+    counts = torch.bincount(expert_of, minlength=num_experts + 1)[:num_experts].tolist()  # the one host sync
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        routed = pairs[start:start + n]
+        start += n
+        token = routed // k
+        x = hidden_states[token].float()
+        fc1, fc2 = expert_scale(fc1_act_scale, e), expert_scale(fc2_act_scale, e)
+        if fc1 is not None:  # the values the forward multiplied; the gradient passes straight through
+            x = quantize_activation_nvfp4(x, 1.0 / fc1) * fc1
+        up_down = dequantize_nvfp4(_packed_expert(w13, e), s13[e], g13[e])  # [2I, H] float32
+        gate, up = (x @ up_down.T).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        a2 = act if fc2 is None else quantize_activation_nvfp4(act, 1.0 / fc2) * fc2
+        down = dequantize_nvfp4(_packed_expert(w2, e), s2[e], g2[e])  # [H, I] float32
+        g = grad_out[token].float()
+        grad_w.view(-1)[routed] = (g * (a2 @ down.T)).sum(-1)
+        d_act = (g * topk_weights.reshape(-1)[routed, None]) @ down
+        sig = torch.sigmoid(gate)
+        d_gate = d_act * up * sig * (1 + gate * (1 - sig))
+        d_up = d_act * gate * sig
+        grad_x.index_add_(0, token, torch.cat([d_gate, d_up], dim=-1) @ up_down)
+    return grad_x.to(hidden_states.dtype), grad_w
+
+
+@fused_moe_backward.register_fake
+def _(grad_out, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend):
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend)
+    return torch.empty_like(hidden_states), torch.empty_like(topk_weights)
+
+
+def _moe_setup(ctx, inputs, output):
+    hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend, _ = inputs
+    ctx.save_for_backward(hidden_states, topk_ids, topk_weights, fc1_act_scale, fc2_act_scale, *expert_tensors)
+    ctx.backend = backend
+
+
+def _moe_backward(ctx, grad_out):
+    hidden_states, topk_ids, topk_weights, fc1_act_scale, fc2_act_scale, *expert_tensors = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.fp4moe.fused_moe_backward(grad_out.contiguous(), hidden_states, topk_ids, topk_weights,
+                                                         expert_tensors, fc1_act_scale, fc2_act_scale, ctx.backend)
+    grads = (grad_x, None, grad_w, [None] * len(expert_tensors), None, None, None, None)
+    return grads[:len(ctx.needs_input_grad)]  # one per argument the caller passed (a default left out: none)
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, weight_scale, weight_scale_2, bias, _, _ = inputs
+    ctx.save_for_backward(weight, weight_scale, weight_scale_2)
+    ctx.bias_shape = None if bias is None else bias.shape
+
+
+def _linear_backward(ctx, grad_y):
+    weight, weight_scale, weight_scale_2 = ctx.saved_tensors
+    grad_x = grad_y @ dequantize_nvfp4(weight, weight_scale, weight_scale_2, grad_y.dtype)
+    grad_bias = None if ctx.bias_shape is None else grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
+    return (grad_x, None, None, None, grad_bias, None, None)[:len(ctx.needs_input_grad)]
+
+
+def _topk_setup(ctx, inputs, output):
+    router_logits, _, _, _, _, renormalize, scaling_factor = inputs
+    _, ids = output
+    ctx.save_for_backward(router_logits, ids)
+    ctx.renormalize, ctx.scaling_factor = renormalize, scaling_factor
+
+
+def _topk_backward(ctx, grad_weights, grad_ids):
+    router_logits, ids = ctx.saved_tensors
+    with torch.enable_grad():  # the forward's weight formula on the chosen logits, differentiated by torch
+        chosen = router_logits.gather(1, ids).detach().requires_grad_()
+        weights = chosen.sigmoid()
+        if ctx.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        (grad_chosen,) = torch.autograd.grad(weights * ctx.scaling_factor, chosen, grad_weights)
+    grad_logits = torch.zeros_like(router_logits).scatter_add_(1, ids, grad_chosen)
+    return (grad_logits, None, None, None, None, None, None)[:len(ctx.needs_input_grad)]
+
+
+fused_moe.register_autograd(_moe_backward, setup_context=_moe_setup)
+nvfp4_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+grouped_topk.register_autograd(_topk_backward, setup_context=_topk_setup)
+
+__all__ = ["fused_moe_backward"]
