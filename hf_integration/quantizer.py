@@ -720,6 +720,12 @@ class ModelOptQuantizer(HfQuantizer):
     def is_serializable(self, *args, **kwargs):
         return True
 
+    def _dequantize(self, model, dtype=None):
+        """``model.dequantize()``: :func:`hf_integration.dequantize.dequantize_model`."""
+        from .dequantize import dequantize_model
+
+        return dequantize_model(model, dtype)
+
     @property
     def is_trainable(self) -> bool:
         # adapters (PEFT LoRA) train on a frozen NVFP4 model: the ops pass gradients to their

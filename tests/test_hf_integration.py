@@ -430,3 +430,101 @@ def test_num_parameters_counts_the_nvfp4_weights_as_the_bf16_source_model_does(e
         assert loaded.num_parameters(**kw) == source.num_parameters(**kw)
     bf16_left = sum(p.numel() for p in loaded.parameters())
     assert loaded.num_parameters(only_trainable=True) == bf16_left < source.num_parameters()
+
+
+def _decoded_twin(bf16_model, patched):
+    """``bf16_model`` with every NVFP4 weight of ``patched`` decoded by the float64 oracle and rounded
+    to bfloat16 once (the fused shared expert as its three linears)."""
+    from fp4moe_ops.oracle64 import dequant64
+    from hf_integration import SharedExpertMoE
+    from hf_integration.experts import NVFP4Experts, NVFP4Linear
+
+    twin = copy.deepcopy(bf16_model)
+
+    def put(name, value):
+        target = twin.get_submodule(name.rpartition(".")[0])
+        with torch.no_grad():
+            getattr(target, name.rpartition(".")[2]).copy_(value.to(torch.bfloat16))
+
+    for name, m in patched.named_modules():
+        if isinstance(m, NVFP4Experts):
+            w = m.canonical()
+            block = name.rpartition(".")[0]
+            routed = patched.get_submodule(block).num_routed if isinstance(patched.get_submodule(block), SharedExpertMoE) \
+                else w.num_experts
+            for e in range(w.num_experts):
+                w13, w2 = dequant64(w.w13[e], w.w13_scale[e], w.w13_global[e]), dequant64(w.w2[e], w.w2_scale[e], w.w2_global[e])
+                if e < routed:
+                    with torch.no_grad():
+                        twin.get_submodule(name).gate_up_proj[e] = w13.to(torch.bfloat16)
+                        twin.get_submodule(name).down_proj[e] = w2.to(torch.bfloat16)
+                else:  # the shared expert inside the routed call
+                    inter = w13.shape[0] // 2
+                    put(f"{block}.shared_experts.gate_proj.weight", w13[:inter])
+                    put(f"{block}.shared_experts.up_proj.weight", w13[inter:])
+                    put(f"{block}.shared_experts.down_proj.weight", w2)
+        elif isinstance(m, NVFP4Linear):
+            packed, block_scale, scale, _ = m.linear_tensors()
+            put(f"{name}.weight", dequant64(packed, block_scale, scale))
+    return twin
+
+
+def test_dequantize_gives_back_the_transformers_model_with_the_decoded_weights(tmp_path):
+    # model.dequantize() raised Transformers' "modelopt has no implementation of dequantize"
+    from transformers import AutoModelForCausalLM
+
+    def logits(m, ids):
+        with torch.no_grad():
+            return m(ids).logits
+
+    bf16 = tiny_deepseek_v3(num_hidden_layers=3, seed=5)
+    model = patch_deepseek(copy.deepcopy(bf16), quantize_dense_mlps=True, quantize_attention=True)
+    twin = _decoded_twin(bf16, model)
+    ids = torch.randint(1, 256, (2, 9), generator=torch.Generator().manual_seed(7))
+    back = model.dequantize()
+    assert back is model and not getattr(model, "is_quantized", False) and not hasattr(model, "hf_quantizer")
+    assert getattr(model.config, "quantization_config", None) is None
+    assert [type(m) for m in model.modules()] == [type(m) for m in twin.modules()]
+    got, want = model.state_dict(), twin.state_dict()
+    assert got.keys() == want.keys()
+    # float32 decode then one rounding to bfloat16, against float64 then one rounding: equal but
+    # for double rounding at a tie (one bfloat16 ulp)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=2.0**-8, atol=0)
+    same = sum(torch.equal(got[k], want[k]) for k in want)
+    assert same == len(want), [k for k in want if not torch.equal(got[k], want[k])]
+    assert torch.equal(logits(model, ids), logits(twin, ids))
+    model.save_pretrained(tmp_path)  # Transformers' own save: a plain BF16 checkpoint
+    assert not (tmp_path / "hf_quant_config.json").exists()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert not getattr(again, "is_quantized", False)
+    assert torch.equal(logits(again, ids), logits(twin, ids))
+    assert model.to(torch.float32).dtype == torch.float32  # an ordinary model now: any cast
+
+
+@pytest.mark.parametrize("export", ["modelopt/deepseek_v3_nvfp4_default", "llmcompressor/qwen3_moe_nvfp4a16"])
+def test_dequantize_a_genuine_export_keeps_its_logits_and_llama4_is_refused_unchanged(export):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    fixtures = Path(__file__).parent / "fixtures"
+    ref = load_file(fixtures / export / "reference_logits.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(fixtures / export, dtype=torch.bfloat16)
+    with torch.no_grad():
+        before = model(ref["input_ids"]).logits
+        after = model.dequantize()(ref["input_ids"]).logits
+    assert not any(type(m).__module__.startswith("hf_integration") for m in model.modules())
+    # the same decoded weights, now in BF16 Transformers modules (the experts in bfloat16 through
+    # grouped_mm instead of fp4moe's float32 math): bfloat16-rounding differences, amplified by
+    # these tiny models' peaky heads; the bounds test_real_exports puts on fp4moe's own forward
+    for want in (before.float(), ref["logits_weights_only"]):
+        err = (after.float() - want).norm(dim=-1) / want.norm(dim=-1)
+        assert err.median() < 2e-2 and err.max() < 5e-2, err
+
+    llama4 = AutoModelForCausalLM.from_pretrained(fixtures / "modelopt" / "llama4_text_nvfp4_mlp_only", dtype=torch.bfloat16)
+    state = {k: v.clone() for k, v in llama4.state_dict().items()}
+    with pytest.raises(NotImplementedError, match=r"dequantize\(\): model.layers.\d.feed_forward is Llama-4's fused"):
+        llama4.dequantize()
+    assert llama4.is_quantized and all(torch.equal(v, state[k]) for k, v in llama4.state_dict().items())
