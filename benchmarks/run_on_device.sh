@@ -2,7 +2,7 @@
 # One GPU-machine call: smoke test, GPU test suite, benchmarks. Logs and results go to $OUT.
 #   source .device/setup-on-device.sh && bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e
 #   route firstpass firstpass_noahead probecompile probev3 probestream linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill
-#   densebound)
+#   densebound backward)
 set -o pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -19,6 +19,7 @@ for step in "$@"; do
            --section SpeedOfLight --section WarpStateStats --section Occupancy \
            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
            python3 benchmarks/ncu_layer.py ${NCU_ARGS:---tokens 1024} > "$OUT/ncu.txt" 2>&1; tail -5 "$OUT/ncu.txt" ;;
+    backward) timeout 200 python3 benchmarks/bench_backward.py ${BACKWARD_ARGS:-} 2>&1 | tee "$OUT/backward.log" ;;
     profile) timeout 120 python3 benchmarks/profile_layer.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
     demo) timeout 120 python3 -m hf_integration.demo 2>&1 | tee "$OUT/demo.log" | grep -v -i warn ;;
     accuracy) timeout 240 python3 benchmarks/accuracy_study.py 2>&1 | tee "$OUT/accuracy.log" | grep -v -i warn ;;
