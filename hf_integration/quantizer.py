@@ -418,11 +418,12 @@ class StackNVFP4Experts(ConversionOps):
                                          (0, "input", input_kind, fc1_gate), (1, "input", input_kind, fc1_up),
                                          (2, "input", input_kind, fc2_in)):
             if values is not None:
-                self._check(values, kind, plan, leaves[leaf], names[role])
+                self._check(lambda d, v=values, k=kind: check_scale_values(v, k, d), plan, leaves[leaf], names[role])
         g_gate, g_up, g2 = scheme.multiplier(g_gate), scheme.multiplier(g_up), scheme.multiplier(g2)
         if len(self.hf_quantizer.load_errors) == errors_before:  # valid values: do they decode in range?
             for leaf, block, multiplier in ((0, s13[:, :inter], g_gate), (1, s13[:, inter:], g_up), (2, s2, g2)):
-                self._check_range(block, multiplier, plan, leaves[leaf], names["global"])
+                self._check(lambda d, b=block, m=multiplier: check_weight_range(b, m, d), plan, leaves[leaf],
+                            names["global"])
         if plan.input_scales:
             fc1_gate, fc1_up, fc2_in = scheme.multiplier(fc1_gate), scheme.multiplier(fc1_up), scheme.multiplier(fc2_in)
 
@@ -441,24 +442,15 @@ class StackNVFP4Experts(ConversionOps):
             out[base + INPUT_SCALE_BUFFERS[1]] = fc2_in
         return out
 
-    def _check(self, stacked: torch.Tensor, kind: str, plan: ExpertsPlan, leaf: str, tensor: str) -> None:
+    def _check(self, check, plan: ExpertsPlan, leaf: str, tensor: str) -> None:
+        """Run ``check(describe)`` (a value or range check of stacked per-expert scales); its error,
+        naming the checkpoint key and file of the expert, is raised once loading is done."""
         def describe(e: int) -> str:
             key = plan.key(plan.ids[e], leaf, tensor)
             return f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(key)}"
 
         try:
-            check_scale_values(stacked, kind, describe)
-        except ValueError as exc:
-            self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
-
-    def _check_range(self, block: torch.Tensor, multiplier: torch.Tensor, plan: ExpertsPlan, leaf: str,
-                     tensor: str) -> None:
-        def describe(e: int) -> str:
-            key = plan.key(plan.ids[e], leaf, tensor)
-            return f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(key)}"
-
-        try:
-            check_weight_range(block, multiplier, describe)
+            check(describe)
         except ValueError as exc:
             self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
 
