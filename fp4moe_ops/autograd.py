@@ -10,7 +10,7 @@ frozen: gradients flow to the ops' activations and routing weights, never to the
   through). Eager torch with one host sync per call, on any device: a correctness path, as the
   reference backend is, not a kernel.
 * ``fp4moe::nvfp4_linear``: ``d x = d y . W`` with W decoded to the gradient's dtype as the
-  reference backend decodes it (``d bias`` summed), in torch ops that Dynamo traces.
+  reference backend decodes it, through ``fp4moe::nvfp4_linear_grad_input`` (``d bias`` summed).
 * ``fp4moe::grouped_topk``: ``d router_logits`` of the chosen experts' sigmoid scores
   (renormalized and scaled as the forward); the ids and the correction bias get none (they only
   choose).
@@ -114,6 +114,19 @@ def _moe_backward(ctx, grad_out):
     return grads[:len(ctx.needs_input_grad)]  # one per argument the caller passed (a default left out: none)
 
 
+@torch.library.custom_op("fp4moe::nvfp4_linear_grad_input", mutates_args=())
+def nvfp4_linear_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                            weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """``d x [..., K] = d y [..., N] . W`` with W decoded to d y's dtype, as the reference
+    forward decodes it (an op of its own, so that a compiled backward does not trace the decode)."""
+    return grad_y @ dequantize_nvfp4(weight, weight_scale, weight_scale_2, grad_y.dtype)
+
+
+@nvfp4_linear_grad_input.register_fake
+def _(grad_y, weight, weight_scale, weight_scale_2):
+    return grad_y.new_empty(*grad_y.shape[:-1], weight.shape[1] * 2)
+
+
 def _linear_setup(ctx, inputs, output):
     x, weight, weight_scale, weight_scale_2, bias, _, _ = inputs
     ctx.save_for_backward(weight, weight_scale, weight_scale_2)
@@ -122,7 +135,7 @@ def _linear_setup(ctx, inputs, output):
 
 def _linear_backward(ctx, grad_y):
     weight, weight_scale, weight_scale_2 = ctx.saved_tensors
-    grad_x = grad_y @ dequantize_nvfp4(weight, weight_scale, weight_scale_2, grad_y.dtype)
+    grad_x = torch.ops.fp4moe.nvfp4_linear_grad_input(grad_y, weight, weight_scale, weight_scale_2)
     grad_bias = None if ctx.bias_shape is None else grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
     return (grad_x, None, None, None, grad_bias, None, None)[:len(ctx.needs_input_grad)]
 
@@ -150,4 +163,4 @@ fused_moe.register_autograd(_moe_backward, setup_context=_moe_setup)
 nvfp4_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 grouped_topk.register_autograd(_topk_backward, setup_context=_topk_setup)
 
-__all__ = ["fused_moe_backward"]
+__all__ = ["fused_moe_backward", "nvfp4_linear_grad_input"]

@@ -183,10 +183,13 @@ _BYTE_VALUES: dict = {}
 def _byte_values(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``[256, 2]``: the E2M1 values of each byte's low and high nibble (cached per device)."""
     key = (str(device), dtype)
-    if key not in _BYTE_VALUES:
-        codes = torch.arange(256, dtype=torch.uint8, device=device)
-        _BYTE_VALUES[key] = e2m1_decode(torch.stack((codes & 0xF, codes >> 4), dim=-1)).to(dtype)
-    return _BYTE_VALUES[key]
+    if key in _BYTE_VALUES and not torch.compiler.is_compiling():
+        return _BYTE_VALUES[key]
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    values = e2m1_decode(torch.stack((codes & 0xF, codes >> 4), dim=-1)).to(dtype)
+    if not torch.compiler.is_compiling():  # a traced tensor in the cache would break every later call
+        _BYTE_VALUES[key] = values
+    return values
 
 
 # --- FlashInfer / CUTLASS 128x4 block-scale swizzle -------------------------------------

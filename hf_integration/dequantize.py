@@ -38,8 +38,10 @@ def _experts_state(m: NVFP4Experts, dtype: torch.dtype, num_experts: int | None 
             "down_proj": dequantize_nvfp4(w.w2[:e], w.w2_scale[:e], w.w2_global[:e], dtype)}
 
 
-def _linear_state(m: NVFP4Linear) -> dict[str, torch.Tensor]:
-    return {"weight": m.weight_value()} | ({} if m.bias is None else {"bias": m.bias})
+def _linear_state(m: NVFP4Linear, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    packed, block_scale, scale, _ = m.linear_tensors()
+    weight = dequantize_nvfp4(packed, block_scale, scale, dtype)
+    return {"weight": weight} | ({} if m.bias is None else {"bias": m.bias.to(dtype)})
 
 
 def _shared_block_state(m: SharedExpertMoE, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -59,6 +61,8 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
     """Replace fp4moe's modules of ``model`` by Transformers' with decoded weights (see the module
     docstring); ``dtype``: of the decoded weights (default: the model's). Returns ``model``."""
     dtype = dtype or model.dtype
+    if isinstance(dtype, str):  # config.dtype after a save_pretrained: "bfloat16"
+        dtype = getattr(torch, dtype.removeprefix("torch."))
     for name, m in model.named_modules():
         if isinstance(m, NVFP4Llama4TextMoe):
             raise NotImplementedError(f"dequantize(): {name} is Llama-4's fused NVFP4 experts block, which fp4moe "
@@ -81,7 +85,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
         elif isinstance(m, NVFP4Experts):
             state = _experts_state(m, dtype)
         elif isinstance(m, NVFP4Linear):
-            state = _linear_state(m)
+            state = _linear_state(m, dtype)
         elif isinstance(m, GroupedTopkRouter):
             state = m.state_dict()
         else:

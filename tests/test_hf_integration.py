@@ -528,3 +528,27 @@ def test_dequantize_a_genuine_export_keeps_its_logits_and_llama4_is_refused_unch
     with pytest.raises(NotImplementedError, match=r"dequantize\(\): model.layers.\d.feed_forward is Llama-4's fused"):
         llama4.dequantize()
     assert llama4.is_quantized and all(torch.equal(v, state[k]) for k, v in llama4.state_dict().items())
+
+
+def test_dequantize_after_a_save_and_in_another_dtype(tmp_path):
+    # a save leaves config.dtype the string "bfloat16", which Transformers passes on as the dtype;
+    # and dequantize(torch.float32) decoded the NVFP4 linears in bfloat16 anyway
+    from fp4moe_ops.oracle64 import dequant64
+    from hf_integration.experts import NVFP4Linear
+
+    model = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=5), quantize_dense_mlps=True,
+                           quantize_attention=True)
+    model.save_pretrained(tmp_path)
+    assert isinstance(model.config.dtype, str) or model.config.dtype == torch.bfloat16
+    twin = copy.deepcopy(model)
+    model.dequantize()
+    assert model.model.layers[0].self_attn.q_a_proj.weight.dtype == torch.bfloat16
+    packed, block, scale, _ = twin.model.layers[0].self_attn.q_a_proj.linear_tensors()
+    assert isinstance(twin.model.layers[0].self_attn.q_a_proj, NVFP4Linear)
+    twin.dequantize(torch.float32)
+    for name in ("model.layers.0.self_attn.q_a_proj", "model.layers.1.mlp.experts"):
+        m = twin.get_submodule(name)
+        assert all(p.dtype == torch.float32 for p in m.parameters()), name
+    # decoded in float32: the float64 oracle's values to float32 rounding
+    torch.testing.assert_close(twin.model.layers[0].self_attn.q_a_proj.weight.double(), dequant64(packed, block, scale),
+                               rtol=2.0**-23, atol=0)
