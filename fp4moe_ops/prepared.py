@@ -318,6 +318,10 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
     are per expert (``[E]``, ``[E, N, K/16]``; a fused layer may hold more experts than the state
     dict's routed ones); a linear's are one ``[]`` / ``[1]`` / ``[N, K/16]``."""
     experts = isinstance(module, PreparedExperts)
+    incomplete = getattr(module, "incomplete_load", None)
+    reason = incomplete(state_dict, prefix) if incomplete is not None else None
+    if reason:
+        raise ValueError(reason)
     for name, kind in module.scale_checks():
         key, t, held = prefix + name, state_dict.get(prefix + name), module._buffers.get(name)
         dtype = held.dtype if held is not None else (torch.float8_e4m3fn if kind == "block" else torch.float32)
@@ -330,24 +334,41 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
             check_scale_values(t[None] if kind == "block" else t.reshape(-1), kind,
                                lambda e, key=key: f"load_state_dict: {key}")
     for block_name, global_name, to_multiplier in getattr(module, "weight_ranges", list)():  # valid: in range?
-        block, scale = state_dict.get(prefix + block_name), state_dict.get(prefix + global_name)
-        if not (_loadable(block, module._buffers.get(block_name), torch.float8_e4m3fn)
-                and _loadable(scale, module._buffers.get(global_name), torch.float32)
-                and (experts or (block.dim() == 2 and scale.numel() == 1))):
+        held_block, held_scale = module._buffers.get(block_name), module._buffers.get(global_name)
+        block = _incoming(state_dict.get(prefix + block_name), held_block, torch.float8_e4m3fn, experts)
+        scale = _incoming(state_dict.get(prefix + global_name), held_scale, torch.float32, experts)
+        if block is None and scale is None:
+            continue
+        key = prefix + (global_name if scale is not None else block_name)
+        # a partial load (strict=False) of one of the two: the other is the module's own (its first
+        # rows where a fused layer holds a shared expert past the state dict's routed ones)
+        block = block if block is not None else _held(held_block)
+        scale = scale if scale is not None else _held(held_scale)
+        if block is None or scale is None:
             continue
         multiplier = to_multiplier(scale) if to_multiplier is not None else scale
-        key = prefix + global_name
         if experts:
-            check_weight_range(block, multiplier, lambda e, key=key: f"load_state_dict: {key}[{e}]")
-        else:
+            n = min(block.shape[0], multiplier.shape[0])
+            check_weight_range(block[:n], multiplier[:n], lambda e, key=key: f"load_state_dict: {key}[{e}]")
+        elif block.dim() == 2 and multiplier.numel() == 1:
             check_weight_range(block[None], multiplier.reshape(1), lambda e, key=key: f"load_state_dict: {key}")
 
 
-def _loadable(t, held: torch.Tensor | None, dtype: torch.dtype) -> bool:
-    """``t`` is a tensor with values that ``load_state_dict`` would take into ``held`` (or into a
-    ``dtype`` tensor where the module holds none under that name)."""
-    return (isinstance(t, torch.Tensor) and not t.is_meta and t.dtype == (held.dtype if held is not None else dtype)
-            and (held is None or t.shape == held.shape))
+def _incoming(t, held: torch.Tensor | None, dtype: torch.dtype, experts: bool) -> torch.Tensor | None:
+    """``t`` if ``load_state_dict`` would take its values into ``held`` (or into a ``dtype`` tensor
+    where the module holds none under that name), else None. Experts: any expert count (a fused
+    layer holds one more than its state dict)."""
+    if not isinstance(t, torch.Tensor) or t.is_meta or t.dtype != (held.dtype if held is not None else dtype):
+        return None
+    if held is None:
+        return t
+    if experts:
+        return t if t.dim() == held.dim() and t.shape[1:] == held.shape[1:] else None
+    return t if t.shape == held.shape else None
+
+
+def _held(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None or t.is_meta else t
 
 
 def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, *args):

@@ -93,6 +93,19 @@ class SharedExpertMoE(nn.Module):
         return [(f"shared_experts.{leaf}.{s.block_scale}", f"shared_experts.{leaf}.{s.global_scale}", s.multiplier)
                 for leaf in ("gate_proj", "up_proj", "down_proj")]
 
+    def incomplete_load(self, state_dict: dict, prefix: str) -> str | None:
+        """Why ``load_state_dict`` cannot take the shared expert's tensors in ``state_dict`` (some but
+        not all of its linears' weights and scales: they are joined into the fused experts together,
+        so a partial load would change the state dict and not what runs), or None."""
+        s, shared = self.shared_scheme, f"{prefix}shared_experts."
+        given = {k[len(shared):] for k in state_dict if k.startswith(shared)}
+        needed = {f"{leaf}.{t}" for leaf in _LEAVES for t in (s.packed, s.block_scale, s.global_scale)}
+        if given and not needed <= given:
+            return (f"load_state_dict: {shared[:-1]} runs inside the routed experts' call and takes its weights and "
+                    f"scales together; missing {sorted(needed - given)}: load all of them (or load into a model "
+                    "patched or loaded with fuse_shared_experts=False)")
+        return None
+
     def split(self) -> tuple[NVFP4MoEWeights, NVFP4MoEWeights]:
         """``(routed [E], shared [1])`` canonical weights (views of the fused tensors where the
         layout allows)."""

@@ -476,14 +476,26 @@ def test_load_state_dict_checks_scale_values_as_loading_a_checkpoint_does(key, v
 @pytest.mark.parametrize("key", ["model.layers.1.mlp.experts.down_proj_global_scale",
                                  "model.layers.1.mlp.shared_experts.up_proj.weight_scale_2",
                                  "model.layers.0.mlp.up_proj.weight_scale_2"])
-def test_load_state_dict_refuses_global_scales_that_decode_past_bfloat16(key):
-    model = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=5), quantize_dense_mlps=True)
+@pytest.mark.parametrize("fuse", [True, False])
+def test_load_state_dict_refuses_global_scales_that_decode_past_bfloat16(key, fuse):
+    # another model's state dict (every tensor differs, so a partial load shows); a fused shared
+    # expert holds one expert more than the state dict, which skipped the model-level check; and a
+    # partial load (strict=False) of the global scale alone was not checked against the held block scales
+    def patched(seed):
+        return patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=seed), quantize_dense_mlps=True,
+                              fuse_shared_experts=fuse)
+
+    model, other = patched(5), patched(6)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    state = {k: v.clone() for k, v in before.items()}
+    state = {k: v.clone() for k, v in other.state_dict().items()}
     state[key][...] = 1e38  # finite and > 0: passes the value rules, decodes to Inf
-    with pytest.raises(ValueError, match=rf"load_state_dict: {key}(\[\d+\])?: its largest weight would be"):
-        model.load_state_dict(state)
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    for load in (state, {key: state[key]}):
+        # a fused shared expert takes its tensors together: a lone scale is refused as such
+        match = "takes its weights and scales together" if fuse and "shared" in key and load is not state else \
+            rf"load_state_dict: {key}(\[\d+\])?: its largest weight would be"
+        with pytest.raises(ValueError, match=match):
+            model.load_state_dict(load, strict=load is state)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_a_cast_past_the_dtype_guard_fails_at_the_forward_saying_how_to_cast_back():
