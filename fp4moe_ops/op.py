@@ -25,7 +25,8 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
         # a float32 model reaches here when something took the model.to guard away (accelerate's
         # remove_hook_from_module pops instance attributes named "to")
         hint = ("; a model with NVFP4 experts runs in bfloat16 or float16: cast it back with "
-                "model.to(torch.bfloat16)") if hidden_states.is_floating_point() else ""
+                "model.to(torch.bfloat16)") if hidden_states.is_floating_point() and hidden_states.dtype not in _HIDDEN_DTYPES \
+            else ""
         raise TypeError(
             f"hidden_states must be [T, H] bfloat16/float16, got {hidden_states.dtype} "
             f"{list(hidden_states.shape)}{hint}"

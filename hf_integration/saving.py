@@ -125,7 +125,12 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
     Hub gets the same files and config as a local save. ``state_dict=`` is refused: Transformers
     saves a quantized model's state dict from its quantizer and would ignore it."""
     cls_save = type(model).save_pretrained
-    if kwargs.get("state_dict") is not None:
+    bound = inspect.signature(cls_save).bind_partial(model, save_directory, *args, **kwargs).arguments
+    if not bound.get("is_main_process", True):
+        # another rank of a distributed save (accelerate's recipe: every rank calls save_pretrained):
+        # Transformers writes nothing there, and neither may the swap or the Hub upload
+        return cls_save(model, save_directory, *args, push_to_hub=push_to_hub, **kwargs)
+    if bound.get("state_dict") is not None:
         raise ValueError("save_pretrained(state_dict=...): a model with fp4moe NVFP4 modules is saved from its own "
                          "tensors (Transformers takes a quantized model's state dict from its quantizer and would "
                          "ignore the one given); load the changed tensors into the model with load_state_dict, "

@@ -513,6 +513,9 @@ def test_a_cast_past_the_dtype_guard_fails_at_the_forward_saying_how_to_cast_bac
     # the rotary frequencies come back rounded to bfloat16, as in any model, so logits are not compared)
     assert all(torch.equal(v, held[k]) for k, v in experts.state_dict().items())
     assert torch.isfinite(logits(model, IDS)).all()
+    with pytest.raises(TypeError) as bad_shape:  # a 16-bit input of the wrong shape gets no cast hint
+        experts(torch.zeros(2, 3, 64, dtype=torch.bfloat16), torch.zeros(6, 2, dtype=torch.long), torch.ones(6, 2))
+    assert "bfloat16 [2, 3, 64]" in str(bad_shape.value) and "cast it back" not in str(bad_shape.value)
 
 
 def test_the_dtype_guard_runs_a_to_already_on_the_model_and_scale_checks_skip_meta_tensors():
@@ -1036,6 +1039,19 @@ def test_push_to_hub_uploads_what_a_local_save_writes_and_a_given_state_dict_is_
     with pytest.raises(ValueError, match=r"save_pretrained\(state_dict=...\).*load_state_dict"):
         model.save_pretrained(tmp_path / "sd", state_dict={k: v.clone() for k, v in model.state_dict().items()})
     assert not (tmp_path / "sd").exists()
+
+
+def test_a_non_main_rank_save_leaves_rank_0s_checkpoint_and_pushes_nothing(saved, monkeypatch):
+    # accelerate's recipe: every rank calls save_pretrained(..., is_main_process=rank == 0); the
+    # swap replaced rank 0's checkpoint by a folder holding only hf_quant_config.json
+    model, out, want, files = saved
+    monkeypatch.setattr(type(model), "_upload_modified_files", lambda *a, **k: pytest.fail("a non-main rank uploaded"))
+    model.save_pretrained(out, is_main_process=False)
+    model.save_pretrained(out, False, push_to_hub=True, repo_id="me/x")
+    still_there(out, files, want)
+    with pytest.raises(ValueError, match=r"save_pretrained\(state_dict=...\)"):  # given by position too
+        model.save_pretrained(out, True, {k: v.clone() for k, v in model.state_dict().items()})
+    still_there(out, files, want)
 
 
 def test_saving_through_a_symlink_into_dot_and_the_folder_mode_as_a_plain_save(saved, tmp_path, monkeypatch):
