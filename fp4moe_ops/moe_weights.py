@@ -160,9 +160,11 @@ def check_weight_range(block_scale: torch.Tensor, global_scale: torch.Tensor, de
     bad = ~(top <= LARGEST_WEIGHT)
     if bool(bad.any()):
         e = int(bad.nonzero()[0, 0])
+        count = int(bad.sum())
         raise ValueError(f"{describe(e)}: its largest weight would be {top[e].item():.3g} "
-                         f"(6 x block scale x global scale {global_scale[e].item():.3g}), past bfloat16's "
-                         f"largest finite value {LARGEST_WEIGHT:.3g}; {int(bad.sum())} expert(s) affected")
+                         f"(6 x block scale x multiplying global scale {global_scale[e].item():.3g}), past "
+                         f"bfloat16's largest finite value {LARGEST_WEIGHT:.3g}"
+                         + (f"; {count} experts affected" if count > 1 else ""))
 
 
 def quantize_moe_weights(gate_up: torch.Tensor, down: torch.Tensor) -> NVFP4MoEWeights:
