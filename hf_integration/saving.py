@@ -128,8 +128,10 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
     bound = inspect.signature(cls_save).bind_partial(model, save_directory, *args, **kwargs).arguments
     if not bound.get("is_main_process", True):
         # another rank of a distributed save (accelerate's recipe: every rank calls save_pretrained):
-        # Transformers writes nothing there, and neither may the swap or the Hub upload
-        return cls_save(model, save_directory, *args, push_to_hub=push_to_hub, **kwargs)
+        # Transformers writes nothing there, and neither may the swap or the Hub upload (some
+        # Transformers releases create the repository from every rank: the hub arguments stay here)
+        own = inspect.signature(cls_save).parameters
+        return cls_save(model, save_directory, *args, **{k: v for k, v in kwargs.items() if k in own})
     if bound.get("state_dict") is not None:
         raise ValueError("save_pretrained(state_dict=...): a model with fp4moe NVFP4 modules is saved from its own "
                          "tensors (Transformers takes a quantized model's state dict from its quantizer and would "
