@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from fp4moe_ops import nvfp4
+from fp4moe_ops import activation_scales, nvfp4
 from fp4moe_ops.backends.reference import reference_moe
 
 from .surgery import nvfp4_experts
@@ -44,10 +44,14 @@ def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Modul
     """Record per-expert activation amax for GEMM1 and GEMM2 inputs over ``batches`` and store
     ModelOpt's ``input_scale = amax / (6*448)`` as ``fc1_input_scale`` / ``fc2_input_scale``.
 
-    ``batches``: dicts of model kwargs (e.g. tokenizer output) or ``input_ids`` tensors. Experts
-    no batch routed to get the layer's largest scale (logged). NaN or Inf activations raise,
-    naming the layer, and leave the model as it was. Needed only by
-    ``backend="flashinfer_nvfp4"``; then ``set_backend(model, "flashinfer_nvfp4")``.
+    ``batches``: dicts of model kwargs (e.g. tokenizer output) or ``input_ids`` tensors. Every
+    token of a batch counts toward the amax, padding included (``attention_mask`` reaches only the
+    attention; ModelOpt and llm-compressor calibrate the same way): pass unpadded batches to leave
+    padding out. Experts no batch routed to get the layer's largest scale (logged). NaN or Inf
+    activations, an empty batch, or scales the modules' activation mode refuses raise, naming the
+    layer or batch, and leave the model as it was. A module already running NVFP4 activations
+    runs the new scales afterwards. Needed only by ``backend="flashinfer_nvfp4"`` (or the
+    reference backend's W4A4 math); then ``set_backend(model, backend, act_scale_mode)``.
     """
     modules = nvfp4_experts(model)
     if not modules:
@@ -62,6 +66,9 @@ def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Modul
             observers.append(m._fp4moe_observer)
         n = 0
         for batch in batches:
+            ids = batch.get("input_ids", batch.get("inputs_embeds")) if isinstance(batch, dict) else batch
+            if isinstance(ids, torch.Tensor) and ids.numel() == 0:
+                raise ValueError(f"calibration batch {n} holds no tokens (shape {list(ids.shape)})")
             model(**batch) if isinstance(batch, dict) else model(batch)
             n += 1
         if n == 0:
@@ -75,11 +82,21 @@ def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Modul
             m.__dict__.pop("_fp4moe_observer", None)
             if backend is not None:
                 m.set_backend(backend, mode)
+    scales = [tuple(nvfp4.global_scale_from_amax(torch.where(amax > 0, amax, amax.max())) for amax in (obs.amax1, obs.amax2))
+              for obs in observers]
+    for (name, _), (_, mode), (fc1, fc2) in zip(modules, backends, scales):
+        if mode is not None:  # a mode the new scales cannot run is refused before anything changes
+            try:
+                activation_scales(fc1, fc2, mode)
+            except ValueError as exc:
+                raise ValueError(f"calibration: {name}: {exc}") from None
     unseen = 0
-    for (_, m), obs in zip(modules, observers):
+    for (_, m), obs, (backend, mode), (fc1, fc2) in zip(modules, observers, backends, scales):
         unseen += int((obs.amax1 == 0).sum())
-        for buffer, amax in (("fc1_input_scale", obs.amax1), ("fc2_input_scale", obs.amax2)):
-            m.register_buffer(buffer, nvfp4.global_scale_from_amax(torch.where(amax > 0, amax, amax.max())))
+        m.register_buffer("fc1_input_scale", fc1)
+        m.register_buffer("fc2_input_scale", fc2)
+        if mode is not None:  # the mode's scales are derived from these buffers: derive them again
+            m.set_backend(backend, mode)
     if unseen:
         logger.warning("fp4moe calibration: %d experts saw no tokens; they use their layer's largest scale", unseen)
     return model

@@ -628,6 +628,12 @@ def test_calibration_without_batches():
     model = patch_deepseek(tiny_deepseek_v3())
     with pytest.raises(ValueError, match="got no batches"):
         calibrate_activation_scales(model, [])
+    for empty in (torch.zeros(1, 0, dtype=torch.long), {"input_ids": torch.zeros(2, 0, dtype=torch.long)}):
+        with pytest.raises(ValueError, match=r"calibration batch 1 holds no tokens \(shape \[\d, 0\]\)"):
+            calibrate_activation_scales(model, [torch.randint(1, 256, (1, 5)), empty])
+    from hf_integration import find_experts_modules
+
+    assert all(getattr(m, "fc1_input_scale", None) is None for _, m in find_experts_modules(model))
 
 
 # --- 6. checkpoint files ------------------------------------------------------------------------------

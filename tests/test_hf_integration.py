@@ -244,6 +244,25 @@ def test_calibration_enables_nvfp4_activations():
     assert x.abs().max() <= experts[0].fc1_input_scale.max() * nvfp4.E2M1_MAX * nvfp4.E4M3_MAX * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("mode", ["global_max", "per_expert"])
+def test_recalibrating_a_model_running_nvfp4_activations_runs_the_new_scales(mode):
+    # the backend and mode were put back before the new scales were stored, so global_max kept
+    # deriving its one scale from the old ones
+    model = patch_deepseek(tiny_deepseek_v3(seed=4))
+    calibrate_activation_scales(model, [torch.randint(1, 256, (1, 4))])
+    set_backend(model, "reference", act_scale_mode=mode)
+    calibrate_activation_scales(model, [torch.randint(1, 256, (2, 16)) for _ in range(3)])
+    ids = torch.randint(1, 256, (2, 9))
+    with torch.no_grad():
+        got = model(ids).logits
+        set_backend(model, "reference", act_scale_mode=mode)  # derived afresh from the stored scales
+        want = model(ids).logits
+    assert torch.equal(got, want)
+    for _, m in find_experts_modules(model):
+        assert torch.equal(m.activation_scales()[0], m.fc1_input_scale.max().reshape(()) if mode == "global_max"
+                           else m.fc1_input_scale)
+
+
 def test_nvfp4_backend_without_calibration_says_how(monkeypatch):
     from fp4moe_ops.backends import BACKENDS
 
