@@ -31,8 +31,8 @@ from .llama4 import is_llama4_experts
 from .quantizer import attach, quantizer_for
 from .router import fuse_routers
 from .shared_experts import fuse_shared_experts as fuse_shared
-from .surgery import find_experts_modules, is_dense_gated_mlp, is_silu, is_transformers_experts, nvfp4_experts, \
-    replace_module
+from .surgery import find_experts_modules, is_dense_gated_mlp, is_silu, is_transformers_experts, log_activation_modes, \
+    nvfp4_experts, replace_module
 
 logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
 
@@ -321,6 +321,7 @@ def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = Non
         m.check_backend(backend, act_scale_mode)
     for m in modules:
         m.set_backend(backend, act_scale_mode)
+    log_activation_modes(model, act_scale_mode)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.quantization_config.backend = backend
         model.hf_quantizer.quantization_config.act_scale_mode = act_scale_mode

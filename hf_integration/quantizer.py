@@ -63,7 +63,7 @@ from .checkpoint_format import (
 from .llama4 import FUSED_LEAVES, NVFP4Llama4TextMoe, canonical_from_fused, fused_key, fused_specs, is_llama4_experts
 from .router import fuse_routers
 from .shared_experts import fuse_shared_experts
-from .surgery import is_transformers_experts, replace_module
+from .surgery import is_transformers_experts, log_activation_modes, replace_module
 
 logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
 
@@ -593,6 +593,9 @@ class ModelOptQuantizer(HfQuantizer):
         if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
             raise CheckpointError(f"fp4moe loads ModelOpt checkpoints from .safetensors files, got {checkpoint_files}")
         self.pre_quantized = True  # also when the config came from hf_quant_config.json
+        if self.quantization_config.expert_parallel and self.quantization_config.fuse_shared_experts:
+            raise ValueError("fuse_shared_experts=True and expert_parallel=True cannot be combined: a rank holds a "
+                             "shard of the routed experts, which cannot also hold the shared expert; load with one of them")
         shard_of = None
         if self.quantization_config.expert_parallel:
             from .expert_parallel import this_rank_shard
@@ -685,6 +688,7 @@ class ModelOptQuantizer(HfQuantizer):
             if not isinstance(m, NVFP4Experts):
                 continue
             m.set_backend(config.backend, config.act_scale_mode)
+        log_activation_modes(model, config.act_scale_mode)
         if config.fuse_router:
             fuse_routers(model)
         if config.fuse_shared_experts and config.nvfp4_linears == "nvfp4":

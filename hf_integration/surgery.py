@@ -1,12 +1,17 @@
 """Module surgery: finding the modules of a Transformers model that fp4moe replaces, and swapping
-them in place (an accelerate hook that device_map dispatch put on the old module moves over)."""
+them in place (an accelerate hook that device_map dispatch put on the old module moves over); what
+the swapped-in modules' activations run, logged."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .experts import NVFP4Experts
+from transformers.utils import logging
+
+from .experts import NVFP4Experts, NVFP4Linear
+
+logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
 
 SILU_NAMES = ("SiLUActivation", "SiLU")
 
@@ -52,5 +57,22 @@ def is_dense_gated_mlp(m: nn.Module) -> bool:
     return all(isinstance(x, nn.Linear) and x.bias is None for x in lin) and is_silu(getattr(m, "act_fn", None))
 
 
+def log_activation_modes(model: nn.Module, act_scale_mode: str | None) -> None:
+    """Say where the model's activations are not what its NVFP4 tensors declare: calibrated input
+    scales held but unused (16-bit activations), or NVFP4 activations for the routed experts only."""
+    held = [n for n, m in model.named_modules()
+            if (isinstance(m, NVFP4Experts) and getattr(m, "fc1_input_scale", None) is not None)
+            or (isinstance(m, NVFP4Linear) and m.scheme.input_scale in m._buffers)]
+    linears = [n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)]
+    if act_scale_mode is None and held:
+        logger.warning("fp4moe: %d modules hold calibrated input scales (NVFP4 activations, W4A4), kept for "
+                       "save_pretrained; activations stay 16-bit (W4A16). act_scale_mode='per_expert' or 'global_max' "
+                       "(set_backend, or the loading config) runs the routed experts' activations in NVFP4", len(held))
+    elif act_scale_mode is not None and linears:
+        logger.warning("fp4moe: act_scale_mode=%r quantizes the routed experts' activations only; the model's %d "
+                       "NVFP4 linears outside them (attention, dense MLPs, shared experts) keep 16-bit activations",
+                       act_scale_mode, len(linears))
+
+
 __all__ = ["children_where", "find_experts_modules", "is_dense_gated_mlp", "is_silu", "is_transformers_experts",
-           "nvfp4_experts", "replace_module"]
+           "log_activation_modes", "nvfp4_experts", "replace_module"]

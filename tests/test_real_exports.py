@@ -91,6 +91,25 @@ def test_compressed_tensors_fp8_kv_cache_scales_are_saved_under_modelopts_names(
     assert again.hf_quantizer.kv_cache_scales.keys() == saved.keys()
 
 
+def test_what_runs_in_16_bits_is_logged_and_expert_parallel_with_fused_shared_experts_is_refused(hf_logs):
+    # a W4A4 export ran W4A16 without a word; act_scale_mode quantized the routed experts'
+    # activations only, also without one; expert_parallel quietly dropped fuse_shared_experts
+    from hf_integration import ModelOptConfig
+
+    folder = FIXTURES / "modelopt" / "deepseek_v3_nvfp4_default"
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert "hold calibrated input scales (NVFP4 activations, W4A4)" in hf_logs.text
+    assert "activations stay 16-bit (W4A16)" in hf_logs.text
+    hf_logs.clear()
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                         quantization_config=ModelOptConfig(backend="reference", act_scale_mode="per_expert"))
+    assert "act_scale_mode='per_expert' quantizes the routed experts' activations only" in hf_logs.text
+    assert "hold calibrated input scales" not in hf_logs.text
+    with pytest.raises(ValueError, match="fuse_shared_experts=True and expert_parallel=True cannot be combined"):
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=ModelOptConfig(
+            expert_parallel=True, fuse_shared_experts=True))
+
+
 def test_kv_cache_scales_of_another_kv_format_are_not_saved_back_as_fp8(hf_logs, tmp_path):
     # a save writes KV-cache scales only as FP8's: an export's NVFP4 KV-cache scales (a ModelOpt
     # option) must not come back labelled FP8, where vLLM would read them with the wrong meaning
