@@ -5,7 +5,7 @@ the reference MoE math, then stored as ModelOpt's ``input_scale = amax / (6*448)
 from __future__ import annotations
 
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -66,10 +66,11 @@ def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Modul
             observers.append(m._fp4moe_observer)
         n = 0
         for batch in batches:
-            ids = batch.get("input_ids", batch.get("inputs_embeds")) if isinstance(batch, dict) else batch
+            mapping = isinstance(batch, Mapping)  # a dict, or a tokenizer's BatchEncoding
+            ids = batch.get("input_ids", batch.get("inputs_embeds")) if mapping else batch
             if isinstance(ids, torch.Tensor) and ids.numel() == 0:
                 raise ValueError(f"calibration batch {n} holds no tokens (shape {list(ids.shape)})")
-            model(**batch) if isinstance(batch, dict) else model(batch)
+            model(**batch) if mapping else model(batch)
             n += 1
         if n == 0:
             raise ValueError("calibrate_activation_scales got no batches")

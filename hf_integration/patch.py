@@ -321,7 +321,7 @@ def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = Non
         m.check_backend(backend, act_scale_mode)
     for m in modules:
         m.set_backend(backend, act_scale_mode)
-    log_activation_modes(model, act_scale_mode)
+    log_activation_modes(model)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.quantization_config.backend = backend
         model.hf_quantizer.quantization_config.act_scale_mode = act_scale_mode

@@ -688,11 +688,11 @@ class ModelOptQuantizer(HfQuantizer):
             if not isinstance(m, NVFP4Experts):
                 continue
             m.set_backend(config.backend, config.act_scale_mode)
-        log_activation_modes(model, config.act_scale_mode)
         if config.fuse_router:
             fuse_routers(model)
         if config.fuse_shared_experts and config.nvfp4_linears == "nvfp4":
             fuse_shared_experts(model)
+        log_activation_modes(model)
         conversions = getattr(model, "_weight_conversions", None)
         if conversions:  # saving goes through get_state_dict_and_metadata, not reverse conversion
             model._weight_conversions = [c for c in conversions if not _is_ours(c)]

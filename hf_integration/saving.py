@@ -126,7 +126,9 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
     saves a quantized model's state dict from its quantizer and would ignore it."""
     cls_save = type(model).save_pretrained
     bound = inspect.signature(cls_save).bind_partial(model, save_directory, *args, **kwargs).arguments
-    if not bound.get("is_main_process", True):
+    main = bound.get("is_main_process", True)
+    should_save = getattr(model, "should_save_on_this_rank", None)  # Transformers 5.24: rank 0 only, too
+    if not (should_save(main) if should_save is not None else main):
         # another rank of a distributed save (accelerate's recipe: every rank calls save_pretrained):
         # Transformers writes nothing there, and neither may the swap or the Hub upload (some
         # Transformers releases create the repository from every rank: the hub arguments stay here)

@@ -628,7 +628,10 @@ def test_calibration_without_batches():
     model = patch_deepseek(tiny_deepseek_v3())
     with pytest.raises(ValueError, match="got no batches"):
         calibrate_activation_scales(model, [])
-    for empty in (torch.zeros(1, 0, dtype=torch.long), {"input_ids": torch.zeros(2, 0, dtype=torch.long)}):
+    from transformers import BatchEncoding
+
+    for empty in (torch.zeros(1, 0, dtype=torch.long), {"input_ids": torch.zeros(2, 0, dtype=torch.long)},
+                  BatchEncoding({"input_ids": torch.zeros(1, 0, dtype=torch.long)})):
         with pytest.raises(ValueError, match=r"calibration batch 1 holds no tokens \(shape \[\d, 0\]\)"):
             calibrate_activation_scales(model, [torch.randint(1, 256, (1, 5)), empty])
     from hf_integration import find_experts_modules
@@ -1055,6 +1058,11 @@ def test_a_non_main_rank_save_leaves_rank_0s_checkpoint_and_pushes_nothing(saved
     model.save_pretrained(out, is_main_process=False)
     model.save_pretrained(out, False, push_to_hub=True, repo_id="me/x")
     still_there(out, files, want)
+    # a rank other than 0 that leaves is_main_process at its default (Transformers checks the rank too)
+    monkeypatch.setattr(type(model), "should_save_on_this_rank", lambda self, main: False, raising=False)
+    model.save_pretrained(out, push_to_hub=True, repo_id="me/x")
+    still_there(out, files, want)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match=r"save_pretrained\(state_dict=...\)"):  # given by position too
         model.save_pretrained(out, True, {k: v.clone() for k, v in model.state_dict().items()})
     still_there(out, files, want)

@@ -251,7 +251,9 @@ def test_recalibrating_a_model_running_nvfp4_activations_runs_the_new_scales(mod
     model = patch_deepseek(tiny_deepseek_v3(seed=4))
     calibrate_activation_scales(model, [torch.randint(1, 256, (1, 4))])
     set_backend(model, "reference", act_scale_mode=mode)
-    calibrate_activation_scales(model, [torch.randint(1, 256, (2, 16)) for _ in range(3)])
+    from transformers import BatchEncoding  # a tokenizer's output is a Mapping, not a dict
+
+    calibrate_activation_scales(model, [BatchEncoding({"input_ids": torch.randint(1, 256, (2, 16))}) for _ in range(3)])
     ids = torch.randint(1, 256, (2, 9))
     with torch.no_grad():
         got = model(ids).logits

@@ -103,8 +103,13 @@ def test_what_runs_in_16_bits_is_logged_and_expert_parallel_with_fused_shared_ex
     hf_logs.clear()
     AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
                                          quantization_config=ModelOptConfig(backend="reference", act_scale_mode="per_expert"))
-    assert "act_scale_mode='per_expert' quantizes the routed experts' activations only" in hf_logs.text
+    assert "act_scale_mode=per_expert quantizes the routed experts' activations only" in hf_logs.text
     assert "hold calibrated input scales" not in hf_logs.text
+    hf_logs.clear()  # fused shared experts cannot run NVFP4 activations: the log says what can
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                         quantization_config=ModelOptConfig(fuse_shared_experts=True))
+    assert "load or patch with fuse_shared_experts=False for NVFP4 activations" in hf_logs.text
+    assert "act_scale_mode='per_expert' or 'global_max'" not in hf_logs.text
     with pytest.raises(ValueError, match="fuse_shared_experts=True and expert_parallel=True cannot be combined"):
         AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=ModelOptConfig(
             expert_parallel=True, fuse_shared_experts=True))
