@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backends.base import CANONICAL, PACKED_LAYOUTS, get_backend
+from .backends.base import CANONICAL, convert_packed, get_backend
 from .linear import nvfp4_linear
-from .moe_math import expert_scale
+from .moe_math import expert_groups, expert_scale
 from .nvfp4 import dequantize_nvfp4, quantize_activation_nvfp4
 from .op import _check_inputs, fused_moe
 from .routing import grouped_topk
@@ -40,15 +40,14 @@ def _packed_expert(packed: torch.Tensor, e: int) -> torch.Tensor:
     """Expert ``e``'s canonical ``[N, K/2]`` uint8 bytes from a packed tensor in either layout."""
     if packed.dtype == torch.uint8:
         return packed[e]
-    return PACKED_LAYOUTS[_PAIRED][1](packed[e])
+    return convert_packed(packed[e:e + 1], _PAIRED, CANONICAL)[0]
 
 
-def _canonical_experts(expert_tensors: list[torch.Tensor], backend: str):
+def _refuse_own_tensors(backend: str) -> None:
     if get_backend(backend).tensors != "canonical":
         raise NotImplementedError(
             f"fp4moe: no backward through backend {backend!r}, whose tensors are its own copy of the weights; "
             "train with backend 'triton' (CUDA) or 'reference' (model: hf_integration.set_backend)")
-    return expert_tensors
 
 
 @torch.library.custom_op("fp4moe::fused_moe_backward", mutates_args=())
@@ -59,28 +58,20 @@ def fused_moe_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, topk
     """``(d hidden_states [T, H] in its dtype, d topk_weights [T, k] float32)`` of
     :func:`fp4moe_ops.op.fused_moe` for ``grad_out [T, H]`` (see the module docstring)."""
     _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend)
-    w13, s13, g13, w2, s2, g2 = _canonical_experts(expert_tensors, backend)
+    _refuse_own_tensors(backend)
+    w13, s13, g13, w2, s2, g2 = expert_tensors
     s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
     num_experts, k = g13.shape[0], topk_ids.shape[1]
     grad_x = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     grad_w = torch.zeros(topk_weights.shape, dtype=torch.float32, device=hidden_states.device)
-    flat = topk_ids.reshape(-1).long()
-    expert_of = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    pairs = torch.argsort(expert_of, stable=True)
-    counts = torch.bincount(expert_of, minlength=num_experts + 1)[:num_experts].tolist()  # the one host sync
-    start = 0
-    for e, n in enumerate(counts):
-        if not n:
-            continue
-        routed = pairs[start:start + n]
-        start += n
+    for e, routed in expert_groups(topk_ids, num_experts):
         token = routed // k
         x = hidden_states[token].float()
         fc1, fc2 = expert_scale(fc1_act_scale, e), expert_scale(fc2_act_scale, e)
         if fc1 is not None:  # the values the forward multiplied; the gradient passes straight through
             x = quantize_activation_nvfp4(x, 1.0 / fc1) * fc1
-        up_down = dequantize_nvfp4(_packed_expert(w13, e), s13[e], g13[e])  # [2I, H] float32
-        gate, up = (x @ up_down.T).chunk(2, dim=-1)
+        gate_up = dequantize_nvfp4(_packed_expert(w13, e), s13[e], g13[e])  # [2I, H] float32
+        gate, up = (x @ gate_up.T).chunk(2, dim=-1)
         act = F.silu(gate) * up
         a2 = act if fc2 is None else quantize_activation_nvfp4(act, 1.0 / fc2) * fc2
         down = dequantize_nvfp4(_packed_expert(w2, e), s2[e], g2[e])  # [H, I] float32
@@ -90,7 +81,7 @@ def fused_moe_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, topk
         sig = torch.sigmoid(gate)
         d_gate = d_act * up * sig * (1 + gate * (1 - sig))
         d_up = d_act * gate * sig
-        grad_x.index_add_(0, token, torch.cat([d_gate, d_up], dim=-1) @ up_down)
+        grad_x.index_add_(0, token, torch.cat([d_gate, d_up], dim=-1) @ gate_up)
     return grad_x.to(hidden_states.dtype), grad_w
 
 

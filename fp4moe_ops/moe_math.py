@@ -20,6 +20,21 @@ import torch
 import torch.nn.functional as F
 
 
+def expert_groups(topk_ids: torch.Tensor, num_experts: int):
+    """``(e, slots)`` for every expert ``e`` with routed (token, slot) pairs: ``slots`` indexes
+    ``topk_ids.reshape(-1)`` (token = slot // k), tokens in order; ids outside ``[0, num_experts)``
+    belong to no expert. One host sync (the experts' counts)."""
+    flat = topk_ids.reshape(-1).long()
+    expert_of = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # invalid ids: one bin past the end
+    pairs = torch.argsort(expert_of, stable=True)
+    counts = torch.bincount(expert_of, minlength=num_experts + 1)[:num_experts].tolist()  # the one host sync
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, pairs[start:start + n]
+        start += n
+
+
 def routed_moe(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``[T, H]`` float32: the routing-weighted sum of ``expert(e, rows)`` over each token's experts.
@@ -31,18 +46,10 @@ def routed_moe(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights
         expert: ``expert(e, rows [n, H]) -> [n, H]`` float32, for the rows routed to ``e``.
     """
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-    flat = topk_ids.reshape(-1).long()
-    expert_of = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # invalid ids: one bin past the end
-    pairs = torch.argsort(expert_of, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
-    counts = torch.bincount(expert_of, minlength=num_experts + 1)[:num_experts].tolist()  # the one host sync
     weights = topk_weights.reshape(-1, 1).float()
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            routed = pairs[start:start + n]
-            token = routed // topk_ids.shape[1]
-            out.index_add_(0, token, expert(e, hidden_states[token]) * weights[routed])
-        start += n
+    for e, routed in expert_groups(topk_ids, num_experts):
+        token = routed // topk_ids.shape[1]
+        out.index_add_(0, token, expert(e, hidden_states[token]) * weights[routed])
     return out
 
 
@@ -62,4 +69,4 @@ def gated_silu(h: torch.Tensor, dtype: torch.dtype, *, up_first: bool = False) -
     return (F.silu(gate) * up).to(dtype)
 
 
-__all__ = ["expert_scale", "gated_silu", "routed_moe"]
+__all__ = ["expert_groups", "expert_scale", "gated_silu", "routed_moe"]

@@ -323,14 +323,14 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
     if reason:
         raise ValueError(reason)
     for name, kind in module.scale_checks():
-        key, t, held = prefix + name, state_dict.get(prefix + name), module._buffers.get(name)
-        dtype = held.dtype if held is not None else (torch.float8_e4m3fn if kind == "block" else torch.float32)
-        if not isinstance(t, torch.Tensor) or t.is_meta or t.dtype != dtype:
+        key = prefix + name
+        t = _incoming(state_dict.get(key), module._buffers.get(name),
+                      torch.float8_e4m3fn if kind == "block" else torch.float32, experts)
+        if t is None:
             continue
         if experts:
-            if t.dim() == held.dim() and t.shape[1:] == held.shape[1:]:
-                check_scale_values(t, kind, lambda e, key=key: f"load_state_dict: {key}[{e}]")
-        elif (t.dim() == 2 if kind == "block" else t.numel() == 1) and (held is None or t.shape == held.shape):
+            check_scale_values(t, kind, lambda e, key=key: f"load_state_dict: {key}[{e}]")
+        elif t.dim() == 2 if kind == "block" else t.numel() == 1:
             check_scale_values(t[None] if kind == "block" else t.reshape(-1), kind,
                                lambda e, key=key: f"load_state_dict: {key}")
     for block_name, global_name, to_multiplier in getattr(module, "weight_ranges", list)():  # valid: in range?

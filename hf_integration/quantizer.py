@@ -495,8 +495,8 @@ class UnfuseNVFP4Experts(StackNVFP4Experts):
         weights = canonical_from_fused(got, plan.ids)
         if len(self.hf_quantizer.load_errors) == errors_before:  # valid values: do they decode in range?
             for leaf, w in zip(FUSED_LEAVES, ("w13", "w2")):
-                where = f"checkpoint tensor {fused_key(plan.checkpoint_prefix, leaf, 'global')!r} in " \
-                        f"{self.hf_quantizer.plan.files.get(fused_key(plan.checkpoint_prefix, leaf, 'global'))}"
+                key = fused_key(plan.checkpoint_prefix, leaf, "global")
+                where = f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(key)}"
                 try:
                     check_weight_range(getattr(weights, f"{w}_scale"), getattr(weights, f"{w}_global"),
                                        lambda e, where=where: f"{where} (expert {e})")

@@ -122,11 +122,11 @@ def test_nvfp4_linear_and_grouped_topk_gradients_match_float64_autograd():
 
 
 def test_backends_with_tensors_of_their_own_have_no_backward_and_say_which_to_use():
-    from fp4moe_ops.autograd import _canonical_experts
+    from fp4moe_ops.autograd import _refuse_own_tensors
 
     for backend in ("flashinfer_bf16", "flashinfer_mxfp4"):
         with pytest.raises(NotImplementedError, match=rf"no backward through backend '{backend}'.*'triton'.*'reference'"):
-            _canonical_experts(layer().tensors(), backend)
+            _refuse_own_tensors(backend)
 
 
 def reference_model(bf16_model, patched):
