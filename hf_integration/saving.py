@@ -125,21 +125,22 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
     Hub gets the same files and config as a local save. ``state_dict=`` is refused: Transformers
     saves a quantized model's state dict from its quantizer and would ignore it."""
     cls_save = type(model).save_pretrained
-    bound = inspect.signature(cls_save).bind_partial(model, save_directory, *args, **kwargs).arguments
+    signature = inspect.signature(cls_save)
+    own = set(signature.parameters)  # what save_pretrained takes itself; the rest are hub arguments
+    bound = signature.bind_partial(model, save_directory, *args, **kwargs).arguments
     main = bound.get("is_main_process", True)
     should_save = getattr(model, "should_save_on_this_rank", None)  # Transformers 5.24: rank 0 only, too
     if not (should_save(main) if should_save is not None else main):
         # another rank of a distributed save (accelerate's recipe: every rank calls save_pretrained):
         # Transformers writes nothing there, and neither may the swap or the Hub upload (some
         # Transformers releases create the repository from every rank: the hub arguments stay here)
-        own = inspect.signature(cls_save).parameters
         return cls_save(model, save_directory, *args, **{k: v for k, v in kwargs.items() if k in own})
     if bound.get("state_dict") is not None:
         raise ValueError("save_pretrained(state_dict=...): a model with fp4moe NVFP4 modules is saved from its own "
                          "tensors (Transformers takes a quantized model's state dict from its quantizer and would "
                          "ignore the one given); load the changed tensors into the model with load_state_dict, "
                          "then save it")
-    upload = _HubUpload(model, save_directory, cls_save, kwargs) if push_to_hub else None
+    upload = _HubUpload(model, save_directory, own, kwargs) if push_to_hub else None
     target = Path(save_directory).resolve()  # "." and symlinks: the real folder is swapped
     if target.is_file():
         raise ValueError(f"save_pretrained: {target} is a file, not a folder")
@@ -177,10 +178,9 @@ class _HubUpload:
     ``create_pr``, and any that ``save_pretrained`` does not take itself, which go to
     ``create_repo``) are taken out of ``kwargs``."""
 
-    def __init__(self, model: nn.Module, save_directory, cls_save, kwargs: dict):
+    def __init__(self, model: nn.Module, save_directory, own: set[str], kwargs: dict):
         from huggingface_hub import create_repo
 
-        own = set(inspect.signature(cls_save).parameters)
         self.model, self.token = model, kwargs.get("token")
         self.commit_message = kwargs.pop("commit_message", None)
         self.create_pr = kwargs.pop("create_pr", False)
