@@ -91,7 +91,7 @@ class SharedExpertMoE(nn.Module):
         """The shared expert's linears in the unfused state dict (see ``scale_checks``)."""
         s = self.shared_scheme
         return [(f"shared_experts.{leaf}.{s.block_scale}", f"shared_experts.{leaf}.{s.global_scale}", s.multiplier)
-                for leaf in ("gate_proj", "up_proj", "down_proj")]
+                for leaf in _LEAVES]
 
     def incomplete_load(self, state_dict: dict, prefix: str) -> str | None:
         """Why ``load_state_dict`` cannot take the shared expert's tensors in ``state_dict`` (some but
