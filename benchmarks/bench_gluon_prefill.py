@@ -5,6 +5,9 @@ process (issue 17).
         [--block-m auto|8,16,...] [--tail 0,64,64-32] [--compare-module NAME] [--balanced] [--no-layer]
         [--skip-small]
 
+``--compare-module`` also takes a dotted module path (``fp4moe_ops.backends.cuda_prefill.prefill``,
+the CUDA experiment), timed beside the Gluon GEMMs when ``--diag`` is given.
+
 First a small shape (E=8, H=1024, I=512, top-2; partial row blocks, rows past the end of the
 activations) checked against the reference backend, then the DeepSeek-V3 layer: each token count
 checked against the reference on the first 32 tokens (tokens are independent) and timed as in
@@ -105,7 +108,8 @@ def main():
     if args.compare_module:
         import importlib
 
-        other = importlib.import_module(f"fp4moe_ops.backends.triton_moe.{args.compare_module}")
+        name = args.compare_module  # a module of the backend, or a dotted path (the CUDA experiment)
+        other = importlib.import_module(name if "." in name else f"fp4moe_ops.backends.triton_moe.{name}")
 
     if not args.skip_small:
         e, h, i, k = 8, 1024, 512, 2
@@ -161,6 +165,9 @@ def main():
                 ms = graph_time_ms(lambda xs, rw, *r: prefill_rs.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, rw, *r,
                                                                                stages=st, diag=diag), pre)
                 print(f"  gluon {st} GEMMs alone, diag {diag}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        if other is not None and args.diag:
+            ms = graph_time_ms(lambda xs, rw, *r: other.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, rw, *r), pre)
+            print(f"  {args.compare_module} GEMMs alone: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         del inputs, pre
         torch.cuda.empty_cache()
 

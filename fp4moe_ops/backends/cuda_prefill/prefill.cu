@@ -1,0 +1,332 @@
+// Prefill GEMMs of the NVFP4 experts in CUDA for Hopper (sm_90a), issue 17: an experiment against
+// the Gluon kernels of ../triton_moe/prefill_rs.py, on the same inputs and data layouts.
+//
+// The structure is prefill_rs.py's (weights as wgmma's register operand, decoded by the warps that
+// issue the MMA; activations from shared memory), without what Gluon 3.6 imposes: a warpgroup of
+// its own issues every TMA copy (one thread, no barrier of the partition around each copy), the
+// consumers take more registers (setmaxnreg), and each 16-wide K chunk is decoded while the
+// previous chunks' wgmma run (wgmma.wait_group 3 instead of a wait per 64-wide step).
+//
+// One program: weight tile t (GEMM1: gate rows 128t.. and the same up rows; GEMM2: rows 256t..)
+// x row block b (up to BM tokens of one expert). Warpgroup 0 loads, warpgroups 1 and 2 each own
+// 128 weight rows as two m64 blocks (GEMM1: 64 gate rows and the same 64 up rows).
+//
+// Layouts (../triton_moe/layout.py): the weights are paired words, int32 [E, R/2, K/4] (R rows
+// per expert; pair row p holds rows 16(p/8) + p%8 and + 8, word u their 2-byte units u); K runs in
+// fragment order (chunk 64) in the activations, so a thread's four words of a 64-wide step are
+// contiguous and each is exactly the four bf16x2 A registers of one k16 chunk. Scales: E4M3 bytes
+// [E, R, K/16]; decoded values carry 2^-22, folded into the global scale in the epilogue.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cstdint>
+#include "wgmma_rs.cuh"
+
+namespace {
+
+constexpr int BK = 64;                      // K per step
+constexpr int BOX_PAIRS = 32;               // pair rows per weight box (64 weight rows: one m64 block)
+constexpr int W_BOX_BYTES = BOX_PAIRS * BK;  // 2 KB: 64 bytes of K per pair row
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+// A predicated arrive: no branch between the wgmma of a step (ptxas serializes wgmma across branches)
+__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %1, 0;\n"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(int(pred))
+      : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Keeps a register's value where it is until this point: the registers an in-flight wgmma reads
+// must not be reused by the compiler before the wait that retires it (ptxas does not guard them).
+__device__ __forceinline__ void keep(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+__device__ __forceinline__ void keep(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// The descriptor of a [rows, 64] bf16 tile stored by TMA with the 128-byte swizzle (8-row groups
+// 1024 bytes apart), K-major, starting ``byte_offset`` bytes into K (a multiple of 32: k16 chunks).
+__device__ __forceinline__ uint64_t tile_descriptor(uint32_t tile_addr, uint32_t byte_offset) {
+  uint64_t start = ((tile_addr + byte_offset) & 0x3FFFF) >> 4;
+  return start | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// An E4M3 block-scale byte -> bf16x2 of scale * 2^104 in both halves (exact; the sign dropped,
+// scales are >= 0): the 7 exponent/mantissa bits moved into bf16's fields read as scale * 2^-120,
+// times 2^112 twice.
+__device__ __forceinline__ uint32_t scale_bf16x2(uint32_t byte) {
+  uint32_t out;
+  asm("{\n"
+      ".reg .b32 t, c;\n"
+      "mov.b32 c, 0x77807780;\n"
+      "and.b32 t, %1, 0x7F; shl.b32 t, t, 4; prmt.b32 t, t, 0, 0x1010;\n"
+      "mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 %0, t, c;\n"
+      "}"
+      : "=r"(out)
+      : "r"(byte));
+  return out;
+}
+
+// One paired word -> the four bf16x2 A registers of a k16 chunk (rows r, r + 8; columns 2t, 2t + 1
+// and 8 + 2t, 8 + 2t + 1), each times its row's scale: ../triton_moe/kernels.py's decode.
+__device__ __forceinline__ void decode_word(uint32_t w, uint32_t sr, uint32_t sr8, uint32_t (&a)[4]) {
+  asm("{\n"
+      ".reg .b32 t;\n"
+      "and.b32 %0, %4, 0x81C081C0;\n"
+      "shf.l.wrap.b32 t, %4, %4, 10; and.b32 %1, t, 0x81C081C0;\n"
+      "shf.l.wrap.b32 t, %4, %4, 13; and.b32 %2, t, 0x81C081C0;\n"
+      "and.b32 t, %4, 0x001B001B; mul.lo.u32 t, t, 0x4108; and.b32 %3, t, 0x81C081C0;\n"
+      "mul.rn.bf16x2 %0, %0, %5;\n"
+      "mul.rn.bf16x2 %1, %1, %6;\n"
+      "mul.rn.bf16x2 %2, %2, %5;\n"
+      "mul.rn.bf16x2 %3, %3, %6;\n"
+      "}"
+      : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+      : "r"(w), "r"(sr), "r"(sr8));
+}
+
+template <int BM>
+__device__ __forceinline__ void wgmma_rs(float (&d)[BM / 2], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (BM == 128) wgmma_rs_n128(d, a, desc);
+  else if constexpr (BM == 64) wgmma_rs_n64(d, a, desc);
+  else if constexpr (BM == 32) wgmma_rs_n32(d, a, desc);
+  else wgmma_rs_n16(d, a, desc);
+}
+
+// Natural K index -> its column in fragment order (chunk 64): layout.fragment_column.
+__device__ __forceinline__ int fragment_column(int k) {
+  int kp = k & 63;
+  return k - kp + 16 * ((kp & 15) >> 2) + 8 * (kp & 1) + 2 * (kp >> 4) + ((kp >> 1) & 1);
+}
+
+struct Args {
+  const uint8_t* scales;      // [E, R, K/16] E4M3
+  const float* global_scale;  // [E]
+  void* out;                  // GEMM1: h [S, N_OUT] bf16 (K of GEMM2 in fragment order); GEMM2: y [slots, N_OUT] f32
+  const float* topk_weights;  // [slots] (GEMM2)
+  const int* sorted_slot;     // [S] (GEMM2)
+  const int* block_expert;    // [blocks], -1 unused
+  const int* row_start;
+  const int* row_end;
+  int n_out;                  // GEMM1: I; GEMM2: H
+  int k;                      // GEMM1: H; GEMM2: I
+  int rows_per_expert;        // R: GEMM1 2I, GEMM2 H
+};
+
+template <bool GEMM1, int BM, int STAGES>
+__device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUtensorMap* w_map, const Args& args) {
+  constexpr int X_TILE_BYTES = BM * BK * 2;
+  constexpr int SLOT_BYTES = X_TILE_BYTES + 4 * W_BOX_BYTES;
+  extern __shared__ uint8_t smem_raw[];
+  // TMA's 128-byte swizzle repeats every 1024 bytes; the descriptors assume tiles aligned to it
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* x_tiles = smem;                                     // [STAGES][BM][64] bf16, swizzled
+  uint8_t* w_boxes = smem + STAGES * X_TILE_BYTES;             // [STAGES][2 warpgroups][2 blocks][32][64]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * SLOT_BYTES);
+  uint64_t* empty = full + STAGES;
+
+  const int t = blockIdx.x;
+  const int e = args.block_expert[blockIdx.y];
+  if (e < 0) return;
+  const int row0 = args.row_start[blockIdx.y];
+  const int nrows = args.row_end[blockIdx.y] - row0;
+  const int nk = args.k / BK;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 256);  // every consumer thread, after its own wait for the wgmma
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  // weight row (within the expert) of m64 block ``blk`` of consumer warpgroup ``wg``
+  auto block_row = [&](int wg, int blk) {
+    return GEMM1 ? 128 * t + 64 * wg + blk * (args.rows_per_expert / 2) : 256 * t + 128 * wg + 64 * blk;
+  };
+
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      const int expert_pairs = e * (args.rows_per_expert / 2);
+      for (int k = 0; k < nk; ++k) {
+        const int s = k % STAGES;
+        if (k >= STAGES) mbar_wait(&empty[s], ((k / STAGES) & 1) ^ 1);
+        mbar_expect_tx(&full[s], SLOT_BYTES);
+        tma_load_2d(x_tiles + s * X_TILE_BYTES, x_map, &full[s], k * BK, row0);
+        for (int wg = 0; wg < 2; ++wg)
+          for (int blk = 0; blk < 2; ++blk)
+            tma_load_2d(w_boxes + ((s * 2 + wg) * 2 + blk) * W_BOX_BYTES, w_map, &full[s], k * BK,
+                        expert_pairs + block_row(wg, blk) / 2);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int wg = warpgroup - 1;
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int pair = 8 * warp + lane / 4;  // this thread's pair row in each box: rows rho, rho + 8
+  const int quad = lane % 4;             // its words 4 quad .. 4 quad + 3 of a step, block ``quad``
+  const int rho = 16 * warp + lane / 4;
+
+  // the thread's scale bytes: block ``blk``, rows rho (h = 0) and rho + 8 (h = 1), step k at + 4k
+  const uint8_t* srow[2][2];
+  for (int blk = 0; blk < 2; ++blk)
+    for (int h = 0; h < 2; ++h)
+      srow[blk][h] = args.scales + (int64_t(e) * args.rows_per_expert + block_row(wg, blk) + rho + 8 * h) *
+                                       (args.k / 16) + quad;
+  uint32_t raw[2][2];
+  for (int blk = 0; blk < 2; ++blk)
+    for (int h = 0; h < 2; ++h) raw[blk][h] = __ldg(srow[blk][h]);
+
+  float acc[2][BM / 2];
+#pragma unroll
+  for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) acc[blk][i] = 0.f;
+  uint32_t a[4][2][4];  // [k16 chunk][block][register]
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[j][blk][r] = 0;
+
+  for (int k = 0; k < nk; ++k) {
+    const int s = k % STAGES;
+    uint32_t sc[2][2];
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sc[blk][h] = scale_bf16x2(raw[blk][h]);
+    if (k + 1 < nk) {
+#pragma unroll
+      for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) raw[blk][h] = __ldg(srow[blk][h] + 4 * (k + 1));
+    }
+    mbar_wait(&full[s], (k / STAGES) & 1);
+    const uint32_t wbox = smem_addr(w_boxes + (s * 2 + wg) * 2 * W_BOX_BYTES + pair * BK + quad * 16);
+    const uint4 words0 = lds128(wbox);
+    const uint4 words1 = lds128(wbox + W_BOX_BYTES);
+    const uint32_t w0[4] = {words0.x, words0.y, words0.z, words0.w};
+    const uint32_t w1[4] = {words1.x, words1.y, words1.z, words1.w};
+    const uint32_t x_tile = smem_addr(x_tiles + s * X_TILE_BYTES);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // chunk j of step k - 1, the last reader of a[j], has retired once at most 3 groups are in flight
+      wgmma_wait<3>();
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        keep(a[j][0][r]);
+        keep(a[j][1][r]);
+      }
+      if (j == 3) mbar_arrive_if(&empty[(k + STAGES - 1) % STAGES], k > 0);  // step k - 1's groups all retired
+      decode_word(w0[j], sc[0][0], sc[0][1], a[j][0]);
+      decode_word(w1[j], sc[1][0], sc[1][1], a[j][1]);
+      wgmma_fence();
+      const uint64_t desc = tile_descriptor(x_tile, 32 * j);
+      wgmma_rs<BM>(acc[0], a[j][0], desc);
+      wgmma_rs<BM>(acc[1], a[j][1], desc);
+      wgmma_commit();
+    }
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) keep(acc[blk][i]);
+
+  // accumulator fragment: register 4i + 2h + c is weight row rho + 8h, token 8i + 2 quad + c
+  const float g = args.global_scale[e] * 4194304.0f;  // the decoded values' 2^-22
+#pragma unroll
+  for (int i = 0; i < BM / 8; ++i)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int n = 8 * i + 2 * quad + c;
+      if (n >= nrows) continue;
+      if constexpr (GEMM1) {
+        __nv_bfloat16* h_out = static_cast<__nv_bfloat16*>(args.out) + int64_t(row0 + n) * args.n_out;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float gate = acc[0][4 * i + 2 * h + c] * g;
+          const float up = acc[1][4 * i + 2 * h + c] * g;
+          const int col = 128 * t + 64 * wg + rho + 8 * h;
+          h_out[fragment_column(col)] = __float2bfloat16(gate / (1.0f + __expf(-gate)) * up);
+        }
+      } else {
+        const int slot = args.sorted_slot[row0 + n];
+        const float route = args.topk_weights[slot] * g;
+        float* y_out = static_cast<float*>(args.out) + int64_t(slot) * args.n_out;
+#pragma unroll
+        for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            y_out[256 * t + 128 * wg + 64 * blk + rho + 8 * h] = acc[blk][4 * i + 2 * h + c] * route;
+      }
+    }
+}
+
+}  // namespace
+
+#define PREFILL_KERNEL(NAME, GEMM1, BM, STAGES)                                                          \
+  extern "C" __global__ void __launch_bounds__(384, 1)                                                   \
+      NAME(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map, Args args) { \
+    prefill_gemm<GEMM1, BM, STAGES>(&x_map, &w_map, args);                                               \
+  }
+
+PREFILL_KERNEL(gemm1_bm128, true, 128, 8)
+PREFILL_KERNEL(gemm2_bm128, false, 128, 8)
+PREFILL_KERNEL(gemm1_bm64, true, 64, 8)
+PREFILL_KERNEL(gemm2_bm64, false, 64, 8)

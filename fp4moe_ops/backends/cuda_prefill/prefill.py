@@ -1,0 +1,124 @@
+"""Host side of the CUDA prefill GEMMs (``prefill.cu``, an issue-17 experiment): the cubin loaded
+and launched through the CUDA driver (ctypes, no extension to build), TMA descriptors encoded per
+call. Same interface and layouts as :func:`..triton_moe.prefill_rs.prefill_gemms`, so the two can be
+compared on the same inputs (``benchmarks/bench_gluon_prefill.py --compare-module``).
+
+The cubin is built with ``nvcc`` (CUDA 12.4+ for sm_90a) by :func:`build`, on first use when it is
+missing or older than the source.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+CUBIN = HERE / "prefill.cubin"
+BK = 64
+BOX_PAIRS = 32
+KERNELS = {128: 8, 64: 8}  # rows per block (wgmma N) -> ring slots compiled in prefill.cu
+THREADS = 384  # a loading warpgroup and two MMA warpgroups
+
+
+def build(out: Path = CUBIN) -> Path:
+    """Compile ``prefill.cu`` for sm_90a into ``out`` (needs nvcc)."""
+    subprocess.run(["nvcc", "-diag-suppress", "177", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-O3", "-std=c++17",
+                    "-o", str(out), str(HERE / "prefill.cu")], check=True)
+    return out
+
+
+class _Args(ctypes.Structure):  # prefill.cu's Args, field for field
+    _fields_ = [("scales", ctypes.c_void_p), ("global_scale", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("topk_weights", ctypes.c_void_p), ("sorted_slot", ctypes.c_void_p),
+                ("block_expert", ctypes.c_void_p), ("row_start", ctypes.c_void_p), ("row_end", ctypes.c_void_p),
+                ("n_out", ctypes.c_int), ("k", ctypes.c_int), ("rows_per_expert", ctypes.c_int)]
+
+
+class _Driver:
+    """The few driver calls needed, on the context PyTorch made current."""
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")  # makes the primary context current on this thread
+        if not CUBIN.exists() or CUBIN.stat().st_mtime < (HERE / "prefill.cu").stat().st_mtime:
+            build()
+        self.module = ctypes.c_void_p()
+        self._check(self.lib.cuModuleLoadData(ctypes.byref(self.module), CUBIN.read_bytes()), "cuModuleLoadData")
+        self.functions = {}
+
+    def _check(self, result, what):
+        if result != 0:
+            raise RuntimeError(f"{what} failed with CUresult {result}")
+
+    def function(self, name: str, shared_bytes: int):
+        if name not in self.functions:
+            fn = ctypes.c_void_p()
+            self._check(self.lib.cuModuleGetFunction(ctypes.byref(fn), self.module, name.encode()), name)
+            self._check(self.lib.cuFuncSetAttribute(fn, 8, shared_bytes), "max dynamic shared memory")
+            self.functions[name] = fn
+        return self.functions[name]
+
+    def tensor_map(self, t: torch.Tensor, box: tuple[int, int], swizzle: int, dtype: int):
+        """A 2-D tiled TMA descriptor of ``t`` (rows, inner); ``box`` (inner, rows)."""
+        rows, inner = t.shape
+        desc = (ctypes.c_ubyte * 128)()
+        dims = (ctypes.c_uint64 * 2)(inner, rows)
+        strides = (ctypes.c_uint64 * 1)(t.stride(0) * t.element_size())
+        boxes = (ctypes.c_uint32 * 2)(*box)
+        ones = (ctypes.c_uint32 * 2)(1, 1)
+        self._check(self.lib.cuTensorMapEncodeTiled(desc, dtype, 2, ctypes.c_void_p(t.data_ptr()), dims, strides, boxes,
+                                                    ones, 0, swizzle, 2, 0), "cuTensorMapEncodeTiled")
+        return desc
+
+    def launch(self, fn, grid, shared_bytes: int, *params):
+        pointers = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in params])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        self._check(self.lib.cuLaunchKernel(fn, grid[0], grid[1], 1, THREADS, 1, 1, shared_bytes, stream, pointers, None),
+                    "cuLaunchKernel")
+
+
+_DRIVER = None
+_BF16, _UINT8, _SWIZZLE_128B, _SWIZZLE_NONE = 9, 0, 3, 0
+
+
+def _driver() -> _Driver:
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = _Driver()
+    return _DRIVER
+
+
+def shared_bytes(block_m: int) -> int:
+    stages = KERNELS[block_m]
+    return stages * (block_m * BK * 2 + 4 * BOX_PAIRS * BK) + 2 * stages * 8 + 1024  # + barriers, alignment
+
+
+def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start, row_end,
+                  block_m: int = 128, stages: int = 0, **_):
+    """Both GEMMs, as :func:`..triton_moe.prefill_rs.prefill_gemms` (``stages`` is fixed per kernel
+    here): ``x_sorted [S, H]`` bf16, K in fragment order -> ``y [S, H]`` float32 by slot."""
+    drv = _driver()
+    num_slots, hidden = x_sorted.shape
+    num_experts, inter = w13.shape[0], s13.shape[1] // 2
+    h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
+    y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
+    smem = shared_bytes(block_m)
+    blocks = block_expert.numel()
+    pointers = [topk_weights.data_ptr(), sorted_slot.data_ptr(), block_expert.data_ptr(), row_start.data_ptr(),
+                row_end.data_ptr()]
+    w13_bytes = w13.view(torch.uint8).reshape(num_experts * inter, hidden)
+    w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 2, inter)
+    for gemm1, x, w, s, g, out, n_out, k, rows in (
+            (True, x_sorted, w13_bytes, s13, g13, h, inter, hidden, 2 * inter),
+            (False, h, w2_bytes, s2, g2, y, hidden, inter, hidden)):
+        fn = drv.function(f"gemm{1 if gemm1 else 2}_bm{block_m}", smem)
+        x_map = drv.tensor_map(x, (BK, block_m), _SWIZZLE_128B, _BF16)
+        w_map = drv.tensor_map(w, (BK, BOX_PAIRS), _SWIZZLE_NONE, _UINT8)
+        args = _Args(s.data_ptr(), g.data_ptr(), out.data_ptr(), *pointers, n_out, k, rows)
+        grid = (n_out // (128 if gemm1 else 256), blocks)
+        drv.launch(fn, grid, smem, x_map, w_map, args)
+    return y
