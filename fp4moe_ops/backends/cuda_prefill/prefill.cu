@@ -160,7 +160,9 @@ struct Args {
   int rows_per_expert;        // R: GEMM1 2I, GEMM2 H
 };
 
-template <bool GEMM1, int BM, int STAGES>
+// DIAG (diagnostics, wrong results): 1 no decode (A a constant), 2 no MMA (the decoded registers
+// XOR-ed into the result instead), 4 no epilogue stores (a store only if a value is exactly 1e30).
+template <bool GEMM1, int BM, int STAGES, int DIAG>
 __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUtensorMap* w_map, const Args& args) {
   constexpr int X_TILE_BYTES = BM * BK * 2;
   constexpr int SLOT_BYTES = X_TILE_BYTES + 4 * W_BOX_BYTES;
@@ -243,6 +245,7 @@ __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUt
 #pragma unroll
       for (int r = 0; r < 4; ++r) a[j][blk][r] = 0;
 
+  uint32_t sink = 0;  // DIAG 2
   for (int k = 0; k < nk; ++k) {
     const int s = k % STAGES;
     uint32_t sc[2][2];
@@ -273,12 +276,22 @@ __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUt
         keep(a[j][1][r]);
       }
       if (j == 3) mbar_arrive_if(&empty[(k + STAGES - 1) % STAGES], k > 0);  // step k - 1's groups all retired
-      decode_word(w0[j], sc[0][0], sc[0][1], a[j][0]);
-      decode_word(w1[j], sc[1][0], sc[1][1], a[j][1]);
+      if constexpr (DIAG == 1) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[j][0][r] = a[j][1][r] = 0x3F803F80u ^ (w0[j] & w1[j] & 0x80000000u);
+      } else {
+        decode_word(w0[j], sc[0][0], sc[0][1], a[j][0]);
+        decode_word(w1[j], sc[1][0], sc[1][1], a[j][1]);
+      }
       wgmma_fence();
       const uint64_t desc = tile_descriptor(x_tile, 32 * j);
-      wgmma_rs<BM>(acc[0], a[j][0], desc);
-      wgmma_rs<BM>(acc[1], a[j][1], desc);
+      if constexpr (DIAG == 2) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) sink ^= a[j][0][r] ^ a[j][1][r];
+      } else {
+        wgmma_rs<BM>(acc[0], a[j][0], desc);
+        wgmma_rs<BM>(acc[1], a[j][1], desc);
+      }
       wgmma_commit();
     }
   }
@@ -287,6 +300,7 @@ __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUt
   for (int blk = 0; blk < 2; ++blk)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) keep(acc[blk][i]);
+  if constexpr (DIAG == 2) acc[0][0] += __uint_as_float(sink & 0x807FFFFFu);
 
   // accumulator fragment: register 4i + 2h + c is weight row rho + 8h, token 8i + 2 quad + c
   const float g = args.global_scale[e] * 4194304.0f;  // the decoded values' 2^-22
@@ -296,6 +310,9 @@ __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUt
     for (int c = 0; c < 2; ++c) {
       const int n = 8 * i + 2 * quad + c;
       if (n >= nrows) continue;
+      if constexpr (DIAG == 4) {
+        if (acc[0][4 * i + c] != 1e30f) continue;
+      }
       if constexpr (GEMM1) {
         __nv_bfloat16* h_out = static_cast<__nv_bfloat16*>(args.out) + int64_t(row0 + n) * args.n_out;
 #pragma unroll
@@ -320,13 +337,19 @@ __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUt
 
 }  // namespace
 
-#define PREFILL_KERNEL(NAME, GEMM1, BM, STAGES)                                                          \
+#define PREFILL_KERNEL(NAME, GEMM1, BM, STAGES, DIAG)                                                          \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                   \
       NAME(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map, Args args) { \
-    prefill_gemm<GEMM1, BM, STAGES>(&x_map, &w_map, args);                                               \
+    prefill_gemm<GEMM1, BM, STAGES, DIAG>(&x_map, &w_map, args);                                               \
   }
 
-PREFILL_KERNEL(gemm1_bm128, true, 128, 8)
-PREFILL_KERNEL(gemm2_bm128, false, 128, 8)
-PREFILL_KERNEL(gemm1_bm64, true, 64, 8)
-PREFILL_KERNEL(gemm2_bm64, false, 64, 8)
+PREFILL_KERNEL(gemm1_bm128, true, 128, 8, 0)
+PREFILL_KERNEL(gemm2_bm128, false, 128, 8, 0)
+PREFILL_KERNEL(gemm1_bm64, true, 64, 8, 0)
+PREFILL_KERNEL(gemm2_bm64, false, 64, 8, 0)
+PREFILL_KERNEL(gemm1_bm128_diag1, true, 128, 8, 1)
+PREFILL_KERNEL(gemm2_bm128_diag1, false, 128, 8, 1)
+PREFILL_KERNEL(gemm1_bm128_diag2, true, 128, 8, 2)
+PREFILL_KERNEL(gemm2_bm128_diag2, false, 128, 8, 2)
+PREFILL_KERNEL(gemm1_bm128_diag4, true, 128, 8, 4)
+PREFILL_KERNEL(gemm2_bm128_diag4, false, 128, 8, 4)

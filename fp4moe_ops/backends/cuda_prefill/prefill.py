@@ -97,28 +97,43 @@ def shared_bytes(block_m: int) -> int:
     return stages * (block_m * BK * 2 + 4 * BOX_PAIRS * BK) + 2 * stages * 8 + 1024  # + barriers, alignment
 
 
-def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start, row_end,
-                  block_m: int = 128, stages: int = 0, **_):
-    """Both GEMMs, as :func:`..triton_moe.prefill_rs.prefill_gemms` (``stages`` is fixed per kernel
-    here): ``x_sorted [S, H]`` bf16, K in fragment order -> ``y [S, H]`` float32 by slot."""
+def _launch(gemm1: bool, x, w, s, g, out, topk_weights, sorted_slot, block_expert, row_start, row_end, block_m: int,
+            diag: int):
     drv = _driver()
-    num_slots, hidden = x_sorted.shape
-    num_experts, inter = w13.shape[0], s13.shape[1] // 2
-    h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
-    y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
+    n_out, k = out.shape[1], x.shape[1]
     smem = shared_bytes(block_m)
-    blocks = block_expert.numel()
-    pointers = [topk_weights.data_ptr(), sorted_slot.data_ptr(), block_expert.data_ptr(), row_start.data_ptr(),
-                row_end.data_ptr()]
-    w13_bytes = w13.view(torch.uint8).reshape(num_experts * inter, hidden)
-    w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 2, inter)
-    for gemm1, x, w, s, g, out, n_out, k, rows in (
-            (True, x_sorted, w13_bytes, s13, g13, h, inter, hidden, 2 * inter),
-            (False, h, w2_bytes, s2, g2, y, hidden, inter, hidden)):
-        fn = drv.function(f"gemm{1 if gemm1 else 2}_bm{block_m}", smem)
-        x_map = drv.tensor_map(x, (BK, block_m), _SWIZZLE_128B, _BF16)
-        w_map = drv.tensor_map(w, (BK, BOX_PAIRS), _SWIZZLE_NONE, _UINT8)
-        args = _Args(s.data_ptr(), g.data_ptr(), out.data_ptr(), *pointers, n_out, k, rows)
-        grid = (n_out // (128 if gemm1 else 256), blocks)
-        drv.launch(fn, grid, smem, x_map, w_map, args)
-    return y
+    fn = drv.function(f"gemm{1 if gemm1 else 2}_bm{block_m}" + (f"_diag{diag}" if diag else ""), smem)
+    x_map = drv.tensor_map(x, (BK, block_m), _SWIZZLE_128B, _BF16)
+    w_map = drv.tensor_map(w, (BK, BOX_PAIRS), _SWIZZLE_NONE, _UINT8)
+    rows = 2 * n_out if gemm1 else n_out  # weight rows per expert
+    args = _Args(s.data_ptr(), g.data_ptr(), out.data_ptr(), topk_weights.data_ptr(), sorted_slot.data_ptr(),
+                 block_expert.data_ptr(), row_start.data_ptr(), row_end.data_ptr(), n_out, k, rows)
+    drv.launch(fn, (n_out // (128 if gemm1 else 256), block_expert.numel()), smem, x_map, w_map, args)
+    return out
+
+
+def gemm1(x_sorted, w13, s13, g13, sorted_slot, block_expert, row_start, row_end, block_m: int = 128, diag: int = 0):
+    """``h [S, I]`` bf16 = SwiGLU of the gate and up GEMMs (K of GEMM2 in fragment order)."""
+    num_experts, inter = w13.shape[0], s13.shape[1] // 2
+    h = torch.empty(x_sorted.shape[0], inter, dtype=torch.bfloat16, device=x_sorted.device)
+    w = w13.view(torch.uint8).reshape(num_experts * inter, x_sorted.shape[1])
+    return _launch(True, x_sorted, w, s13, g13, h, g13, sorted_slot, block_expert, row_start, row_end, block_m, diag)
+
+
+def gemm2(h, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start, row_end, block_m: int = 128,
+          diag: int = 0):
+    """``y [S, H]`` float32 by slot: the down GEMM times the routing weight."""
+    num_experts, hidden = w2.shape[0], s2.shape[1]
+    y = torch.empty(h.shape[0], hidden, dtype=torch.float32, device=h.device)
+    w = w2.view(torch.uint8).reshape(num_experts * hidden // 2, h.shape[1])
+    return _launch(False, h, w, s2, g2, y, topk_weights, sorted_slot, block_expert, row_start, row_end, block_m, diag)
+
+
+def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start, row_end,
+                  block_m: int = 128, stages: int = 0, diag: int = 0, **_):
+    """Both GEMMs, as :func:`..triton_moe.prefill_rs.prefill_gemms` (``stages`` is fixed per kernel
+    here): ``x_sorted [S, H]`` bf16, K in fragment order -> ``y [S, H]`` float32 by slot. ``diag``
+    (wrong results): 1 no decode, 2 no MMA, 4 no epilogue stores (128-row blocks)."""
+    routing = (sorted_slot, block_expert, row_start, row_end)
+    h = gemm1(x_sorted, w13, s13, g13, *routing, block_m=block_m, diag=diag)
+    return gemm2(h, w2, s2, g2, topk_weights, *routing, block_m=block_m, diag=diag)

@@ -1,0 +1,84 @@
+"""The CUDA prefill GEMMs (``fp4moe_ops/backends/cuda_prefill``, an issue-17 experiment) against the
+Gluon ones (``prefill_rs.py``) on the same routed inputs, one process.
+
+    python benchmarks/bench_cuda_prefill.py [--tokens 2048,8192] [--diag 1,2,4] [--balanced]
+
+DeepSeek-V3 layer (E=256, H=7168, I=2048, top-8), 128-row blocks. Per token count: the CUDA GEMMs'
+``y`` against the Gluon GEMMs' (max abs difference and the share of bit-equal values: the same
+products summed in the same order should agree bit for bit) and the layer through the CUDA GEMMs
+against the reference backend on the first 32 tokens; then times (4 routings per CUDA graph, median
+of replays, routing and gather outside the graph): both GEMMs of each, the CUDA GEMM1 and GEMM2
+alone, and with ``--diag`` the CUDA GEMMs without the decode (1), without the MMA (2), without the
+epilogue's stores (4) (wrong results, to time each side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fp4moe_ops  # noqa: E402
+from bench_gluon_prefill import check, ints, module_moe  # noqa: E402
+from bench_moe import graph_time_ms, make_inputs, random_weights  # noqa: E402
+from fp4moe_ops.backends.cuda_prefill import prefill as cuda  # noqa: E402
+from fp4moe_ops.backends.triton_moe import launch, prefill_rs  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="2048,8192", type=ints)
+    ap.add_argument("--diag", default="", type=ints)
+    ap.add_argument("--balanced", action="store_true", help="every expert exactly T k / E rows")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    e, h, i, k = 256, 7168, 2048, 8
+    w = random_weights(e, h, i, "cuda")
+    ref_impl = fp4moe_ops.prepare_experts(w, "reference")
+    tensors = fp4moe_ops.prepare_experts(w, "triton").op_tensors()
+    del w
+    w13, s13, g13, w2, s2, g2 = tensors
+    for t in args.tokens:
+        inputs = make_inputs(t, h, k, e, "cuda")
+        if args.balanced:
+            slots = torch.arange(t * k, device="cuda").view(t, k) % e
+            inputs = [(x, torch.randperm(e, device="cuda")[slots], rw) for x, _, rw in inputs]
+        flops = 2 * 3 * h * i * t * k
+        print(f"T={t}{' balanced' if args.balanced else ''}", flush=True)
+        x, ids, rw = inputs[0]
+        sub = slice(0, 32)
+        check("cuda layer", module_moe(cuda, x, ids, rw, tensors)[sub], ref_impl(x[sub], ids[sub], rw[sub]))
+        pre = []
+        for x, ids, rw in inputs:
+            *routed, x_fragment = launch.route(ids, e, 128, x, prefill_rs.BK.value)
+            pre.append((x_fragment.index_select(0, routed[0].long() // k), rw.float().contiguous(), *routed))
+        y_cuda = cuda.prefill_gemms(pre[0][0], w13, s13, g13, w2, s2, g2, *pre[0][1:])
+        y_gluon = prefill_rs.prefill_gemms(pre[0][0], w13, s13, g13, w2, s2, g2, *pre[0][1:])
+        used = slice(0, t * k)  # y is by slot; rows past the slots are not written
+        diff = (y_cuda[used] - y_gluon[used]).abs()
+        same = (y_cuda[used] == y_gluon[used]).float().mean().item()
+        print(f"  cuda vs gluon y: max abs diff {diff.max().item():.3e} (scale {y_gluon[used].abs().max().item():.3e}), "
+              f"bit-equal {100 * same:.2f}%", flush=True)
+
+        def report(name, fn, data, work=flops):
+            ms = graph_time_ms(fn, data)
+            print(f"  {name}: {ms:.3f} ms {work / ms / 1e9:.0f} TFLOP/s", flush=True)
+
+        report("gluon GEMMs", lambda xs, r, *b: prefill_rs.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b), pre)
+        report("cuda GEMMs", lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b), pre)
+        report("cuda GEMM1", lambda xs, r, slot, *b: cuda.gemm1(xs, w13, s13, g13, slot, *b), pre, flops * 2 / 3)
+        hs = [(cuda.gemm1(xs, w13, s13, g13, slot, *b), r, slot, *b) for xs, r, slot, *b in pre]
+        report("cuda GEMM2", lambda hh, r, *b: cuda.gemm2(hh, w2, s2, g2, r, *b), hs, flops / 3)
+        for d in args.diag:
+            report(f"cuda GEMMs diag {d}", lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b,
+                                                                                  diag=d), pre)
+        del inputs, pre, hs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
