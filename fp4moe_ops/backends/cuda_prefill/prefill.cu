@@ -158,28 +158,58 @@ struct Args {
   int n_out;                  // GEMM1: I; GEMM2: H
   int k;                      // GEMM1: H; GEMM2: I
   int rows_per_expert;        // R: GEMM1 2I, GEMM2 H
+  int num_blocks;
 };
 
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Asynchronous copies of staged output rows to global memory (fire and forget; the staging buffer is
+// reused once the copies have read it)
+__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared_b16(uint32_t addr, __nv_bfloat16 v) {
+  asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(*reinterpret_cast<uint16_t*>(&v)) : "memory");
+}
+
 // DIAG (diagnostics, wrong results): 1 no decode (A a constant), 2 no MMA (the decoded registers
-// XOR-ed into the result instead), 4 no epilogue stores (a store only if a value is exactly 1e30).
+// XOR-ed into the result instead), 4 no copies of the outputs to global memory.
+//
+// Persistent: each program walks the tiles (weight tile t fastest, then row block) from its index in
+// steps of the grid. The loader runs ahead across tiles, so the ring is full when the MMA warpgroups
+// come back from an epilogue; the epilogue stages each m64 block's outputs in shared memory and
+// copies each token's row with one asynchronous bulk copy (rows of a block are contiguous in the
+// output but the block may end mid-row-range, so no TMA store of the whole box).
 template <bool GEMM1, int BM, int STAGES, int DIAG>
 __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUtensorMap* w_map, const Args& args) {
   constexpr int X_TILE_BYTES = BM * BK * 2;
   constexpr int SLOT_BYTES = X_TILE_BYTES + 4 * W_BOX_BYTES;
+  constexpr int OUT_ROW_BYTES = (GEMM1 ? 128 : 256) + 16;  // 64 outputs of a token (+16: fewer bank conflicts)
+  constexpr int OUT_STAGE_BYTES = BM * OUT_ROW_BYTES;
   extern __shared__ uint8_t smem_raw[];
   // TMA's 128-byte swizzle repeats every 1024 bytes; the descriptors assume tiles aligned to it
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* x_tiles = smem;                                     // [STAGES][BM][64] bf16, swizzled
-  uint8_t* w_boxes = smem + STAGES * X_TILE_BYTES;             // [STAGES][2 warpgroups][2 blocks][32][64]
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * SLOT_BYTES);
+  uint8_t* x_tiles = smem;                          // [STAGES][BM][64] bf16, swizzled
+  uint8_t* w_boxes = smem + STAGES * X_TILE_BYTES;  // [STAGES][2 warpgroups][2 blocks][32][64]
+  uint8_t* out_stage = smem + STAGES * SLOT_BYTES;  // [2 warpgroups][BM][OUT_ROW_BYTES]
+  float* routes = reinterpret_cast<float*>(out_stage + 2 * OUT_STAGE_BYTES);  // [2 warpgroups][BM] (GEMM2)
+  uint64_t* full = reinterpret_cast<uint64_t*>(routes + 2 * BM);
   uint64_t* empty = full + STAGES;
 
-  const int t = blockIdx.x;
-  const int e = args.block_expert[blockIdx.y];
-  if (e < 0) return;
-  const int row0 = args.row_start[blockIdx.y];
-  const int nrows = args.row_end[blockIdx.y] - row0;
   const int nk = args.k / BK;
+  const int n_tiles = args.n_out / (GEMM1 ? 128 : 256);
+  const int total = n_tiles * args.num_blocks;
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -191,24 +221,31 @@ __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUt
   }
   __syncthreads();
 
-  // weight row (within the expert) of m64 block ``blk`` of consumer warpgroup ``wg``
-  auto block_row = [&](int wg, int blk) {
+  // weight row (within the expert) of m64 block ``blk`` of consumer warpgroup ``wg`` in tile t
+  auto block_row = [&](int t, int wg, int blk) {
     return GEMM1 ? 128 * t + 64 * wg + blk * (args.rows_per_expert / 2) : 256 * t + 128 * wg + 64 * blk;
   };
 
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
-      const int expert_pairs = e * (args.rows_per_expert / 2);
-      for (int k = 0; k < nk; ++k) {
-        const int s = k % STAGES;
-        if (k >= STAGES) mbar_wait(&empty[s], ((k / STAGES) & 1) ^ 1);
-        mbar_expect_tx(&full[s], SLOT_BYTES);
-        tma_load_2d(x_tiles + s * X_TILE_BYTES, x_map, &full[s], k * BK, row0);
-        for (int wg = 0; wg < 2; ++wg)
-          for (int blk = 0; blk < 2; ++blk)
-            tma_load_2d(w_boxes + ((s * 2 + wg) * 2 + blk) * W_BOX_BYTES, w_map, &full[s], k * BK,
-                        expert_pairs + block_row(wg, blk) / 2);
+      int it = 0;  // steps issued, over all tiles: slot it % STAGES, its use number it / STAGES
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const int t = tile % n_tiles, b = tile / n_tiles;
+        const int e = args.block_expert[b];
+        if (e < 0) continue;
+        const int row0 = args.row_start[b];
+        const int expert_pairs = e * (args.rows_per_expert / 2);
+        for (int k = 0; k < nk; ++k, ++it) {
+          const int s = it % STAGES;
+          if (it >= STAGES) mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+          mbar_expect_tx(&full[s], SLOT_BYTES);
+          tma_load_2d(x_tiles + s * X_TILE_BYTES, x_map, &full[s], k * BK, row0);
+          for (int wg = 0; wg < 2; ++wg)
+            for (int blk = 0; blk < 2; ++blk)
+              tma_load_2d(w_boxes + ((s * 2 + wg) * 2 + blk) * W_BOX_BYTES, w_map, &full[s], k * BK,
+                          expert_pairs + block_row(t, wg, blk) / 2);
+        }
       }
     }
     return;
@@ -216,27 +253,15 @@ __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUt
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int wg = warpgroup - 1;
-  const int warp = (threadIdx.x / 32) % 4;
-  const int lane = threadIdx.x % 32;
+  const int tid = threadIdx.x % 128;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
   const int pair = 8 * warp + lane / 4;  // this thread's pair row in each box: rows rho, rho + 8
   const int quad = lane % 4;             // its words 4 quad .. 4 quad + 3 of a step, block ``quad``
   const int rho = 16 * warp + lane / 4;
+  const uint32_t stage_addr = smem_addr(out_stage + wg * OUT_STAGE_BYTES);
+  float* my_routes = routes + wg * BM;
 
-  // the thread's scale bytes: block ``blk``, rows rho (h = 0) and rho + 8 (h = 1), step k at + 4k
-  const uint8_t* srow[2][2];
-  for (int blk = 0; blk < 2; ++blk)
-    for (int h = 0; h < 2; ++h)
-      srow[blk][h] = args.scales + (int64_t(e) * args.rows_per_expert + block_row(wg, blk) + rho + 8 * h) *
-                                       (args.k / 16) + quad;
-  uint32_t raw[2][2];
-  for (int blk = 0; blk < 2; ++blk)
-    for (int h = 0; h < 2; ++h) raw[blk][h] = __ldg(srow[blk][h]);
-
-  float acc[2][BM / 2];
-#pragma unroll
-  for (int blk = 0; blk < 2; ++blk)
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) acc[blk][i] = 0.f;
   uint32_t a[4][2][4];  // [k16 chunk][block][register]
 #pragma unroll
   for (int j = 0; j < 4; ++j)
@@ -244,95 +269,141 @@ __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUt
     for (int blk = 0; blk < 2; ++blk)
 #pragma unroll
       for (int r = 0; r < 4; ++r) a[j][blk][r] = 0;
-
   uint32_t sink = 0;  // DIAG 2
-  for (int k = 0; k < nk; ++k) {
-    const int s = k % STAGES;
-    uint32_t sc[2][2];
+  int it = 0;
+
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const int t = tile % n_tiles, b = tile / n_tiles;
+    const int e = args.block_expert[b];
+    if (e < 0) continue;
+    const int row0 = args.row_start[b];
+    const int nrows = args.row_end[b] - row0;
+
+    // the thread's scale bytes: block ``blk``, rows rho (h = 0) and rho + 8 (h = 1), step k at + 4k
+    const uint8_t* srow[2][2];
+    uint32_t raw[2][2];
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sc[blk][h] = scale_bf16x2(raw[blk][h]);
-    if (k + 1 < nk) {
+      for (int h = 0; h < 2; ++h) {
+        srow[blk][h] = args.scales + (int64_t(e) * args.rows_per_expert + block_row(t, wg, blk) + rho + 8 * h) *
+                                         (args.k / 16) + quad;
+        raw[blk][h] = __ldg(srow[blk][h]);
+      }
+
+    float acc[2][BM / 2];
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) acc[blk][i] = 0.f;
+
+    for (int k = 0; k < nk; ++k, ++it) {
+      const int s = it % STAGES;
+      uint32_t sc[2][2];
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) raw[blk][h] = __ldg(srow[blk][h] + 4 * (k + 1));
-    }
-    mbar_wait(&full[s], (k / STAGES) & 1);
-    const uint32_t wbox = smem_addr(w_boxes + (s * 2 + wg) * 2 * W_BOX_BYTES + pair * BK + quad * 16);
-    const uint4 words0 = lds128(wbox);
-    const uint4 words1 = lds128(wbox + W_BOX_BYTES);
-    const uint32_t w0[4] = {words0.x, words0.y, words0.z, words0.w};
-    const uint32_t w1[4] = {words1.x, words1.y, words1.z, words1.w};
-    const uint32_t x_tile = smem_addr(x_tiles + s * X_TILE_BYTES);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      // chunk j of step k - 1, the last reader of a[j], has retired once at most 3 groups are in flight
-      wgmma_wait<3>();
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        keep(a[j][0][r]);
-        keep(a[j][1][r]);
-      }
-      if (j == 3) mbar_arrive_if(&empty[(k + STAGES - 1) % STAGES], k > 0);  // step k - 1's groups all retired
-      if constexpr (DIAG == 1) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[j][0][r] = a[j][1][r] = 0x3F803F80u ^ (w0[j] & w1[j] & 0x80000000u);
-      } else {
-        decode_word(w0[j], sc[0][0], sc[0][1], a[j][0]);
-        decode_word(w1[j], sc[1][0], sc[1][1], a[j][1]);
-      }
-      wgmma_fence();
-      const uint64_t desc = tile_descriptor(x_tile, 32 * j);
-      if constexpr (DIAG == 2) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) sink ^= a[j][0][r] ^ a[j][1][r];
-      } else {
-        wgmma_rs<BM>(acc[0], a[j][0], desc);
-        wgmma_rs<BM>(acc[1], a[j][1], desc);
-      }
-      wgmma_commit();
-    }
-  }
-  wgmma_wait<0>();
-#pragma unroll
-  for (int blk = 0; blk < 2; ++blk)
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) keep(acc[blk][i]);
-  if constexpr (DIAG == 2) acc[0][0] += __uint_as_float(sink & 0x807FFFFFu);
-
-  // accumulator fragment: register 4i + 2h + c is weight row rho + 8h, token 8i + 2 quad + c
-  const float g = args.global_scale[e] * 4194304.0f;  // the decoded values' 2^-22
-#pragma unroll
-  for (int i = 0; i < BM / 8; ++i)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int n = 8 * i + 2 * quad + c;
-      if (n >= nrows) continue;
-      if constexpr (DIAG == 4) {
-        if (acc[0][4 * i + c] != 1e30f) continue;
-      }
-      if constexpr (GEMM1) {
-        __nv_bfloat16* h_out = static_cast<__nv_bfloat16*>(args.out) + int64_t(row0 + n) * args.n_out;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float gate = acc[0][4 * i + 2 * h + c] * g;
-          const float up = acc[1][4 * i + 2 * h + c] * g;
-          const int col = 128 * t + 64 * wg + rho + 8 * h;
-          h_out[fragment_column(col)] = __float2bfloat16(gate / (1.0f + __expf(-gate)) * up);
-        }
-      } else {
-        const int slot = args.sorted_slot[row0 + n];
-        const float route = args.topk_weights[slot] * g;
-        float* y_out = static_cast<float*>(args.out) + int64_t(slot) * args.n_out;
+        for (int h = 0; h < 2; ++h) sc[blk][h] = scale_bf16x2(raw[blk][h]);
+      if (k + 1 < nk) {
 #pragma unroll
         for (int blk = 0; blk < 2; ++blk)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            y_out[256 * t + 128 * wg + 64 * blk + rho + 8 * h] = acc[blk][4 * i + 2 * h + c] * route;
+          for (int h = 0; h < 2; ++h) raw[blk][h] = __ldg(srow[blk][h] + 4 * (k + 1));
+      }
+      mbar_wait(&full[s], (it / STAGES) & 1);
+      const uint32_t wbox = smem_addr(w_boxes + (s * 2 + wg) * 2 * W_BOX_BYTES + pair * BK + quad * 16);
+      const uint4 words0 = lds128(wbox);
+      const uint4 words1 = lds128(wbox + W_BOX_BYTES);
+      const uint32_t w0[4] = {words0.x, words0.y, words0.z, words0.w};
+      const uint32_t w1[4] = {words1.x, words1.y, words1.z, words1.w};
+      const uint32_t x_tile = smem_addr(x_tiles + s * X_TILE_BYTES);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // chunk j of the previous step, the last reader of a[j], has retired once at most 3 groups are in flight
+        wgmma_wait<3>();
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          keep(a[j][0][r]);
+          keep(a[j][1][r]);
+        }
+        if (j == 3) mbar_arrive_if(&empty[(it + STAGES - 1) % STAGES], it > 0);  // the previous step retired
+        if constexpr (DIAG == 1) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[j][0][r] = a[j][1][r] = 0x3F803F80u ^ (w0[j] & w1[j] & 0x80000000u);
+        } else {
+          decode_word(w0[j], sc[0][0], sc[0][1], a[j][0]);
+          decode_word(w1[j], sc[1][0], sc[1][1], a[j][1]);
+        }
+        wgmma_fence();
+        const uint64_t desc = tile_descriptor(x_tile, 32 * j);
+        if constexpr (DIAG == 2) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) sink ^= a[j][0][r] ^ a[j][1][r];
+        } else {
+          wgmma_rs<BM>(acc[0], a[j][0], desc);
+          wgmma_rs<BM>(acc[1], a[j][1], desc);
+        }
+        wgmma_commit();
       }
     }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) keep(acc[blk][i]);
+    if constexpr (DIAG == 2) acc[0][0] += __uint_as_float(sink & 0x807FFFFFu);
+
+    // accumulator fragment: register 4i + 2h + c is weight row rho + 8h, token 8i + 2 quad + c
+    const float g = args.global_scale[e] * 4194304.0f;  // the decoded values' 2^-22
+    if constexpr (GEMM1) {
+      bulk_wait_read();  // this thread's copies of the last tile have read the staging rows
+      named_barrier(1 + wg, 128);
+#pragma unroll
+      for (int i = 0; i < BM / 8; ++i)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float gate = acc[0][4 * i + 2 * h + c] * g;
+            const float up = acc[1][4 * i + 2 * h + c] * g;
+            const int n = 8 * i + 2 * quad + c;
+            st_shared_b16(stage_addr + n * OUT_ROW_BYTES + 2 * fragment_column(rho + 8 * h),
+                          __float2bfloat16(gate / (1.0f + __expf(-gate)) * up));
+          }
+      fence_async_shared();
+      named_barrier(1 + wg, 128);
+      if (tid < nrows && DIAG != 4) {
+        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(args.out) + int64_t(row0 + tid) * args.n_out + 128 * t + 64 * wg;
+        bulk_store(dst, stage_addr + tid * OUT_ROW_BYTES, 128);
+      }
+    } else {
+      if (tid < BM) my_routes[tid] = tid < nrows ? args.topk_weights[args.sorted_slot[row0 + tid]] * g : 0.f;
+      const int slot = tid < nrows ? args.sorted_slot[row0 + tid] : 0;
+#pragma unroll
+      for (int blk = 0; blk < 2; ++blk) {
+        bulk_wait_read();
+        named_barrier(1 + wg, 128);  // (also: the routes are in shared memory)
+#pragma unroll
+        for (int i = 0; i < BM / 8; ++i)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int n = 8 * i + 2 * quad + c;
+            const float route = my_routes[n];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              st_shared_f32(stage_addr + n * OUT_ROW_BYTES + 4 * (rho + 8 * h), acc[blk][4 * i + 2 * h + c] * route);
+          }
+        fence_async_shared();
+        named_barrier(1 + wg, 128);
+        if (tid < nrows && DIAG != 4) {
+          float* dst = static_cast<float*>(args.out) + int64_t(slot) * args.n_out + 256 * t + 128 * wg + 64 * blk;
+          bulk_store(dst, stage_addr + tid * OUT_ROW_BYTES, 256);
+        }
+      }
+      named_barrier(1 + wg, 128);  // the routes are read before the next tile writes them
+    }
+  }
+  bulk_wait_all();
 }
 
 }  // namespace
@@ -343,13 +414,14 @@ __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUt
     prefill_gemm<GEMM1, BM, STAGES, DIAG>(&x_map, &w_map, args);                                               \
   }
 
-PREFILL_KERNEL(gemm1_bm128, true, 128, 8, 0)
-PREFILL_KERNEL(gemm2_bm128, false, 128, 8, 0)
+// ring slots: as many as fit beside the output staging (prefill.py's shared_bytes)
+PREFILL_KERNEL(gemm1_bm128, true, 128, 6, 0)
+PREFILL_KERNEL(gemm2_bm128, false, 128, 6, 0)
 PREFILL_KERNEL(gemm1_bm64, true, 64, 8, 0)
 PREFILL_KERNEL(gemm2_bm64, false, 64, 8, 0)
-PREFILL_KERNEL(gemm1_bm128_diag1, true, 128, 8, 1)
-PREFILL_KERNEL(gemm2_bm128_diag1, false, 128, 8, 1)
-PREFILL_KERNEL(gemm1_bm128_diag2, true, 128, 8, 2)
-PREFILL_KERNEL(gemm2_bm128_diag2, false, 128, 8, 2)
-PREFILL_KERNEL(gemm1_bm128_diag4, true, 128, 8, 4)
-PREFILL_KERNEL(gemm2_bm128_diag4, false, 128, 8, 4)
+PREFILL_KERNEL(gemm1_bm128_diag1, true, 128, 6, 1)
+PREFILL_KERNEL(gemm2_bm128_diag1, false, 128, 6, 1)
+PREFILL_KERNEL(gemm1_bm128_diag2, true, 128, 6, 2)
+PREFILL_KERNEL(gemm2_bm128_diag2, false, 128, 6, 2)
+PREFILL_KERNEL(gemm1_bm128_diag4, true, 128, 6, 4)
+PREFILL_KERNEL(gemm2_bm128_diag4, false, 128, 6, 4)

@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 CUBIN = HERE / "prefill.cubin"
 BK = 64
 BOX_PAIRS = 32
-KERNELS = {128: 8, 64: 8}  # rows per block (wgmma N) -> ring slots compiled in prefill.cu
+KERNELS = {128: 6, 64: 8}  # rows per block (wgmma N) -> ring slots compiled in prefill.cu
 THREADS = 384  # a loading warpgroup and two MMA warpgroups
 
 
@@ -34,7 +34,8 @@ class _Args(ctypes.Structure):  # prefill.cu's Args, field for field
     _fields_ = [("scales", ctypes.c_void_p), ("global_scale", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("topk_weights", ctypes.c_void_p), ("sorted_slot", ctypes.c_void_p),
                 ("block_expert", ctypes.c_void_p), ("row_start", ctypes.c_void_p), ("row_end", ctypes.c_void_p),
-                ("n_out", ctypes.c_int), ("k", ctypes.c_int), ("rows_per_expert", ctypes.c_int)]
+                ("n_out", ctypes.c_int), ("k", ctypes.c_int), ("rows_per_expert", ctypes.c_int),
+                ("num_blocks", ctypes.c_int)]
 
 
 class _Driver:
@@ -49,6 +50,7 @@ class _Driver:
         self.module = ctypes.c_void_p()
         self._check(self.lib.cuModuleLoadData(ctypes.byref(self.module), CUBIN.read_bytes()), "cuModuleLoadData")
         self.functions = {}
+        self.sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     def _check(self, result, what):
         if result != 0:
@@ -92,23 +94,28 @@ def _driver() -> _Driver:
     return _DRIVER
 
 
-def shared_bytes(block_m: int) -> int:
+def shared_bytes(block_m: int, gemm1: bool) -> int:
+    """prefill.cu's shared memory: the ring, the output staging of both MMA warpgroups (a padded
+    row of 64 outputs per token), GEMM2's routing weights, the barriers, 1 KB for alignment."""
     stages = KERNELS[block_m]
-    return stages * (block_m * BK * 2 + 4 * BOX_PAIRS * BK) + 2 * stages * 8 + 1024  # + barriers, alignment
+    out_row = (128 if gemm1 else 256) + 16
+    return stages * (block_m * BK * 2 + 4 * BOX_PAIRS * BK) + 2 * block_m * (out_row + 4) + 2 * stages * 8 + 1024
 
 
 def _launch(gemm1: bool, x, w, s, g, out, topk_weights, sorted_slot, block_expert, row_start, row_end, block_m: int,
             diag: int):
     drv = _driver()
     n_out, k = out.shape[1], x.shape[1]
-    smem = shared_bytes(block_m)
+    smem = shared_bytes(block_m, gemm1)
     fn = drv.function(f"gemm{1 if gemm1 else 2}_bm{block_m}" + (f"_diag{diag}" if diag else ""), smem)
     x_map = drv.tensor_map(x, (BK, block_m), _SWIZZLE_128B, _BF16)
     w_map = drv.tensor_map(w, (BK, BOX_PAIRS), _SWIZZLE_NONE, _UINT8)
     rows = 2 * n_out if gemm1 else n_out  # weight rows per expert
     args = _Args(s.data_ptr(), g.data_ptr(), out.data_ptr(), topk_weights.data_ptr(), sorted_slot.data_ptr(),
-                 block_expert.data_ptr(), row_start.data_ptr(), row_end.data_ptr(), n_out, k, rows)
-    drv.launch(fn, (n_out // (128 if gemm1 else 256), block_expert.numel()), smem, x_map, w_map, args)
+                 block_expert.data_ptr(), row_start.data_ptr(), row_end.data_ptr(), n_out, k, rows,
+                 block_expert.numel())
+    tiles = n_out // (128 if gemm1 else 256) * block_expert.numel()
+    drv.launch(fn, (min(tiles, drv.sm_count), 1), smem, x_map, w_map, args)  # persistent
     return out
 
 
