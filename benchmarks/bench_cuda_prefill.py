@@ -34,6 +34,7 @@ def main():
     ap.add_argument("--tokens", default="2048,8192", type=ints)
     ap.add_argument("--diag", default="", type=ints)
     ap.add_argument("--balanced", action="store_true", help="every expert exactly T k / E rows")
+    ap.add_argument("--configs", default="128", help="row block sizes with tails: 128,128-64,64-32 ...")
     args = ap.parse_args()
     torch.manual_seed(0)
     e, h, i, k = 256, 7168, 2048, 8
@@ -73,6 +74,19 @@ def main():
         report("cuda GEMM1", lambda xs, r, slot, *b: cuda.gemm1(xs, w13, s13, g13, slot, *b), pre, flops * 2 / 3)
         hs = [(cuda.gemm1(xs, w13, s13, g13, slot, *b), r, slot, *b) for xs, r, slot, *b in pre]
         report("cuda GEMM2", lambda hh, r, *b: cuda.gemm2(hh, w2, s2, g2, r, *b), hs, flops / 3)
+        for config in args.configs.split(","):
+            bm, *tails = (int(v) for v in config.split("-"))
+            routed_bm = []
+            for x, ids, rw in inputs:
+                *routed, x_fragment = launch.route(ids, e, bm, x, prefill_rs.BK.value)
+                routed_bm.append((x_fragment.index_select(0, routed[0].long() // k), rw.float().contiguous(), *routed))
+            y_c = cuda.prefill_gemms(routed_bm[0][0], w13, s13, g13, w2, s2, g2, *routed_bm[0][1:], block_m=bm,
+                                     tails=tails)
+            err = (y_c[used] - y_gluon[used]).abs().max().item()
+            report(f"cuda GEMMs {config} (max abs diff to gluon {err:.2e})",
+                   lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, block_m=bm, tails=tails),
+                   routed_bm)
+            del routed_bm
         for d in args.diag:
             report(f"cuda GEMMs diag {d}", lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b,
                                                                                   diag=d), pre)

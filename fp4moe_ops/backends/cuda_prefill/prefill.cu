@@ -17,10 +17,23 @@
 // contiguous and each is exactly the four bf16x2 A registers of one k16 chunk. Scales: E4M3 bytes
 // [E, R, K/16]; decoded values carry 2^-22, folded into the global scale in the epilogue.
 
-#include <cuda.h>
-#include <cuda_bf16.h>
+// Self-contained for NVRTC (no system headers): the integer types and CUtensorMap's shape here.
+#ifdef __CUDACC_RTC__
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+typedef unsigned long long uintptr_t;
+#else
 #include <cstdint>
+#endif
 #include "wgmma_rs.cuh"
+
+// A TMA descriptor as the driver encodes it (cuda.h's CUtensorMap: 128 bytes, 64-byte aligned)
+struct alignas(64) TensorMap {
+  uint64_t opaque[16];
+};
 
 namespace {
 
@@ -65,7 +78,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, uint64_t* bar, int c0, int c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
           smem_addr(dst)),
@@ -179,8 +192,10 @@ __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy
 __device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
-__device__ __forceinline__ void st_shared_b16(uint32_t addr, __nv_bfloat16 v) {
-  asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(*reinterpret_cast<uint16_t*>(&v)) : "memory");
+__device__ __forceinline__ void st_shared_bf16(uint32_t addr, float v) {  // rounded to nearest even
+  uint16_t b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+  asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(b) : "memory");
 }
 
 // DIAG (diagnostics, wrong results): 1 no decode (A a constant), 2 no MMA (the decoded registers
@@ -192,7 +207,7 @@ __device__ __forceinline__ void st_shared_b16(uint32_t addr, __nv_bfloat16 v) {
 // copies each token's row with one asynchronous bulk copy (rows of a block are contiguous in the
 // output but the block may end mid-row-range, so no TMA store of the whole box).
 template <bool GEMM1, int BM, int STAGES, int DIAG>
-__device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUtensorMap* w_map, const Args& args) {
+__device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const TensorMap* w_map, const Args& args) {
   constexpr int X_TILE_BYTES = BM * BK * 2;
   constexpr int SLOT_BYTES = X_TILE_BYTES + 4 * W_BOX_BYTES;
   constexpr int OUT_ROW_BYTES = (GEMM1 ? 128 : 256) + 16;  // 64 outputs of a token (+16: fewer bank conflicts)
@@ -367,13 +382,13 @@ __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUt
             const float gate = acc[0][4 * i + 2 * h + c] * g;
             const float up = acc[1][4 * i + 2 * h + c] * g;
             const int n = 8 * i + 2 * quad + c;
-            st_shared_b16(stage_addr + n * OUT_ROW_BYTES + 2 * fragment_column(rho + 8 * h),
-                          __float2bfloat16(gate / (1.0f + __expf(-gate)) * up));
+            st_shared_bf16(stage_addr + n * OUT_ROW_BYTES + 2 * fragment_column(rho + 8 * h),
+                           gate / (1.0f + __expf(-gate)) * up);
           }
       fence_async_shared();
       named_barrier(1 + wg, 128);
       if (tid < nrows && DIAG != 4) {
-        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(args.out) + int64_t(row0 + tid) * args.n_out + 128 * t + 64 * wg;
+        uint16_t* dst = static_cast<uint16_t*>(args.out) + int64_t(row0 + tid) * args.n_out + 128 * t + 64 * wg;
         bulk_store(dst, stage_addr + tid * OUT_ROW_BYTES, 128);
       }
     } else {
@@ -410,7 +425,7 @@ __device__ __forceinline__ void prefill_gemm(const CUtensorMap* x_map, const CUt
 
 #define PREFILL_KERNEL(NAME, GEMM1, BM, STAGES, DIAG)                                                          \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                   \
-      NAME(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map, Args args) { \
+      NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map, Args args) { \
     prefill_gemm<GEMM1, BM, STAGES, DIAG>(&x_map, &w_map, args);                                               \
   }
 
@@ -419,6 +434,8 @@ PREFILL_KERNEL(gemm1_bm128, true, 128, 6, 0)
 PREFILL_KERNEL(gemm2_bm128, false, 128, 6, 0)
 PREFILL_KERNEL(gemm1_bm64, true, 64, 8, 0)
 PREFILL_KERNEL(gemm2_bm64, false, 64, 8, 0)
+PREFILL_KERNEL(gemm1_bm32, true, 32, 8, 0)
+PREFILL_KERNEL(gemm2_bm32, false, 32, 8, 0)
 PREFILL_KERNEL(gemm1_bm128_diag1, true, 128, 6, 1)
 PREFILL_KERNEL(gemm2_bm128_diag1, false, 128, 6, 1)
 PREFILL_KERNEL(gemm1_bm128_diag2, true, 128, 6, 2)

@@ -3,14 +3,17 @@ and launched through the CUDA driver (ctypes, no extension to build), TMA descri
 call. Same interface and layouts as :func:`..triton_moe.prefill_rs.prefill_gemms`, so the two can be
 compared on the same inputs (``benchmarks/bench_gluon_prefill.py --compare-module``).
 
-The cubin is built with ``nvcc`` (CUDA 12.4+ for sm_90a) by :func:`build`, on first use when it is
-missing or older than the source.
+The kernels are compiled at first use with NVRTC (the ``nvidia-cuda-nvrtc`` library PyTorch's CUDA
+builds bring) and cached on disk; :func:`build` compiles them with ``nvcc`` instead, for inspection.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -19,15 +22,80 @@ HERE = Path(__file__).resolve().parent
 CUBIN = HERE / "prefill.cubin"
 BK = 64
 BOX_PAIRS = 32
-KERNELS = {128: 6, 64: 8}  # rows per block (wgmma N) -> ring slots compiled in prefill.cu
+KERNELS = {128: 6, 64: 8, 32: 8}  # rows per block (wgmma N) -> ring slots compiled in prefill.cu
 THREADS = 384  # a loading warpgroup and two MMA warpgroups
 
 
+ARCH = "sm_90a"  # wgmma and setmaxnreg need the architecture-specific target
+
+
 def build(out: Path = CUBIN) -> Path:
-    """Compile ``prefill.cu`` for sm_90a into ``out`` (needs nvcc)."""
-    subprocess.run(["nvcc", "-diag-suppress", "177", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-O3", "-std=c++17",
-                    "-o", str(out), str(HERE / "prefill.cu")], check=True)
+    """Compile ``prefill.cu`` for sm_90a into ``out`` with ``nvcc`` (for inspecting the code: ptxas's
+    notes, SASS; at run time :func:`cubin` compiles with NVRTC instead)."""
+    subprocess.run(["nvcc", "-diag-suppress", "177", f"-gencode=arch=compute_90a,code={ARCH}", "-cubin", "-O3",
+                    "-std=c++17", "-o", str(out), str(HERE / "prefill.cu")], check=True)
     return out
+
+
+def _find_nvrtc() -> ctypes.CDLL:
+    """libnvrtc: already loaded or on the loader's path, else from an ``nvidia-cuda-nvrtc`` wheel
+    (PyTorch's CUDA builds depend on it)."""
+    for name in ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            pass
+    for root in map(Path, sys.path):
+        for lib in sorted((root / "nvidia").glob("**/libnvrtc.so*")) if (root / "nvidia").is_dir() else ():
+            if "builtins" not in lib.name and "alt" not in lib.name:
+                return ctypes.CDLL(str(lib))
+    raise RuntimeError("the CUDA prefill kernels need NVRTC (libnvrtc, e.g. from the nvidia-cuda-nvrtc wheel)")
+
+
+def compile_nvrtc(arch: str = ARCH) -> bytes:
+    """``prefill.cu`` compiled by NVRTC to a cubin for ``arch``."""
+    nvrtc = _find_nvrtc()
+    source = (HERE / "prefill.cu").read_bytes()
+    header = (HERE / "wgmma_rs.cuh").read_bytes()
+    prog = ctypes.c_void_p()
+
+    def check(result, what):
+        if result != 0:
+            nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
+            raise RuntimeError(f"NVRTC {what}: {nvrtc.nvrtcGetErrorString(result).decode()}")
+
+    check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"prefill.cu", 1, (ctypes.c_char_p * 1)(header),
+                                   (ctypes.c_char_p * 1)(b"wgmma_rs.cuh")), "create")
+    try:
+        options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"-diag-suppress=177"]
+        result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        if result != 0:
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile prefill.cu:\n{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        check(nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+        image = ctypes.create_string_buffer(size.value)
+        check(nvrtc.nvrtcGetCUBIN(prog, image), "cubin")
+        return image.raw
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def cubin() -> bytes:
+    """The compiled kernels, from the on-disk cache (keyed by the sources) or compiled now."""
+    key = hashlib.sha256((HERE / "prefill.cu").read_bytes() + (HERE / "wgmma_rs.cuh").read_bytes()).hexdigest()[:16]
+    cache = Path(os.environ.get("FP4MOE_CACHE", Path.home() / ".cache" / "fp4moe")) / f"prefill-{ARCH}-{key}.cubin"
+    if cache.exists():
+        return cache.read_bytes()
+    image = compile_nvrtc()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(image)
+    tmp.replace(cache)  # (atomic: another process may be writing the same entry)
+    return image
 
 
 class _Args(ctypes.Structure):  # prefill.cu's Args, field for field
@@ -45,10 +113,8 @@ class _Driver:
         self.lib = ctypes.CDLL("libcuda.so.1")
         torch.cuda.init()
         torch.zeros(1, device="cuda")  # makes the primary context current on this thread
-        if not CUBIN.exists() or CUBIN.stat().st_mtime < (HERE / "prefill.cu").stat().st_mtime:
-            build()
         self.module = ctypes.c_void_p()
-        self._check(self.lib.cuModuleLoadData(ctypes.byref(self.module), CUBIN.read_bytes()), "cuModuleLoadData")
+        self._check(self.lib.cuModuleLoadData(ctypes.byref(self.module), cubin()), "cuModuleLoadData")
         self.functions = {}
         self.sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
@@ -137,10 +203,37 @@ def gemm2(h, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start, row
 
 
 def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start, row_end,
-                  block_m: int = 128, stages: int = 0, diag: int = 0, **_):
+                  block_m: int = 128, stages: int = 0, diag: int = 0, tails=(), **_):
     """Both GEMMs, as :func:`..triton_moe.prefill_rs.prefill_gemms` (``stages`` is fixed per kernel
-    here): ``x_sorted [S, H]`` bf16, K in fragment order -> ``y [S, H]`` float32 by slot. ``diag``
-    (wrong results): 1 no decode, 2 no MMA, 4 no epilogue stores (128-row blocks)."""
-    routing = (sorted_slot, block_expert, row_start, row_end)
-    h = gemm1(x_sorted, w13, s13, g13, *routing, block_m=block_m, diag=diag)
-    return gemm2(h, w2, s2, g2, topk_weights, *routing, block_m=block_m, diag=diag)
+    here): ``x_sorted [S, H]`` bf16, K in fragment order -> ``y [S, H]`` float32 by slot. ``tails``:
+    narrower row blocks (of :data:`KERNELS`, decreasing) for an expert's last block when it holds
+    that few rows, each size a launch of its own (``prefill_rs.split_blocks``). ``diag`` (wrong
+    results): 1 no decode, 2 no MMA, 4 no output copies (128-row blocks)."""
+    from ..triton_moe.prefill_rs import split_blocks
+
+    launches = split_blocks(block_expert, row_start, row_end, w13.shape[0], block_m, tails)
+    inter, hidden = s13.shape[1] // 2, s2.shape[1]
+    h = torch.empty(x_sorted.shape[0], inter, dtype=torch.bfloat16, device=x_sorted.device)
+    y = torch.empty(x_sorted.shape[0], hidden, dtype=torch.float32, device=x_sorted.device)
+    w13_bytes = w13.view(torch.uint8).reshape(w13.shape[0] * inter, hidden)
+    w2_bytes = w2.view(torch.uint8).reshape(w2.shape[0] * hidden // 2, inter)
+    for bm, experts, starts, ends in launches:
+        _launch(True, x_sorted, w13_bytes, s13, g13, h, g13, sorted_slot, experts, starts, ends, bm, diag)
+    for bm, experts, starts, ends in launches:
+        _launch(False, h, w2_bytes, s2, g2, y, topk_weights, sorted_slot, experts, starts, ends, bm, diag)
+    return y
+
+
+def prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int = 128, tails=(), **options):
+    """The whole layer with these GEMMs, as ``triton_moe.launch._gluon_prefill_moe``: route into
+    ``block_m``-row blocks, gather the activations in expert order (K in fragment order), both
+    GEMMs, top-k sum. Expert tensors in the Triton backend's paired layout."""
+    from ..triton_moe.launch import _sum_topk, route
+
+    w13, s13, g13, w2, s2, g2 = expert_tensors
+    num_experts = s13.shape[0]
+    sorted_slot, block_expert, row_start, row_end, x_fragment = route(topk_ids, num_experts, block_m, x, BK)
+    x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
+    y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.float().contiguous(), sorted_slot,
+                      block_expert, row_start, row_end, block_m=block_m, tails=tails, **options)
+    return _sum_topk(y, topk_ids, x, num_experts)

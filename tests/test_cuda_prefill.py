@@ -1,0 +1,68 @@
+"""The CUDA prefill GEMMs (fp4moe_ops/backends/cuda_prefill, an issue-17 experiment): the code ptxas
+makes of them (CPU, with nvcc) and, on a Hopper GPU, the layer against the float64 oracle."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4moe_ops.oracle64 import moe64
+from test_triton_backend import kernel_tensors, layer
+
+SOURCE = Path(__file__).resolve().parent.parent / "fp4moe_ops" / "backends" / "cuda_prefill" / "prefill.cu"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA 12.4+)")
+def test_ptxas_keeps_the_wgmma_pipelined_and_nothing_spills(tmp_path):
+    # wgmma's register operand is decoded while earlier chunks' wgmma run; if ptxas cannot prove
+    # those registers are left alone it serializes every wgmma (note C7513/C7515), which costs
+    # most of the overlap; a branch between the wgmma of one step was enough (prefill.cu's
+    # predicated arrive). Spills would put the accumulators in local memory.
+    out = subprocess.run(["nvcc", "-diag-suppress", "177", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-O3",
+                          "-std=c++17", "-Xptxas", "-v", "-o", str(tmp_path / "p.cubin"), str(SOURCE)],
+                         capture_output=True, text=True, check=True)
+    log = out.stdout + out.stderr
+    kernels = re.findall(r"Compiling entry function '(\w+)'", log)
+    assert len(kernels) >= 6, log
+    assert not re.search(r"C75\d\d", log), log
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(spills) == len(kernels) and all(a == "0" and b == "0" for a, b in spills), log
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="wgmma: Hopper only")
+@pytest.mark.parametrize("block_m,t,tails", [(128, 1100, (64, 32)), (64, 300, (32,)), (32, 150, ()),
+                                             # past 4096 slots: routing by torch ops
+                                             (128, 2100, (64,))])
+def test_cuda_prefill_matches_float64(block_m, t, tails):
+    # as test_gluon_row_blocks_and_tails_match_float64: H = 2048, I = 1024 (the ring wraps), skewed
+    # loads (partial and several blocks per expert), a tail block at every level, sentinel ids dropped
+    from fp4moe_ops.backends.cuda_prefill.prefill import prefill_moe
+
+    e, h, i, k = 8, 2048, 1024, 2
+    w = layer(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    p = torch.tensor([0.30, 0.25, 0.15, 0.1, 0.08, 0.06, 0.05, 0.01])
+    sizes = (block_m, *tails, 0)
+    for _ in range(100):
+        ids = torch.stack([torch.multinomial(p, k) for _ in range(t)])
+        ids[0, -1] = -1
+        ids[1, -1] = e
+        valid = ids[(ids >= 0) & (ids < e)]
+        last = torch.bincount(valid, minlength=e) % block_m
+        if all(((last > below) & (last <= m)).any() for m, below in zip(sizes[1:], sizes[2:])):
+            break
+    else:
+        raise AssertionError(f"no routing filled every tail level {tails}")
+    rw = torch.rand(t, k)
+    out = prefill_moe(x.cuda(), ids.cuda(), rw.cuda(), [a.cuda() for a in kernel_tensors(w)], block_m=block_m,
+                      tails=tails).cpu()
+    ref = moe64(x, ids, rw, *w.tensors())
+    # the intermediate and the output rounded to bf16, fp32 sums (test_gluon_prefill_matches_float64)
+    ulp = 2.0**-8
+    torch.testing.assert_close(out.double(), ref, rtol=4 * ulp, atol=4 * ulp * ref.abs().max().item())
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 4 * ulp
