@@ -34,7 +34,8 @@ def main():
     ap.add_argument("--tokens", default="2048,8192", type=ints)
     ap.add_argument("--diag", default="", type=ints)
     ap.add_argument("--balanced", action="store_true", help="every expert exactly T k / E rows")
-    ap.add_argument("--configs", default="128", help="row block sizes with tails: 128,128-64,64-32 ...")
+    ap.add_argument("--configs", default="128", help="row block sizes with tails: 128,128-64,64-32 ...; "
+                                                     "c2 after one: clusters of 2 (128c2, 128-64c2)")
     args = ap.parse_args()
     torch.manual_seed(0)
     e, h, i, k = 256, 7168, 2048, 8
@@ -75,21 +76,24 @@ def main():
         hs = [(cuda.gemm1(xs, w13, s13, g13, slot, *b), r, slot, *b) for xs, r, slot, *b in pre]
         report("cuda GEMM2", lambda hh, r, *b: cuda.gemm2(hh, w2, s2, g2, r, *b), hs, flops / 3)
         for config in args.configs.split(","):
-            bm, *tails = (int(v) for v in config.split("-"))
+            cl = 2 if config.endswith("c2") else 1
+            bm, *tails = (int(v) for v in config.removesuffix("c2").split("-"))
             routed_bm = []
             for x, ids, rw in inputs:
                 *routed, x_fragment = launch.route(ids, e, bm, x, prefill_rs.BK.value)
                 routed_bm.append((x_fragment.index_select(0, routed[0].long() // k), rw.float().contiguous(), *routed))
             y_c = cuda.prefill_gemms(routed_bm[0][0], w13, s13, g13, w2, s2, g2, *routed_bm[0][1:], block_m=bm,
-                                     tails=tails)
+                                     tails=tails, cluster=cl)
             err = (y_c[used] - y_gluon[used]).abs().max().item()
             report(f"cuda GEMMs {config} (max abs diff to gluon {err:.2e})",
-                   lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, block_m=bm, tails=tails),
+                   lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, block_m=bm, tails=tails,
+                                                        cluster=cl),
                    routed_bm)
             del routed_bm
         for d in args.diag:
-            report(f"cuda GEMMs diag {d}", lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b,
-                                                                                  diag=d), pre)
+            for cl in (1, 2):
+                report(f"cuda GEMMs diag {d} cluster {cl}",
+                       lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, diag=d, cluster=cl), pre)
         del inputs, pre, hs
         torch.cuda.empty_cache()
 

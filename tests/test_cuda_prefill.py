@@ -35,10 +35,12 @@ def test_ptxas_keeps_the_wgmma_pipelined_and_nothing_spills(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="wgmma: Hopper only")
-@pytest.mark.parametrize("block_m,t,tails", [(128, 1100, (64, 32)), (64, 300, (32,)), (32, 150, ()),
-                                             # past 4096 slots: routing by torch ops
-                                             (128, 2100, (64,))])
-def test_cuda_prefill_matches_float64(block_m, t, tails):
+@pytest.mark.parametrize("block_m,t,tails,cluster", [(128, 1100, (64, 32), 1), (64, 300, (32,), 1), (32, 150, (), 1),
+                                                     # past 4096 slots: routing by torch ops
+                                                     (128, 2100, (64,), 1),
+                                                     # programs in pairs sharing the activations
+                                                     (128, 1100, (64, 32), 2), (64, 300, (), 2)])
+def test_cuda_prefill_matches_float64(block_m, t, tails, cluster):
     # as test_gluon_row_blocks_and_tails_match_float64: H = 2048, I = 1024 (the ring wraps), skewed
     # loads (partial and several blocks per expert), a tail block at every level, sentinel ids dropped
     from fp4moe_ops.backends.cuda_prefill.prefill import prefill_moe
@@ -60,7 +62,7 @@ def test_cuda_prefill_matches_float64(block_m, t, tails):
         raise AssertionError(f"no routing filled every tail level {tails}")
     rw = torch.rand(t, k)
     out = prefill_moe(x.cuda(), ids.cuda(), rw.cuda(), [a.cuda() for a in kernel_tensors(w)], block_m=block_m,
-                      tails=tails).cpu()
+                      tails=tails, cluster=cluster).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
     # the intermediate and the output rounded to bf16, fp32 sums (test_gluon_prefill_matches_float64)
     ulp = 2.0**-8

@@ -54,6 +54,16 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
                : "memory");
 }
 
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 // A predicated arrive: no branch between the wgmma of a step (ptxas serializes wgmma across branches)
 __device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
   asm volatile(
@@ -64,6 +74,28 @@ __device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
       "}\n" ::"r"(smem_addr(bar)),
       "r"(int(pred))
       : "memory");
+}
+
+// A consumer warp's release of a ring slot: lane 0 arrives on this program's barrier and, in a
+// cluster of 2, on the peer's (its loader multicasts into this program's slot too). Predicated, not
+// branched (see mbar_arrive_if).
+template <int CLUSTER>
+__device__ __forceinline__ void release_slot(uint64_t* bar, bool pred) {
+  if constexpr (CLUSTER == 1) {
+    mbar_arrive_if(bar, pred);
+  } else {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        ".reg .b32 remote;\n"
+        "setp.ne.b32 p, %1, 0;\n"
+        "mapa.shared::cluster.u32 remote, %0, %2;\n"
+        "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
+        "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+        "}\n" ::"r"(smem_addr(bar)),
+        "r"(int(pred)), "r"(cluster_rank() ^ 1)
+        : "memory");
+  }
 }
 
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
@@ -90,6 +122,17 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
+}
+
+// The same box into this program's and its cluster peer's shared memory (same offset), each
+// program's barrier at that offset told of the bytes
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const TensorMap* map, uint64_t* bar, int c0, int c1,
+                                                      uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "h"(mask)
+      : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -206,7 +249,12 @@ __device__ __forceinline__ void st_shared_bf16(uint32_t addr, float v) {  // rou
 // come back from an epilogue; the epilogue stages each m64 block's outputs in shared memory and
 // copies each token's row with one asynchronous bulk copy (rows of a block are contiguous in the
 // output but the block may end mid-row-range, so no TMA store of the whole box).
-template <bool GEMM1, int BM, int STAGES, int DIAG>
+//
+// CLUSTER 2: two programs of a cluster take adjacent weight tiles of the same row block and share its
+// activation tiles: each loads half the rows of every tile and multicasts them to both, halving
+// the activations' L2 traffic (16 of a step's 24 KB at 128 rows). A slot is then refilled only
+// once the consumers of both programs released it.
+template <bool GEMM1, int BM, int STAGES, int DIAG, int CLUSTER>
 __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const TensorMap* w_map, const Args& args) {
   constexpr int X_TILE_BYTES = BM * BK * 2;
   constexpr int SLOT_BYTES = X_TILE_BYTES + 4 * W_BOX_BYTES;
@@ -224,17 +272,20 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
 
   const int nk = args.k / BK;
   const int n_tiles = args.n_out / (GEMM1 ? 128 : 256);
-  const int total = n_tiles * args.num_blocks;
+  const int total = n_tiles * args.num_blocks;  // (n_tiles even: a cluster's tiles share a row block)
   const int warpgroup = threadIdx.x / 128;
+  const int rank = CLUSTER == 1 ? 0 : cluster_rank();
+  const int first = blockIdx.x / CLUSTER, units = total / CLUSTER, unit_step = gridDim.x / CLUSTER;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 256);  // every consumer thread, after its own wait for the wgmma
+      mbar_init(&empty[s], 8 * CLUSTER);  // each consumer warp of the cluster, after its wait for the wgmma
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (CLUSTER == 1) __syncthreads();
+  else cluster_sync();  // the peer's barriers exist before anything is multicast or arrives there
 
   // weight row (within the expert) of m64 block ``blk`` of consumer warpgroup ``wg`` in tile t
   auto block_row = [&](int t, int wg, int blk) {
@@ -245,7 +296,8 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
       int it = 0;  // steps issued, over all tiles: slot it % STAGES, its use number it / STAGES
-      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+      for (int unit = first; unit < units; unit += unit_step) {
+        const int tile = unit * CLUSTER + rank;
         const int t = tile % n_tiles, b = tile / n_tiles;
         const int e = args.block_expert[b];
         if (e < 0) continue;
@@ -255,7 +307,12 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
           const int s = it % STAGES;
           if (it >= STAGES) mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
           mbar_expect_tx(&full[s], SLOT_BYTES);
-          tma_load_2d(x_tiles + s * X_TILE_BYTES, x_map, &full[s], k * BK, row0);
+          if constexpr (CLUSTER == 1) {
+            tma_load_2d(x_tiles + s * X_TILE_BYTES, x_map, &full[s], k * BK, row0);
+          } else {
+            tma_load_2d_multicast(x_tiles + s * X_TILE_BYTES + rank * (X_TILE_BYTES / 2), x_map, &full[s], k * BK,
+                                  row0 + rank * (BM / 2), 3);
+          }
           for (int wg = 0; wg < 2; ++wg)
             for (int blk = 0; blk < 2; ++blk)
               tma_load_2d(w_boxes + ((s * 2 + wg) * 2 + blk) * W_BOX_BYTES, w_map, &full[s], k * BK,
@@ -263,9 +320,7 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
         }
       }
     }
-    return;
-  }
-
+  } else {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int wg = warpgroup - 1;
   const int tid = threadIdx.x % 128;
@@ -287,7 +342,8 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
   uint32_t sink = 0;  // DIAG 2
   int it = 0;
 
-  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+  for (int unit = first; unit < units; unit += unit_step) {
+    const int tile = unit * CLUSTER + rank;
     const int t = tile % n_tiles, b = tile / n_tiles;
     const int e = args.block_expert[b];
     if (e < 0) continue;
@@ -341,7 +397,8 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
           keep(a[j][0][r]);
           keep(a[j][1][r]);
         }
-        if (j == 3) mbar_arrive_if(&empty[(it + STAGES - 1) % STAGES], it > 0);  // the previous step retired
+        // the previous step retired (this warp's wgmma; the warp's reads of its words long done)
+        if (j == 3) release_slot<CLUSTER>(&empty[(it + STAGES - 1) % STAGES], it > 0 && lane == 0);
         if constexpr (DIAG == 1) {
 #pragma unroll
           for (int r = 0; r < 4; ++r) a[j][0][r] = a[j][1][r] = 0x3F803F80u ^ (w0[j] & w1[j] & 0x80000000u);
@@ -419,14 +476,21 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
     }
   }
   bulk_wait_all();
+  }
+  // a program leaves only when its peer no longer multicasts into it nor arrives on its barriers
+  if constexpr (CLUSTER == 2) cluster_sync();
 }
 
 }  // namespace
 
-#define PREFILL_KERNEL(NAME, GEMM1, BM, STAGES, DIAG)                                                          \
-  extern "C" __global__ void __launch_bounds__(384, 1)                                                   \
+#define PREFILL_KERNEL(NAME, GEMM1, BM, STAGES, DIAG)                                                       \
+  extern "C" __global__ void __launch_bounds__(384, 1)                                                     \
       NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map, Args args) { \
-    prefill_gemm<GEMM1, BM, STAGES, DIAG>(&x_map, &w_map, args);                                               \
+    prefill_gemm<GEMM1, BM, STAGES, DIAG, 1>(&x_map, &w_map, args);                                      \
+  }                                                                                                        \
+  extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)                           \
+      NAME##_c2(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map, Args args) { \
+    prefill_gemm<GEMM1, BM, STAGES, DIAG, 2>(&x_map, &w_map, args);                                      \
   }
 
 // ring slots: as many as fit beside the output staging (prefill.py's shared_bytes)

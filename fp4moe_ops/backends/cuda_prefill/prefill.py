@@ -169,46 +169,51 @@ def shared_bytes(block_m: int, gemm1: bool) -> int:
 
 
 def _launch(gemm1: bool, x, w, s, g, out, topk_weights, sorted_slot, block_expert, row_start, row_end, block_m: int,
-            diag: int):
+            diag: int, cluster: int = 1):
     drv = _driver()
     n_out, k = out.shape[1], x.shape[1]
     smem = shared_bytes(block_m, gemm1)
-    fn = drv.function(f"gemm{1 if gemm1 else 2}_bm{block_m}" + (f"_diag{diag}" if diag else ""), smem)
+    fn = drv.function(f"gemm{1 if gemm1 else 2}_bm{block_m}" + (f"_diag{diag}" if diag else "")
+                      + ("_c2" if cluster == 2 else ""), smem)
     x_map = drv.tensor_map(x, (BK, block_m), _SWIZZLE_128B, _BF16)
     w_map = drv.tensor_map(w, (BK, BOX_PAIRS), _SWIZZLE_NONE, _UINT8)
     rows = 2 * n_out if gemm1 else n_out  # weight rows per expert
     args = _Args(s.data_ptr(), g.data_ptr(), out.data_ptr(), topk_weights.data_ptr(), sorted_slot.data_ptr(),
                  block_expert.data_ptr(), row_start.data_ptr(), row_end.data_ptr(), n_out, k, rows,
                  block_expert.numel())
-    tiles = n_out // (128 if gemm1 else 256) * block_expert.numel()
-    drv.launch(fn, (min(tiles, drv.sm_count), 1), smem, x_map, w_map, args)  # persistent
+    units = n_out // (128 if gemm1 else 256) * block_expert.numel() // cluster  # (an even tile count)
+    drv.launch(fn, (cluster * min(units, drv.sm_count // cluster), 1), smem, x_map, w_map, args)  # persistent
     return out
 
 
-def gemm1(x_sorted, w13, s13, g13, sorted_slot, block_expert, row_start, row_end, block_m: int = 128, diag: int = 0):
+def gemm1(x_sorted, w13, s13, g13, sorted_slot, block_expert, row_start, row_end, block_m: int = 128, diag: int = 0,
+          cluster: int = 1):
     """``h [S, I]`` bf16 = SwiGLU of the gate and up GEMMs (K of GEMM2 in fragment order)."""
     num_experts, inter = w13.shape[0], s13.shape[1] // 2
     h = torch.empty(x_sorted.shape[0], inter, dtype=torch.bfloat16, device=x_sorted.device)
     w = w13.view(torch.uint8).reshape(num_experts * inter, x_sorted.shape[1])
-    return _launch(True, x_sorted, w, s13, g13, h, g13, sorted_slot, block_expert, row_start, row_end, block_m, diag)
+    return _launch(True, x_sorted, w, s13, g13, h, g13, sorted_slot, block_expert, row_start, row_end, block_m, diag,
+                   cluster)
 
 
 def gemm2(h, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start, row_end, block_m: int = 128,
-          diag: int = 0):
+          diag: int = 0, cluster: int = 1):
     """``y [S, H]`` float32 by slot: the down GEMM times the routing weight."""
     num_experts, hidden = w2.shape[0], s2.shape[1]
     y = torch.empty(h.shape[0], hidden, dtype=torch.float32, device=h.device)
     w = w2.view(torch.uint8).reshape(num_experts * hidden // 2, h.shape[1])
-    return _launch(False, h, w, s2, g2, y, topk_weights, sorted_slot, block_expert, row_start, row_end, block_m, diag)
+    return _launch(False, h, w, s2, g2, y, topk_weights, sorted_slot, block_expert, row_start, row_end, block_m, diag,
+                   cluster)
 
 
 def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start, row_end,
-                  block_m: int = 128, stages: int = 0, diag: int = 0, tails=(), **_):
+                  block_m: int = 128, stages: int = 0, diag: int = 0, tails=(), cluster: int = 1, **_):
     """Both GEMMs, as :func:`..triton_moe.prefill_rs.prefill_gemms` (``stages`` is fixed per kernel
     here): ``x_sorted [S, H]`` bf16, K in fragment order -> ``y [S, H]`` float32 by slot. ``tails``:
     narrower row blocks (of :data:`KERNELS`, decreasing) for an expert's last block when it holds
     that few rows, each size a launch of its own (``prefill_rs.split_blocks``). ``diag`` (wrong
-    results): 1 no decode, 2 no MMA, 4 no output copies (128-row blocks)."""
+    results): 1 no decode, 2 no MMA, 4 no output copies (128-row blocks). ``cluster`` 2: programs in
+    pairs that share the activation tiles (TMA multicast)."""
     from ..triton_moe.prefill_rs import split_blocks
 
     launches = split_blocks(block_expert, row_start, row_end, w13.shape[0], block_m, tails)
@@ -218,9 +223,9 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     w13_bytes = w13.view(torch.uint8).reshape(w13.shape[0] * inter, hidden)
     w2_bytes = w2.view(torch.uint8).reshape(w2.shape[0] * hidden // 2, inter)
     for bm, experts, starts, ends in launches:
-        _launch(True, x_sorted, w13_bytes, s13, g13, h, g13, sorted_slot, experts, starts, ends, bm, diag)
+        _launch(True, x_sorted, w13_bytes, s13, g13, h, g13, sorted_slot, experts, starts, ends, bm, diag, cluster)
     for bm, experts, starts, ends in launches:
-        _launch(False, h, w2_bytes, s2, g2, y, topk_weights, sorted_slot, experts, starts, ends, bm, diag)
+        _launch(False, h, w2_bytes, s2, g2, y, topk_weights, sorted_slot, experts, starts, ends, bm, diag, cluster)
     return y
 
 
