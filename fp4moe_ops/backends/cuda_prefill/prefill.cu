@@ -61,7 +61,8 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 }
 
 __device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  // (not .aligned: the loading warp's thread 0 comes from its own loop)
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // A predicated arrive: no branch between the wgmma of a step (ptxas serializes wgmma across branches)

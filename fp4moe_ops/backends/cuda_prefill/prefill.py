@@ -175,7 +175,8 @@ def _launch(gemm1: bool, x, w, s, g, out, topk_weights, sorted_slot, block_exper
     smem = shared_bytes(block_m, gemm1)
     fn = drv.function(f"gemm{1 if gemm1 else 2}_bm{block_m}" + (f"_diag{diag}" if diag else "")
                       + ("_c2" if cluster == 2 else ""), smem)
-    x_map = drv.tensor_map(x, (BK, block_m), _SWIZZLE_128B, _BF16)
+    # (in a cluster each program loads half of a row block's tile and multicasts it: half-height boxes)
+    x_map = drv.tensor_map(x, (BK, block_m // cluster), _SWIZZLE_128B, _BF16)
     w_map = drv.tensor_map(w, (BK, BOX_PAIRS), _SWIZZLE_NONE, _UINT8)
     rows = 2 * n_out if gemm1 else n_out  # weight rows per expert
     args = _Args(s.data_ptr(), g.data_ptr(), out.data_ptr(), topk_weights.data_ptr(), sorted_slot.data_ptr(),
