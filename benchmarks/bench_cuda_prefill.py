@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--balanced", action="store_true", help="every expert exactly T k / E rows")
     ap.add_argument("--configs", default="128", help="row block sizes with tails: 128,128-64,64-32 ...; "
                                                      "c2 after one: clusters of 2 (128c2, 128-64c2)")
+    ap.add_argument("--clusters", default="0", type=ints, help="cluster counts to try with c2 configs (0: SMs / 2)")
     args = ap.parse_args()
     torch.manual_seed(0)
     e, h, i, k = 256, 7168, 2048, 8
@@ -85,10 +86,13 @@ def main():
             y_c = cuda.prefill_gemms(routed_bm[0][0], w13, s13, g13, w2, s2, g2, *routed_bm[0][1:], block_m=bm,
                                      tails=tails, cluster=cl)
             err = (y_c[used] - y_gluon[used]).abs().max().item()
-            report(f"cuda GEMMs {config} (max abs diff to gluon {err:.2e})",
-                   lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, block_m=bm, tails=tails,
-                                                        cluster=cl),
-                   routed_bm)
+            for clusters in args.clusters if cl == 2 else [0]:
+                cuda.MAX_CLUSTERS = clusters
+                report(f"cuda GEMMs {config} {clusters or ''} (max abs diff to gluon {err:.2e})",
+                       lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, block_m=bm,
+                                                            tails=tails, cluster=cl),
+                       routed_bm)
+            cuda.MAX_CLUSTERS = 0
             del routed_bm
         for d in args.diag:
             for cl in (1, 2):

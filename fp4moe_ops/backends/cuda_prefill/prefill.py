@@ -24,6 +24,7 @@ BK = 64
 BOX_PAIRS = 32
 KERNELS = {128: 6, 64: 8, 32: 8}  # rows per block (wgmma N) -> ring slots compiled in prefill.cu
 THREADS = 384  # a loading warpgroup and two MMA warpgroups
+MAX_CLUSTERS = 0  # programs in clusters of 2: at most this many clusters (0: half the SMs); an experiment's knob
 
 
 ARCH = "sm_90a"  # wgmma and setmaxnreg need the architecture-specific target
@@ -183,7 +184,8 @@ def _launch(gemm1: bool, x, w, s, g, out, topk_weights, sorted_slot, block_exper
                  block_expert.data_ptr(), row_start.data_ptr(), row_end.data_ptr(), n_out, k, rows,
                  block_expert.numel())
     units = n_out // (128 if gemm1 else 256) * block_expert.numel() // cluster  # (an even tile count)
-    drv.launch(fn, (cluster * min(units, drv.sm_count // cluster), 1), smem, x_map, w_map, args)  # persistent
+    slots = drv.sm_count // cluster if cluster == 1 or not MAX_CLUSTERS else MAX_CLUSTERS
+    drv.launch(fn, (cluster * min(units, slots), 1), smem, x_map, w_map, args)  # persistent
     return out
 
 
