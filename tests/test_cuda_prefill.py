@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp4moe_ops.oracle64 import moe64
-from test_triton_backend import kernel_tensors, layer
+from test_triton_backend import kernel_tensors, layer, skewed_ids
 
 SOURCE = Path(__file__).resolve().parent.parent / "fp4moe_ops" / "backends" / "cuda_prefill" / "prefill.cu"
 
@@ -48,18 +48,7 @@ def test_cuda_prefill_matches_float64(block_m, t, tails, cluster):
     e, h, i, k = 8, 2048, 1024, 2
     w = layer(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
-    p = torch.tensor([0.30, 0.25, 0.15, 0.1, 0.08, 0.06, 0.05, 0.01])
-    sizes = (block_m, *tails, 0)
-    for _ in range(100):
-        ids = torch.stack([torch.multinomial(p, k) for _ in range(t)])
-        ids[0, -1] = -1
-        ids[1, -1] = e
-        valid = ids[(ids >= 0) & (ids < e)]
-        last = torch.bincount(valid, minlength=e) % block_m
-        if all(((last > below) & (last <= m)).any() for m, below in zip(sizes[1:], sizes[2:])):
-            break
-    else:
-        raise AssertionError(f"no routing filled every tail level {tails}")
+    ids = skewed_ids(t, e, k, block_m, tails, sentinels=(-1, e))
     rw = torch.rand(t, k)
     out = prefill_moe(x.cuda(), ids.cuda(), rw.cuda(), [a.cuda() for a in kernel_tensors(w)], block_m=block_m,
                       tails=tails, cluster=cluster).cpu()

@@ -759,6 +759,22 @@ def test_gluon_prefill_matches_float64(monkeypatch, h, i):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 4 * ulp
 
 
+def skewed_ids(t, e, k, block_m, tails, sentinels=(-1,)):
+    """``[t, k]`` expert ids with skewed loads (8 experts: 1 to several row blocks, partial last
+    blocks) such that every tail level gets a block (an expert's last rows); token i < len(sentinels)
+    has its last id replaced by ``sentinels[i]`` (dropped by the kernels)."""
+    p = torch.tensor([0.30, 0.25, 0.15, 0.1, 0.08, 0.06, 0.05, 0.01])
+    sizes = (block_m, *tails, 0)
+    for _ in range(100):
+        ids = torch.stack([torch.multinomial(p, k) for _ in range(t)])
+        for row, sentinel in enumerate(sentinels):
+            ids[row, -1] = sentinel
+        last = torch.bincount(ids[(ids >= 0) & (ids < e)], minlength=e) % block_m
+        if all(((last > below) & (last <= m)).any() for m, below in zip(sizes[1:], sizes[2:])):
+            return ids
+    raise AssertionError(f"no routing filled every tail level {tails}")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="wgmma: Hopper only")
@@ -776,16 +792,7 @@ def test_gluon_row_blocks_and_tails_match_float64(block_m, stages, t, tails):
     e, h, i, k = 8, 2048, 1024, 2
     w = layer(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
-    p = torch.tensor([0.30, 0.25, 0.15, 0.1, 0.08, 0.06, 0.05, 0.01])
-    sizes = (block_m, *tails, 0)
-    for _ in range(100):  # routings until every tail level gets a block (an expert's last rows)
-        ids = torch.stack([torch.multinomial(p, k) for _ in range(t)])
-        ids[0, -1] = -1
-        last = torch.bincount(ids[ids >= 0], minlength=e) % block_m
-        if all(((last > below) & (last <= m)).any() for m, below in zip(sizes[1:], sizes[2:])):
-            break
-    else:
-        raise AssertionError(f"no routing filled every tail level {tails}")
+    ids = skewed_ids(t, e, k, block_m, tails)
     rw = torch.rand(t, k)
     out = _gluon_prefill_moe(x.cuda(), ids.cuda(), rw.cuda(), [a.cuda() for a in kernel_tensors(w)], block_m=block_m,
                              stages=stages, tails=tails).cpu()

@@ -292,17 +292,25 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
   auto block_row = [&](int t, int wg, int blk) {
     return GEMM1 ? 128 * t + 64 * wg + blk * (args.rows_per_expert / 2) : 256 * t + 128 * wg + 64 * blk;
   };
+  // this program's tile of work unit ``unit`` (expert -1: an unused row block, skipped by all roles)
+  struct Tile {
+    int t, e, row0, nrows;
+  };
+  auto tile_of = [&](int unit) {
+    const int tile = unit * CLUSTER + rank;
+    const int b = tile / n_tiles;
+    const int e = args.block_expert[b];
+    const int row0 = e < 0 ? 0 : args.row_start[b];
+    return Tile{tile % n_tiles, e, row0, e < 0 ? 0 : args.row_end[b] - row0};
+  };
 
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
       int it = 0;  // steps issued, over all tiles: slot it % STAGES, its use number it / STAGES
       for (int unit = first; unit < units; unit += unit_step) {
-        const int tile = unit * CLUSTER + rank;
-        const int t = tile % n_tiles, b = tile / n_tiles;
-        const int e = args.block_expert[b];
+        const auto [t, e, row0, nrows] = tile_of(unit);
         if (e < 0) continue;
-        const int row0 = args.row_start[b];
         const int expert_pairs = e * (args.rows_per_expert / 2);
         for (int k = 0; k < nk; ++k, ++it) {
           const int s = it % STAGES;
@@ -344,12 +352,8 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
   int it = 0;
 
   for (int unit = first; unit < units; unit += unit_step) {
-    const int tile = unit * CLUSTER + rank;
-    const int t = tile % n_tiles, b = tile / n_tiles;
-    const int e = args.block_expert[b];
+    const auto [t, e, row0, nrows] = tile_of(unit);
     if (e < 0) continue;
-    const int row0 = args.row_start[b];
-    const int nrows = args.row_end[b] - row0;
 
     // the thread's scale bytes: block ``blk``, rows rho (h = 0) and rho + 8 (h = 1), step k at + 4k
     const uint8_t* srow[2][2];
