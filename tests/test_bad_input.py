@@ -499,13 +499,18 @@ def test_load_state_dict_refuses_global_scales_that_decode_past_bfloat16(key, fu
 
 
 def test_a_cast_past_the_dtype_guard_fails_at_the_forward_saying_how_to_cast_back():
-    # accelerate's remove_hook_from_module pops the instance attribute "to", and the guard with it
+    # accelerate 1.15 and older: remove_hook_from_module pops the instance attribute "to", and the
+    # guard with it; 1.16 pops only attributes accelerate added, so the guard stays (and refuses)
     from accelerate.hooks import remove_hook_from_module
 
     model = patch_deepseek(tiny_deepseek_v3(num_hidden_layers=2, seed=5))
     experts = model.model.layers[1].mlp.experts
     held = {k: v.clone() for k, v in experts.state_dict().items()}
     remove_hook_from_module(model, recurse=True)
+    if "to" in model.__dict__:
+        with pytest.raises(ValueError, match="float32"):
+            model.to(torch.float32)
+        model.__dict__.pop("to")  # what the older accelerate does
     model.to(torch.float32)
     with pytest.raises(TypeError, match=r"got torch.float32 .*cast it back with model.to\(torch.bfloat16\)"):
         model(IDS)

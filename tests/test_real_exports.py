@@ -194,10 +194,14 @@ def test_modelopt_oracle_is_exactly_modelopt(name):
         made_with = json.loads(f.metadata()["fixture_info"])["transformers"]
     with torch.no_grad():
         got = _dequantized_source(folder)(ref["input_ids"]).logits
-    if transformers.__version__ == made_with:
-        assert torch.equal(got.float(), ref["logits_weights_only"])
-    else:  # another Transformers' BF16 model code rounds differently (e.g. 5.17 vs the fixtures' 5.24)
-        assert per_token_error(got, ref["logits_weights_only"]).median() < 2e-2
+    exact = torch.equal(got.float(), ref["logits_weights_only"])
+    if transformers.__version__ == made_with and exact:
+        return
+    # Another Transformers' BF16 model code rounds differently (e.g. 5.17 vs the fixtures' 5.24), and
+    # so do another CPU's bf16 kernels: on an AVX512-BF16 host (2026-12-02) two of the three fixtures
+    # came out 53% and 63% bit-equal, at most 1.4% off per token. NVFP4's own error on these models
+    # is 24-36%, so 2% still tells the format's decoding from a wrong one.
+    assert per_token_error(got, ref["logits_weights_only"]).median() < 2e-2
 
 
 @pytest.mark.parametrize("name,dense", [("deepseek_v3_nvfp4_mlp_only", True), ("qwen3_moe_nvfp4_default", False)])
