@@ -32,6 +32,18 @@ def test_ptxas_keeps_the_wgmma_pipelined_and_nothing_spills(tmp_path):
     assert len(spills) == len(kernels) and all(a == "0" and b == "0" for a, b in spills), log
 
 
+def test_the_host_knows_each_kernels_ring_and_it_fits_in_shared_memory():
+    # the ring depth is a template argument in prefill.cu and a table in prefill.py: a mismatch would
+    # launch a kernel with less shared memory than it indexes
+    from fp4moe_ops.backends.cuda_prefill.prefill import KERNELS, shared_bytes
+
+    kernels = re.findall(r"^PREFILL_KERNEL\((\w+), (true|false), (\d+), (\d+), \d\)", SOURCE.read_text(), re.M)
+    assert len(kernels) >= 6
+    for name, gemm1, bm, stages in kernels:
+        assert KERNELS[int(bm)] == int(stages), name
+        assert shared_bytes(int(bm), gemm1 == "true") <= 227 * 1024, name  # Hopper's limit per block
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="wgmma: Hopper only")

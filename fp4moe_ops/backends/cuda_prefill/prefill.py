@@ -25,8 +25,6 @@ BOX_PAIRS = 32
 KERNELS = {128: 6, 64: 8, 32: 8}  # rows per block (wgmma N) -> ring slots compiled in prefill.cu
 THREADS = 384  # a loading warpgroup and two MMA warpgroups
 MAX_CLUSTERS = 0  # programs in clusters of 2: at most this many clusters (0: half the SMs); an experiment's knob
-
-
 ARCH = "sm_90a"  # wgmma and setmaxnreg need the architecture-specific target
 
 
@@ -190,23 +188,28 @@ def _launch(gemm1: bool, x, w, s, g, out, topk_weights, sorted_slot, block_exper
 
 
 def gemm1(x_sorted, w13, s13, g13, sorted_slot, block_expert, row_start, row_end, block_m: int = 128, diag: int = 0,
-          cluster: int = 1):
-    """``h [S, I]`` bf16 = SwiGLU of the gate and up GEMMs (K of GEMM2 in fragment order)."""
+          cluster: int = 1, out=None):
+    """``h [S, I]`` bf16 = SwiGLU of the gate and up GEMMs (K of GEMM2 in fragment order), into
+    ``out`` when given (the launches of several row-block sizes fill one ``h``)."""
     num_experts, inter = w13.shape[0], s13.shape[1] // 2
-    h = torch.empty(x_sorted.shape[0], inter, dtype=torch.bfloat16, device=x_sorted.device)
+    if out is None:
+        out = torch.empty(x_sorted.shape[0], inter, dtype=torch.bfloat16, device=x_sorted.device)
     w = w13.view(torch.uint8).reshape(num_experts * inter, x_sorted.shape[1])
-    return _launch(True, x_sorted, w, s13, g13, h, g13, sorted_slot, block_expert, row_start, row_end, block_m, diag,
-                   cluster)
+    # (GEMM1 reads no routing weights: any float pointer stands in)
+    return _launch(True, x_sorted, w, s13, g13, out, g13, sorted_slot, block_expert, row_start, row_end, block_m,
+                   diag, cluster)
 
 
 def gemm2(h, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start, row_end, block_m: int = 128,
-          diag: int = 0, cluster: int = 1):
-    """``y [S, H]`` float32 by slot: the down GEMM times the routing weight."""
+          diag: int = 0, cluster: int = 1, out=None):
+    """``y [S, H]`` float32 by slot: the down GEMM times the routing weight (float32 ``topk_weights``),
+    into ``out`` when given."""
     num_experts, hidden = w2.shape[0], s2.shape[1]
-    y = torch.empty(h.shape[0], hidden, dtype=torch.float32, device=h.device)
+    if out is None:
+        out = torch.empty(h.shape[0], hidden, dtype=torch.float32, device=h.device)
     w = w2.view(torch.uint8).reshape(num_experts * hidden // 2, h.shape[1])
-    return _launch(False, h, w, s2, g2, y, topk_weights, sorted_slot, block_expert, row_start, row_end, block_m, diag,
-                   cluster)
+    return _launch(False, h, w, s2, g2, out, topk_weights, sorted_slot, block_expert, row_start, row_end, block_m,
+                   diag, cluster)
 
 
 def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start, row_end,
@@ -220,15 +223,12 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     from ..triton_moe.prefill_rs import split_blocks
 
     launches = split_blocks(block_expert, row_start, row_end, w13.shape[0], block_m, tails)
-    inter, hidden = s13.shape[1] // 2, s2.shape[1]
-    h = torch.empty(x_sorted.shape[0], inter, dtype=torch.bfloat16, device=x_sorted.device)
-    y = torch.empty(x_sorted.shape[0], hidden, dtype=torch.float32, device=x_sorted.device)
-    w13_bytes = w13.view(torch.uint8).reshape(w13.shape[0] * inter, hidden)
-    w2_bytes = w2.view(torch.uint8).reshape(w2.shape[0] * hidden // 2, inter)
+    options = dict(diag=diag, cluster=cluster)
+    h = y = None
     for bm, experts, starts, ends in launches:
-        _launch(True, x_sorted, w13_bytes, s13, g13, h, g13, sorted_slot, experts, starts, ends, bm, diag, cluster)
+        h = gemm1(x_sorted, w13, s13, g13, sorted_slot, experts, starts, ends, block_m=bm, out=h, **options)
     for bm, experts, starts, ends in launches:
-        _launch(False, h, w2_bytes, s2, g2, y, topk_weights, sorted_slot, experts, starts, ends, bm, diag, cluster)
+        y = gemm2(h, w2, s2, g2, topk_weights, sorted_slot, experts, starts, ends, block_m=bm, out=y, **options)
     return y
 
 
