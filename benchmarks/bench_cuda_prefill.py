@@ -1,7 +1,7 @@
 """The CUDA prefill GEMMs (``fp4moe_ops/backends/cuda_prefill``, an issue-17 experiment) against the
 Gluon ones (``prefill_rs.py``) on the same routed inputs, one process.
 
-    python benchmarks/bench_cuda_prefill.py [--tokens 2048,8192] [--diag 1,2,4] [--balanced]
+    python benchmarks/bench_cuda_prefill.py [--tokens 2048,8192] [--diag 1,2,4,5,7] [--balanced]
 
 DeepSeek-V3 layer (E=256, H=7168, I=2048, top-8), 128-row blocks. Per token count: the CUDA GEMMs'
 ``y`` against the Gluon GEMMs' (max abs difference and the share of bit-equal values: the same
@@ -9,7 +9,8 @@ products summed in the same order should agree bit for bit) and the layer throug
 against the reference backend on the first 32 tokens; then times (4 routings per CUDA graph, median
 of replays, routing and gather outside the graph): both GEMMs of each, the CUDA GEMM1 and GEMM2
 alone, and with ``--diag`` the CUDA GEMMs without the decode (1), without the MMA (2), without the
-epilogue's stores (4) (wrong results, to time each side).
+epilogue's stores (4), or several of them (bits: 5 neither decode nor stores, 7 only the loads)
+(wrong results, to time each side).
 """
 
 from __future__ import annotations

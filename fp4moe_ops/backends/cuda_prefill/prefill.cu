@@ -242,8 +242,8 @@ __device__ __forceinline__ void st_shared_bf16(uint32_t addr, float v) {  // rou
   asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(b) : "memory");
 }
 
-// DIAG (diagnostics, wrong results): 1 no decode (A a constant), 2 no MMA (the decoded registers
-// XOR-ed into the result instead), 4 no copies of the outputs to global memory.
+// DIAG (diagnostics, wrong results), bits that combine: 1 no decode (A a constant), 2 no MMA (the
+// decoded registers XOR-ed into the result instead), 4 no copies of the outputs to global memory.
 //
 // Persistent: each program walks the tiles (weight tile t fastest, then row block) from its index in
 // steps of the grid. The loader runs ahead across tiles, so the ring is full when the MMA warpgroups
@@ -404,7 +404,7 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
         }
         // the previous step retired (this warp's wgmma; the warp's reads of its words long done)
         if (j == 3) release_slot<CLUSTER>(&empty[(it + STAGES - 1) % STAGES], it > 0 && lane == 0);
-        if constexpr (DIAG == 1) {
+        if constexpr ((DIAG & 1) != 0) {
 #pragma unroll
           for (int r = 0; r < 4; ++r) a[j][0][r] = a[j][1][r] = 0x3F803F80u ^ (w0[j] & w1[j] & 0x80000000u);
         } else {
@@ -413,7 +413,7 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
         }
         wgmma_fence();
         const uint64_t desc = tile_descriptor(x_tile, 32 * j);
-        if constexpr (DIAG == 2) {
+        if constexpr ((DIAG & 2) != 0) {
 #pragma unroll
           for (int r = 0; r < 4; ++r) sink ^= a[j][0][r] ^ a[j][1][r];
         } else {
@@ -428,7 +428,7 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
     for (int blk = 0; blk < 2; ++blk)
 #pragma unroll
       for (int i = 0; i < BM / 2; ++i) keep(acc[blk][i]);
-    if constexpr (DIAG == 2) acc[0][0] += __uint_as_float(sink & 0x807FFFFFu);
+    if constexpr ((DIAG & 2) != 0) acc[0][0] += __uint_as_float(sink & 0x807FFFFFu);
 
     // accumulator fragment: register 4i + 2h + c is weight row rho + 8h, token 8i + 2 quad + c
     const float g = args.global_scale[e] * 4194304.0f;  // the decoded values' 2^-22
@@ -449,7 +449,7 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
           }
       fence_async_shared();
       named_barrier(1 + wg, 128);
-      if (tid < nrows && DIAG != 4) {
+      if (tid < nrows && (DIAG & 4) == 0) {
         uint16_t* dst = static_cast<uint16_t*>(args.out) + int64_t(row0 + tid) * args.n_out + 128 * t + 64 * wg;
         bulk_store(dst, stage_addr + tid * OUT_ROW_BYTES, 128);
       }
@@ -472,7 +472,7 @@ __device__ __forceinline__ void prefill_gemm(const TensorMap* x_map, const Tenso
           }
         fence_async_shared();
         named_barrier(1 + wg, 128);
-        if (tid < nrows && DIAG != 4) {
+        if (tid < nrows && (DIAG & 4) == 0) {
           float* dst = static_cast<float*>(args.out) + int64_t(slot) * args.n_out + 256 * t + 128 * wg + 64 * blk;
           bulk_store(dst, stage_addr + tid * OUT_ROW_BYTES, 256);
         }
@@ -511,3 +511,7 @@ PREFILL_KERNEL(gemm1_bm128_diag2, true, 128, 6, 2)
 PREFILL_KERNEL(gemm2_bm128_diag2, false, 128, 6, 2)
 PREFILL_KERNEL(gemm1_bm128_diag4, true, 128, 6, 4)
 PREFILL_KERNEL(gemm2_bm128_diag4, false, 128, 6, 4)
+PREFILL_KERNEL(gemm1_bm128_diag5, true, 128, 6, 5)
+PREFILL_KERNEL(gemm2_bm128_diag5, false, 128, 6, 5)
+PREFILL_KERNEL(gemm1_bm128_diag7, true, 128, 6, 7)
+PREFILL_KERNEL(gemm2_bm128_diag7, false, 128, 6, 7)
