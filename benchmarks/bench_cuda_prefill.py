@@ -8,7 +8,7 @@ DeepSeek-V3 layer (E=256, H=7168, I=2048, top-8), 128-row blocks. Per token coun
 products summed in the same order should agree bit for bit) and the layer through the CUDA GEMMs
 against the reference backend on the first 32 tokens; then times (4 routings per CUDA graph, median
 of replays, routing and gather outside the graph): both GEMMs of each, the CUDA GEMM1 and GEMM2
-alone, and with ``--diag`` the CUDA GEMMs without the decode (1), without the MMA (2), without the
+alone, and with ``--diag``, for each of ``--configs`` (128- and 64-row blocks), the CUDA GEMMs without the decode (1), without the MMA (2), without the
 epilogue's stores (4), or several of them (bits: 5 neither decode nor stores, 7 only the loads)
 (wrong results, to time each side).
 """
@@ -93,12 +93,13 @@ def main():
                        lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, block_m=bm,
                                                             tails=tails, cluster=cl),
                        routed_bm)
+                for d in args.diag:
+                    report(f"cuda GEMMs {config} {clusters or ''} diag {d}",
+                           lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, block_m=bm,
+                                                                tails=tails, cluster=cl, diag=d),
+                           routed_bm)
             cuda.MAX_CLUSTERS = 0
             del routed_bm
-        for d in args.diag:
-            for cl in (1, 2):
-                report(f"cuda GEMMs diag {d} cluster {cl}",
-                       lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, diag=d, cluster=cl), pre)
         del inputs, pre, hs
         torch.cuda.empty_cache()
 
