@@ -10,7 +10,8 @@ against the reference backend on the first 32 tokens; then times (4 routings per
 of replays, routing and gather outside the graph): both GEMMs of each, the CUDA GEMM1 and GEMM2
 alone, and with ``--diag``, for each of ``--configs`` (128- and 64-row blocks), the CUDA GEMMs without the decode (1), without the MMA (2), without the
 epilogue's stores (4), or several of them (bits: 5 neither decode nor stores, 7 only the loads)
-(wrong results, to time each side).
+(wrong results, to time each side). ``--layer``: the whole layer (routing, gather, GEMMs, top-k
+sum) as the backend dispatches it, through the CUDA GEMMs and through the Gluon ones, per config.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def main():
     ap.add_argument("--configs", default="128", help="row block sizes with tails: 128,128-64,64-32 ...; "
                                                      "c2 after one: clusters of 2 (128c2, 128-64c2)")
     ap.add_argument("--clusters", default="0", type=ints, help="cluster counts to try with c2 configs (0: SMs / 2)")
+    ap.add_argument("--layer", action="store_true",
+                    help="also the whole layer: the backend as it dispatches (its bucket's kernels) against "
+                         "cuda.prefill_moe and the Gluon path in each of --configs (no clusters)")
     args = ap.parse_args()
     torch.manual_seed(0)
     e, h, i, k = 256, 7168, 2048, 8
@@ -56,6 +60,17 @@ def main():
         x, ids, rw = inputs[0]
         sub = slice(0, 32)
         check("cuda layer", module_moe(cuda, x, ids, rw, tensors)[sub], ref_impl(x[sub], ids[sub], rw[sub]))
+        if args.layer:
+            report("backend layer (as dispatched)", lambda a, b, c: launch.triton_fused_moe(a, b, c, tensors), inputs)
+            for config in args.configs.split(","):
+                if config.endswith("c2"):
+                    continue
+                bm, *tails = (int(v) for v in config.split("-"))
+                check(f"cuda layer {config}", cuda.prefill_moe(x, ids, rw, tensors, bm, tails)[sub],
+                      ref_impl(x[sub], ids[sub], rw[sub]))
+                report(f"cuda layer {config}", lambda a, b, c: cuda.prefill_moe(a, b, c, tensors, bm, tails), inputs)
+                report(f"gluon layer {config}",
+                       lambda a, b, c: launch._gluon_prefill_moe(a, b, c, tensors, block_m=bm, tails=tuple(tails)), inputs)
         pre = []
         for x, ids, rw in inputs:
             *routed, x_fragment = launch.route(ids, e, 128, x, prefill_rs.BK.value)
