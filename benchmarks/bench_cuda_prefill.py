@@ -60,6 +60,10 @@ def main():
         x, ids, rw = inputs[0]
         sub = slice(0, 32)
         check("cuda layer", module_moe(cuda, x, ids, rw, tensors)[sub], ref_impl(x[sub], ids[sub], rw[sub]))
+        def report(name, fn, data, work=flops):
+            ms = graph_time_ms(fn, data)
+            print(f"  {name}: {ms:.3f} ms {work / ms / 1e9:.0f} TFLOP/s", flush=True)
+
         if args.layer:
             report("backend layer (as dispatched)", lambda a, b, c: launch.triton_fused_moe(a, b, c, tensors), inputs)
             for config in args.configs.split(","):
@@ -82,10 +86,6 @@ def main():
         same = (y_cuda[used] == y_gluon[used]).float().mean().item()
         print(f"  cuda vs gluon y: max abs diff {diff.max().item():.3e} (scale {y_gluon[used].abs().max().item():.3e}), "
               f"bit-equal {100 * same:.2f}%", flush=True)
-
-        def report(name, fn, data, work=flops):
-            ms = graph_time_ms(fn, data)
-            print(f"  {name}: {ms:.3f} ms {work / ms / 1e9:.0f} TFLOP/s", flush=True)
 
         report("gluon GEMMs", lambda xs, r, *b: prefill_rs.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b), pre)
         report("cuda GEMMs", lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b), pre)
