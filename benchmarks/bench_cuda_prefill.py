@@ -60,6 +60,7 @@ def main():
         x, ids, rw = inputs[0]
         sub = slice(0, 32)
         check("cuda layer", module_moe(cuda, x, ids, rw, tensors)[sub], ref_impl(x[sub], ids[sub], rw[sub]))
+
         def report(name, fn, data, work=flops):
             ms = graph_time_ms(fn, data)
             print(f"  {name}: {ms:.3f} ms {work / ms / 1e9:.0f} TFLOP/s", flush=True)
