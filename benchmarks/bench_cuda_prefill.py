@@ -8,7 +8,7 @@ DeepSeek-V3 layer (E=256, H=7168, I=2048, top-8), 128-row blocks. Per token coun
 products summed in the same order should agree bit for bit) and the layer through the CUDA GEMMs
 against the reference backend on the first 32 tokens; then times (4 routings per CUDA graph, median
 of replays, routing and gather outside the graph): both GEMMs of each, the CUDA GEMM1 and GEMM2
-alone, and with ``--diag``, for each of ``--configs`` (128- and 64-row blocks), the CUDA GEMMs without the decode (1), without the MMA (2), without the
+alone, and with ``--diag``, for each of ``--configs``, the CUDA GEMMs without the decode (1), without the MMA (2), without the
 epilogue's stores (4), or several of them (bits: 5 neither decode nor stores, 7 only the loads)
 (wrong results, to time each side). ``--layer``: the whole layer (routing, gather, GEMMs, top-k
 sum) as the backend dispatches it, through the CUDA GEMMs and through the Gluon ones, per config.

@@ -218,7 +218,7 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     here): ``x_sorted [S, H]`` bf16, K in fragment order -> ``y [S, H]`` float32 by slot. ``tails``:
     narrower row blocks (of :data:`KERNELS`, decreasing) for an expert's last block when it holds
     that few rows, each size a launch of its own (``prefill_rs.split_blocks``). ``diag`` (wrong
-    results), bits: 1 no decode, 2 no MMA, 4 no output copies (128- and 64-row blocks; 1, 2, 4, 5, 7 built). ``cluster`` 2: programs in
+    results), bits: 1 no decode, 2 no MMA, 4 no output copies (every block size; 1, 2, 4, 5, 7 built). ``cluster`` 2: programs in
     pairs that share the activation tiles (TMA multicast)."""
     from ..triton_moe.prefill_rs import split_blocks
 
