@@ -109,6 +109,13 @@ def main():
                        lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, block_m=bm,
                                                             tails=tails, cluster=cl),
                        routed_bm)
+                if not tails and cl == 1:
+                    report(f"cuda GEMM1 {config}", lambda xs, r, slot, *b: cuda.gemm1(xs, w13, s13, g13, slot, *b,
+                                                                                      block_m=bm), routed_bm, flops * 2 / 3)
+                    hb = [(cuda.gemm1(xs, w13, s13, g13, slot, *b, block_m=bm), r, slot, *b) for xs, r, slot, *b in routed_bm]
+                    report(f"cuda GEMM2 {config}", lambda hh, r, *b: cuda.gemm2(hh, w2, s2, g2, r, *b, block_m=bm), hb,
+                           flops / 3)
+                    del hb
                 for d in args.diag:
                     report(f"cuda GEMMs {config} {clusters or ''} diag {d}",
                            lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, block_m=bm,
