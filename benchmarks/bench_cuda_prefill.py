@@ -39,6 +39,8 @@ def main():
     ap.add_argument("--configs", default="128", help="row block sizes with tails: 128,128-64,64-32 ...; "
                                                      "c2 after one: clusters of 2 (128c2, 128-64c2)")
     ap.add_argument("--clusters", default="0", type=ints, help="cluster counts to try with c2 configs (0: SMs / 2)")
+    ap.add_argument("--scale-ahead", default="4", type=ints,
+                    help="prefill.cu's SCALE_AHEAD values to compare (each its own cubin), per config")
     ap.add_argument("--layer", action="store_true",
                     help="also the whole layer: the backend as it dispatches (its bucket's kernels) against "
                          "cuda.prefill_moe and the Gluon path in each of --configs (no clusters)")
@@ -93,9 +95,12 @@ def main():
         report("cuda GEMM1", lambda xs, r, slot, *b: cuda.gemm1(xs, w13, s13, g13, slot, *b), pre, flops * 2 / 3)
         hs = [(cuda.gemm1(xs, w13, s13, g13, slot, *b), r, slot, *b) for xs, r, slot, *b in pre]
         report("cuda GEMM2", lambda hh, r, *b: cuda.gemm2(hh, w2, s2, g2, r, *b), hs, flops / 3)
-        for config in args.configs.split(","):
-            cl = 2 if config.endswith("c2") else 1
-            bm, *tails = (int(v) for v in config.removesuffix("c2").split("-"))
+        for config, ahead in ((c, a) for a in args.scale_ahead for c in args.configs.split(",")):
+            cuda.DEFINES["SCALE_AHEAD"] = ahead
+            config_name = config
+            config = f"{config} ahead {ahead}" if len(args.scale_ahead) > 1 else config
+            cl = 2 if config_name.endswith("c2") else 1
+            bm, *tails = (int(v) for v in config_name.removesuffix("c2").split("-"))
             routed_bm = []
             for x, ids, rw in inputs:
                 *routed, x_fragment = launch.route(ids, e, bm, x, prefill_rs.BK.value)
@@ -122,6 +127,7 @@ def main():
                                                                 tails=tails, cluster=cl, diag=d),
                            routed_bm)
             cuda.MAX_CLUSTERS = 0
+            cuda.DEFINES.clear()
             del routed_bm
         del inputs, pre, hs
         torch.cuda.empty_cache()

@@ -47,15 +47,22 @@ def test_the_host_knows_each_kernels_ring_and_it_fits_in_shared_memory():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="wgmma: Hopper only")
-@pytest.mark.parametrize("block_m,t,tails,cluster", [(128, 1100, (64, 32), 1), (64, 300, (32,), 1), (32, 150, (), 1),
-                                                     # past 4096 slots: routing by torch ops
-                                                     (128, 2100, (64,), 1),
-                                                     # programs in pairs sharing the activations
-                                                     (128, 1100, (64, 32), 2), (64, 300, (), 2)])
-def test_cuda_prefill_matches_float64(block_m, t, tails, cluster):
+@pytest.mark.parametrize("block_m,t,tails,cluster,scale_ahead",
+                         [(128, 1100, (64, 32), 1, None), (64, 300, (32,), 1, None), (32, 150, (), 1, None),
+                          # past 4096 slots: routing by torch ops
+                          (128, 2100, (64,), 1, None),
+                          # programs in pairs sharing the activations
+                          (128, 1100, (64, 32), 2, None), (64, 300, (), 2, None),
+                          # scale bytes read 1 and 2 steps ahead instead of prefill.cu's default
+                          (32, 150, (), 1, 1), (128, 1100, (64, 32), 1, 2)])
+def test_cuda_prefill_matches_float64(block_m, t, tails, cluster, scale_ahead, monkeypatch):
     # as test_gluon_row_blocks_and_tails_match_float64: H = 2048, I = 1024 (the ring wraps), skewed
     # loads (partial and several blocks per expert), a tail block at every level, sentinel ids dropped
+    from fp4moe_ops.backends.cuda_prefill import prefill
     from fp4moe_ops.backends.cuda_prefill.prefill import prefill_moe
+
+    if scale_ahead is not None:  # prefill.cu's compile-time knob (its own cubin)
+        monkeypatch.setattr(prefill, "DEFINES", {"SCALE_AHEAD": scale_ahead})
 
     e, h, i, k = 8, 2048, 1024, 2
     w = layer(e, h, i)

@@ -26,6 +26,12 @@ KERNELS = {128: 6, 64: 8, 32: 8}  # rows per block (wgmma N) -> ring slots compi
 THREADS = 384  # a loading warpgroup and two MMA warpgroups
 MAX_CLUSTERS = 0  # programs in clusters of 2: at most this many clusters (0: half the SMs); an experiment's knob
 ARCH = "sm_90a"  # wgmma and setmaxnreg need the architecture-specific target
+# prefill.cu's compile-time knobs (-D), for A/B runs in one process; each set is its own cubin
+DEFINES: dict[str, int] = {}
+
+
+def _scale_ahead() -> int:
+    return DEFINES.get("SCALE_AHEAD", 4)  # prefill.cu's default
 
 
 def build(out: Path = CUBIN) -> Path:
@@ -67,6 +73,7 @@ def compile_nvrtc(arch: str = ARCH) -> bytes:
                                    (ctypes.c_char_p * 1)(b"wgmma_rs.cuh")), "create")
     try:
         options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"-diag-suppress=177"]
+        options += [f"-D{name}={value}".encode() for name, value in sorted(DEFINES.items())]
         result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         if result != 0:
             size = ctypes.c_size_t()
@@ -85,7 +92,9 @@ def compile_nvrtc(arch: str = ARCH) -> bytes:
 
 def cubin() -> bytes:
     """The compiled kernels, from the on-disk cache (keyed by the sources) or compiled now."""
-    key = hashlib.sha256((HERE / "prefill.cu").read_bytes() + (HERE / "wgmma_rs.cuh").read_bytes()).hexdigest()[:16]
+    defines = repr(sorted(DEFINES.items())).encode()
+    key = hashlib.sha256((HERE / "prefill.cu").read_bytes() + (HERE / "wgmma_rs.cuh").read_bytes()
+                         + defines).hexdigest()[:16]
     cache = Path(os.environ.get("FP4MOE_CACHE", Path.home() / ".cache" / "fp4moe")) / f"prefill-{ARCH}-{key}.cubin"
     if cache.exists():
         return cache.read_bytes()
@@ -148,15 +157,15 @@ class _Driver:
                     "cuLaunchKernel")
 
 
-_DRIVER = None
+_DRIVERS = {}  # by DEFINES
 _BF16, _UINT8, _SWIZZLE_128B, _SWIZZLE_NONE = 9, 0, 3, 0
 
 
 def _driver() -> _Driver:
-    global _DRIVER
-    if _DRIVER is None:
-        _DRIVER = _Driver()
-    return _DRIVER
+    key = tuple(sorted(DEFINES.items()))
+    if key not in _DRIVERS:
+        _DRIVERS[key] = _Driver()
+    return _DRIVERS[key]
 
 
 def shared_bytes(block_m: int, gemm1: bool) -> int:
@@ -171,6 +180,9 @@ def _launch(gemm1: bool, x, w, s, g, out, topk_weights, sorted_slot, block_exper
             diag: int, cluster: int = 1):
     drv = _driver()
     n_out, k = out.shape[1], x.shape[1]
+    if k % (BK * _scale_ahead()):
+        raise ValueError(f"the CUDA prefill kernels need K ({k}) a multiple of {BK * _scale_ahead()} "
+                         f"(steps of {BK}, scales read {_scale_ahead()} steps ahead)")
     smem = shared_bytes(block_m, gemm1)
     fn = drv.function(f"gemm{1 if gemm1 else 2}_bm{block_m}" + (f"_diag{diag}" if diag else "")
                       + ("_c2" if cluster == 2 else ""), smem)
