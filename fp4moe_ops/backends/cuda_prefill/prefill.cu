@@ -38,9 +38,10 @@ struct alignas(64) TensorMap {
 namespace {
 
 constexpr int BK = 64;                      // K per step
-// Scale bytes are read from global memory this many steps before their use: one step ahead left the
-// load's latency exposed where steps are short (32-row blocks at 512 tokens: the decode-only
-// variant took 2.44 ms against 1.42 for the loads alone)
+// Scale bytes are read from global memory this many steps before their use. One step ahead left the
+// load's latency exposed where steps are short: 32-row blocks at 512 tokens took 2.86 ms (the
+// variant without MMA 2.39), 4 ahead 2.67 (2.14); 0.97x at 2048 tokens (128 + 64-row tails), level
+// at 8192 (H200, benchmarks/NOTES.md). 8 ahead spills at 128 rows.
 #ifndef SCALE_AHEAD
 #define SCALE_AHEAD 4
 #endif
