@@ -245,15 +245,11 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
 
 
 def prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int = 128, tails=(), **options):
-    """The whole layer with these GEMMs, as ``triton_moe.launch._gluon_prefill_moe``: route into
-    ``block_m``-row blocks, gather the activations in expert order (K in fragment order), both
-    GEMMs, top-k sum. Expert tensors in the Triton backend's paired layout."""
-    from ..triton_moe.launch import _sum_topk, route
+    """The whole layer with these GEMMs: ``triton_moe.launch._gluon_prefill_moe`` (routing into
+    ``block_m``-row blocks, the gather in expert order with K in fragment order, top-k sum) with
+    :func:`prefill_gemms` in place of the Gluon ones. Expert tensors in the Triton backend's paired
+    layout; ``topk_weights`` are taken as float32."""
+    from ..triton_moe.launch import _gluon_prefill_moe
 
-    w13, s13, g13, w2, s2, g2 = expert_tensors
-    num_experts = s13.shape[0]
-    sorted_slot, block_expert, row_start, row_end, x_fragment = route(topk_ids, num_experts, block_m, x, BK)
-    x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
-    y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.float().contiguous(), sorted_slot,
-                      block_expert, row_start, row_end, block_m=block_m, tails=tails, **options)
-    return _sum_topk(y, topk_ids, x, num_experts)
+    return _gluon_prefill_moe(x, topk_ids, topk_weights.float(), expert_tensors, block_m=block_m, tails=tuple(tails),
+                              gemms=prefill_gemms, **options)

@@ -405,12 +405,14 @@ def _one_token_blocks(cfg: dict, topk_ids: torch.Tensor):
 
 
 def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int = 128, tails=GLUON_PREFILL_TAILS,
-                       **options):
+                       gemms=None, **options):
     """Route into ``block_m``-row blocks, gather the activations in expert order (K in fragment
-    order), both GEMMs (:func:`.prefill_rs.prefill_gemms`: ``tails``, the narrower tiles of an
-    expert's last block, and ``options``, its tuning and diagnostic arguments), top-k sum."""
+    order), both GEMMs (:func:`.prefill_rs.prefill_gemms`, or ``gemms`` of the same interface such
+    as the CUDA experiment's: ``tails``, the narrower tiles of an expert's last block, and
+    ``options``, its tuning and diagnostic arguments), top-k sum."""
     from .prefill_rs import BK, prefill_gemms
 
+    prefill_gemms = gemms or prefill_gemms
     w13, s13, g13, w2, s2, g2 = expert_tensors
     num_experts = s13.shape[0]
     sorted_slot, block_expert, row_start, row_end, x_fragment = route(topk_ids, num_experts, block_m, x, BK.value)
