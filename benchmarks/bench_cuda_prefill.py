@@ -8,9 +8,9 @@ DeepSeek-V3 layer (E=256, H=7168, I=2048, top-8), 128-row blocks. Per token coun
 products summed in the same order should agree bit for bit) and the layer through the CUDA GEMMs
 against the reference backend on the first 32 tokens; then times (4 routings per CUDA graph, median
 of replays, routing and gather outside the graph): both GEMMs of each, the CUDA GEMM1 and GEMM2
-alone, and with ``--diag``, for each of ``--configs``, the CUDA GEMMs without the decode (1), without the MMA (2), without the
-epilogue's stores (4), or several of them (bits: 5 neither decode nor stores, 7 only the loads)
-(wrong results, to time each side). ``--layer``: the whole layer (routing, gather, GEMMs, top-k
+alone, and with ``--diag``, for each of ``--configs``, the CUDA GEMMs without the decode (1),
+without the MMA (2), without the epilogue's stores (4), or several of them (bits: 5 neither decode
+nor stores, 7 only the loads) (wrong results, to time each side). ``--layer``: the whole layer (routing, gather, GEMMs, top-k
 sum) as the backend dispatches it, through the CUDA GEMMs and through the Gluon ones, per config.
 """
 
@@ -61,7 +61,8 @@ def main():
         print(f"T={t}{' balanced' if args.balanced else ''}", flush=True)
         x, ids, rw = inputs[0]
         sub = slice(0, 32)
-        check("cuda layer", module_moe(cuda, x, ids, rw, tensors)[sub], ref_impl(x[sub], ids[sub], rw[sub]))
+        ref = ref_impl(x[sub], ids[sub], rw[sub])
+        check("cuda layer", module_moe(cuda, x, ids, rw, tensors)[sub], ref)
 
         def report(name, fn, data, work=flops):
             ms = graph_time_ms(fn, data)
@@ -73,8 +74,7 @@ def main():
                 if config.endswith("c2"):
                     continue
                 bm, *tails = (int(v) for v in config.split("-"))
-                check(f"cuda layer {config}", cuda.prefill_moe(x, ids, rw, tensors, bm, tails)[sub],
-                      ref_impl(x[sub], ids[sub], rw[sub]))
+                check(f"cuda layer {config}", cuda.prefill_moe(x, ids, rw, tensors, bm, tails)[sub], ref)
                 report(f"cuda layer {config}", lambda a, b, c: cuda.prefill_moe(a, b, c, tensors, bm, tails), inputs)
                 report(f"gluon layer {config}",
                        lambda a, b, c: launch._gluon_prefill_moe(a, b, c, tensors, block_m=bm, tails=tuple(tails)), inputs)
@@ -92,15 +92,20 @@ def main():
 
         report("gluon GEMMs", lambda xs, r, *b: prefill_rs.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b), pre)
         report("cuda GEMMs", lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b), pre)
-        report("cuda GEMM1", lambda xs, r, slot, *b: cuda.gemm1(xs, w13, s13, g13, slot, *b), pre, flops * 2 / 3)
-        hs = [(cuda.gemm1(xs, w13, s13, g13, slot, *b), r, slot, *b) for xs, r, slot, *b in pre]
-        report("cuda GEMM2", lambda hh, r, *b: cuda.gemm2(hh, w2, s2, g2, r, *b), hs, flops / 3)
+
+        def report_apart(label, data, bm=128):
+            """GEMM1 and GEMM2 each alone (GEMM2 on GEMM1's outputs)."""
+            report(f"cuda GEMM1{label}", lambda xs, r, slot, *b: cuda.gemm1(xs, w13, s13, g13, slot, *b, block_m=bm),
+                   data, flops * 2 / 3)
+            hs = [(cuda.gemm1(xs, w13, s13, g13, slot, *b, block_m=bm), r, slot, *b) for xs, r, slot, *b in data]
+            report(f"cuda GEMM2{label}", lambda hh, r, *b: cuda.gemm2(hh, w2, s2, g2, r, *b, block_m=bm), hs, flops / 3)
+
+        report_apart("", pre)
         for config, ahead in ((c, a) for a in args.scale_ahead for c in args.configs.split(",")):
             cuda.DEFINES["SCALE_AHEAD"] = ahead
-            config_name = config
-            config = f"{config} ahead {ahead}" if len(args.scale_ahead) > 1 else config
-            cl = 2 if config_name.endswith("c2") else 1
-            bm, *tails = (int(v) for v in config_name.removesuffix("c2").split("-"))
+            label = f"{config} ahead {ahead}" if len(args.scale_ahead) > 1 else config
+            cl = 2 if config.endswith("c2") else 1
+            bm, *tails = (int(v) for v in config.removesuffix("c2").split("-"))
             routed_bm = []
             for x, ids, rw in inputs:
                 *routed, x_fragment = launch.route(ids, e, bm, x, prefill_rs.BK.value)
@@ -110,26 +115,21 @@ def main():
             err = (y_c[used] - y_gluon[used]).abs().max().item()
             for clusters in args.clusters if cl == 2 else [0]:
                 cuda.MAX_CLUSTERS = clusters
-                report(f"cuda GEMMs {config} {clusters or ''} (max abs diff to gluon {err:.2e})",
+                report(f"cuda GEMMs {label} {clusters or ''} (max abs diff to gluon {err:.2e})",
                        lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, block_m=bm,
                                                             tails=tails, cluster=cl),
                        routed_bm)
                 if not tails and cl == 1:
-                    report(f"cuda GEMM1 {config}", lambda xs, r, slot, *b: cuda.gemm1(xs, w13, s13, g13, slot, *b,
-                                                                                      block_m=bm), routed_bm, flops * 2 / 3)
-                    hb = [(cuda.gemm1(xs, w13, s13, g13, slot, *b, block_m=bm), r, slot, *b) for xs, r, slot, *b in routed_bm]
-                    report(f"cuda GEMM2 {config}", lambda hh, r, *b: cuda.gemm2(hh, w2, s2, g2, r, *b, block_m=bm), hb,
-                           flops / 3)
-                    del hb
+                    report_apart(f" {label}", routed_bm, bm)
                 for d in args.diag:
-                    report(f"cuda GEMMs {config} {clusters or ''} diag {d}",
+                    report(f"cuda GEMMs {label} {clusters or ''} diag {d}",
                            lambda xs, r, *b: cuda.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, r, *b, block_m=bm,
                                                                 tails=tails, cluster=cl, diag=d),
                            routed_bm)
             cuda.MAX_CLUSTERS = 0
             cuda.DEFINES.clear()
             del routed_bm
-        del inputs, pre, hs
+        del inputs, pre
         torch.cuda.empty_cache()
 
 

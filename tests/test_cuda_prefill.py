@@ -44,6 +44,14 @@ def test_the_host_knows_each_kernels_ring_and_it_fits_in_shared_memory():
         assert shared_bytes(int(bm), gemm1 == "true") <= 227 * 1024, name  # Hopper's limit per block
 
 
+def test_the_host_knows_how_far_ahead_the_kernels_read_scales():
+    # the host refuses a K that is not a multiple of the kernels' scale read-ahead; a stale copy of the
+    # default would let such a K reach the kernels, which then read scales past the row
+    from fp4moe_ops.backends.cuda_prefill.prefill import SCALE_AHEAD
+
+    assert re.search(r"^#define SCALE_AHEAD (\d+)$", SOURCE.read_text(), re.M).group(1) == str(SCALE_AHEAD)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="wgmma: Hopper only")

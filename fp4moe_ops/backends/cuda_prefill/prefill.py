@@ -30,8 +30,11 @@ ARCH = "sm_90a"  # wgmma and setmaxnreg need the architecture-specific target
 DEFINES: dict[str, int] = {}
 
 
+SCALE_AHEAD = 4  # prefill.cu's default (a CPU test holds the two equal)
+
+
 def _scale_ahead() -> int:
-    return DEFINES.get("SCALE_AHEAD", 4)  # prefill.cu's default
+    return DEFINES.get("SCALE_AHEAD", SCALE_AHEAD)
 
 
 def build(out: Path = CUBIN) -> Path:
@@ -230,8 +233,8 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     here): ``x_sorted [S, H]`` bf16, K in fragment order -> ``y [S, H]`` float32 by slot. ``tails``:
     narrower row blocks (of :data:`KERNELS`, decreasing) for an expert's last block when it holds
     that few rows, each size a launch of its own (``prefill_rs.split_blocks``). ``diag`` (wrong
-    results), bits: 1 no decode, 2 no MMA, 4 no output copies (every block size; 1, 2, 4, 5, 7 built). ``cluster`` 2: programs in
-    pairs that share the activation tiles (TMA multicast)."""
+    results), bits: 1 no decode, 2 no MMA, 4 no output copies (1, 2, 4, 5 and 7 built for every
+    block size). ``cluster`` 2: programs in pairs that share the activation tiles (TMA multicast)."""
     from ..triton_moe.prefill_rs import split_blocks
 
     launches = split_blocks(block_expert, row_start, row_end, w13.shape[0], block_m, tails)

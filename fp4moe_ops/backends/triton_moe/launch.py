@@ -412,13 +412,13 @@ def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int =
     ``options``, its tuning and diagnostic arguments), top-k sum."""
     from .prefill_rs import BK, prefill_gemms
 
-    prefill_gemms = gemms or prefill_gemms
+    gemms = gemms or prefill_gemms
     w13, s13, g13, w2, s2, g2 = expert_tensors
     num_experts = s13.shape[0]
     sorted_slot, block_expert, row_start, row_end, x_fragment = route(topk_ids, num_experts, block_m, x, BK.value)
     x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
-    y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
-                      row_start, row_end, block_m=block_m, tails=tails, **options)
+    y = gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
+              row_start, row_end, block_m=block_m, tails=tails, **options)
     return _sum_topk(y, topk_ids, x, num_experts)
 
 
