@@ -60,6 +60,14 @@ class _Sm90WithoutGpu(CudaDriver):
         self.launchers.append(src.fn.__name__)
 
 
+def _short(error) -> str:
+    """A compile error's last line (Triton's CompilationError repeats the kernel's source)."""
+    while error.__cause__ is not None:  # (a failure inside a called function: its own error)
+        error = error.__cause__
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
+
+
 def layer_arguments(e: int, h: int, i: int, top_k: int, device: str = "cpu"):
     """A one-token call's arguments for a layer of ``e`` experts in the paired layout (the weights
     uninitialized: nothing here reads them)."""
@@ -156,7 +164,7 @@ def main():
     again = time.time() - t0
     ok = cached_variants() == compiled and again < 1.0 and not errors
     if errors:
-        print(f"plans failed: {errors}")
+        print("plans failed:", *{_short(e) for e in errors}, sep="\n  ")
     x, ids, rw, tensors = layer_arguments(e, h, i, k)
     for t in (int(n) for n in args.check_tokens.split(",") if n):
         xt, idst, rwt = x.expand(t, h).contiguous(), (torch.arange(t * k) % e).reshape(t, k), rw.expand(t, k).contiguous()

@@ -35,9 +35,10 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .compile_ahead import launch_or_compile
+from .gluon_api import reinterpret, thread_barrier, tma_load
 from .prefill_rs import _SPLIT_HALVES, _WORD_TO_BF16
 
 # Two E4M3 scale bytes (byte t of $2 for row r, of $3 for row r + 8, picked by the selector $4 =
@@ -228,10 +229,10 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
         for q in gl.static_range(STAGES):
             if q < NSLOTS:
                 mbarrier.expect(ready.index(q), SLOT_BYTES)
-                tma.async_copy_global_to_shared(s_desc, [0, q, row0, 0], ready.index(q), s_smem.index(q))
-                tma.async_copy_global_to_shared(w_desc, [0, 0, q, pair0, 0], ready.index(q), w_smem.index(q))
-        words_smem = w_smem._reinterpret(gl.int32, [STAGES * SPS, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        s_steps = s_smem._reinterpret(gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+                tma_load(s_desc, [0, q, row0, 0], ready.index(q), s_smem.index(q))
+                tma_load(w_desc, [0, 0, q, pair0, 0], ready.index(q), w_smem.index(q))
+        words_smem = reinterpret(w_smem, gl.int32, [STAGES * SPS, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        s_steps = reinterpret(s_smem, gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
         sel = _scale_selector(SL)
 
@@ -255,11 +256,11 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
             if SPS == 2:
                 words1 = words_smem.index(SPS * s + 1).load(WL16)
                 na, nb = _slot_scales(s_steps.index(SPS * s + 1), SL)
-            gl.thread_barrier()  # every warp has its words and scales of slot s: refill it
+            thread_barrier()  # every warp has its words and scales of slot s: refill it
             if i + STAGES < NSLOTS:
                 mbarrier.expect(ready.index(s), SLOT_BYTES)
-                tma.async_copy_global_to_shared(s_desc, [0, i + STAGES, row0, 0], ready.index(s), s_smem.index(s))
-                tma.async_copy_global_to_shared(w_desc, [0, 0, i + STAGES, pair0, 0], ready.index(s), w_smem.index(s))
+                tma_load(s_desc, [0, i + STAGES, row0, 0], ready.index(s), s_smem.index(s))
+                tma_load(w_desc, [0, 0, i + STAGES, pair0, 0], ready.index(s), w_smem.index(s))
             # the next step's activations, issued after the copy (its proxy fence waits for the
             # thread's outstanding memory operations)
             x_nxt = gl.load(h_words + h_off + gl.minimum(SPS * i + 1, NSTEPS - 1) * 128, mask=h_mask, other=0)
@@ -275,7 +276,7 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
         # the warp axis also shuffled within warps, with bank conflicts: 202 us instead of 152)
         red = gl.allocate_shared_memory(gl.float32, [4, 64, BM], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         red.store(acc)
-        gl.thread_barrier()
+        thread_barrier()
         RL: gl.constexpr = gl.BlockedLayout([4, 1, 4], [1, 32 // (BM // 4), BM // 4], [1, 4, 1], [2, 1, 0])
         y = gl.sum(red.load(RL), axis=0)
         YL: gl.constexpr = y.type.layout
@@ -362,10 +363,10 @@ def _gemm1_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block
         for q in gl.static_range(STAGES):
             if q < NSTEPS:
                 mbarrier.expect(ready.index(q), SLOT_BYTES)
-                tma.async_copy_global_to_shared(s_desc, [q, 0, e, n * 32, 0], ready.index(q), s_smem.index(q))
-                tma.async_copy_global_to_shared(w_desc, [0, q, 2 * e, n * 16, 0], ready.index(q), w_smem.index(q))
-        words_smem = w_smem._reinterpret(gl.int32, [STAGES, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        s_steps = s_smem._reinterpret(gl.int32, [STAGES, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+                tma_load(s_desc, [q, 0, e, n * 32, 0], ready.index(q), s_smem.index(q))
+                tma_load(w_desc, [0, q, 2 * e, n * 16, 0], ready.index(q), w_smem.index(q))
+        words_smem = reinterpret(w_smem, gl.int32, [STAGES, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        s_steps = reinterpret(s_smem, gl.int32, [STAGES, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
         sel = _scale_selector(SL)
 
@@ -389,11 +390,11 @@ def _gemm1_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             words = words_smem.index(s).load(WL16)
             ra, rb = _slot_scales(s_steps.index(s), SL)
-            gl.thread_barrier()  # every warp has its words and scales of slot s: refill it
+            thread_barrier()  # every warp has its words and scales of slot s: refill it
             if i + STAGES < NSTEPS:
                 mbarrier.expect(ready.index(s), SLOT_BYTES)
-                tma.async_copy_global_to_shared(s_desc, [i + STAGES, 0, e, n * 32, 0], ready.index(s), s_smem.index(s))
-                tma.async_copy_global_to_shared(w_desc, [0, i + STAGES, 2 * e, n * 16, 0], ready.index(s),
+                tma_load(s_desc, [i + STAGES, 0, e, n * 32, 0], ready.index(s), s_smem.index(s))
+                tma_load(w_desc, [0, i + STAGES, 2 * e, n * 16, 0], ready.index(s),
                                                 w_smem.index(s))
             x_nxt = gl.load(x_words + x_off + gl.minimum(i + 1, NSTEPS - 1) * 128, mask=x_mask, other=0)
             acc = _step(acc, words, ra, rb, sel, x_cur, WL, la, lb, BM, NATURAL_B=True)
@@ -402,8 +403,8 @@ def _gemm1_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block
         # the warps' partial sums through shared memory; rows r (gate) and 32 + r (up) in one thread
         red = gl.allocate_shared_memory(gl.float32, [4, 64, BM], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         red.store(acc)
-        gl.thread_barrier()
-        red4 = red._reinterpret(gl.float32, [4, 2, 32, BM], gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
+        thread_barrier()
+        red4 = reinterpret(red, gl.float32, [4, 2, 32, BM], gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
         RL: gl.constexpr = gl.BlockedLayout([4, 2, 1, BM // 4], [1, 1, 8, 4], [1, 1, 4, 1], [3, 2, 1, 0])
         y = gl.sum(red4.load(RL), axis=0)  # [2, 32, BM]
         g = gl.load(g_ptr + e) * 4194304.0  # the decoded tiles' 2^-22

@@ -40,9 +40,10 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .compile_ahead import launch_or_compile
+from .gluon_api import reinterpret, tma_load
 from .kernels import _PAIRED_WORD_TO_BF16
 from .layout import fragment_column
 
@@ -128,10 +129,10 @@ def _issue_x(x_desc, x_smem, x_ready, row0, i, n2):
     if i < n2:
         s = i % S
         # the ring's two tiles of a slot as one [2, BLOCK_M, 64] box (the same bytes and swizzle)
-        pairs = x_smem._reinterpret(gl.bfloat16, [S, 2, BLOCK_M, BK],
+        pairs = reinterpret(x_smem, gl.bfloat16, [S, 2, BLOCK_M, BK],
                                     gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
         mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [2 * i, row0, 0], x_ready.index(s), pairs.index(s))
+        tma_load(x_desc, [2 * i, row0, 0], x_ready.index(s), pairs.index(s))
 
 
 @gluon.jit
@@ -145,7 +146,7 @@ def _issue_w(w_desc, w_smem, w_ready, base, wbox, wpair, i, n2):
     if i < n2:
         s = base + i % S
         mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [2 * i, wbox, wpair, 0], w_ready.index(s), w_smem.index(s))
+        tma_load(w_desc, [2 * i, wbox, wpair, 0], w_ready.index(s), w_smem.index(s))
 
 
 @gluon.jit
@@ -185,7 +186,7 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     wl2: gl.constexpr = gl.reshape(ref, [PAIRS, 16]).type.layout  # the same as [pair row, word]
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     # a slot's [2 steps, 2 boxes, 32 pair rows, 64 bytes] as [2 steps, 64 pair rows, 16 words]
-    w_words = w_all._reinterpret(gl.int32, [4 * S, PAIRS, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    w_words = reinterpret(w_all, gl.int32, [4 * S, PAIRS, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     offs = _scale_offsets(2 * p0, 2 * p1, K, gl.SliceLayout(2, wl))
     below = 8 * (K // 16)  # rows r + 8
     ra = gl.load(s_ptr + offs)
