@@ -3,6 +3,12 @@ torch ``_grouped_mm`` BF16 and the reference, side by side in one process.
 
     python benchmarks/bench_moe.py                      # GPU: DeepSeek-V3 layer, all token counts
     python benchmarks/bench_moe.py --shape small        # CPU: reference on a small shape (CI)
+    python benchmarks/bench_moe.py --backends triton,triton_single_role,grouped_mm,reference \
+        --tokens 1,8,64,512,2048,8192 --input-sets 8      # the Triton-release table (RESULTS.md)
+
+``triton_single_role``: the same prepared experts with the Gluon kernels switched off, so the
+single-role Triton kernels (what an unsupported Triton release or FP4MOE_GLUON=0 runs) are timed
+in the same process as the fast path. The log names the kernel family ``triton`` ran per token count.
 
 Method: random NVFP4 weights (quantized from Gaussians), random top-k routing; several input
 sets rotated inside one CUDA graph so neither L2 nor a fixed routing flatters; median of graph
@@ -163,6 +169,20 @@ def error_vs_reference(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref_norm).item()
 
 
+def without_gluon(fn):
+    """``fn`` with the Gluon kernels switched off while it runs (and while a CUDA graph captures it)."""
+    from fp4moe_ops.backends.triton_moe import launch
+
+    def call(*args):
+        saved, launch._gluon_runs = launch._gluon_runs, lambda x: False
+        try:
+            return fn(*args)
+        finally:
+            launch._gluon_runs = saved
+
+    return call
+
+
 def make_inputs(t, h, k, routed_over, device, n=INPUT_SETS):
     sets = []
     for _ in range(n):
@@ -186,6 +206,7 @@ def main() -> None:
     ap.add_argument("--backends", default="triton,flashinfer_mxfp4,flashinfer_bf16,grouped_mm,reference")
     ap.add_argument("--out", default="benchmarks/out")
     ap.add_argument("--reference-max-tokens", type=int, default=8, help="time the (slow) reference only up to this")
+    ap.add_argument("--input-sets", type=int, default=INPUT_SETS, help="routings (input sets) per CUDA graph")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -218,6 +239,8 @@ def main() -> None:
                     impls[b].routed_experts = routed_over if routed_over != e else 0
                 except Exception as exc:  # report, keep benchmarking the others
                     log(f"{b}: unavailable: {exc}")
+        if "triton_single_role" in wanted and "triton" in impls:
+            impls["triton_single_role"] = without_gluon(impls["triton"])
         if "grouped_mm" in wanted:
             w13, w2 = bf16_weights(w)
             w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
@@ -229,8 +252,12 @@ def main() -> None:
 
     rows = []
     for t in tokens:
-        inputs = make_inputs(t, h, k, routed_over, device)
+        inputs = make_inputs(t, h, k, routed_over, device, args.input_sets)
         hit = distinct_experts(inputs, e)
+        if cuda and "triton" in impls:
+            from fp4moe_ops.backends.triton_moe.launch import kernel_family
+
+            log(f"T={t}: triton runs {kernel_family(inputs[0][0], t * k, e, h, i, impls['triton'].routed_experts)}")
         floor_ms = hit * bytes_per_expert / bw * 1e3 if cuda else float("nan")
         sub = slice(0, min(t, 32))
         x0, ids0, rw0 = inputs[0]
@@ -255,8 +282,14 @@ def main() -> None:
         rows.append(row)
         del inputs
 
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
     result = {"device": name, "shape": shape, "E": e, "H": h, "I": i, "top_k": k,
-              "copy_bandwidth_TBps": bw / 1e12, "torch": torch.__version__,
+              "copy_bandwidth_TBps": bw / 1e12, "torch": torch.__version__, "triton": triton_version,
+              "input_sets": args.input_sets,
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
     (out_dir / f"results_{shape}.json").write_text(json.dumps(result, indent=1))
     md = markdown_table(result, list(impls))
@@ -271,8 +304,9 @@ def markdown_table(result, names) -> str:
     head = ["tokens", "experts hit", "floor ms"] + [f"{n} ms" for n in names]
     if "triton" in names:
         head += ["ours TB/s", "ours / floor"] + [f"speedup vs {n}" for n in peers]
-    lines = [f"Device {result['device']}, {result['date']}, shape {result['shape']} (E={result['E']}, H={result['H']}, "
-             f"I={result['I']}, top-{result['top_k']}), copy bandwidth {result['copy_bandwidth_TBps']:.2f} TB/s",
+    lines = [f"Device {result['device']}, {result['date']}, torch {result['torch']}, Triton {result['triton']}, shape "
+             f"{result['shape']} (E={result['E']}, H={result['H']}, I={result['I']}, top-{result['top_k']}), "
+             f"{result['input_sets']} routings per graph, copy bandwidth {result['copy_bandwidth_TBps']:.2f} TB/s",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
         cells = [str(r["tokens"]), f"{r['experts_hit']:.0f}", f"{r['floor_ms']:.4f}"]

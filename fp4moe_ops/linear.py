@@ -43,6 +43,8 @@ metadata only (no host syncs).
 from __future__ import annotations
 
 import functools
+import logging
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -128,8 +130,33 @@ def _flashinfer_missing() -> str | None:
 
 def _resolve(backend: str, x: torch.Tensor, weight: torch.Tensor) -> str:
     if backend == "auto":
-        return "reference" if _triton_refusal(x, weight) else "triton"
+        refusal = _triton_refusal(x, weight)
+        if x.is_cuda:
+            _announce_once(x, refusal)
+        return "reference" if refusal else "triton"
     return backend
+
+
+_ANNOUNCED = set()
+
+
+def _announce_once(x: torch.Tensor, refusal: str | None) -> None:
+    """Say once per device, dtype and reason which kernels ``"auto"`` runs NVFP4 linears with on a
+    GPU: at info level, and as a warning where it falls back to the reference path (the weight
+    decoded in PyTorch at every call)."""
+    key = (x.device, x.dtype, refusal)
+    if key in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(key)
+    if refusal is None:
+        import triton
+
+        logging.getLogger("fp4moe").info(
+            "fp4moe: NVFP4 linears on %s run Triton %s's kernels (a GEMV up to 64 tokens, the weight decoded "
+            "to 16 bits for cuBLAS beyond)", x.device, triton.__version__)
+    else:
+        warnings.warn(f"fp4moe: an NVFP4 linear on {x.device} runs the slow reference path (its weight decoded "
+                      f"in PyTorch at every call), not the Triton kernels: {refusal}", stacklevel=3)
 
 
 def flashinfer_linear_arguments(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -126,6 +126,7 @@ def run(shapes, tokens, device) -> list[dict]:
 def _check(row, experts, w, x, ids, rw, device, answers) -> None:
     backend, mode, t = row["backend"], None if row["mode"] == "w4a16" else row["mode"], row["tokens"]
     out = experts(x, ids, rw)
+    row["kernels"] = _kernels(experts, x, ids)
     row["ms"] = timed(lambda: experts(x, ids, rw), device)
     fc1, fc2 = activation_scales(w.fc1_input_scale, w.fc2_input_scale, mode) if mode else (None, None)
     if backend == "reference":  # against float64, on a few tokens (the oracle loops in Python)
@@ -148,12 +149,32 @@ def _check(row, experts, w, x, ids, rw, device, answers) -> None:
     row["pass"] = row["pass"] and bool(torch.isfinite(out).all())
 
 
+def _kernels(experts, x, ids) -> str:
+    """The kernel family that ran the case: for ``triton`` on a GPU the one its launcher picks for
+    this many slots (:func:`~fp4moe_ops.backends.triton_moe.launch.kernel_family`), else the backend."""
+    if experts.backend != "triton" or not x.is_cuda:
+        return experts.backend
+    from .backends.triton_moe.launch import kernel_family
+
+    w13 = experts.op_tensors()[0]
+    return kernel_family(x, ids.numel(), experts.num_experts, experts.hidden_size, experts.intermediate_size,
+                         experts.routed_experts, paired=w13.dtype == torch.int32)
+
+
 def _format(row: dict) -> str:
     status = "PASS" if row["pass"] else "FAIL"
     ms = f"{row['ms']:9.3f}" if "ms" in row else "        -"
     why = f"  {row['why'][:300]}" if "why" in row else ""
-    return (f"{row['backend']:17s} {row['shape']:12s} T={row['tokens']:5d} {row['mode']:10s} "
+    return (f"{row['backend']:17s} {row.get('kernels', '-'):17s} {row['shape']:12s} T={row['tokens']:5d} {row['mode']:10s} "
             f"err {row['error']:.2e}  tol {row['tolerance']:.1e}  {ms} ms  {status}{why}")
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__
 
 
 def main(argv=None) -> int:
@@ -167,8 +188,8 @@ def main(argv=None) -> int:
     tokens = TOKENS if gpu else (1, 7, 128)
     name = torch.cuda.get_device_name(device) if gpu else "cpu"
     cap = torch.cuda.get_device_capability(device) if gpu else None
-    print(f"fp4moe self-test on {name} (capability {cap}), torch {torch.__version__}; backends here: "
-          f"{available_backends(device)}", flush=True)
+    print(f"fp4moe self-test on {name} (capability {cap}), torch {torch.__version__}, Triton {_triton_version()}; "
+          f"backends here: {available_backends(device)}", flush=True)
     rows = run(shapes, tokens, device)
     failed = [r for r in rows if not r["pass"]]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")

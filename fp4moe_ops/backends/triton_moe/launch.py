@@ -5,6 +5,7 @@ layer compiled at its first call; the same for one NVFP4 linear layer (``fp4moe:
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from functools import partial
@@ -23,6 +24,9 @@ except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
 
+_log = logging.getLogger("fp4moe")
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -39,10 +43,12 @@ GLUON_PREFILL_MIN_ROWS = 64
 GLUON_PREFILL_TAILS = (64,)
 # Up to this many rows per expert, decode_v3's kernels in 8-row blocks (kernel_config)
 V3_MAX_ROWS = 6
-# The Triton release (major.minor) whose Gluon the prefill kernels are written for and were tested
-# with on the H200; Gluon is experimental and changes between releases (Triton 3.9 does not
-# compile them). Other releases run the single-role kernels.
-GLUON_TRITON = "3.6"
+# The Triton releases (major.minor) the Gluon kernels (decode_v3.py, prefill_rs.py) compile on
+# (checked in CI for sm_90 on the CPU, gluon_api.py resolving Gluon's renames) and were tested with
+# on the H200: those torch 2.11-2.15 pin. Gluon is experimental and changes between releases, so
+# another release runs the single-role kernels with a warning, unless FP4MOE_GLUON=1 (try them
+# anyway) or FP4MOE_GLUON=0 (never: the single-role kernels everywhere).
+GLUON_TRITON = ("3.6", "3.7", "3.8", "3.9")
 ROUTE_CHUNK = 64  # slots each routing program places
 # A layer's (an NVFP4 linear's) first call compiles every kernel variant its shape can launch, together
 # (compile_layer_once, compile_linear_once); FP4MOE_COMPILE_AHEAD=0: each bucket's kernels compile
@@ -236,6 +242,9 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts)
     cfg = config or kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
     paired = w13.dtype == torch.int32
+    if config is None:
+        _announce_once(("moe", hidden_states.device, hidden_states.dtype, paired), hidden_states,
+                       "the MoE layer" if paired else "the MoE layer (canonical weight layout)", paired)
     if paired and not (cfg.get("TMA") and cfg.get("FRAGMENT_ORDER")):
         raise ValueError("paired-layout weights need a TMA + FRAGMENT_ORDER config; pass canonical "
                          "uint8 weights for other configs")
@@ -374,24 +383,84 @@ def compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, ro
 
 
 def gluon_triton_supported(version: str) -> bool:
-    """Whether this Triton release is the one the Gluon prefill kernels are written for."""
-    return version.split(".")[:2] == GLUON_TRITON.split(".")
+    """Whether the Gluon kernels are tested on this Triton release (:data:`GLUON_TRITON`)."""
+    return ".".join(version.split(".")[:2]) in GLUON_TRITON
+
+
+_GLUON_STATUS = {}  # (device, dtype) -> why the Gluon kernels do not run there, or None
+
+
+def gluon_unavailable(x: torch.Tensor) -> str | None:
+    """Why the Gluon kernels (prefill_rs.py, decode_v3.py) cannot run on activations like ``x``, or
+    None. They need Hopper (compute capability 9.x: wgmma, TMA), bf16 activations and a Triton
+    whose Gluon they compile on (:func:`gluon_triton_supported`); not in the interpreter."""
+    if interpreting() or not x.is_cuda:
+        return "Triton's CPU interpreter" if interpreting() else f"activations on {x.device}"
+    key = (x.device, x.dtype)
+    if key not in _GLUON_STATUS:
+        _GLUON_STATUS[key] = _gluon_check(x)
+    return _GLUON_STATUS[key]
+
+
+def _gluon_check(x: torch.Tensor) -> str | None:
+    choice = os.environ.get("FP4MOE_GLUON", "")
+    if choice == "0":
+        return "FP4MOE_GLUON=0"
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if major != 9:
+        return f"compute capability {major}.{minor} (the Gluon kernels are Hopper's, 9.x)"
+    if x.dtype != torch.bfloat16:
+        return f"{x.dtype} activations (the Gluon kernels take bfloat16)"
+    if not gluon_triton_supported(triton.__version__) and choice != "1":
+        return (f"Triton {triton.__version__} (the Gluon kernels are tested on Triton {', '.join(GLUON_TRITON)}; "
+                "FP4MOE_GLUON=1 tries them)")
+    try:
+        from .decode_v3 import gemm1_v3  # noqa: F401
+        from .prefill_rs import prefill_gemms  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means no Gluon here, said why
+        return f"the Gluon kernels do not import on Triton {triton.__version__} ({type(exc).__name__}: {exc})"
+    return None
 
 
 def _gluon_runs(x: torch.Tensor) -> bool:
-    """The Gluon kernels (prefill_rs.py, decode_v3.py) need Hopper (compute capability 9.x: wgmma,
-    TMA), bf16 activations and Triton's Gluon of the release they were written for (not in the
-    interpreter)."""
-    if interpreting() or not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
-        return False
-    if not gluon_triton_supported(triton.__version__):
-        return False
-    try:
-        from .decode_v3 import gemm1_v3  # noqa: F401  (Gluon importable)
-        from .prefill_rs import prefill_gemms  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return gluon_unavailable(x) is None
+
+
+def kernel_family(x: torch.Tensor, num_slots: int, num_experts: int, hidden: int, inter: int,
+                  routed_experts: int = 0, paired: bool = True) -> str:
+    """The kernels a call of ``num_slots`` (token, expert) slots runs: ``"gluon-decode"`` (mma.sync,
+    decode_v3.py), ``"gluon-prefill"`` (wgmma with the weights decoded in registers, prefill_rs.py),
+    ``"triton-wgmma"`` (the single-role Triton kernels through TMA, kernels.py) or ``"triton"`` (the
+    same with plain loads), as :func:`triton_fused_moe` picks them."""
+    cfg = kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
+    gluon = paired and _gluon_runs(x)
+    if cfg.get("GLUON_PREFILL") and gluon:
+        return "gluon-prefill"
+    if cfg.get("DECODE_V3") and gluon:
+        return "gluon-decode"
+    return "triton-wgmma" if cfg.get("TMA") else "triton"
+
+
+_ANNOUNCED = set()
+
+
+def _announce_once(key, x: torch.Tensor, what: str, fallback_warns: bool) -> None:
+    """Say once per process and ``key`` which kernels ``what`` runs: at info level, and, where a
+    Hopper GPU falls back from the Gluon kernels for a reason the user can change (``fallback_warns``:
+    the Triton release, the activations' dtype, an import failure), as a warning naming it."""
+    if key in _ANNOUNCED or interpreting() or not x.is_cuda:
+        return
+    _ANNOUNCED.add(key)
+    why = gluon_unavailable(x)
+    version = triton.__version__
+    if why is None:
+        _log.info("fp4moe: %s runs Triton %s's kernels with Gluon (decode and prefill)", what, version)
+        return
+    _log.info("fp4moe: %s runs Triton %s's single-role kernels, without Gluon: %s", what, version, why)
+    hopper = torch.cuda.get_device_capability(x.device)[0] == 9
+    if hopper and fallback_warns and why != "FP4MOE_GLUON=0":
+        warnings.warn(f"fp4moe: {what} runs the slower single-role Triton kernels on this Hopper GPU, not the "
+                      f"Gluon kernels: {why}", stacklevel=4)
 
 
 def _one_token_blocks(cfg: dict, topk_ids: torch.Tensor):

@@ -1,0 +1,163 @@
+"""The Hopper kernels on every Triton release current torch pins (3.6 for torch 2.11 to 3.9 for
+2.15), checked without a GPU: every kernel variant a layer and an NVFP4 linear launch compiles for
+sm_90 on the installed Triton (Triton compiles without a device; its wheel ships ptxas), and the
+launcher says which kernels run and why it falls back.
+
+CI runs this file under the oldest and the newest supported torch, so under Triton 3.6 and 3.9;
+``FP4MOE_COMPILE_TRITON=/path/to/a/triton/site`` compiles under another one (put first on
+``PYTHONPATH`` of the compiling subprocess).
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+triton_moe = pytest.importorskip("fp4moe_ops.backends.triton_moe")
+if triton_moe.triton is None:  # pragma: no cover
+    pytest.skip("triton not installed", allow_module_level=True)
+
+from fp4moe_ops import linear  # noqa: E402
+from fp4moe_ops.backends.triton_moe import launch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _compile(*args: str) -> subprocess.CompletedProcess:
+    """``benchmarks/compile_ahead_cpu.py`` in a subprocess with an empty Triton cache (a cached
+    kernel would not be compiled again)."""
+    env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="fp4moe-sm90-"), TRITON_DEFAULT_FP_FUSION="1")
+    env.pop("TRITON_INTERPRET", None)
+    extra = os.environ.get("FP4MOE_COMPILE_TRITON")
+    if extra:
+        env["PYTHONPATH"] = os.pathsep.join([extra, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_ahead_cpu.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("shape", ["small", "deepseek"])
+def test_every_layer_kernel_variant_compiles_for_sm90(shape):
+    # the plans of every token-count bucket (Gluon decode and prefill included, the CUDA check
+    # lifted for CPU tensors), then calls at bucket edges must find their kernels compiled. The
+    # two shapes differ in the Gluon decode's ring (I % 512) and the tile widths
+    done = _compile("serial", "--shape", shape, "--check-tokens", "1,3,9,300")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "nothing compiled" in done.stdout
+    assert ", 15 kernels in" in done.stdout, done.stdout  # routing, sum, 2 single-role GEMMs x buckets, Gluon
+
+
+def test_every_linear_kernel_variant_compiles_for_sm90():
+    done = _compile("serial", "--linear", "--shape", "small")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "compiled nothing" in done.stdout, done.stdout
+
+
+def test_gluon_renames_resolve_to_gluon_builtins():
+    # each name the kernels use is one of this Triton's Gluon builtins (an alias of a function that
+    # raises "has been removed" would compile-fail; the sm_90 compile above catches that too)
+    from fp4moe_ops.backends.triton_moe import gluon_api
+
+    for fn in (gluon_api.tma_load, gluon_api.thread_barrier, gluon_api.reinterpret):
+        assert getattr(fn, "__triton_builtin__", False), fn
+    assert "removed" not in (gluon_api.tma_load.__doc__ or "")
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """A stand-in for a bf16 activation tensor on an H200 (only device, dtype and is_cuda are read),
+    outside Triton's interpreter (which the CPU suite runs under)."""
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(launch, "_GLUON_STATUS", {})
+    monkeypatch.setattr(launch, "_ANNOUNCED", set())
+    monkeypatch.delenv("FP4MOE_GLUON", raising=False)
+    return types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.bfloat16)
+
+
+def test_gluon_runs_on_hopper_with_a_supported_triton(hopper, monkeypatch):
+    monkeypatch.setattr(launch.triton, "__version__", "3.9.0")
+    assert launch.gluon_unavailable(hopper) is None
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(version="3.10.0"), "Triton 3.10.0"),
+    (dict(dtype=torch.float16), "float16"),
+    (dict(capability=(8, 0)), "compute capability 8.0"),
+    (dict(capability=(10, 0)), "compute capability 10.0"),
+    (dict(env="0"), "FP4MOE_GLUON=0"),
+])
+def test_gluon_fallback_names_its_reason(hopper, monkeypatch, change, needle):
+    monkeypatch.setattr(launch.triton, "__version__", change.get("version", "3.6.0"))
+    if "capability" in change:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: change["capability"])
+    if "env" in change:
+        monkeypatch.setenv("FP4MOE_GLUON", change["env"])
+    x = types.SimpleNamespace(**{**vars(hopper), "dtype": change.get("dtype", torch.bfloat16)})
+    assert needle in launch.gluon_unavailable(x)
+
+
+def test_an_untested_triton_can_be_tried(hopper, monkeypatch):
+    monkeypatch.setattr(launch.triton, "__version__", "3.10.0")
+    monkeypatch.setenv("FP4MOE_GLUON", "1")
+    assert launch.gluon_unavailable(hopper) is None
+
+
+def test_a_hopper_fallback_warns_once_and_logs(hopper, monkeypatch, caplog):
+    monkeypatch.setattr(launch.triton, "__version__", "3.10.0")
+    with caplog.at_level("INFO", logger="fp4moe"), pytest.warns(UserWarning, match="Triton 3.10.0") as caught:
+        for _ in range(3):
+            launch._announce_once(("moe", 0), hopper, "the MoE layer", True)
+    assert len([w for w in caught if "fp4moe" in str(w.message)]) == 1
+    assert "single-role kernels, without Gluon: Triton 3.10.0" in caplog.text
+
+
+def test_the_fast_path_is_logged_at_info_without_a_warning(hopper, monkeypatch, caplog):
+    monkeypatch.setattr(launch.triton, "__version__", "3.8.0")
+    with caplog.at_level("INFO", logger="fp4moe"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch._announce_once(("moe", 0), hopper, "the MoE layer", True)
+    assert "the MoE layer runs Triton 3.8.0's kernels with Gluon" in caplog.text
+
+
+def test_a_chosen_or_hardware_fallback_does_not_warn(hopper, monkeypatch, caplog):
+    # FP4MOE_GLUON=0 is the user's choice; a non-Hopper GPU has no Gluon path to fall from
+    monkeypatch.setattr(launch.triton, "__version__", "3.9.0")
+    monkeypatch.setenv("FP4MOE_GLUON", "0")
+    with caplog.at_level("INFO", logger="fp4moe"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch._announce_once(("moe", 1), hopper, "the MoE layer", True)
+        monkeypatch.delenv("FP4MOE_GLUON")
+        monkeypatch.setattr(launch, "_GLUON_STATUS", {})
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        launch._announce_once(("moe", 2), hopper, "the MoE layer", True)
+    assert "FP4MOE_GLUON=0" in caplog.text and "compute capability 8.0" in caplog.text
+
+
+def test_kernel_family_per_bucket(hopper, monkeypatch):
+    # DeepSeek-V3's layer: Gluon decode up to 6 rows per expert, the wgmma kernels between, the
+    # Gluon prefill from 64 rows per expert; the single-role kernels everywhere without Gluon
+    monkeypatch.setattr(launch.triton, "__version__", "3.9.0")
+    family = lambda tokens: launch.kernel_family(hopper, tokens * 8, 256, 7168, 2048)  # noqa: E731
+    assert [family(t) for t in (1, 8, 64, 512, 2048, 8192)] == \
+        ["gluon-decode", "gluon-decode", "gluon-decode", "triton-wgmma", "gluon-prefill", "gluon-prefill"]
+    monkeypatch.setenv("FP4MOE_GLUON", "0")
+    monkeypatch.setattr(launch, "_GLUON_STATUS", {})
+    assert {family(t) for t in (1, 8, 64, 512, 2048, 8192)} == {"triton-wgmma"}
+
+
+def test_linear_fallback_to_the_reference_path_warns_with_its_reason(monkeypatch, caplog):
+    monkeypatch.setattr(linear, "_ANNOUNCED", set())
+    x = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="slow reference path.*needs TMA"):
+        linear._announce_once(x, "the Triton linear needs TMA (compute capability 9.0+)")
+    with caplog.at_level("INFO", logger="fp4moe"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linear._announce_once(x, "the Triton linear needs TMA (compute capability 9.0+)")  # once
+        linear._announce_once(x, None)
+    assert "NVFP4 linears on cuda:0 run Triton" in caplog.text
