@@ -20,8 +20,10 @@ first_v=$(version); second_v=$(second version)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 case $step in
   bench)
-    args="--backends triton,triton_single_role,grouped_mm,reference --tokens 1,8,64,512,2048,8192 --input-sets 8"
-    for v in "$first_v" "$second_v"; do
+    # BENCH_TOKENS: other token counts; ORDER=reverse: the second release's process first
+    args="--backends triton,triton_single_role,grouped_mm,reference --tokens ${BENCH_TOKENS:-1,8,64,512,2048,8192} --input-sets 8"
+    order="$first_v $second_v"; [ "${ORDER:-}" = reverse ] && order="$second_v $first_v"
+    for v in $order; do
       run=""; [ "$v" = "$second_v" ] && run=second
       $run timeout 280 python3 benchmarks/bench_moe.py $args --out "/tmp/bench-$v" 2>&1 | tee "$OUT/bench-triton-$v.log"
       cp "/tmp/bench-$v/results_deepseek.md" "$OUT/results_deepseek_triton-$v.md"
@@ -29,6 +31,6 @@ case $step in
     done ;;
   tests)
     files="tests/test_triton_backend.py tests/test_op.py tests/test_linear.py tests/test_routing.py"
-    second timeout 270 python3 -m pytest -q -m gpu -p no:cacheprovider $files 2>&1 | tee "$OUT/tests-triton-$second_v.log" | tail -15
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/tests-triton-$first_v.log" | tail -15 ;;
+    second timeout ${TESTS_TIMEOUT:-270} python3 -m pytest -q -m gpu -p no:cacheprovider $files 2>&1 | tee "$OUT/tests-triton-$second_v.log" | tail -15
+    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/tests-triton-$first_v.log" | tail -15 ;;
 esac
