@@ -6,7 +6,7 @@ the kernels, and the real launches find them there.
 What it is for: a layer launches a different set of kernels per token-count bucket of
 :func:`.launch.kernel_config` and per routing path (18 Triton variants on DeepSeek-V3). Each new
 bucket used to stop the call that first reached it for the serial compile of its kernels, a few
-seconds each, so a user with varied prompts paid that several times over (issue 17, target 4).
+seconds each, so a user with varied prompts paid that several times over.
 :func:`.launch.compile_layer_once` compiles them all at a layer's first call instead; most of a
 compile is ``ptxas``, a process of its own, so the compiles overlap in threads (an NVFP4 linear
 shape's token counts the same way, :func:`.launch.compile_linear_once`). Each thread then also

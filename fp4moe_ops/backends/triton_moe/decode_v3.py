@@ -1,12 +1,12 @@
-"""The decode-sized expert GEMMs on ``mma.sync``, weights and scales through a TMA ring (issue 17).
+"""The decode-sized expert GEMMs on ``mma.sync``, weights and scales through a TMA ring.
 
 Why: at decode sizes (up to 4 rows per expert) the layer is a stream of FP4 weights, and the wgmma
 kernels (kernels.py) issue ~3.5 instructions per weight element there (454 per K step of 128
 elements and thread, sm90 SASS), of which the decode is ~1.65; the rest is wgmma's descriptors,
 fences and waits. ``mma.sync m16n8k16`` takes both operands from registers: one instruction per
 16-wide chunk (GEMM2's loop: 287-323 instructions per step; GEMM1's: ~350). Plain global loads of
-the weights saturated the L1/TEX pipe (decode_v2, benchmarks/NOTES.md, nineteenth session), and
-per-thread scale loads bound the first version of these kernels (twentieth session); here both
+the weights saturated the L1/TEX pipe (an earlier decode kernel; benchmarks/NOTES.md), and
+per-thread scale loads bound the first version of these kernels; here both
 come through TMA into a shared-memory ring, and each thread reads its weight words with one
 128-bit shared load per 32 elements.
 
@@ -25,7 +25,7 @@ K/16]``; layout.py), no copies: a chunk's 64 bytes of a pair row, and a step's f
 of a row (chunks ``4 s .. 4 s + 3``, 16 contiguous bytes), so a warp's eight scale rows in shared
 memory are 16 bytes apart (no bank conflicts).
 
-Compute capability 9.x and Triton's Gluon of :data:`.launch.GLUON_TRITON` only (checked by the
+Compute capability 9.x and the Triton releases of :data:`.launch.GLUON_TRITON` only (checked by the
 caller); sizes: ``H % 256 == 0``, ``I % (256 SPS) == 0``.
 """
 

@@ -34,7 +34,7 @@ def interpreting() -> bool:
 FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (prefill)
 # From this many rows per expert on, the Gluon prefill kernels (prefill_rs.py) on Hopper, with an
 # expert's last block in 64-token tiles when it holds 64 rows or fewer (GLUON_PREFILL_TAILS).
-# DeepSeek-V3's layer against the single-role kernels, one process (H200, fourteenth session,
+# DeepSeek-V3's layer against the single-role kernels, one process (H200, 2026-12-01,
 # benchmarks/NOTES.md): 0.77x the time at 8192 tokens (256 rows per expert), 0.82x at 4096, 0.86x
 # at 2048 (64 rows); at 1024 (32 rows) 1.03x, so not there. Without tails 0.81x, 0.86x, 1.02x, 1.38x.
 # A second tail level of 32 rows moved 2048-8192 by -2% to +8% (within the drift) and costs two more
@@ -216,7 +216,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # Up to V3_MAX_ROWS rows per expert: both GEMMs on mma.sync with weights and scales through a
     # TMA ring (decode_v3.py; Hopper, bf16 and Gluon only, checked at the call), in 8-row blocks.
     # DeepSeek-V3's layer against the wgmma kernels, one process (H200, benchmarks/NOTES.md,
-    # twenty-first and twenty-second sessions): 0.83x the time at 1 token, 0.76-0.81x at 8,
+    # 2026-12-02): 0.83x the time at 1 token, 0.76-0.81x at 8,
     # 0.86-0.95x at 64, 0.85-0.88x at 128 (4 rows), 0.91-0.95x at 160 (5), 0.93-1.02x at 192 (6);
     # at 256 (8 rows) 1.07-1.15x, so not there. 8-row blocks against 16: 0.90x at 8 tokens, 0.87x
     # at 32. Rings of 2 slots: GEMM2's of 2 steps (256 K each) where I
@@ -268,7 +268,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     fragment = cfg.get("FRAGMENT_ORDER", False)
     # One token: a row block per slot, read from the ids by the GEMMs themselves (its experts are
     # distinct as a router picks them; were two the same, each block would read the weights), so
-    # no routing launch and no copy of x (GEMM1 reads it permuted; benchmarks/NOTES.md, eighteenth session)
+    # no routing launch and no copy of x (GEMM1 reads it permuted; benchmarks/NOTES.md)
     blocks = _one_token_blocks(cfg, topk_ids)
     slot_blocks = blocks is not None
     if slot_blocks:
@@ -474,20 +474,18 @@ def _one_token_blocks(cfg: dict, topk_ids: torch.Tensor):
 
 
 def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int = 128, tails=GLUON_PREFILL_TAILS,
-                       gemms=None, **options):
+                       **options):
     """Route into ``block_m``-row blocks, gather the activations in expert order (K in fragment
-    order), both GEMMs (:func:`.prefill_rs.prefill_gemms`, or ``gemms`` of the same interface such
-    as the CUDA experiment's: ``tails``, the narrower tiles of an expert's last block, and
-    ``options``, its tuning and diagnostic arguments), top-k sum."""
+    order), both GEMMs (:func:`.prefill_rs.prefill_gemms`: ``tails``, the narrower tiles of an
+    expert's last block, and ``options``, its tuning and diagnostic arguments), top-k sum."""
     from .prefill_rs import BK, prefill_gemms
 
-    gemms = gemms or prefill_gemms
     w13, s13, g13, w2, s2, g2 = expert_tensors
     num_experts = s13.shape[0]
     sorted_slot, block_expert, row_start, row_end, x_fragment = route(topk_ids, num_experts, block_m, x, BK.value)
     x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
-    y = gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
-              row_start, row_end, block_m=block_m, tails=tails, **options)
+    y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
+                      row_start, row_end, block_m=block_m, tails=tails, **options)
     return _sum_topk(y, topk_ids, x, num_experts)
 
 

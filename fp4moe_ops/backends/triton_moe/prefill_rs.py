@@ -1,4 +1,4 @@
-"""Prefill GEMMs in Gluon for Hopper (issue 17): the FP4 weights decoded straight into the register
+"""Prefill GEMMs in Gluon for Hopper: the FP4 weights decoded straight into the register
 operand of wgmma.
 
 The weights are the MMA's left operand (M = weight rows), decoded by the warps that issue the MMA
@@ -28,7 +28,7 @@ Row blocks are 128 tokens; an expert's last block, when it holds few rows, can r
 of its own with narrower tiles (``tails`` of :func:`prefill_gemms`): the MMA work of its padding
 shrinks, the decode per block stays. Narrow blocks throughout (8-64 tokens) run too, but lose to
 the single-role kernels at decode and middle sizes: the decode is the same work per block, done
-by 8 warps per SM (benchmarks/NOTES.md, fourteenth session).
+by 8 warps per SM (benchmarks/NOTES.md).
 
 Decoded values carry a 2^-22 factor, folded into the global scale in the epilogue (as in
 :mod:`.kernels`). bf16 activations only; written for Triton 3.6's Gluon (the GPU machine's;
