@@ -604,7 +604,7 @@ def test_fragment_order_config_with_narrow_tiles_is_refused():
 def test_static_k_loop_lets_ptxas_pipeline_the_wgmma(kernel, pipelined):
     # Issue 17: with a run-time K loop ptxas waited for each wgmma before issuing the next (the
     # loop's zero-trip path sets the accumulators outside a wgmma); H and I as constexprs make the
-    # loop static and the wgmma overlap. benchmarks/sass_count.py compiles the decode GEMM2 of a
+    # loop static and the wgmma overlap. benchmarks/probes/sass_count.py compiles the decode GEMM2 of a
     # DeepSeek-V3 layer for sm90 with Triton's bundled ptxas (no GPU; in a process of its own,
     # since the tests run Triton's interpreter) and reports the SASS wgmma waits: 16 wgmma per K
     # step, each followed by a full wait (N = 0) when serialized. Also the prefill GEMM1 (merged
@@ -624,7 +624,7 @@ def test_static_k_loop_lets_ptxas_pipeline_the_wgmma(kernel, pipelined):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = ["--tokens", "8", "--set", f"PIPELINED_MMA2={int(pipelined)}"] if kernel == "gemm2" else \
         ["--tokens", "2048", "--gemm1"]
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "sass_count.py"), *args], capture_output=True,
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / "sass_count.py"), *args], capture_output=True,
                          text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     waits = ast.literal_eval(re.search(r"wgmma waits \(DEPBAR.LE gsb0, N: count\): (\{.*?\})", run.stdout).group(1))

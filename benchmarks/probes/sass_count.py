@@ -3,10 +3,10 @@ sm90 with Triton's bundled ptxas, disassemble with its cuobjdump, histogram each
 loop. This is how the decode's instruction budget in NOTES.md was measured (Triton 3.6 matches the
 GPU machine: ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``).
 
-    python benchmarks/sass_count.py                       # current decode config (paired weights)
-    python benchmarks/sass_count.py --canonical           # fragment order over canonical weights
-    python benchmarks/sass_count.py --no-fragment-order   # the natural-K-order decode
-    python benchmarks/sass_count.py --tokens 2048 --gemm1 --set PIPELINED_MMA1=0   # wgmma serialized
+    python benchmarks/probes/sass_count.py                       # current decode config (paired weights)
+    python benchmarks/probes/sass_count.py --canonical           # fragment order over canonical weights
+    python benchmarks/probes/sass_count.py --no-fragment-order   # the natural-K-order decode
+    python benchmarks/probes/sass_count.py --tokens 2048 --gemm1 --set PIPELINED_MMA1=0   # wgmma serialized
 """
 
 import argparse
@@ -22,7 +22,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from fp4moe_ops.backends.triton_moe import kernels, launch  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"

@@ -2,7 +2,7 @@
 (routing, both GEMMs, top-k sum) against kernels that only stream the same bytes, in the same
 programs, the same way.
 
-    python benchmarks/probe_stream.py [--tokens 1,8,64,256,512] [--stages 3,4] [--parts]
+    python benchmarks/probes/probe_stream.py [--tokens 1,8,64,256,512] [--stages 3,4] [--parts]
 
 DeepSeek-V3's layer (E=256, H=7168, I=2048, top-8; paired weights with random bytes and valid
 block scales: the timing does not depend on the values). The stream kernels take the decode
@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from bench_moe import copy_bandwidth, graph_time_ms, make_inputs  # noqa: E402
 from fp4moe_ops.backends.triton_moe import launch  # noqa: E402
 

@@ -1,12 +1,12 @@
 """The Gluon prefill GEMMs (``prefill_rs.py``) against the Triton backend's single-role kernels, one
 process (issue 17).
 
-    python benchmarks/bench_gluon_prefill.py [--tokens 2048,4096,6144,8192] [--stages 3,4] [--diag 0,1]
+    python benchmarks/probes/bench_gluon_prefill.py [--tokens 2048,4096,6144,8192] [--stages 3,4] [--diag 0,1]
         [--block-m auto|8,16,...] [--tail 0,64,64-32] [--compare-module NAME] [--balanced] [--no-layer]
         [--skip-small]
 
-``--compare-module`` also takes a dotted module path (``fp4moe_ops.backends.cuda_prefill.prefill``,
-the CUDA experiment), timed beside the Gluon GEMMs when ``--diag`` is given.
+``--compare-module`` also takes a dotted module path (any module with a ``prefill_gemms`` of the
+same interface), timed beside the Gluon GEMMs when ``--diag`` is given.
 
 First a small shape (E=8, H=1024, I=512, top-2; partial row blocks, rows past the end of the
 activations) checked against the reference backend, then the DeepSeek-V3 layer: each token count
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import fp4moe_ops  # noqa: E402
 from bench_moe import error_vs_reference, graph_time_ms, make_inputs, random_weights  # noqa: E402
 from fp4moe_ops.backends.triton_moe import launch, prefill_rs  # noqa: E402
@@ -108,7 +108,7 @@ def main():
     if args.compare_module:
         import importlib
 
-        name = args.compare_module  # a module of the backend, or a dotted path (the CUDA experiment)
+        name = args.compare_module  # a module of the backend, or a dotted path
         other = importlib.import_module(name if "." in name else f"fp4moe_ops.backends.triton_moe.{name}")
 
     if not args.skip_small:

@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one fused-MoE call of the Triton backend (DeepSeek-V3 layer), from
 torch.profiler over several calls on rotated inputs: where the decode time goes.
 
-    python3 benchmarks/profile_layer.py --tokens 1,8,64 [--graph [--idle-us 0,2000]]
+    python3 benchmarks/probes/profile_layer.py --tokens 1,8,64 [--graph [--idle-us 0,2000]]
 
 Eager by default: ``--calls`` calls, launched from the host. ``--graph``: the CUDA graph of
 bench_moe's ``graph_time_ms`` (one call per routing, 8 routings as in issue 17's measurement),
@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import fp4moe_ops  # noqa: E402
 from fp4moe_ops.backends.triton_moe import triton_fused_moe  # noqa: E402
 from bench_moe import SHAPES, capture_graph, make_inputs, random_weights, replay_times_ms  # noqa: E402

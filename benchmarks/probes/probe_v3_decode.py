@@ -1,7 +1,7 @@
 """The layer at decode sizes on decode_v3 (mma.sync, weights and scales through a TMA ring) against
 the wgmma kernels, A B A B in one process (issue 17).
 
-    python benchmarks/probe_v3_decode.py [--tokens 1,2,4,8,16,32,64] [--variants 2:2:2:8,2:1:2:8]
+    python benchmarks/probes/probe_v3_decode.py [--tokens 1,2,4,8,16,32,64] [--variants 2:2:2:8,2:1:2:8]
 
 DeepSeek-V3's layer, random NVFP4 weights and routing (bench_moe's), 8 routings per CUDA graph,
 median of replays. Variants: ``STAGES:SPS:STAGES1[:BM]`` (GEMM2's ring slots and steps per slot,
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import fp4moe_ops  # noqa: E402
 from bench_moe import error_vs_reference, graph_time_ms, make_inputs, random_weights  # noqa: E402
 from fp4moe_ops.backends.triton_moe import launch  # noqa: E402

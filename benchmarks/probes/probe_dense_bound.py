@@ -1,7 +1,7 @@
 """What the best BF16 tensor-core GEMMs on this GPU take for a MoE layer's expert math, with no
 FP4 decode, no routing and no load imbalance: a bound for issue 17's prefill targets.
 
-    python benchmarks/probe_dense_bound.py [--tokens 512,2048,8192]
+    python benchmarks/probes/probe_dense_bound.py [--tokens 512,2048,8192]
 
 For T tokens of the DeepSeek-V3 layer (E=256, H=7168, I=2048, top-8: S = 8T rows), in one
 process, CUDA-graph replays of several input sets (bench_moe.graph_time_ms):
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import fp4moe_ops  # noqa: E402
 from bench_moe import graph_time_ms, make_inputs, random_weights  # noqa: E402
 

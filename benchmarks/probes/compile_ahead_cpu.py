@@ -3,7 +3,7 @@
 (``launch.variant_slots``) one by one, or together in threads (``compile_ahead.compile_all``), timed.
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0   # the release the Gluon kernels are written for
-    PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/compile_ahead_cpu.py together [--shape deepseek]
+    PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/probes/compile_ahead_cpu.py together [--shape deepseek]
         [--check-tokens 1,9,300] [--linear]
 
 A stand-in driver answers Triton's JIT as an sm90 device would; nothing launches. The tensors are
@@ -31,8 +31,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.driver import CudaDriver
 from triton.runtime import driver
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from bench_linear import SHAPES  # noqa: E402
 
 

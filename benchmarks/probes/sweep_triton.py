@@ -2,7 +2,7 @@
 per bucket (feeds ``triton_moe.kernel_config``). Each config's output is checked against the
 default config's before it is timed.
 
-    python benchmarks/sweep_triton.py --tokens 1,8,64
+    python benchmarks/probes/sweep_triton.py --tokens 1,8,64
 """
 
 import argparse
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import fp4moe_ops  # noqa: E402
 from fp4moe_ops.backends.triton_moe import kernel_config, route, triton_fused_moe  # noqa: E402
 from bench_moe import SHAPES, graph_time_ms, make_inputs, random_weights  # noqa: E402

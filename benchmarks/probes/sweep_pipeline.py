@@ -3,8 +3,8 @@
 the previous kernels' config (GEMM1's gate and up in two K loops with run-time bounds). Each
 config's output is compared with the first row's before it is timed.
 
-    python benchmarks/sweep_pipeline.py --tokens 1,8,64 --pdl
-    python benchmarks/sweep_pipeline.py --tokens 2048,8192 --variant prefill_bm128:BM=128,BN1=128,BN2=128,num_stages=2
+    python benchmarks/probes/sweep_pipeline.py --tokens 1,8,64 --pdl
+    python benchmarks/probes/sweep_pipeline.py --tokens 2048,8192 --variant prefill_bm128:BM=128,BN1=128,BN2=128,num_stages=2
 
 The logs of 2026-12-01 (``results/sweep_pipeline_2026-12-01{a,b,c}.log``,
 ``sweep_pipeline_decode_2026-12-01d.log``) ran earlier forms of this script, against the previous
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import fp4moe_ops  # noqa: E402
 from fp4moe_ops.backends.triton_moe import launch  # noqa: E402
 from bench_moe import SHAPES, copy_bandwidth, distinct_experts, graph_time_ms, make_inputs, random_weights  # noqa: E402

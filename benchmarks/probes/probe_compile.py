@@ -4,7 +4,7 @@ one by one or together, with each kernel's compile traced (start, end, seconds f
 ``compile_all``); then the first real call of each variant set's token count, timed (what is left
 to them: launcher builds, loading the kernels into the GPU context).
 
-    python benchmarks/probe_compile.py [--modes serial,together,together-nolauncher]
+    python benchmarks/probes/probe_compile.py [--modes serial,together,together-nolauncher]
 
 ``together-nolauncher``: as ``together`` without the launcher builds in the pool (the code before).
 ``linear`` and ``linear-off``: DeepSeek-V3's NVFP4 linear shapes instead, called as a model calls
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 E, H, I, K = 256, 7168, 2048, 8

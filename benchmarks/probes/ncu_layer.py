@@ -2,7 +2,7 @@
 with ``--experts`` experts, called twice (the first compiles); profile the second call's GEMMs:
 
     ncu --clock-control none --kernel-name regex:_gemm --launch-skip 2 --launch-count 2 \\
-        --section SpeedOfLight --section WarpStateStats python3 benchmarks/ncu_layer.py --tokens 1024
+        --section SpeedOfLight --section WarpStateStats python3 benchmarks/probes/ncu_layer.py --tokens 1024
 """
 
 import argparse
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import fp4moe_ops  # noqa: E402
 from fp4moe_ops.backends.triton_moe import launch  # noqa: E402
 from bench_moe import make_inputs, random_weights  # noqa: E402

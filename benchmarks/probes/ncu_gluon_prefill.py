@@ -1,7 +1,7 @@
 """Run the Gluon prefill path (prefill_rs.py) twice on the DeepSeek-V3 layer for Nsight Compute (the
 second call's kernels are the ones to profile: --launch-skip past the first).
 
-    ncu --kernel-name regex:_prefill_gemm --launch-skip 2 --launch-count 2 python benchmarks/ncu_gluon_prefill.py
+    ncu --kernel-name regex:_prefill_gemm --launch-skip 2 --launch-count 2 python benchmarks/probes/ncu_gluon_prefill.py
 """
 import argparse
 import sys
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import fp4moe_ops  # noqa: E402
 from bench_moe import make_inputs, random_weights  # noqa: E402
 from bench_gluon_prefill import gluon_moe  # noqa: E402

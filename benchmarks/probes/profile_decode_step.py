@@ -5,7 +5,7 @@ step, for HF BF16 compiled and for fp4moe compiled (CUDA graphs in both).
 Decode only: every number is the difference between a compiled ``generate()`` of ``1 + D`` new
 tokens and one of 1 new token, divided by D, so the prefill step and generate()'s setup cancel.
 
-    python3 benchmarks/profile_decode_step.py --layers 2 --batch 1 [--variants bf16,fp4moe,fp4moe-dense]
+    python3 benchmarks/probes/profile_decode_step.py --layers 2 --batch 1 [--variants bf16,fp4moe,fp4moe-dense]
 
 Variants apply in the order given, each on top of the last: ``fp4moe-hf-router`` patches the
 experts and keeps Transformers' router, ``fp4moe`` is ``patch_deepseek``'s default (router as one
@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from hf_integration import fuse_routers, fuse_shared_experts, patch_deepseek, quantize_linears  # noqa: E402
 from bench_e2e import deepseek_v3_layers  # noqa: E402
 
