@@ -1,4 +1,4 @@
-"""One MoE call for Nsight Compute (issue 17): the Triton backend on a DeepSeek-V3-shaped layer
+"""One MoE call for Nsight Compute: the Triton backend on a DeepSeek-V3-shaped layer
 with ``--experts`` experts, called twice (the first compiles); profile the second call's GEMMs:
 
     ncu --clock-control none --kernel-name regex:_gemm --launch-skip 2 --launch-count 2 \\

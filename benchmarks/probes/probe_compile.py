@@ -1,4 +1,4 @@
-"""Where a DeepSeek-V3 layer's cold compile goes on the GPU machine (issue 17, target 4): in a fresh
+"""Where a DeepSeek-V3 layer's cold compile goes on the GPU machine: in a fresh
 process with an empty Triton cache, ``compile_all`` over the layer's plans (``launch.layer_plans``),
 one by one or together, with each kernel's compile traced (start, end, seconds from the start of
 ``compile_all``); then the first real call of each variant set's token count, timed (what is left

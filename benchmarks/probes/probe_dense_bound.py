@@ -1,5 +1,5 @@
 """What the best BF16 tensor-core GEMMs on this GPU take for a MoE layer's expert math, with no
-FP4 decode, no routing and no load imbalance: a bound for issue 17's prefill targets.
+FP4 decode, no routing and no load imbalance: a bound for the prefill kernels.
 
     python benchmarks/probes/probe_dense_bound.py [--tokens 512,2048,8192]
 

@@ -1,4 +1,4 @@
-"""How fast the decode bucket's weight stream can go at all (issue 17, decode targets): the layer
+"""How fast the decode bucket's weight stream can go at all: the layer
 (routing, both GEMMs, top-k sum) against kernels that only stream the same bytes, in the same
 programs, the same way.
 

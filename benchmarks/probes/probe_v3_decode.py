@@ -1,5 +1,5 @@
 """The layer at decode sizes on decode_v3 (mma.sync, weights and scales through a TMA ring) against
-the wgmma kernels, A B A B in one process (issue 17).
+the wgmma kernels, A B A B in one process.
 
     python benchmarks/probes/probe_v3_decode.py [--tokens 1,2,4,8,16,32,64] [--variants 2:2:2:8,2:1:2:8]
 

@@ -4,10 +4,10 @@ torch.profiler over several calls on rotated inputs: where the decode time goes.
     python3 benchmarks/probes/profile_layer.py --tokens 1,8,64 [--graph [--idle-us 0,2000]]
 
 Eager by default: ``--calls`` calls, launched from the host. ``--graph``: the CUDA graph of
-bench_moe's ``graph_time_ms`` (one call per routing, 8 routings as in issue 17's measurement),
+bench_moe's ``graph_time_ms`` (one call per routing, 8 routings per graph),
 profiled over ``--replays`` replays, and beside it the replays' own time from CUDA events. At 64
 tokens the eager kernels summed 1.32 ms while graph replays measured 1.41-1.56 ms per call
-(benchmarks/RESULTS.md, twenty-second session): this says whether the difference is in the
+(H200, 2026-12-02; benchmarks/NOTES.md, "Decode"): this says whether the difference is in the
 kernels (each instance's duration, median and slowest) or between them, and (nvidia-smi sampled
 every 20 ms during a second of replays) whether the SM clock or the power draw moves under that load.
 ``--idle-us``: graphs with the GPU left idle that long after each call (``torch.cuda._sleep``, its

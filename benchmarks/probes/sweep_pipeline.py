@@ -1,4 +1,4 @@
-"""A/B of the MoE kernels' configs in one process (issue 17): the defaults against named variants
+"""A/B of the MoE kernels' configs in one process: the defaults against named variants
 (tiles, stages) and, with --pdl, against the same with programmatic dependent launch, next to
 the previous kernels' config (GEMM1's gate and up in two K loops with run-time bounds). Each
 config's output is compared with the first row's before it is timed.
