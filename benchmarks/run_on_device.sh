@@ -1,6 +1,7 @@
 #!/bin/bash
-# One GPU-machine call: smoke test, GPU test suite, benchmarks. Logs and results go to $OUT.
-#   source .device/setup-on-device.sh && bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e
+# One run on a CUDA machine, from the repository root with fp4moe installed: GPU tests, benchmarks,
+# probes. Logs and results go to $OUT (default benchmarks/out). CONTRIBUTING.md lists the steps.
+#   bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e
 #   route firstpass firstpass_noahead probecompile probev3 probestream linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill
 #   densebound backward)
 set -o pipefail
