@@ -1,4 +1,4 @@
-"""Decode time per decoder layer (issue 21's measure): one DeepSeek-V3-shaped model of 4 full-size
+"""Decode time per decoder layer: one DeepSeek-V3-shaped model of 4 full-size
 layers (bench_e2e.py's), timed as its first 2 layers and as all 4, so that the host's time, the
 embedding and the LM head cancel: per layer = (step time with 4 layers - with 2) / 2.
 

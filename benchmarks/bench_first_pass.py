@@ -1,4 +1,4 @@
-"""First pass over new shapes (issue 17, target 4): what a user with varied prompts pays before
+"""First pass over new shapes: what a user with varied prompts pays before
 everything is compiled. A DeepSeek-V3-shaped model (full expert dims, random weights, 2 layers),
 compiled static-cache ``generate`` of 16 new tokens, a fixed list of 24 calls with batch in 1..32
 and prompt length 8..200; the same list twice in one process (first pass, then warm).

@@ -1,5 +1,5 @@
 """``fp4moe::nvfp4_linear`` against BF16 ``F.linear`` at DeepSeek-V3's attention and shared-expert
-shapes (issue 21's acceptance table), all in one process: median time per call, CUDA-graph replay
+shapes, all in one process: median time per call, CUDA-graph replay
 on a GPU (wall time on CPU), for 1-8192 tokens.
 
     python benchmarks/bench_linear.py --tokens 1,8,64,512,2048,8192      # GPU

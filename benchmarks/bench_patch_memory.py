@@ -1,4 +1,4 @@
-"""Peak memory while ``patch_moe`` quantizes a BF16 model (issue 21: peak <= the BF16 model + 10%).
+"""Peak memory while ``patch_moe`` quantizes a BF16 model.
 
 A Qwen3-MoE-shaped model with random BF16 weights is built, then patched; the peak is measured
 above what the model held before patching:

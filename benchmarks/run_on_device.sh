@@ -1,6 +1,7 @@
 #!/bin/bash
-# One GPU-machine call: smoke test, GPU test suite, benchmarks. Logs and results go to $OUT.
-#   source .device/setup-on-device.sh && bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e
+# One run on a CUDA machine, from the repository root with fp4moe installed: GPU tests, benchmarks,
+# probes. Logs and results go to $OUT (default benchmarks/out). CONTRIBUTING.md lists the steps.
+#   bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e
 #   route firstpass firstpass_noahead probecompile probev3 probestream linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill
 #   densebound backward)
 set -o pipefail
@@ -12,30 +13,30 @@ for step in "$@"; do
     smoke) python3 .device/smoke.py 2>&1 | tee "$OUT/smoke.log" ;;
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_triton_backend.py} 2>&1 | tee "$OUT/tests.log" | grep -E "rel err|passed|failed|Error|error" ;;
     bench) timeout 400 python3 benchmarks/bench_moe.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
-    sweep) timeout 300 python3 benchmarks/sweep_triton.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" ;;
-    gluonprefill) timeout 300 python3 benchmarks/bench_gluon_prefill.py ${GLUON_PREFILL_ARGS:-} 2>&1 | tee "$OUT/gluon_prefill.log" ;;
-    pipeline) timeout 300 python3 benchmarks/sweep_pipeline.py --out "$OUT" ${PIPELINE_ARGS:-} 2>&1 | tee "$OUT/sweep_pipeline.log" ;;
+    sweep) timeout 300 python3 benchmarks/probes/sweep_triton.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" ;;
+    gluonprefill) timeout 300 python3 benchmarks/probes/bench_gluon_prefill.py ${GLUON_PREFILL_ARGS:-} 2>&1 | tee "$OUT/gluon_prefill.log" ;;
+    pipeline) timeout 300 python3 benchmarks/probes/sweep_pipeline.py --out "$OUT" ${PIPELINE_ARGS:-} 2>&1 | tee "$OUT/sweep_pipeline.log" ;;
     ncu) timeout 200 ncu --clock-control none --kernel-name regex:_gemm --launch-skip 2 --launch-count 2 \
            --section SpeedOfLight --section WarpStateStats --section Occupancy \
            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-           python3 benchmarks/ncu_layer.py ${NCU_ARGS:---tokens 1024} > "$OUT/ncu.txt" 2>&1; tail -5 "$OUT/ncu.txt" ;;
+           python3 benchmarks/probes/ncu_layer.py ${NCU_ARGS:---tokens 1024} > "$OUT/ncu.txt" 2>&1; tail -5 "$OUT/ncu.txt" ;;
     backward) timeout 200 python3 benchmarks/bench_backward.py ${BACKWARD_ARGS:-} 2>&1 | tee "$OUT/backward.log" ;;
-    profile) timeout 120 python3 benchmarks/profile_layer.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
+    profile) timeout 120 python3 benchmarks/probes/profile_layer.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
     demo) timeout 120 python3 -m hf_integration.demo 2>&1 | tee "$OUT/demo.log" | grep -v -i warn ;;
     accuracy) timeout 240 python3 benchmarks/accuracy_study.py 2>&1 | tee "$OUT/accuracy.log" | grep -v -i warn ;;
     modelopt) timeout ${MODELOPT_TIMEOUT:-420} python3 benchmarks/bench_modelopt_gpu.py --out "$OUT" ${MODELOPT_ARGS:-} 2>&1 | tee "$OUT/modelopt.log" | grep -v -i warn ;;
     e2e) timeout ${E2E_TIMEOUT:-330} python3 benchmarks/bench_e2e.py --out "$OUT" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | grep -v -i warn ;;
-    profile_decode) timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/profile_decode_step.py ${PROFILE_DECODE_ARGS:-} 2>&1 | tee "$OUT/profile_decode.log" | grep -v -i warn ;;
+    profile_decode) timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/probes/profile_decode_step.py ${PROFILE_DECODE_ARGS:-} 2>&1 | tee "$OUT/profile_decode.log" | grep -v -i warn ;;
     decoder_layer) timeout ${LAYER_TIMEOUT:-400} python3 benchmarks/bench_decoder_layer.py --out "$OUT" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/decoder_layer.log" | grep -v -i "warn\|attention mask" ;;
-    route) TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 benchmarks/bench_route.py 2>&1 | tee "$OUT/route.log" ;;
+    route) TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 benchmarks/probes/bench_route.py 2>&1 | tee "$OUT/route.log" ;;
     firstpass) timeout 400 python3 benchmarks/bench_first_pass.py --out "$OUT" ${FIRSTPASS_ARGS:-} 2>&1 | tee "$OUT/first_pass.log" | grep "^|" ;;
     # the same without the first-call compile of every variant (launch.COMPILE_AHEAD), rows added to first_pass.*
     firstpass_noahead) FP4MOE_COMPILE_AHEAD=0 timeout 200 python3 benchmarks/bench_first_pass.py --out "$OUT" --impls fp4moe \
            --label "no compile ahead" 2>&1 | tee "$OUT/first_pass_noahead.log" | grep "^|" ;;
-    probev3) timeout 300 python3 benchmarks/probe_v3_decode.py ${V3_ARGS:-} 2>&1 | tee "$OUT/probe_v3_decode.log" | grep "ms;" ;;
-    probestream) timeout 200 python3 benchmarks/probe_stream.py ${STREAM_ARGS:-} 2>&1 | tee "$OUT/probe_stream.log" ;;
-    densebound) timeout 300 python3 benchmarks/probe_dense_bound.py ${DENSE_ARGS:-} 2>&1 | tee "$OUT/probe_dense_bound.log" ;;
-    probecompile) timeout 200 python3 benchmarks/probe_compile.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_compile.log" | grep -v -i warn ;;
+    probev3) timeout 300 python3 benchmarks/probes/probe_v3_decode.py ${V3_ARGS:-} 2>&1 | tee "$OUT/probe_v3_decode.log" | grep "ms;" ;;
+    probestream) timeout 200 python3 benchmarks/probes/probe_stream.py ${STREAM_ARGS:-} 2>&1 | tee "$OUT/probe_stream.log" ;;
+    densebound) timeout 300 python3 benchmarks/probes/probe_dense_bound.py ${DENSE_ARGS:-} 2>&1 | tee "$OUT/probe_dense_bound.log" ;;
+    probecompile) timeout 200 python3 benchmarks/probes/probe_compile.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_compile.log" | grep -v -i warn ;;
     linear) timeout ${LINEAR_TIMEOUT:-200} python3 benchmarks/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/linear.log" ;;
     patchmem) timeout 200 python3 benchmarks/bench_patch_memory.py --device cuda ${PATCHMEM_ARGS:---layers 2 --experts 256 --hidden 7168 --inter 2048} 2>&1 | tee "$OUT/patch_memory.log" | grep -v -i warn ;;
   esac

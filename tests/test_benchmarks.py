@@ -9,6 +9,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
 
 
 def test_bench_moe_runs_on_cpu(tmp_path):
@@ -36,6 +37,6 @@ def test_gpu_only_benchmark_scripts_import_on_cpu():
     import importlib
 
     for name in ("bench_e2e", "bench_router", "profile_decode_step", "sweep_triton", "profile_layer", "probe_stream",
-                 "probe_l2", "probe_dense_bound", "probe_v3_decode"):
+                 "probe_dense_bound", "probe_v3_decode"):
         module = importlib.import_module(name)
         assert callable(module.main), name

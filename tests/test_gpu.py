@@ -1,4 +1,4 @@
-"""GPU-only checks (run on the H200 with the FlashInfer bundle, see README): our layouts against
+"""GPU-only checks (on a Hopper GPU with FlashInfer installed, see CONTRIBUTING.md): our layouts against
 FlashInfer's own helpers, every GPU backend against the reference backend, CUDA graphs."""
 
 import pytest

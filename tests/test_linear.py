@@ -283,7 +283,7 @@ def test_triton_linear_compiles_and_replays_in_a_cuda_graph():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("bias", [False, True])
 def test_first_linear_call_compiles_every_variant(bias, monkeypatch, tmp_path):
-    # issue 17 (first pass over new shapes), for NVFP4 linears: the first call of a linear shape
+    # The first pass over new shapes, for NVFP4 linears: the first call of a linear shape
     # compiles the kernels of every token count (launch.compile_linear_once), so no later count
     # compiles a kernel or builds a launcher. A variant's code is shared by shapes whose N and K
     # divide alike, so the kernels' in-process caches are emptied first and Triton's disk cache is

@@ -90,7 +90,7 @@ def test_route_drops_int64_ids_that_would_alias_a_valid_expert_in_32_bits():
 @pytest.mark.parametrize("e,h,i,k", [(8, 768, 512, 2),  # paired weights, TMA tiles, Gluon prefill on Hopper
                                      (6, 96, 64, 2)])  # canonical weights, plain loads
 def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k, monkeypatch, tmp_path):
-    # issue 17 (first pass over new shapes): a layer's first call compiles every kernel variant its
+    # The first pass over new shapes: a layer's first call compiles every kernel variant its
     # shape can launch (launch.compile_layer_once), so no later token count compiles anything; in
     # particular the kernels' alignment specializations must not follow the token count. Shapes no
     # other test uses, so that their kernels are not in the JIT cache before. Nor does a later call
@@ -164,7 +164,7 @@ def test_launcher_key_follows_what_the_launcher_source_depends_on():
     # Triton 3.6's launcher C source follows the kernel's argument kinds: pointers of any dtype are
     # one device address, a descriptor's block shape is not in it, constexpr values are not. Checked
     # against make_launcher's output for DeepSeek-V3's layer and linear variants on the CPU machine
-    # (26 variants: 7 sources, 7 keys; benchmarks/NOTES.md, seventeenth session).
+    # (26 variants: 7 sources, 7 keys; benchmarks/NOTES.md, "Compiling on the first call").
     from types import SimpleNamespace
 
     from fp4moe_ops.backends.triton_moe.compile_ahead import launcher_key
@@ -602,9 +602,9 @@ def test_fragment_order_config_with_narrow_tiles_is_refused():
 
 @pytest.mark.parametrize("kernel,pipelined", [("gemm2", True), ("gemm2", False), ("gemm1", True)])
 def test_static_k_loop_lets_ptxas_pipeline_the_wgmma(kernel, pipelined):
-    # Issue 17: with a run-time K loop ptxas waited for each wgmma before issuing the next (the
+    # With a run-time K loop ptxas waited for each wgmma before issuing the next (the
     # loop's zero-trip path sets the accumulators outside a wgmma); H and I as constexprs make the
-    # loop static and the wgmma overlap. benchmarks/sass_count.py compiles the decode GEMM2 of a
+    # loop static and the wgmma overlap. benchmarks/probes/sass_count.py compiles the decode GEMM2 of a
     # DeepSeek-V3 layer for sm90 with Triton's bundled ptxas (no GPU; in a process of its own,
     # since the tests run Triton's interpreter) and reports the SASS wgmma waits: 16 wgmma per K
     # step, each followed by a full wait (N = 0) when serialized. Also the prefill GEMM1 (merged
@@ -624,7 +624,7 @@ def test_static_k_loop_lets_ptxas_pipeline_the_wgmma(kernel, pipelined):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = ["--tokens", "8", "--set", f"PIPELINED_MMA2={int(pipelined)}"] if kernel == "gemm2" else \
         ["--tokens", "2048", "--gemm1"]
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "sass_count.py"), *args], capture_output=True,
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / "sass_count.py"), *args], capture_output=True,
                          text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     waits = ast.literal_eval(re.search(r"wgmma waits \(DEPBAR.LE gsb0, N: count\): (\{.*?\})", run.stdout).group(1))

@@ -1,0 +1,183 @@
+"""Compile one MoE layer's Triton kernels for sm90 on a machine without a GPU, as
+``launch.compile_layer_once`` does at a layer's first call: all variant sets
+(``launch.variant_slots``) one by one, or together in threads (``compile_ahead.compile_all``), timed.
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0   # the release the Gluon kernels are written for
+    PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/probes/compile_ahead_cpu.py together [--shape deepseek]
+        [--check-tokens 1,9,300] [--linear]
+
+A stand-in driver answers Triton's JIT as an sm90 device would; nothing launches. The tensors are
+CPU tensors, so two things differ from the GPU: routing takes the torch path (the routing kernel
+is not compiled), and the script lets the Gluon prefill kernels past their CUDA check. The script
+then checks that a second pass finds every kernel in the JIT cache (compiles nothing), and
+(``--check-tokens``) that the launch sequences of calls of those token counts, at their full
+size, find theirs there too: what the one-token plans compiled is what the calls use. Together,
+it checks that the pool asked the driver for each kernel's launcher (the stand-in builds none).
+``--linear``: the NVFP4 linear kernels (``launch.compile_linear_once``) of the shape's linear
+layers instead, with and without bias: compiled, then every call of 1-70 tokens checked against the
+cache (the launcher requests are not checked there). Use
+an empty TRITON_CACHE_DIR per run, or the disk cache answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.driver import CudaDriver
+from triton.runtime import driver
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+from bench_linear import SHAPES  # noqa: E402
+
+
+class _Sm90WithoutGpu(CudaDriver):
+    """What the JIT asks of a driver before it launches: the target, a device and a stream."""
+
+    def __init__(self):  # (no CUDA library to load)
+        self.utils = None
+
+    def is_active(self):
+        return True
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    launchers = []  # the kernels compile_all built a launcher for (no C module: no CUDA library to link)
+
+    def launcher_cls(self, src, metadata):
+        self.launchers.append(src.fn.__name__)
+
+
+def _short(error) -> str:
+    """A compile error's last line (Triton's CompilationError repeats the kernel's source)."""
+    while error.__cause__ is not None:  # (a failure inside a called function: its own error)
+        error = error.__cause__
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
+
+
+def layer_arguments(e: int, h: int, i: int, top_k: int, device: str = "cpu"):
+    """A one-token call's arguments for a layer of ``e`` experts in the paired layout (the weights
+    uninitialized: nothing here reads them)."""
+    import fp4moe_ops
+    from fp4moe_ops.backends import BACKENDS
+    from fp4moe_ops.backends.base import CANONICAL, canonical_layout, convert_packed
+
+    small = canonical_layout(fp4moe_ops.quantize_moe_weights(torch.randn(1, 512, 256), torch.randn(1, 256, 256)).tensors())
+    small[0], small[3] = (convert_packed(small[j], CANONICAL, BACKENDS["triton"].packed_layout(256, 256)) for j in (0, 3))
+    shapes = [(e, i, h // 4), (e, 2 * i, h // 16), (e,), (e, h // 2, i // 4), (e, h, i // 16), (e,)]
+    tensors = [torch.empty(shape, dtype=t.dtype, device=device) for shape, t in zip(shapes, small)]
+    ids = torch.arange(top_k, device=device).reshape(1, top_k)
+    return torch.randn(1, h, dtype=torch.bfloat16, device=device), ids, torch.rand(1, top_k, device=device), tensors
+
+
+def cached_variants() -> int:
+    from fp4moe_ops.backends.triton_moe import decode_v3, kernels, prefill_rs
+
+    fns = (kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel, kernels._sum_topk_kernel,
+           prefill_rs._prefill_gemm_kernel, decode_v3._gemm1_v3_kernel, decode_v3._gemm2_v3_kernel,
+           kernels._linear_kernel, kernels._linear_parts_kernel, kernels._dequant_kernel)
+    return sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
+
+
+# DeepSeek-V3's NVFP4 attention linears [N, K] (bench_linear.py's first five shapes), and small ones
+LINEAR_SHAPES = {"deepseek": [(n, k) for _, n, k in SHAPES[:5]], "small": [(128, 256), (576, 512)]}
+
+
+def linear_arguments(n: int, k: int, bias: bool):
+    """A one-token call's arguments for an NVFP4 linear of weight ``[n, k/2]`` (uninitialized) with a
+    split-K counter table, as ``NVFP4Linear`` calls it."""
+    from fp4moe_ops.linear import SPLIT_COUNTERS
+
+    return (torch.randn(1, k, dtype=torch.bfloat16), torch.empty(n, k // 2, dtype=torch.uint8),
+            torch.empty(n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(()), torch.randn(n, dtype=torch.bfloat16) if bias else None,
+            torch.zeros(SPLIT_COUNTERS, dtype=torch.int32))
+
+
+def linear_main(args) -> bool:
+    """The linear shapes' plans (``launch.linear_plans``) compiled as for the layer, then every token
+    count of 1-70 at each shape checked against the cache."""
+    from fp4moe_ops.backends.triton_moe import compile_ahead, launch
+
+    shapes = [(n, k, bias) for n, k in LINEAR_SHAPES[args.shape] for bias in (False, True)]
+    t0 = time.time()
+    errors, per_shape = [], []
+    for n, k, bias in shapes:
+        before = cached_variants()
+        errors += compile_ahead.compile_all(launch.linear_plans(*linear_arguments(n, k, bias)),
+                                            together=args.mode == "together")
+        per_shape.append(cached_variants() - before)
+    seconds, compiled, ok = time.time() - t0, cached_variants(), not errors
+    for n, k, bias in shapes:
+        x, *rest = linear_arguments(n, k, bias)
+        for t in range(1, 71):
+            failed = compile_ahead.compile_all([(t, lambda: launch.triton_nvfp4_linear(x.expand(t, k), *rest[:4],
+                                                                                      counters=rest[4]))],
+                                               together=False)
+            if failed or cached_variants() != compiled:
+                print(f"a call of {t} tokens at [{n}, {k}] (bias {bias}) compiled {cached_variants() - compiled} "
+                      f"more kernels {failed}: WRONG")
+                ok, compiled = False, cached_variants()
+    print(f"{args.mode}, linears {args.shape}: {compiled} kernels in {seconds:.1f} s (new per shape, without / with "
+          f"bias: {per_shape}); calls of 1-70 tokens {'compiled nothing' if ok else 'WRONG'} {errors or ''}")
+    return ok
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["serial", "together"])
+    ap.add_argument("--shape", choices=["small", "deepseek"], default="small")
+    ap.add_argument("--check-tokens", default="", help="comma-separated token counts (see the module docstring)")
+    ap.add_argument("--linear", action="store_true", help="the NVFP4 linear shapes instead of the MoE layer")
+    args = ap.parse_args()
+    stand_in = _Sm90WithoutGpu()
+    driver.set_active(stand_in)
+    if args.linear:
+        sys.exit(0 if linear_main(args) else 1)
+    from fp4moe_ops.backends.triton_moe import compile_ahead, launch
+
+    launch._gluon_runs = lambda x: True  # (CPU tensors: see the module docstring)
+    e, h, i, k = (256, 7168, 2048, 8) if args.shape == "deepseek" else (8, 512, 256, 2)
+    plans = launch.layer_plans(*layer_arguments(e, h, i, k))
+    t0 = time.time()
+    errors = compile_ahead.compile_all(plans, together=args.mode == "together")
+    seconds = time.time() - t0
+    compiled = cached_variants()
+    launchers = len(stand_in.launchers)
+    if args.mode == "together" and launchers != compiled:  # every compile in the pool builds its launcher
+        print(f"{launchers} launchers for {compiled} kernels: WRONG")
+        errors.append("launchers")
+    t0 = time.time()
+    errors += compile_ahead.compile_all(plans, together=False)
+    again = time.time() - t0
+    ok = cached_variants() == compiled and again < 1.0 and not errors
+    if errors:
+        print("plans failed:", *{_short(e) for e in errors}, sep="\n  ")
+    x, ids, rw, tensors = layer_arguments(e, h, i, k)
+    for t in (int(n) for n in args.check_tokens.split(",") if n):
+        xt, idst, rwt = x.expand(t, h).contiguous(), (torch.arange(t * k) % e).reshape(t, k), rw.expand(t, k).contiguous()
+        failed = compile_ahead.compile_all([(t * k, lambda: launch.triton_fused_moe(xt, idst, rwt, tensors))],
+                                           together=False)
+        if failed or cached_variants() != compiled:
+            print(f"a call of {t} tokens compiled {cached_variants() - compiled} more kernels {failed}: WRONG")
+            ok, compiled = False, cached_variants()
+    print(f"{args.mode}, {args.shape} (E={e}, H={h}, I={i}, top-{k}): variant sets at slots "
+          f"{[s for s, _ in plans]}, {compiled} kernels in {seconds:.1f} s; a second pass {again:.2f} s, "
+          f"{'nothing compiled' if ok else 'WRONG'}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
