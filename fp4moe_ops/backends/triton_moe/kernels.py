@@ -65,7 +65,7 @@ mul.rn.bf16x2 $3, $3, $6;
 # the word's 4 bytes in order (checked by the GPU tests against the reference).
 # A diagnostic (config key DIAG 1, wrong results): the paired decode's registers set to 1.0 instead,
 # its inputs unused, so the weight tiles still arrive (the TMA copies and their waits stay) but
-# nothing decodes them; what the decode costs is then the difference (benchmarks/probe_stream.py).
+# nothing decodes them; what the decode costs is then the difference (benchmarks/probes/probe_stream.py).
 _NO_DECODE = tl.constexpr("mov.b32 $0, 0x3F803F80; mov.b32 $1, 0x3F803F80; mov.b32 $2, 0x3F803F80; "
                           "mov.b32 $3, 0x3F803F80;")
 

@@ -152,7 +152,7 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, routed_experts: int = 0) -> dict:
-    """Tile sizes by shape bucket, chosen from H200 sweeps (benchmarks/sweep_triton.py,
+    """Tile sizes by shape bucket, chosen from H200 sweeps (benchmarks/probes/sweep_triton.py,
     numbers in benchmarks/NOTES.md). Static: nothing is tuned at call time or in graph capture.
 
     The bucket is the expected rows per expert: slots over the experts the router chooses among

@@ -1,9 +1,10 @@
-"""Compile one MoE layer's Triton kernels for sm90 on a machine without a GPU, as
+"""Compile one MoE layer's Triton kernels for sm90 on a machine without a GPU (CI's check that every
+kernel variant compiles on a Triton release: tests/test_triton_releases.py), as
 ``launch.compile_layer_once`` does at a layer's first call: all variant sets
 (``launch.variant_slots``) one by one, or together in threads (``compile_ahead.compile_all``), timed.
 
-    pip install --no-deps --target /tmp/t36 triton==3.6.0   # the release the Gluon kernels are written for
-    PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/probes/compile_ahead_cpu.py together [--shape deepseek]
+    pip install --no-deps --target /tmp/t36 triton==3.6.0   # any release of GLUON_TRITON (3.6-3.9)
+    PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/compile_ahead_cpu.py together [--shape deepseek]
         [--check-tokens 1,9,300] [--linear]
 
 A stand-in driver answers Triton's JIT as an sm90 device would; nothing launches. The tensors are
@@ -31,8 +32,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.driver import CudaDriver
 from triton.runtime import driver
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/
 from bench_linear import SHAPES  # noqa: E402
 
 
