@@ -14,6 +14,7 @@ OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT" /tmp/second-triton
 tar -xJf "$archive" -C /tmp/second-triton
 export TRITON_DEFAULT_FP_FUSION=1 PYTHONUNBUFFERED=1  # (3.9 warns unless told: keep 3.6's default)
+# TRITON_BACKENDS_IN_TREE: backends from the unpacked package, not the installed release's metadata
 second() { PYTHONPATH=/tmp/second-triton:$PYTHONPATH TRITON_BACKENDS_IN_TREE=1 "$@"; }
 version() { python3 -c 'import triton; print(triton.__version__)'; }
 first_v=$(version); second_v=$(second version)
