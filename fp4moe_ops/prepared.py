@@ -111,6 +111,9 @@ class QuantizedBuffers(nn.Module):
             old = before.get(name)
             if old is not None and new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
+        dtype = self.__dict__.get("dtype")
+        if isinstance(dtype, torch.dtype):  # the dtype it computes and dequantizes in follows casts, as a bias does
+            self.dtype = fn(torch.empty(0, dtype=dtype)).dtype
         return self
 
 

@@ -15,6 +15,7 @@ failure leaves the model as it was. Llama-4's fused experts and expert-parallel 
 from __future__ import annotations
 
 import copy
+import types
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from .expert_parallel import ExpertShard
 from .experts import NVFP4Experts, NVFP4Linear
 from .llama4 import NVFP4Llama4TextMoe
 from .router import GroupedTopkRouter
+from .saving import atomic_save_pretrained
 from .shared_experts import SharedExpertMoE
 from .surgery import replace_module
 
@@ -101,9 +103,11 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
         parent, _, attr = name.rpartition(".")
         replace_module(model.get_submodule(parent), attr, original)
     inner = model.__dict__.get("_fp4moe_next_to")  # accelerate's to(), which the dtype guard ran
-    for attr in ("to", "double", "save_pretrained", "num_parameters", "set_experts_implementation",
-                 "_fp4moe_next_to"):
+    for attr in ("to", "double", "num_parameters", "set_experts_implementation", "_fp4moe_next_to"):
         model.__dict__.pop(attr, None)
+    # the atomic save stays: saved into the folder of its NVFP4 checkpoint, the BF16 model's files
+    # replace that checkpoint's whole (hf_quant_config.json would label the BF16 weights NVFP4)
+    model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
     if inner is not None:
         model.to = inner
     hooks = model._load_state_dict_pre_hooks

@@ -716,6 +716,16 @@ class ModelOptQuantizer(HfQuantizer):
     def is_serializable(self, *args, **kwargs):
         return True
 
+    def dequantize(self, model, dtype=None):
+        """``model.dequantize(dtype)``: decoded into ``dtype``, by default the dtype the model holds now
+        (Transformers' default, the dtype it was loaded in, is stale after ``model.to(torch.float16)``
+        and would leave decoded weights of one dtype beside activations of another)."""
+        dtype = dtype if dtype is not None else model.dtype
+        model = self._dequantize(model, dtype=dtype)
+        self.remove_quantization_config(model)
+        model.config.dtype = dtype
+        return model
+
     def _dequantize(self, model, dtype=None):
         """``model.dequantize()``: :func:`hf_integration.dequantize.dequantize_model`."""
         from .dequantize import dequantize_model
