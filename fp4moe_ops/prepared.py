@@ -171,6 +171,12 @@ class PreparedExperts(QuantizedBuffers):
     def weight_ranges(self) -> list[tuple[str, str, Callable | None]]:
         return [(CANONICAL_BUFFERS[1], CANONICAL_BUFFERS[2], None), (CANONICAL_BUFFERS[4], CANONICAL_BUFFERS[5], None)]
 
+    def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
+        # the packed weights as the state dict gives them (canonical), whatever layout the backend holds
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        return super().incoming_layout() | {_PACKED[0]: (torch.uint8, (e, 2 * i, h // 2)),
+                                            _PACKED[1]: (torch.uint8, (e, h, i // 2))}
+
     def incoming_expert_counts(self) -> tuple[int, ...]:
         """The expert counts a state dict may give this module's tensors (see ``incoming_layout``)."""
         return (self.num_experts,)
