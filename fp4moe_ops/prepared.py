@@ -427,8 +427,34 @@ def _held(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.is_meta else t
 
 
+def check_incoming_tensors(root: nn.Module, state_dict: dict, prefix: str) -> None:
+    """Raise naming the key of the first tensor in ``state_dict`` that ``root`` and its submodules
+    must not take, before any of them changes: quantized modules' (those with ``scale_checks``) by
+    :func:`check_incoming_scales`; every other tensor (a router's weight, a bias) of another shape
+    (``load_state_dict`` would load the others first and report it at the end) or an integer one
+    for a float tensor (converted by value)."""
+    for name, m in root.named_modules():
+        at = f"{prefix}{name}." if name else prefix
+        quantized = callable(getattr(m, "scale_checks", None))
+        if quantized:
+            check_incoming_scales(m, state_dict, at)
+        plain = [*m.named_parameters(recurse=False), *([] if quantized else m.named_buffers(recurse=False))]
+        for tensor, held in plain:
+            _check_incoming_plain(at + tensor, state_dict.get(at + tensor), held)
+
+
+def _check_incoming_plain(key: str, t, held: torch.Tensor | None) -> None:
+    if not isinstance(t, torch.Tensor) or held is None or t.is_meta or held.is_meta:
+        return
+    if held.is_floating_point() and not t.is_floating_point():
+        raise TypeError(f"load_state_dict: {key} is {t.dtype}, but the model's tensor is {held.dtype}: an integer "
+                        "tensor where a float one belongs would be converted by value")
+    if t.shape != held.shape and not (held.dim() == 0 and tuple(t.shape) == (1,)):
+        raise ValueError(f"load_state_dict: {key} must have shape {list(held.shape)}, got {list(t.shape)}")
+
+
 def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, *args):
-    check_incoming_scales(module, state_dict, prefix)
+    check_incoming_tensors(module, state_dict, prefix)
 
 
 def _load_into_layout(module: PreparedExperts, state_dict, prefix, *args):

@@ -42,7 +42,7 @@ from transformers.utils import logging
 
 from fp4moe_ops.moe_weights import check_scale_values, check_weight_range
 from fp4moe_ops.op import _HIDDEN_DTYPES
-from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS, PreparedExperts, check_incoming_scales
+from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS, PreparedExperts, check_incoming_tensors
 
 from .experts import FP8Linear, NVFP4Experts, NVFP4Linear
 from .checkpoint_format import (
@@ -871,11 +871,9 @@ def _num_parameters(model, only_trainable: bool = False, exclude_embeddings: boo
 
 
 def _check_model_scales(model, state_dict, prefix, *args):
-    """The model's own pre-hook runs before any module loads: a bad scale anywhere is refused
-    with the model untouched (the modules' hooks alone would leave the earlier modules loaded)."""
-    for name, m in model.named_modules():
-        if name and callable(getattr(m, "scale_checks", None)):
-            check_incoming_scales(m, state_dict, f"{prefix}{name}.")
+    """The model's own pre-hook runs before any module loads: a bad tensor anywhere is refused with
+    the model untouched (the modules' hooks alone would leave the earlier modules loaded)."""
+    check_incoming_tensors(model, state_dict, prefix)
 
 
 def _guarded_double(model):

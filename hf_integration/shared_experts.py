@@ -117,11 +117,16 @@ class SharedExpertMoE(QuantizedBuffers):
         return layout
 
     def load_refusal(self, state_dict: dict, prefix: str) -> str | None:
-        """Why ``load_state_dict`` cannot take the shared expert's tensors in ``state_dict``, or None:
-        some but not all of its linears' weights and scales (they are joined into the fused experts
+        """Why ``load_state_dict`` cannot take this block's experts in ``state_dict``, or None: routed
+        experts of another count, some but not all of the shared expert's linears' weights and scales (they are joined into the fused experts
         together, so a partial load would change the state dict and not what runs), or gate and up
         on different global or input scales (the fused expert runs both on gate's: up's would be
         reported by the state dict and never used)."""
+        for name in CANONICAL_BUFFERS + INPUT_SCALE_BUFFERS:  # the routed part: E experts, joined to the shared one
+            t = state_dict.get(f"{prefix}experts.{name}")
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] != self.num_routed:
+                return (f"load_state_dict: {prefix}experts.{name} holds {t.shape[0]} experts; this block has "
+                        f"{self.num_routed} routed experts (and runs its shared expert as one more)")
         s, shared = self.shared_scheme, f"{prefix}shared_experts."
         given = {k[len(shared):]: t for k, t in state_dict.items() if k.startswith(shared)}
         if not given:

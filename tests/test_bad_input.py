@@ -5,6 +5,7 @@ logits); a failed save leaves the previous checkpoint loadable with its old logi
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -1235,6 +1236,38 @@ def test_load_state_dict_takes_quantized_tensors_only_in_their_dtype_and_shape(k
         with pytest.raises(error, match=rf"load_state_dict: {key}\b.*{match}|load_state_dict: {key} {match}"):
             model.load_state_dict(load, strict=strict)
         assert unchanged(model, before)
+
+
+@pytest.mark.parametrize("key,make,error,match", [
+    # a 16-bit module's tensors of a model with NVFP4 modules: refused before any module changes
+    # (load_state_dict itself loads every other tensor first, then reports the size mismatch)
+    ("model.layers.1.mlp.gate.weight", lambda t: (t * 100).to(torch.int32), TypeError,
+     "is torch.int32, but the model's tensor is torch.(bfloat16|float32)"),
+    ("model.embed_tokens.weight", lambda t: t[:, :32], ValueError, r"must have shape \[\d+, 64\], got \[\d+, 32\]"),
+    ("model.layers.1.mlp.gate.weight", lambda t: t[:4], ValueError, r"must have shape \[8, 64\], got \[4, 64\]"),
+    # a fused block's routed experts of another count
+    (f"{EXPERTS}.down_proj_global_scale", lambda t: t[:7], ValueError, r"holds 7 experts; this block has 8 routed"),
+])
+@pytest.mark.parametrize("into", ["model", "block"])
+def test_a_tensor_of_another_shape_or_an_integer_one_is_refused_before_any_module_changes(key, make, error, match, into):
+    model, other = patched_pair()
+    block = "model.layers.1.mlp."
+    if into == "block" and not key.startswith(block):
+        pytest.skip("not a tensor of the block")
+    target = model if into == "model" else model.get_submodule(block[:-1])
+    before = snapshot(target)
+    state = {k: v.clone() for k, v in other.state_dict().items()}
+    state[key] = make(state[key])
+    if into == "block":
+        state = {k[len(block):]: v for k, v in state.items() if k.startswith(block)}
+        key = key[len(block):]
+    with pytest.raises(error, match=rf"load_state_dict: {model_key_of(key, into)}.*{match}"):
+        target.load_state_dict(state)
+    assert unchanged(target, before)
+
+
+def model_key_of(key, into):
+    return re.escape(key) if into == "model" else rf"(model.layers.1.mlp.)?{re.escape(key)}"
 
 
 def test_raw_scale_bytes_viewed_as_e4m3_and_a_one_element_scale_load_as_the_other_model():
