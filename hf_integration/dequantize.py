@@ -3,7 +3,8 @@ the fused router, a shared expert run inside the routed call) goes back to the T
 it replaced, holding the decoded weights (``e2m1 x block scale x global scale`` in float32, rounded
 once to the model dtype: the weights the float model computes with), and the model is an ordinary
 Transformers model again (no quantizer, no quantization config, its default experts
-implementation).
+implementation) whose ``save_pretrained`` stays atomic and replaces the whole checkpoint of the
+folder it saves into (:mod:`hf_integration.saving`).
 
 The Transformers modules come from a skeleton of the model built on the meta device from its
 config, so each is of the class and shape the model's own code makes; each takes its tensors with
