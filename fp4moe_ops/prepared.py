@@ -388,9 +388,9 @@ def check_incoming_layout(key: str, t, dtype: torch.dtype, shape: tuple, counts:
     tensor of ``shape`` (a ``[1]`` tensor stands for a ``[]`` one, as ``load_state_dict`` takes it;
     ``counts``: an experts tensor, whose first dim may be any of these expert counts). Checked
     before any module changes: ``load_state_dict`` itself copies what fits and reports a size
-    mismatch only at the end. Quantized tensors are taken only
-    in their own dtype: ``load_state_dict`` converts by value, which turns E4M3 bytes given as uint8
-    into other scales and packed E2M1 bytes given as int8 into other codes."""
+    mismatch only at the end. Quantized tensors are taken only in their own dtype:
+    ``load_state_dict`` converts by value, which turns E4M3 bytes given as uint8 into other scales
+    and packed E2M1 bytes given as int8 into other codes."""
     if t is None or not isinstance(t, torch.Tensor) or t.is_meta:
         return
     if t.dtype != dtype:
