@@ -131,8 +131,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) ->
         raise ValueError(f"quantize_nvfp4: x {tuple(x.shape)} contains NaN or Inf")
     if global_scale is None:
         global_scale = global_scale_from_amax(x.float().abs().amax(dim=(-2, -1)))
-    elif not (torch.isfinite(global_scale).all() and (global_scale > 0).all()):
-        raise ValueError("quantize_nvfp4: global_scale must be finite and > 0")
+    else:
+        _check_global_scale(global_scale, tuple(x.shape[:-2]))
     x = x.float()
     global_scale = global_scale.float().to(x.device).expand(x.shape[:-2])
     g = global_scale[..., None, None]
@@ -147,6 +147,20 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) ->
     step = block_scale.float() * g  # the dequantized size of one E2M1 unit (> 0: scales are clamped)
     codes = e2m1_encode((blocks / step[..., None]).flatten(-2))
     return NVFP4Tensor(pack_e2m1(codes), block_scale, global_scale.contiguous())
+
+
+def _check_global_scale(g, matrices: tuple) -> None:
+    """An explicit global scale of :func:`quantize_nvfp4`: a float tensor of ``[]`` or a shape that
+    expands to one per matrix (``matrices``), finite and > 0."""
+    if not isinstance(g, torch.Tensor) or not g.is_floating_point():
+        what = f"a {g.dtype} tensor" if isinstance(g, torch.Tensor) else type(g).__name__
+        raise TypeError(f"quantize_nvfp4: global_scale must be a float tensor, got {what}")
+    shape = tuple(g.shape)
+    if len(shape) > len(matrices) or any(n not in (1, m) for n, m in zip(reversed(shape), reversed(matrices))):
+        raise ValueError(f"quantize_nvfp4: global_scale {list(shape)} must be [] or one per matrix {list(matrices)} "
+                         "(x is [..., N, K]: one scale per [N, K] matrix)")
+    if not (torch.isfinite(g).all() and (g > 0).all()):
+        raise ValueError("quantize_nvfp4: global_scale must be finite and > 0")
 
 
 def dequantize_nvfp4(

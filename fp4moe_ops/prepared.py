@@ -77,9 +77,10 @@ class QuantizedBuffers(nn.Module):
     """A module whose buffers are quantized bytes and their scales: moves apply, dtype casts do
     not (``model.to(torch.bfloat16)`` / ``.half()`` must not round the FP8 block scales or the
     float32 scales, or reinterpret the packed bytes). Parameters (a bias) follow casts as usual.
-    ``load_state_dict`` checks the incoming values of the scales :meth:`scale_checks` names, as
-    the constructors and the checkpoint loader do: a NaN or zero global scale, say, is refused
-    naming its key before this module changes (it would poison or zero its outputs)."""
+    ``load_state_dict`` checks the incoming tensors' dtypes and shapes (:meth:`incoming_layout`)
+    and the values of the scales :meth:`scale_checks` names, as the constructors and the checkpoint
+    loader do: a NaN or zero global scale, say, or raw E4M3 bytes as uint8, is refused naming its
+    key before this module changes (it would poison or zero its outputs)."""
 
     def __init__(self):
         super().__init__()
@@ -96,6 +97,13 @@ class QuantizedBuffers(nn.Module):
         ``to_multiplier`` turns a stored global scale into the multiplying one (None: it is)."""
         return []
 
+    def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
+        """``{state dict name: (dtype, shape)}`` of the quantized tensors a load must give exactly as
+        held (:func:`check_incoming_layout`): the persistent buffers, every one of them quantized
+        bytes or a float32 scale."""
+        return {name: (t.dtype, tuple(t.shape)) for name, t in self._buffers.items()
+                if t is not None and name not in self._non_persistent_buffers_set}
+
     def _apply(self, fn, recurse=True):
         before = dict(self._buffers)
         super()._apply(fn, recurse)
@@ -103,6 +111,9 @@ class QuantizedBuffers(nn.Module):
             old = before.get(name)
             if old is not None and new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
+        dtype = self.__dict__.get("dtype")
+        if isinstance(dtype, torch.dtype):  # the dtype it computes and dequantizes in follows casts, as a bias does
+            self.dtype = fn(torch.empty(0, dtype=dtype)).dtype
         return self
 
 
@@ -159,6 +170,16 @@ class PreparedExperts(QuantizedBuffers):
 
     def weight_ranges(self) -> list[tuple[str, str, Callable | None]]:
         return [(CANONICAL_BUFFERS[1], CANONICAL_BUFFERS[2], None), (CANONICAL_BUFFERS[4], CANONICAL_BUFFERS[5], None)]
+
+    def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
+        # the packed weights as the state dict gives them (canonical), whatever layout the backend holds
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        return super().incoming_layout() | {_PACKED[0]: (torch.uint8, (e, 2 * i, h // 2)),
+                                            _PACKED[1]: (torch.uint8, (e, h, i // 2))}
+
+    def incoming_expert_counts(self) -> tuple[int, ...]:
+        """The expert counts a state dict may give this module's tensors (see ``incoming_layout``)."""
+        return (self.num_experts,)
 
     # --- the weights ------------------------------------------------------------------------
 
@@ -311,17 +332,25 @@ def _canonical_state_dict(module: PreparedExperts, state_dict, prefix, local_met
 
 
 def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> None:
-    """Raise ValueError naming the key of the first scale in ``state_dict`` (under ``prefix``) whose
+    """Raise naming the key of the first quantized tensor in ``state_dict`` (under ``prefix``) that
+    ``module`` must not take: one that ``module.load_refusal`` refuses (a tensor that cannot be
+    loaded without the others), one of another dtype or shape than ``module.incoming_layout()``
+    gives (TypeError / ValueError; ``load_state_dict`` would convert it by value, so raw E4M3 bytes
+    as uint8 become other scales and a float64 NaN slips past the value checks), then one whose
     value breaks its rule, for the ``(name, kind)`` pairs of ``module.scale_checks()`` (names
-    relative to ``module``; kinds of :data:`fp4moe_ops.moe_weights.SCALE_CHECKS`). Scales of another
-    dtype or shape, and meta tensors, are left to ``load_state_dict``'s own report. Experts' scales
-    are per expert (``[E]``, ``[E, N, K/16]``; a fused layer may hold more experts than the state
-    dict's routed ones); a linear's are one ``[]`` / ``[1]`` / ``[N, K/16]``."""
+    relative to ``module``; kinds of :data:`fp4moe_ops.moe_weights.SCALE_CHECKS`). Meta tensors
+    (a skeleton's ``assign=True`` load) are not checked. Experts' scales are per expert (``[E]``,
+    ``[E, N, K/16]``; a fused layer may hold more experts than the state dict's routed ones); a
+    linear's are one ``[]`` / ``[1]`` / ``[N, K/16]``."""
     experts = isinstance(module, PreparedExperts)
-    incomplete = getattr(module, "incomplete_load", None)
-    reason = incomplete(state_dict, prefix) if incomplete is not None else None
+    refusal = getattr(module, "load_refusal", None)
+    reason = refusal(state_dict, prefix) if refusal is not None else None
     if reason:
         raise ValueError(reason)
+    layout = module.incoming_layout() if callable(getattr(module, "incoming_layout", None)) else {}
+    counts = module.incoming_expert_counts() if experts else None
+    for name, (dtype, shape) in layout.items():
+        check_incoming_layout(prefix + name, state_dict.get(prefix + name), dtype, shape, counts)
     for name, kind in module.scale_checks():
         key = prefix + name
         t = _incoming(state_dict.get(key), module._buffers.get(name),
@@ -354,16 +383,43 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
             check_weight_range(block[None], multiplier.reshape(1), lambda e, key=key: f"load_state_dict: {key}")
 
 
+def check_incoming_layout(key: str, t, dtype: torch.dtype, shape: tuple, counts: tuple[int, ...] | None = None) -> None:
+    """Raise TypeError / ValueError naming ``key`` if ``t`` (None: not given) is not a ``dtype``
+    tensor of ``shape`` (a ``[1]`` tensor stands for a ``[]`` one, as ``load_state_dict`` takes it;
+    ``counts``: an experts tensor, whose first dim may be any of these expert counts). Checked
+    before any module changes: ``load_state_dict`` itself copies what fits and reports a size
+    mismatch only at the end. Quantized tensors are taken only in their own dtype:
+    ``load_state_dict`` converts by value, which turns E4M3 bytes given as uint8 into other scales
+    and packed E2M1 bytes given as int8 into other codes."""
+    if t is None or not isinstance(t, torch.Tensor) or t.is_meta:
+        return
+    if t.dtype != dtype:
+        hint = " (raw E4M3 bytes? pass .view(torch.float8_e4m3fn))" if dtype == torch.float8_e4m3fn and \
+            t.dtype in (torch.uint8, torch.int8) else ""
+        raise TypeError(f"load_state_dict: {key} must be {dtype}, got {t.dtype} (shape {list(t.shape)}): quantized "
+                        f"tensors and their scales are taken only in their own dtype{hint}")
+    if counts is not None:
+        fits = t.dim() == len(shape) and t.shape[0] in counts and tuple(t.shape[1:]) == tuple(shape[1:])
+        want = " or ".join(str([n, *shape[1:]]) for n in counts)
+    else:
+        fits = tuple(t.shape) == tuple(shape) or (len(shape) == 0 and tuple(t.shape) == (1,))
+        want = str(list(shape))
+    if not fits:
+        raise ValueError(f"load_state_dict: {key} must have shape {want}, got {list(t.shape)}")
+
+
 def _incoming(t, held: torch.Tensor | None, dtype: torch.dtype, experts: bool) -> torch.Tensor | None:
-    """``t`` if ``load_state_dict`` would take its values into ``held`` (or into a ``dtype`` tensor
-    where the module holds none under that name), else None. Experts: any expert count (a fused
-    layer holds one more than its state dict)."""
+    """``t`` as ``load_state_dict`` would take its values into ``held`` (or into a ``dtype`` tensor
+    where the module holds none under that name; a ``[1]`` one as ``[]``), else None. Experts: any
+    expert count (a fused layer holds one more than its state dict)."""
     if not isinstance(t, torch.Tensor) or t.is_meta or t.dtype != (held.dtype if held is not None else dtype):
         return None
     if held is None:
         return t
     if experts:
         return t if t.dim() == held.dim() and t.shape[1:] == held.shape[1:] else None
+    if held.dim() == 0 and tuple(t.shape) == (1,):
+        return t.reshape(())
     return t if t.shape == held.shape else None
 
 
@@ -371,8 +427,34 @@ def _held(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.is_meta else t
 
 
+def check_incoming_tensors(root: nn.Module, state_dict: dict, prefix: str) -> None:
+    """Raise naming the key of the first tensor in ``state_dict`` that ``root`` and its submodules
+    must not take, before any of them changes: quantized modules' (those with ``scale_checks``) by
+    :func:`check_incoming_scales`; every other tensor (a router's weight, a bias) of another shape
+    (``load_state_dict`` would load the others first and report it at the end) or an integer one
+    for a float tensor (converted by value)."""
+    for name, m in root.named_modules():
+        at = f"{prefix}{name}." if name else prefix
+        quantized = callable(getattr(m, "scale_checks", None))
+        if quantized:
+            check_incoming_scales(m, state_dict, at)
+        plain = [*m.named_parameters(recurse=False), *([] if quantized else m.named_buffers(recurse=False))]
+        for tensor, held in plain:
+            _check_incoming_plain(at + tensor, state_dict.get(at + tensor), held)
+
+
+def _check_incoming_plain(key: str, t, held: torch.Tensor | None) -> None:
+    if not isinstance(t, torch.Tensor) or held is None or t.is_meta or held.is_meta:
+        return
+    if held.is_floating_point() and not t.is_floating_point():
+        raise TypeError(f"load_state_dict: {key} is {t.dtype}, but the model's tensor is {held.dtype}: an integer "
+                        "tensor where a float one belongs would be converted by value")
+    if t.shape != held.shape and not (held.dim() == 0 and tuple(t.shape) == (1,)):
+        raise ValueError(f"load_state_dict: {key} must have shape {list(held.shape)}, got {list(t.shape)}")
+
+
 def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, *args):
-    check_incoming_scales(module, state_dict, prefix)
+    check_incoming_tensors(module, state_dict, prefix)
 
 
 def _load_into_layout(module: PreparedExperts, state_dict, prefix, *args):

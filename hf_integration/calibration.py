@@ -8,12 +8,14 @@ import types
 from collections.abc import Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers.utils import logging
 
 from fp4moe_ops import activation_scales, nvfp4
 from fp4moe_ops.backends.reference import reference_moe
 
+from .expert_parallel import ExpertShard
 from .surgery import nvfp4_experts
 
 logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
@@ -47,7 +49,9 @@ def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Modul
     ``batches``: dicts of model kwargs (e.g. tokenizer output) or ``input_ids`` tensors. Every
     token of a batch counts toward the amax, padding included (``attention_mask`` reaches only the
     attention; ModelOpt and llm-compressor calibrate the same way): pass unpadded batches to leave
-    padding out. Experts no batch routed to get the layer's largest scale (logged). NaN or Inf
+    padding out. Experts no batch routed to get the layer's largest scale (logged; under expert
+    parallelism the largest of every rank's experts); a layer none of whose experts saw a token is
+    refused, naming it. NaN or Inf
     activations, an empty batch, or scales the modules' activation mode refuses raise, naming the
     layer or batch, and leave the model as it was. A module already running NVFP4 activations
     runs the new scales afterwards. Needed only by ``backend="flashinfer_nvfp4"`` (or the
@@ -83,8 +87,7 @@ def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Modul
             m.__dict__.pop("_fp4moe_observer", None)
             if backend is not None:
                 m.set_backend(backend, mode)
-    scales = [tuple(nvfp4.global_scale_from_amax(torch.where(amax > 0, amax, amax.max())) for amax in (obs.amax1, obs.amax2))
-              for obs in observers]
+    scales = [_input_scales(name, m, obs, n) for (name, m), obs in zip(modules, observers)]
     for (name, _), (_, mode), (fc1, fc2) in zip(modules, backends, scales):
         if mode is not None:  # a mode the new scales cannot run is refused before anything changes
             try:
@@ -101,6 +104,22 @@ def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Modul
     if unseen:
         logger.warning("fp4moe calibration: %d experts saw no tokens; they use their layer's largest scale", unseen)
     return model
+
+
+def _input_scales(name: str, m: nn.Module, obs: _Observer, batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fc1, fc2)`` input scales of one layer's experts; an expert that saw no token gets the layer's
+    largest scale, over every rank's experts under expert parallelism (one collective per layer:
+    every rank calibrates). A layer none of whose experts saw a token is refused, naming it:
+    a scale for it would be made up."""
+    largest = torch.stack([obs.amax1.max(), obs.amax2.max()])
+    if isinstance(m.dispatch, ExpertShard):
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=m.dispatch.group)
+    if not bool((largest > 0).all()):
+        raise ValueError(f"calibration: none of {name}'s experts saw a token in {batches} batch(es), so it has no "
+                         "activation amax to give them an input scale; calibrate with batches that reach this layer "
+                         "(the model is left as it was)")
+    return tuple(nvfp4.global_scale_from_amax(torch.where(amax > 0, amax, top)) for amax, top in
+                 zip((obs.amax1, obs.amax2), largest))
 
 
 __all__ = ["calibrate_activation_scales"]

@@ -3,7 +3,8 @@ the fused router, a shared expert run inside the routed call) goes back to the T
 it replaced, holding the decoded weights (``e2m1 x block scale x global scale`` in float32, rounded
 once to the model dtype: the weights the float model computes with), and the model is an ordinary
 Transformers model again (no quantizer, no quantization config, its default experts
-implementation).
+implementation) whose ``save_pretrained`` stays atomic and replaces the whole checkpoint of the
+folder it saves into (:mod:`hf_integration.saving`).
 
 The Transformers modules come from a skeleton of the model built on the meta device from its
 config, so each is of the class and shape the model's own code makes; each takes its tensors with
@@ -15,6 +16,7 @@ failure leaves the model as it was. Llama-4's fused experts and expert-parallel 
 from __future__ import annotations
 
 import copy
+import types
 
 import torch
 from torch import nn
@@ -25,6 +27,7 @@ from .expert_parallel import ExpertShard
 from .experts import NVFP4Experts, NVFP4Linear
 from .llama4 import NVFP4Llama4TextMoe
 from .router import GroupedTopkRouter
+from .saving import atomic_save_pretrained
 from .shared_experts import SharedExpertMoE
 from .surgery import replace_module
 
@@ -101,9 +104,11 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
         parent, _, attr = name.rpartition(".")
         replace_module(model.get_submodule(parent), attr, original)
     inner = model.__dict__.get("_fp4moe_next_to")  # accelerate's to(), which the dtype guard ran
-    for attr in ("to", "double", "save_pretrained", "num_parameters", "set_experts_implementation",
-                 "_fp4moe_next_to"):
+    for attr in ("to", "double", "num_parameters", "set_experts_implementation", "_fp4moe_next_to"):
         model.__dict__.pop(attr, None)
+    # the atomic save stays: saved into the folder of its NVFP4 checkpoint, the BF16 model's files
+    # replace that checkpoint's whole (hf_quant_config.json would label the BF16 weights NVFP4)
+    model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
     if inner is not None:
         model.to = inner
     hooks = model._load_state_dict_pre_hooks

@@ -32,6 +32,24 @@ def _resolve(path_or_id: str | Path, filename: str, **hub_kwargs) -> Path | None
     return Path(found) if found else None
 
 
+def _check_local_path(path: str | Path) -> None:
+    """A clear error for a path that is a file, or a folder that does not exist, instead of the Hub's
+    "Repo id must be in the form ..." (anything not on disk is tried as a Hub id only if it is one)."""
+    local = Path(path)
+    if local.is_dir():
+        return
+    if local.exists():
+        raise NotADirectoryError(f"{path} is a file: load_modelopt_nvfp4 takes a checkpoint folder (config.json, "
+                                 "*.safetensors) or a Hub repo id")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(str(path))
+    except HFValidationError:
+        raise FileNotFoundError(f"{path}: no such checkpoint folder (nor a Hub repo id, 'name' or "
+                                "'namespace/name')") from None
+
+
 def _model_config(config_file: Path):
     """Transformers' config of the checkpoint (a malformed file: a CheckpointError naming it)."""
     from transformers import AutoConfig
@@ -65,9 +83,11 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
     """
     from transformers import AutoModelForCausalLM
 
-    from .quantizer import register
+    from .quantizer import refuse_meta_device, register
 
     register()
+    refuse_meta_device(device_map if device_map is not None else device)
+    _check_local_path(path)
 
     def read():
         folder_file = _resolve(path, "hf_quant_config.json") or _resolve(path, "config.json")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import traceback
+import types
 
 import torch
 from torch import nn
@@ -28,7 +29,8 @@ from fp4moe_ops.moe_weights import NVFP4MoEWeights, expert_chunks, quantize_expe
 from .experts import NVFP4Experts, NVFP4Linear, weight_amax
 from .checkpoint_format import ModelOptConfig
 from .llama4 import is_llama4_experts
-from .quantizer import attach, quantizer_for
+from .quantizer import ModelOptQuantizer, attach, quantizer_for
+from .saving import refuse_unpatched_save
 from .router import fuse_routers
 from .shared_experts import fuse_shared_experts as fuse_shared
 from .surgery import find_experts_modules, is_dense_gated_mlp, is_silu, is_transformers_experts, log_activation_modes, \
@@ -197,9 +199,15 @@ def quantize_linears(model: nn.Module, *, dense_mlps: bool = True, attention: bo
     recipe and tensors; an MLP's gate and up on one global scale). What ``patch_moe``'s
     ``quantize_dense_mlps`` / ``quantize_attention`` do; usable on its own, e.g. on a patched model.
     Every linear is checked first (sizes, dtype, device, finite weights): on an error nothing has
-    changed. Returns the number of modules whose linears were quantized."""
+    changed. Returns the number of modules whose linears were quantized. A model whose routed
+    experts are not patched yet refuses ``save_pretrained`` (:func:`patch_moe` it first: the NVFP4
+    linears are kept, and it saves as a ModelOpt checkpoint)."""
     groups = _checked_linear_groups(model, dense_mlps, attention)
     _quantize_linears(groups, verbose)
+    if groups and not isinstance(getattr(model, "hf_quantizer", None), ModelOptQuantizer):
+        # not an fp4moe model: Transformers' save would write the packed bytes as BF16 weights
+        # under no quantization config, which no loader reads; patch_moe attaches the real save
+        model.save_pretrained = types.MethodType(refuse_unpatched_save, model)
     return len(groups)
 
 

@@ -42,7 +42,7 @@ from transformers.utils import logging
 
 from fp4moe_ops.moe_weights import check_scale_values, check_weight_range
 from fp4moe_ops.op import _HIDDEN_DTYPES
-from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS, PreparedExperts, check_incoming_scales
+from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS, PreparedExperts, check_incoming_tensors
 
 from .experts import FP8Linear, NVFP4Experts, NVFP4Linear
 from .checkpoint_format import (
@@ -554,6 +554,7 @@ class ModelOptQuantizer(HfQuantizer):
     def validate_environment(self, *args, device_map=None, **kwargs):
         # called before the plan exists (the device_map as given: checked again once the plan is
         # made, in _process_model_before_weight_loading) and after "auto" placed the modules
+        refuse_meta_device(device_map)
         if self.plan is not None:
             self._refuse_nvfp4_on_disk(device_map, inferred=True)
 
@@ -605,6 +606,7 @@ class ModelOptQuantizer(HfQuantizer):
         scan = CheckpointScan(files)
         scan.check_index(files)
         self.plan = plan_load(model, scan, self.quantization_config, shard_of)
+        check_float_tensors(model, scan, self.plan)
         self._refuse_nvfp4_on_disk(kwargs.get("device_map"))
         for name, m in list(model.named_modules()):
             parent_name, _, attr = name.rpartition(".")
@@ -716,6 +718,16 @@ class ModelOptQuantizer(HfQuantizer):
     def is_serializable(self, *args, **kwargs):
         return True
 
+    def dequantize(self, model, dtype=None):
+        """``model.dequantize(dtype)``: decoded into ``dtype``, by default the dtype the model holds now
+        (Transformers' default, the dtype it was loaded in, is stale after ``model.to(torch.float16)``
+        and would leave decoded weights of one dtype beside activations of another)."""
+        dtype = dtype if dtype is not None else model.dtype
+        model = self._dequantize(model, dtype=dtype)
+        self.remove_quantization_config(model)
+        model.config.dtype = dtype
+        return model
+
     def _dequantize(self, model, dtype=None):
         """``model.dequantize()``: :func:`hf_integration.dequantize.dequantize_model`."""
         from .dequantize import dequantize_model
@@ -731,6 +743,45 @@ class ModelOptQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def refuse_meta_device(device_map) -> None:
+    """Raise ValueError if ``device_map`` (a device, or a ``{module: device}`` map) puts anything on the
+    meta device: the loader reads and checks the checkpoint's NVFP4 bytes and scales, which a meta
+    tensor cannot hold. A skeleton without weights is Transformers' ``from_config`` under
+    ``torch.device("meta")``."""
+    places = device_map.values() if isinstance(device_map, dict) else [device_map]
+    for where in places:
+        if isinstance(where, (str, torch.device)) and str(where).split(":")[0] == "meta":
+            raise ValueError("fp4moe cannot load NVFP4 weights onto the meta device (device or device_map 'meta'): "
+                             "it reads and checks the checkpoint's bytes and scales; load onto 'cpu' or a GPU, or "
+                             "build an empty skeleton with AutoModelForCausalLM.from_config under "
+                             "torch.device('meta')")
+
+
+def check_float_tensors(model: nn.Module, scan: CheckpointScan, plan: LoadPlan) -> None:
+    """Raise CheckpointError naming the tensor and its file for a checkpoint tensor of an integer or
+    bool dtype whose model tensor is a float one (a router weight stored as I32, say): Transformers
+    would convert it by value, silently. The NVFP4 / FP8 modules' tensors are the plan's (checked there)."""
+    renamings, _ = model_conversions(model)
+    held = dict(model.named_parameters()) | dict(model.named_buffers())
+    owners = {n for n, _ in model.named_modules()}
+    prefix = getattr(model, "base_model_prefix", "model")
+    quantized = tuple(f"{name}." for name in [*plan.experts, *plan.linears])
+    for key, (file, dtype, _) in scan.tensors.items():
+        if not isinstance(dtype, torch.dtype) or dtype.is_floating_point or dtype.is_complex:
+            continue
+        model_key = _to_model_key(key, renamings, prefix, owners)
+        if model_key.startswith(quantized):
+            continue
+        # a per-expert tensor of a BF16 experts module (experts.<e>.<leaf>.weight) goes into its stacked one
+        target = held.get(model_key)
+        if target is None:
+            target = held.get(re.sub(r"\.\d+\.\w+\.(weight|bias)$", "", model_key) + ".gate_up_proj")
+        if target is not None and target.is_floating_point():
+            raise CheckpointError(f"checkpoint tensor {key!r} in {file} is {dtype}, but the model's tensor is "
+                                  f"{target.dtype}: an integer tensor where a float one belongs would be converted by "
+                                  "value; re-export the checkpoint with float tensors")
 
 
 def _is_ours(conversion) -> bool:  # UnfuseNVFP4Experts included
@@ -820,11 +871,9 @@ def _num_parameters(model, only_trainable: bool = False, exclude_embeddings: boo
 
 
 def _check_model_scales(model, state_dict, prefix, *args):
-    """The model's own pre-hook runs before any module loads: a bad scale anywhere is refused
-    with the model untouched (the modules' hooks alone would leave the earlier modules loaded)."""
-    for name, m in model.named_modules():
-        if name and callable(getattr(m, "scale_checks", None)):
-            check_incoming_scales(m, state_dict, f"{prefix}{name}.")
+    """The model's own pre-hook runs before any module loads: a bad tensor anywhere is refused with
+    the model untouched (the modules' hooks alone would leave the earlier modules loaded)."""
+    check_incoming_tensors(model, state_dict, prefix)
 
 
 def _guarded_double(model):

@@ -37,9 +37,13 @@ from .checkpoint_format import ModelOptConfig, dense_mlp_tensors, expert_leaves,
 from .llama4 import NVFP4Llama4TextMoe, fused_from_canonical
 from .shared_experts import SharedExpertMoE
 
-# what a save rewrites or Transformers deletes as stale in the folder it saves into
+# what a save replaces in the folder it saves into: the configs and every weights file or index of
+# an earlier save, ``variant=`` ones included (``model.fp16-00001-of-00002.safetensors``,
+# ``model.safetensors.index.fp16.json``: a loader given that variant would read the stale ones), and
+# ``hf_quant_config.json``, which ModelOpt-aware readers take to say the weights are NVFP4
 _REPLACED = re.compile(r"^(config\.json|generation_config\.json|hf_quant_config\.json|"
-                       r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)|(model|pytorch_model)\.(safetensors|bin)\.index\.json)$")
+                       r"(model|pytorch_model)(\.[^.]+)?(-\d+-of-\d+)?\.(safetensors|bin)|"
+                       r"(model|pytorch_model)\.(safetensors|bin)\.index(\.[^.]+)?\.json)$")
 
 
 def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -120,7 +124,8 @@ def nvfp4_modules(model: nn.Module, kind) -> list[tuple[str, nn.Module]]:
 
 def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub: bool = False, **kwargs):
     """``save_pretrained`` for fp4moe models (installed on the model by
-    :func:`hf_integration.quantizer.attach`); arguments as Transformers'. See the module docstring.
+    :func:`hf_integration.quantizer.attach`, and kept by ``dequantize()``, after which it saves the
+    plain Transformers model the same way); arguments as Transformers'. See the module docstring.
     ``push_to_hub=True`` uploads the folder this save wrote (Transformers' own upload steps), so the
     Hub gets the same files and config as a local save. ``state_dict=`` is refused: Transformers
     saves a quantized model's state dict from its quantizer and would ignore it."""
@@ -135,7 +140,8 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
         # Transformers writes nothing there, and neither may the swap or the Hub upload (some
         # Transformers releases create the repository from every rank: the hub arguments stay here)
         return cls_save(model, save_directory, *args, **{k: v for k, v in kwargs.items() if k in own})
-    if bound.get("state_dict") is not None:
+    quantizer = getattr(model, "hf_quantizer", None)
+    if bound.get("state_dict") is not None and quantizer is not None:
         raise ValueError("save_pretrained(state_dict=...): a model with fp4moe NVFP4 modules is saved from its own "
                          "tensors (Transformers takes a quantized model's state dict from its quantizer and would "
                          "ignore the one given); load the changed tensors into the model with load_state_dict, "
@@ -146,17 +152,20 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
         raise ValueError(f"save_pretrained: {target} is a file, not a folder")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging_folder(target)
-    previous = model.hf_quantizer.quantization_config
+    previous = quantizer.quantization_config if quantizer is not None else None
     try:
-        config = saved_config(model, previous)
-        model.hf_quantizer.quantization_config = config
-        model.config.quantization_config = config
-        with ExitStack() as stack:  # packed weights read in the canonical layout, in place (no copy)
-            for m in model.modules():
-                if isinstance(m, PreparedExperts):
-                    stack.enter_context(m.canonical_layout())
+        if quantizer is None:  # a dequantized model: Transformers' own files, nothing of the old checkpoint
             cls_save(model, staging, *args, **kwargs)
-        (staging / "hf_quant_config.json").write_text(json.dumps(config.hf_quant_config(), indent=2) + "\n")
+        else:
+            config = saved_config(model, previous)
+            quantizer.quantization_config = config
+            model.config.quantization_config = config
+            with ExitStack() as stack:  # packed weights read in the canonical layout, in place (no copy)
+                for m in model.modules():
+                    if isinstance(m, PreparedExperts):
+                        stack.enter_context(m.canonical_layout())
+                cls_save(model, staging, *args, **kwargs)
+            (staging / "hf_quant_config.json").write_text(json.dumps(config.hf_quant_config(), indent=2) + "\n")
         if target.is_dir():
             for f in target.iterdir():
                 if not _REPLACED.match(f.name) and not (staging / f.name).exists():
@@ -164,11 +173,26 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
         _swap_in(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        model.hf_quantizer.quantization_config = previous
-        model.config.quantization_config = previous
+        if quantizer is not None:
+            quantizer.quantization_config = previous
+            model.config.quantization_config = previous
         raise
     if upload is not None:
         upload.finish(target)
+
+
+def refuse_unpatched_save(model: nn.Module, *args, **kwargs):
+    """``save_pretrained`` of a model that :func:`hf_integration.quantize_linears` gave NVFP4 linears
+    but fp4moe did not patch or load: refused, naming a linear (Transformers would save its packed
+    bytes as a BF16 weight under no quantization config, which no loader reads). Without NVFP4
+    linears any more, the model's own save."""
+    linears = nvfp4_modules(model, NVFP4Linear)
+    if linears:
+        raise ValueError(f"save_pretrained: {linears[0][0]} (and {len(linears) - 1} more) are NVFP4 linears of a model "
+                         "fp4moe has not patched (quantize_linears alone), which no checkpoint format fp4moe writes "
+                         "holds; patch its experts with patch_moe(model) (the NVFP4 linears are kept) and save "
+                         "that: a ModelOpt NVFP4 checkpoint. Nothing was written")
+    return type(model).save_pretrained(model, *args, **kwargs)
 
 
 class _HubUpload:
@@ -246,4 +270,4 @@ def _swap_in(staging: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-__all__ = ["atomic_save_pretrained", "modelopt_state_dict", "saved_config"]
+__all__ = ["atomic_save_pretrained", "modelopt_state_dict", "refuse_unpatched_save", "saved_config"]

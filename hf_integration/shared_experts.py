@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from fp4moe_ops import NVFP4MoEWeights
-from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS
+from fp4moe_ops.nvfp4 import BLOCK_SIZE
+from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS, QuantizedBuffers
 
 from .experts import LocalExperts, NVFP4Experts, NVFP4Linear
 from .surgery import replace_module
@@ -46,15 +47,24 @@ class ExpertsWithShared(NVFP4Experts):
                 "activations, load without fuse_shared_experts=True, or patch with fuse_shared_experts=False")
         return checked
 
+    def incoming_expert_counts(self) -> tuple[int, ...]:
+        # the unfused state dict's routed experts, or all of them once the block has joined the shared one
+        return (self.num_experts - 1, self.num_experts)
 
-class SharedExpertMoE(nn.Module):
+
+class SharedExpertMoE(QuantizedBuffers):
     """A MoE block computing ``sum_j w_j routed_j(x) + shared(x)`` as one op call over ``E + 1`` experts.
 
     Children: ``gate`` (the block's router, unchanged) and ``experts`` (an
     :class:`ExpertsWithShared` whose last expert is the shared one). ``num_routed`` = E;
     ``shared_scheme``: the :class:`~hf_integration.checkpoint_format.TensorScheme` of the shared
     expert's three NVFP4 linears, whose file scalars are kept (non-persistent
-    ``shared_<leaf>_<tensor>`` buffers) so that the state dict gives them back exactly.
+    ``shared_<leaf>_<tensor>`` buffers, float32 under any ``model.to(dtype)``) so that the state
+    dict gives them back exactly.
+
+    ``load_state_dict`` takes the unfused layout: everything is checked first (the shared
+    expert's tensors together, dtypes, shapes, values, gate and up on one global scale), then the
+    shared expert's tensors become the fused experts' last row; a failed load changes nothing.
     """
 
     def __init__(self, gate: nn.Module, experts: ExpertsWithShared, num_routed: int, shared_scheme,
@@ -93,17 +103,49 @@ class SharedExpertMoE(nn.Module):
         return [(f"shared_experts.{leaf}.{s.block_scale}", f"shared_experts.{leaf}.{s.global_scale}", s.multiplier)
                 for leaf in _LEAVES]
 
-    def incomplete_load(self, state_dict: dict, prefix: str) -> str | None:
-        """Why ``load_state_dict`` cannot take the shared expert's tensors in ``state_dict`` (some but
-        not all of its linears' weights and scales: they are joined into the fused experts together,
-        so a partial load would change the state dict and not what runs), or None."""
+    def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
+        """The shared expert's tensors in the unfused state dict, as its three linears hold them (see
+        :func:`fp4moe_ops.prepared.check_incoming_layout`)."""
+        s, h, i = self.shared_scheme, self.experts.hidden_size, self.experts.intermediate_size
+        rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+        layout = {}
+        for leaf, (n, k) in rows.items():
+            layout[f"shared_experts.{leaf}.{s.packed}"] = (torch.uint8, (n, k // 2))
+            layout[f"shared_experts.{leaf}.{s.block_scale}"] = (torch.float8_e4m3fn, (n, k // BLOCK_SIZE))
+            for tensor in (s.global_scale, s.input_scale):
+                layout[f"shared_experts.{leaf}.{tensor}"] = (torch.float32, s.scalar_shape)
+        return layout
+
+    def load_refusal(self, state_dict: dict, prefix: str) -> str | None:
+        """Why ``load_state_dict`` cannot take this block's experts in ``state_dict``, or None: routed
+        experts of another count, some but not all of the shared expert's linears' weights and scales (they are joined into the fused experts
+        together, so a partial load would change the state dict and not what runs), or gate and up
+        on different global or input scales (the fused expert runs both on gate's: up's would be
+        reported by the state dict and never used)."""
+        for name in CANONICAL_BUFFERS + INPUT_SCALE_BUFFERS:  # the routed part: E experts, joined to the shared one
+            t = state_dict.get(f"{prefix}experts.{name}")
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] != self.num_routed:
+                return (f"load_state_dict: {prefix}experts.{name} holds {t.shape[0]} experts; this block has "
+                        f"{self.num_routed} routed experts (and runs its shared expert as one more)")
         s, shared = self.shared_scheme, f"{prefix}shared_experts."
-        given = {k[len(shared):] for k in state_dict if k.startswith(shared)}
-        needed = {f"{leaf}.{t}" for leaf in _LEAVES for t in (s.packed, s.block_scale, s.global_scale)}
-        if given and not needed <= given:
+        given = {k[len(shared):]: t for k, t in state_dict.items() if k.startswith(shared)}
+        if not given:
+            return None
+        tensors = (s.packed, s.block_scale, s.global_scale)
+        if INPUT_SCALE_BUFFERS[0] in self.experts._buffers or any(k.endswith(f".{s.input_scale}") for k in given):
+            tensors += (s.input_scale,)
+        needed = {f"{leaf}.{t}" for leaf in _LEAVES for t in tensors}
+        if not needed <= set(given):
             return (f"load_state_dict: {shared[:-1]} runs inside the routed experts' call and takes its weights and "
-                    f"scales together; missing {sorted(needed - given)}: load all of them (or load into a model "
+                    f"scales together; missing {sorted(needed - set(given))}: load all of them (or load into a model "
                     "patched or loaded with fuse_shared_experts=False)")
+        for tensor in (s.global_scale, s.input_scale):
+            gate, up = given.get(f"gate_proj.{tensor}"), given.get(f"up_proj.{tensor}")
+            if isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor) and not torch.equal(
+                    gate.reshape(-1), up.reshape(-1)) and not (gate.is_meta or up.is_meta):
+                return (f"load_state_dict: {shared}up_proj.{tensor} ({up.reshape(-1).tolist()}) differs from "
+                        f"gate_proj.{tensor} ({gate.reshape(-1).tolist()}): the fused shared expert runs gate and up "
+                        "on one scale; load into a model patched or loaded with fuse_shared_experts=False")
         return None
 
     def split(self) -> tuple[NVFP4MoEWeights, NVFP4MoEWeights]:
@@ -161,30 +203,47 @@ def _split_state_dict(module: SharedExpertMoE, state_dict, prefix, local_metadat
 
 
 def _join_state_dict(module: SharedExpertMoE, state_dict, prefix, *args):
-    """The unfused layout in: the shared expert's tensors appended to the routed experts'."""
+    """The unfused layout in (after :func:`~fp4moe_ops.prepared.check_incoming_scales`, registered
+    first, has checked all of it): the shared expert's tensors become the fused experts' last row.
+    A partial load (``strict=False``) of the routed experts alone, or of the shared expert alone,
+    keeps the module's own tensors for the other part."""
     shared, s = f"{prefix}shared_experts.", module.shared_scheme
     get = {k[len(shared):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(shared)]}
+    routed = {name: f"{prefix}experts.{name}" for name in CANONICAL_BUFFERS + INPUT_SCALE_BUFFERS
+              if name in module.experts._buffers}
+    if not get and not any(key in state_dict for key in routed.values()):
+        return  # nothing of this block's experts here: load_state_dict reports the missing keys
+    e, mult = module.num_routed, s.multiplier
+    held = None
+    parts = {}
+    if get:
+        parts = {
+            "gate_up_proj_packed": torch.cat([get[f"gate_proj.{s.packed}"], get[f"up_proj.{s.packed}"]])[None],
+            "gate_up_proj_scale": torch.cat([get[f"gate_proj.{s.block_scale}"], get[f"up_proj.{s.block_scale}"]])[None],
+            "gate_up_proj_global_scale": mult(get[f"gate_proj.{s.global_scale}"]).reshape(1),
+            "down_proj_packed": get[f"down_proj.{s.packed}"][None],
+            "down_proj_scale": get[f"down_proj.{s.block_scale}"][None],
+            "down_proj_global_scale": mult(get[f"down_proj.{s.global_scale}"]).reshape(1),
+        }
+        if f"gate_proj.{s.input_scale}" in get:
+            parts["fc1_input_scale"] = mult(get[f"gate_proj.{s.input_scale}"]).reshape(1)
+            parts["fc2_input_scale"] = mult(get[f"down_proj.{s.input_scale}"]).reshape(1)
+    for name, key in routed.items():
+        if key not in state_dict and name not in parts:
+            continue
+        if key not in state_dict or name not in parts:  # one part given: the other is the module's own
+            held = held if held is not None else _canonical_tensors(module.experts)
+        head = state_dict[key] if key in state_dict else held[name][:e]
+        tail = parts[name] if name in parts else held[name][e:]
+        state_dict[key] = torch.cat([head, tail.to(head.device)])
     for key, t in get.items():  # the file's scalars, kept as they are
         if _scalar_buffer(key) in module._buffers:
-            module._buffers[_scalar_buffer(key)].copy_(t)
-    if f"gate_proj.{s.packed}" not in get:
-        return  # nothing of the shared expert here: load_state_dict reports the missing keys
-    mult = s.multiplier
-    parts = {
-        "gate_up_proj_packed": torch.cat([get[f"gate_proj.{s.packed}"], get[f"up_proj.{s.packed}"]])[None],
-        "gate_up_proj_scale": torch.cat([get[f"gate_proj.{s.block_scale}"], get[f"up_proj.{s.block_scale}"]])[None],
-        "gate_up_proj_global_scale": mult(get[f"gate_proj.{s.global_scale}"]).reshape(1),
-        "down_proj_packed": get[f"down_proj.{s.packed}"][None],
-        "down_proj_scale": get[f"down_proj.{s.block_scale}"][None],
-        "down_proj_global_scale": mult(get[f"down_proj.{s.global_scale}"]).reshape(1),
-    }
-    if f"gate_proj.{s.input_scale}" in get:
-        parts["fc1_input_scale"] = mult(get[f"gate_proj.{s.input_scale}"]).reshape(1)
-        parts["fc2_input_scale"] = mult(get[f"down_proj.{s.input_scale}"]).reshape(1)
-    for name, t in parts.items():
-        routed = f"{prefix}experts.{name}"
-        if routed in state_dict:
-            state_dict[routed] = torch.cat([state_dict[routed], t.to(state_dict[routed].device)])
+            module._buffers[_scalar_buffer(key)].copy_(t.reshape(module._buffers[_scalar_buffer(key)].shape))
+
+
+def _canonical_tensors(experts: ExpertsWithShared) -> dict[str, torch.Tensor]:
+    w = experts.canonical()
+    return dict(zip(CANONICAL_BUFFERS + INPUT_SCALE_BUFFERS, (*w.tensors(), w.fc1_input_scale, w.fc2_input_scale)))
 
 
 def shared_expert_weights(shared: nn.Module):

@@ -129,3 +129,39 @@ def test_ranks_with_different_checkpoints_fail_alike(tmp_path):
     _, results = run(2, tmp_path, checkpoint=[str(tmp_path / "a"), str(tmp_path / "b")])
     messages = {r.get("error") for r in results}
     assert len(messages) == 1 and "ranks disagree on the checkpoint" in messages.pop()
+
+
+def calibrating_worker(rank, world, port, ids, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from hf_integration import calibrate_activation_scales
+        from hf_integration.expert_parallel import shard_experts
+
+        model = shard_experts(patch_deepseek(tiny_deepseek_v3(seed=0, num_hidden_layers=2), verbose=False))
+        calibrate_activation_scales(model, [ids])
+        experts = model.model.layers[-1].mlp.experts
+        torch.save({"fc1": experts.fc1_input_scale, "fc2": experts.fc2_input_scale,
+                    "offset": experts.dispatch.offset}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_a_rank_whose_experts_see_no_token_calibrates_to_the_layers_largest_scale(tmp_path):
+    # one token: the router's one group (topk_group=1) of 4 experts is one rank's shard, so the
+    # other rank's experts see nothing; they got a made-up 1.0, not the layer's largest scale
+    from hf_integration import calibrate_activation_scales
+
+    ids = torch.tensor([[11]])
+    mp.spawn(calibrating_worker, args=(2, free_port(), ids, str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    single = calibrate_activation_scales(patch_deepseek(tiny_deepseek_v3(seed=0, num_hidden_layers=2), verbose=False),
+                                         [ids])
+    experts = single.model.layers[-1].mlp.experts
+    for name in ("fc1", "fc2"):
+        want = getattr(experts, f"{name}_input_scale")
+        # the case this test is about: one rank's shard saw nothing (all four at the layer's largest)
+        assert any(bool((want[o:o + 4] == want.max()).all()) for o in (0, 4))
+        for r in results:  # the same inputs through the same reference math: exactly the one-process scales
+            assert torch.equal(r[name], want[r["offset"]:r["offset"] + 4])
