@@ -15,6 +15,7 @@ Importing it registers fp4moe's ``"modelopt"`` quantizer with Transformers, so
 * ``calibration``: activation scales for NVFP4 x NVFP4;
 * ``expert_parallel``: experts split over ``torch.distributed`` ranks;
 * ``surgery``: finding and swapping modules; ``saving``: atomic ``save_pretrained``;
+* ``fused_linears``: linears that serving engines run as one GEMM, on one global scale;
 * ``modelopt``: ``load_modelopt_nvfp4`` (``from_pretrained`` plus what it cannot know by itself);
 * ``architectures``: published model types Transformers runs under another name (Kimi-K2);
 * ``tiny_models``, ``demo``: tiny random models for tests and the demo.

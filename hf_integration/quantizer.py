@@ -60,6 +60,7 @@ from .checkpoint_format import (
     model_conversions,
     read_json,
 )
+from .fused_linears import tie_fused_linears
 from .llama4 import FUSED_LEAVES, NVFP4Llama4TextMoe, canonical_from_fused, fused_key, fused_specs, is_llama4_experts
 from .router import fuse_routers
 from .shared_experts import fuse_shared_experts
@@ -678,6 +679,12 @@ class ModelOptQuantizer(HfQuantizer):
                 except ValueError as exc:
                     raise CheckpointError(str(exc)) from None
         config = self.quantization_config
+        if config.nvfp4_linears == "nvfp4":  # kept in 4 bits, and saved so: one scale per fused GEMM
+            tied = tie_fused_linears(model)
+            if tied:
+                logger.warning("fp4moe: %d sets of linears that vLLM and SGLang run as one GEMM had different "
+                               "weight_scale_2 or input_scale (%s); used their max and rescaled the others' block "
+                               "scales (re-rounded to E4M3)", len(tied), ", ".join(tied[:3]) + (" ..." if len(tied) > 3 else ""))
         for name, m in linears:
             if isinstance(m, NVFP4Linear) and config.nvfp4_linears == "nvfp4":
                 m.reset_counters()
