@@ -759,6 +759,8 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
     * ``load_state_dict`` checks every incoming scale value of the model's NVFP4 modules before
       any module changes (each module also checks its own, as it loads);
     * ``set_experts_implementation`` away from fp4moe raises at the call;
+    * continuous batching (``generate_batch``, ``init_continuous_batching``) of an MLA model raises at
+      the call (:func:`_refuse_continuous_batching`) instead of returning empty outputs;
     * ``save_pretrained`` writes a ModelOpt checkpoint atomically (:mod:`hf_integration.saving`).
     """
     from .saving import atomic_save_pretrained
@@ -773,6 +775,9 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
         # says what runs, and keeps generate() from switching grouped_mm -> batched_mm around decoding
         type(model).set_experts_implementation(model, EXPERTS_IMPLEMENTATION)
     model.set_experts_implementation = types.MethodType(_guarded_set_experts_implementation, model)
+    if uses_mla(model.config) and hasattr(type(model), "init_continuous_batching"):
+        # generate_batch and `transformers serve --continuous-batching` start here
+        model.init_continuous_batching = types.MethodType(_refuse_continuous_batching, model)
     model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
     model.num_parameters = types.MethodType(_num_parameters, model)
     if getattr(model.__dict__.get("to"), "__func__", None) is not _guarded_to:  # (attached once)
@@ -848,6 +853,27 @@ def _guarded_set_experts_implementation(model, experts_implementation):
         "Choose the kernel with hf_integration.set_backend(model, ...)")
 
 
+def uses_mla(config) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): keys and values of different head sizes."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "kv_lora_rank", None) is not None
+
+
+def _refuse_continuous_batching(model, *args, **kwargs):
+    """``init_continuous_batching`` of an MLA model: refused at the call. Transformers' paged cache
+    holds one head size for keys and values (``config.head_dim``), MLA's keys (``qk_nope_head_dim +
+    qk_rope_head_dim``) and values (``v_head_dim``) differ: every step fails inside the cache, and
+    ``generate_batch`` returns every request with no tokens, the error only in a log line (the BF16
+    model does the same)."""
+    text = model.config.get_text_config()
+    raise NotImplementedError(
+        f"continuous batching (generate_batch, init_continuous_batching, transformers serve --continuous-batching) "
+        f"does not run {type(model).__name__}: Transformers' paged KV cache has one head size "
+        f"(head_dim={getattr(text, 'head_dim', None)}) for keys and values, and this model's multi-head latent "
+        f"attention has keys of {text.qk_nope_head_dim + text.qk_rope_head_dim} and values of {text.v_head_dim} "
+        "(the BF16 model fails in the cache too, returning empty outputs). Use model.generate on a padded batch")
+
+
 def quantizer_for(config: ModelOptConfig) -> ModelOptQuantizer:
     return ModelOptQuantizer(config, pre_quantized=True)
 
@@ -907,4 +933,4 @@ class _NVFP4CompressedTensorsQuantizers:
 
 
 __all__ = ["CheckpointScan", "ModelOptQuantizer", "StackNVFP4Experts", "attach", "plan_load", "quantizer_for",
-           "register"]
+           "register", "uses_mla"]
