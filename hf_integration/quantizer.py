@@ -860,18 +860,20 @@ def uses_mla(config) -> bool:
 
 
 def _refuse_continuous_batching(model, *args, **kwargs):
-    """``init_continuous_batching`` of an MLA model: refused at the call. Transformers' paged cache
-    holds one head size for keys and values (``config.head_dim``), MLA's keys (``qk_nope_head_dim +
-    qk_rope_head_dim``) and values (``v_head_dim``) differ: every step fails inside the cache, and
+    """``init_continuous_batching`` of an MLA model: refused at the call. Transformers' MLA attention
+    caches one head of compressed latents per token (``kv_lora_rank`` values as the "keys",
+    ``qk_rope_head_dim`` rotary keys as the "values"); its paged cache allocates ``num_key_value_heads``
+    heads of one ``head_dim`` for keys and values alike. Every step then fails inside the cache, and
     ``generate_batch`` returns every request with no tokens, the error only in a log line (the BF16
-    model does the same)."""
+    model does the same). Running it needs a paged cache with per-layer key and value sizes."""
     text = model.config.get_text_config()
     raise NotImplementedError(
         f"continuous batching (generate_batch, init_continuous_batching, transformers serve --continuous-batching) "
-        f"does not run {type(model).__name__}: Transformers' paged KV cache has one head size "
-        f"(head_dim={getattr(text, 'head_dim', None)}) for keys and values, and this model's multi-head latent "
-        f"attention has keys of {text.qk_nope_head_dim + text.qk_rope_head_dim} and values of {text.v_head_dim} "
-        "(the BF16 model fails in the cache too, returning empty outputs). Use model.generate on a padded batch")
+        f"does not run {type(model).__name__}: its multi-head latent attention caches 1 head of "
+        f"{text.kv_lora_rank} latents and {text.qk_rope_head_dim} rotary keys per token, and Transformers' paged "
+        f"KV cache holds {getattr(text, 'num_key_value_heads', None)} heads of head_dim={getattr(text, 'head_dim', None)} "
+        "for keys and values alike (the BF16 model fails inside the cache too, returning empty outputs). "
+        "Use model.generate on a padded batch")
 
 
 def quantizer_for(config: ModelOptConfig) -> ModelOptQuantizer:

@@ -74,7 +74,7 @@ def test_llama4_chunked_attention_is_refused_by_transformers_at_the_call():
 @pytest.mark.parametrize("arch", MLA)
 def test_generate_batch_on_mla_is_refused_at_the_call(arch):
     model = fp4moe_model(arch)
-    with pytest.raises(NotImplementedError, match="multi-head latent attention has keys of 16 and values of 8"):
+    with pytest.raises(NotImplementedError, match="caches 1 head of 16 latents and 8 rotary keys"):
         model.generate_batch(inputs=PROMPTS, generation_config=config(), progress_bar=False)
     with pytest.raises(NotImplementedError, match="continuous batching"):  # (transformers serve's way in)
         model.init_continuous_batching(generation_config=config())
