@@ -217,3 +217,36 @@ def test_transformers_serve_answers_a_completion_with_no_import(batching, fp4moe
     ids = tok("w1 w2 w3", return_tensors="pt").input_ids
     new = model.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1]:]
     assert answer["choices"][0]["text"].split() == tok.decode(new, skip_special_tokens=True).split(), answer
+
+
+@needs_install
+@pytest.mark.skipif(shutil.which("lm_eval", path=str(Path(sys.executable).parent)) is None,
+                    reason="lm-evaluation-harness is not installed: pip install lm-eval")
+def test_lm_eval_cli_scores_a_checkpoint_through_fp4moe_with_no_import(fp4moe_save, tmp_path):
+    # lm_eval's own CLI and HF wrapper (`--model hf --model_args pretrained=PATH`), on a local
+    # multiple-choice task; its per-choice log-likelihoods are those of the checkpoint loaded here
+    # with fp4moe imported, scored by the same harness in this process
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from lm_eval_tiny import evaluate, write_task
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    write_task(tmp_path, n=6)
+    env = {k: v for k, v in os.environ.items() if k != "FP4MOE_AUTOLOAD"} | {"HF_HUB_OFFLINE": "1",
+                                                                              "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
+                           f"pretrained={fp4moe_save},dtype=bfloat16,max_length=128", "--tasks", "fp4moe_tiny",
+                           "--include_path", str(tmp_path), "--device", "cpu", "--batch_size", "8", "--output_path",
+                           str(tmp_path / "out"), "--log_samples"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "Unknown quantization type" not in done.stderr
+    (samples,) = (tmp_path / "out").rglob("samples_fp4moe_tiny_*.jsonl")
+    docs = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda d: d["doc_id"])
+    served = torch.tensor([float(r[0][0]) for d in docs for r in d["resps"]])
+    import hf_integration  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(fp4moe_save, dtype=torch.bfloat16)
+    _, here = evaluate(model, AutoTokenizer.from_pretrained(fp4moe_save), tmp_path)
+    assert served.shape == here.shape == (24,)
+    assert torch.allclose(served, here.float(), rtol=1e-3, atol=1e-3), (served, here)
