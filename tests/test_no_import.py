@@ -131,6 +131,8 @@ def test_fp4moe_autoload_0_turns_the_hook_off(fp4moe_save):
     assert done.returncode != 0 and "Unknown quantization type, got modelopt" in done.stderr
 
 
+@pytest.mark.skipif(importlib.util.find_spec("setuptools") is None,
+                    reason="building fp4moe's wheel offline needs setuptools>=77 here: pip install 'setuptools>=77'")
 def test_wheel_installs_the_hook_at_the_root_of_site_packages(tmp_path):
     # pip builds the wheel as it would for `pip install .`, from a copy (the build writes build/ and
     # *.egg-info next to setup.py)
