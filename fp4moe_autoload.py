@@ -38,22 +38,29 @@ class _LazyFp4moeConfig:
         self.registry, self.method, self.originals = registry, method, originals
 
     def from_dict(self, config_dict, *args, **kwargs):
-        activate(self.registry, self.originals)
+        activate(self.registry)
         return self.registry.AUTO_QUANTIZATION_CONFIG_MAPPING[self.method].from_dict(config_dict, *args, **kwargs)
 
     def __repr__(self):
         return f"<fp4moe's entry for {self.method!r}, registered when first used>"
 
 
-def activate(registry, originals: dict) -> None:
-    """Put Transformers' own entries back, then import fp4moe's integration (which registers itself)."""
+def restore(registry) -> None:
+    """Put Transformers' own entries back where stand-ins are (fp4moe's registration calls this
+    first, so that it wraps Transformers' entries, never a stand-in)."""
     mapping = registry.AUTO_QUANTIZATION_CONFIG_MAPPING
-    for method, original in originals.items():
-        if isinstance(mapping.get(method), _LazyFp4moeConfig):
-            if original is None:
+    for method in METHODS:
+        entry = mapping.get(method)
+        if isinstance(entry, _LazyFp4moeConfig):
+            if entry.originals[method] is None:
                 del mapping[method]
             else:
-                mapping[method] = original
+                mapping[method] = entry.originals[method]
+
+
+def activate(registry) -> None:
+    """Put Transformers' own entries back, then import fp4moe's integration (which registers itself)."""
+    restore(registry)
     import hf_integration  # noqa: F401  (registers the quantizer on import)
 
 

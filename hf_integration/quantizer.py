@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -890,6 +891,9 @@ def register() -> None:
     compressed-tensors quantizer."""
     from transformers.quantizers import auto
 
+    start_up_hook = sys.modules.get("fp4moe_autoload")
+    if start_up_hook is not None:  # an installed fp4moe: its stand-ins give way to Transformers' own entries first
+        start_up_hook.restore(auto)
     current = auto.AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD)
     if current is not ModelOptQuantizer:
         if current is not None:

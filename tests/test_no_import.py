@@ -119,6 +119,20 @@ def test_a_checkpoint_fp4moe_does_not_read_never_imports_it(tmp_path):
     assert report == {"imported_before_load": False, "imported_after_load": False, "nvfp4_experts": 0}
 
 
+@pytest.mark.parametrize("explicit_import", [True, False])
+def test_registry_holds_transformers_entries_under_fp4moes_once_active(explicit_import, fp4moe_save):
+    # fp4moe's compressed-tensors entry hands non-NVFP4 configs to Transformers' own class: that must
+    # be Transformers' class, not the start-up hook's stand-in (which would hand them back: a loop),
+    # whether fp4moe was activated by the hook or imported explicitly
+    activate = ("import hf_integration" if explicit_import else
+                f"from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained({str(fp4moe_save)!r})")
+    done = run_python(activate + "\nfrom transformers.quantizers import auto\n"
+                      "m = auto.AUTO_QUANTIZATION_CONFIG_MAPPING\n"
+                      "print(m['compressed-tensors'].transformers_config.__name__, m['modelopt'].__name__)", cwd=REPO,
+                      hook=True)
+    assert done.stdout.split()[-2:] == ["CompressedTensorsConfig", "ModelOptConfig"]
+
+
 def test_fp4moe_autoload_0_turns_the_hook_off(fp4moe_save):
     show = ("import transformers.quantizers.auto as r; "
             "print(r.AUTO_QUANTIZATION_CONFIG_MAPPING.get('modelopt'), r.AUTO_QUANTIZATION_CONFIG_MAPPING['compressed-tensors'])")
