@@ -11,7 +11,8 @@ registry back as it was and import :mod:`hf_integration`, which registers fp4moe
 (:func:`hf_integration.quantizer.register`: ModelOpt and NVFP4 compressed-tensors checkpoints go to
 fp4moe, every other compressed-tensors checkpoint to Transformers' own quantizer); the config is
 then read by whatever the registry now holds. Programs that load no such checkpoint never import
-fp4moe.
+fp4moe; a program that imports :mod:`hf_integration` itself registers it at once (the stand-ins give
+way to Transformers' entries first, :func:`restore`).
 
 Turn it off with ``FP4MOE_AUTOLOAD=0`` in the environment (read at start-up); ``import
 hf_integration`` still registers fp4moe as before.
