@@ -2,7 +2,10 @@
 
 Importing it registers fp4moe's ``"modelopt"`` quantizer with Transformers, so
 ``AutoModelForCausalLM.from_pretrained(<ModelOpt NVFP4 checkpoint>)`` loads NVFP4 experts and
-``save_pretrained`` writes them back. Modules, one concept each:
+``save_pretrained`` writes them back. An installed fp4moe does the same in programs that never
+import it (``transformers serve``, ``lm_eval``, plain scripts): :mod:`fp4moe_autoload`, a start-up
+hook, imports this package when Transformers first reads an NVFP4 checkpoint's config
+(``FP4MOE_AUTOLOAD=0`` turns it off). Modules, one concept each:
 
 * ``checkpoint_format``: the NVFP4 checkpoint formats read (ModelOpt, compressed-tensors): configs,
   tensor names, ``CheckpointError``;
@@ -15,6 +18,7 @@ Importing it registers fp4moe's ``"modelopt"`` quantizer with Transformers, so
 * ``calibration``: activation scales for NVFP4 x NVFP4;
 * ``expert_parallel``: experts split over ``torch.distributed`` ranks;
 * ``surgery``: finding and swapping modules; ``saving``: atomic ``save_pretrained``;
+* ``fused_linears``: linears that serving engines run as one GEMM, on one global scale;
 * ``modelopt``: ``load_modelopt_nvfp4`` (``from_pretrained`` plus what it cannot know by itself);
 * ``architectures``: published model types Transformers runs under another name (Kimi-K2);
 * ``tiny_models``, ``demo``: tiny random models for tests and the demo.

@@ -28,6 +28,7 @@ from fp4moe_ops.moe_weights import NVFP4MoEWeights, expert_chunks, quantize_expe
 
 from .experts import NVFP4Experts, NVFP4Linear, weight_amax
 from .checkpoint_format import ModelOptConfig
+from .fused_linears import shared_scale_groups
 from .llama4 import is_llama4_experts
 from .quantizer import ModelOptQuantizer, attach, quantizer_for
 from .saving import refuse_unpatched_save
@@ -144,16 +145,17 @@ def is_attention(m: nn.Module) -> bool:
 
 def _linear_groups(model: nn.Module, dense_mlps: bool, attention: bool):
     """``(name, module, kind, [[leaf, ...], ...])`` for every module whose ``nn.Linear`` children
-    become NVFP4: each inner list shares one global scale (an MLP's gate and up, as ModelOpt
-    exports them, so that they can run as one expert)."""
+    become NVFP4: each inner list shares one global scale, as ModelOpt exports them: an MLP's gate
+    and up (so that they can run as one expert), attention's q/k/v and DeepSeek's q_a/kv_a (which
+    vLLM and SGLang run as one GEMM, :mod:`hf_integration.fused_linears`)."""
     groups = []
     for name, m in model.named_modules():
         if dense_mlps and is_dense_gated_mlp(m):
-            groups.append((name, m, "dense MLP", [["gate_proj", "up_proj"], ["down_proj"]]))
+            groups.append((name, m, "dense MLP", shared_scale_groups(["gate_proj", "up_proj", "down_proj"])))
         elif attention and is_attention(m):
-            leaves = [[attr] for attr, child in m.named_children() if type(child) is nn.Linear]
+            leaves = [attr for attr, child in m.named_children() if type(child) is nn.Linear]
             if leaves:
-                groups.append((name, m, "attention", leaves))
+                groups.append((name, m, "attention", shared_scale_groups(leaves)))
     return groups
 
 
@@ -196,7 +198,8 @@ def quantize_linears(model: nn.Module, *, dense_mlps: bool = True, attention: bo
                      verbose: bool = False) -> int:
     """Quantize the ``nn.Linear`` s of ``model``'s dense gated MLPs (shared experts, dense layers)
     and/or attention modules to :class:`~hf_integration.experts.NVFP4Linear` (W4A16, ModelOpt's
-    recipe and tensors; an MLP's gate and up on one global scale). What ``patch_moe``'s
+    recipe and tensors; an MLP's gate and up on one global scale, attention's q/k/v and DeepSeek's
+    q_a/kv_a likewise). What ``patch_moe``'s
     ``quantize_dense_mlps`` / ``quantize_attention`` do; usable on its own, e.g. on a patched model.
     Every linear is checked first (sizes, dtype, device, finite weights): on an error nothing has
     changed. Returns the number of modules whose linears were quantized. A model whose routed

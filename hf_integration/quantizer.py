@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ from .checkpoint_format import (
     model_conversions,
     read_json,
 )
+from .fused_linears import tie_fused_linears
 from .llama4 import FUSED_LEAVES, NVFP4Llama4TextMoe, canonical_from_fused, fused_key, fused_specs, is_llama4_experts
 from .router import fuse_routers
 from .shared_experts import fuse_shared_experts
@@ -680,6 +682,12 @@ class ModelOptQuantizer(HfQuantizer):
                 except ValueError as exc:
                     raise CheckpointError(str(exc)) from None
         config = self.quantization_config
+        if config.nvfp4_linears == "nvfp4":  # kept in 4 bits, and saved so: one scale per fused GEMM
+            tied = tie_fused_linears(model)
+            if tied:
+                logger.warning("fp4moe: %d sets of linears that vLLM and SGLang run as one GEMM had different "
+                               "weight_scale_2 or input_scale (%s); used their max and rescaled the others' block "
+                               "scales (re-rounded to E4M3)", len(tied), ", ".join(tied[:3]) + (" ..." if len(tied) > 3 else ""))
         for name, m in linears:
             if isinstance(m, NVFP4Linear) and config.nvfp4_linears == "nvfp4":
                 m.reset_counters()
@@ -803,6 +811,8 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
     * ``load_state_dict`` checks every incoming scale value of the model's NVFP4 modules before
       any module changes (each module also checks its own, as it loads);
     * ``set_experts_implementation`` away from fp4moe raises at the call;
+    * continuous batching (``generate_batch``, ``init_continuous_batching``) of an MLA model raises at
+      the call (:func:`_refuse_continuous_batching`) instead of returning empty outputs;
     * ``save_pretrained`` writes a ModelOpt checkpoint atomically (:mod:`hf_integration.saving`).
     """
     from .saving import atomic_save_pretrained
@@ -817,6 +827,9 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
         # says what runs, and keeps generate() from switching grouped_mm -> batched_mm around decoding
         type(model).set_experts_implementation(model, EXPERTS_IMPLEMENTATION)
     model.set_experts_implementation = types.MethodType(_guarded_set_experts_implementation, model)
+    if uses_mla(model.config) and hasattr(type(model), "init_continuous_batching"):
+        # generate_batch and `transformers serve --continuous-batching` start here
+        model.init_continuous_batching = types.MethodType(_refuse_continuous_batching, model)
     model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
     model.num_parameters = types.MethodType(_num_parameters, model)
     if getattr(model.__dict__.get("to"), "__func__", None) is not _guarded_to:  # (attached once)
@@ -890,6 +903,29 @@ def _guarded_set_experts_implementation(model, experts_implementation):
         "Choose the kernel with hf_integration.set_backend(model, ...)")
 
 
+def uses_mla(config) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): keys and values of different head sizes."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "kv_lora_rank", None) is not None
+
+
+def _refuse_continuous_batching(model, *args, **kwargs):
+    """``init_continuous_batching`` of an MLA model: refused at the call. Transformers' MLA attention
+    caches one head of compressed latents per token (``kv_lora_rank`` values as the "keys",
+    ``qk_rope_head_dim`` rotary keys as the "values"); its paged cache allocates ``num_key_value_heads``
+    heads of one ``head_dim`` for keys and values alike. Every step then fails inside the cache, and
+    ``generate_batch`` returns every request with no tokens, the error only in a log line (the BF16
+    model does the same). Running it needs a paged cache with per-layer key and value sizes."""
+    text = model.config.get_text_config()
+    raise NotImplementedError(
+        f"continuous batching (generate_batch, init_continuous_batching, transformers serve --continuous-batching) "
+        f"does not run {type(model).__name__}: its multi-head latent attention caches 1 head of "
+        f"{text.kv_lora_rank} latents and {text.qk_rope_head_dim} rotary keys per token, and Transformers' paged "
+        f"KV cache holds {getattr(text, 'num_key_value_heads', None)} heads of head_dim={getattr(text, 'head_dim', None)} "
+        "for keys and values alike (the BF16 model fails inside the cache too, returning empty outputs). "
+        "Use model.generate on a padded batch")
+
+
 def quantizer_for(config: ModelOptConfig) -> ModelOptQuantizer:
     return ModelOptQuantizer(config, pre_quantized=True)
 
@@ -904,6 +940,9 @@ def register() -> None:
     compressed-tensors quantizer."""
     from transformers.quantizers import auto
 
+    start_up_hook = sys.modules.get("fp4moe_autoload")
+    if start_up_hook is not None:  # an installed fp4moe: its stand-ins give way to Transformers' own entries first
+        start_up_hook.restore(auto)
     current = auto.AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD)
     if current is not ModelOptQuantizer:
         if current is not None:
@@ -949,4 +988,4 @@ class _NVFP4CompressedTensorsQuantizers:
 
 
 __all__ = ["CheckpointScan", "ModelOptQuantizer", "StackNVFP4Experts", "attach", "plan_load", "quantizer_for",
-           "register"]
+           "register", "uses_mla"]

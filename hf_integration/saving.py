@@ -34,6 +34,7 @@ from fp4moe_ops.prepared import INPUT_SCALE_BUFFERS
 from .experts import NVFP4Experts, NVFP4Linear
 from .expert_parallel import ExpertShard
 from .checkpoint_format import ModelOptConfig, dense_mlp_tensors, expert_leaves, expert_tensors, model_conversions
+from .fused_linears import check_fused_scales
 from .llama4 import NVFP4Llama4TextMoe, fused_from_canonical
 from .shared_experts import SharedExpertMoE
 
@@ -77,7 +78,32 @@ def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for key, t in model.state_dict().items():
         if not any(key.startswith(f"{n}.") for n in nvfp4_names):
             state[key] = t
-    return state | kv_cache_scales(model)
+    state |= kv_cache_scales(model)
+    check_fused_scales(state)
+    return state
+
+
+# Fields that vLLM and SGLang read from a DeepSeek-V3-architecture config.json, which DeepSeek's own
+# configs carry and Transformers' DeepseekV3Config drops (its router is always this one). Without
+# them vLLM routes with softmax and no correction bias: it fails on the checkpoint's
+# e_score_correction_bias, or (with the bias removed) routes differently from the model saved.
+SERVING_CONFIG_FIELDS = {
+    "deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+    "kimi_k2": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+}
+
+
+def add_serving_config_fields(config_file: Path) -> None:
+    """Write :data:`SERVING_CONFIG_FIELDS` of the saved ``config.json``'s ``model_type`` into it
+    (where absent); a saved value that says otherwise is refused, naming it."""
+    config = json.loads(config_file.read_text())
+    fields = SERVING_CONFIG_FIELDS.get(config.get("model_type"), {})
+    for key, value in fields.items():
+        if config.setdefault(key, value) != value:
+            raise ValueError(f"config {key}={config[key]!r}: a {config['model_type']} model routes as {key}={value!r} "
+                             "(Transformers' implementation), and vLLM and SGLang would read the saved value")
+    if fields:
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def kv_cache_scales(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -166,6 +192,7 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
                         stack.enter_context(m.canonical_layout())
                 cls_save(model, staging, *args, **kwargs)
             (staging / "hf_quant_config.json").write_text(json.dumps(config.hf_quant_config(), indent=2) + "\n")
+        add_serving_config_fields(staging / "config.json")  # (a dequantized DeepSeek too: vLLM reads them in BF16)
         if target.is_dir():
             for f in target.iterdir():
                 if not _REPLACED.match(f.name) and not (staging / f.name).exists():
@@ -270,4 +297,5 @@ def _swap_in(staging: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-__all__ = ["atomic_save_pretrained", "modelopt_state_dict", "refuse_unpatched_save", "saved_config"]
+__all__ = ["SERVING_CONFIG_FIELDS", "add_serving_config_fields", "atomic_save_pretrained", "modelopt_state_dict",
+           "refuse_unpatched_save", "saved_config"]

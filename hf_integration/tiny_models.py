@@ -121,8 +121,8 @@ def write_modelopt_checkpoint(model, path, *, equal_gate_up_scales: bool = True,
     everything else as is; random (but ModelOpt-like) per-linear input scales (none with
     ``input_scales=False``, a W4A16 export). Returns the tensors written (name -> tensor).
 
-    ``equal_gate_up_scales`` mimics ModelOpt's fused gate/up amax; False writes different
-    ``weight_scale_2`` for gate and up (a loader must reconcile them).
+    ``equal_gate_up_scales`` mimics ModelOpt's fused gate/up amax (routed experts and dense MLPs);
+    False writes different ``weight_scale_2`` for gate and up (a loader must reconcile them).
     """
     import json
     from pathlib import Path
@@ -168,7 +168,18 @@ def write_modelopt_checkpoint(model, path, *, equal_gate_up_scales: bool = True,
         elif match and match.group(3) == down:
             put_linear(key[:-len(".weight")], t)
         elif not match and key.endswith(".weight") and QUANTIZED_MLP.search(key[:-len(".weight")]):
-            put_linear(key[:-len(".weight")], t)
+            name = key[:-len(".weight")]
+            if name.endswith(".up_proj"):
+                continue  # with its gate_proj
+            if name.endswith(".gate_proj"):  # one global scale and input scale for gate and up, as ModelOpt's
+                w_up = state[f"{name[:-len('gate_proj')]}up_proj.weight"]
+                shared = nvfp4.global_scale_from_amax(torch.maximum(t.abs().max(), w_up.abs().max()).float())
+                same_input = (torch.rand(()) * 4 + 1) / (6 * 448)
+                put_linear(name, t, shared if equal_gate_up_scales else None, same_input)
+                put_linear(f"{name[:-len('gate_proj')]}up_proj", w_up, shared if equal_gate_up_scales else None,
+                           same_input.clone())
+            else:
+                put_linear(name, t)
     for key, t in state.items():
         if expert_key.match(key) or f"{key[:-len('.weight')]}.weight_scale" in tensors:
             continue

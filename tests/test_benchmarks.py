@@ -40,3 +40,15 @@ def test_gpu_only_benchmark_scripts_import_on_cpu():
                  "probe_dense_bound", "probe_v3_decode"):
         module = importlib.import_module(name)
         assert callable(module.main), name
+
+
+def test_bench_generate_batch_runs_on_cpu(tmp_path):
+    # --tiny: the script's path (BF16, then patched, every request checked complete), small and on the CPU
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_generate_batch.py"), "--tiny",
+                           "--requests", "2", "--prompt", "5", "--new", "3", "--repeats", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads((tmp_path / "generate_batch.json").read_text())["rows"]
+    assert [(r["variant"], r["requests"]) for r in rows] == [("BF16", 2), ("fp4moe", 2)]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert "| requests | BF16 tokens/s | fp4moe tokens/s |" in done.stdout
