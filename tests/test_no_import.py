@@ -202,7 +202,7 @@ def test_transformers_serve_answers_a_completion_with_no_import(batching, fp4moe
     env = {k: v for k, v in os.environ.items() if k != "FP4MOE_AUTOLOAD"} | {"HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen([str(cli), "serve", str(fp4moe_save), "--host", "127.0.0.1", "--port", str(port),
                                "--device", "cpu", batching], cwd=tmp_path, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+                              stderr=subprocess.STDOUT, preexec_fn=os.setsid)  # its own process group
     try:
         deadline = time.monotonic() + 180
         while True:
