@@ -83,7 +83,8 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
     """
     from transformers import AutoModelForCausalLM
 
-    from .quantizer import refuse_meta_device, register
+    from .load_plan import refuse_meta_device
+    from .quantizer import register
 
     register()
     refuse_meta_device(device_map if device_map is not None else device)
@@ -125,7 +126,7 @@ def load_modelopt_nvfp4(path: str | Path, *, dtype: torch.dtype = torch.bfloat16
 def checkpoint_fingerprint(path, config: ModelOptConfig, model_config) -> str:
     """A digest of what a rank is about to load: model config, quant config and every tensor's
     name, dtype and shape (not the bytes, and not how tensors are split into files)."""
-    from .quantizer import CheckpointScan
+    from .load_plan import CheckpointScan
 
     folder = _resolve(path, "config.json").parent
     scan = CheckpointScan([str(f) for f in sorted(folder.glob("*.safetensors"))])

@@ -52,7 +52,7 @@ def bytes_of(t):
 
 
 def test_from_pretrained_loads_experts_straight_from_the_file_bytes(checkpoint, monkeypatch):
-    from hf_integration.quantizer import StackNVFP4Experts
+    from hf_integration.expert_conversion import StackNVFP4Experts
 
     path, _, tensors = checkpoint
     with_config_json_quantization(path)

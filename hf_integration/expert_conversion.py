@@ -1,0 +1,236 @@
+"""The weight conversion of NVFP4 routed experts, plugged into Transformers' loader: the per-expert
+ModelOpt / compressed-tensors tensors of a layer, as they are read from the files, straight into the
+stacked buffers of :class:`~hf_integration.experts.NVFP4Experts` (:class:`StackNVFP4Experts`; Llama-4's
+fused 3-D tensors: :class:`UnfuseNVFP4Experts`), never through BF16, every scale value checked by its
+checkpoint name. :func:`converters_for` makes them for a :class:`~hf_integration.load_plan.LoadPlan`;
+:mod:`hf_integration.quantizer` puts them in place of Transformers' own."""
+
+from __future__ import annotations
+
+
+import itertools
+import re
+
+import torch
+from transformers.quantizers import HfQuantizer
+from transformers.utils import logging
+
+from fp4moe_ops.moe_weights import check_scale_values, check_weight_range
+from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS
+
+from .checkpoint_format import (
+    CheckpointError,
+)
+from .load_plan import ExpertsPlan, LoadPlan
+from .llama4 import FUSED_LEAVES, canonical_from_fused, fused_key
+
+logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
+
+
+
+try:
+    from transformers.core_model_loading import ConversionOps
+except ImportError:  # pragma: no cover - Transformers without the v5 loader
+    ConversionOps = object
+
+
+class StackNVFP4Experts(ConversionOps):
+    """Transformers conversion op: one layer's per-expert ModelOpt tensors (as read from the files)
+    -> the stacked buffers of :class:`NVFP4Experts`. Gate and up global scales that differ are
+    reconciled (their max, the other side's block scales rescaled and re-rounded, logged).
+
+    Every scale value is checked here, by its checkpoint name. Transformers turns any exception
+    inside a conversion into a generic report entry, so a bad value is recorded on the quantizer
+    and raised as a :class:`CheckpointError` naming the tensor once loading is done."""
+
+    # (leaf index into ExpertLeaves, tensor role) of each source pattern, in order
+    ROLES = ("packed", "block", "global", "input")
+    SOURCES = tuple(itertools.product(range(3), ROLES))
+
+    def __init__(self, hf_quantizer: HfQuantizer):
+        # hf_quantizer: fp4moe's ModelOptQuantizer, whose load plan (``plan``) says what each layer
+        # holds and which collects the bad values found (``load_errors``); typed by its base class,
+        # as the quantizer module imports this one.
+        # Transformers (>= 5.22) keeps the checkpoint dtypes of tensors that an op with an
+        # ``hf_quantizer`` consumes; older versions keep them for every renamed key
+        self.hf_quantizer = hf_quantizer
+
+    def __deepcopy__(self, memo):
+        # Transformers deep-copies a converter per layer: the op holds no per-layer state, and the
+        # quantizer (its plan, the errors found) must stay the one shared object
+        return self
+
+    def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, **kwargs):
+        module_name = full_layer_name.rsplit(".", 1)[0]
+        plan = self.hf_quantizer.plan.experts[module_name]
+        scheme = self.hf_quantizer.plan.scheme
+        names = dict(zip(self.ROLES, scheme.tensors))
+        got = {self.SOURCES[source_patterns.index(p)]: tensors for p, tensors in input_dict.items()}
+        input_dict.clear()
+        leaves, count, inter = list(plan.leaves), len(plan.ids), plan.inter
+        for (leaf, role), tensors in got.items():
+            if len(tensors) != count:
+                raise CheckpointError(f"{module_name}: read {len(tensors)} '{leaves[leaf]}.{names[role]}' tensors "
+                                      f"for {count} experts")
+
+        def stack(parts: list[tuple[int, str]]) -> torch.Tensor:
+            """The experts' tensors of ``parts`` (concatenated along rows), each per-expert tensor
+            dropped as soon as it is copied: one layer plus one expert tensor in memory, not two layers."""
+            lists = [got.pop(p) for p in parts]
+            first = lists[0][0]
+            rows = [ts[0].shape[0] if ts[0].dim() else 0 for ts in lists]  # scalars: [] (ModelOpt) or [1]
+            out = torch.empty(count, *((sum(rows),) if first.dim() else ()), *first.shape[1:], dtype=first.dtype,
+                              device=first.device)
+            for e in range(count):
+                r0 = 0
+                for ts, n in zip(lists, rows):
+                    if first.dim():
+                        out[e, r0:r0 + n] = ts[e]
+                    else:
+                        out[e] = ts[e]
+                    ts[e], r0 = None, r0 + n
+            return out
+
+        g_gate, g_up = stack([(0, "global")]), stack([(1, "global")])
+        fc1_gate = stack([(0, "input")]) if plan.input_scales else None
+        fc1_up = stack([(1, "input")]) if plan.input_scales else None
+        w13 = stack([(0, "packed"), (1, "packed")])
+        s13 = stack([(0, "block"), (1, "block")])
+        w2, s2, g2 = stack([(2, "packed")]), stack([(2, "block")]), stack([(2, "global")])
+        fc2_in = stack([(2, "input")]) if plan.input_scales else None
+        # values as the file has them: ModelOpt's input scales may be 0 (never calibrated), a
+        # compressed-tensors input global scale (it divides) may not
+        input_kind = "global" if scheme.reciprocal else "input"
+        errors_before = len(self.hf_quantizer.load_errors)
+        for leaf, role, kind, values in ((0, "global", "global", g_gate), (1, "global", "global", g_up),
+                                         (2, "global", "global", g2), (0, "block", "block", s13[:, :inter]),
+                                         (1, "block", "block", s13[:, inter:]), (2, "block", "block", s2),
+                                         (0, "input", input_kind, fc1_gate), (1, "input", input_kind, fc1_up),
+                                         (2, "input", input_kind, fc2_in)):
+            if values is not None:
+                self._check(lambda d, v=values, k=kind: check_scale_values(v, k, d), plan, leaves[leaf], names[role])
+        g_gate, g_up, g2 = scheme.multiplier(g_gate), scheme.multiplier(g_up), scheme.multiplier(g2)
+        if len(self.hf_quantizer.load_errors) == errors_before:  # valid values: do they decode in range?
+            for leaf, block, multiplier in ((0, s13[:, :inter], g_gate), (1, s13[:, inter:], g_up), (2, s2, g2)):
+                self._check(lambda d, b=block, m=multiplier: check_weight_range(b, m, d), plan, leaves[leaf],
+                            names["global"])
+        if plan.input_scales:
+            fc1_gate, fc1_up, fc2_in = scheme.multiplier(fc1_gate), scheme.multiplier(fc1_up), scheme.multiplier(fc2_in)
+
+        g13 = torch.maximum(g_gate, g_up)
+        differ = g_gate != g_up
+        if bool(differ.any()):
+            # one global scale for [gate; up]: rescale the smaller side's block scales (re-rounded)
+            s13[:, :inter] = (s13[:, :inter].float() * (g_gate / g13)[:, None, None]).to(torch.float8_e4m3fn)
+            s13[:, inter:] = (s13[:, inter:].float() * (g_up / g13)[:, None, None]).to(torch.float8_e4m3fn)
+            logger.warning("fp4moe: %s: %d experts had different gate/up weight_scale_2; used their max and "
+                           "rescaled the other's block scales (re-rounded to E4M3)", module_name, int(differ.sum()))
+        base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
+        out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, (w13, s13, g13, w2, s2, g2))}
+        if plan.input_scales:
+            out[base + INPUT_SCALE_BUFFERS[0]] = torch.maximum(fc1_gate, fc1_up)
+            out[base + INPUT_SCALE_BUFFERS[1]] = fc2_in
+        return out
+
+    def _check(self, check, plan: ExpertsPlan, leaf: str, tensor: str) -> None:
+        """Run ``check(describe)`` (a value or range check of stacked per-expert scales); its error,
+        naming the checkpoint key and file of the expert, is raised once loading is done."""
+        def describe(e: int) -> str:
+            key = plan.key(plan.ids[e], leaf, tensor)
+            return f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(key)}"
+
+        try:
+            check(describe)
+        except ValueError as exc:
+            self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
+
+    @property
+    def reverse_op(self):
+        # Saving goes through the fp4moe quantizer's get_state_dict_and_metadata, and the loader drops
+        # this converter from the model's conversions once loaded: nothing to reverse.
+        raise NotImplementedError("NVFP4 experts are saved by the fp4moe quantizer, not by reverse conversion")
+
+
+class UnfuseNVFP4Experts(StackNVFP4Experts):
+    """Transformers conversion op for Llama-4's fused 3-D NVFP4 experts: one layer's eight file
+    tensors (:mod:`hf_integration.llama4`) -> the canonical buffers of :class:`NVFP4Experts`, every
+    scale value checked by its checkpoint name (errors raised after loading, as for the per-expert op)."""
+
+    SOURCES = tuple(itertools.product(FUSED_LEAVES, StackNVFP4Experts.ROLES))
+
+    def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, **kwargs):
+        module_name = full_layer_name.rsplit(".", 1)[0]
+        plan = self.hf_quantizer.plan.experts[module_name]
+        got = {}
+        for p, tensors in input_dict.items():
+            leaf, role = self.SOURCES[source_patterns.index(p)]
+            if len(tensors) != 1:
+                raise CheckpointError(f"{module_name}: read {len(tensors)} {fused_key(plan.checkpoint_prefix, leaf, role)!r} tensors")
+            got[f"{leaf}.{role}"] = tensors[0]
+        input_dict.clear()
+        if not plan.input_scales:  # a weights-only load of a W4A4 export: the input scales go unused
+            got = {k: v for k, v in got.items() if not k.endswith(".input")}
+        errors_before = len(self.hf_quantizer.load_errors)
+        for name, t in got.items():
+            leaf, role = name.split(".")
+            if role == "packed":
+                continue
+            key = fused_key(plan.checkpoint_prefix, leaf, role)
+            where = f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(key)}"
+            describe = (lambda e: f"{where} (expert {e})") if t.dim() else (lambda e: where)
+            try:  # the roles name their checks: block scales [E, K/16, N] per expert, scalars once
+                check_scale_values(t if t.dim() else t.reshape(1), role, describe)
+            except ValueError as exc:
+                self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
+        weights = canonical_from_fused(got, plan.ids)
+        if len(self.hf_quantizer.load_errors) == errors_before:  # valid values: do they decode in range?
+            for leaf, w in zip(FUSED_LEAVES, ("w13", "w2")):
+                key = fused_key(plan.checkpoint_prefix, leaf, "global")
+                where = f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(key)}"
+                try:
+                    check_weight_range(getattr(weights, f"{w}_scale"), getattr(weights, f"{w}_global"),
+                                       lambda e, where=where: f"{where} (expert {e})")
+                except ValueError as exc:
+                    self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
+        base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
+        out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, weights.tensors())}
+        if plan.input_scales:
+            out[base + INPUT_SCALE_BUFFERS[0]] = weights.fc1_input_scale
+            out[base + INPUT_SCALE_BUFFERS[1]] = weights.fc2_input_scale
+        return out
+
+
+def converters_for(plan: LoadPlan, quantizer: HfQuantizer) -> list:
+    """One converter per distinct experts naming (e.g. ``mlp.experts`` with ``gate_proj`` ...), whose
+    sources are the per-expert NVFP4 tensors in model terms (after Transformers' renamings)."""
+    from transformers.core_model_loading import WeightConverter
+
+    converters, seen = [], set()
+    for p in plan.experts.values():
+        base = ".".join(p.name.split(".")[-2:])  # e.g. "mlp.experts": what the layer-independent pattern needs
+        if p.fused:
+            if base not in seen:
+                seen.add(base)
+                sources = [rf"{re.escape(base)}\.{re.escape(fused_key('', leaf, role)[1:])}$"
+                           for leaf, role in UnfuseNVFP4Experts.SOURCES]
+                converters.append(WeightConverter(sources, f"{base}.{CANONICAL_BUFFERS[0]}", [UnfuseNVFP4Experts(quantizer)]))
+            continue
+        ids = r"\d+" if len(p.ids) == p.total else "|".join(str(e) for e in p.ids)  # a shard: its ids only
+        key = (base, tuple(p.leaves), ids)
+        if key in seen:
+            continue
+        seen.add(key)
+        names = dict(zip(StackNVFP4Experts.ROLES, plan.scheme.tensors))
+        sources = [rf"{re.escape(base)}\.(?:{ids})\.{re.escape(list(p.leaves)[leaf])}\.{names[role]}$"
+                   for leaf, role in StackNVFP4Experts.SOURCES]
+        converters.append(WeightConverter(sources, f"{base}.{CANONICAL_BUFFERS[0]}", [StackNVFP4Experts(quantizer)]))
+    return converters
+
+
+def is_ours(conversion) -> bool:
+    """Whether a Transformers conversion is one of these (UnfuseNVFP4Experts included)."""
+    #
+    return any(isinstance(op, StackNVFP4Experts) for op in getattr(conversion, "operations", ()))
+
+
+__all__ = ["StackNVFP4Experts", "UnfuseNVFP4Experts", "converters_for", "is_ours"]
