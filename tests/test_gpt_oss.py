@@ -218,3 +218,37 @@ def test_casts_keep_the_mxfp4_bytes(checkpoint):
     assert torch.equal(experts.down_proj_scales, written["model.layers.0.mlp.experts.down_proj_scales"])
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(3, 256, (1, 4))).logits).all()
+
+
+def test_set_backend_checks_every_layer_and_names_the_refusal(checkpoint):
+    from hf_integration import set_backend
+
+    path, _ = checkpoint
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with pytest.raises(ValueError, match=r"fp4moe backend 'triton' cannot run gpt-oss's MXFP4 experts on cpu"):
+        set_backend(model, "triton")
+    assert {m.backend for m in model.modules() if isinstance(m, MXFP4GptOssExperts)} == {"reference"}
+    with pytest.raises(ValueError, match="act_scale_mode must be None"):
+        set_backend(model, "reference", act_scale_mode="global_max")
+    set_backend(model, "auto")
+    assert model.model.layers[1].mlp.experts.backend == "reference"
+
+
+def test_static_cache_generate_compiled_no_graph_breaks(checkpoint):
+    from transformers import StaticCache
+
+    path, _ = checkpoint
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    prompt = torch.randint(3, 256, (1, 5))
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(prompt, **greedy)
+        assert torch.equal(model.generate(prompt, cache_implementation="static", **greedy), want)
+        # one decode step over a static cache, as generate's compiled forward runs it
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        model(prompt, past_key_values=cache, use_cache=True)
+        step = dict(input_ids=want[:, 5:6], past_key_values=cache, use_cache=True,
+                    cache_position=torch.tensor([5]))
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(**step)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
