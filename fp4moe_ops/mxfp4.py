@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .nvfp4 import E2M1_MAX, NVFP4Tensor, _byte_values, _check_float_tensor, e2m1_encode, pack_e2m1
+from .nvfp4 import E2M1_MAX, NVFP4Tensor, _byte_values, check_quantize_input, e2m1_encode, pack_e2m1
 
 MX_BLOCK_SIZE = 32  # MXFP4 elements per E8M0 scale
 E8M0_BIAS = 127
@@ -66,14 +66,7 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``ceil(log2(amax / 6))``, so no element saturates (the OCP recipe's ``floor(log2(amax)) - 2``
     can clip a block's largest values to 6).
     """
-    _check_float_tensor("x", x)
-    if x.dim() < 2 or x.shape[-1] % MX_BLOCK_SIZE:
-        raise ValueError(
-            f"quantize_mxfp4: x must be [..., N, K] with K a multiple of {MX_BLOCK_SIZE}, "
-            f"got shape {tuple(x.shape)}"
-        )
-    if not torch.isfinite(x).all():
-        raise ValueError(f"quantize_mxfp4: x {tuple(x.shape)} contains NaN or Inf")
+    check_quantize_input("quantize_mxfp4", x, MX_BLOCK_SIZE)
     blocks = x.float().unflatten(-1, (-1, MX_BLOCK_SIZE))
     amax = blocks.abs().amax(dim=-1)
     exponent = torch.ceil(torch.log2(amax.clamp_min(2.0**-126) / E2M1_MAX)).clamp(-127, 127)

@@ -46,6 +46,16 @@ def _check_float_tensor(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be float32/bfloat16/float16, got dtype {t.dtype}")
 
 
+def check_quantize_input(caller: str, x: torch.Tensor, block: int) -> None:
+    """``x`` for ``caller`` (a quantizer of ``block``-element blocks): a float ``[..., N, K]`` with K a
+    multiple of ``block``, finite (one host sync: quantizing is a one-time step)."""
+    _check_float_tensor("x", x)
+    if x.dim() < 2 or x.shape[-1] % block:
+        raise ValueError(f"{caller}: x must be [..., N, K] with K a multiple of {block}, got shape {tuple(x.shape)}")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{caller}: x {tuple(x.shape)} contains NaN or Inf")
+
+
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """Round ``x`` to the nearest E2M1 value (ties to even, saturating at +-6).
 
@@ -121,14 +131,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) ->
             matrix. Values of ``x`` beyond ``6 * 448 * global_scale`` saturate (this is what
             happens to activations larger than their calibrated amax).
     """
-    _check_float_tensor("x", x)
-    if x.dim() < 2 or x.shape[-1] % BLOCK_SIZE:
-        raise ValueError(
-            f"quantize_nvfp4: x must be [..., N, K] with K a multiple of {BLOCK_SIZE}, "
-            f"got shape {tuple(x.shape)}"
-        )
-    if not torch.isfinite(x).all():
-        raise ValueError(f"quantize_nvfp4: x {tuple(x.shape)} contains NaN or Inf")
+    check_quantize_input("quantize_nvfp4", x, BLOCK_SIZE)
     if global_scale is None:
         global_scale = global_scale_from_amax(x.float().abs().amax(dim=(-2, -1)))
     else:

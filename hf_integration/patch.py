@@ -334,8 +334,8 @@ def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = Non
         return model
     modules = [m for _, m in nvfp4_experts(model)]
     if not modules:
-        raise ValueError("model has no fp4moe NVFP4 or MXFP4 experts; call patch_moe / patch_deepseek or load an "
-                         "NVFP4 or gpt-oss MXFP4 checkpoint first")
+        raise ValueError("model has no fp4moe NVFP4 experts (nor gpt-oss MXFP4 ones); call patch_moe / patch_deepseek "
+                         "or load an NVFP4 or gpt-oss MXFP4 checkpoint first")
     for m in modules:  # validate every layer first
         m.check_backend(backend, act_scale_mode)
     for m in modules:

@@ -180,37 +180,6 @@ def register_backend(backend: Backend) -> Backend:
     return backend
 
 
-def resolve_mxfp4_backend(name: str, device: torch.device | str) -> Backend:
-    """:func:`resolve_backend` for gpt-oss's MXFP4 experts: ``"auto"`` takes the first backend of
-    :data:`AUTO_ORDER` that runs them here, with a warning (logger ``fp4moe``) naming any faster one
-    that can run on the device but refuses MXFP4, and why; a named backend that refuses raises
-    ValueError with its reason."""
-    device = torch.device(device)
-    if name == "auto":
-        passed_over = []
-        for candidate in AUTO_ORDER:
-            b = BACKENDS.get(candidate)
-            if b is None:
-                continue
-            reason = b.mxfp4_refusal(device)
-            if reason is None:
-                if passed_over:
-                    logging.getLogger("fp4moe").warning(
-                        "fp4moe: gpt-oss's MXFP4 experts on %s run on the %r backend: %s", device, b.name,
-                        "; ".join(passed_over))
-                return b
-            if b.unavailable_reason(device) is None:  # it runs here, but not these experts
-                passed_over.append(f"{b.name!r} does not run them ({reason})")
-        raise ValueError(f"no fp4moe backend runs gpt-oss's MXFP4 experts on {device}")  # reference runs anywhere
-    backend = get_backend(name)
-    reason = backend.mxfp4_refusal(device)
-    if reason is not None:
-        can = [n for n, b in BACKENDS.items() if b.mxfp4_refusal(device) is None]
-        raise ValueError(f"fp4moe backend {name!r} cannot run gpt-oss's MXFP4 experts on {device}: {reason}. "
-                         f"Backends that can: {can}")
-    return backend
-
-
 def get_backend(name: str) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"unknown fp4moe backend {name!r}; known: {sorted(BACKENDS)}")
