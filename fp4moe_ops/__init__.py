@@ -1,4 +1,5 @@
-"""fp4moe_ops: NVFP4 Mixture-of-Experts as one ``torch.library`` op with pluggable backends.
+"""fp4moe_ops: NVFP4 Mixture-of-Experts as one ``torch.library`` op with pluggable backends (and
+gpt-oss's MXFP4 experts as another, ``mxfp4_moe``).
 
 Typical use::
 

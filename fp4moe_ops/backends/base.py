@@ -6,6 +6,10 @@ layout of their own (registered here with :func:`register_packed_layout`, conver
 expert both ways); others build tensors of their own once (``prepare``).
 :class:`~fp4moe_ops.prepared.PreparedExperts` holds whichever applies. ``backend="auto"`` picks
 the first backend in :data:`AUTO_ORDER` that the device can run.
+
+gpt-oss's MXFP4 experts (``torch.ops.fp4moe.mxfp4_moe``) run on the backends that override
+:meth:`Backend.mxfp4_refusal` and :meth:`Backend.run_mxfp4` (the reference so far); every other
+backend refuses them with its reason, and :func:`resolve_mxfp4_backend` passes over it, saying so.
 """
 
 from __future__ import annotations
