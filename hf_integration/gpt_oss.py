@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fp4moe_ops.backends import resolve_mxfp4_backend
-from fp4moe_ops.mxfp4 import gpt_oss_shapes
+from fp4moe_ops.mxfp4 import dequantize_gpt_oss, gpt_oss_shapes
 from fp4moe_ops.mxfp4_op import MXFP4_EXPERT_TENSORS, check_mxfp4_experts
 
 
@@ -52,6 +52,20 @@ class MXFP4GptOssExperts(nn.Module):
                 routing_weights: torch.Tensor) -> torch.Tensor:
         return torch.ops.fp4moe.mxfp4_moe(hidden_states, router_indices, routing_weights.float(), self.expert_tensors(),
                                           self.alpha, self.limit, self.backend)
+
+    @torch.no_grad()
+    def dequantized(self, config, dtype: torch.dtype) -> nn.Module:
+        """Transformers' ``GptOssExperts`` holding these experts decoded to ``dtype`` (its ``[E, K, N]``
+        layout: the transposes of the checkpoint's matrices), on the same device."""
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        with torch.device(self.gate_up_proj_blocks.device):
+            bf16 = GptOssExperts(config).to(dtype)
+        for proj in ("gate_up_proj", "down_proj"):
+            decoded = dequantize_gpt_oss(getattr(self, f"{proj}_blocks"), getattr(self, f"{proj}_scales"), dtype)
+            getattr(bf16, proj).copy_(decoded.transpose(1, 2))
+            getattr(bf16, f"{proj}_bias").copy_(getattr(self, f"{proj}_bias"))
+        return bf16
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "

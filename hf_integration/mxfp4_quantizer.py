@@ -117,6 +117,17 @@ class MXFP4Quantizer(HfQuantizer):
                     next(iter(model.get_submodule(n).backend for n in self.experts)))
         return model
 
+    def _dequantize(self, model, dtype=None):
+        """``model.dequantize()``: every MXFP4 experts module becomes Transformers' ``GptOssExperts``
+        decoded to ``dtype`` (by default the dtype the model holds now), one layer at a time."""
+        dtype = dtype if dtype is not None else model.dtype
+        config = model.config.get_text_config()
+        for name, m in list(model.named_modules()):
+            if isinstance(m, MXFP4GptOssExperts):
+                parent, _, attr = name.rpartition(".")
+                replace_module(model.get_submodule(parent), attr, m.dequantized(config, dtype))
+        return model
+
     def is_serializable(self, *args, **kwargs):
         return True  # the modules hold the checkpoint's tensors under its names: state_dict is the format
 

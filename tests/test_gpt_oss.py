@@ -252,3 +252,15 @@ def test_static_cache_generate_compiled_no_graph_breaks(checkpoint):
         torch._dynamo.reset()
         explanation = torch._dynamo.explain(model)(**step)
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_dequantize_gives_transformers_own_model(checkpoint, tmp_path):
+    path, _ = checkpoint
+    ids = torch.randint(3, 256, (1, 9))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = transformers_dequantized(path, torch.float32)
+    model.dequantize()
+    assert type(model.model.layers[0].mlp.experts).__name__ == "GptOssExperts"
+    assert not getattr(model, "is_quantized", False) and getattr(model.config, "quantization_config", None) is None
+    with torch.no_grad():  # the same decoded weights and the same code: identical
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
