@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fp4moe_ops  # noqa: E402
-from fp4moe_ops import nvfp4  # noqa: E402
+from fp4moe_ops import mxfp4, nvfp4  # noqa: E402
 
 SHAPES = {  # name: (E local, H, I, top_k, E routed over)
     "deepseek": (256, 7168, 2048, 8, 256),
@@ -247,7 +247,7 @@ def main() -> None:
             impls["grouped_mm"] = lambda x, ids, rw: grouped_mm_moe(x, ids, rw, w13_t, w2_t, e)
         if "flashinfer_mxfp4" in impls:
             log(f"MXFP4 re-quantization weight error (w13): "
-                f"{nvfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w13[:8], w.w13_scale[:8], w.w13_global[:8])):.3e}")
+                f"{mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w13[:8], w.w13_scale[:8], w.w13_global[:8])):.3e}")
     bytes_per_expert = 3 * h * i * (0.5 + 1 / 16)
 
     rows = []

@@ -1,4 +1,5 @@
-"""fp4moe_ops: NVFP4 Mixture-of-Experts as one ``torch.library`` op with pluggable backends.
+"""fp4moe_ops: NVFP4 Mixture-of-Experts as one ``torch.library`` op with pluggable backends (and
+gpt-oss's MXFP4 experts as another, ``mxfp4_moe``).
 
 Typical use::
 
@@ -7,7 +8,8 @@ Typical use::
     experts = prepare_experts(weights, backend="auto")     # a PreparedExperts module
     out = experts(hidden [T, H] bf16, topk_ids [T, k], topk_weights [T, k] fp32)
 
-Modules: ``nvfp4`` the format, ``moe_weights`` a layer's canonical experts, ``op`` the op,
+Modules: ``nvfp4`` and ``mxfp4`` the formats, ``moe_weights`` a layer's canonical experts, ``op`` the op,
+``mxfp4_op`` gpt-oss's MXFP4 experts op,
 ``linear`` the NVFP4 linear-layer op, ``autograd`` the three ops' backward (frozen weights),
 ``prepared`` the prepared layer, ``backends`` the kernels behind the op, ``moe_math`` the
 pure-torch MoE math, ``routing`` the router op, ``flashinfer_sim`` a CPU model of FlashInfer's
@@ -15,17 +17,18 @@ NVFP4 kernel (a test oracle), ``oracle64`` the float64 oracle, ``selftest`` ``py
 fp4moe_ops.selftest``.
 """
 
-from . import nvfp4, routing
-from .backends import AUTO_ORDER, BACKENDS, available_backends, resolve_backend
+from . import mxfp4, nvfp4, routing
+from .backends import AUTO_ORDER, BACKENDS, available_backends, resolve_backend, resolve_mxfp4_backend
 from .moe_weights import NVFP4MoEWeights, quantize_moe_weights
 from .linear import nvfp4_linear
 from .op import fused_moe
+from .mxfp4_op import mxfp4_moe
 from .prepared import ACT_SCALE_MODES, PreparedExperts, activation_scales, prepare_experts
 from .routing import grouped_topk
 from . import autograd  # noqa: F401 (registers the ops' backward)
 
 __all__ = [
     "ACT_SCALE_MODES", "AUTO_ORDER", "BACKENDS", "NVFP4MoEWeights", "PreparedExperts",
-    "activation_scales", "available_backends", "fused_moe", "grouped_topk", "nvfp4", "nvfp4_linear", "prepare_experts",
-    "quantize_moe_weights", "resolve_backend", "routing",
+    "activation_scales", "available_backends", "fused_moe", "grouped_topk", "mxfp4_moe", "mxfp4", "nvfp4", "nvfp4_linear", "prepare_experts",
+    "quantize_moe_weights", "resolve_backend", "resolve_mxfp4_backend", "routing",
 ]

@@ -1,4 +1,5 @@
-"""The NVFP4 format: constants, E2M1 encode/decode, packing, block scales, swizzle, MXFP4.
+"""The NVFP4 format: constants, E2M1 encode/decode, packing, block scales, swizzle (MXFP4, which
+shares the E2M1 codes, is :mod:`fp4moe_ops.mxfp4`).
 
 NVFP4 (as written by NVIDIA ModelOpt, e.g. ``nvidia/DeepSeek-R1-FP4``) stores a matrix
 ``W [N, K]`` whose rows are output features and whose columns run along the reduction dim K:
@@ -28,7 +29,6 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
 BLOCK_SIZE = 16  # NVFP4 elements per E4M3 block scale
-MX_BLOCK_SIZE = 32  # MXFP4 elements per E8M0 block scale
 
 # The 8 non-negative E2M1 magnitudes, indexed by the 3 low bits of a code (bit 3 is the sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -44,6 +44,16 @@ def _check_float_tensor(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"{name} must be float32/bfloat16/float16, got dtype {t.dtype}")
+
+
+def check_quantize_input(caller: str, x: torch.Tensor, block: int) -> None:
+    """``x`` for ``caller`` (a quantizer of ``block``-element blocks): a float ``[..., N, K]`` with K a
+    multiple of ``block``, finite (one host sync: quantizing is a one-time step)."""
+    _check_float_tensor("x", x)
+    if x.dim() < 2 or x.shape[-1] % block:
+        raise ValueError(f"{caller}: x must be [..., N, K] with K a multiple of {block}, got shape {tuple(x.shape)}")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{caller}: x {tuple(x.shape)} contains NaN or Inf")
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
@@ -121,14 +131,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) ->
             matrix. Values of ``x`` beyond ``6 * 448 * global_scale`` saturate (this is what
             happens to activations larger than their calibrated amax).
     """
-    _check_float_tensor("x", x)
-    if x.dim() < 2 or x.shape[-1] % BLOCK_SIZE:
-        raise ValueError(
-            f"quantize_nvfp4: x must be [..., N, K] with K a multiple of {BLOCK_SIZE}, "
-            f"got shape {tuple(x.shape)}"
-        )
-    if not torch.isfinite(x).all():
-        raise ValueError(f"quantize_nvfp4: x {tuple(x.shape)} contains NaN or Inf")
+    check_quantize_input("quantize_nvfp4", x, BLOCK_SIZE)
     if global_scale is None:
         global_scale = global_scale_from_amax(x.float().abs().amax(dim=(-2, -1)))
     else:
@@ -253,52 +256,6 @@ def unswizzle_block_scale(swizzled: torch.Tensor, rows: int, cols: int) -> torch
     # inverse of the permutation in swizzle_block_scale
     tiles = tiles.permute(*range(n), n, n + 3, n + 2, n + 1, n + 4)
     return tiles.reshape(*lead, mp, sp)[..., :rows, :cols]
-
-
-# --- NVFP4 -> MXFP4 (FlashInfer's SM90 W4A16 kernel wants MXFP4) ------------------------
-#
-# MXFP4 = E2M1 elements with one power-of-two (E8M0, bias 127) scale per 32 elements and no
-# global scale. Re-quantizing is lossy: two NVFP4 blocks with different E4M3 scales (and the
-# per-expert global scale) must share one power of two.
-
-
-def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x [..., N, K]`` (K % 32 == 0) to MXFP4 (OCP MX recipe, rounded-up exponent).
-
-    Returns ``(packed [..., N, K/2] uint8, scale [..., N, K/32] uint8 E8M0)``. The shared
-    exponent is ``ceil(log2(amax / 6))`` so no element saturates.
-    """
-    _check_float_tensor("x", x)
-    if x.dim() < 2 or x.shape[-1] % MX_BLOCK_SIZE:
-        raise ValueError(
-            f"quantize_mxfp4: x must be [..., N, K] with K a multiple of {MX_BLOCK_SIZE}, "
-            f"got shape {tuple(x.shape)}"
-        )
-    if not torch.isfinite(x).all():
-        raise ValueError(f"quantize_mxfp4: x {tuple(x.shape)} contains NaN or Inf")
-    blocks = x.float().unflatten(-1, (-1, MX_BLOCK_SIZE))
-    amax = blocks.abs().amax(dim=-1)
-    exponent = torch.ceil(torch.log2(amax.clamp_min(2.0**-126) / E2M1_MAX)).clamp(-127, 127)
-    codes = e2m1_encode((blocks / torch.exp2(exponent)[..., None]).flatten(-2))
-    return pack_e2m1(codes), (exponent + 127).to(torch.uint8)
-
-
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``[..., N, K/2]`` MXFP4 bytes and ``[..., N, K/32]`` E8M0 scales -> float32 ``[..., N, K]``."""
-    values = e2m1_decode(unpack_e2m1(packed))
-    return values * torch.exp2(scale.float() - 127).repeat_interleave(MX_BLOCK_SIZE, dim=-1)
-
-
-def nvfp4_to_mxfp4(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Re-quantize NVFP4 matrices to MXFP4 (lossy; see :func:`mxfp4_requant_error`)."""
-    return quantize_mxfp4(w.dequantize(torch.float32))
-
-
-def mxfp4_requant_error(w: NVFP4Tensor) -> float:
-    """Relative Frobenius error ``||W_mx - W_nv|| / ||W_nv||`` of the NVFP4 -> MXFP4 step."""
-    exact = w.dequantize(torch.float64)
-    approx = dequantize_mxfp4(*nvfp4_to_mxfp4(w)).double()
-    return ((approx - exact).norm() / exact.norm().clamp_min(1e-300)).item()
 
 
 def quantize_activation_nvfp4(x: torch.Tensor, act_global: torch.Tensor) -> torch.Tensor:

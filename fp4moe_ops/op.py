@@ -31,25 +31,10 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
             f"hidden_states must be [T, H] bfloat16/float16, got {hidden_states.dtype} "
             f"{list(hidden_states.shape)}{hint}"
         )
-    t, h = hidden_states.shape
-    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"topk_ids must be [T, k] int32/int64, got {topk_ids.dtype} {list(topk_ids.shape)}")
-    if topk_ids.shape[0] != t:
-        raise ValueError(f"topk_ids {list(topk_ids.shape)} must have T={t} rows like hidden_states")
-    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
-        raise TypeError(
-            f"topk_weights must be float32 {list(topk_ids.shape)} like topk_ids, got "
-            f"{topk_weights.dtype} {list(topk_weights.shape)}"
-        )
-    device = hidden_states.device
-    named = [("topk_ids", topk_ids), ("topk_weights", topk_weights)]
-    named += [(f"expert_tensors[{i}]", x) for i, x in enumerate(expert_tensors)]
-    named += [(n, s) for n, s in (("fc1_act_scale", fc1_act_scale), ("fc2_act_scale", fc2_act_scale)) if s is not None]
-    for name, x in named:
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but hidden_states is on {device}")
-    num_experts = b.check_expert_tensors(expert_tensors, h)
-    scales = [s for s in (fc1_act_scale, fc2_act_scale) if s is not None]
+    scales = [(n, s) for n, s in (("fc1_act_scale", fc1_act_scale), ("fc2_act_scale", fc2_act_scale)) if s is not None]
+    check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, scales)
+    num_experts = b.check_expert_tensors(expert_tensors, hidden_states.shape[1])
+    scales = [s for _, s in scales]
     if b.activation_scales == "forbidden" and scales:
         raise ValueError(
             f"backend {backend!r} keeps activations in 16 bits (W4A16) and would ignore the "
@@ -64,6 +49,28 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
                 f"activation scales must be float32 0-dim scalars or [E={num_experts}], got "
                 f"{s.dtype} {list(s.shape)}"
             )
+
+
+def check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, others=()) -> None:
+    """The routing inputs of an experts op against ``hidden_states [T, H]``: ``topk_ids [T, k]``
+    int32/int64, ``topk_weights`` float32 of the same shape, and every tensor (``expert_tensors``,
+    ``others`` as ``(name, tensor)``) on hidden_states' device. Metadata only: no host sync."""
+    t = hidden_states.shape[0]
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be [T, k] int32/int64, got {topk_ids.dtype} {list(topk_ids.shape)}")
+    if topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids {list(topk_ids.shape)} must have T={t} rows like hidden_states")
+    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
+        raise TypeError(
+            f"topk_weights must be float32 {list(topk_ids.shape)} like topk_ids, got "
+            f"{topk_weights.dtype} {list(topk_weights.shape)}"
+        )
+    device = hidden_states.device
+    named = [("topk_ids", topk_ids), ("topk_weights", topk_weights)]
+    named += [(f"expert_tensors[{i}]", x) for i, x in enumerate(expert_tensors)]
+    for name, x in [*named, *others]:
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but hidden_states is on {device}")
 
 
 @torch.library.custom_op("fp4moe::fused_moe", mutates_args=())

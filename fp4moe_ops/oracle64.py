@@ -1,6 +1,7 @@
-"""The float64 oracle of the tests and the self-test: independent MoE math that decodes NVFP4 bytes
-from the format definition (its own codebook and bit twiddling, not :mod:`fp4moe_ops.nvfp4`) and
-loops over experts and their tokens. Slow by design; nothing in the library computes with it."""
+"""The float64 oracle of the tests and the self-test: independent MoE math that decodes NVFP4 and
+MXFP4 bytes from the format definitions (its own codebook and bit twiddling, not
+:mod:`fp4moe_ops.nvfp4` / :mod:`fp4moe_ops.mxfp4`) and loops over experts and their tokens. Slow by
+design; nothing in the library computes with it."""
 
 import torch
 import torch.nn.functional as F
@@ -10,11 +11,40 @@ CODEBOOK = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.fl
 
 def dequant64(packed: torch.Tensor, scale_e4m3: torch.Tensor, global_scale) -> torch.Tensor:
     """[N, K/2] uint8 + [N, K/16] float8_e4m3fn (+ scalar fp32) -> [N, K] float64."""
-    p = packed.long()
-    codes = torch.stack([p & 15, p >> 4], dim=-1).flatten(-2)  # low nibble first
-    vals = CODEBOOK[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
+    vals = e2m1_64(packed)
     s = scale_e4m3.double().repeat_interleave(16, dim=-1)
     return vals * s * float(global_scale)
+
+
+def e2m1_64(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] uint8 -> [..., K] float64 E2M1 values, low nibble first."""
+    p = packed.long()
+    codes = torch.stack([p & 15, p >> 4], dim=-1).flatten(-2)
+    return CODEBOOK[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
+
+
+def dequant_mx64(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss MXFP4 ``[N, K/32, 16]`` uint8 blocks + ``[N, K/32]`` E8M0 bytes -> ``[N, K]`` float64
+    (``2^(s - 127)``, NaN for 0xFF)."""
+    s = torch.where(scales == 255, float("nan"), torch.pow(2.0, scales.double() - 127))
+    return (e2m1_64(blocks) * s[..., None]).flatten(-2)
+
+
+def gpt_oss_moe64(x, ids, weights, tensors, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts in float64, token by token: ``tensors`` are ``[gate_up_blocks, gate_up_scales,
+    gate_up_bias, down_blocks, down_scales, down_bias]``; gate/up interleaved (gate even);
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``, ``g = min(gate, limit)``. The
+    intermediate is rounded to x's dtype, as kernels store it."""
+    gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = tensors
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for e in sorted(set(ids[(ids >= 0) & (ids < gu_blocks.shape[0])].tolist())):
+        w1, w2 = dequant_mx64(gu_blocks[e], gu_scales[e]), dequant_mx64(d_blocks[e], d_scales[e])
+        for t, j in (ids == e).nonzero().tolist():
+            h = x[t].double() @ w1.T + gu_bias[e].double()
+            gate, up = h[0::2].clamp(max=limit), h[1::2].clamp(-limit, limit)
+            act = ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(x.dtype).double()
+            out[t] += float(weights[t, j]) * (act @ w2.T + d_bias[e].double())
+    return out
 
 
 def linear64(x, packed, scale_e4m3, global_scale, bias=None) -> torch.Tensor:

@@ -2,15 +2,20 @@
 
 Importing it registers fp4moe's ``"modelopt"`` quantizer with Transformers, so
 ``AutoModelForCausalLM.from_pretrained(<ModelOpt NVFP4 checkpoint>)`` loads NVFP4 experts and
-``save_pretrained`` writes them back. An installed fp4moe does the same in programs that never
-import it (``transformers serve``, ``lm_eval``, plain scripts): :mod:`fp4moe_autoload`, a start-up
-hook, imports this package when Transformers first reads an NVFP4 checkpoint's config
-(``FP4MOE_AUTOLOAD=0`` turns it off). Modules, one concept each:
+``save_pretrained`` writes them back; and its ``"mxfp4"`` quantizer, which does the same for
+gpt-oss's MXFP4 experts. An installed fp4moe does the same in programs that never import it
+(``transformers serve``, ``lm_eval``, plain scripts): :mod:`fp4moe_autoload`, a start-up hook,
+imports this package when Transformers first reads such a checkpoint's config (``FP4MOE_AUTOLOAD=0``
+turns it off). Modules, one concept each:
 
 * ``checkpoint_format``: the NVFP4 checkpoint formats read (ModelOpt, compressed-tensors): configs,
   tensor names, ``CheckpointError``;
-* ``quantizer``: the Transformers quantizer (loading, saving, marking a model quantized);
+* ``quantizer``: the Transformers quantizer (its plug-in points, marking a model quantized), with
+  ``load_plan`` (the checkpoint scanned and checked before loading) and ``expert_conversion``
+  (file bytes into stacked experts);
 * ``experts``: the modules that hold NVFP4 weights in a model;
+* ``gpt_oss``, ``mxfp4_quantizer``: gpt-oss's MXFP4 experts module and its quantizer (which one wins
+  for ``"mxfp4"``, and how to choose Transformers' own, is in ``mxfp4_quantizer``'s docstring);
 * ``llama4``: Llama-4's fused 3-D NVFP4 experts and the MoE block that runs them;
 * ``router``: the fused DeepSeek-V3-style router;
 * ``shared_experts``: a shared expert run inside the routed experts' op call;
@@ -32,15 +37,19 @@ from .modelopt import load_modelopt_nvfp4, save_modelopt_nvfp4
 from .checkpoint_format import CheckpointError, CompressedTensorsNVFP4Config, ModelOptConfig
 from .patch import patch_deepseek, patch_moe, quantize_linears, set_backend
 from .quantizer import ModelOptQuantizer, register
+from .gpt_oss import MXFP4GptOssExperts
+from . import mxfp4_quantizer
 from .router import GroupedTopkRouter, fuse_routers
 from .shared_experts import SharedExpertMoE, fuse_shared_experts
 from .surgery import find_experts_modules
 
 register()
+mxfp4_quantizer.register()
 architectures.register()
 
 __all__ = [
-    "CheckpointError", "CompressedTensorsNVFP4Config", "GroupedTopkRouter", "ModelOptConfig", "ModelOptQuantizer",
+    "CheckpointError", "CompressedTensorsNVFP4Config", "GroupedTopkRouter", "MXFP4GptOssExperts", "ModelOptConfig",
+    "ModelOptQuantizer",
     "NVFP4Experts", "NVFP4Linear", "SharedExpertMoE",
     "calibrate_activation_scales", "find_experts_modules", "fuse_routers", "fuse_shared_experts", "load_modelopt_nvfp4", "patch_deepseek",
     "patch_moe", "quantize_linears", "save_modelopt_nvfp4", "set_backend", "shard_experts",

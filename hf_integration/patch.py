@@ -23,10 +23,11 @@ from torch import nn
 from transformers.utils import logging
 
 from fp4moe_ops import nvfp4
-from fp4moe_ops.backends import resolve_backend
+from fp4moe_ops.backends import resolve_backend, resolve_mxfp4_backend
 from fp4moe_ops.moe_weights import NVFP4MoEWeights, expert_chunks, quantize_expert_stack
 
 from .experts import NVFP4Experts, NVFP4Linear, weight_amax
+from .gpt_oss import MXFP4GptOssExperts
 from .checkpoint_format import ModelOptConfig
 from .fused_linears import shared_scale_groups
 from .llama4 import is_llama4_experts
@@ -322,12 +323,22 @@ def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: s
 
 def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = None) -> nn.Module:
     """Switch a model's NVFP4 experts to another backend, and to NVFP4 activations with
-    ``act_scale_mode`` (see :meth:`fp4moe_ops.PreparedExperts.set_backend`). Every layer is checked
+    ``act_scale_mode`` (see :meth:`fp4moe_ops.PreparedExperts.set_backend`); or a gpt-oss model's
+    MXFP4 experts (:class:`~hf_integration.gpt_oss.MXFP4GptOssExperts`). Every layer is checked
     before any changes."""
+    mxfp4 = [m for m in model.modules() if isinstance(m, MXFP4GptOssExperts)]
+    if mxfp4:  # gpt-oss's MXFP4 experts: W4A16 only
+        if act_scale_mode is not None:
+            raise ValueError("gpt-oss's MXFP4 experts keep activations in 16 bits: act_scale_mode must be None")
+        for m in mxfp4:  # validate every layer first
+            resolve_mxfp4_backend(backend, m.gate_up_proj_blocks.device)
+        for m in mxfp4:
+            m.set_backend(backend)
+        return model
     modules = [m for _, m in nvfp4_experts(model)]
     if not modules:
-        raise ValueError("model has no fp4moe NVFP4 experts; call patch_moe / patch_deepseek or load an NVFP4 "
-                         "checkpoint first")
+        raise ValueError("model has no fp4moe NVFP4 experts (nor gpt-oss MXFP4 ones); call patch_moe / patch_deepseek "
+                         "or load an NVFP4 or gpt-oss MXFP4 checkpoint first")
     for m in modules:  # validate every layer first
         m.check_backend(backend, act_scale_mode)
     for m in modules:

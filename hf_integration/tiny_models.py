@@ -204,3 +204,65 @@ def write_modelopt_checkpoint(model, path, *, equal_gate_up_scales: bool = True,
                            exclude_modules=["lm_head", "*self_attn*", "*mlp.gate"], producer={"name": "modelopt"})
     (path / "hf_quant_config.json").write_text(json.dumps(quant.hf_quant_config(), indent=1))
     return tensors
+
+
+# gpt-oss-20b's config.json lists these as kept in BF16 (Transformers' Mxfp4Config reads it)
+GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def tiny_gpt_oss(dtype=torch.bfloat16, seed: int | None = None, **overrides):
+    """A 2-layer gpt-oss (one sliding-window and one full-attention layer, 4 experts, top-2), BF16 experts."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+               max_position_embeddings=131072,  # YaRN's factor 32 over 4096 positions, as gpt-oss's config
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _tiny("GptOssConfig", dtype, **(cfg | overrides))
+
+
+@torch.no_grad()
+def write_gpt_oss_mxfp4_checkpoint(path, seed: int = 0, shards: int = 2, **overrides) -> dict:
+    """Write a tiny gpt-oss checkpoint in the published MXFP4 layout (OpenAI's gpt-oss-20b/120b, as
+    :mod:`fp4moe_ops.mxfp4` describes it): per layer ``mlp.experts.{gate_up_proj,down_proj}_blocks``
+    and ``_scales`` uint8 with random bytes (every E2M1 code) and E8M0 scales 2^-6..2^-4 (weights of
+    about 1/sqrt(fan-in)), BF16 biases, everything else BF16 from :func:`tiny_gpt_oss`; sharded with
+    an index; ``config.json`` with gpt-oss's ``quantization_config``. Returns the tensors written."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from fp4moe_ops.mxfp4 import gpt_oss_shapes
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = tiny_gpt_oss(seed=seed, **overrides)
+    cfg = model.config
+    e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator().manual_seed(seed + 1)
+    tensors = {}
+    for key, t in model.state_dict().items():
+        prefix, _, leaf = key.rpartition(".")
+        if not prefix.endswith(".mlp.experts"):
+            tensors[key] = t.clone()
+            continue
+        if leaf in ("gate_up_proj", "down_proj"):
+            rows, cols = (2 * i, h) if leaf == "gate_up_proj" else (h, i)
+            blocks, scales = gpt_oss_shapes(rows, cols, e)
+            tensors[f"{key}_blocks"] = torch.randint(0, 256, blocks, dtype=torch.uint8, generator=g)
+            tensors[f"{key}_scales"] = torch.randint(121, 124, scales, dtype=torch.uint8, generator=g)
+        else:  # the biases
+            tensors[key] = (torch.randn(t.shape, generator=g) * 0.1).to(torch.bfloat16)
+    keys = sorted(tensors)
+    names = [f"model-{n + 1:05d}-of-{shards:05d}.safetensors" for n in range(shards)] if shards > 1 else ["model.safetensors"]
+    for n, name in enumerate(names):
+        save_file({k: tensors[k].contiguous() for k in keys[n::shards]}, str(path / name), metadata={"format": "pt"})
+    if shards > 1:
+        weight_map = {k: names[n % shards] for n, k in enumerate(keys)}
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = cfg.to_dict()
+    config.pop("_experts_implementation", None)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": GPT_OSS_NOT_CONVERTED}
+    (path / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    return tensors

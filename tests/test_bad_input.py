@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import fp4moe_ops
-from fp4moe_ops import NVFP4MoEWeights, nvfp4
+from fp4moe_ops import NVFP4MoEWeights, mxfp4, nvfp4
 from hf_integration import (
     CheckpointError,
     calibrate_activation_scales,
@@ -62,7 +62,7 @@ def test_quantize_mxfp4_rejects_non_finite_like_nvfp4(value):
     x = torch.randn(4, 64)
     x[0, 0] = value
     with pytest.raises(ValueError, match=r"quantize_mxfp4: x \(4, 64\) contains NaN or Inf"):
-        nvfp4.quantize_mxfp4(x)
+        mxfp4.quantize_mxfp4(x)
 
 
 @pytest.mark.parametrize("x,error,match", [
@@ -89,7 +89,7 @@ def test_quantize_nvfp4_rejects_bad_global_scales(g):
 ])
 def test_quantize_mxfp4_bad_shapes_and_dtypes(x, error, match):
     with pytest.raises(error, match=match):
-        nvfp4.quantize_mxfp4(x)
+        mxfp4.quantize_mxfp4(x)
 
 
 def test_pack_and_unpack_bad_input():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fp4moe_ops
-from fp4moe_ops import nvfp4
+from fp4moe_ops import mxfp4, nvfp4
 
 pytestmark = pytest.mark.gpu
 
@@ -220,7 +220,7 @@ def test_flashinfer_sm90_backends_vs_reference(backend, e, h, i, k, t):
     out = fp4moe_ops.prepare_experts(w, backend)(x, ids, rw)
     ref = fp4moe_ops.prepare_experts(w, "reference")(x, ids, rw)
     err = rel_err(out, ref)
-    weight_err = nvfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w2[:4], w.w2_scale[:4], w.w2_global[:4]))
+    weight_err = mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w2[:4], w.w2_scale[:4], w.w2_global[:4]))
     print(f"{backend} vs reference E={e} H={h} I={i} T={t}: rel err {err:.2e} (w2 MXFP4 weight err {weight_err:.2e})")
     # bf16: weights rounded to bf16 once (2^-9) + bf16 intermediate. MXFP4: each weight
     # matrix re-quantized with ~12% error (printed), compounded over two GEMMs: < 30%.

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fp4moe_ops
-from fp4moe_ops import nvfp4
+from fp4moe_ops import mxfp4, nvfp4
 
 CODEBOOK = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -163,21 +163,21 @@ def test_swizzle_matches_cutlass_formula_and_inverts(rows, cols):
 
 def test_mxfp4_requant_definition_and_error_report():
     w = nvfp4.quantize_nvfp4(torch.randn(2, 16, 64))
-    packed, scale = nvfp4.nvfp4_to_mxfp4(w)
+    packed, scale = mxfp4.nvfp4_to_mxfp4(w)
     assert packed.shape == (2, 16, 32) and scale.shape == (2, 16, 2) and scale.dtype == torch.uint8
     # E8M0 definition: value = e2m1 * 2^(byte - 127), elements of a 32-block share one scale
     codes = nvfp4.unpack_e2m1(packed).double()
     vals = nvfp4.e2m1_decode(codes.to(torch.uint8)).double()
     manual = vals * torch.pow(2.0, scale.double() - 127).repeat_interleave(32, -1)
-    torch.testing.assert_close(nvfp4.dequantize_mxfp4(packed, scale).double(), manual)
-    err = nvfp4.mxfp4_requant_error(w)
+    torch.testing.assert_close(mxfp4.dequantize_mxfp4(packed, scale).double(), manual)
+    err = mxfp4.mxfp4_requant_error(w)
     assert 0.0 < err < 0.25  # lossy: power-of-two scales over 32 elements lose NVFP4's detail
     # Values already on an MXFP4 grid survive exactly.
     exact_packed = nvfp4.pack_e2m1(torch.randint(0, 16, (1, 4, 64), dtype=torch.uint8))
     exact_scale = torch.randint(120, 130, (1, 4, 2), dtype=torch.uint8)
-    x = nvfp4.dequantize_mxfp4(exact_packed, exact_scale)
+    x = mxfp4.dequantize_mxfp4(exact_packed, exact_scale)
     x[..., ::32] = 6.0 * torch.pow(2.0, exact_scale.float() - 127)  # make each block's amax 6*2^e
-    back = nvfp4.dequantize_mxfp4(*nvfp4.quantize_mxfp4(x))
+    back = mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(x))
     assert torch.equal(back, x)
 
 

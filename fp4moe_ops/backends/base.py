@@ -6,9 +6,15 @@ layout of their own (registered here with :func:`register_packed_layout`, conver
 expert both ways); others build tensors of their own once (``prepare``).
 :class:`~fp4moe_ops.prepared.PreparedExperts` holds whichever applies. ``backend="auto"`` picks
 the first backend in :data:`AUTO_ORDER` that the device can run.
+
+gpt-oss's MXFP4 experts (``torch.ops.fp4moe.mxfp4_moe``) run on the backends that override
+:meth:`Backend.mxfp4_refusal` and :meth:`Backend.run_mxfp4` (the reference so far); every other
+backend refuses them with its reason, and :func:`resolve_mxfp4_backend` passes over it, saying so.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -113,6 +119,21 @@ class Backend:
         """Validate the prepared tensors' shapes/dtypes (fake tensors too); return E."""
         return check_canonical_tensors(expert_tensors, hidden_size)
 
+    # gpt-oss's MXFP4 experts (``fp4moe::mxfp4_moe``): a backend runs them only if it overrides both
+
+    def mxfp4_refusal(self, device: torch.device) -> str | None:
+        """None if this backend runs gpt-oss's MXFP4 experts on ``device``, else a one-line reason."""
+        reason = self.unavailable_reason(device)
+        if reason is not None:
+            return reason
+        return ("it has no kernel for gpt-oss's MXFP4 experts (E8M0 scales, biases, clamped SwiGLU) yet, only for "
+                "NVFP4 experts")
+
+    def run_mxfp4(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
+                  limit: float) -> torch.Tensor:
+        """``fp4moe::mxfp4_moe``'s ``[T, H]`` in ``hidden_states.dtype``; inputs are already validated."""
+        raise NotImplementedError(f"backend {self.name!r}: {self.mxfp4_refusal(torch.device('cpu'))}")
+
 
 CANONICAL = "canonical"
 
@@ -206,4 +227,35 @@ def resolve_backend(
             "hf_integration.calibrate_activation_scales, or use a W4A16 backend "
             f"(available here: {available_backends(device)})"
         )
+    return backend
+
+
+def resolve_mxfp4_backend(name: str, device: torch.device | str) -> Backend:
+    """:func:`resolve_backend` for gpt-oss's MXFP4 experts: ``"auto"`` takes the first backend of
+    :data:`AUTO_ORDER` that runs them here, with a warning (logger ``fp4moe``) naming any faster one
+    that can run on the device but refuses MXFP4, and why; a named backend that refuses raises
+    ValueError with its reason."""
+    device = torch.device(device)
+    if name == "auto":
+        passed_over = []
+        for candidate in AUTO_ORDER:
+            b = BACKENDS.get(candidate)
+            if b is None:
+                continue
+            reason = b.mxfp4_refusal(device)
+            if reason is None:
+                if passed_over:
+                    logging.getLogger("fp4moe").warning(
+                        "fp4moe: gpt-oss's MXFP4 experts on %s run on the %r backend: %s", device, b.name,
+                        "; ".join(passed_over))
+                return b
+            if b.unavailable_reason(device) is None:  # it runs here, but not these experts
+                passed_over.append(f"{b.name!r} does not run them ({reason})")
+        raise ValueError(f"no fp4moe backend runs gpt-oss's MXFP4 experts on {device}")  # reference runs anywhere
+    backend = get_backend(name)
+    reason = backend.mxfp4_refusal(device)
+    if reason is not None:
+        can = [n for n, b in BACKENDS.items() if b.mxfp4_refusal(device) is None]
+        raise ValueError(f"fp4moe backend {name!r} cannot run gpt-oss's MXFP4 experts on {device}: {reason}. "
+                         f"Backends that can: {can}")
     return backend

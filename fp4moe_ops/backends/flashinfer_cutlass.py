@@ -7,7 +7,7 @@
 * ``flashinfer_bf16``: weights dequantized once to bf16 (exact: E2M1 x E4M3 fits bf16, the
   fp32 global scale costs one bf16 rounding), FlashInfer's BF16 CUTLASS kernel. SM90+.
 * ``flashinfer_mxfp4``: NVFP4 re-quantized to MXFP4 (lossy, see
-  :func:`fp4moe_ops.nvfp4.mxfp4_requant_error`), FlashInfer's SM90 BF16 x MXFP4 W4A16 kernel.
+  :func:`fp4moe_ops.mxfp4.mxfp4_requant_error`), FlashInfer's SM90 BF16 x MXFP4 W4A16 kernel.
 
 FlashInfer's contract that matters here: fc1 rows are ``[up; gate]`` (Transformers and our
 canonical layout are ``[gate; up]``); ids outside ``[0, E)`` are skipped by the kernel (probed on
@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from ..moe_weights import NVFP4MoEWeights
-from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor, nvfp4_to_mxfp4, swizzle_block_scale
+from ..mxfp4 import nvfp4_to_mxfp4
+from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor, swizzle_block_scale
 from .base import Backend, register_backend
 
 MIN_FLASHINFER = (0, 7)

@@ -11,13 +11,19 @@ scale (what FlashInfer does after permuting tokens to experts, in its formulatio
 activation dtype, where FlashInfer's CUTLASS kernel writes BF16: the kernel-faithful comparison
 for ``flashinfer_nvfp4``. Slow and host-syncing (one sync per call): for correctness, CPU
 use and tiny models, not for CUDA graphs.
+
+:func:`reference_mxfp4_moe` is gpt-oss's MXFP4 experts (``fp4moe::mxfp4_moe``) the same way: each
+routed expert's weights decoded from gpt-oss's blocks and E8M0 scales to float32, float32 GEMMs with
+their biases, the clamped SwiGLU (:func:`~fp4moe_ops.moe_math.clamped_swiglu`) rounded to the
+activation dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..moe_math import expert_scale, gated_silu, routed_moe
+from ..moe_math import clamped_swiglu, expert_scale, gated_silu, routed_moe
+from ..mxfp4 import dequantize_gpt_oss
 from ..nvfp4 import dequantize_nvfp4, quantize_activation_nvfp4
 from .base import Backend, register_backend
 
@@ -55,6 +61,21 @@ def reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
     return routed_moe(hidden_states, topk_ids, topk_weights, w13.shape[0], expert).to(dtype)
 
 
+def reference_mxfp4_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
+                        limit: float) -> torch.Tensor:
+    """gpt-oss's MoE experts on ``[gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks,
+    down_scales, down_bias]`` (gpt-oss's checkpoint tensors); ``[T, H]`` in ``hidden_states.dtype``."""
+    gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = expert_tensors
+    dtype = hidden_states.dtype
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        h = rows.float() @ dequantize_gpt_oss(gate_up_blocks[e], gate_up_scales[e]).T + gate_up_bias[e].float()
+        act = clamped_swiglu(h, alpha, limit).to(dtype)  # the intermediate a kernel stores
+        return act.float() @ dequantize_gpt_oss(down_blocks[e], down_scales[e]).T + down_bias[e].float()
+
+    return routed_moe(hidden_states, topk_ids, topk_weights, gate_up_blocks.shape[0], expert).to(dtype)
+
+
 class ReferenceBackend(Backend):
     """Pure PyTorch, any device; float32 math on dequantized weights (slow)."""
 
@@ -67,6 +88,12 @@ class ReferenceBackend(Backend):
     def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
             routed_experts=0):
         return reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale)
+
+    def mxfp4_refusal(self, device: torch.device) -> str | None:
+        return None
+
+    def run_mxfp4(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit):
+        return reference_mxfp4_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit)
 
 
 register_backend(ReferenceBackend())

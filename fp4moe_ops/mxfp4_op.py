@@ -1,0 +1,109 @@
+"""``torch.ops.fp4moe.mxfp4_moe``: gpt-oss's MXFP4 routed experts as one graph node.
+
+    out[t] = sum_j  w[t, j] * (down_e(clamped_swiglu(gate_up_e(x_t) + b1_e)) + b2_e),   e = ids[t, j]
+
+with gpt-oss's tensors as the checkpoint holds them (:mod:`fp4moe_ops.mxfp4`): ``gate_up``'s rows
+interleave gate and up, and ``clamped_swiglu`` (:func:`fp4moe_ops.moe_math.clamped_swiglu`) is
+``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``. The
+routing weights are applied as given (gpt-oss's router takes the softmax over its top-k logits).
+
+The contract is ``fp4moe::fused_moe``'s: the real and the fake function share their metadata
+checks (no host sync), so Dynamo traces one opaque node and ``torch.compile(fullgraph=True)`` never
+breaks on it; the backend is named per call and must run MXFP4 experts
+(:meth:`~fp4moe_ops.backends.base.Backend.mxfp4_refusal`; only ``reference`` does so far).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import get_backend
+from .mxfp4 import MX_BLOCK_SIZE, check_gpt_oss_tensors
+from .op import check_routing
+
+# the op's expert tensors, in order: gpt-oss's checkpoint names for one layer's experts
+MXFP4_EXPERT_TENSORS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
+                        "down_proj_blocks", "down_proj_scales", "down_proj_bias")
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_mxfp4_experts(expert_tensors: list[torch.Tensor], hidden_size: int) -> tuple[int, int]:
+    """Shapes and dtypes of gpt-oss's six expert tensors (:data:`MXFP4_EXPERT_TENSORS`) for hidden
+    size ``hidden_size``; ``(E, I)``, read off ``gate_up_proj_scales [E, 2I, H/32]``. ValueError
+    naming the tensor otherwise. Metadata only (fake tensors too)."""
+    if len(expert_tensors) != len(MXFP4_EXPERT_TENSORS):
+        raise ValueError(f"expected {len(MXFP4_EXPERT_TENSORS)} expert tensors {list(MXFP4_EXPERT_TENSORS)}, "
+                         f"got {len(expert_tensors)}")
+    gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = expert_tensors
+    if gate_up_scales.dim() != 3 or gate_up_scales.shape[1] % 2:
+        raise ValueError(f"gate_up_proj_scales: expected [E, 2I, H/32], got {list(gate_up_scales.shape)}")
+    experts, inter = gate_up_scales.shape[0], gate_up_scales.shape[1] // 2
+    for name, size in (("hidden size", hidden_size), ("intermediate size", inter)):
+        if size % MX_BLOCK_SIZE:
+            raise ValueError(f"gpt-oss MXFP4 experts need a {name} that is a multiple of {MX_BLOCK_SIZE}, got {size}")
+    check_gpt_oss_tensors("gate_up_proj", gate_up_blocks, gate_up_scales, 2 * inter, hidden_size, experts)
+    check_gpt_oss_tensors("down_proj", down_blocks, down_scales, hidden_size, inter, experts)
+    for name, bias, shape in (("gate_up_proj_bias", gate_up_bias, (experts, 2 * inter)),
+                              ("down_proj_bias", down_bias, (experts, hidden_size))):
+        if bias.dtype not in _FLOAT_DTYPES or tuple(bias.shape) != shape:
+            raise ValueError(f"{name}: expected bfloat16/float16/float32 {list(shape)}, got {bias.dtype} "
+                             f"{list(bias.shape)}")
+    return experts, inter
+
+
+def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit, backend):
+    """Metadata checks shared by the real and the fake implementation."""
+    b = get_backend(backend)
+    reason = b.mxfp4_refusal(hidden_states.device)
+    if reason is not None:
+        raise ValueError(f"backend {backend!r} cannot run gpt-oss's MXFP4 experts on {hidden_states.device}: {reason}")
+    if hidden_states.dim() != 2 or hidden_states.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden_states must be [T, H] bfloat16/float16/float32, got {hidden_states.dtype} "
+                        f"{list(hidden_states.shape)}")
+    if not (limit > 0):  # also refuses NaN
+        raise ValueError(f"limit (swiglu_limit) must be > 0, got {limit}")
+    if alpha != alpha:
+        raise ValueError("alpha (swiglu_alpha) is NaN")
+    check_routing(hidden_states, topk_ids, topk_weights, expert_tensors)
+    check_mxfp4_experts(expert_tensors, hidden_states.shape[1])
+
+
+@torch.library.custom_op("fp4moe::mxfp4_moe", mutates_args=())
+def mxfp4_moe(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_tensors: list[torch.Tensor],
+    alpha: float,
+    limit: float,
+    backend: str,
+) -> torch.Tensor:
+    """gpt-oss's MXFP4 experts: ``out[t] = sum_j w[t,j] * expert_{ids[t,j]}(x[t])``.
+
+    Args:
+        hidden_states: ``[T, H]`` bfloat16/float16/float32.
+        topk_ids: ``[T, k]`` int32/int64; ids outside ``[0, E)`` contribute nothing.
+        topk_weights: ``[T, k]`` float32 routing weights (applied as given).
+        expert_tensors: :data:`MXFP4_EXPERT_TENSORS`, as in the checkpoint: ``gate_up_proj_blocks
+            [E, 2I, H/32, 16]`` and ``_scales [E, 2I, H/32]`` uint8, ``gate_up_proj_bias [E, 2I]``,
+            ``down_proj_blocks [E, H, I/32, 16]`` and ``_scales [E, H, I/32]`` uint8,
+            ``down_proj_bias [E, H]``.
+        alpha, limit: gpt-oss's ``swiglu_alpha`` (1.702) and ``swiglu_limit`` (7.0).
+        backend: a concrete backend that runs MXFP4 experts (:func:`resolve_mxfp4_backend`).
+
+    Returns:
+        ``[T, H]`` in ``hidden_states.dtype``.
+    """
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit, backend)
+    if hidden_states.shape[0] == 0:
+        return torch.empty_like(hidden_states)
+    return get_backend(backend).run_mxfp4(hidden_states, topk_ids, topk_weights, list(expert_tensors), alpha, limit)
+
+
+@mxfp4_moe.register_fake
+def _(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit, backend):
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit, backend)
+    return torch.empty_like(hidden_states)
+
+
+__all__ = ["MXFP4_EXPERT_TENSORS", "check_mxfp4_experts", "mxfp4_moe"]

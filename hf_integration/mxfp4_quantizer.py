@@ -1,0 +1,175 @@
+"""fp4moe's Transformers quantizer for gpt-oss's MXFP4 checkpoints (``quant_method: "mxfp4"``).
+
+``from_pretrained`` of a gpt-oss checkpoint (OpenAI's layout: :mod:`fp4moe_ops.mxfp4`) then keeps
+the routed experts in MXFP4 on every device: :class:`~hf_integration.gpt_oss.MXFP4GptOssExperts`
+takes the place of ``GptOssExperts`` on the meta model, the checkpoint's ``*_blocks`` / ``*_scales``
+bytes load straight into it (no conversion op, never a BF16 copy of the experts), and its forward
+is one ``fp4moe::mxfp4_moe`` call (the CPU runs the ``reference`` backend; on a GPU ``auto`` takes
+the reference too, with a warning, until a GPU kernel runs MXFP4). ``save_pretrained`` writes the
+same tensors back under the same names, so the saved checkpoint is the published format again,
+byte for byte.
+
+Which quantizer wins for ``"mxfp4"``: once :mod:`hf_integration` is imported, fp4moe's, except
+
+* ``quantization_config=Mxfp4Config(dequantize=True)``: Transformers' own quantizer, which
+  dequantizes the experts to BF16 (what was asked for);
+* the environment variable ``FP4MOE_MXFP4=transformers`` (read at each load): Transformers' own
+  quantizer for every MXFP4 checkpoint (its Hub ``kernels`` on a GPU; on the CPU it dequantizes).
+
+Before loading, every checkpoint tensor of the experts is checked from the safetensors headers
+(presence, dtype, shape: a :class:`~hf_integration.checkpoint_format.CheckpointError` naming the
+tensor and its file); after loading, every scale byte (0xFF, E8M0's NaN, is refused, naming the
+tensor).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers.quantizers import HfQuantizer
+from transformers.quantizers.quantizers_utils import should_convert_module
+from transformers.utils import logging
+
+from fp4moe_ops.mxfp4 import E8M0_NAN, gpt_oss_shapes
+
+from .checkpoint_format import CheckpointError
+from .gpt_oss import MXFP4GptOssExperts, is_gpt_oss_experts
+from .quantizer import CheckpointScan, refuse_meta_device
+from .surgery import replace_module
+
+logger = logging.get_logger("transformers.fp4moe")
+
+QUANT_METHOD = "mxfp4"
+ENV_VAR = "FP4MOE_MXFP4"  # "transformers": Transformers' own quantizer for MXFP4 checkpoints
+
+
+def wants_transformers_quantizer(quantization_config) -> bool:
+    """Transformers' own quantizer handles this load: ``dequantize=True`` was asked for, or
+    ``FP4MOE_MXFP4=transformers``."""
+    return bool(getattr(quantization_config, "dequantize", False)) or \
+        os.environ.get(ENV_VAR, "").strip().lower() == "transformers"
+
+
+class MXFP4Quantizer(HfQuantizer):
+    """Loads gpt-oss MXFP4 checkpoints with the experts kept in MXFP4 (see the module docstring)."""
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.experts: dict[str, dict[str, str]] = {}  # module name -> {tensor: checkpoint key}
+        self.files: dict[str, str] = {}               # checkpoint key -> its file
+
+    def validate_environment(self, *args, device_map=None, **kwargs):
+        if not self.pre_quantized:
+            raise ValueError("fp4moe loads MXFP4 checkpoints but does not quantize a BF16 gpt-oss to MXFP4; for "
+                             f"that, use Transformers' own quantizer ({ENV_VAR}=transformers)")
+        refuse_meta_device(device_map)
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise ValueError("fp4moe cannot offload MXFP4 experts to disk (device_map has 'disk'); put every layer "
+                             "on a GPU or the CPU")
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
+            raise CheckpointError(f"fp4moe loads MXFP4 checkpoints from .safetensors files, got {checkpoint_files}")
+        files = [str(f) for f in checkpoint_files]
+        scan = CheckpointScan(files)
+        scan.check_index(files)
+        skip = self.get_modules_to_not_convert(model, self.quantization_config.modules_to_not_convert,
+                                               model._keep_in_fp32_modules)
+        config = model.config.get_text_config()
+        prefix = getattr(model, "base_model_prefix", "model")
+        for name, m in list(model.named_modules()):
+            if not is_gpt_oss_experts(m) or not should_convert_module(name, skip):
+                continue
+            keys = {}
+            for proj, rows, cols in (("gate_up_proj", 2 * m.intermediate_size, m.hidden_size),
+                                     ("down_proj", m.hidden_size, m.intermediate_size)):
+                for suffix, shape in zip(("_blocks", "_scales"), gpt_oss_shapes(rows, cols, m.num_experts)):
+                    key = _checkpoint_key(scan, f"{name}.{proj}{suffix}", prefix)
+                    scan.check(key, shape, torch.uint8, f" (gpt-oss MXFP4 experts of {name!r})")
+                    keys[f"{proj}{suffix}"] = key
+                    self.files[key] = scan.tensors[key][0]
+            parent, _, attr = name.rpartition(".")
+            with torch.device("meta"):
+                new = MXFP4GptOssExperts(config, dtype=m.gate_up_proj_bias.dtype)
+            replace_module(model.get_submodule(parent), attr, new)
+            self.experts[name] = keys
+        if not self.experts:
+            raise ValueError(f"fp4moe's MXFP4 loader runs gpt-oss experts only, and this {type(model).__name__} has "
+                             f"none to load as MXFP4; for other MXFP4 models use Transformers' own quantizer "
+                             f"({ENV_VAR}=transformers)")
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        for name, keys in self.experts.items():
+            m = model.get_submodule(name)
+            for tensor, key in keys.items():
+                t = getattr(m, tensor)
+                if t.is_meta or not getattr(t, "_is_hf_initialized", True):
+                    raise CheckpointError(f"{name}.{tensor} was not filled from the checkpoint")
+                if tensor.endswith("_scales") and bool((t == E8M0_NAN).any()):
+                    raise CheckpointError(f"checkpoint tensor {key!r} in {self.files[key]}: E8M0 scale byte 0xFF "
+                                          "(NaN) would make its 32 weights NaN")
+            m.set_backend(getattr(self.quantization_config, "backend", "auto"))
+        logger.info("fp4moe: %d gpt-oss experts layers kept in MXFP4, backend %r", len(self.experts),
+                    next(iter(model.get_submodule(n).backend for n in self.experts)))
+        return model
+
+    def _dequantize(self, model, dtype=None):
+        """``model.dequantize()``: every MXFP4 experts module becomes Transformers' ``GptOssExperts``
+        decoded to ``dtype`` (by default the dtype the model holds now), one layer at a time."""
+        dtype = dtype if dtype is not None else model.dtype
+        config = model.config.get_text_config()
+        for name, m in list(model.named_modules()):
+            if isinstance(m, MXFP4GptOssExperts):
+                parent, _, attr = name.rpartition(".")
+                replace_module(model.get_submodule(parent), attr, m.dequantized(config, dtype))
+        return model
+
+    def is_serializable(self, *args, **kwargs):
+        return True  # the modules hold the checkpoint's tensors under its names: state_dict is the format
+
+    @property
+    def is_trainable(self) -> bool:
+        return False  # fp4moe::mxfp4_moe has no backward yet
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def _checkpoint_key(scan: CheckpointScan, model_key: str, prefix: str) -> str:
+    """The checkpoint's name for ``model_key``: the same, or with / without the base-model prefix
+    (a ``GptOssModel`` loaded from a ``GptOssForCausalLM`` checkpoint, or the reverse)."""
+    for key in (model_key, f"{prefix}.{model_key}", model_key.removeprefix(f"{prefix}.")):
+        if key in scan.tensors:
+            return key
+    return model_key  # missing: scan.check names it
+
+
+class _MXFP4Quantizers:
+    """Transformers' ``"mxfp4"`` quantizer entry: fp4moe's :class:`MXFP4Quantizer`, or Transformers'
+    own where :func:`wants_transformers_quantizer`."""
+
+    def __init__(self, transformers_quantizer):
+        self.transformers_quantizer = transformers_quantizer
+
+    def __call__(self, quantization_config, **kwargs):
+        if wants_transformers_quantizer(quantization_config):
+            return self.transformers_quantizer(quantization_config, **kwargs)
+        return MXFP4Quantizer(quantization_config, **kwargs)
+
+
+def register() -> None:
+    """Route ``"mxfp4"`` checkpoints to fp4moe (idempotent; Transformers' own quantizer stays behind
+    it for :func:`wants_transformers_quantizer`)."""
+    from transformers.quantizers import auto
+
+    current = auto.AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD)
+    if not isinstance(current, _MXFP4Quantizers):
+        auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = _MXFP4Quantizers(current)
+
+
+__all__ = ["ENV_VAR", "MXFP4Quantizer", "register", "wants_transformers_quantizer"]
