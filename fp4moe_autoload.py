@@ -5,11 +5,13 @@
 Installing fp4moe puts ``fp4moe-autoload.pth`` in site-packages; Python runs its one line at start-up,
 which imports this module. It imports nothing heavy (no torch, no Transformers) and does one thing:
 the first time ``transformers.quantizers.auto`` (Transformers' quantizer registry) is imported, it
-puts a stand-in under the registry's ``"modelopt"`` and ``"compressed-tensors"`` config entries.
+puts a stand-in under the registry's ``"modelopt"``, ``"compressed-tensors"`` and ``"mxfp4"``
+(gpt-oss) config entries.
 Only when Transformers reads such a checkpoint's ``quantization_config`` does the stand-in put the
 registry back as it was and import :mod:`hf_integration`, which registers fp4moe's quantizer
 (:func:`hf_integration.quantizer.register`: ModelOpt and NVFP4 compressed-tensors checkpoints go to
-fp4moe, every other compressed-tensors checkpoint to Transformers' own quantizer); the config is
+fp4moe, every other compressed-tensors checkpoint to Transformers' own quantizer; gpt-oss's MXFP4
+ones as :mod:`hf_integration.mxfp4_quantizer` says); the config is
 then read by whatever the registry now holds. Programs that load no such checkpoint never import
 fp4moe; a program that imports :mod:`hf_integration` itself registers it at once (the stand-ins give
 way to Transformers' entries first, :func:`restore`).
@@ -23,7 +25,7 @@ import sys
 
 ENV = "FP4MOE_AUTOLOAD"
 REGISTRY = "transformers.quantizers.auto"
-METHODS = ("modelopt", "compressed-tensors")  # the quant_method values of the formats fp4moe reads
+METHODS = ("modelopt", "compressed-tensors", "mxfp4")  # the quant_method values of the formats fp4moe reads
 
 
 def enabled() -> bool:

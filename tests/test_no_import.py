@@ -111,6 +111,22 @@ def test_from_pretrained_with_no_import_loads_nvfp4_through_fp4moe(checkpoint, f
     assert torch.equal(logits, logits_with_import(path))
 
 
+def test_from_pretrained_with_no_import_keeps_gpt_oss_mxfp4_experts_4_bit(tmp_path):
+    # gpt-oss's "mxfp4" config entry has a stand-in too: its experts load as fp4moe's MXFP4 module
+    # (bytes as in the files), and the logits equal a load with an explicit import
+    from hf_integration.tiny_models import write_gpt_oss_mxfp4_checkpoint
+
+    path = tmp_path / "gpt_oss"
+    write_gpt_oss_mxfp4_checkpoint(path, seed=1)
+    out = tmp_path / "logits.pt"
+    code = LOAD.format(path=str(path), ids=PROMPT_IDS, out=str(out)).replace(
+        '"NVFP4Experts"', '"MXFP4GptOssExperts"')
+    done = run_python(code, cwd=REPO, hook=True)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"imported_before_load": False, "imported_after_load": True, "nvfp4_experts": 2}
+    torch.testing.assert_close(torch.load(out), logits_with_import(path), rtol=0, atol=0)
+
+
 def test_a_checkpoint_fp4moe_does_not_read_never_imports_it(tmp_path):
     from hf_integration.tiny_models import tiny_qwen3_moe
 
