@@ -291,7 +291,8 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
       any module changes (each module also checks its own, as it loads);
     * ``set_experts_implementation`` away from fp4moe raises at the call;
     * continuous batching (``generate_batch``, ``init_continuous_batching``) of an MLA model raises at
-      the call (:func:`_refuse_continuous_batching`) instead of returning empty outputs;
+      the call where Transformers' paged cache cannot hold MLA (:func:`_refuse_continuous_batching`)
+      instead of returning empty outputs;
     * ``save_pretrained`` writes a ModelOpt checkpoint atomically (:mod:`hf_integration.saving`).
     """
     from .saving import atomic_save_pretrained
@@ -306,7 +307,7 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
         # says what runs, and keeps generate() from switching grouped_mm -> batched_mm around decoding
         type(model).set_experts_implementation(model, EXPERTS_IMPLEMENTATION)
     model.set_experts_implementation = types.MethodType(_guarded_set_experts_implementation, model)
-    if uses_mla(model.config) and hasattr(type(model), "init_continuous_batching"):
+    if uses_mla(model.config) and not paged_cache_holds_mla() and hasattr(type(model), "init_continuous_batching"):
         # generate_batch and `transformers serve --continuous-batching` start here
         model.init_continuous_batching = types.MethodType(_refuse_continuous_batching, model)
     model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
@@ -388,8 +389,19 @@ def uses_mla(config) -> bool:
     return getattr(text, "kv_lora_rank", None) is not None
 
 
+def paged_cache_holds_mla() -> bool:
+    """Whether Transformers' paged KV cache (continuous batching) runs MLA models: from 5.25 on (its
+    BF16 DeepSeek-V2/V3 and fp4moe's under ``generate_batch`` are token-equal to greedy ``generate``,
+    tests/test_continuous_batching.py); 5.24 and before fail inside the cache at every step."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (5, 25)
+
+
 def _refuse_continuous_batching(model, *args, **kwargs):
-    """``init_continuous_batching`` of an MLA model: refused at the call. Transformers' MLA attention
+    """``init_continuous_batching`` of an MLA model where :func:`paged_cache_holds_mla` is false:
+    refused at the call. Transformers' MLA attention
     caches one head of compressed latents per token (``kv_lora_rank`` values as the "keys",
     ``qk_rope_head_dim`` rotary keys as the "values"); its paged cache allocates ``num_key_value_heads``
     heads of one ``head_dim`` for keys and values alike. Every step then fails inside the cache, and
@@ -402,7 +414,8 @@ def _refuse_continuous_batching(model, *args, **kwargs):
         f"{text.kv_lora_rank} latents and {text.qk_rope_head_dim} rotary keys per token, and Transformers' paged "
         f"KV cache holds {getattr(text, 'num_key_value_heads', None)} heads of head_dim={getattr(text, 'head_dim', None)} "
         "for keys and values alike (the BF16 model fails inside the cache too, returning empty outputs). "
-        "Use model.generate on a padded batch")
+        f"Transformers 5.25 and later run it; this is {__import__('transformers').__version__}. "
+        "Or use model.generate on a padded batch")
 
 
 def quantizer_for(config: ModelOptConfig) -> ModelOptQuantizer:
@@ -466,4 +479,4 @@ class _NVFP4CompressedTensorsQuantizers:
         return self.transformers_quantizer(quantization_config, **kwargs)
 
 
-__all__ = ["ModelOptQuantizer", "attach", "quantizer_for", "register", "uses_mla"]
+__all__ = ["ModelOptQuantizer", "attach", "paged_cache_holds_mla", "quantizer_for", "register", "uses_mla"]
