@@ -215,6 +215,20 @@ def quantize_linears(model: nn.Module, *, dense_mlps: bool = True, attention: bo
     return len(groups)
 
 
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` a copy of its config (the quantization config set on it is this model's alone,
+    not another model's built from the same config object), held by every module of the model that
+    held the old one or one of its sub-configs: Transformers' modules read the shared object, so a
+    later change through ``model.config`` (``set_attn_implementation``, which continuous batching
+    uses to switch to paged attention) must reach them."""
+    memo = {}
+    model.config = copy.deepcopy(model.config, memo)
+    for m in model.modules():
+        held = m.__dict__.get("config")
+        if held is not None and id(held) in memo:
+            m.config = memo[id(held)]
+
+
 def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | None = None,
               quantize_dense_mlps: bool = False, quantize_attention: bool = False, fuse_router: bool = True,
               fuse_shared_experts: bool = True, verbose: bool = True) -> nn.Module:
@@ -272,7 +286,7 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         raise ValueError(f"act_scale_mode={act_scale_mode!r} needs calibrated activation scales: patch first, "
                          "then calibrate_activation_scales(model, batches), then set_backend(model, backend, mode)")
 
-    model.config = copy.deepcopy(model.config)  # the quantization config is this model's alone
+    _own_config(model)
     stage = _HostStage()
     try:
         for i in range(len(modules)):

@@ -109,3 +109,17 @@ def test_a_loaded_mla_checkpoint_batches_as_greedy_generate(tmp_path):
     got = batched(model)
     assert all(len(tokens) == 6 for tokens in got), got
     assert_same_up_to_near_ties(model, got, greedy(model))
+
+
+def test_patching_keeps_one_config_for_the_whole_model():
+    # patch_moe gives the model a config of its own; every module that held the old one must hold
+    # the new one, or a switch through model.config misses them (continuous batching's switch to
+    # paged attention: on Transformers 5.17 generate_batch then failed after the first token)
+    model = ARCHITECTURES["qwen3_moe"]()
+    before = model.config
+    patched = patch_moe(model, verbose=False)
+    holders = [m for m in patched.modules() if isinstance(m.__dict__.get("config"), type(before))]
+    assert patched.config is not before and len(holders) > 2
+    assert all(m.config is patched.config for m in holders)
+    patched.set_attn_implementation("eager")
+    assert patched.model.layers[0].self_attn.config._attn_implementation == "eager"
