@@ -163,9 +163,17 @@ def test_which_quantizer_wins(checkpoint, monkeypatch):
     # asking Transformers to dequantize is Transformers' own quantizer
     assert kind(AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True))) == \
         "GptOssExperts"
-    # FP4MOE_MXFP4=transformers: Transformers' own (which on a CPU without its Hub kernels dequantizes)
+    # FP4MOE_MXFP4=transformers: Transformers' own quantizer, asked of the registry as from_pretrained
+    # asks it (a load with it would fetch Transformers' Hub kernels where the `kernels` package is
+    # installed, which needs the network)
+    from transformers.quantizers.auto import AutoHfQuantizer
+    from transformers.quantizers.quantizer_mxfp4 import Mxfp4HfQuantizer
+
+    from hf_integration.mxfp4_quantizer import MXFP4Quantizer
+
+    assert type(AutoHfQuantizer.from_config(Mxfp4Config(), pre_quantized=True)) is MXFP4Quantizer
     monkeypatch.setenv("FP4MOE_MXFP4", "transformers")
-    assert kind(AutoModelForCausalLM.from_pretrained(path)) == "GptOssExperts"  # fp4moe's never dequantizes
+    assert type(AutoHfQuantizer.from_config(Mxfp4Config(), pre_quantized=True)) is Mxfp4HfQuantizer
 
 
 def _rewrite(src, dst, change):
