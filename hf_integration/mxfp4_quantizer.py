@@ -162,14 +162,33 @@ class _MXFP4Quantizers:
         return MXFP4Quantizer(quantization_config, **kwargs)
 
 
+# gpt-oss as fp4moe reads it (``swiglu_alpha`` / ``swiglu_limit`` in its config, the experts' math
+# checked against Transformers' own GptOssMLP) is Transformers 5.24's and 5.25's; 5.17's differs
+# (its config has no swiglu_alpha, and its MLP's outputs are not those of the same weights here).
+# Older releases keep their own "mxfp4" quantizer.
+MIN_TRANSFORMERS = (5, 24)
+
+
+def supported() -> bool:
+    """Whether this Transformers' gpt-oss is the one fp4moe's MXFP4 path is tested against."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= MIN_TRANSFORMERS
+
+
 def register() -> None:
     """Route ``"mxfp4"`` checkpoints to fp4moe (idempotent; Transformers' own quantizer stays behind
-    it for :func:`wants_transformers_quantizer`)."""
+    it for :func:`wants_transformers_quantizer`); on Transformers before :data:`MIN_TRANSFORMERS`
+    nothing changes (Transformers' own quantizer loads them)."""
     from transformers.quantizers import auto
+
+    if not supported():
+        return
 
     current = auto.AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD)
     if not isinstance(current, _MXFP4Quantizers):
         auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = _MXFP4Quantizers(current)
 
 
-__all__ = ["ENV_VAR", "MXFP4Quantizer", "register", "wants_transformers_quantizer"]
+__all__ = ["ENV_VAR", "MIN_TRANSFORMERS", "MXFP4Quantizer", "register", "supported", "wants_transformers_quantizer"]

@@ -15,7 +15,12 @@ import hf_integration  # noqa: F401 (registers the quantizers)
 from fp4moe_ops import mxfp4
 from hf_integration import MXFP4GptOssExperts
 from hf_integration.checkpoint_format import CheckpointError
+from hf_integration.mxfp4_quantizer import MIN_TRANSFORMERS, supported
 from hf_integration.tiny_models import write_gpt_oss_mxfp4_checkpoint
+
+if not supported():
+    pytest.skip(f"fp4moe's gpt-oss path needs Transformers {'.'.join(map(str, MIN_TRANSFORMERS))} or later",
+                allow_module_level=True)
 from transformers import AutoModelForCausalLM, Mxfp4Config
 
 PROJS = ("gate_up_proj", "down_proj")

@@ -74,6 +74,8 @@ def _transformers_mlp(tensors, h, i, e, k, dtype):
     return mlp.to(dtype)
 
 
+@pytest.mark.skipif(not __import__("hf_integration.mxfp4_quantizer").mxfp4_quantizer.supported(),
+                    reason="Transformers' gpt-oss before 5.24 differs (see hf_integration.mxfp4_quantizer)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_transformers_gpt_oss_mlp(dtype):
     e, h, i, k = 5, 64, 96, 2
