@@ -84,6 +84,15 @@ def layer_arguments(e: int, h: int, i: int, top_k: int, device: str = "cpu"):
     return torch.randn(1, h, dtype=torch.bfloat16, device=device), ids, torch.rand(1, top_k, device=device), tensors
 
 
+def gpt_oss_arguments(e: int, hp: int, ip: int):
+    """``(expert tensors, gpt_oss)`` of ``launch.triton_fused_moe`` for gpt-oss's experts in the kernels'
+    layout (``layout.gpt_oss_kernel_tensors``; uninitialized)."""
+    shapes = [((e, ip, hp // 4), torch.int32), ((e, 2 * ip, hp // 16), torch.int8), ((e, 2 * ip), torch.float32),
+              ((e, hp // 2, ip // 4), torch.int32), ((e, hp, ip // 16), torch.int8), ((e, hp), torch.float32)]
+    w13, s13, b1, w2, s2, b2 = (torch.empty(shape, dtype=dtype) for shape, dtype in shapes)
+    return [w13, s13, b1, w2, s2, b1], (b1, b2, 1.702, 7.0)
+
+
 def cached_variants() -> int:
     from fp4moe_ops.backends.triton_moe import decode_v3, kernels, prefill_rs
 
@@ -139,7 +148,8 @@ def linear_main(args) -> bool:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["serial", "together"])
-    ap.add_argument("--shape", choices=["small", "deepseek"], default="small")
+    ap.add_argument("--shape", choices=["small", "deepseek", "gpt-oss"], default="small",
+                    help="gpt-oss: gpt-oss-20b's MXFP4 experts (E=32, H=I=2880 padded to 3072, top-4)")
     ap.add_argument("--check-tokens", default="", help="comma-separated token counts (see the module docstring)")
     ap.add_argument("--linear", action="store_true", help="the NVFP4 linear shapes instead of the MoE layer")
     args = ap.parse_args()
@@ -150,8 +160,12 @@ def main():
     from fp4moe_ops.backends.triton_moe import compile_ahead, launch
 
     launch._gluon_runs = lambda x: True  # (CPU tensors: see the module docstring)
-    e, h, i, k = (256, 7168, 2048, 8) if args.shape == "deepseek" else (8, 512, 256, 2)
-    plans = launch.layer_plans(*layer_arguments(e, h, i, k))
+    e, h, i, k = {"deepseek": (256, 7168, 2048, 8), "gpt-oss": (32, 3072, 3072, 4)}.get(args.shape, (8, 512, 256, 2))
+    gpt_oss = gpt_oss_arguments(e, h, i) if args.shape == "gpt-oss" else None
+    x, ids, rw, tensors = layer_arguments(e, h, i, k)
+    if gpt_oss is not None:  # the kernels' layout of gpt-oss's experts: E8M0 scales as int8, biases
+        tensors, gpt_oss = gpt_oss
+    plans = launch.layer_plans(x, ids, rw, tensors, gpt_oss=gpt_oss)
     t0 = time.time()
     errors = compile_ahead.compile_all(plans, together=args.mode == "together")
     seconds = time.time() - t0
@@ -166,10 +180,10 @@ def main():
     ok = cached_variants() == compiled and again < 1.0 and not errors
     if errors:
         print("plans failed:", *{_short(e) for e in errors}, sep="\n  ")
-    x, ids, rw, tensors = layer_arguments(e, h, i, k)
     for t in (int(n) for n in args.check_tokens.split(",") if n):
         xt, idst, rwt = x.expand(t, h).contiguous(), (torch.arange(t * k) % e).reshape(t, k), rw.expand(t, k).contiguous()
-        failed = compile_ahead.compile_all([(t * k, lambda: launch.triton_fused_moe(xt, idst, rwt, tensors))],
+        failed = compile_ahead.compile_all([(t * k, lambda: launch.triton_fused_moe(xt, idst, rwt, tensors,
+                                                                                     gpt_oss=gpt_oss))],
                                            together=False)
         if failed or cached_variants() != compiled:
             print(f"a call of {t} tokens compiled {cached_variants() - compiled} more kernels {failed}: WRONG")

@@ -10,7 +10,8 @@ routing weights are applied as given (gpt-oss's router takes the softmax over it
 The contract is ``fp4moe::fused_moe``'s: the real and the fake function share their metadata
 checks (no host sync), so Dynamo traces one opaque node and ``torch.compile(fullgraph=True)`` never
 breaks on it; the backend is named per call and must run MXFP4 experts
-(:meth:`~fp4moe_ops.backends.base.Backend.mxfp4_refusal`; only ``reference`` does so far).
+(:meth:`~fp4moe_ops.backends.base.Backend.mxfp4_refusal`: ``reference`` anywhere, ``triton`` on Hopper
+and newer, on tensors in its own layout).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, 
     if alpha != alpha:
         raise ValueError("alpha (swiglu_alpha) is NaN")
     check_routing(hidden_states, topk_ids, topk_weights, expert_tensors)
-    check_mxfp4_experts(expert_tensors, hidden_states.shape[1])
+    b.check_mxfp4_tensors(expert_tensors, hidden_states.shape[1])
 
 
 @torch.library.custom_op("fp4moe::mxfp4_moe", mutates_args=())
@@ -87,7 +88,8 @@ def mxfp4_moe(
         expert_tensors: :data:`MXFP4_EXPERT_TENSORS`, as in the checkpoint: ``gate_up_proj_blocks
             [E, 2I, H/32, 16]`` and ``_scales [E, 2I, H/32]`` uint8, ``gate_up_proj_bias [E, 2I]``,
             ``down_proj_blocks [E, H, I/32, 16]`` and ``_scales [E, H, I/32]`` uint8,
-            ``down_proj_bias [E, H]``.
+            ``down_proj_bias [E, H]``; for the ``triton`` backend the same experts in its layout
+            (:func:`fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors`).
         alpha, limit: gpt-oss's ``swiglu_alpha`` (1.702) and ``swiglu_limit`` (7.0).
         backend: a concrete backend that runs MXFP4 experts (:func:`resolve_mxfp4_backend`).
 

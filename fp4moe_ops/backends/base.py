@@ -8,7 +8,7 @@ expert both ways); others build tensors of their own once (``prepare``).
 the first backend in :data:`AUTO_ORDER` that the device can run.
 
 gpt-oss's MXFP4 experts (``torch.ops.fp4moe.mxfp4_moe``) run on the backends that override
-:meth:`Backend.mxfp4_refusal` and :meth:`Backend.run_mxfp4` (the reference so far); every other
+:meth:`Backend.mxfp4_refusal` and :meth:`Backend.run_mxfp4` (the reference and Triton backends); every other
 backend refuses them with its reason, and :func:`resolve_mxfp4_backend` passes over it, saying so.
 """
 
@@ -128,6 +128,13 @@ class Backend:
             return reason
         return ("it has no kernel for gpt-oss's MXFP4 experts (E8M0 scales, biases, clamped SwiGLU) yet, only for "
                 "NVFP4 experts")
+
+    def check_mxfp4_tensors(self, expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
+        """Validate the MXFP4 expert tensors this backend takes (fake tensors too); return E. By
+        default gpt-oss's checkpoint tensors (:func:`fp4moe_ops.mxfp4_op.check_mxfp4_experts`)."""
+        from ..mxfp4_op import check_mxfp4_experts
+
+        return check_mxfp4_experts(expert_tensors, hidden_size)[0]
 
     def run_mxfp4(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
                   limit: float) -> torch.Tensor:

@@ -56,6 +56,17 @@ prmt.b32 $0, t, 0, 0x1010;
 prmt.b32 $1, t, 0, 0x3232;
 }
 """)
+# The same for E8M0 scale bytes (MXFP4; as kernels._E8M0X4_TO_BF16): byte + 104 in bf16's exponent
+# field is ``scale * 2^104`` (exact up to 2^23).
+_E8M0X2_TO_BF16X2 = gl.constexpr("""
+{
+.reg .b32 t;
+prmt.b32 t, $2, $3, $4;
+and.b32 t, t, 0x00FF00FF; add.u32 t, t, 0x00680068; shl.b32 t, t, 7;
+prmt.b32 $0, t, 0, 0x1010;
+prmt.b32 $1, t, 0, 0x3232;
+}
+""")
 
 
 @gluon.jit
@@ -102,8 +113,9 @@ _NATURAL_TO_B = gl.constexpr("prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 
 
 @gluon.jit
 def _step(acc, words, ra, rb, sel, x, WL: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, BM: gl.constexpr,
-          NATURAL_B: gl.constexpr = False):
-    """One K step: decode ``words`` ([4, 32, 16] int32) with the raw scale words ``ra``, ``rb``,
+          NATURAL_B: gl.constexpr = False, E8M0: gl.constexpr = False):
+    """One K step: decode ``words`` ([4, 32, 16] int32) with the raw scale words ``ra``, ``rb``
+    (E4M3, or with E8M0 MXFP4's power-of-two scales),
     the MMA with the activation words ``x`` ([4, BM, 32]; with NATURAL_B in natural K order,
     else with K's bits 0 and 1 swapped)."""
     if NATURAL_B:
@@ -112,7 +124,8 @@ def _step(acc, words, ra, rb, sel, x, WL: gl.constexpr, la: gl.constexpr, lb: gl
                                            is_pure=True, pack=1)
         x = gl.reshape(gl.join(x0, x1), [4, BM, 32])
     words = gl.convert_layout(gl.reshape(words, [4, 32, 4, 4]), WL, assert_trivial=True)
-    sc_r, sc_r8 = gl.inline_asm_elementwise(_E4M3X2_TO_BF16X2, "=r,=r,r,r,r", [ra, rb, sel],
+    sc_r, sc_r8 = gl.inline_asm_elementwise(_E8M0X2_TO_BF16X2 if E8M0 else _E4M3X2_TO_BF16X2, "=r,=r,r,r,r",
+                                            [ra, rb, sel],
                                             dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
     a = _decode(words, gl.expand_dims(sc_r, 3), gl.expand_dims(sc_r8, 3))
     a = gl.convert_layout(a, la, assert_trivial=True)
@@ -146,6 +159,14 @@ def _slot_scales(step, SL: gl.constexpr):
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
 _LA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2))
 _LB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2))
+
+
+@gluon.jit
+def _global_scale(g_ptr, e, E8M0: gl.constexpr):
+    """Expert ``e``'s global scale times 2^22 (the decoded tiles' 2^-22): ``g[e]``, or 1 for MXFP4."""
+    if E8M0:
+        return 4194304.0
+    return gl.load(g_ptr + e) * 4194304.0
 
 
 @gluon.jit
@@ -196,8 +217,10 @@ def _scale_selector(SL: gl.constexpr):
 @gluon.jit
 def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slot_ptr, block_expert_ptr,
                      row_start_ptr, row_end_ptr, H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr,
-                     SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr, SPS: gl.constexpr):
-    """Program (row block ``b``, weight tile ``n``): ``y[slot, 64 n ..] = route * g * w2[e] @ h[slot]``.
+                     SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr, SPS: gl.constexpr,
+                     E8M0: gl.constexpr = False):
+    """Program (row block ``b``, weight tile ``n``): ``y[slot, 64 n ..] = route * g * w2[e] @ h[slot]``
+    (E8M0: MXFP4 scales, no global scale).
     ``w_desc``, ``s_desc``: TMA descriptors of :func:`weight_view` (box ``[SPS, 4, 1, 32, 64]``: SPS
     steps of w2 per ring slot) and :func:`scale_view` (box ``[SPS, 1, 64, 4]``: their scale words);
     ``h [S, I]`` bf16 with K's bits 0, 1 swapped; ``y [S, H]`` float32."""
@@ -264,10 +287,10 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
             # the next step's activations, issued after the copy (its proxy fence waits for the
             # thread's outstanding memory operations)
             x_nxt = gl.load(h_words + h_off + gl.minimum(SPS * i + 1, NSTEPS - 1) * 128, mask=h_mask, other=0)
-            acc = _step(acc, words0, ra, rb, sel, x_cur, WL, la, lb, BM)
+            acc = _step(acc, words0, ra, rb, sel, x_cur, WL, la, lb, BM, E8M0=E8M0)
             if SPS == 2:
                 x_cur = gl.load(h_words + h_off + gl.minimum(SPS * i + 2, NSTEPS - 1) * 128, mask=h_mask, other=0)
-                acc = _step(acc, words1, na, nb, sel, x_nxt, WL, la, lb, BM)
+                acc = _step(acc, words1, na, nb, sel, x_nxt, WL, la, lb, BM, E8M0=E8M0)
             else:
                 x_cur = x_nxt
 
@@ -280,7 +303,7 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
         RL: gl.constexpr = gl.BlockedLayout([4, 1, 4], [1, 32 // (BM // 4), BM // 4], [1, 4, 1], [2, 1, 0])
         y = gl.sum(red.load(RL), axis=0)
         YL: gl.constexpr = y.type.layout
-        g = gl.load(g_ptr + e) * 4194304.0  # the decoded tiles' 2^-22
+        g = _global_scale(g_ptr, e, E8M0)
         mo = gl.arange(0, BM, layout=gl.SliceLayout(0, YL))
         rr = gl.arange(0, 64, layout=gl.SliceLayout(1, YL))
         slots, valid = _rows_in(b, mo, r0, r1, sorted_slot_ptr, SLOT_BLOCKS)
@@ -288,6 +311,14 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
         y = y * g * gl.expand_dims(route, 0)
         y_off = gl.expand_dims(slots * H, 0) + gl.expand_dims(n * 64 + rr, 1)
         gl.store(y_ptr + y_off, y, mask=gl.expand_dims(valid, 0) & gl.expand_dims(rr >= 0, 1))
+
+
+def _gpt_oss_args(gpt_oss) -> dict:
+    """GEMM1's keyword arguments for gpt-oss's activation (``(b1, alpha, limit)``) or none."""
+    if gpt_oss is None:
+        return {}
+    b1, alpha, limit = gpt_oss
+    return dict(b1_ptr=b1, alpha=alpha, limit=limit, GPT_OSS=True)
 
 
 def weight_view(w2: torch.Tensor, sps: int) -> torch.Tensor:
@@ -326,14 +357,16 @@ def gemm2_v3(h, w2, s2, g2, topk_weights, y, sorted_slot, block_expert, row_star
                       _descriptor(scale_view(s2, sps), [sps, 1, 64, 4]), g2, topk_weights, y, sorted_slot, block_expert,
                       row_start, row_end,
                       H=hidden, I=inter, BM=bm, SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, SPS=sps,
-                      num_warps=4)
+                      E8M0=s2.dtype == torch.int8, num_warps=4)
 
 
 @gluon.jit
 def _gemm1_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block_expert_ptr, row_start_ptr,
                      row_end_ptr, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, BM: gl.constexpr,
-                     SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr):
-    """Program (row block ``b``, tile ``n``): ``h[slot, i] = silu(gate_i . x) * (up_i . x)`` for
+                     SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr, E8M0: gl.constexpr = False,
+                     b1_ptr=None, alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False):
+    """Program (row block ``b``, tile ``n``): ``h[slot, i] = silu(gate_i . x) * (up_i . x)`` (GPT_OSS:
+    gpt-oss's clamped SwiGLU with the biases ``b1 [E, 2I]``; E8M0: MXFP4 scales) for
     ``i = 32 n ..`` (rows 0-31 of the tile gate rows, 32-63 the same up rows), stored with K's
     bits 0, 1 swapped for :func:`_gemm2_v3_kernel`. ``w_desc``, ``s_desc``:
     TMA descriptors of :func:`gate_up_views` (boxes ``[4, 1, 2, 16, 64]`` and ``[1, 2, 1, 32, 4]``:
@@ -397,7 +430,7 @@ def _gemm1_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block
                 tma_load(w_desc, [0, i + STAGES, 2 * e, n * 16, 0], ready.index(s),
                                                 w_smem.index(s))
             x_nxt = gl.load(x_words + x_off + gl.minimum(i + 1, NSTEPS - 1) * 128, mask=x_mask, other=0)
-            acc = _step(acc, words, ra, rb, sel, x_cur, WL, la, lb, BM, NATURAL_B=True)
+            acc = _step(acc, words, ra, rb, sel, x_cur, WL, la, lb, BM, NATURAL_B=True, E8M0=E8M0)
             x_cur = x_nxt
 
         # the warps' partial sums through shared memory; rows r (gate) and 32 + r (up) in one thread
@@ -407,12 +440,18 @@ def _gemm1_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block
         red4 = reinterpret(red, gl.float32, [4, 2, 32, BM], gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
         RL: gl.constexpr = gl.BlockedLayout([4, 2, 1, BM // 4], [1, 1, 8, 4], [1, 1, 4, 1], [3, 2, 1, 0])
         y = gl.sum(red4.load(RL), axis=0)  # [2, 32, BM]
-        g = gl.load(g_ptr + e) * 4194304.0  # the decoded tiles' 2^-22
+        g = _global_scale(g_ptr, e, E8M0)
         gate, up = gl.split(gl.permute(y * g, [1, 2, 0]))
-        hv = gate / (1.0 + gl.exp(-gate)) * up
-        HL: gl.constexpr = hv.type.layout
+        HL: gl.constexpr = gate.type.layout
         mo = gl.arange(0, BM, layout=gl.SliceLayout(0, HL))
         rr = gl.arange(0, 32, layout=gl.SliceLayout(1, HL))
+        if GPT_OSS:
+            b1_e = b1_ptr + e.to(gl.int64) * (2 * I) + n * 32 + rr
+            gate = gl.minimum(gate + gl.expand_dims(gl.load(b1_e), 1), limit)
+            up = gl.minimum(gl.maximum(up + gl.expand_dims(gl.load(b1_e + I), 1), -limit), limit)
+            hv = gate / (1.0 + gl.exp(-alpha * gate)) * (up + 1.0)
+        else:
+            hv = gate / (1.0 + gl.exp(-gate)) * up
         slots, valid = _rows_in(b, mo, r0, r1, sorted_slot_ptr, SLOT_BLOCKS)
         col = n * 32 + rr
         col = (col & ~3) | ((col & 1) << 1) | ((col >> 1) & 1)  # K's bits 0, 1 swapped for GEMM2
@@ -434,12 +473,14 @@ def gate_up_views(w13: torch.Tensor, s13: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end, hidden, inter, top_k, bm,
-             slot_blocks, num_experts, stages=2):
-    """``h = silu(gate . x) * (up . x)`` per slot (:func:`_gemm1_v3_kernel`), ``h``'s K bits 0, 1 swapped."""
+             slot_blocks, num_experts, stages=2, gpt_oss=None):
+    """``h = silu(gate . x) * (up . x)`` per slot (:func:`_gemm1_v3_kernel`), ``h``'s K bits 0, 1 swapped.
+    ``gpt_oss``: ``(b1, alpha, limit)`` for gpt-oss's activation; int8 ``s13``: E8M0 scales (MXFP4)."""
     if hidden % 256 or inter % 32:
         raise ValueError(f"decode_v3: H must be a multiple of 256 and I of 32, got {hidden}, {inter}")
     weights, scales = gate_up_views(w13, s13)
     launch_or_compile(_gemm1_v3_kernel, (block_expert.numel(), inter // 32), x, _descriptor(weights, [4, 1, 2, 16, 64]),
                       _descriptor(scales, [1, 2, 1, 32, 4]), g13, h,
                       sorted_slot, block_expert, row_start, row_end, H=hidden, I=inter, TOPK=top_k, BM=bm,
-                      SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, num_warps=4)
+                      SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, E8M0=s13.dtype == torch.int8,
+                      **_gpt_oss_args(gpt_oss), num_warps=4)

@@ -19,7 +19,12 @@ def _e2m1_f32(codes):
 
 @triton.jit
 def _e4m3_f32(sbytes):
-    """E4M3 bytes (non-negative scales) -> float32 value * 2^-8, exact."""
+    """Block-scale bytes -> float32 scale * 2^-8, exact: E4M3 (non-negative) given as uint8, or
+    E8M0 (MXFP4's ``2^(s - 127)``, byte 0 included) given as int8 (a signed view of the same bytes:
+    the dtype is how every kernel tells the two formats apart at compile time)."""
+    if sbytes.dtype == tl.int8:
+        s = sbytes.to(tl.int32) & 0xFF
+        return tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True) * 0.00390625
     return ((sbytes & 0x7F).to(tl.int16) << 7).to(tl.float16, bitcast=True).to(tl.float32)
 
 @triton.jit
@@ -99,10 +104,25 @@ mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $1, t, c;
 }
 """)
 
+# PTX for 4 E8M0 scale bytes (MXFP4) -> 4 bf16 ``scale * 2^104``, 1.5 instructions per scale:
+# bf16 has E8M0's 8 exponent bits, so byte ``s`` plus 104 moved into the exponent field is
+# ``2^(s - 23)``; exact for s <= 150 (scales up to 2^23, checked where the tensors are made).
+_E8M0X4_TO_BF16 = tl.constexpr("""
+{
+.reg .b32 t, z;
+mov.b32 z, 0;
+prmt.b32 t, $2, z, 0x4140; add.u32 t, t, 0x00680068; shl.b32 $0, t, 7;
+prmt.b32 t, $2, z, 0x4342; add.u32 t, t, 0x00680068; shl.b32 $1, t, 7;
+}
+""")
+
 @triton.jit
 def _scales_bf16(sbytes, FAST_SCALES: tl.constexpr):
-    """E4M3 scale bytes -> bf16 ``scale * 2^104`` (exact): the PTX above, or (FAST_SCALES
-    off, for comparison) through fp16 and fp32 as in :func:`_e4m3_f32`."""
+    """Block-scale bytes (E4M3 as uint8, E8M0 as int8) -> bf16 ``scale * 2^104`` (exact): the PTX
+    above, or (FAST_SCALES off, for comparison) through fp32 as in :func:`_e4m3_f32`."""
+    if FAST_SCALES and sbytes.dtype == tl.int8:
+        return tl.inline_asm_elementwise(_E8M0X4_TO_BF16, "=r,=r,r", [sbytes], dtype=tl.bfloat16,
+                                         is_pure=True, pack=4)
     if FAST_SCALES:
         return tl.inline_asm_elementwise(_E4M3X4_TO_BF16, "=r,=r,r", [sbytes], dtype=tl.bfloat16,
                                          is_pure=True, pack=4)
@@ -327,6 +347,22 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     return acc
 
 @triton.jit
+def _global_scale(g_ptr, s_ptr, e):
+    """Expert ``e``'s global scale: ``g[e]`` for NVFP4, 1 for MXFP4 (E8M0 scales, int8: no global
+    scale, ``g_ptr`` unused)."""
+    if s_ptr.dtype.element_ty == tl.int8:
+        return 1.0
+    return tl.load(g_ptr + e)
+
+@triton.jit
+def _gpt_oss_glu(gate, up, alpha, limit):
+    """gpt-oss's clamped SwiGLU of the biased projections (float32), as
+    :func:`fp4moe_ops.moe_math.clamped_swiglu` defines it."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(gate * alpha) * (up + 1.0)
+
+@triton.jit
 def _gemm1_swiglu_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
     sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
@@ -336,8 +372,10 @@ def _gemm1_swiglu_kernel(
     PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
     MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
     DIAG: tl.constexpr = 0, SLOT_BLOCKS: tl.constexpr = False, E: tl.constexpr = 0,
+    b1_ptr=None, alpha=1.0, limit=1.0, GPT_OSS: tl.constexpr = False,
 ):
-    """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]``. With
+    """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]`` (GPT_OSS:
+    gpt-oss's clamped SwiGLU with the biases ``b1 [E, 2I]`` float32, :func:`_gpt_oss_glu`). With
     MERGED_GATE_UP (TMA tiles) a program's BN rows are BN/2 gate rows and the same up rows, in one K
     loop with one accumulator; else BN gate rows and BN up rows in two K loops. SLOT_BLOCKS: see
     :func:`_block_expert`; ``x`` is then in natural order (read permuted, with FRAGMENT_ORDER)."""
@@ -352,7 +390,7 @@ def _gemm1_swiglu_kernel(
         w_e = w_ptr + e64 * (2 * I) * (H // 2)
         s_e = s_ptr + e64 * (2 * I) * (H // 16)
         zero = tl.zeros((BN, BM), dtype=tl.float32)
-        g = tl.load(g_ptr + e)
+        g = _global_scale(g_ptr, s_ptr, e)
         if x_ptr.dtype.element_ty == tl.bfloat16:
             g = g * 4194304.0  # the tiles' 2^-22
         if MERGED_GATE_UP:  # BN/2 gate rows and the same up rows in one K loop, one accumulator
@@ -375,7 +413,11 @@ def _gemm1_swiglu_kernel(
                                     FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, DIAG=DIAG)
             gate = acc_gate * g
             up = acc_up * g
-        h = gate * tl.sigmoid(gate) * up
+        if GPT_OSS:
+            b1_e = b1_ptr + e64 * (2 * I)
+            h = _gpt_oss_glu(gate + tl.load(b1_e + cols)[:, None], up + tl.load(b1_e + I + cols)[:, None], alpha, limit)
+        else:
+            h = gate * tl.sigmoid(gate) * up
         if FRAGMENT_ORDER:  # GEMM2 reads its K axis (our columns) in fragment order
             cols = _fragment_position(cols, OUT_CHUNK)
         tl.store(out_ptr + slots[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
@@ -405,7 +447,7 @@ def _gemm2_kernel(
                              BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
                              e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop,
                              DIAG=DIAG)
-        g = tl.load(g_ptr + e)
+        g = _global_scale(g_ptr, s_ptr, e)
         if a_ptr.dtype.element_ty == tl.bfloat16:
             g = g * 4194304.0
         route = tl.load(topk_weights_ptr + slots, mask=row_mask, other=0.0)
@@ -497,7 +539,10 @@ def _route_program(p, ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_star
             tl.store(block_row_end_ptr + block_start + j, tl.minimum(r0 + BM, row_start + counts), mask=used)
 
 @triton.jit
-def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False):
+def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False,
+                     b2_ptr=None, topk_w_ptr=None, HAS_BIAS: tl.constexpr = False):
+    """``out[t] = sum_j y[t k + j]`` over the token's valid slots; HAS_BIAS (gpt-oss's down-projection
+    bias ``b2 [E, H]`` float32): ``+ w[t, j] * b2[e_j]`` each."""
     _await_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -507,6 +552,9 @@ def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.c
         e = tl.load(ids_ptr + t * TOPK + j) + tl.zeros((BH,), dtype=tl.int32)
         valid = col_mask & (e >= 0) & (e < E)  # unused slots were never written
         acc += tl.load(y_ptr + (t * TOPK + j) * H + cols, mask=valid, other=0.0)
+        if HAS_BIAS:
+            w = tl.load(topk_w_ptr + t * TOPK + j)
+            acc += w * tl.load(b2_ptr + e.to(tl.int64) * H + cols, mask=valid, other=0.0)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 

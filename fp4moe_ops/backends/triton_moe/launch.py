@@ -228,18 +228,20 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
 
 
 def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, config: dict | None = None,
-                     routed_experts: int = 0):
+                     routed_experts: int = 0, gpt_oss=None):
     """Run the Triton kernels. ``expert_tensors``: the op's tensors (packed weights in
     :func:`paired_weight_layout`, int32, as :class:`~fp4moe_ops.PreparedExperts` holds them) or the canonical layout (uint8; any config).
     The tiles come from :func:`kernel_config` (``routed_experts``: see ``fp4moe::fused_moe``)
-    unless ``config`` is given."""
+    unless ``config`` is given. ``gpt_oss``: ``(b1, b2, alpha, limit)`` for gpt-oss's experts
+    (:func:`triton_mxfp4_moe`): biases ``b1 [E, 2I]`` (gate's, then up's) and ``b2 [E, H]`` float32,
+    the clamped SwiGLU; its block scales are E8M0 as int8 and its global scales unused."""
     w13, s13, g13, w2, s2, g2 = expert_tensors
     num_tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = s13.shape[0], s13.shape[1] // 2
     num_slots = num_tokens * top_k
     if config is None and COMPILE_AHEAD:
-        compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts)
+        compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts, gpt_oss)
     cfg = config or kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
     paired = w13.dtype == torch.int32
     if config is None:
@@ -261,9 +263,9 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         raise ValueError(f"fragment-order configs need BM a multiple of 16, got {cfg['BM']}")
     x = hidden_states.contiguous()
     if cfg.get("GLUON_PREFILL") and paired and _gluon_runs(x):
-        return _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors)
+        return _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, gpt_oss=gpt_oss)
     if cfg.get("DECODE_V3") and paired and _gluon_runs(x):
-        return _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg)
+        return _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg, gpt_oss)
     pdl = cfg.get("PDL", False)
     fragment = cfg.get("FRAGMENT_ORDER", False)
     # One token: a row block per slot, read from the ids by the GEMMs themselves (its experts are
@@ -306,6 +308,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         _gemm1_swiglu_kernel, grid1, x_gemm1, w13, s13, g13, inter_act, sorted_slot, block_expert,
         row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
         OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **common,
+        **_gpt_oss_gemm1(gpt_oss),
     )
     grid2 = (block_expert.numel(), hidden // cfg["BN2"])
     launch_or_compile(
@@ -313,7 +316,36 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         row_end, hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
         PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), **common,
     )
-    return _sum_topk(y, topk_ids, x, num_experts, pdl)
+    return _sum_topk(y, topk_ids, x, num_experts, pdl, _down_bias(gpt_oss, topk_weights))
+
+
+def _gpt_oss_gemm1(gpt_oss) -> dict:
+    """The single-role GEMM1's keyword arguments for gpt-oss's activation, or none."""
+    if gpt_oss is None:
+        return {}
+    b1, _, alpha, limit = gpt_oss
+    return dict(b1_ptr=b1, alpha=alpha, limit=limit, GPT_OSS=True)
+
+
+def _down_bias(gpt_oss, topk_weights):
+    """``(b2, topk_weights)`` for the top-k sum (gpt-oss's down-projection bias), or None."""
+    return None if gpt_oss is None else (gpt_oss[1], topk_weights.contiguous())
+
+
+def triton_mxfp4_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, alpha: float, limit: float,
+                     config: dict | None = None):
+    """gpt-oss's MXFP4 experts on the Triton kernels: ``kernel_tensors`` as
+    :func:`.layout.gpt_oss_kernel_tensors` makes them (H and I padded to multiples of 256, E8M0
+    scales duplicated per 16 values); the activations are padded to match and the output cut back to
+    ``hidden_states``' width."""
+    w13, s13, b1, w2, s2, b2 = kernel_tensors
+    hidden = hidden_states.shape[1]
+    padded = w2.shape[1] * 2  # w2 [E, Hp/2, Ip/4] (paired words)
+    x = hidden_states if padded == hidden else torch.nn.functional.pad(hidden_states, (0, padded - hidden))
+    # (E8M0 scales need no global scale: the kernels ignore g, so b1 stands in for it)
+    out = triton_fused_moe(x, topk_ids, topk_weights, [w13, s13, b1, w2, s2, b1], config,
+                           gpt_oss=(b1, b2, float(alpha), float(limit)))
+    return out if padded == hidden else out[:, :hidden].contiguous()
 
 
 def variant_slots(num_experts: int, hidden: int, inter: int, top_k: int, routed_experts: int = 0) -> list[int]:
@@ -331,7 +363,7 @@ def variant_slots(num_experts: int, hidden: int, inter: int, top_k: int, routed_
     return sorted(seen.values())
 
 
-def layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts: int = 0):
+def layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts: int = 0, gpt_oss=None):
     """:func:`.compile_ahead.compile_all`'s plans for a layer (a call's arguments): per
     :func:`variant_slots` entry, the call's launch sequence with that slot count's tile config, on
     a one-token copy. One token is enough: the kernels are specialized on dtypes, alignment, the
@@ -346,7 +378,7 @@ def layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors, routed_ex
     hidden, top_k = hidden_states.shape[1], topk_ids.shape[1]
     one = [t[:1].clone(memory_format=torch.contiguous_format) for t in (hidden_states, topk_ids, topk_weights)]
     return [(slots, partial(triton_fused_moe, *one, expert_tensors, routed_experts=routed_experts,
-                            config=kernel_config(slots, num_experts, hidden, inter, routed_experts)))
+                            config=kernel_config(slots, num_experts, hidden, inter, routed_experts), gpt_oss=gpt_oss))
             for slots in reversed(variant_slots(num_experts, hidden, inter, top_k, routed_experts))]
 
 
@@ -372,14 +404,15 @@ def _compile_once(key, x: torch.Tensor, make_plans, what: str) -> None:
                       "plan(s)); they compile one by one as calls reach them")
 
 
-def compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts: int = 0):
+def compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts: int = 0,
+                       gpt_oss=None):
     """At the first call of a layer shape in this process, compile every kernel variant it can
     launch (:func:`layer_plans`), together (see :func:`_compile_once`)."""
     w13, s13 = expert_tensors[0], expert_tensors[1]
     key = ("moe", hidden_states.device, hidden_states.dtype, topk_ids.dtype, topk_weights.dtype, w13.dtype,
-           tuple(s13.shape), hidden_states.shape[1], topk_ids.shape[1], routed_experts)
+           s13.dtype, tuple(s13.shape), hidden_states.shape[1], topk_ids.shape[1], routed_experts, gpt_oss is None)
     _compile_once(key, hidden_states, lambda: layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors,
-                                                          routed_experts), "layer")
+                                                          routed_experts, gpt_oss), "layer")
 
 
 def gluon_triton_supported(version: str) -> bool:
@@ -474,7 +507,7 @@ def _one_token_blocks(cfg: dict, topk_ids: torch.Tensor):
 
 
 def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int = 128, tails=GLUON_PREFILL_TAILS,
-                       **options):
+                       gpt_oss=None, **options):
     """Route into ``block_m``-row blocks, gather the activations in expert order (K in fragment
     order), both GEMMs (:func:`.prefill_rs.prefill_gemms`: ``tails``, the narrower tiles of an
     expert's last block, and ``options``, its tuning and diagnostic arguments), top-k sum."""
@@ -485,11 +518,12 @@ def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int =
     sorted_slot, block_expert, row_start, row_end, x_fragment = route(topk_ids, num_experts, block_m, x, BK.value)
     x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
     y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
-                      row_start, row_end, block_m=block_m, tails=tails, **options)
-    return _sum_topk(y, topk_ids, x, num_experts)
+                      row_start, row_end, block_m=block_m, tails=tails,
+                      gpt_oss=None if gpt_oss is None else (gpt_oss[0], gpt_oss[2], gpt_oss[3]), **options)
+    return _sum_topk(y, topk_ids, x, num_experts, bias=_down_bias(gpt_oss, topk_weights))
 
 
-def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict):
+def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict, gpt_oss=None):
     """Up to :data:`V3_MAX_ROWS` rows per expert: route (one token: a row block per slot, read from
     the ids by the GEMMs, as in :func:`triton_fused_moe`), :func:`.decode_v3.gemm1_v3` (``h`` with
     K's bits 0, 1 swapped), :func:`.decode_v3.gemm2_v3`, top-k sum."""
@@ -506,10 +540,10 @@ def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict):
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end, hidden, inter, top_k, bm, slot_blocks,
-             num_experts, cfg["V3_STAGES1"])
+             num_experts, cfg["V3_STAGES1"], None if gpt_oss is None else (gpt_oss[0], gpt_oss[2], gpt_oss[3]))
     gemm2_v3(h, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end, hidden, inter,
              bm, slot_blocks, num_experts, cfg["V3_STAGES"], cfg["V3_SPS_ONE_TOKEN" if slot_blocks else "V3_SPS"])
-    return _sum_topk(y, topk_ids, x, num_experts)
+    return _sum_topk(y, topk_ids, x, num_experts, bias=_down_bias(gpt_oss, topk_weights))
 
 
 def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int):
@@ -543,15 +577,16 @@ def _gate_up_descriptors(w13: torch.Tensor, s13: torch.Tensor, bn: int, bk: int)
 
 
 def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int,
-              pdl: bool = False) -> torch.Tensor:
+              pdl: bool = False, bias=None) -> torch.Tensor:
     """``out [T, H]`` (x's dtype) = sum over each token's valid slots (ids in ``[0, num_experts)``)
-    of ``y [T*k, H]`` fp32."""
+    of ``y [T*k, H]`` fp32; ``bias = (b2 [E, H], topk_weights)`` adds ``w * b2[e]`` per slot."""
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
     bh = min(1024, triton.next_power_of_2(hidden))
     launch_or_compile(
         _sum_topk_kernel, (num_tokens, triton.cdiv(hidden, bh)), y, topk_ids.contiguous(), out, hidden, num_experts,
         TOPK=topk_ids.shape[1], BH=bh, **_pdl_args(pdl),
+        **({} if bias is None else dict(b2_ptr=bias[0], topk_w_ptr=bias[1], HAS_BIAS=True)),
     )
     return out
 

@@ -68,6 +68,14 @@ and.b32 t, $1, 0x7F; shl.b32 t, t, 4; prmt.b32 t, t, 0, 0x1010;
 mul.rn.bf16x2 t, t, c; mul.rn.bf16x2 $0, t, c;
 }
 """)
+# An E8M0 block-scale byte (MXFP4, loaded as int8 and sign-extended) -> the same: byte + 104 in
+# bf16's exponent field is ``scale * 2^104`` (exact up to 2^23).
+_E8M0_TO_BF16X2 = gl.constexpr("""
+{
+.reg .b32 t;
+and.b32 t, $1, 0xFF; add.u32 t, t, 104; shl.b32 t, t, 7; prmt.b32 $0, t, 0, 0x1010;
+}
+""")
 
 
 @gluon.jit
@@ -116,6 +124,11 @@ def _scale_offsets(srow0, srow1, K, layout: gl.constexpr):
 
 @gluon.jit
 def _scales_bf16x2(raw):
+    """Raw scale bytes -> bf16x2 words: E4M3 (uint8) or, loaded through an int8 pointer, E8M0 (MXFP4):
+    the scales' dtype tells the formats apart at compile time, worker partitions included."""
+    if raw.dtype == gl.int8:
+        return gl.inline_asm_elementwise(_E8M0_TO_BF16X2, "=r,r", [raw.to(gl.int32)], dtype=gl.int32, is_pure=True,
+                                         pack=1)
     return gl.inline_asm_elementwise(_E4M3_TO_BF16X2, "=r,r", [raw.to(gl.int32)], dtype=gl.int32, is_pure=True,
                                      pack=1)
 
@@ -152,7 +165,7 @@ def _issue_w(w_desc, w_smem, w_ready, base, wbox, wpair, i, n2):
 @gluon.jit
 def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_ptr, g_ptr, out_ptr, topk_w_ptr,
                sorted_slot_ptr, e, row0, nrows, t, WG, N_OUT, K,
-               EXPERT_PAIR_ROWS, GEMM1, DIAG):
+               EXPERT_PAIR_ROWS, GEMM1, DIAG, b1_ptr, alpha, limit, GPT_OSS):
     """One warpgroup's half of the program: 128 weight rows (GEMM1: 64 gate rows and the same up
     rows; GEMM2: 128 consecutive rows) x BLOCK_M tokens. Its weight ring is its own; the activation
     ring is shared: warpgroup 0 refills it once both have retired a slot (``x_empty``). A ring slot
@@ -219,7 +232,8 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     acc, a_odd = warpgroup_mma_wait(0, deps=[acc, a_odd])
     if DIAG >= 2:
         acc += gl.sum(gl.sum(a_odd.to(gl.float32), axis=1), axis=0)
-    _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1)
+    _epilogue(acc, out_ptr, s_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1, b1_ptr, alpha,
+              limit, GPT_OSS)
 
 
 @gluon.jit
@@ -252,11 +266,14 @@ def _step(k, acc, a_prev, scales, words_smem, x_tile, s_ptr, offs, below, nk, wl
 def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr,
                          block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
                          N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, GEMM1: gl.constexpr,
-                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr, DIAG: gl.constexpr = 0):
+                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr, DIAG: gl.constexpr = 0,
+                         b1_ptr=None, alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False):
     """Program (weight tile ``t``, row block ``b`` of up to ``BLOCK_M`` tokens). GEMM1: tile ``t``
     is gate rows ``128 t ..`` and the same up rows; GEMM2: weight rows ``256 t ..``.
     ``EXPERT_PAIR_ROWS``: pair rows per expert. ``DIAG`` (diagnostics, wrong results): 1 no decode
-    (A a constant), 2 no MMA (the decode and the copies only), 3 both, the MMA on a constant A."""
+    (A a constant), 2 no MMA (the decode and the copies only), 3 both, the MMA on a constant A.
+    GPT_OSS (GEMM1): gpt-oss's clamped SwiGLU with the biases ``b1 [E, 2 N_OUT]`` float32; int8
+    scales ``s_ptr``: MXFP4's E8M0 (and no global scale)."""
     t = gl.program_id(0)
     b = gl.program_id(1)
     e = gl.load(block_expert_ptr + b)
@@ -278,26 +295,35 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
             mbarrier.init(w_ready.index(STAGES + i), count=1)
         gl.warp_specialize([
             (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-                          sorted_slot_ptr, e, row0, nrows, t, 0, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG)),
+                          sorted_slot_ptr, e, row0, nrows, t, 0, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG,
+                          b1_ptr, alpha, limit, GPT_OSS)),
             (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-                          sorted_slot_ptr, e, row0, nrows, t, 1, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG)),
+                          sorted_slot_ptr, e, row0, nrows, t, 1, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG,
+                          b1_ptr, alpha, limit, GPT_OSS)),
         ], [4], [REGS])
 
 
 @gluon.jit
-def _epilogue(acc, out_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1):
-    """``acc [128 weight rows, BLOCK_M tokens]`` times the global scale: GEMM1's SwiGLU into ``h``
-    (sorted rows, K of GEMM2 in fragment order), GEMM2's times the routing weight into ``y`` (by slot)."""
-    g = gl.load(g_ptr + e) * 4194304.0  # the decoded tiles' 2^-22
+def _epilogue(acc, out_ptr, s_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1, b1_ptr, alpha,
+              limit, GPT_OSS):
+    """``acc [128 weight rows, BLOCK_M tokens]`` times the global scale (none for MXFP4's int8 E8M0
+    scales): GEMM1's SwiGLU (GPT_OSS: gpt-oss's, see :func:`_store_swiglu`) into ``h`` (sorted rows, K
+    of GEMM2 in fragment order), GEMM2's times the routing weight into ``y`` (by slot)."""
+    if s_ptr.dtype.element_ty == gl.int8:
+        g = 4194304.0  # the decoded tiles' 2^-22
+    else:
+        g = gl.load(g_ptr + e) * 4194304.0
     if GEMM1:  # (a run-time branch in the worker partition: see BK)
-        _store_swiglu(acc * g, out_ptr, row0, nrows, col0, N_OUT)
+        _store_swiglu(acc * g, out_ptr, row0, nrows, col0, N_OUT, e, b1_ptr, alpha, limit, GPT_OSS)
     else:
         _store_routed(acc * g, out_ptr, topk_w_ptr, sorted_slot_ptr, row0, nrows, col0, N_OUT)
 
 
 @gluon.jit
-def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT):
-    """Rows 0..63 gate rows i, 64..127 the same up rows: both in one thread."""
+def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT, e, b1_ptr, alpha, limit, GPT_OSS):
+    """Rows 0..63 gate rows i, 64..127 the same up rows: both in one thread. With GPT_OSS (a
+    run-time value in the worker partition) gpt-oss's clamped SwiGLU of the projections plus
+    ``b1[e]`` (``[2 N_OUT]``: gate's, then up's)."""
     mma: gl.constexpr = acc.type.layout
     BLOCK_M: gl.constexpr = acc.type.shape[1]
     m = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
@@ -307,7 +333,13 @@ def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT):
     gate, up = gl.split(gl.permute(gl.reshape(acc, [2, 64, BLOCK_M]), [1, 2, 0]))
     c, _ = gl.split(gl.permute(gl.reshape(rows, [2, 64, BLOCK_M]), [1, 2, 0]))
     tok, _ = gl.split(gl.permute(gl.reshape(toks, [2, 64, BLOCK_M]), [1, 2, 0]))
-    h = gate / (1.0 + gl.exp(-gate)) * up
+    if GPT_OSS:
+        b1_e = b1_ptr + e.to(gl.int64) * (2 * N_OUT) + col0 + c
+        gate = gl.minimum(gate + gl.load(b1_e), limit)
+        up = gl.minimum(gl.maximum(up + gl.load(b1_e + N_OUT), -limit), limit)
+        h = gate / (1.0 + gl.exp(-alpha * gate)) * (up + 1.0)
+    else:
+        h = gate / (1.0 + gl.exp(-gate)) * up
     offs = (row0 + tok).to(gl.int64) * N_OUT + _fragment_column(col0 + c, 64)
     gl.store(h_ptr + offs, h.to(gl.bfloat16), mask=tok < nrows)
 
@@ -323,6 +355,11 @@ def _store_routed(acc, y_ptr, topk_w_ptr, sorted_slot_ptr, row0, nrows, col0, N_
     route = gl.load(topk_w_ptr + slot, mask=valid, other=0.0)
     offs = slot.to(gl.int64)[None, :] * N_OUT + col0 + m[:, None]
     gl.store(y_ptr + offs, acc * route[None, :], mask=valid[None, :])
+
+
+def _scale_bytes(s: torch.Tensor) -> torch.Tensor:
+    """Block scales as the kernels read them: E4M3 as uint8, MXFP4's E8M0 kept int8 (see _scales_bf16x2)."""
+    return s if s.dtype == torch.int8 else s.view(torch.uint8)
 
 
 def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
@@ -400,7 +437,8 @@ def split_blocks(block_expert, row_start, row_end, num_experts: int, block_m: in
 
 
 def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
-                  row_end, block_m: int = 128, stages: int = 4, regs: int = 248, diag: int = 0, tails=()):
+                  row_end, block_m: int = 128, stages: int = 4, regs: int = 248, diag: int = 0, tails=(),
+                  gpt_oss=None):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order, each 64-wide
     piece of K in :func:`.layout.fragment_order`) -> ``y [S, H]`` float32 by slot (the top-k sum
     is the caller's). Weights in the paired layout (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``),
@@ -411,7 +449,8 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     MMA, 3 runs both unlinked (the MMA on a constant operand). ``tails``: smaller sizes of
     :data:`BLOCK_MS`, decreasing: a block of at most ``tails[j]`` rows (an expert's last, or all
     its rows) runs in a launch of its own with ``tails[j]``-token tiles, the MMA work of its
-    padding cut (each launch skips the others' blocks). H and I multiples of 256."""
+    padding cut (each launch skips the others' blocks). H and I multiples of 256. MXFP4 (gpt-oss):
+    int8 E8M0 scales (``g13``, ``g2`` unused) and ``gpt_oss = (b1, alpha, limit)`` for GEMM1's activation."""
     num_slots, hidden = x_sorted.shape
     inter = s13.shape[1] // 2
     num_experts = w13.shape[0]
@@ -423,17 +462,21 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
     w_box = [2, 2, PAIRS.value // 2, BK.value]
     w13_desc, w2_desc = _descriptor(_weight_boxes(w13_bytes), w_box, 0), _descriptor(_weight_boxes(w2_bytes), w_box, 0)
+    # GEMM1's activation: gpt-oss's, or SiLU (a float32 tensor stands in for b1: a worker partition
+    # compiles both branches, and GEMM2's the GEMM1 epilogue too)
+    b1, alpha, limit = gpt_oss if gpt_oss is not None else (g13, 1.0, 1.0)
+    act = dict(b1_ptr=b1, alpha=alpha, limit=limit, GPT_OSS=gpt_oss is not None)
     calls = []  # (grid, arguments, constexprs): GEMM1 at each level, then GEMM2
     for bm, experts, starts, ends in launches:
         calls.append(((inter // 128, experts.numel()),
-                      (_descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), w13_desc, s13.view(torch.uint8), g13,
+                      (_descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), w13_desc, _scale_bytes(s13), g13,
                        h, topk_weights, sorted_slot, experts, starts, ends),
-                      dict(N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, GEMM1=True, BLOCK_M=bm)))
+                      dict(N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, GEMM1=True, BLOCK_M=bm, **act)))
     for bm, experts, starts, ends in launches:
         calls.append(((hidden // 256, experts.numel()),
-                      (_descriptor(_by_k_step(h), [2, bm, BK.value], 128), w2_desc, s2.view(torch.uint8), g2, y,
+                      (_descriptor(_by_k_step(h), [2, bm, BK.value], 128), w2_desc, _scale_bytes(s2), g2, y,
                        topk_weights, sorted_slot, experts, starts, ends),
-                      dict(N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GEMM1=False, BLOCK_M=bm)))
+                      dict(N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GEMM1=False, BLOCK_M=bm, **act)))
     common = dict(STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
     for grid, args, consts in calls:
         launch_or_compile(_prefill_gemm_kernel, grid, *args, **consts, **common)

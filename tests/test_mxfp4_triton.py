@@ -1,0 +1,150 @@
+"""gpt-oss's MXFP4 experts on the Triton kernels: the checkpoint tensors moved into the kernels'
+layout and back byte for byte, and every kernel family against the float64 oracle of gpt-oss's
+expert math. On the CPU the single-role kernels run in Triton's interpreter; the GPU tests add the
+fast scale decode and the Gluon decode and prefill kernels (Hopper)."""
+
+import pytest
+import torch
+
+from fp4moe_ops import mxfp4
+from fp4moe_ops.oracle64 import gpt_oss_moe64
+
+triton_moe = pytest.importorskip("fp4moe_ops.backends.triton_moe")
+from fp4moe_ops.backends.triton_moe import (gpt_oss_checkpoint_tensors, gpt_oss_kernel_tensors,  # noqa: E402
+                                            kernel_config, triton_mxfp4_moe)
+
+ALPHA = 1.702  # gpt-oss's swiglu_alpha
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def experts(e, h, i, low=119, high=126, bias_dtype=torch.bfloat16):
+    """Random gpt-oss checkpoint tensors: random bytes (every E2M1 code), E8M0 scales 2^(low-127) ..
+    2^(high-128) (GEMM1 outputs of a few units, so limit 7 clamps some), random biases."""
+    (gub, gus), (db, ds) = mxfp4.gpt_oss_shapes(2 * i, h, e), mxfp4.gpt_oss_shapes(h, i, e)
+    byte = lambda shape: torch.randint(0, 256, shape, dtype=torch.uint8)
+    scale = lambda shape: torch.randint(low, high, shape, dtype=torch.uint8)
+    bias = lambda shape: (torch.randn(shape) * 0.5).to(bias_dtype)
+    return [byte(gub), scale(gus), bias((e, 2 * i)), byte(db), scale(ds), bias((e, h))]
+
+
+@pytest.mark.parametrize("h,i", [(2880 // 9, 2880 // 9), (256, 512), (96, 160)])
+def test_kernel_layout_round_trip_is_byte_exact(h, i):
+    # 320 = 2880 / 9: gpt-oss's kind of size (a multiple of 32, not of 256), padded to 512
+    tensors = experts(3, h, i)
+    tensors[1][0, 0, 0], tensors[4][1, 2, 1] = 0, 150  # the smallest scale, the largest the kernels decode
+    kernel = gpt_oss_kernel_tensors(tensors)
+    hp, ip = -(-h // 256) * 256, -(-i // 256) * 256
+    assert [tuple(t.shape) for t in kernel] == [(3, ip, hp // 4), (3, 2 * ip, hp // 16), (3, 2 * ip), (3, hp // 2, ip // 4),
+                                                (3, hp, ip // 16), (3, hp)]
+    back = gpt_oss_checkpoint_tensors(kernel, h, i, torch.bfloat16)
+    for a, b in zip(tensors, back):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_kernel_layout_holds_the_same_values():
+    # independent of the kernels: the kernel layout decoded as NVFP4-shaped tensors (E8M0 per 16
+    # values, rows [gate; up]) equals gpt-oss's matrices de-interleaved, zeros in the padding
+    from fp4moe_ops.backends.triton_moe.layout import canonical_from_paired
+
+    e, h, i = 2, 96, 160
+    tensors = experts(e, h, i)
+    w13, s13, b1, w2, s2, b2 = gpt_oss_kernel_tensors(tensors)
+    packed = canonical_from_paired(w13)
+    values = mxfp4.dequantize_mxfp4(packed, s13.view(torch.uint8)[..., ::2], torch.float64)  # [E, 2Ip, Hp]
+    assert torch.equal(s13.view(torch.uint8)[..., ::2], s13.view(torch.uint8)[..., 1::2])
+    dense = mxfp4.dequantize_gpt_oss(tensors[0], tensors[1], torch.float64)  # [E, 2I, H], interleaved
+    assert torch.equal(values[:, :i, :h], dense[:, 0::2]) and torch.equal(values[:, 256:256 + i, :h], dense[:, 1::2])
+    assert not values[:, i:256].any() and not values[:, :, h:].any()
+    assert torch.equal(b1[:, :i], tensors[2][:, 0::2].float()) and not b1[:, i:256].any()
+    assert torch.equal(b2[:, :h], tensors[5].float()) and not b2[:, h:].any()
+
+
+@pytest.mark.parametrize("byte", [151, 255])
+def test_scales_the_kernels_cannot_decode_are_refused_by_name(byte):
+    tensors = experts(2, 64, 64)
+    tensors[4][1, 3, 0] = byte
+    with pytest.raises(ValueError, match=rf"down_proj_scales\[1, 3, 0\] is E8M0 byte {byte}.*reference"):
+        gpt_oss_kernel_tensors(tensors)
+
+
+def run(tensors, x, ids, rw, limit, config=None):
+    kernel = [t.to(DEVICE) for t in gpt_oss_kernel_tensors(tensors)]
+    return triton_mxfp4_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, ALPHA, limit, config).cpu()
+
+
+def check(out, x, ids, rw, tensors, limit):
+    ref = gpt_oss_moe64(x, ids, rw, tensors, ALPHA, limit)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    # h stored in bf16 and the output rounded to bf16: a few bf16 ulps (2^-8) of the row scale, as
+    # the NVFP4 layer tests
+    torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2**-7
+
+
+@pytest.mark.parametrize("t,k,limit", [(1, 4, 7.0), (6, 2, 1.0)])
+def test_single_role_kernels_match_float64(t, k, limit):
+    # the kernels' TMA path with paired weights (merged gate/up tiles), H and I padded 320 -> 512;
+    # one token (a row block per slot) and several (routed blocks), an unused slot; limit 1 clamps
+    e, h, i = 4, 320, 320
+    tensors = experts(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids[-1, -1] = -1
+    rw = torch.softmax(torch.randn(t, k), -1)
+    cfg = kernel_config(t * k, e, 512, 512) | {"GLUON_PREFILL": False, "DECODE_V3": False}
+    check(run(tensors, x, ids, rw, limit, cfg), x, ids, rw, tensors, limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX needs a GPU")
+def test_e8m0_scale_ptx_on_the_gpu_every_byte():
+    # the fast E8M0 decode (kernels._E8M0X4_TO_BF16) and the portable one: every byte the kernels
+    # take (0 .. 150) is exactly scale * 2^104 in bf16
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(src, dst, FAST: tl.constexpr):
+        offs = tl.arange(0, 256)
+        tl.store(dst + offs, triton_moe.kernels._scales_bf16(tl.load(src + offs), FAST))
+
+    data = torch.arange(256).clamp(max=150).to(torch.uint8)
+    want = torch.exp2(data.double() - 127 + 104)
+    for fast in (True, False):
+        out = torch.empty(256, dtype=torch.bfloat16, device="cuda")
+        convert[(1,)](data.view(torch.int8).cuda(), out, FAST=fast)
+        assert torch.equal(out.double().cpu(), want), fast
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels: Hopper only")
+@pytest.mark.parametrize("e,t,k,family", [(32, 1, 4, "gluon-decode"), (32, 8, 4, "gluon-decode"),
+                                          (8, 40, 4, "triton-wgmma"), (8, 600, 4, "gluon-prefill")])
+def test_every_kernel_family_matches_float64(e, t, k, family):
+    # gpt-oss-20b's H = I = 2880 (padded to 3072): each family the layer's token counts pick
+    from fp4moe_ops.backends.triton_moe.launch import kernel_family
+
+    h = i = 2880
+    tensors = experts(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids[0, -1] = -1
+    rw = torch.softmax(torch.randn(t, k), -1)
+    assert kernel_family(x.cuda(), t * k, e, 3072, 3072) == family
+    check(run(tensors, x, ids, rw, 7.0), x, ids, rw, tensors, 7.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels: Hopper only")
+def test_op_and_module_run_triton_on_the_gpu():
+    # the op with backend "triton" on kernel tensors equals the reference backend on the checkpoint's
+    e, h, i, t, k = 8, 2880, 2880, 5, 4
+    tensors = experts(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).cuda()
+    rw = torch.softmax(torch.randn(t, k), -1).cuda()
+    kernel = [a.cuda() for a in gpt_oss_kernel_tensors(tensors)]
+    out = torch.ops.fp4moe.mxfp4_moe(x, ids, rw, kernel, ALPHA, 7.0, "triton")
+    ref = torch.ops.fp4moe.mxfp4_moe(x, ids, rw, [a.cuda() for a in tensors], ALPHA, 7.0, "reference")
+    torch.testing.assert_close(out.double(), ref.double(), rtol=2**-6, atol=2**-6 * ref.abs().max().item())
