@@ -141,25 +141,42 @@ def test_triton_refuses_with_its_reason_and_auto_falls_to_reference(monkeypatch,
     ids, rw = routing(2, 3, 2)
     with pytest.raises(ValueError, match=r"backend 'triton' cannot run gpt-oss's MXFP4 experts"):
         torch.ops.fp4moe.mxfp4_moe(x, ids, rw, tensors, ALPHA, 7.0, "triton")
-    # as on a Hopper GPU (triton runs, FlashInfer is not installed): triton still refuses these experts,
-    # saying why, and auto says so
+    # as on an Ampere GPU (triton runs NVFP4 there, FlashInfer is not installed): triton refuses these
+    # experts (its MXFP4 path is the TMA kernels'), saying why, and auto says so
     for name, backend in BACKENDS.items():
         if name != "reference":
             simulated = None if name == "triton" else "FlashInfer is not installed"
             monkeypatch.setattr(backend, "unavailable_reason", lambda device, r=simulated: r)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     reason = BACKENDS["triton"].mxfp4_refusal(torch.device("cuda"))
-    assert "no kernel for gpt-oss's MXFP4 experts" in reason
-    with pytest.raises(ValueError, match=r"'triton' cannot run gpt-oss's MXFP4 experts on cuda: it has no kernel.*"
+    assert "compute capability 9.0+" in reason
+    with pytest.raises(ValueError, match=r"'triton' cannot run gpt-oss's MXFP4 experts on cuda: .*9\.0\+.*"
                                          r"Backends that can: \[.*'reference'"):
         fp4moe_ops.resolve_mxfp4_backend("triton", "cuda")
     with caplog.at_level(logging.WARNING, logger="fp4moe"):
         assert fp4moe_ops.resolve_mxfp4_backend("auto", "cuda").name == "reference"
-    assert "'triton' does not run them (it has no kernel" in caplog.text
+    assert "'triton' does not run them (gpt-oss's MXFP4 experts run on its TMA kernels" in caplog.text
+    # on Hopper auto takes triton
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp4moe_ops.resolve_mxfp4_backend("auto", "cuda").name == "triton"
     caplog.clear()
     monkeypatch.undo()
     with caplog.at_level(logging.WARNING, logger="fp4moe"):
         assert fp4moe_ops.resolve_mxfp4_backend("auto", "cpu").name == "reference"
     assert caplog.text == ""  # on the CPU nothing faster was passed over
+
+
+def test_triton_takes_its_own_layout_only():
+    # the checkpoint's tensors on the triton backend are refused with the way to convert them
+    from fp4moe_ops.backends.triton_moe import gpt_oss_kernel_tensors
+
+    tensors = make_experts(e=3, h=64, i=32)
+    with pytest.raises(ValueError, match=r"its own layout .*gpt_oss_kernel_tensors"):
+        BACKENDS["triton"].check_mxfp4_tensors(tensors, 64)
+    kernel = gpt_oss_kernel_tensors(tensors)
+    assert BACKENDS["triton"].check_mxfp4_tensors(kernel, 64) == 3
+    with pytest.raises(ValueError, match=r"kernel tensor b2: expected torch.float32"):
+        BACKENDS["triton"].check_mxfp4_tensors(kernel[:5] + [kernel[5].bfloat16()], 64)
 
 
 def test_bad_inputs_name_the_culprit():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fp4moe_ops import mxfp4
+from fp4moe_ops.mxfp4_op import MXFP4_EXPERT_TENSORS
 from fp4moe_ops.oracle64 import gpt_oss_moe64
 
 triton_moe = pytest.importorskip("fp4moe_ops.backends.triton_moe")
@@ -148,3 +149,54 @@ def test_op_and_module_run_triton_on_the_gpu():
     out = torch.ops.fp4moe.mxfp4_moe(x, ids, rw, kernel, ALPHA, 7.0, "triton")
     ref = torch.ops.fp4moe.mxfp4_moe(x, ids, rw, [a.cuda() for a in tensors], ALPHA, 7.0, "reference")
     torch.testing.assert_close(out.double(), ref.double(), rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+
+
+def module(e=3, h=96, i=160):
+    from types import SimpleNamespace
+
+    from hf_integration import MXFP4GptOssExperts
+
+    config = SimpleNamespace(num_local_experts=e, hidden_size=h, intermediate_size=i, swiglu_alpha=ALPHA,
+                             swiglu_limit=7.0)
+    m = MXFP4GptOssExperts(config)
+    m.load_state_dict(dict(zip(MXFP4_EXPERT_TENSORS, experts(e, h, i))))
+    return m
+
+
+def test_module_in_the_kernel_layout_keeps_the_checkpoint_state_dict():
+    # on the CPU the layout change itself (what set_backend("triton") does on a GPU): the blocks and
+    # scales held once, the state dict the checkpoint's bytes, a load going through them, casts
+    m = module()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    m._to_kernel_layout()
+    m.backend = "triton"
+    assert m.kernel_layout and m._buffers["gate_up_proj_blocks"] is None
+    after = m.state_dict()
+    assert list(after) and set(after) == set(before)
+    assert all(torch.equal(after[k], before[k]) and after[k].dtype == before[k].dtype for k in before)
+    other = dict(zip(MXFP4_EXPERT_TENSORS, experts(3, 96, 160)))
+    m.load_state_dict(other)
+    assert m.kernel_layout  # what the state dict said, in the kernels' layout again
+    assert all(torch.equal(m.state_dict()[k], other[k]) for k in other)
+    torch.testing.assert_close(m.kernel_b1[:, :160], other["gate_up_proj_bias"][:, 0::2].float(), rtol=0, atol=0)
+    m.to(torch.float16)  # the biases cast as Transformers casts them; the kernels' copies follow, float32
+    assert m.gate_up_proj_bias.dtype == torch.float16 and m.kernel_b1.dtype == torch.float32
+    assert torch.equal(m.kernel_b2[:, :96], m.down_proj_bias.float())
+    m._to_checkpoint_layout()
+    assert not m.kernel_layout and torch.equal(m.gate_up_proj_blocks, other["gate_up_proj_blocks"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels: Hopper only")
+def test_module_runs_triton_on_the_gpu_as_the_reference_does():
+    m = module(8, 2880, 2880).cuda()
+    x = torch.randn(7, 2880, dtype=torch.bfloat16, device="cuda")
+    ids = torch.stack([torch.randperm(8)[:4] for _ in range(7)]).cuda()
+    rw = torch.softmax(torch.randn(7, 4), -1).cuda()
+    ref = m(x, ids, rw)
+    assert m.backend == "reference"
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    assert m.set_backend("auto") == "triton" and m.kernel_layout
+    out = m(x, ids, rw)
+    torch.testing.assert_close(out.double(), ref.double(), rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+    assert all(torch.equal(v, sd[k]) for k, v in m.state_dict().items())

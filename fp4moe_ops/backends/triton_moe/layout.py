@@ -165,12 +165,20 @@ def gpt_oss_kernel_tensors(expert_tensors: list[torch.Tensor]) -> list[torch.Ten
         parts.append(_kernel_matrix("gate_up_proj", gate_up_blocks[:, half::2], gate_up_scales[:, half::2], ip, hp))
     w13 = paired_weight_layout(torch.cat([parts[0][0], parts[1][0]], dim=1))
     s13 = torch.cat([parts[0][1], parts[1][1]], dim=1)
+    packed2, s2 = _kernel_matrix("down_proj", down_blocks, down_scales, hp, ip)
+    b1, b2 = gpt_oss_kernel_biases(gate_up_bias, down_bias, ip, hp)
+    return [w13, s13, b1, paired_weight_layout(packed2), s2, b2]
+
+
+def gpt_oss_kernel_biases(gate_up_bias: torch.Tensor, down_bias: torch.Tensor, ip: int, hp: int):
+    """gpt-oss's ``gate_up_proj_bias [E, 2I]`` (interleaved) and ``down_proj_bias [E, H]`` -> the kernels'
+    float32 ``b1 [E, 2Ip]`` (gate's, then up's) and ``b2 [E, Hp]``, zero-padded."""
+    experts, inter, hidden = gate_up_bias.shape[0], gate_up_bias.shape[1] // 2, down_bias.shape[1]
     b1 = torch.zeros(experts, 2 * ip, dtype=torch.float32, device=gate_up_bias.device)
     b1[:, :inter], b1[:, ip:ip + inter] = gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]
-    packed2, s2 = _kernel_matrix("down_proj", down_blocks, down_scales, hp, ip)
     b2 = torch.zeros(experts, hp, dtype=torch.float32, device=down_bias.device)
     b2[:, :hidden] = down_bias
-    return [w13, s13, b1, paired_weight_layout(packed2), s2, b2]
+    return b1, b2
 
 
 def gpt_oss_checkpoint_tensors(kernel_tensors: list[torch.Tensor], hidden: int, inter: int,
