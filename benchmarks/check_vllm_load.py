@@ -105,13 +105,6 @@ def write_saves(out: Path, archs: list[str]) -> None:
         model = eval(ARCHITECTURES[arch])  # noqa: S307  (our own constant expressions)
         if arch == "kimi_k2":
             model.config.model_type = "kimi_k2"
-        if arch == "minimax_m2":
-            # Released MiniMax-M2 configs carry fields Transformers' MiniMaxM2Config does not define
-            # but keeps (rotary_dim, scoring_func, use_routing_bias) and vLLM's class reads; a config
-            # built from the class has none of them, so give the tiny one what it runs with.
-            cfg = model.config
-            cfg.rotary_dim = int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
-            cfg.scoring_func, cfg.use_routing_bias = "sigmoid", True
         if case == arch:
             patch_moe(model, quantize_dense_mlps=True, quantize_attention=True, verbose=False)
         else:  # calibration scales only the routed experts' inputs, so only they are quantized

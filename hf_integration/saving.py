@@ -87,9 +87,19 @@ def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 # configs carry and Transformers' DeepseekV3Config drops (its router is always this one). Without
 # them vLLM routes with softmax and no correction bias: it fails on the checkpoint's
 # e_score_correction_bias, or (with the bias removed) routes differently from the model saved.
+def _minimax_rotary_dim(config: dict) -> int:
+    """The rotated part of a MiniMax-M2 head, as Transformers' rotary embedding takes it."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return int(head_dim * (config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+
+
+# Config fields vLLM and SGLang read that Transformers' config classes do not write (released
+# checkpoints carry them), as Transformers' implementation runs the model; a callable computes
+# the value from the saved config.
 SERVING_CONFIG_FIELDS = {
     "deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"},
     "kimi_k2": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+    "minimax_m2": {"scoring_func": "sigmoid", "use_routing_bias": True, "rotary_dim": _minimax_rotary_dim},
 }
 
 
@@ -99,6 +109,7 @@ def add_serving_config_fields(config_file: Path) -> None:
     config = json.loads(config_file.read_text())
     fields = SERVING_CONFIG_FIELDS.get(config.get("model_type"), {})
     for key, value in fields.items():
+        value = value(config) if callable(value) else value
         if config.setdefault(key, value) != value:
             raise ValueError(f"config {key}={config[key]!r}: a {config['model_type']} model routes as {key}={value!r} "
                              "(Transformers' implementation), and vLLM and SGLang would read the saved value")

@@ -70,6 +70,10 @@ def test_patched_save_has_one_global_scale_per_fused_gemm_and_serving_config_fie
         assert "model.layers.1.mlp.gate.e_score_correction_bias" in tensors  # what noaux_tc makes vLLM read
     if arch == "deepseek_v2":
         assert config["topk_method"] == "greedy"  # Transformers' own field, as the model routes
+    if arch == "minimax_m2":  # what vLLM's MiniMax-M2 class reads (it failed on a config without them)
+        rope = model.model.rotary_emb.inv_freq.numel() * 2  # the rotated dims Transformers' model runs
+        assert (config["scoring_func"], config["use_routing_bias"], config["rotary_dim"]) == ("sigmoid", True, rope)
+        assert "model.layers.0.block_sparse_moe.e_score_correction_bias" in tensors
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
