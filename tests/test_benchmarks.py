@@ -52,3 +52,16 @@ def test_bench_generate_batch_runs_on_cpu(tmp_path):
     assert [(r["variant"], r["requests"]) for r in rows] == [("BF16", 2), ("fp4moe", 2)]
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert "| requests | BF16 tokens/s | fp4moe tokens/s |" in done.stdout
+
+
+def test_bench_gpt_oss_runs_on_cpu(tmp_path):
+    # --tiny: both parts' code paths (the layer against Transformers' BF16 experts, compiled generate),
+    # small and on the CPU with the reference backend; every fp4moe row checked against the reference
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpt_oss.py"), "--tiny", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "gpt_oss.json").read_text())
+    assert [row["tokens"] for row in result["layer"]["rows"]] == [1, 8, 64]
+    # Transformers' BF16 experts on the decoded weights against fp4moe's reference: bf16 rounding only
+    assert all(0 < row["bf16"]["rel_err"] < 2e-2 for row in result["layer"]["rows"])
+    assert {row["variant"] for row in result["e2e"]["rows"]} == {"HF BF16 grouped_mm", "fp4moe reference"}
