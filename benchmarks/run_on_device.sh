@@ -3,7 +3,7 @@
 # probes. Logs and results go to $OUT (default benchmarks/out). CONTRIBUTING.md lists the steps.
 #   bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e
 #   route firstpass firstpass_noahead probecompile probev3 probestream linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill
-#   densebound backward)
+#   densebound backward gptoss gptoss_tests generate_batch)
 set -o pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -37,6 +37,9 @@ for step in "$@"; do
     probestream) timeout 200 python3 benchmarks/probes/probe_stream.py ${STREAM_ARGS:-} 2>&1 | tee "$OUT/probe_stream.log" ;;
     densebound) timeout 300 python3 benchmarks/probes/probe_dense_bound.py ${DENSE_ARGS:-} 2>&1 | tee "$OUT/probe_dense_bound.log" ;;
     probecompile) timeout 200 python3 benchmarks/probes/probe_compile.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_compile.log" | grep -v -i warn ;;
+    gptoss_tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mxfp4_triton.py 2>&1 | tee "$OUT/gptoss_tests.log" | tail -5 ;;
+    gptoss) timeout ${GPTOSS_TIMEOUT:-500} python3 benchmarks/bench_gpt_oss.py --out "$OUT" ${GPTOSS_ARGS:-} 2>&1 | tee "$OUT/gpt_oss.log" | grep -v -i warn ;;
+    generate_batch) timeout 400 python3 benchmarks/bench_generate_batch.py --layers 2 --requests 16,32,64 --out "$OUT" 2>&1 | tee "$OUT/generate_batch.log" | grep -v -i warn ;;
     linear) timeout ${LINEAR_TIMEOUT:-200} python3 benchmarks/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/linear.log" ;;
     patchmem) timeout 200 python3 benchmarks/bench_patch_memory.py --device cuda ${PATCHMEM_ARGS:---layers 2 --experts 256 --hidden 7168 --inter 2048} 2>&1 | tee "$OUT/patch_memory.log" | grep -v -i warn ;;
   esac
