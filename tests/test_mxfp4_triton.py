@@ -78,9 +78,11 @@ def check(out, x, ids, rw, tensors, limit):
     ref = gpt_oss_moe64(x, ids, rw, tensors, ALPHA, limit)
     assert out.shape == x.shape and torch.isfinite(out).all()
     # h stored in bf16 and the output rounded to bf16: a few bf16 ulps (2^-8) of the row scale, as
-    # the NVFP4 layer tests
+    # the NVFP4 layer tests; over the whole output about one ulp on the GPU (round to nearest), two
+    # in Triton's CPU interpreter, which truncates float32 -> bf16 (both roundings biased one way)
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
-    assert ((out.double() - ref).norm() / ref.norm()).item() < 2**-7
+    bound = 2**-6 if DEVICE == "cpu" else 2**-7
+    assert ((out.double() - ref).norm() / ref.norm()).item() < bound
 
 
 @pytest.mark.parametrize("t,k,limit", [(1, 4, 7.0), (6, 2, 1.0)])
