@@ -110,6 +110,36 @@ def check_gpt_oss_tensors(name: str, blocks: torch.Tensor, scales: torch.Tensor,
                              f"[{rows}, {cols}] in 32-value MXFP4 blocks), got {t.dtype} {list(t.shape)}")
 
 
+_BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# one layer's experts, as gpt-oss's checkpoint names them (and fp4moe::mxfp4_moe takes them)
+MXFP4_EXPERT_TENSORS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
+                        "down_proj_blocks", "down_proj_scales", "down_proj_bias")
+
+
+def check_mxfp4_experts(expert_tensors: list[torch.Tensor], hidden_size: int) -> tuple[int, int]:
+    """Shapes and dtypes of gpt-oss's six expert tensors (:data:`MXFP4_EXPERT_TENSORS`) for hidden
+    size ``hidden_size``; ``(E, I)``, read off ``gate_up_proj_scales [E, 2I, H/32]``. ValueError
+    naming the tensor otherwise. Metadata only (fake tensors too)."""
+    if len(expert_tensors) != len(MXFP4_EXPERT_TENSORS):
+        raise ValueError(f"expected {len(MXFP4_EXPERT_TENSORS)} expert tensors {list(MXFP4_EXPERT_TENSORS)}, "
+                         f"got {len(expert_tensors)}")
+    gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = expert_tensors
+    if gate_up_scales.dim() != 3 or gate_up_scales.shape[1] % 2:
+        raise ValueError(f"gate_up_proj_scales: expected [E, 2I, H/32], got {list(gate_up_scales.shape)}")
+    experts, inter = gate_up_scales.shape[0], gate_up_scales.shape[1] // 2
+    for name, size in (("hidden size", hidden_size), ("intermediate size", inter)):
+        if size % MX_BLOCK_SIZE:
+            raise ValueError(f"gpt-oss MXFP4 experts need a {name} that is a multiple of {MX_BLOCK_SIZE}, got {size}")
+    check_gpt_oss_tensors("gate_up_proj", gate_up_blocks, gate_up_scales, 2 * inter, hidden_size, experts)
+    check_gpt_oss_tensors("down_proj", down_blocks, down_scales, hidden_size, inter, experts)
+    for name, bias, shape in (("gate_up_proj_bias", gate_up_bias, (experts, 2 * inter)),
+                              ("down_proj_bias", down_bias, (experts, hidden_size))):
+        if bias.dtype not in _BIAS_DTYPES or tuple(bias.shape) != shape:
+            raise ValueError(f"{name}: expected bfloat16/float16/float32 {list(shape)}, got {bias.dtype} "
+                             f"{list(bias.shape)}")
+    return experts, inter
+
+
 def dequantize_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """gpt-oss ``blocks [..., N, K/32, 16]`` and ``scales [..., N, K/32]`` -> ``[..., N, K]`` ``dtype``
     (rows are output features: ``y = x @ W.T``)."""
@@ -130,7 +160,7 @@ def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, dim: int = -2) -> t
 
 
 __all__ = [
-    "BLOCK_BYTES", "E8M0_BIAS", "E8M0_NAN", "MX_BLOCK_SIZE", "check_gpt_oss_tensors", "dequantize_gpt_oss",
-    "dequantize_mxfp4", "e8m0_decode", "gpt_oss_shapes", "interleave_gate_up", "mxfp4_requant_error",
+    "BLOCK_BYTES", "E8M0_BIAS", "E8M0_NAN", "MXFP4_EXPERT_TENSORS", "MX_BLOCK_SIZE", "check_gpt_oss_tensors", "check_mxfp4_experts",
+    "dequantize_gpt_oss", "dequantize_mxfp4", "e8m0_decode", "gpt_oss_shapes", "interleave_gate_up", "mxfp4_requant_error",
     "nvfp4_to_mxfp4", "quantize_mxfp4", "to_gpt_oss_blocks",
 ]

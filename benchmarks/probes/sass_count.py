@@ -99,8 +99,9 @@ def main():
                      SLOT_BLOCKS=args.tokens == 1, E=256)  # (one token: the GEMMs read the ids themselves)
     common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "K_RUNTIME": "i32"}
     if args.gemm1:
-        constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged)
-        kernel, sig = kernels._gemm1_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32"}
+        constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, GPT_OSS=False, b1_ptr=None)  # (SiLU: NVFP4's)
+        kernel, sig = kernels._gemm1_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32",
+                                                     "alpha": "fp32", "limit": "fp32"}
     else:
         kernel, sig = kernels._gemm2_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
                                               "out_ptr": "*fp32"}

@@ -19,6 +19,7 @@ import logging
 import torch
 
 from ..moe_weights import NVFP4MoEWeights
+from ..mxfp4 import check_mxfp4_experts
 from ..nvfp4 import BLOCK_SIZE
 
 
@@ -132,8 +133,6 @@ class Backend:
     def check_mxfp4_tensors(self, expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
         """Validate the MXFP4 expert tensors this backend takes (fake tensors too); return E. By
         default gpt-oss's checkpoint tensors (:func:`fp4moe_ops.mxfp4_op.check_mxfp4_experts`)."""
-        from ..mxfp4_op import check_mxfp4_experts
-
         return check_mxfp4_experts(expert_tensors, hidden_size)[0]
 
     def run_mxfp4(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
