@@ -87,10 +87,12 @@ def layer_arguments(e: int, h: int, i: int, top_k: int, device: str = "cpu"):
 def gpt_oss_arguments(e: int, hp: int, ip: int):
     """``(expert tensors, gpt_oss)`` of ``launch.triton_fused_moe`` for gpt-oss's experts in the kernels'
     layout (``layout.gpt_oss_kernel_tensors``; uninitialized)."""
+    from fp4moe_ops.backends.triton_moe.layout import GptOssTerms
+
     shapes = [((e, ip, hp // 4), torch.int32), ((e, 2 * ip, hp // 16), torch.int8), ((e, 2 * ip), torch.float32),
               ((e, hp // 2, ip // 4), torch.int32), ((e, hp, ip // 16), torch.int8), ((e, hp), torch.float32)]
     w13, s13, b1, w2, s2, b2 = (torch.empty(shape, dtype=dtype) for shape, dtype in shapes)
-    return [w13, s13, b1, w2, s2, b1], (b1, b2, 1.702, 7.0)
+    return [w13, s13, b1, w2, s2, b1], GptOssTerms(b1, b2, 1.702, 7.0)
 
 
 def cached_variants() -> int:

@@ -112,7 +112,10 @@ class MXFP4Quantizer(HfQuantizer):
                 if tensor.endswith("_scales") and bool((t == E8M0_NAN).any()):
                     raise CheckpointError(f"checkpoint tensor {key!r} in {self.files[key]}: E8M0 scale byte 0xFF "
                                           "(NaN) would make its 32 weights NaN")
-            m.set_backend(getattr(self.quantization_config, "backend", "auto"))
+            try:
+                m.set_backend(getattr(self.quantization_config, "backend", "auto"))
+            except ValueError as exc:  # (e.g. a scale the Triton kernels cannot decode): name the layer
+                raise ValueError(f"{name}: {exc}") from exc
         logger.info("fp4moe: %d gpt-oss experts layers kept in MXFP4, backend %r", len(self.experts),
                     next(iter(model.get_submodule(n).backend for n in self.experts)))
         return model

@@ -313,14 +313,6 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
         gl.store(y_ptr + y_off, y, mask=gl.expand_dims(valid, 0) & gl.expand_dims(rr >= 0, 1))
 
 
-def _gpt_oss_args(gpt_oss) -> dict:
-    """GEMM1's keyword arguments for gpt-oss's activation (``(b1, alpha, limit)``) or none."""
-    if gpt_oss is None:
-        return {}
-    b1, alpha, limit = gpt_oss
-    return dict(b1_ptr=b1, alpha=alpha, limit=limit, GPT_OSS=True)
-
-
 def weight_view(w2: torch.Tensor, sps: int) -> torch.Tensor:
     """w2's paired words ``[E, H/2, I/4]`` int32 as bytes ``[E H/2 pair rows, I]``, viewed ``[SPS
     (step in slot), 4 (warp), I/(256 SPS) (slot), E H/2, 64]``: entry ``[j, w, q, p]`` is pair row
@@ -475,7 +467,7 @@ def gate_up_views(w13: torch.Tensor, s13: torch.Tensor) -> tuple[torch.Tensor, t
 def gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end, hidden, inter, top_k, bm,
              slot_blocks, num_experts, stages=2, gpt_oss=None):
     """``h = silu(gate . x) * (up . x)`` per slot (:func:`_gemm1_v3_kernel`), ``h``'s K bits 0, 1 swapped.
-    ``gpt_oss``: ``(b1, alpha, limit)`` for gpt-oss's activation; int8 ``s13``: E8M0 scales (MXFP4)."""
+    ``gpt_oss``: :class:`.layout.GptOssTerms` for gpt-oss's activation; int8 ``s13``: E8M0 scales (MXFP4)."""
     if hidden % 256 or inter % 32:
         raise ValueError(f"decode_v3: H must be a multiple of 256 and I of 32, got {hidden}, {inter}")
     weights, scales = gate_up_views(w13, s13)
@@ -483,4 +475,4 @@ def gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end,
                       _descriptor(scales, [1, 2, 1, 32, 4]), g13, h,
                       sorted_slot, block_expert, row_start, row_end, H=hidden, I=inter, TOPK=top_k, BM=bm,
                       SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, E8M0=s13.dtype == torch.int8,
-                      **_gpt_oss_args(gpt_oss), num_warps=4)
+                      **({} if gpt_oss is None else gpt_oss.gemm1_args()), num_warps=4)

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from .compile_ahead import async_compile_active, compile_all, compiling_ahead, launch_or_compile, planned_slots
-from .layout import fits_tma, fragment_order
+from .layout import GptOssTerms, fits_tma, fragment_order
 
 try:
     import triton
@@ -232,9 +232,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     """Run the Triton kernels. ``expert_tensors``: the op's tensors (packed weights in
     :func:`paired_weight_layout`, int32, as :class:`~fp4moe_ops.PreparedExperts` holds them) or the canonical layout (uint8; any config).
     The tiles come from :func:`kernel_config` (``routed_experts``: see ``fp4moe::fused_moe``)
-    unless ``config`` is given. ``gpt_oss``: ``(b1, b2, alpha, limit)`` for gpt-oss's experts
-    (:func:`triton_mxfp4_moe`): biases ``b1 [E, 2I]`` (gate's, then up's) and ``b2 [E, H]`` float32,
-    the clamped SwiGLU; its block scales are E8M0 as int8 and its global scales unused."""
+    unless ``config`` is given. ``gpt_oss``: :class:`.layout.GptOssTerms` for gpt-oss's experts
+    (:func:`triton_mxfp4_moe`), whose block scales are E8M0 as int8 and global scales unused."""
     w13, s13, g13, w2, s2, g2 = expert_tensors
     num_tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
@@ -308,7 +307,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         _gemm1_swiglu_kernel, grid1, x_gemm1, w13, s13, g13, inter_act, sorted_slot, block_expert,
         row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
         OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **common,
-        **_gpt_oss_gemm1(gpt_oss),
+        **({} if gpt_oss is None else gpt_oss.gemm1_args()),
     )
     grid2 = (block_expert.numel(), hidden // cfg["BN2"])
     launch_or_compile(
@@ -319,17 +318,9 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     return _sum_topk(y, topk_ids, x, num_experts, pdl, _down_bias(gpt_oss, topk_weights))
 
 
-def _gpt_oss_gemm1(gpt_oss) -> dict:
-    """The single-role GEMM1's keyword arguments for gpt-oss's activation, or none."""
-    if gpt_oss is None:
-        return {}
-    b1, _, alpha, limit = gpt_oss
-    return dict(b1_ptr=b1, alpha=alpha, limit=limit, GPT_OSS=True)
-
-
 def _down_bias(gpt_oss, topk_weights):
     """``(b2, topk_weights)`` for the top-k sum (gpt-oss's down-projection bias), or None."""
-    return None if gpt_oss is None else (gpt_oss[1], topk_weights.contiguous())
+    return None if gpt_oss is None else (gpt_oss.b2, topk_weights.contiguous())
 
 
 def triton_mxfp4_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, alpha: float, limit: float,
@@ -344,7 +335,7 @@ def triton_mxfp4_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, alph
     x = hidden_states if padded == hidden else torch.nn.functional.pad(hidden_states, (0, padded - hidden))
     # (E8M0 scales need no global scale: the kernels ignore g, so b1 stands in for it)
     out = triton_fused_moe(x, topk_ids, topk_weights, [w13, s13, b1, w2, s2, b1], config,
-                           gpt_oss=(b1, b2, float(alpha), float(limit)))
+                           gpt_oss=GptOssTerms(b1, b2, alpha, limit))
     return out if padded == hidden else out[:, :hidden].contiguous()
 
 
@@ -519,7 +510,7 @@ def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int =
     x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
     y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
                       row_start, row_end, block_m=block_m, tails=tails,
-                      gpt_oss=None if gpt_oss is None else (gpt_oss[0], gpt_oss[2], gpt_oss[3]), **options)
+                      gpt_oss=gpt_oss, **options)
     return _sum_topk(y, topk_ids, x, num_experts, bias=_down_bias(gpt_oss, topk_weights))
 
 
@@ -540,7 +531,7 @@ def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict, gpt_oss
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end, hidden, inter, top_k, bm, slot_blocks,
-             num_experts, cfg["V3_STAGES1"], None if gpt_oss is None else (gpt_oss[0], gpt_oss[2], gpt_oss[3]))
+             num_experts, cfg["V3_STAGES1"], gpt_oss)
     gemm2_v3(h, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end, hidden, inter,
              bm, slot_blocks, num_experts, cfg["V3_STAGES"], cfg["V3_SPS_ONE_TOKEN" if slot_blocks else "V3_SPS"])
     return _sum_topk(y, topk_ids, x, num_experts, bias=_down_bias(gpt_oss, topk_weights))

@@ -1,9 +1,14 @@
 """The Triton backend's data layouts, in plain torch: the paired packed-weight layout (converted
-expert by expert both ways) and the MMA-fragment order of the K axis."""
+expert by expert both ways), the MMA-fragment order of the K axis, and gpt-oss's MXFP4 experts in
+the kernels' layout."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from ...mxfp4 import interleave_gate_up, to_gpt_oss_blocks
 
 try:  # triton.jit compiles fragment_column / fragment_source and wants triton.language in their globals
     import triton.language as tl  # noqa: F401
@@ -128,6 +133,21 @@ def fragment_order(x: torch.Tensor, chunk: int) -> torch.Tensor:
 GPT_OSS_MAX_SCALE_BYTE = 127 + 23  # E8M0 byte of 2^23: the largest the kernels decode exactly
 
 
+class GptOssTerms(NamedTuple):
+    """What gpt-oss's experts add to the kernels' math: ``b1 [E, 2Ip]`` float32 (gate's, then up's)
+    before the clamped SwiGLU of ``alpha`` and ``limit`` (GEMM1's epilogue), ``b2 [E, Hp]`` float32
+    times the routing weight (the top-k sum)."""
+
+    b1: torch.Tensor
+    b2: torch.Tensor
+    alpha: float
+    limit: float
+
+    def gemm1_args(self) -> dict:
+        """A GEMM1 kernel's keyword arguments for this activation."""
+        return dict(b1_ptr=self.b1, alpha=float(self.alpha), limit=float(self.limit), GPT_OSS=True)
+
+
 def _pad_to(n: int, multiple: int = 256) -> int:
     return -(-n // multiple) * multiple
 
@@ -185,8 +205,6 @@ def gpt_oss_checkpoint_tensors(kernel_tensors: list[torch.Tensor], hidden: int, 
                                bias_dtype: torch.dtype) -> list[torch.Tensor]:
     """Inverse of :func:`gpt_oss_kernel_tensors`: gpt-oss's six tensors for hidden size ``hidden`` and
     intermediate size ``inter``, biases in ``bias_dtype`` (exact when they came from it)."""
-    from fp4moe_ops.mxfp4 import interleave_gate_up, to_gpt_oss_blocks
-
     w13, s13, b1, w2, s2, b2 = kernel_tensors
     ip = s13.shape[1] // 2
     packed13 = canonical_from_paired(w13)

@@ -450,7 +450,8 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     :data:`BLOCK_MS`, decreasing: a block of at most ``tails[j]`` rows (an expert's last, or all
     its rows) runs in a launch of its own with ``tails[j]``-token tiles, the MMA work of its
     padding cut (each launch skips the others' blocks). H and I multiples of 256. MXFP4 (gpt-oss):
-    int8 E8M0 scales (``g13``, ``g2`` unused) and ``gpt_oss = (b1, alpha, limit)`` for GEMM1's activation."""
+    int8 E8M0 scales (``g13``, ``g2`` unused) and ``gpt_oss`` (:class:`.layout.GptOssTerms`) for GEMM1's
+    activation."""
     num_slots, hidden = x_sorted.shape
     inter = s13.shape[1] // 2
     num_experts = w13.shape[0]
@@ -464,8 +465,7 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     w13_desc, w2_desc = _descriptor(_weight_boxes(w13_bytes), w_box, 0), _descriptor(_weight_boxes(w2_bytes), w_box, 0)
     # GEMM1's activation: gpt-oss's, or SiLU (a float32 tensor stands in for b1: a worker partition
     # compiles both branches, and GEMM2's the GEMM1 epilogue too)
-    b1, alpha, limit = gpt_oss if gpt_oss is not None else (g13, 1.0, 1.0)
-    act = dict(b1_ptr=b1, alpha=alpha, limit=limit, GPT_OSS=gpt_oss is not None)
+    act = gpt_oss.gemm1_args() if gpt_oss is not None else dict(b1_ptr=g13, alpha=1.0, limit=1.0, GPT_OSS=False)
     calls = []  # (grid, arguments, constexprs): GEMM1 at each level, then GEMM2
     for bm, experts, starts, ends in launches:
         calls.append(((inter // 128, experts.numel()),
