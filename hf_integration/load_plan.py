@@ -31,7 +31,7 @@ from .checkpoint_format import (
     read_json,
 )
 from .llama4 import fused_key, fused_specs, is_llama4_experts
-from .surgery import is_transformers_experts
+from .surgery import experts_form_problem, is_transformers_experts
 
 
 # the per-tensor names that only quantized linears have, in either format
@@ -214,6 +214,15 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
     claimed: set[str] = set()
 
     for name, m in experts.items():
+        problem = experts_form_problem(m)
+        if problem is not None:  # (read by shape, its tensors could even fit: never load them as NVFP4Experts)
+            own = in_model.get(f"{name}.gate_up_proj")
+            if own is not None and scan.tensors[own][1] != torch.uint8:
+                continue  # 16-bit experts in the checkpoint: loaded as they are
+            raise CheckpointError(
+                f"{name} ({type(m).__name__}): fp4moe does not load these experts from an NVFP4 checkpoint: {problem}"
+                + ("; gpt-oss loads through fp4moe from its MXFP4 release (quant_method 'mxfp4')"
+                   if type(m).__name__ == "GptOssExperts" else ""))
         e_total, two_i, hidden = m.gate_up_proj.shape
         inter = two_i // 2
         lv = leaves[name]

@@ -35,8 +35,8 @@ from .quantizer import ModelOptQuantizer, attach, quantizer_for
 from .saving import refuse_unpatched_save
 from .router import fuse_routers
 from .shared_experts import fuse_shared_experts as fuse_shared
-from .surgery import find_experts_modules, is_dense_gated_mlp, is_silu, is_transformers_experts, log_activation_modes, \
-    nvfp4_experts, replace_module
+from .surgery import experts_form_problem, find_experts_modules, is_dense_gated_mlp, is_transformers_experts, \
+    log_activation_modes, nvfp4_experts, replace_module
 
 logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
 
@@ -44,12 +44,7 @@ DEEPSEEK_FAMILY = ("deepseek_v3", "kimi_k2", "deepseek_v2", "glm4_moe")
 
 
 def _check_experts(name: str, m: nn.Module) -> None:
-    problems = []
-    if not m.has_gate or not m.is_concatenated or m.is_transposed or m.has_bias:
-        problems.append("only gated, concatenated [gate; up], untransposed, bias-free experts are supported")
-    act = getattr(m, "act_fn", None)
-    if act is not None and not is_silu(act):
-        problems.append(f"activation {type(act).__name__} is not SiLU")
+    problems = [p for p in (experts_form_problem(m),) if p is not None]
     e, two_i, h = m.gate_up_proj.shape
     if h % nvfp4.BLOCK_SIZE or (two_i // 2) % nvfp4.BLOCK_SIZE:
         problems.append(f"hidden {h} and intermediate {two_i // 2} must be multiples of {nvfp4.BLOCK_SIZE}")

@@ -38,6 +38,19 @@ def is_transformers_experts(m: nn.Module) -> bool:
         isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
 
 
+def experts_form_problem(m: nn.Module) -> str | None:
+    """Why fp4moe's NVFP4 experts (a SiLU-gated MLP per expert over concatenated ``[gate; up]``
+    rows, no biases) cannot stand for Transformers' experts module ``m``, or None. gpt-oss's experts
+    (transposed, interleaved, biased, clamped SwiGLU) are one such: they run as
+    :class:`~hf_integration.gpt_oss.MXFP4GptOssExperts`."""
+    if not m.has_gate or not m.is_concatenated or m.is_transposed or m.has_bias:
+        return "only gated, concatenated [gate; up], untransposed, bias-free experts are supported"
+    act = getattr(m, "act_fn", None)
+    if act is not None and not is_silu(act):
+        return f"activation {type(act).__name__} is not SiLU"
+    return None
+
+
 def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every routed-experts module: Transformers' BF16 ones and fp4moe's NVFP4 ones."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, NVFP4Experts) or is_transformers_experts(m)]

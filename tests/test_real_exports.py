@@ -314,3 +314,17 @@ def test_other_compressed_tensors_configs_still_go_to_transformers(monkeypatch):
     int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "weights": {"num_bits": 4, "type": "int", "group_size": 128}, "targets": ["Linear"]}}}
     assert entry.from_dict(int4) == "transformers' config" and seen == [int4]
+
+
+@pytest.mark.parametrize("tool", ["modelopt", "llmcompressor"])
+def test_nvfp4_exports_of_gpt_oss_are_refused_naming_the_layer(tool):
+    # Genuine NVFP4 exports of a tiny gpt-oss by both tools (tests/fixtures/gpt_oss_nvfp4): its experts
+    # are transposed, interleaved, biased and use a clamped SwiGLU, which fp4moe's NVFP4 experts do not
+    # compute, so loading must stop there, naming the layer and the way that works (MXFP4), not load
+    # the tensors by shape into the wrong math
+    from hf_integration.checkpoint_format import CheckpointError
+
+    path = FIXTURES / "gpt_oss_nvfp4" / tool / "checkpoint"
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts \(GptOssExperts\): fp4moe does not "
+                                              r"load these experts from an NVFP4 checkpoint: .*bias-free.*'mxfp4'"):
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
