@@ -168,7 +168,9 @@ def test_generate_compiled_static_cache_matches_eager():
 
     model = patch_deepseek(tiny_deepseek_v3())
     ids = torch.randint(1, 256, (1, 5))
-    eager = model.generate(ids, max_new_tokens=6, do_sample=False, disable_compile=True)
+    # min_new_tokens: a random prompt can make the tiny model say EOS at once (~1% of seeds), and then
+    # no decode step runs to be compiled
+    eager = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, disable_compile=True)
     # aot_eager: Dynamo + AOTAutograd trace the decode step (op included, fullgraph) but run
     # eager kernels, so tokens must match exactly; inductor's different bf16 rounding can flip
     # a near-tied router or logit and is compared by tolerance elsewhere.
@@ -176,8 +178,8 @@ def test_generate_compiled_static_cache_matches_eager():
     cfg._compile_all_devices = True  # Transformers compiles generate() on CUDA only unless told
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
-                              compile_config=cfg)
+    compiled = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                              cache_implementation="static", compile_config=cfg)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the decode step was compiled
     assert torch.equal(eager, compiled), (eager, compiled)
 
