@@ -36,20 +36,43 @@ def greedy(model) -> list[list[int]]:
     return [model.generate(torch.tensor([p]), generation_config=config())[0, len(p):].tolist() for p in PROMPTS]
 
 
+def router_margins(model, ids: torch.Tensor) -> float:
+    """The smallest gap between a token's k-th and (k+1)-th router logit, over every token and MoE
+    layer of a dense forward of ``ids``, relative to that row's range: near 0, a bfloat16 rounding
+    anywhere before that router can change which experts the token takes."""
+    k, rows = model.config.num_experts_per_tok, []
+    hooks = [m.register_forward_hook(lambda mod, i, out: rows.append((out[0] if isinstance(out, tuple) else out).float()))
+             for name, m in model.named_modules() if type(m).__name__.endswith("Router") or name.endswith("mlp.gate")]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    logits = torch.cat([r.reshape(-1, r.shape[-1]) for r in rows])
+    top = logits.topk(k + 1, dim=-1).values
+    return float(((top[:, k - 1] - top[:, k]) / (logits.max(-1).values - logits.min(-1).values)).min())
+
+
 def assert_same_up_to_near_ties(model, got: list[list[int]], want: list[list[int]]) -> None:
-    """``got == want``, except that a sequence may leave greedy's path where greedy's choice was a near
-    tie (paged and dense attention round differently in bfloat16): at the first differing token, the
-    token taken must score within 1% of the logits' range of greedy's. After that point the
-    sequences are different contexts and are not compared."""
+    """``got == want``, except that a sequence may leave greedy's path at a near tie (paged and dense
+    attention round differently in bfloat16). At the first differing token, the token taken must score
+    within 1% of the logits' range of greedy's; or, where a router of that context has a near tie
+    between its k-th and (k+1)-th expert (within 2^-6 of the row's range: a few bfloat16 roundings;
+    the tiny random models hold exact ties at a few % of seeds), and a rounding can thus send a token
+    to another expert, be among greedy's 5 best. A broken batching path (a wrong cache, mask or
+    request) gives tokens outside those. After that point the sequences are different contexts and
+    are not compared."""
     for prompt, g, w in zip(PROMPTS, got, want):
         assert len(g) == len(w), (g, w)
         j = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
         if j is None:
             continue
+        ids = torch.tensor([prompt + w[:j]])
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + w[:j]])).logits[0, -1].float()
+            logits = model(ids).logits[0, -1].float()
         gap = float(logits[w[j]] - logits[g[j]])
-        assert gap <= 0.01 * float(logits.max() - logits.min()), (prompt, j, g, w, gap)
+        if gap > 0.01 * float(logits.max() - logits.min()):
+            margin, rank = router_margins(model, ids), int((logits > logits[g[j]]).sum())
+            assert margin <= 2**-6 and rank < 5, (prompt, j, g, w, gap, margin, rank)
 
 
 def fp4moe_model(arch: str):
