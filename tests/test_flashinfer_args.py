@@ -207,8 +207,11 @@ def test_nvfp4_call_contract_with_a_recording_flashinfer(monkeypatch):
 def test_kernel_faithful_reference_is_what_the_cutlass_kernel_computes():
     """The CUTLASS kernel stores GEMM1's and GEMM2's outputs in BF16; the reference in its
     kernel-faithful mode does the same, and is then measurably closer to the simulated kernel than
-    the float32 reference (which a tight hardware comparison would wrongly fail)."""
-    t, k = 64, 3
+    the float32 reference (which a tight hardware comparison would wrongly fail).
+
+    256 tokens: the median's spread across seeds then stays well under the bound (the ratio of
+    the two errors was 0.16-0.40 over 100 seeds; at 64 tokens its tail reached 0.62)."""
+    t, k = 256, 3
     x = torch.randn(t, 128).bfloat16()
     w = calibrated_layer(x=x)
     ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)])
