@@ -15,7 +15,7 @@ replays; every timed implementation is first run on all the tokens and checked a
 ``reference`` backend on the first 32 (tokens are independent; a wrong one is not timed). Columns:
 
 * ``experts hit``: distinct experts per routing (mean of the 8);
-* ``fp4moe ms``: ``torch.ops.fp4moe.mxfp4_moe`` with backend ``triton`` on the tensors
+* ``fp4moe ms``: ``torch.ops.fp4moe.gpt_oss_moe`` with backend ``triton`` on the tensors
   ``layout.gpt_oss_kernel_tensors`` makes of the checkpoint's (converted once, outside the timing);
   ``unavailable`` where this fp4moe has no such function or its Triton backend refuses MXFP4 experts
   (the reason is listed under the table);
@@ -90,7 +90,7 @@ TOKENS = (1, 8, 64, 512, 2048, 8192)
 INPUT_SETS = 8
 CHECK_TOKENS = 32  # tokens are independent: the first 32 stand for the rest in the correctness check
 # Largest accepted relative error vs the reference backend: fp4moe differs by accumulation order and
-# the BF16 rounding of its intermediate and output (<= 4e-3 in tests/test_mxfp4_op.py); Transformers
+# the BF16 rounding of its intermediate and output (<= 4e-3 in tests/test_gpt_oss_op.py); Transformers
 # rounds every step to BF16 (< 2e-2 there)
 MAX_ERROR = {"fp4moe": 1e-2, "bf16": 3e-2}
 GPT_OSS_120B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_local_experts=128,
@@ -122,7 +122,7 @@ def versions() -> dict:
 
 @torch.no_grad()
 def random_gpt_oss_experts(e: int, h: int, i: int, device, chunk: int = 16) -> list[torch.Tensor]:
-    """gpt-oss's six checkpoint tensors (:data:`fp4moe_ops.mxfp4_op.MXFP4_EXPERT_TENSORS`) of ``e``
+    """gpt-oss's six checkpoint tensors (:data:`fp4moe_ops.gpt_oss_op.MXFP4_EXPERT_TENSORS`) of ``e``
     random experts, quantized ``chunk`` experts at a time so the float32 scratch stays ~1 GB."""
     gate_up, down = [], []
     for e0 in range(0, e, chunk):
@@ -227,10 +227,10 @@ def time_ms(fn, inputs, cuda: bool) -> tuple[float, str]:
 def fp4moe_layer_fn(tensors, device, tiny: bool):
     """``(fn(x, ids, weights), None)`` running fp4moe on this layer, or ``(None, reason)``."""
     if tiny:  # the CPU smoke test: the reference backend on the checkpoint tensors
-        return (lambda x, ids, rw: torch.ops.fp4moe.mxfp4_moe(x, ids, rw, tensors, ALPHA, LIMIT, "reference")), None
+        return (lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, ALPHA, LIMIT, "reference")), None
     if gpt_oss_kernel_tensors is None:
         return None, LAYOUT_MISSING
-    refusal = get_backend("triton").mxfp4_refusal(device)
+    refusal = get_backend("triton").gpt_oss_refusal(device)
     if refusal is not None:
         return None, f"backend 'triton' refuses MXFP4 experts here: {refusal}"
     try:
@@ -240,7 +240,7 @@ def fp4moe_layer_fn(tensors, device, tiny: bool):
     e = tensors[0].shape[0]
     log(f"  fp4moe's kernel layout: {bytes_per_expert(kernel, e) / 1e6:.2f} MB per expert (checkpoint "
         f"{bytes_per_expert(tensors, e) / 1e6:.2f} MB)")
-    return (lambda x, ids, rw: torch.ops.fp4moe.mxfp4_moe(x, ids, rw, kernel, ALPHA, LIMIT, "triton")), None
+    return (lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, kernel, ALPHA, LIMIT, "triton")), None
 
 
 @torch.no_grad()
@@ -284,7 +284,7 @@ def layer_part(args, result: dict, save) -> None:
                 row["fp4moe"] = {"error": f"unavailable: {reason}"}
             # the check runs the kernels T selects; the slow reference only on the first tokens
             first = slice(0, CHECK_TOKENS)
-            ref = torch.ops.fp4moe.mxfp4_moe(*(a[first] for a in inputs[0]), tensors, ALPHA, LIMIT, "reference")
+            ref = torch.ops.fp4moe.gpt_oss_moe(*(a[first] for a in inputs[0]), tensors, ALPHA, LIMIT, "reference")
             ref = ref.double()
             for impl, fn in impls.items():
                 try:

@@ -1,5 +1,5 @@
 """fp4moe_ops: NVFP4 Mixture-of-Experts as one ``torch.library`` op with pluggable backends (and
-gpt-oss's MXFP4 experts as another, ``mxfp4_moe``).
+gpt-oss's MXFP4 experts as another, ``gpt_oss_moe``).
 
 Typical use::
 
@@ -9,7 +9,7 @@ Typical use::
     out = experts(hidden [T, H] bf16, topk_ids [T, k], topk_weights [T, k] fp32)
 
 Modules: ``nvfp4`` and ``mxfp4`` the formats, ``moe_weights`` a layer's canonical experts, ``op`` the op,
-``mxfp4_op`` gpt-oss's MXFP4 experts op,
+``gpt_oss_op`` gpt-oss's MXFP4 experts op,
 ``linear`` the NVFP4 linear-layer op, ``autograd`` the three ops' backward (frozen weights),
 ``prepared`` the prepared layer, ``backends`` the kernels behind the op, ``moe_math`` the
 pure-torch MoE math, ``routing`` the router op, ``flashinfer_sim`` a CPU model of FlashInfer's
@@ -18,17 +18,17 @@ fp4moe_ops.selftest``.
 """
 
 from . import mxfp4, nvfp4, routing
-from .backends import AUTO_ORDER, BACKENDS, available_backends, resolve_backend, resolve_mxfp4_backend
+from .backends import AUTO_ORDER, BACKENDS, available_backends, resolve_backend, resolve_gpt_oss_backend
 from .moe_weights import NVFP4MoEWeights, quantize_moe_weights
 from .linear import nvfp4_linear
 from .op import fused_moe
-from .mxfp4_op import mxfp4_moe
+from .gpt_oss_op import gpt_oss_moe
 from .prepared import ACT_SCALE_MODES, PreparedExperts, activation_scales, prepare_experts
 from .routing import grouped_topk
 from . import autograd  # noqa: F401 (registers the ops' backward)
 
 __all__ = [
     "ACT_SCALE_MODES", "AUTO_ORDER", "BACKENDS", "NVFP4MoEWeights", "PreparedExperts",
-    "activation_scales", "available_backends", "fused_moe", "grouped_topk", "mxfp4_moe", "mxfp4", "nvfp4", "nvfp4_linear", "prepare_experts",
-    "quantize_moe_weights", "resolve_backend", "resolve_mxfp4_backend", "routing",
+    "activation_scales", "available_backends", "fused_moe", "grouped_topk", "gpt_oss_moe", "mxfp4", "nvfp4", "nvfp4_linear", "prepare_experts",
+    "quantize_moe_weights", "resolve_backend", "resolve_gpt_oss_backend", "routing",
 ]

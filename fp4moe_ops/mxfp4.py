@@ -100,7 +100,7 @@ def gpt_oss_shapes(rows: int, cols: int, experts: int) -> tuple[tuple, tuple]:
     return (experts, rows, cols // MX_BLOCK_SIZE, BLOCK_BYTES), (experts, rows, cols // MX_BLOCK_SIZE)
 
 
-def check_gpt_oss_tensors(name: str, blocks: torch.Tensor, scales: torch.Tensor, rows: int, cols: int,
+def check_gpt_oss_blocks(name: str, blocks: torch.Tensor, scales: torch.Tensor, rows: int, cols: int,
                           experts: int) -> None:
     """Raise ValueError naming ``name`` unless ``<name>_blocks`` / ``<name>_scales`` are uint8 of
     :func:`gpt_oss_shapes`. Metadata only (works on fake tensors)."""
@@ -111,7 +111,7 @@ def check_gpt_oss_tensors(name: str, blocks: torch.Tensor, scales: torch.Tensor,
 
 
 _BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# one layer's experts, as gpt-oss's checkpoint names them (and fp4moe::mxfp4_moe takes them)
+# one layer's experts, as gpt-oss's checkpoint names them (and fp4moe::gpt_oss_moe takes them)
 MXFP4_EXPERT_TENSORS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
                         "down_proj_blocks", "down_proj_scales", "down_proj_bias")
 
@@ -130,8 +130,8 @@ def check_mxfp4_experts(expert_tensors: list[torch.Tensor], hidden_size: int) ->
     for name, size in (("hidden size", hidden_size), ("intermediate size", inter)):
         if size % MX_BLOCK_SIZE:
             raise ValueError(f"gpt-oss MXFP4 experts need a {name} that is a multiple of {MX_BLOCK_SIZE}, got {size}")
-    check_gpt_oss_tensors("gate_up_proj", gate_up_blocks, gate_up_scales, 2 * inter, hidden_size, experts)
-    check_gpt_oss_tensors("down_proj", down_blocks, down_scales, hidden_size, inter, experts)
+    check_gpt_oss_blocks("gate_up_proj", gate_up_blocks, gate_up_scales, 2 * inter, hidden_size, experts)
+    check_gpt_oss_blocks("down_proj", down_blocks, down_scales, hidden_size, inter, experts)
     for name, bias, shape in (("gate_up_proj_bias", gate_up_bias, (experts, 2 * inter)),
                               ("down_proj_bias", down_bias, (experts, hidden_size))):
         if bias.dtype not in _BIAS_DTYPES or tuple(bias.shape) != shape:
@@ -160,7 +160,7 @@ def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, dim: int = -2) -> t
 
 
 __all__ = [
-    "BLOCK_BYTES", "E8M0_BIAS", "E8M0_NAN", "MXFP4_EXPERT_TENSORS", "MX_BLOCK_SIZE", "check_gpt_oss_tensors", "check_mxfp4_experts",
+    "BLOCK_BYTES", "E8M0_BIAS", "E8M0_NAN", "MXFP4_EXPERT_TENSORS", "MX_BLOCK_SIZE", "check_gpt_oss_blocks", "check_mxfp4_experts",
     "dequantize_gpt_oss", "dequantize_mxfp4", "e8m0_decode", "gpt_oss_shapes", "interleave_gate_up", "mxfp4_requant_error",
     "nvfp4_to_mxfp4", "quantize_mxfp4", "to_gpt_oss_blocks",
 ]

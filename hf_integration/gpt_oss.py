@@ -5,7 +5,7 @@ It takes the place of Transformers' ``GptOssExperts`` (same call: ``(hidden [T, 
 checkpoint's tensors under the checkpoint's names and in its bytes (``gate_up_proj_blocks``,
 ``gate_up_proj_scales``, ``gate_up_proj_bias``, ``down_proj_blocks``, ``down_proj_scales``,
 ``down_proj_bias``: :mod:`fp4moe_ops.mxfp4`), so loading copies the file's bytes straight in and
-``save_pretrained`` writes them back unchanged. Its forward is one ``fp4moe::mxfp4_moe`` call.
+``save_pretrained`` writes them back unchanged. Its forward is one ``fp4moe::gpt_oss_moe`` call.
 The blocks and scales are uint8 buffers (never cast by ``model.to(dtype)``); the biases are frozen
 parameters in the model's dtype, as Transformers holds them.
 
@@ -20,16 +20,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp4moe_ops.backends import resolve_mxfp4_backend
+from fp4moe_ops.backends import resolve_gpt_oss_backend
 from fp4moe_ops.mxfp4 import dequantize_gpt_oss, gpt_oss_shapes
-from fp4moe_ops.mxfp4_op import MXFP4_EXPERT_TENSORS, check_mxfp4_experts
+from fp4moe_ops.gpt_oss_op import MXFP4_EXPERT_TENSORS, check_mxfp4_experts
 
 _QUANTIZED = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 _KERNEL_BUFFERS = ("kernel_w13", "kernel_s13", "kernel_b1", "kernel_w2", "kernel_s2", "kernel_b2")
 
 
 class MXFP4GptOssExperts(nn.Module):
-    """One gpt-oss layer's experts in MXFP4, run by ``fp4moe::mxfp4_moe`` on ``backend``."""
+    """One gpt-oss layer's experts in MXFP4, run by ``fp4moe::gpt_oss_moe`` on ``backend``."""
 
     def __init__(self, config, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -77,7 +77,7 @@ class MXFP4GptOssExperts(nn.Module):
         MXFP4 experts there, with a warning naming any faster one that does not) and hold the
         tensors in its layout; returns its name. Nothing changes when it raises."""
         device = (self.kernel_w13 if self.kernel_layout else self.gate_up_proj_blocks).device
-        name = resolve_mxfp4_backend(backend, device).name
+        name = resolve_gpt_oss_backend(backend, device).name
         if name == "triton" and not self.kernel_layout:
             self._to_kernel_layout()
         elif name != "triton" and self.kernel_layout:
@@ -119,7 +119,7 @@ class MXFP4GptOssExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
-        return torch.ops.fp4moe.mxfp4_moe(hidden_states, router_indices, routing_weights.float(), self.expert_tensors(),
+        return torch.ops.fp4moe.gpt_oss_moe(hidden_states, router_indices, routing_weights.float(), self.expert_tensors(),
                                           self.alpha, self.limit, self.backend)
 
     @torch.no_grad()

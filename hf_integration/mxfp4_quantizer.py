@@ -4,7 +4,7 @@
 the routed experts in MXFP4 on every device: :class:`~hf_integration.gpt_oss.MXFP4GptOssExperts`
 takes the place of ``GptOssExperts`` on the meta model, the checkpoint's ``*_blocks`` / ``*_scales``
 bytes load straight into it (no conversion op, never a BF16 copy of the experts), and its forward
-is one ``fp4moe::mxfp4_moe`` call (the CPU runs the ``reference`` backend; on a GPU ``auto`` takes
+is one ``fp4moe::gpt_oss_moe`` call (the CPU runs the ``reference`` backend; on a GPU ``auto`` takes
 the reference too, with a warning, until a GPU kernel runs MXFP4). ``save_pretrained`` writes the
 same tensors back under the same names, so the saved checkpoint is the published format again,
 byte for byte.
@@ -136,7 +136,7 @@ class MXFP4Quantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return False  # fp4moe::mxfp4_moe has no backward yet
+        return False  # fp4moe::gpt_oss_moe has no backward yet
 
     @property
     def is_compileable(self) -> bool:

@@ -23,7 +23,7 @@ from torch import nn
 from transformers.utils import logging
 
 from fp4moe_ops import nvfp4
-from fp4moe_ops.backends import resolve_backend, resolve_mxfp4_backend
+from fp4moe_ops.backends import resolve_backend, resolve_gpt_oss_backend
 from fp4moe_ops.moe_weights import NVFP4MoEWeights, expert_chunks, quantize_expert_stack
 
 from .experts import NVFP4Experts, NVFP4Linear, weight_amax
@@ -340,7 +340,7 @@ def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = Non
         if act_scale_mode is not None:
             raise ValueError("gpt-oss's MXFP4 experts keep activations in 16 bits: act_scale_mode must be None")
         for m in mxfp4:  # validate every layer first
-            resolve_mxfp4_backend(backend, m.gate_up_proj_blocks.device)
+            resolve_gpt_oss_backend(backend, m.gate_up_proj_blocks.device)
         for m in mxfp4:
             m.set_backend(backend)
         return model

@@ -118,11 +118,11 @@ def test_interleaved_gate_up_is_what_transformers_reads_as_gate_and_up():
 
 def test_bad_layouts_name_the_tensor():
     blocks, scales = torch.zeros(2, 8, 2, 16, dtype=torch.uint8), torch.zeros(2, 8, 2, dtype=torch.uint8)
-    mxfp4.check_gpt_oss_tensors("down_proj", blocks, scales, rows=8, cols=64, experts=2)
+    mxfp4.check_gpt_oss_blocks("down_proj", blocks, scales, rows=8, cols=64, experts=2)
     with pytest.raises(ValueError, match=r"down_proj_scales: expected uint8 \[2, 8, 2\].*got torch.int8"):
-        mxfp4.check_gpt_oss_tensors("down_proj", blocks, scales.view(torch.int8), rows=8, cols=64, experts=2)
+        mxfp4.check_gpt_oss_blocks("down_proj", blocks, scales.view(torch.int8), rows=8, cols=64, experts=2)
     with pytest.raises(ValueError, match=r"down_proj_blocks: expected uint8 \[2, 8, 1, 16\]"):
-        mxfp4.check_gpt_oss_tensors("down_proj", blocks, scales, rows=8, cols=32, experts=2)
+        mxfp4.check_gpt_oss_blocks("down_proj", blocks, scales, rows=8, cols=32, experts=2)
     with pytest.raises(TypeError, match="E8M0 scales must be uint8"):
         mxfp4.e8m0_decode(torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"MXFP4 scale \[8, 3\] does not match packed \[8, 32\]"):

@@ -1,4 +1,4 @@
-"""fp4moe::mxfp4_moe, gpt-oss's MXFP4 experts: the reference backend against the float64 oracle and
+"""fp4moe::gpt_oss_moe, gpt-oss's MXFP4 experts: the reference backend against the float64 oracle and
 against Transformers' own GptOss experts and MLP on the same decoded weights; opcheck, compile,
 backend choice and bad input."""
 
@@ -11,7 +11,7 @@ import torch
 import fp4moe_ops
 from fp4moe_ops import mxfp4
 from fp4moe_ops.backends import BACKENDS
-from fp4moe_ops.mxfp4_op import MXFP4_EXPERT_TENSORS
+from fp4moe_ops.gpt_oss_op import MXFP4_EXPERT_TENSORS
 from fp4moe_ops.oracle64 import gpt_oss_moe64
 
 ALPHA = 1.702  # gpt-oss's swiglu_alpha
@@ -40,7 +40,7 @@ def test_reference_matches_float64_oracle(dtype, limit):
     tensors = make_experts()
     x = torch.randn(11, 64).to(dtype)
     ids, rw = routing(11, 5, 2)
-    out = torch.ops.fp4moe.mxfp4_moe(x, ids, rw, tensors, ALPHA, limit, "reference")
+    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, ALPHA, limit, "reference")
     assert out.dtype == dtype and out.shape == x.shape
     ref = gpt_oss_moe64(x, ids, rw, tensors, ALPHA, limit)
     # the clamps bite: some gate outputs are above limit and some up outputs outside +-limit
@@ -85,7 +85,7 @@ def test_matches_transformers_gpt_oss_mlp(dtype):
     with torch.no_grad():
         expected, _ = mlp(x)
         _, scores, ids = mlp.router(x.reshape(-1, h))  # Transformers' router: softmax over the top-k logits
-        ours = torch.ops.fp4moe.mxfp4_moe(x.reshape(-1, h), ids, scores.float(), tensors, ALPHA, 1.0, "reference")
+        ours = torch.ops.fp4moe.gpt_oss_moe(x.reshape(-1, h), ids, scores.float(), tensors, ALPHA, 1.0, "reference")
     rel = ((ours.double() - expected.reshape(-1, h).double()).norm() / expected.double().norm()).item()
     # float32: the same math, accumulation order only. bfloat16: Transformers rounds every step to bf16
     # (GEMM outputs, bias adds, the activation, each weighted expert output, the sum), fp4moe only the
@@ -99,7 +99,7 @@ def test_out_of_range_ids_contribute_nothing_and_no_tokens():
     ids, rw = routing(5, 5, 2)
     sentinel = ids.clone()
     sentinel[:, 1] = torch.tensor([-1, 5, 100, -7, 5])
-    op = torch.ops.fp4moe.mxfp4_moe
+    op = torch.ops.fp4moe.gpt_oss_moe
     torch.testing.assert_close(op(x, sentinel, rw, tensors, ALPHA, 7.0, "reference"),
                                op(x, ids[:, :1], rw[:, :1], tensors, ALPHA, 7.0, "reference"), rtol=0, atol=0)
     assert op(x[:0], ids[:0], rw[:0], tensors, ALPHA, 7.0, "reference").shape == (0, 64)
@@ -109,7 +109,7 @@ def test_opcheck():
     tensors = make_experts(e=3, h=32, i=32)
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     ids, rw = routing(4, 3, 2)
-    torch.library.opcheck(torch.ops.fp4moe.mxfp4_moe.default, (x, ids, rw, tensors, ALPHA, 7.0, "reference"))
+    torch.library.opcheck(torch.ops.fp4moe.gpt_oss_moe.default, (x, ids, rw, tensors, ALPHA, 7.0, "reference"))
 
 
 def test_compile_fullgraph_dynamic_tokens_no_recompile():
@@ -119,7 +119,7 @@ def test_compile_fullgraph_dynamic_tokens_no_recompile():
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
 
     def layer(x, ids, rw):
-        return torch.ops.fp4moe.mxfp4_moe(x * 2, ids, rw, tensors, ALPHA, 7.0, "reference") + 1
+        return torch.ops.fp4moe.gpt_oss_moe(x * 2, ids, rw, tensors, ALPHA, 7.0, "reference") + 1
 
     compiled = torch.compile(layer, fullgraph=True, backend=counter)
     torch._dynamo.reset()
@@ -134,13 +134,13 @@ def test_compile_fullgraph_dynamic_tokens_no_recompile():
 
 
 def test_triton_refuses_with_its_reason_and_auto_falls_to_reference(monkeypatch, caplog):
-    reason = BACKENDS["triton"].mxfp4_refusal(torch.device("cpu"))
+    reason = BACKENDS["triton"].gpt_oss_refusal(torch.device("cpu"))
     assert reason  # on the CPU: it needs CUDA
     tensors = make_experts(e=3, h=32, i=32)
     x = torch.randn(2, 32, dtype=torch.bfloat16)
     ids, rw = routing(2, 3, 2)
-    with pytest.raises(ValueError, match=r"backend 'triton' cannot run gpt-oss's MXFP4 experts"):
-        torch.ops.fp4moe.mxfp4_moe(x, ids, rw, tensors, ALPHA, 7.0, "triton")
+    with pytest.raises(ValueError, match=r"backend 'triton' cannot run gpt-oss's experts"):
+        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, ALPHA, 7.0, "triton")
     # as on an Ampere GPU (triton runs NVFP4 there, FlashInfer is not installed): triton refuses these
     # experts (its MXFP4 path is the TMA kernels'), saying why, and auto says so
     for name, backend in BACKENDS.items():
@@ -148,21 +148,21 @@ def test_triton_refuses_with_its_reason_and_auto_falls_to_reference(monkeypatch,
             simulated = None if name == "triton" else "FlashInfer is not installed"
             monkeypatch.setattr(backend, "unavailable_reason", lambda device, r=simulated: r)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    reason = BACKENDS["triton"].mxfp4_refusal(torch.device("cuda"))
+    reason = BACKENDS["triton"].gpt_oss_refusal(torch.device("cuda"))
     assert "compute capability 9.0+" in reason
-    with pytest.raises(ValueError, match=r"'triton' cannot run gpt-oss's MXFP4 experts on cuda: .*9\.0\+.*"
+    with pytest.raises(ValueError, match=r"'triton' cannot run gpt-oss's experts on cuda: .*9\.0\+.*"
                                          r"Backends that can: \[.*'reference'"):
-        fp4moe_ops.resolve_mxfp4_backend("triton", "cuda")
+        fp4moe_ops.resolve_gpt_oss_backend("triton", "cuda")
     with caplog.at_level(logging.WARNING, logger="fp4moe"):
-        assert fp4moe_ops.resolve_mxfp4_backend("auto", "cuda").name == "reference"
-    assert "'triton' does not run them (gpt-oss's MXFP4 experts run on its TMA kernels" in caplog.text
+        assert fp4moe_ops.resolve_gpt_oss_backend("auto", "cuda").name == "reference"
+    assert "'triton' does not run them (gpt-oss's experts run on its TMA kernels" in caplog.text
     # on Hopper auto takes triton
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert fp4moe_ops.resolve_mxfp4_backend("auto", "cuda").name == "triton"
+    assert fp4moe_ops.resolve_gpt_oss_backend("auto", "cuda").name == "triton"
     caplog.clear()
     monkeypatch.undo()
     with caplog.at_level(logging.WARNING, logger="fp4moe"):
-        assert fp4moe_ops.resolve_mxfp4_backend("auto", "cpu").name == "reference"
+        assert fp4moe_ops.resolve_gpt_oss_backend("auto", "cpu").name == "reference"
     assert caplog.text == ""  # on the CPU nothing faster was passed over
 
 
@@ -172,18 +172,18 @@ def test_triton_takes_its_own_layout_only():
 
     tensors = make_experts(e=3, h=64, i=32)
     with pytest.raises(ValueError, match=r"its own layout .*gpt_oss_kernel_tensors"):
-        BACKENDS["triton"].check_mxfp4_tensors(tensors, 64)
+        BACKENDS["triton"].check_gpt_oss_tensors(tensors, 64)
     kernel = gpt_oss_kernel_tensors(tensors)
-    assert BACKENDS["triton"].check_mxfp4_tensors(kernel, 64) == 3
+    assert BACKENDS["triton"].check_gpt_oss_tensors(kernel, 64) == 3
     with pytest.raises(ValueError, match=r"kernel tensor b2: expected torch.float32"):
-        BACKENDS["triton"].check_mxfp4_tensors(kernel[:5] + [kernel[5].bfloat16()], 64)
+        BACKENDS["triton"].check_gpt_oss_tensors(kernel[:5] + [kernel[5].bfloat16()], 64)
 
 
 def test_bad_inputs_name_the_culprit():
     tensors = make_experts(e=3, h=64, i=32)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     ids, rw = routing(4, 3, 2)
-    op = torch.ops.fp4moe.mxfp4_moe
+    op = torch.ops.fp4moe.gpt_oss_moe
     with pytest.raises(TypeError, match="hidden_states must be"):
         op(x.double(), ids, rw, tensors, ALPHA, 7.0, "reference")
     with pytest.raises(TypeError, match="topk_weights must be float32"):

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from fp4moe_ops import mxfp4
-from fp4moe_ops.mxfp4_op import MXFP4_EXPERT_TENSORS
+from fp4moe_ops.gpt_oss_op import MXFP4_EXPERT_TENSORS
 from fp4moe_ops.oracle64 import gpt_oss_moe64
 
 triton_moe = pytest.importorskip("fp4moe_ops.backends.triton_moe")
 from fp4moe_ops.backends.triton_moe import (gpt_oss_checkpoint_tensors, gpt_oss_kernel_tensors,  # noqa: E402
-                                            kernel_config, triton_mxfp4_moe)
+                                            kernel_config, triton_gpt_oss_moe)
 
 ALPHA = 1.702  # gpt-oss's swiglu_alpha
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,7 +71,7 @@ def test_scales_the_kernels_cannot_decode_are_refused_by_name(byte):
 
 def run(tensors, x, ids, rw, limit, config=None):
     kernel = [t.to(DEVICE) for t in gpt_oss_kernel_tensors(tensors)]
-    return triton_mxfp4_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, ALPHA, limit, config).cpu()
+    return triton_gpt_oss_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, ALPHA, limit, config).cpu()
 
 
 def check(out, x, ids, rw, tensors, limit):
@@ -148,8 +148,8 @@ def test_op_and_module_run_triton_on_the_gpu():
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).cuda()
     rw = torch.softmax(torch.randn(t, k), -1).cuda()
     kernel = [a.cuda() for a in gpt_oss_kernel_tensors(tensors)]
-    out = torch.ops.fp4moe.mxfp4_moe(x, ids, rw, kernel, ALPHA, 7.0, "triton")
-    ref = torch.ops.fp4moe.mxfp4_moe(x, ids, rw, [a.cuda() for a in tensors], ALPHA, 7.0, "reference")
+    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, kernel, ALPHA, 7.0, "triton")
+    ref = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, [a.cuda() for a in tensors], ALPHA, 7.0, "reference")
     torch.testing.assert_close(out.double(), ref.double(), rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
 

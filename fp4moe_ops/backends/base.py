@@ -7,9 +7,9 @@ expert both ways); others build tensors of their own once (``prepare``).
 :class:`~fp4moe_ops.prepared.PreparedExperts` holds whichever applies. ``backend="auto"`` picks
 the first backend in :data:`AUTO_ORDER` that the device can run.
 
-gpt-oss's MXFP4 experts (``torch.ops.fp4moe.mxfp4_moe``) run on the backends that override
-:meth:`Backend.mxfp4_refusal` and :meth:`Backend.run_mxfp4` (the reference and Triton backends); every other
-backend refuses them with its reason, and :func:`resolve_mxfp4_backend` passes over it, saying so.
+gpt-oss's experts (``torch.ops.fp4moe.gpt_oss_moe``, MXFP4 or NVFP4 weights) run on the backends that
+override :meth:`Backend.gpt_oss_refusal` and :meth:`Backend.run_gpt_oss` (the reference and Triton backends);
+every other backend refuses them with its reason, and :func:`resolve_gpt_oss_backend` passes over it, saying so.
 """
 
 from __future__ import annotations
@@ -59,6 +59,30 @@ def canonical_specs(expert_tensors: list[torch.Tensor], hidden_size: int) -> dic
         "w2_scale": (s2, (e, hidden_size, i // BLOCK_SIZE), torch.uint8),
         "w2_global": (g2, (e,), torch.float32),
     }
+
+
+# gpt-oss's experts with NVFP4 weights, as fp4moe::gpt_oss_moe takes them (its MXFP4 ones:
+# fp4moe_ops.mxfp4.MXFP4_EXPERT_TENSORS)
+NVFP4_GPT_OSS_TENSORS = ("w13", "w13_scale", "w13_global", "b1", "w2", "w2_scale", "w2_global", "b2")
+_BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_nvfp4_gpt_oss_tensors(expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
+    """Check gpt-oss's experts with NVFP4 weights (:data:`NVFP4_GPT_OSS_TENSORS`): the canonical
+    NVFP4 tensors with gate's and up's rows interleaved as gpt-oss's (``w13 [E, 2I, H/2]``, row
+    ``2j`` gate's ``j``), any strides, and the biases ``b1 [E, 2I]`` (interleaved alike) and ``b2
+    [E, H]``; return E. Metadata only."""
+    if len(expert_tensors) != len(NVFP4_GPT_OSS_TENSORS):
+        raise ValueError(f"expected {len(NVFP4_GPT_OSS_TENSORS)} tensors {list(NVFP4_GPT_OSS_TENSORS)} for gpt-oss's "
+                         f"NVFP4 experts, got {len(expert_tensors)}")
+    w13, s13, g13, b1, w2, s2, g2, b2 = expert_tensors
+    specs = canonical_specs([w13, s13, g13, w2, s2, g2], hidden_size)
+    check_specs(specs, hidden_size)
+    e, two_i = s13.shape[:2]
+    for name, bias, shape in (("b1", b1, (e, two_i)), ("b2", b2, (e, hidden_size))):
+        if bias.dtype not in _BIAS_DTYPES or tuple(bias.shape) != shape:
+            raise ValueError(f"{name}: expected bfloat16/float16/float32 {list(shape)}, got {bias.dtype} {list(bias.shape)}")
+    return e
 
 
 def check_specs(expected: dict, hidden_size: int) -> None:
@@ -120,25 +144,28 @@ class Backend:
         """Validate the prepared tensors' shapes/dtypes (fake tensors too); return E."""
         return check_canonical_tensors(expert_tensors, hidden_size)
 
-    # gpt-oss's MXFP4 experts (``fp4moe::mxfp4_moe``): a backend runs them only if it overrides both
+    # gpt-oss's experts (``fp4moe::gpt_oss_moe``): a backend runs them only if it overrides both
 
-    def mxfp4_refusal(self, device: torch.device) -> str | None:
-        """None if this backend runs gpt-oss's MXFP4 experts on ``device``, else a one-line reason."""
+    def gpt_oss_refusal(self, device: torch.device) -> str | None:
+        """None if this backend runs gpt-oss's experts on ``device``, else a one-line reason."""
         reason = self.unavailable_reason(device)
         if reason is not None:
             return reason
-        return ("it has no kernel for gpt-oss's MXFP4 experts (E8M0 scales, biases, clamped SwiGLU) yet, only for "
-                "NVFP4 experts")
+        return ("it has no kernel for gpt-oss's experts (biases, clamped SwiGLU, MXFP4's E8M0 scales) yet, only for "
+                "SiLU-gated NVFP4 experts")
 
-    def check_mxfp4_tensors(self, expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
-        """Validate the MXFP4 expert tensors this backend takes (fake tensors too); return E. By
-        default gpt-oss's checkpoint tensors (:func:`fp4moe_ops.mxfp4_op.check_mxfp4_experts`)."""
+    def check_gpt_oss_tensors(self, expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
+        """Validate the gpt-oss expert tensors this backend takes (fake tensors too); return E. By
+        default gpt-oss's MXFP4 checkpoint tensors (:func:`fp4moe_ops.mxfp4.check_mxfp4_experts`), or
+        with eight tensors its NVFP4 ones (:func:`check_nvfp4_gpt_oss_tensors`)."""
+        if len(expert_tensors) == len(NVFP4_GPT_OSS_TENSORS):
+            return check_nvfp4_gpt_oss_tensors(expert_tensors, hidden_size)
         return check_mxfp4_experts(expert_tensors, hidden_size)[0]
 
-    def run_mxfp4(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
+    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
                   limit: float) -> torch.Tensor:
-        """``fp4moe::mxfp4_moe``'s ``[T, H]`` in ``hidden_states.dtype``; inputs are already validated."""
-        raise NotImplementedError(f"backend {self.name!r}: {self.mxfp4_refusal(torch.device('cpu'))}")
+        """``fp4moe::gpt_oss_moe``'s ``[T, H]`` in ``hidden_states.dtype``; inputs are already validated."""
+        raise NotImplementedError(f"backend {self.name!r}: {self.gpt_oss_refusal(torch.device('cpu'))}")
 
 
 CANONICAL = "canonical"
@@ -236,10 +263,10 @@ def resolve_backend(
     return backend
 
 
-def resolve_mxfp4_backend(name: str, device: torch.device | str) -> Backend:
-    """:func:`resolve_backend` for gpt-oss's MXFP4 experts: ``"auto"`` takes the first backend of
+def resolve_gpt_oss_backend(name: str, device: torch.device | str) -> Backend:
+    """:func:`resolve_backend` for gpt-oss's experts: ``"auto"`` takes the first backend of
     :data:`AUTO_ORDER` that runs them here, with a warning (logger ``fp4moe``) naming any faster one
-    that can run on the device but refuses MXFP4, and why; a named backend that refuses raises
+    that can run on the device but refuses gpt-oss's experts, and why; a named backend that refuses raises
     ValueError with its reason."""
     device = torch.device(device)
     if name == "auto":
@@ -248,20 +275,20 @@ def resolve_mxfp4_backend(name: str, device: torch.device | str) -> Backend:
             b = BACKENDS.get(candidate)
             if b is None:
                 continue
-            reason = b.mxfp4_refusal(device)
+            reason = b.gpt_oss_refusal(device)
             if reason is None:
                 if passed_over:
                     logging.getLogger("fp4moe").warning(
-                        "fp4moe: gpt-oss's MXFP4 experts on %s run on the %r backend: %s", device, b.name,
+                        "fp4moe: gpt-oss's experts on %s run on the %r backend: %s", device, b.name,
                         "; ".join(passed_over))
                 return b
             if b.unavailable_reason(device) is None:  # it runs here, but not these experts
                 passed_over.append(f"{b.name!r} does not run them ({reason})")
-        raise ValueError(f"no fp4moe backend runs gpt-oss's MXFP4 experts on {device}")  # reference runs anywhere
+        raise ValueError(f"no fp4moe backend runs gpt-oss's experts on {device}")  # reference runs anywhere
     backend = get_backend(name)
-    reason = backend.mxfp4_refusal(device)
+    reason = backend.gpt_oss_refusal(device)
     if reason is not None:
-        can = [n for n, b in BACKENDS.items() if b.mxfp4_refusal(device) is None]
-        raise ValueError(f"fp4moe backend {name!r} cannot run gpt-oss's MXFP4 experts on {device}: {reason}. "
+        can = [n for n, b in BACKENDS.items() if b.gpt_oss_refusal(device) is None]
+        raise ValueError(f"fp4moe backend {name!r} cannot run gpt-oss's experts on {device}: {reason}. "
                          f"Backends that can: {can}")
     return backend

@@ -12,10 +12,10 @@ activation dtype, where FlashInfer's CUTLASS kernel writes BF16: the kernel-fait
 for ``flashinfer_nvfp4``. Slow and host-syncing (one sync per call): for correctness, CPU
 use and tiny models, not for CUDA graphs.
 
-:func:`reference_mxfp4_moe` is gpt-oss's MXFP4 experts (``fp4moe::mxfp4_moe``) the same way: each
-routed expert's weights decoded from gpt-oss's blocks and E8M0 scales to float32, float32 GEMMs with
-their biases, the clamped SwiGLU (:func:`~fp4moe_ops.moe_math.clamped_swiglu`) rounded to the
-activation dtype.
+:func:`reference_gpt_oss_moe` is gpt-oss's experts (``fp4moe::gpt_oss_moe``) the same way: each
+routed expert's weights decoded to float32 (MXFP4: gpt-oss's blocks and E8M0 scales; NVFP4: E2M1
+codes, E4M3 block scales and the global scale), float32 GEMMs with their biases, the clamped SwiGLU
+(:func:`~fp4moe_ops.moe_math.clamped_swiglu`) rounded to the activation dtype.
 """
 
 from __future__ import annotations
@@ -61,19 +61,29 @@ def reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
     return routed_moe(hidden_states, topk_ids, topk_weights, w13.shape[0], expert).to(dtype)
 
 
-def reference_mxfp4_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
-                        limit: float) -> torch.Tensor:
-    """gpt-oss's MoE experts on ``[gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks,
-    down_scales, down_bias]`` (gpt-oss's checkpoint tensors); ``[T, H]`` in ``hidden_states.dtype``."""
-    gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = expert_tensors
+def reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
+                          limit: float) -> torch.Tensor:
+    """gpt-oss's MoE experts on its MXFP4 checkpoint tensors ``[gate_up_blocks, gate_up_scales,
+    gate_up_bias, down_blocks, down_scales, down_bias]`` or on NVFP4 ones ``[w13, w13_scale,
+    w13_global, b1, w2, w2_scale, w2_global, b2]`` (rows interleaving gate and up: see
+    ``fp4moe::gpt_oss_moe``); ``[T, H]`` in ``hidden_states.dtype``."""
+    if len(expert_tensors) == 8:
+        w13, s13, g13, b1, w2, s2, g2, b2 = expert_tensors
+        s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
+        gate_up = lambda e: dequantize_nvfp4(w13[e], s13[e], g13[e])  # noqa: E731
+        down = lambda e: dequantize_nvfp4(w2[e], s2[e], g2[e])  # noqa: E731
+    else:
+        gate_up_blocks, gate_up_scales, b1, down_blocks, down_scales, b2 = expert_tensors
+        gate_up = lambda e: dequantize_gpt_oss(gate_up_blocks[e], gate_up_scales[e])  # noqa: E731
+        down = lambda e: dequantize_gpt_oss(down_blocks[e], down_scales[e])  # noqa: E731
     dtype = hidden_states.dtype
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        h = rows.float() @ dequantize_gpt_oss(gate_up_blocks[e], gate_up_scales[e]).T + gate_up_bias[e].float()
+        h = rows.float() @ gate_up(e).T + b1[e].float()
         act = clamped_swiglu(h, alpha, limit).to(dtype)  # the intermediate a kernel stores
-        return act.float() @ dequantize_gpt_oss(down_blocks[e], down_scales[e]).T + down_bias[e].float()
+        return act.float() @ down(e).T + b2[e].float()
 
-    return routed_moe(hidden_states, topk_ids, topk_weights, gate_up_blocks.shape[0], expert).to(dtype)
+    return routed_moe(hidden_states, topk_ids, topk_weights, b1.shape[0], expert).to(dtype)
 
 
 class ReferenceBackend(Backend):
@@ -89,11 +99,11 @@ class ReferenceBackend(Backend):
             routed_experts=0):
         return reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale)
 
-    def mxfp4_refusal(self, device: torch.device) -> str | None:
+    def gpt_oss_refusal(self, device: torch.device) -> str | None:
         return None
 
-    def run_mxfp4(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit):
-        return reference_mxfp4_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit)
+    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit):
+        return reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit)
 
 
 register_backend(ReferenceBackend())

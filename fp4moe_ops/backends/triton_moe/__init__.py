@@ -56,12 +56,12 @@ values from fp16 bit patterns: code ``c`` as ``(c & 7) << 9 | (c & 8) << 12`` is
 """
 
 from .backend import PAIRED, TritonBackend
-from .launch import FAST_ROUTE_MAX_SLOTS, interpreting, kernel_config, route, triton, triton_fused_moe, triton_mxfp4_moe
+from .launch import FAST_ROUTE_MAX_SLOTS, interpreting, kernel_config, route, triton, triton_fused_moe, triton_gpt_oss_moe
 from .layout import canonical_from_paired, fits_tma, fragment_order, gpt_oss_checkpoint_tensors, gpt_oss_kernel_tensors, \
     paired_weight_layout
 
 __all__ = [
     "FAST_ROUTE_MAX_SLOTS", "PAIRED", "TritonBackend", "canonical_from_paired", "fits_tma", "fragment_order",
     "gpt_oss_checkpoint_tensors", "gpt_oss_kernel_tensors", "interpreting", "kernel_config", "paired_weight_layout",
-    "route", "triton", "triton_fused_moe", "triton_mxfp4_moe",
+    "route", "triton", "triton_fused_moe", "triton_gpt_oss_moe",
 ]

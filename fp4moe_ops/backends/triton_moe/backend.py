@@ -6,7 +6,7 @@ import torch
 
 from ..base import CANONICAL, Backend, canonical_specs, check_canonical_tensors, check_specs, register_backend, \
     register_packed_layout
-from .launch import triton, triton_fused_moe, triton_mxfp4_moe
+from .launch import triton, triton_fused_moe, triton_gpt_oss_moe
 from .layout import canonical_from_paired, fits_tma, paired_weight_layout
 
 PAIRED = "paired"
@@ -53,22 +53,23 @@ class TritonBackend(Backend):
                                     routed_experts=routed_experts)
 
 
-    def mxfp4_refusal(self, device: torch.device) -> str | None:
+    def gpt_oss_refusal(self, device: torch.device) -> str | None:
         reason = self.unavailable_reason(device)
         if reason is None and torch.cuda.get_device_capability(device) < (9, 0):
-            reason = "gpt-oss's MXFP4 experts run on its TMA kernels: compute capability 9.0+"
+            reason = "gpt-oss's experts run on its TMA kernels: compute capability 9.0+"
         return reason
 
-    def check_mxfp4_tensors(self, expert_tensors, hidden_size):
-        """The experts in this backend's layout (:func:`.layout.gpt_oss_kernel_tensors`): ``w13 [E, Ip,
-        Hp/4]`` int32, ``s13 [E, 2Ip, Hp/16]`` int8, ``b1 [E, 2Ip]`` float32, ``w2 [E, Hp/2, Ip/4]`` int32,
-        ``s2 [E, Hp, Ip/16]`` int8, ``b2 [E, Hp]`` float32, Hp and Ip multiples of 256 and ``hidden_size <=
-        Hp``. Metadata only."""
-        names = ("w13", "s13", "b1", "w2", "s2", "b2")
-        if len(expert_tensors) != 6 or expert_tensors[0].dtype != torch.int32:
-            raise ValueError("the triton backend runs gpt-oss's MXFP4 experts in its own layout (6 tensors, w13 "
-                             "int32 first: fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors; "
-                             "MXFP4GptOssExperts.set_backend('triton') converts its tensors), got "
+    def check_gpt_oss_tensors(self, expert_tensors, hidden_size):
+        """The experts in this backend's layout (:func:`.layout.gpt_oss_kernel_tensors`): MXFP4 ``[w13 [E,
+        Ip, Hp/4] int32, s13 [E, 2Ip, Hp/16] int8, b1 [E, 2Ip] float32, w2 [E, Hp/2, Ip/4] int32, s2 [E, Hp,
+        Ip/16] int8, b2 [E, Hp] float32]``, or NVFP4 the same with uint8 scales and the global scales ``g13``,
+        ``g2 [E]`` float32 after them; Hp and Ip multiples of 256 and ``hidden_size <= Hp``. Metadata only."""
+        nvfp4 = len(expert_tensors) == 8
+        names = ("w13", "s13", "g13", "b1", "w2", "s2", "g2", "b2") if nvfp4 else ("w13", "s13", "b1", "w2", "s2", "b2")
+        if len(expert_tensors) not in (6, 8) or expert_tensors[0].dtype != torch.int32:
+            raise ValueError("the triton backend runs gpt-oss's experts in its own layout (6 tensors for MXFP4, 8 for "
+                             "NVFP4, w13 int32 first: fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors; "
+                             "the gpt-oss experts modules' set_backend('triton') converts their tensors), got "
                              f"{[f'{t.dtype} {list(t.shape)}' for t in expert_tensors]}")
         s13 = expert_tensors[1]
         if s13.dim() != 3:
@@ -77,17 +78,21 @@ class TritonBackend(Backend):
         if ip % 256 or hp % 256 or hidden_size > hp:
             raise ValueError(f"gpt-oss kernel tensors: Ip={ip} and Hp={hp} must be multiples of 256 with hidden "
                              f"size {hidden_size} <= Hp")
-        specs = ((torch.int32, (e, ip, hp // 4)), (torch.int8, (e, 2 * ip, hp // 16)), (torch.float32, (e, 2 * ip)),
-                 (torch.int32, (e, hp // 2, ip // 4)), (torch.int8, (e, hp, ip // 16)), (torch.float32, (e, hp)))
-        for name, t, (dtype, shape) in zip(names, expert_tensors, specs):
+        scale = torch.uint8 if nvfp4 else torch.int8  # E4M3 or E8M0 bytes
+        specs = {"w13": (torch.int32, (e, ip, hp // 4)), "s13": (scale, (e, 2 * ip, hp // 16)),
+                 "g13": (torch.float32, (e,)), "b1": (torch.float32, (e, 2 * ip)),
+                 "w2": (torch.int32, (e, hp // 2, ip // 4)), "s2": (scale, (e, hp, ip // 16)),
+                 "g2": (torch.float32, (e,)), "b2": (torch.float32, (e, hp))}
+        for name, t in zip(names, expert_tensors):
+            dtype, shape = specs[name]
             if t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"gpt-oss kernel tensor {name}: expected {dtype} {list(shape)}, got {t.dtype} "
                                  f"{list(t.shape)}")
         return e
 
-    def run_mxfp4(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit):
+    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit):
         with torch.cuda.device(hidden_states.device):
-            return triton_mxfp4_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit)
+            return triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit)
 
 
 register_packed_layout(PAIRED, paired_weight_layout, canonical_from_paired)

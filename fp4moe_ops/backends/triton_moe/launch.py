@@ -233,7 +233,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     :func:`paired_weight_layout`, int32, as :class:`~fp4moe_ops.PreparedExperts` holds them) or the canonical layout (uint8; any config).
     The tiles come from :func:`kernel_config` (``routed_experts``: see ``fp4moe::fused_moe``)
     unless ``config`` is given. ``gpt_oss``: :class:`.layout.GptOssTerms` for gpt-oss's experts
-    (:func:`triton_mxfp4_moe`), whose block scales are E8M0 as int8 and global scales unused."""
+    (:func:`triton_gpt_oss_moe`; MXFP4's block scales are E8M0 as int8, and its global scales unused)."""
     w13, s13, g13, w2, s2, g2 = expert_tensors
     num_tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
@@ -323,18 +323,21 @@ def _down_bias(gpt_oss, topk_weights):
     return None if gpt_oss is None else (gpt_oss.b2, topk_weights.contiguous())
 
 
-def triton_mxfp4_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, alpha: float, limit: float,
-                     config: dict | None = None):
-    """gpt-oss's MXFP4 experts on the Triton kernels: ``kernel_tensors`` as
-    :func:`.layout.gpt_oss_kernel_tensors` makes them (H and I padded to multiples of 256, E8M0
-    scales duplicated per 16 values); the activations are padded to match and the output cut back to
-    ``hidden_states``' width."""
-    w13, s13, b1, w2, s2, b2 = kernel_tensors
+def triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, alpha: float, limit: float,
+                       config: dict | None = None):
+    """gpt-oss's experts on the Triton kernels: ``kernel_tensors`` as
+    :func:`.layout.gpt_oss_kernel_tensors` makes them (H and I padded to multiples of 256; six for
+    MXFP4, whose E8M0 scales are duplicated per 16 values, eight for NVFP4); the activations are
+    padded to match and the output cut back to ``hidden_states``' width."""
+    if len(kernel_tensors) == 8:
+        w13, s13, g13, b1, w2, s2, g2, b2 = kernel_tensors
+    else:
+        w13, s13, b1, w2, s2, b2 = kernel_tensors
+        g13 = g2 = b1  # (E8M0 scales need no global scale: the kernels ignore g, so b1 stands in for it)
     hidden = hidden_states.shape[1]
     padded = w2.shape[1] * 2  # w2 [E, Hp/2, Ip/4] (paired words)
     x = hidden_states if padded == hidden else torch.nn.functional.pad(hidden_states, (0, padded - hidden))
-    # (E8M0 scales need no global scale: the kernels ignore g, so b1 stands in for it)
-    out = triton_fused_moe(x, topk_ids, topk_weights, [w13, s13, b1, w2, s2, b1], config,
+    out = triton_fused_moe(x, topk_ids, topk_weights, [w13, s13, g13, w2, s2, g2], config,
                            gpt_oss=GptOssTerms(b1, b2, alpha, limit))
     return out if padded == hidden else out[:, :hidden].contiguous()
 

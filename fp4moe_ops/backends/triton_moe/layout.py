@@ -120,15 +120,16 @@ def fragment_order(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return x[..., fragment_source(torch.arange(x.shape[-1], device=x.device), chunk)]
 
 
-# --- gpt-oss's MXFP4 experts in the kernels' layout ----------------------------------------------
+# --- gpt-oss's experts in the kernels' layout ------------------------------------------------------
 #
 # The kernels read NVFP4-shaped tensors: rows [gate; up], one scale byte per 16 values, the paired
-# weight words, H and I multiples of 256. gpt-oss's experts (fp4moe_ops.mxfp4: rows interleaving
-# gate and up, one E8M0 byte per 32 values, H = I = 2880) are moved into that shape without
-# changing a value: the same E2M1 codes, each E8M0 byte written for both 16-value halves of its
-# block (held as int8, which is how the kernels tell E8M0 from E4M3), zero rows and columns up to
-# the next multiple of 256 (zero codes and biases: a padded row of gate/up yields h = 0), and
-# float32 biases. 2^-127 .. 2^23 decode exactly on the GPU; larger scales and NaN (0xFF) are refused.
+# weight words, H and I multiples of 256. gpt-oss's experts (rows interleaving gate and up, H = I =
+# 2880) are moved into that shape without changing a value: the same E2M1 codes and scale bytes,
+# zero rows and columns up to the next multiple of 256 (zero codes and scales, zero biases: a padded
+# row of gate/up yields h = 0), and float32 biases. MXFP4 (fp4moe_ops.mxfp4: one E8M0 byte per 32
+# values) has each E8M0 byte written for both 16-value halves of its block, held as int8, which is
+# how the kernels tell E8M0 from E4M3 (uint8); 2^-127 .. 2^23 decode exactly on the GPU, larger
+# scales and NaN (0xFF) are refused. NVFP4 keeps its E4M3 bytes and per-expert global scales.
 
 GPT_OSS_MAX_SCALE_BYTE = 127 + 23  # E8M0 byte of 2^23: the largest the kernels decode exactly
 
@@ -152,7 +153,18 @@ def _pad_to(n: int, multiple: int = 256) -> int:
     return -(-n // multiple) * multiple
 
 
-def _kernel_matrix(name: str, blocks: torch.Tensor, scales: torch.Tensor, rows: int, cols: int):
+def _padded(packed: torch.Tensor, scales: torch.Tensor, rows: int, cols: int):
+    """``packed [E, N, K/2]`` uint8 and ``scales [E, N, K/16]`` (one byte per 16 values) -> the same
+    zero-padded to ``[E, rows, cols/2]`` and ``[E, rows, cols/16]`` (N <= rows, K <= cols)."""
+    experts, n, k_half = packed.shape
+    out = torch.zeros(experts, rows, cols // 2, dtype=torch.uint8, device=packed.device)
+    out[:, :n, :k_half] = packed
+    scale16 = torch.zeros(experts, rows, cols // 16, dtype=torch.uint8, device=packed.device)
+    scale16[:, :n, :scales.shape[2]] = scales.view(torch.uint8)
+    return out, scale16
+
+
+def _mxfp4_kernel_matrix(name: str, blocks: torch.Tensor, scales: torch.Tensor, rows: int, cols: int):
     """gpt-oss ``blocks [E, N, K/32, 16]`` / ``scales [E, N, K/32]`` -> canonical packed ``[E, rows,
     cols/2]`` uint8 and int8 scales ``[E, rows, cols/16]``, zero-padded (N <= rows, K <= cols)."""
     bad = scales.gt(GPT_OSS_MAX_SCALE_BYTE)
@@ -162,32 +174,40 @@ def _kernel_matrix(name: str, blocks: torch.Tensor, scales: torch.Tensor, rows: 
         raise ValueError(f"{name}_scales[{e}, {n}, {b}] is E8M0 byte {byte} ({'NaN' if byte == 255 else f'2^{byte - 127}'}):"
                          f" the Triton kernels decode scales up to 2^{GPT_OSS_MAX_SCALE_BYTE - 127}; the reference "
                          "backend runs these experts")
-    experts, n, k_blocks = scales.shape
-    packed = torch.zeros(experts, rows, cols // 2, dtype=torch.uint8, device=blocks.device)
-    packed[:, :n, :k_blocks * 16] = blocks.flatten(-2)
-    scale16 = torch.zeros(experts, rows, cols // 16, dtype=torch.uint8, device=blocks.device)
-    scale16[:, :n, :2 * k_blocks] = scales.repeat_interleave(2, dim=-1)
+    packed, scale16 = _padded(blocks.flatten(-2), scales.repeat_interleave(2, dim=-1), rows, cols)
     return packed, scale16.view(torch.int8)
 
 
 def gpt_oss_kernel_tensors(expert_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """gpt-oss's six checkpoint tensors (:data:`fp4moe_ops.mxfp4_op.MXFP4_EXPERT_TENSORS`) -> the
-    Triton backend's ``[w13 [E, Ip, Hp/4] int32 (paired), s13 [E, 2Ip, Hp/16] int8 (E8M0), b1 [E, 2Ip]
-    float32, w2 [E, Hp/2, Ip/4] int32, s2 [E, Hp, Ip/16] int8, b2 [E, Hp] float32]`` (Hp, Ip: H, I
-    rounded up to multiples of 256; rows of w13, s13 and b1: gate's, then up's). ValueError naming
-    the tensor for a scale the kernels cannot decode exactly."""
+    """gpt-oss's experts as ``fp4moe::gpt_oss_moe`` takes them -> the Triton backend's layout (Hp, Ip:
+    H, I rounded up to multiples of 256; rows of w13, s13 and b1: gate's, then up's):
+
+    * MXFP4, the six checkpoint tensors (:data:`fp4moe_ops.mxfp4.MXFP4_EXPERT_TENSORS`) -> ``[w13 [E,
+      Ip, Hp/4] int32 (paired), s13 [E, 2Ip, Hp/16] int8 (E8M0), b1 [E, 2Ip] float32, w2 [E, Hp/2,
+      Ip/4] int32, s2 [E, Hp, Ip/16] int8, b2 [E, Hp] float32]``; ValueError naming the tensor for a
+      scale the kernels cannot decode exactly;
+    * NVFP4, the eight tensors ``[w13, w13_scale, w13_global, b1, w2, w2_scale, w2_global, b2]`` ->
+      the same with uint8 (E4M3) scales and the float32 global scales ``[E]`` after each scale:
+      ``[w13, s13, g13, b1, w2, s2, g2, b2]``."""
+    if len(expert_tensors) == 8:
+        w13, s13, g13, b1, w2, s2, g2, b2 = expert_tensors
+        inter, hidden = w13.shape[1] // 2, w13.shape[2] * 2
+        hp, ip = _pad_to(hidden), _pad_to(inter)
+        gate, up = (_padded(w13[:, half::2], s13[:, half::2], ip, hp) for half in (0, 1))
+        packed2, s2k = _padded(w2, s2, hp, ip)
+        b1k, b2k = gpt_oss_kernel_biases(b1, b2, ip, hp)
+        return [paired_weight_layout(torch.cat([gate[0], up[0]], dim=1)), torch.cat([gate[1], up[1]], dim=1),
+                g13.float().contiguous(), b1k, paired_weight_layout(packed2), s2k, g2.float().contiguous(), b2k]
     gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = expert_tensors
     experts, two_i, h_blocks = gate_up_scales.shape
     inter, hidden = two_i // 2, h_blocks * 32
     hp, ip = _pad_to(hidden), _pad_to(inter)
-    parts = []
-    for half in (0, 1):  # gate (even rows), up (odd rows)
-        parts.append(_kernel_matrix("gate_up_proj", gate_up_blocks[:, half::2], gate_up_scales[:, half::2], ip, hp))
-    w13 = paired_weight_layout(torch.cat([parts[0][0], parts[1][0]], dim=1))
-    s13 = torch.cat([parts[0][1], parts[1][1]], dim=1)
-    packed2, s2 = _kernel_matrix("down_proj", down_blocks, down_scales, hp, ip)
+    gate, up = (_mxfp4_kernel_matrix("gate_up_proj", gate_up_blocks[:, half::2], gate_up_scales[:, half::2], ip, hp)
+                for half in (0, 1))  # gate (even rows), up (odd rows)
+    packed2, s2 = _mxfp4_kernel_matrix("down_proj", down_blocks, down_scales, hp, ip)
     b1, b2 = gpt_oss_kernel_biases(gate_up_bias, down_bias, ip, hp)
-    return [w13, s13, b1, paired_weight_layout(packed2), s2, b2]
+    return [paired_weight_layout(torch.cat([gate[0], up[0]], dim=1)), torch.cat([gate[1], up[1]], dim=1), b1,
+            paired_weight_layout(packed2), s2, b2]
 
 
 def gpt_oss_kernel_biases(gate_up_bias: torch.Tensor, down_bias: torch.Tensor, ip: int, hp: int):
@@ -203,16 +223,25 @@ def gpt_oss_kernel_biases(gate_up_bias: torch.Tensor, down_bias: torch.Tensor, i
 
 def gpt_oss_checkpoint_tensors(kernel_tensors: list[torch.Tensor], hidden: int, inter: int,
                                bias_dtype: torch.dtype) -> list[torch.Tensor]:
-    """Inverse of :func:`gpt_oss_kernel_tensors`: gpt-oss's six tensors for hidden size ``hidden`` and
-    intermediate size ``inter``, biases in ``bias_dtype`` (exact when they came from it)."""
-    w13, s13, b1, w2, s2, b2 = kernel_tensors
+    """Inverse of :func:`gpt_oss_kernel_tensors`: gpt-oss's tensors as ``fp4moe::gpt_oss_moe`` takes
+    them (six MXFP4 or eight NVFP4, as given) for hidden size ``hidden`` and intermediate size
+    ``inter``, biases in ``bias_dtype`` (exact when they came from it)."""
+    nvfp4 = len(kernel_tensors) == 8
+    if nvfp4:
+        w13, s13, g13, b1, w2, s2, g2, b2 = kernel_tensors
+    else:
+        w13, s13, b1, w2, s2, b2 = kernel_tensors
     ip = s13.shape[1] // 2
+    per = 16 if nvfp4 else 32  # values per scale byte in the result
+    scales13 = s13.view(torch.uint8) if nvfp4 else s13.view(torch.uint8)[..., 0::2]  # MXFP4: one byte per 32 again
     packed13 = canonical_from_paired(w13)
-    scales13 = s13.view(torch.uint8)[..., 0::2]  # one byte per 32 values again
-    gate_up_blocks = interleave_gate_up(packed13[:, :inter, :hidden // 2], packed13[:, ip:ip + inter, :hidden // 2])
-    gate_up_scales = interleave_gate_up(scales13[:, :inter, :hidden // 32], scales13[:, ip:ip + inter, :hidden // 32])
+    gate_up = interleave_gate_up(packed13[:, :inter, :hidden // 2], packed13[:, ip:ip + inter, :hidden // 2])
+    gate_up_scales = interleave_gate_up(scales13[:, :inter, :hidden // per], scales13[:, ip:ip + inter, :hidden // per])
     gate_up_bias = interleave_gate_up(b1[:, :inter], b1[:, ip:ip + inter], dim=-1).to(bias_dtype)
-    packed2 = canonical_from_paired(w2)
-    return [to_gpt_oss_blocks(gate_up_blocks).contiguous(), gate_up_scales.contiguous(), gate_up_bias,
-            to_gpt_oss_blocks(packed2[:, :hidden, :inter // 2]).contiguous(),
-            s2.view(torch.uint8)[:, :hidden, 0:inter // 16:2].contiguous(), b2[:, :hidden].to(bias_dtype)]
+    packed2 = canonical_from_paired(w2)[:, :hidden, :inter // 2].contiguous()
+    scales2 = s2.view(torch.uint8)[:, :hidden, 0:inter // 16:(1 if nvfp4 else 2)].contiguous()
+    down_bias = b2[:, :hidden].to(bias_dtype)
+    if nvfp4:
+        return [gate_up.contiguous(), gate_up_scales.contiguous(), g13, gate_up_bias, packed2, scales2, g2, down_bias]
+    return [to_gpt_oss_blocks(gate_up).contiguous(), gate_up_scales.contiguous(), gate_up_bias,
+            to_gpt_oss_blocks(packed2), scales2, down_bias]

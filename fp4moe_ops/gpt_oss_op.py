@@ -1,16 +1,27 @@
-"""``torch.ops.fp4moe.mxfp4_moe``: gpt-oss's MXFP4 routed experts as one graph node.
+"""``torch.ops.fp4moe.gpt_oss_moe``: gpt-oss's routed experts as one graph node, with MXFP4 or NVFP4 weights.
 
     out[t] = sum_j  w[t, j] * (down_e(clamped_swiglu(gate_up_e(x_t) + b1_e)) + b2_e),   e = ids[t, j]
 
-with gpt-oss's tensors as the checkpoint holds them (:mod:`fp4moe_ops.mxfp4`): ``gate_up``'s rows
-interleave gate and up, and ``clamped_swiglu`` (:func:`fp4moe_ops.moe_math.clamped_swiglu`) is
-``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``. The
-routing weights are applied as given (gpt-oss's router takes the softmax over its top-k logits).
+``gate_up``'s rows interleave gate and up (row ``2j`` gate's ``j``, as gpt-oss holds them), and
+``clamped_swiglu`` (:func:`fp4moe_ops.moe_math.clamped_swiglu`) is ``(clamp(up, -limit, limit) + 1) *
+g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``. The routing weights are applied as given
+(gpt-oss's router takes the softmax over its top-k logits). Activations stay 16-bit (W4A16).
+
+The weights come in one of two formats, told apart by the number of tensors:
+
+* MXFP4, gpt-oss's release: the checkpoint's six tensors (:data:`MXFP4_EXPERT_TENSORS`, format in
+  :mod:`fp4moe_ops.mxfp4`);
+* NVFP4, as ModelOpt exports gpt-oss: eight tensors (:data:`NVFP4_GPT_OSS_TENSORS`), the canonical
+  NVFP4 experts with gpt-oss's interleaved rows and the two biases
+  (:func:`~fp4moe_ops.backends.base.check_nvfp4_gpt_oss_tensors`).
+
+A backend may take either in a layout of its own (the ``triton`` backend:
+:func:`fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors`).
 
 The contract is ``fp4moe::fused_moe``'s: the real and the fake function share their metadata
 checks (no host sync), so Dynamo traces one opaque node and ``torch.compile(fullgraph=True)`` never
-breaks on it; the backend is named per call and must run MXFP4 experts
-(:meth:`~fp4moe_ops.backends.base.Backend.mxfp4_refusal`: ``reference`` anywhere, ``triton`` on Hopper
+breaks on it; the backend is named per call and must run gpt-oss's experts
+(:meth:`~fp4moe_ops.backends.base.Backend.gpt_oss_refusal`: ``reference`` anywhere, ``triton`` on Hopper
 and newer, on tensors in its own layout).
 """
 
@@ -19,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from .backends import get_backend
+from .backends.base import NVFP4_GPT_OSS_TENSORS
 from .mxfp4 import MXFP4_EXPERT_TENSORS, check_mxfp4_experts
 from .op import check_routing
 
@@ -28,9 +40,9 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the activation
 def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit, backend):
     """Metadata checks shared by the real and the fake implementation."""
     b = get_backend(backend)
-    reason = b.mxfp4_refusal(hidden_states.device)
+    reason = b.gpt_oss_refusal(hidden_states.device)
     if reason is not None:
-        raise ValueError(f"backend {backend!r} cannot run gpt-oss's MXFP4 experts on {hidden_states.device}: {reason}")
+        raise ValueError(f"backend {backend!r} cannot run gpt-oss's experts on {hidden_states.device}: {reason}")
     if hidden_states.dim() != 2 or hidden_states.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"hidden_states must be [T, H] bfloat16/float16/float32, got {hidden_states.dtype} "
                         f"{list(hidden_states.shape)}")
@@ -39,11 +51,11 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, 
     if alpha != alpha:
         raise ValueError("alpha (swiglu_alpha) is NaN")
     check_routing(hidden_states, topk_ids, topk_weights, expert_tensors)
-    b.check_mxfp4_tensors(expert_tensors, hidden_states.shape[1])
+    b.check_gpt_oss_tensors(expert_tensors, hidden_states.shape[1])
 
 
-@torch.library.custom_op("fp4moe::mxfp4_moe", mutates_args=())
-def mxfp4_moe(
+@torch.library.custom_op("fp4moe::gpt_oss_moe", mutates_args=())
+def gpt_oss_moe(
     hidden_states: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -52,7 +64,7 @@ def mxfp4_moe(
     limit: float,
     backend: str,
 ) -> torch.Tensor:
-    """gpt-oss's MXFP4 experts: ``out[t] = sum_j w[t,j] * expert_{ids[t,j]}(x[t])``.
+    """gpt-oss's experts: ``out[t] = sum_j w[t,j] * expert_{ids[t,j]}(x[t])``.
 
     Args:
         hidden_states: ``[T, H]`` bfloat16/float16/float32.
@@ -61,10 +73,13 @@ def mxfp4_moe(
         expert_tensors: :data:`MXFP4_EXPERT_TENSORS`, as in the checkpoint: ``gate_up_proj_blocks
             [E, 2I, H/32, 16]`` and ``_scales [E, 2I, H/32]`` uint8, ``gate_up_proj_bias [E, 2I]``,
             ``down_proj_blocks [E, H, I/32, 16]`` and ``_scales [E, H, I/32]`` uint8,
-            ``down_proj_bias [E, H]``; for the ``triton`` backend the same experts in its layout
+            ``down_proj_bias [E, H]``; or NVFP4 weights, :data:`NVFP4_GPT_OSS_TENSORS` (``w13 [E, 2I,
+            H/2]`` uint8, ``w13_scale [E, 2I, H/16]`` uint8 E4M3 bytes, ``w13_global [E]`` float32, ``b1
+            [E, 2I]``, then ``w2``, ``w2_scale``, ``w2_global``, ``b2 [E, H]``; any strides); for the
+            ``triton`` backend either in its layout
             (:func:`fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors`).
         alpha, limit: gpt-oss's ``swiglu_alpha`` (1.702) and ``swiglu_limit`` (7.0).
-        backend: a concrete backend that runs MXFP4 experts (:func:`resolve_mxfp4_backend`).
+        backend: a concrete backend that runs gpt-oss's experts (:func:`resolve_gpt_oss_backend`).
 
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``.
@@ -72,13 +87,13 @@ def mxfp4_moe(
     _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit, backend)
     if hidden_states.shape[0] == 0:
         return torch.empty_like(hidden_states)
-    return get_backend(backend).run_mxfp4(hidden_states, topk_ids, topk_weights, list(expert_tensors), alpha, limit)
+    return get_backend(backend).run_gpt_oss(hidden_states, topk_ids, topk_weights, list(expert_tensors), alpha, limit)
 
 
-@mxfp4_moe.register_fake
+@gpt_oss_moe.register_fake
 def _(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit, backend):
     _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit, backend)
     return torch.empty_like(hidden_states)
 
 
-__all__ = ["MXFP4_EXPERT_TENSORS", "check_mxfp4_experts", "mxfp4_moe"]
+__all__ = ["MXFP4_EXPERT_TENSORS", "NVFP4_GPT_OSS_TENSORS", "check_mxfp4_experts", "gpt_oss_moe"]
