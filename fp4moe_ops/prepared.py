@@ -357,7 +357,7 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
                       torch.float8_e4m3fn if kind == "block" else torch.float32, experts)
         if t is None:
             continue
-        if experts:
+        if experts or (kind == "block" and t.dim() == 3):  # (a module holding a layer's experts in one tensor)
             check_scale_values(t, kind, lambda e, key=key: f"load_state_dict: {key}[{e}]")
         elif t.dim() == 2 if kind == "block" else t.numel() == 1:
             check_scale_values(t[None] if kind == "block" else t.reshape(-1), kind,
@@ -381,6 +381,9 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
             check_weight_range(block[:n], multiplier[:n], lambda e, key=key: f"load_state_dict: {key}[{e}]")
         elif block.dim() == 2 and multiplier.numel() == 1:
             check_weight_range(block[None], multiplier.reshape(1), lambda e, key=key: f"load_state_dict: {key}")
+        elif block.dim() == 3 and multiplier.numel() == 1:  # a layer's experts in one tensor, one global scale
+            check_weight_range(block, multiplier.reshape(1).expand(block.shape[0]),
+                               lambda e, key=key: f"load_state_dict: {key} (expert {e})")
 
 
 def check_incoming_layout(key: str, t, dtype: torch.dtype, shape: tuple, counts: tuple[int, ...] | None = None) -> None:

@@ -14,7 +14,7 @@ turns it off). Modules, one concept each:
   ``load_plan`` (the checkpoint scanned and checked before loading) and ``expert_conversion``
   (file bytes into stacked experts);
 * ``experts``: the modules that hold NVFP4 weights in a model;
-* ``gpt_oss``, ``mxfp4_quantizer``: gpt-oss's MXFP4 experts module and its quantizer (which one wins
+* ``gpt_oss``, ``mxfp4_quantizer``: gpt-oss's experts modules (MXFP4, and NVFP4 as ModelOpt exports it) and the MXFP4 quantizer (which one wins
   for ``"mxfp4"``, and how to choose Transformers' own, is in ``mxfp4_quantizer``'s docstring);
 * ``llama4``: Llama-4's fused 3-D NVFP4 experts and the MoE block that runs them;
 * ``router``: the fused DeepSeek-V3-style router;
@@ -37,7 +37,7 @@ from .modelopt import load_modelopt_nvfp4, save_modelopt_nvfp4
 from .checkpoint_format import CheckpointError, CompressedTensorsNVFP4Config, ModelOptConfig
 from .patch import patch_deepseek, patch_moe, quantize_linears, set_backend
 from .quantizer import ModelOptQuantizer, register
-from .gpt_oss import MXFP4GptOssExperts
+from .gpt_oss import MXFP4GptOssExperts, NVFP4GptOssExperts
 from . import mxfp4_quantizer
 from .router import GroupedTopkRouter, fuse_routers
 from .shared_experts import SharedExpertMoE, fuse_shared_experts
@@ -49,6 +49,7 @@ architectures.register()
 
 __all__ = [
     "CheckpointError", "CompressedTensorsNVFP4Config", "GroupedTopkRouter", "MXFP4GptOssExperts", "ModelOptConfig",
+    "NVFP4GptOssExperts",
     "ModelOptQuantizer",
     "NVFP4Experts", "NVFP4Linear", "SharedExpertMoE",
     "calibrate_activation_scales", "find_experts_modules", "fuse_routers", "fuse_shared_experts", "load_modelopt_nvfp4", "patch_deepseek",

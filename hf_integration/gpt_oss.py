@@ -1,18 +1,25 @@
-"""gpt-oss's routed experts kept in MXFP4 inside a Transformers model: :class:`MXFP4GptOssExperts`.
+"""gpt-oss's routed experts kept 4-bit inside a Transformers model: :class:`MXFP4GptOssExperts` (OpenAI's
+MXFP4 release) and :class:`NVFP4GptOssExperts` (ModelOpt's NVFP4 export of gpt-oss).
 
-It takes the place of Transformers' ``GptOssExperts`` (same call: ``(hidden [T, H], router_indices
+Each takes the place of Transformers' ``GptOssExperts`` (same call: ``(hidden [T, H], router_indices
 [T, k], routing_weights [T, k])``, Transformers' own ``GptOssTopKRouter`` in front) and holds the
-checkpoint's tensors under the checkpoint's names and in its bytes (``gate_up_proj_blocks``,
-``gate_up_proj_scales``, ``gate_up_proj_bias``, ``down_proj_blocks``, ``down_proj_scales``,
-``down_proj_bias``: :mod:`fp4moe_ops.mxfp4`), so loading copies the file's bytes straight in and
-``save_pretrained`` writes them back unchanged. Its forward is one ``fp4moe::gpt_oss_moe`` call.
-The blocks and scales are uint8 buffers (never cast by ``model.to(dtype)``); the biases are frozen
-parameters in the model's dtype, as Transformers holds them.
+checkpoint's tensors under the checkpoint's names and in its bytes, so loading copies the file's
+bytes straight in and ``save_pretrained`` writes them back unchanged. Its forward is one
+``fp4moe::gpt_oss_moe`` call. The biases are frozen parameters in the model's dtype, as Transformers
+holds them; the quantized tensors never follow ``model.to(dtype)``.
 
-On the Triton backend (Hopper) the blocks and scales are held once, in the kernels' layout
-(:func:`fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors`: the same codes and E8M0
-bytes, H and I padded to multiples of 256), as non-persistent buffers; the state dict still holds the
-checkpoint's tensors, converted back exactly, and ``load_state_dict`` goes through them.
+* MXFP4: ``gate_up_proj_blocks``, ``gate_up_proj_scales``, ``gate_up_proj_bias``, ``down_proj_blocks``,
+  ``down_proj_scales``, ``down_proj_bias`` (:mod:`fp4moe_ops.mxfp4`);
+* NVFP4: ModelOpt's fused tensors, the transposes of the op's (``gate_up_proj [E, H/2, 2I]`` uint8
+  packed along H, ``gate_up_proj_weight_scale [E, H/16, 2I]`` E4M3, one ``gate_up_proj_weight_scale_2``
+  float32 for the layer, ``gate_up_proj_input_scale`` where calibrated, ``gate_up_proj_bias [E, 2I]``;
+  ``down_proj`` alike with ``[E, I/2, H]``), gate and up interleaved along 2I. The activations stay
+  16-bit: calibrated input scales are kept for saving, and not used.
+
+On the Triton backend (Hopper) the weights and block scales are held once, in the kernels' layout
+(:func:`fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors`: the same codes and scale
+bytes, H and I padded to multiples of 256), as non-persistent buffers; the state dict still holds
+the checkpoint's tensors, converted back exactly, and ``load_state_dict`` goes through them.
 """
 
 from __future__ import annotations
@@ -23,60 +30,74 @@ from torch import nn
 from fp4moe_ops.backends import resolve_gpt_oss_backend
 from fp4moe_ops.mxfp4 import dequantize_gpt_oss, gpt_oss_shapes
 from fp4moe_ops.gpt_oss_op import MXFP4_EXPERT_TENSORS, check_mxfp4_experts
+from fp4moe_ops.nvfp4 import dequantize_nvfp4
+from fp4moe_ops.prepared import QuantizedBuffers
 
-_QUANTIZED = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
-_KERNEL_BUFFERS = ("kernel_w13", "kernel_s13", "kernel_b1", "kernel_w2", "kernel_s2", "kernel_b2")
+class _GptOssExperts(nn.Module):
+    """What both formats share: the call, the switch to and from the Triton kernels' layout, and a
+    state dict and loads that go through the checkpoint's tensors in either layout. A subclass names
+    the held tensors the kernels' layout replaces (``QUANTIZED``), the kernels' buffers
+    (``KERNEL_BUFFERS``) and where the biases sit in the op's tensors (``BIASES``), and moves the
+    op's tensors in and out of its held ones (:meth:`_held_op_tensors`, :meth:`_hold`)."""
 
+    QUANTIZED: tuple[str, ...] = ()
+    KERNEL_BUFFERS: tuple[str, ...] = ()
+    BIASES: tuple[int, int] = (0, 0)
 
-class MXFP4GptOssExperts(nn.Module):
-    """One gpt-oss layer's experts in MXFP4, run by ``fp4moe::gpt_oss_moe`` on ``backend``."""
-
-    def __init__(self, config, dtype: torch.dtype = torch.bfloat16):
-        super().__init__()
+    def _setup(self, config) -> None:
         self.num_experts = config.num_local_experts
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
         self.alpha = float(config.swiglu_alpha)
         self.limit = float(config.swiglu_limit)
         self.backend = "reference"
-        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        for proj, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
-            blocks, scales = gpt_oss_shapes(rows, cols, e)
-            self.register_buffer(f"{proj}_blocks", torch.zeros(blocks, dtype=torch.uint8))
-            self.register_buffer(f"{proj}_scales", torch.zeros(scales, dtype=torch.uint8))
-            self.register_parameter(f"{proj}_bias", nn.Parameter(torch.zeros(e, rows, dtype=dtype), requires_grad=False))
-        check_mxfp4_experts(self.checkpoint_tensors(), h)  # dimensions that are no multiple of 32 fail here
+
+    def _register_layout_hooks(self) -> None:
         self._register_state_dict_hook(_checkpoint_state_dict)
         self._register_load_state_dict_pre_hook(_load_through_checkpoint_layout, with_module=True)
         self.register_load_state_dict_post_hook(_back_to_kernel_layout)
 
+    def _held_op_tensors(self) -> list[torch.Tensor]:
+        """The op's tensors, read from the held checkpoint tensors (views where they can be)."""
+        raise NotImplementedError
+
+    def _checkpoint_form(self, op_tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The :data:`QUANTIZED` tensors of the op's tensors ``op_tensors``, in the checkpoint's form."""
+        raise NotImplementedError
+
+    def _hold(self, op_tensors: list[torch.Tensor]) -> None:
+        self._buffers.update(self._checkpoint_form(op_tensors))
+
     @property
     def kernel_layout(self) -> bool:
-        """Whether the blocks and scales are held in the Triton kernels' layout."""
-        return self._buffers.get("kernel_w13") is not None
+        """Whether the weights and block scales are held in the Triton kernels' layout."""
+        return self._buffers.get(self.KERNEL_BUFFERS[0]) is not None
 
-    def checkpoint_tensors(self) -> list[torch.Tensor]:
-        """The six tensors of :data:`MXFP4_EXPERT_TENSORS`, as the checkpoint holds them."""
-        if self.kernel_layout:
-            from fp4moe_ops.backends.triton_moe.layout import gpt_oss_checkpoint_tensors
+    def op_tensors(self) -> list[torch.Tensor]:
+        """The experts as ``fp4moe::gpt_oss_moe`` takes them outside the kernels' layout (also what
+        :meth:`dequantized` decodes): read from the held tensors, or converted back from the
+        kernels' layout byte for byte."""
+        if not self.kernel_layout:
+            return self._held_op_tensors()
+        from fp4moe_ops.backends.triton_moe.layout import gpt_oss_checkpoint_tensors
 
-            tensors = gpt_oss_checkpoint_tensors(self.expert_tensors(), self.hidden_size, self.intermediate_size,
-                                                 self.gate_up_proj_bias.dtype)
-            tensors[2], tensors[5] = self.gate_up_proj_bias, self.down_proj_bias  # (the held ones, exactly)
-            return tensors
-        return [getattr(self, name) for name in MXFP4_EXPERT_TENSORS]
+        tensors = gpt_oss_checkpoint_tensors(self.expert_tensors(), self.hidden_size, self.intermediate_size,
+                                             self.gate_up_proj_bias.dtype)
+        b1, b2 = self.BIASES
+        tensors[b1], tensors[b2] = self.gate_up_proj_bias, self.down_proj_bias  # (the held ones, exactly)
+        return tensors
 
     def expert_tensors(self) -> list[torch.Tensor]:
-        """What the op runs: the kernels' layout on Triton, else the checkpoint's tensors."""
+        """What the op runs: the kernels' layout on Triton, else :meth:`op_tensors`."""
         if self.kernel_layout:
-            return [self._buffers[name] for name in _KERNEL_BUFFERS]
-        return [getattr(self, name) for name in MXFP4_EXPERT_TENSORS]
+            return [self._buffers[name] for name in self.KERNEL_BUFFERS]
+        return self._held_op_tensors()
 
     def set_backend(self, backend: str = "auto") -> str:
         """Resolve ``backend`` for the device the experts are on (``auto``: the fastest that runs
-        MXFP4 experts there, with a warning naming any faster one that does not) and hold the
+        gpt-oss's experts there, with a warning naming any faster one that does not) and hold the
         tensors in its layout; returns its name. Nothing changes when it raises."""
-        device = (self.kernel_w13 if self.kernel_layout else self.gate_up_proj_blocks).device
+        device = self.gate_up_proj_bias.device
         name = resolve_gpt_oss_backend(backend, device).name
         if name == "triton" and not self.kernel_layout:
             self._to_kernel_layout()
@@ -89,77 +110,186 @@ class MXFP4GptOssExperts(nn.Module):
     def _to_kernel_layout(self) -> None:
         from fp4moe_ops.backends.triton_moe.layout import gpt_oss_kernel_tensors
 
-        kernel = gpt_oss_kernel_tensors(self.checkpoint_tensors())  # (raises, naming the tensor, before any change)
-        for name in _QUANTIZED:
+        kernel = gpt_oss_kernel_tensors(self.op_tensors())  # (raises, naming the tensor, before any change)
+        for name in self.QUANTIZED:
             self._buffers[name] = None  # held once: the kernels' copy
-        for name, t in zip(_KERNEL_BUFFERS, kernel):
+        for name, t in zip(self.KERNEL_BUFFERS, kernel):
             self.register_buffer(name, t, persistent=False)
+
+    @torch.no_grad()
+    def _to_checkpoint_layout(self) -> None:
+        self._hold(self.op_tensors())
+        for name in self.KERNEL_BUFFERS:
+            del self._buffers[name]
 
     def _apply(self, fn, recurse=True):
         """Moves and casts: the kernels' float32 biases follow the bias parameters (as cast), the
-        blocks and scales stay bytes."""
+        quantized tensors stay as they are."""
         super()._apply(fn, recurse)
         if self.kernel_layout:
             from fp4moe_ops.backends.triton_moe.layout import gpt_oss_kernel_biases
 
+            held = [self._buffers[name] for name in self.KERNEL_BUFFERS]
+            b1, b2 = self.BIASES
+            s13, s2 = held[1], held[b2 - 1]
             with torch.no_grad():
-                self.kernel_b1, self.kernel_b2 = gpt_oss_kernel_biases(
-                    self.gate_up_proj_bias.to(self.kernel_b1.device), self.down_proj_bias.to(self.kernel_b2.device),
-                    self.kernel_s13.shape[1] // 2, self.kernel_s2.shape[1])
+                biases = gpt_oss_kernel_biases(self.gate_up_proj_bias.to(held[b1].device),
+                                               self.down_proj_bias.to(held[b2].device), s13.shape[1] // 2, s2.shape[1])
+            self._buffers[self.KERNEL_BUFFERS[b1]], self._buffers[self.KERNEL_BUFFERS[b2]] = biases
         return self
-
-    @torch.no_grad()
-    def _to_checkpoint_layout(self) -> None:
-        tensors = self.checkpoint_tensors()
-        for name, t in zip(MXFP4_EXPERT_TENSORS, tensors):
-            if name in _QUANTIZED:
-                self._buffers[name] = t
-        for name in _KERNEL_BUFFERS:
-            del self._buffers[name]
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
-        return torch.ops.fp4moe.gpt_oss_moe(hidden_states, router_indices, routing_weights.float(), self.expert_tensors(),
-                                          self.alpha, self.limit, self.backend)
+        return torch.ops.fp4moe.gpt_oss_moe(hidden_states, router_indices, routing_weights.float(),
+                                            self.expert_tensors(), self.alpha, self.limit, self.backend)
+
+    def _decoded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gate_up [E, 2I, H]`` and ``down [E, H, I]`` decoded to ``dtype`` (rows: output features)."""
+        raise NotImplementedError
 
     @torch.no_grad()
     def dequantized(self, config, dtype: torch.dtype) -> nn.Module:
         """Transformers' ``GptOssExperts`` holding these experts decoded to ``dtype`` (its ``[E, K, N]``
-        layout: the transposes of the checkpoint's matrices), on the same device."""
+        layout: the transposes of the op's matrices), on the same device."""
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-        with torch.device(self.gate_up_proj_blocks.device):
+        with torch.device(self.gate_up_proj_bias.device):
             bf16 = GptOssExperts(config).to(dtype)
-        tensors = dict(zip(MXFP4_EXPERT_TENSORS, self.checkpoint_tensors()))
-        for proj in ("gate_up_proj", "down_proj"):
-            decoded = dequantize_gpt_oss(tensors[f"{proj}_blocks"], tensors[f"{proj}_scales"], dtype)
+        for proj, decoded in zip(("gate_up_proj", "down_proj"), self._decoded(dtype)):
             getattr(bf16, proj).copy_(decoded.transpose(1, 2))
             getattr(bf16, f"{proj}_bias").copy_(getattr(self, f"{proj}_bias"))
         return bf16
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
-                f"MXFP4, backend={self.backend!r}")
+                f"{self.FORMAT}, backend={self.backend!r}")
 
 
-def _checkpoint_state_dict(module: MXFP4GptOssExperts, state_dict, prefix, local_metadata):
-    """The state dict holds the checkpoint's blocks and scales whatever layout runs."""
+class MXFP4GptOssExperts(_GptOssExperts):
+    """One gpt-oss layer's experts in MXFP4 (OpenAI's release), run by ``fp4moe::gpt_oss_moe``."""
+
+    FORMAT = "MXFP4"
+    QUANTIZED = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+    KERNEL_BUFFERS = ("kernel_w13", "kernel_s13", "kernel_b1", "kernel_w2", "kernel_s2", "kernel_b2")
+    BIASES = (2, 5)
+
+    def __init__(self, config, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self._setup(config)
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        for proj, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            blocks, scales = gpt_oss_shapes(rows, cols, e)
+            self.register_buffer(f"{proj}_blocks", torch.zeros(blocks, dtype=torch.uint8))
+            self.register_buffer(f"{proj}_scales", torch.zeros(scales, dtype=torch.uint8))
+            self.register_parameter(f"{proj}_bias", nn.Parameter(torch.zeros(e, rows, dtype=dtype), requires_grad=False))
+        check_mxfp4_experts(self.op_tensors(), h)  # dimensions that are no multiple of 32 fail here
+        self._register_layout_hooks()
+
+    def checkpoint_tensors(self) -> list[torch.Tensor]:
+        """The six tensors of :data:`MXFP4_EXPERT_TENSORS`, as the checkpoint holds them."""
+        return self.op_tensors()
+
+    def _held_op_tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in MXFP4_EXPERT_TENSORS]
+
+    def _checkpoint_form(self, op_tensors):
+        return {name: t for name, t in zip(MXFP4_EXPERT_TENSORS, op_tensors) if name in self.QUANTIZED}
+
+    def _decoded(self, dtype):
+        tensors = dict(zip(MXFP4_EXPERT_TENSORS, self.op_tensors()))
+        return [dequantize_gpt_oss(tensors[f"{proj}_blocks"], tensors[f"{proj}_scales"], dtype)
+                for proj in ("gate_up_proj", "down_proj")]
+
+
+class NVFP4GptOssExperts(QuantizedBuffers, _GptOssExperts):
+    """One gpt-oss layer's experts in NVFP4 as ModelOpt exports them (see the module docstring), run
+    by ``fp4moe::gpt_oss_moe``. ``input_scales``: the checkpoint has calibrated input scales (held
+    for saving; the activations stay 16-bit)."""
+
+    FORMAT = "NVFP4"
+    QUANTIZED = ("gate_up_proj", "gate_up_proj_weight_scale", "down_proj", "down_proj_weight_scale")
+    KERNEL_BUFFERS = ("kernel_w13", "kernel_s13", "kernel_g13", "kernel_b1", "kernel_w2", "kernel_s2", "kernel_g2",
+                      "kernel_b2")
+    BIASES = (3, 7)
+
+    def __init__(self, config, dtype: torch.dtype = torch.bfloat16, input_scales: bool = False):
+        super().__init__()
+        self._setup(config)
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        for proj, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            for name, (dtype_, shape) in self.tensor_specs(proj, n, k, input_scales).items():
+                self.register_buffer(name, torch.zeros(shape, dtype=dtype_))
+            self.register_parameter(f"{proj}_bias", nn.Parameter(torch.zeros(e, n, dtype=dtype), requires_grad=False))
+        self._register_layout_hooks()
+
+    def tensor_specs(self, proj: str, n: int, k: int, input_scales: bool) -> dict[str, tuple[torch.dtype, tuple]]:
+        """``{name: (dtype, shape)}`` of projection ``proj``'s quantized tensors (``n`` outputs, ``k``
+        inputs), as ModelOpt's export names and lays them out."""
+        specs = {proj: (torch.uint8, (self.num_experts, k // 2, n)),
+                 f"{proj}_weight_scale": (torch.float8_e4m3fn, (self.num_experts, k // 16, n)),
+                 f"{proj}_weight_scale_2": (torch.float32, ())}
+        if input_scales:
+            specs[f"{proj}_input_scale"] = (torch.float32, ())
+        return specs
+
+    def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
+        """The checkpoint's quantized tensors, whichever layout holds them now (a load goes through them)."""
+        h, i = self.hidden_size, self.intermediate_size
+        has_input = "gate_up_proj_input_scale" in self._buffers
+        return {**self.tensor_specs("gate_up_proj", 2 * i, h, has_input), **self.tensor_specs("down_proj", h, i, has_input)}
+
+    def scale_checks(self) -> list[tuple[str, str]]:
+        checks = [(f"{proj}_{name}", kind) for proj in ("gate_up_proj", "down_proj")
+                  for name, kind in (("weight_scale_2", "global"), ("weight_scale", "block"))]
+        return checks + [(name, "input") for name in ("gate_up_proj_input_scale", "down_proj_input_scale")
+                         if name in self._buffers]
+
+    def weight_ranges(self):
+        return [(f"{proj}_weight_scale", f"{proj}_weight_scale_2", None) for proj in ("gate_up_proj", "down_proj")]
+
+    def _held_op_tensors(self) -> list[torch.Tensor]:
+        e = self.num_experts
+        tensors = []
+        for proj in ("gate_up_proj", "down_proj"):  # ModelOpt's [E, K/2, N] are the op's [E, N, K/2] transposed
+            tensors += [self._buffers[proj].transpose(1, 2),
+                        self._buffers[f"{proj}_weight_scale"].transpose(1, 2).view(torch.uint8),
+                        self._buffers[f"{proj}_weight_scale_2"].reshape(1).expand(e), getattr(self, f"{proj}_bias")]
+        return tensors
+
+    def _checkpoint_form(self, op_tensors):
+        w13, s13, _, _, w2, s2, _, _ = op_tensors
+        held = {}
+        for proj, w, s in (("gate_up_proj", w13, s13), ("down_proj", w2, s2)):
+            held[proj] = w.transpose(1, 2).contiguous()
+            held[f"{proj}_weight_scale"] = s.transpose(1, 2).contiguous().view(torch.float8_e4m3fn)
+        return held
+
+    def _decoded(self, dtype):
+        w13, s13, g13, _, w2, s2, g2, _ = self.op_tensors()
+        return [dequantize_nvfp4(w, s.view(torch.float8_e4m3fn), g, dtype) for w, s, g in ((w13, s13, g13), (w2, s2, g2))]
+
+
+def _checkpoint_state_dict(module: _GptOssExperts, state_dict, prefix, local_metadata):
+    """The state dict holds the checkpoint's tensors whatever layout runs."""
     if module.kernel_layout:
-        for name, t in zip(MXFP4_EXPERT_TENSORS, module.checkpoint_tensors()):
-            if name in _QUANTIZED:
-                state_dict[prefix + name] = t
+        for name, t in module._checkpoint_form(module.op_tensors()).items():
+            state_dict[prefix + name] = t
     return state_dict
 
 
-def _load_through_checkpoint_layout(module: MXFP4GptOssExperts, state_dict, prefix, *args):
+def _load_through_checkpoint_layout(module: _GptOssExperts, state_dict, prefix, *args):
     """A load into the kernels' layout goes through the checkpoint's (back after the load)."""
     if module.kernel_layout:
         module._to_checkpoint_layout()
 
 
-def _back_to_kernel_layout(module: MXFP4GptOssExperts, incompatible_keys) -> None:
+def _back_to_kernel_layout(module: _GptOssExperts, incompatible_keys) -> None:
     if module.backend == "triton" and not module.kernel_layout:
         module._to_kernel_layout()
+
+
+# fp4moe's gpt-oss experts modules, either format
+GPT_OSS_EXPERTS = (MXFP4GptOssExperts, NVFP4GptOssExperts)
 
 
 def is_gpt_oss_experts(module: nn.Module) -> bool:
@@ -167,4 +297,4 @@ def is_gpt_oss_experts(module: nn.Module) -> bool:
     return type(module).__name__ == "GptOssExperts"
 
 
-__all__ = ["MXFP4GptOssExperts", "is_gpt_oss_experts"]
+__all__ = ["GPT_OSS_EXPERTS", "MXFP4GptOssExperts", "NVFP4GptOssExperts", "is_gpt_oss_experts"]

@@ -27,7 +27,7 @@ from fp4moe_ops.backends import resolve_backend, resolve_gpt_oss_backend
 from fp4moe_ops.moe_weights import NVFP4MoEWeights, expert_chunks, quantize_expert_stack
 
 from .experts import NVFP4Experts, NVFP4Linear, weight_amax
-from .gpt_oss import MXFP4GptOssExperts
+from .gpt_oss import GPT_OSS_EXPERTS
 from .checkpoint_format import ModelOptConfig
 from .fused_linears import shared_scale_groups
 from .llama4 import is_llama4_experts
@@ -333,15 +333,14 @@ def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: s
 def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = None) -> nn.Module:
     """Switch a model's NVFP4 experts to another backend, and to NVFP4 activations with
     ``act_scale_mode`` (see :meth:`fp4moe_ops.PreparedExperts.set_backend`); or a gpt-oss model's
-    MXFP4 experts (:class:`~hf_integration.gpt_oss.MXFP4GptOssExperts`). Every layer is checked
-    before any changes."""
-    mxfp4 = [m for m in model.modules() if isinstance(m, MXFP4GptOssExperts)]
-    if mxfp4:  # gpt-oss's MXFP4 experts: W4A16 only
+    experts (:mod:`hf_integration.gpt_oss`). Every layer is checked before any changes."""
+    gpt_oss = [m for m in model.modules() if isinstance(m, GPT_OSS_EXPERTS)]
+    if gpt_oss:  # gpt-oss's experts: W4A16 only
         if act_scale_mode is not None:
-            raise ValueError("gpt-oss's MXFP4 experts keep activations in 16 bits: act_scale_mode must be None")
-        for m in mxfp4:  # validate every layer first
-            resolve_gpt_oss_backend(backend, m.gate_up_proj_blocks.device)
-        for m in mxfp4:
+            raise ValueError("gpt-oss's experts keep activations in 16 bits: act_scale_mode must be None")
+        for m in gpt_oss:  # validate every layer first
+            resolve_gpt_oss_backend(backend, m.gate_up_proj_bias.device)
+        for m in gpt_oss:
             m.set_backend(backend)
         return model
     modules = [m for _, m in nvfp4_experts(model)]
