@@ -25,6 +25,7 @@ from fp4moe_ops.nvfp4 import dequantize_nvfp4
 
 from .expert_parallel import ExpertShard
 from .experts import NVFP4Experts, NVFP4Linear
+from .gpt_oss import NVFP4GptOssExperts
 from .llama4 import NVFP4Llama4TextMoe
 from .router import GroupedTopkRouter
 from .saving import atomic_save_pretrained
@@ -91,6 +92,8 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
             state = _linear_state(m, dtype)
         elif isinstance(m, GroupedTopkRouter):
             state = m.state_dict()
+        elif isinstance(m, NVFP4GptOssExperts):
+            state = m.dequantized(config.get_text_config(), dtype).state_dict()
         else:
             continue
         inside.add(name)

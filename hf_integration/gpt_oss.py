@@ -33,6 +33,18 @@ from fp4moe_ops.gpt_oss_op import MXFP4_EXPERT_TENSORS, check_mxfp4_experts
 from fp4moe_ops.nvfp4 import dequantize_nvfp4
 from fp4moe_ops.prepared import QuantizedBuffers
 
+def modelopt_gpt_oss_specs(proj: str, experts: int, n: int, k: int, input_scales: bool) -> dict[str, tuple]:
+    """``{name: (dtype, shape)}`` of projection ``proj``'s quantized tensors (``n`` outputs, ``k``
+    inputs) as ModelOpt exports gpt-oss: the packed weight ``[E, K/2, N]`` (bytes along K), E4M3 block
+    scales ``[E, K/16, N]``, one float32 global scale (and input scale) for the layer."""
+    specs = {proj: (torch.uint8, (experts, k // 2, n)),
+             f"{proj}_weight_scale": (torch.float8_e4m3fn, (experts, k // 16, n)),
+             f"{proj}_weight_scale_2": (torch.float32, ())}
+    if input_scales:
+        specs[f"{proj}_input_scale"] = (torch.float32, ())
+    return specs
+
+
 class _GptOssExperts(nn.Module):
     """What both formats share: the call, the switch to and from the Triton kernels' layout, and a
     state dict and loads that go through the checkpoint's tensors in either layout. A subclass names
@@ -217,26 +229,18 @@ class NVFP4GptOssExperts(QuantizedBuffers, _GptOssExperts):
         self._setup(config)
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         for proj, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
-            for name, (dtype_, shape) in self.tensor_specs(proj, n, k, input_scales).items():
+            for name, (dtype_, shape) in modelopt_gpt_oss_specs(proj, e, n, k, input_scales).items():
                 self.register_buffer(name, torch.zeros(shape, dtype=dtype_))
             self.register_parameter(f"{proj}_bias", nn.Parameter(torch.zeros(e, n, dtype=dtype), requires_grad=False))
         self._register_layout_hooks()
-
-    def tensor_specs(self, proj: str, n: int, k: int, input_scales: bool) -> dict[str, tuple[torch.dtype, tuple]]:
-        """``{name: (dtype, shape)}`` of projection ``proj``'s quantized tensors (``n`` outputs, ``k``
-        inputs), as ModelOpt's export names and lays them out."""
-        specs = {proj: (torch.uint8, (self.num_experts, k // 2, n)),
-                 f"{proj}_weight_scale": (torch.float8_e4m3fn, (self.num_experts, k // 16, n)),
-                 f"{proj}_weight_scale_2": (torch.float32, ())}
-        if input_scales:
-            specs[f"{proj}_input_scale"] = (torch.float32, ())
-        return specs
 
     def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
         """The checkpoint's quantized tensors, whichever layout holds them now (a load goes through them)."""
         h, i = self.hidden_size, self.intermediate_size
         has_input = "gate_up_proj_input_scale" in self._buffers
-        return {**self.tensor_specs("gate_up_proj", 2 * i, h, has_input), **self.tensor_specs("down_proj", h, i, has_input)}
+        e = self.num_experts
+        return {**modelopt_gpt_oss_specs("gate_up_proj", e, 2 * i, h, has_input),
+                **modelopt_gpt_oss_specs("down_proj", e, h, i, has_input)}
 
     def scale_checks(self) -> list[tuple[str, str]]:
         checks = [(f"{proj}_{name}", kind) for proj in ("gate_up_proj", "down_proj")
@@ -297,4 +301,4 @@ def is_gpt_oss_experts(module: nn.Module) -> bool:
     return type(module).__name__ == "GptOssExperts"
 
 
-__all__ = ["GPT_OSS_EXPERTS", "MXFP4GptOssExperts", "NVFP4GptOssExperts", "is_gpt_oss_experts"]
+__all__ = ["GPT_OSS_EXPERTS", "MXFP4GptOssExperts", "NVFP4GptOssExperts", "is_gpt_oss_experts", "modelopt_gpt_oss_specs"]

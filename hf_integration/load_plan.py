@@ -30,6 +30,7 @@ from .checkpoint_format import (
     model_conversions,
     read_json,
 )
+from .gpt_oss import is_gpt_oss_experts, modelopt_gpt_oss_specs
 from .llama4 import fused_key, fused_specs, is_llama4_experts
 from .surgery import experts_form_problem, is_transformers_experts
 
@@ -121,9 +122,20 @@ class ExpertsPlan:
 
 
 @dataclass
+class GptOssPlan:
+    """One gpt-oss experts module to load as NVFP4 from ModelOpt's fused tensors
+    (:class:`~hf_integration.gpt_oss.NVFP4GptOssExperts`)."""
+
+    name: str               # module path in the model
+    checkpoint_prefix: str  # the same in checkpoint keys
+    input_scales: bool
+
+
+@dataclass
 class LoadPlan:
     scheme: TensorScheme
     experts: dict[str, ExpertsPlan] = field(default_factory=dict)
+    gpt_oss: dict[str, GptOssPlan] = field(default_factory=dict)
     linears: dict[str, tuple[str, bool]] = field(default_factory=dict)  # module path -> ("nvfp4"|"fp8", input scale?)
     files: dict[str, str] = field(default_factory=dict)                 # checkpoint key -> file
 
@@ -219,10 +231,16 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
             own = in_model.get(f"{name}.gate_up_proj")
             if own is not None and scan.tensors[own][1] != torch.uint8:
                 continue  # 16-bit experts in the checkpoint: loaded as they are
+            if is_gpt_oss_experts(m) and own is not None and scheme is MODELOPT:
+                plan.gpt_oss[name] = _plan_gpt_oss(name, own[:-len(".gate_up_proj")], m, scan, config, claimed)
+                continue
+            if is_gpt_oss_experts(m):
+                problem = ("fp4moe reads gpt-oss's NVFP4 experts as ModelOpt exports them (fused gate_up_proj / "
+                           "down_proj tensors), not one linear per expert as this checkpoint holds them")
             raise CheckpointError(
                 f"{name} ({type(m).__name__}): fp4moe does not load these experts from an NVFP4 checkpoint: {problem}"
-                + ("; gpt-oss loads through fp4moe from its MXFP4 release (quant_method 'mxfp4')"
-                   if type(m).__name__ == "GptOssExperts" else ""))
+                + ("; gpt-oss also loads through fp4moe from its MXFP4 release (quant_method 'mxfp4')"
+                   if is_gpt_oss_experts(m) else ""))
         e_total, two_i, hidden = m.gate_up_proj.shape
         inter = two_i // 2
         lv = leaves[name]
@@ -313,6 +331,28 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
 
 
 
+def _plan_gpt_oss(name: str, prefix: str, m: nn.Module, scan: CheckpointScan, config: ModelOptConfig,
+                  claimed: set[str]) -> GptOssPlan:
+    """Check every tensor of the gpt-oss experts module ``name`` in ModelOpt's fused layout
+    (:func:`~hf_integration.gpt_oss.modelopt_gpt_oss_specs`, biases included) and claim them."""
+    from .mxfp4_quantizer import MIN_TRANSFORMERS, supported
+
+    if not supported():  # (the same reason as for MXFP4: this Transformers' gpt-oss computes otherwise)
+        raise CheckpointError(f"{name}: fp4moe loads gpt-oss's NVFP4 experts on Transformers "
+                              f"{'.'.join(map(str, MIN_TRANSFORMERS))} or later, whose gpt-oss it is tested against; "
+                              f"this is {__import__('transformers').__version__}")
+    input_scales = not config.weights_only and f"{prefix}.gate_up_proj_input_scale" in scan.tensors
+    e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
+    for proj, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+        specs = modelopt_gpt_oss_specs(proj, e, n, k, input_scales)
+        specs[f"{proj}_bias"] = (m.gate_up_proj_bias.dtype, (e, n))
+        for tensor, (dtype, shape) in specs.items():
+            what = " (its other projection has an input scale)" if tensor.endswith("input_scale") else ""
+            scan.check(f"{prefix}.{tensor}", shape, dtype, what)
+            claimed.add(f"{prefix}.{tensor}")
+    return GptOssPlan(name, prefix, input_scales)
+
+
 def refuse_meta_device(device_map) -> None:
     """Raise ValueError if ``device_map`` (a device, or a ``{module: device}`` map) puts anything on the
     meta device: the loader reads and checks the checkpoint's NVFP4 bytes and scales, which a meta
@@ -335,7 +375,7 @@ def check_float_tensors(model: nn.Module, scan: CheckpointScan, plan: LoadPlan) 
     held = dict(model.named_parameters()) | dict(model.named_buffers())
     owners = {n for n, _ in model.named_modules()}
     prefix = getattr(model, "base_model_prefix", "model")
-    quantized = tuple(f"{name}." for name in [*plan.experts, *plan.linears])
+    quantized = tuple(f"{name}." for name in [*plan.experts, *plan.gpt_oss, *plan.linears])
     for key, (file, dtype, _) in scan.tensors.items():
         if not isinstance(dtype, torch.dtype) or dtype.is_floating_point or dtype.is_complex:
             continue
@@ -352,5 +392,5 @@ def check_float_tensors(model: nn.Module, scan: CheckpointScan, plan: LoadPlan) 
                                   "value; re-export the checkpoint with float tensors")
 
 
-__all__ = ["CheckpointScan", "ExpertsPlan", "LoadPlan", "check_float_tensors", "plan_load", "read_kv_cache_scales",
+__all__ = ["CheckpointScan", "ExpertsPlan", "GptOssPlan", "LoadPlan", "check_float_tensors", "plan_load", "read_kv_cache_scales",
            "refuse_meta_device"]

@@ -52,6 +52,7 @@ from .checkpoint_format import (
 )
 from .expert_conversion import converters_for, is_ours
 from .fused_linears import tie_fused_linears
+from .gpt_oss import NVFP4GptOssExperts
 from .load_plan import CheckpointScan, LoadPlan, check_float_tensors, plan_load, read_kv_cache_scales, refuse_meta_device
 from .llama4 import NVFP4Llama4TextMoe
 from .router import fuse_routers
@@ -88,7 +89,7 @@ class ModelOptQuantizer(HfQuantizer):
         buffers the quantizer fills itself. BF16 modules (an ``lm_head``, say) may go to disk."""
         if not isinstance(device_map, dict) or "disk" not in device_map.values():
             return
-        for name in [*self.plan.experts, *self.plan.linears]:
+        for name in [*self.plan.experts, *self.plan.gpt_oss, *self.plan.linears]:
             for key, where in device_map.items():
                 if where == "disk" and (key == "" or name == key or name.startswith(key + ".") or key.startswith(name + ".")):
                     hint = ("raise max_memory (or leave it out) so that every NVFP4 module fits on the GPUs and the CPU"
@@ -132,9 +133,18 @@ class ModelOptQuantizer(HfQuantizer):
         self.plan = plan_load(model, scan, self.quantization_config, shard_of)
         check_float_tensors(model, scan, self.plan)
         self._refuse_nvfp4_on_disk(kwargs.get("device_map"))
+        if self.plan.gpt_oss and self.quantization_config.expert_parallel:
+            raise ValueError("expert_parallel=True: fp4moe does not split gpt-oss's experts over ranks yet; load "
+                             "without it")
+        text_config = model.config.get_text_config()
         for name, m in list(model.named_modules()):
             parent_name, _, attr = name.rpartition(".")
-            if name in self.plan.experts:
+            if name in self.plan.gpt_oss:
+                with torch.device("meta"):
+                    new = NVFP4GptOssExperts(text_config, dtype=m.gate_up_proj_bias.dtype,
+                                             input_scales=self.plan.gpt_oss[name].input_scales)
+                replace_module(model.get_submodule(parent_name), attr, new)
+            elif name in self.plan.experts:
                 p = self.plan.experts[name]
                 new = NVFP4Experts(None, None, num_experts=len(p.ids), hidden_size=p.hidden, intermediate_size=p.inter,
                                    input_scales=p.input_scales)
@@ -187,19 +197,24 @@ class ModelOptQuantizer(HfQuantizer):
             raise self.load_errors[0]
         self._check_all_loaded(model)
         linears = [(n, m) for n, m in model.named_modules() if isinstance(m, (NVFP4Linear, FP8Linear))]
-        for name, m in linears:  # every value checked before any module changes
+        gpt_oss = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4GptOssExperts)]
+        for name, m in linears + gpt_oss:  # every value checked before any module changes
             for tensor, kind in m.scale_checks():
-                key = f"{name}.{tensor}"
+                key = self._checkpoint_key(name, tensor)
                 values = m._buffers[tensor]
-                try:
-                    check_scale_values(values[None] if kind == "block" else values.reshape(-1), kind,
+                try:  # (a gpt-oss layer's [E, K/16, N] block scales: named per expert)
+                    check_scale_values(values if values.dim() == 3 else values[None] if kind == "block"
+                                       else values.reshape(-1), kind,
                                        lambda e, key=key: f"checkpoint tensor {key!r} in {self.plan.files.get(key)}")
                 except ValueError as exc:
                     raise CheckpointError(str(exc)) from None
             for block, scale, to_multiplier in getattr(m, "weight_ranges", list)():  # valid: in range?
-                key = f"{name}.{scale}"
+                key = self._checkpoint_key(name, scale)
+                values, multiplier = m._buffers[block], m._buffers[scale]
+                multiplier = (to_multiplier(multiplier) if to_multiplier is not None else multiplier).reshape(1)
                 try:
-                    check_weight_range(m._buffers[block][None], to_multiplier(m._buffers[scale]).reshape(1),
+                    check_weight_range(values if values.dim() == 3 else values[None],
+                                       multiplier.expand(values.shape[0] if values.dim() == 3 else 1),
                                        lambda e, key=key: f"checkpoint tensor {key!r} in {self.plan.files.get(key)}")
                 except ValueError as exc:
                     raise CheckpointError(str(exc)) from None
@@ -220,6 +235,7 @@ class ModelOptQuantizer(HfQuantizer):
             if not isinstance(m, NVFP4Experts):
                 continue
             m.set_backend(config.backend, config.act_scale_mode)
+        self._prepare_gpt_oss(gpt_oss)
         if config.fuse_router:
             fuse_routers(model)
         if config.fuse_shared_experts and config.nvfp4_linears == "nvfp4":
@@ -231,11 +247,31 @@ class ModelOptQuantizer(HfQuantizer):
         attach(model, self)
         return model
 
+    def _checkpoint_key(self, name: str, tensor: str) -> str:
+        """The checkpoint's key of a gpt-oss experts module's tensor, else the module path's."""
+        p = self.plan.gpt_oss.get(name)
+        return f"{p.checkpoint_prefix}.{tensor}" if p is not None else f"{name}.{tensor}"
+
+    def _prepare_gpt_oss(self, modules) -> None:
+        """gpt-oss's NVFP4 experts on the configured backend, with 16-bit activations
+        (:func:`~hf_integration.surgery.log_activation_modes` says so where input scales are held)."""
+        config = self.quantization_config
+        if not modules:
+            return
+        if config.act_scale_mode is not None:
+            raise ValueError(f"act_scale_mode={config.act_scale_mode!r}: gpt-oss's NVFP4 experts keep activations in "
+                             "16 bits in fp4moe; load without it")
+        for name, m in modules:
+            try:
+                m.set_backend(config.backend)
+            except ValueError as exc:  # (a backend that cannot run them): name the layer
+                raise ValueError(f"{name}: {exc}") from exc
+
     def _check_all_loaded(self, model) -> None:
         """Every NVFP4 tensor was filled from the checkpoint (Transformers marks what it loads):
         none is left as uninitialized memory."""
         for name, m in model.named_modules():
-            if isinstance(m, (NVFP4Experts, NVFP4Linear, FP8Linear)):
+            if isinstance(m, (NVFP4Experts, NVFP4Linear, FP8Linear, NVFP4GptOssExperts)):
                 for buf_name, buf in m.named_buffers(recurse=False):
                     if buf_name not in m._non_persistent_buffers_set and not getattr(buf, "_is_hf_initialized", False):
                         raise CheckpointError(f"{name}.{buf_name} was not filled from the checkpoint")

@@ -35,6 +35,7 @@ from .experts import NVFP4Experts, NVFP4Linear
 from .expert_parallel import ExpertShard
 from .checkpoint_format import ModelOptConfig, dense_mlp_tensors, expert_leaves, expert_tensors, model_conversions
 from .fused_linears import check_fused_scales
+from .gpt_oss import NVFP4GptOssExperts
 from .llama4 import NVFP4Llama4TextMoe, fused_from_canonical
 from .shared_experts import SharedExpertMoE
 
@@ -56,7 +57,7 @@ def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     inside = {f"{n}.experts" for n, _ in shared}
     experts = [(n, m) for n, m in nvfp4_modules(model, NVFP4Experts) if n not in inside]
     linears = nvfp4_modules(model, NVFP4Linear)
-    if not experts and not shared:
+    if not experts and not shared and not nvfp4_modules(model, NVFP4GptOssExperts):
         raise ValueError("the model holds no fp4moe NVFP4 modules: nothing to save as a ModelOpt NVFP4 checkpoint")
     if any(isinstance(m.dispatch, ExpertShard) for _, m in experts):  # (never fused with a shared expert)
         raise ValueError("an expert-parallel model holds only this rank's experts; save the unsharded model")
@@ -141,7 +142,9 @@ def _has_input_scales(model: nn.Module) -> bool:
     ``W4A16_NVFP4``; kept NVFP4 linears must agree with the experts, since readers of a ModelOpt
     checkpoint take ``quant_algo`` to say which linears carry an ``input_scale``."""
     experts = nvfp4_modules(model, NVFP4Experts)
-    with_input = bool(experts) and all(INPUT_SCALE_BUFFERS[0] in m._buffers for _, m in experts)
+    gpt_oss = nvfp4_modules(model, NVFP4GptOssExperts)  # (their state dict is ModelOpt's already)
+    with_input = bool(experts or gpt_oss) and all(INPUT_SCALE_BUFFERS[0] in m._buffers for _, m in experts) and \
+        all("gate_up_proj_input_scale" in m._buffers for _, m in gpt_oss)
     for name, m in nvfp4_modules(model, NVFP4Linear):
         if (m.scheme.input_scale in m._buffers) != with_input:
             if with_input:  # calibrated experts (calibration covers only them), or a mixed checkpoint

@@ -9,6 +9,7 @@ from torch import nn
 
 from transformers.utils import logging
 
+from .gpt_oss import NVFP4GptOssExperts
 from .experts import NVFP4Experts, NVFP4Linear
 
 logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
@@ -78,12 +79,14 @@ def log_activation_modes(model: nn.Module) -> None:
     modes = {m.act_scale_mode for m in experts} - {None}
     held = [m for m in model.modules()
             if (isinstance(m, NVFP4Experts) and getattr(m, "fc1_input_scale", None) is not None)
-            or (isinstance(m, NVFP4Linear) and m.scheme.input_scale in m._buffers)]
+            or (isinstance(m, NVFP4Linear) and m.scheme.input_scale in m._buffers)
+            or (isinstance(m, NVFP4GptOssExperts) and "gate_up_proj_input_scale" in m._buffers)]
     linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
     if not modes and held:
         fused = any(type(m).__name__ == "ExpertsWithShared" for m in experts)
         how = ("a model whose shared experts run inside the routed call cannot run them (load or patch with "
                "fuse_shared_experts=False for NVFP4 activations)" if fused else
+               "fp4moe runs gpt-oss's NVFP4 layers with 16-bit activations only" if not experts else
                "act_scale_mode='per_expert' or 'global_max' (set_backend, or the loading config) runs the routed "
                "experts' activations in NVFP4")
         logger.warning("fp4moe: %d modules hold calibrated input scales (NVFP4 activations, W4A4), kept for "

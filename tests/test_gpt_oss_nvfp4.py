@@ -115,3 +115,173 @@ def test_triton_single_role_kernels_match_float64(t, k, limit):
     kernel = [a.to(DEVICE) for a in triton_moe.gpt_oss_kernel_tensors(tensors)]
     out = triton_moe.triton_gpt_oss_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, ALPHA, limit, cfg).cpu()
     check(out, gpt_oss_moe64(x, ids, rw, tensors, ALPHA, limit))
+
+
+# --- ModelOpt's export of a tiny gpt-oss (tests/fixtures/gpt_oss_nvfp4/modelopt) ---------------------
+
+from pathlib import Path  # noqa: E402
+
+MODELOPT = Path(__file__).parent / "fixtures" / "gpt_oss_nvfp4" / "modelopt"
+
+
+def transformers_only():
+    from hf_integration.mxfp4_quantizer import MIN_TRANSFORMERS, supported
+
+    if not supported():
+        pytest.skip(f"fp4moe's gpt-oss path needs Transformers {'.'.join(map(str, MIN_TRANSFORMERS))} or later")
+    import hf_integration  # noqa: F401 (registers the quantizer)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
+def file_tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                      b.reshape(-1).view(torch.uint8))
+
+
+def decoded_model(dtype, experts_from=None):
+    """Transformers' gpt-oss holding the export's weights decoded in float64 by the oracle (from the
+    format definition, independent of fp4moe's loader): ModelOpt's fused experts ``[E, K/2, N]`` are the
+    transposes of ``[E, N, K/2]`` NVFP4 matrices, whose decoded ``[E, N, K]`` transposed again is
+    Transformers' ``[E, K, N]``; attention ``[N, K/2]`` as usual; the rest as stored."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fp4moe_ops.oracle64 import dequant64
+
+    files = file_tensors(MODELOPT / "checkpoint")
+    config = AutoConfig.from_pretrained(MODELOPT / "checkpoint")
+    del config.quantization_config
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    state = {}
+    for key, t in files.items():
+        if key.endswith(("_weight_scale", "_weight_scale_2", "_input_scale", ".weight_scale", ".weight_scale_2",
+                         ".input_scale")):
+            continue
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            scale, scale_2 = files[f"{key}_weight_scale"], files[f"{key}_weight_scale_2"]
+            state[key] = torch.stack([dequant64(t[e].T, scale[e].T, scale_2).T for e in range(t.shape[0])]).to(dtype)
+        elif key.endswith(".weight") and f"{key}_scale" in files:
+            state[key] = dequant64(t, files[f"{key}_scale"], files[f"{key}_scale_2"]).to(dtype)
+        else:
+            state[key] = t.to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model
+
+
+def test_modelopt_export_loads_with_the_experts_kept_4_bit():
+    from hf_integration import NVFP4GptOssExperts
+
+    auto = transformers_only()
+    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16)
+    files = file_tensors(MODELOPT / "checkpoint")
+    for layer in (0, 1):
+        experts = model.model.layers[layer].mlp.experts
+        assert isinstance(experts, NVFP4GptOssExperts) and experts.backend == "reference"
+        prefix = f"model.layers.{layer}.mlp.experts."
+        for name, t in experts.state_dict().items():  # the file's bytes, never decoded
+            assert same_bytes(t, files[prefix + name]), name
+        assert experts.gate_up_proj.dtype == torch.uint8 and not any(
+            p.dim() == 3 for p in experts.parameters())  # no decoded [E, K, N] weight anywhere
+
+
+def test_modelopt_export_logits_within_bf16_rounding_of_its_float_weights():
+    auto = transformers_only()
+    ids = torch.load(MODELOPT / "reference_logits.pt")["input_ids"]
+    ours = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16).eval()
+    ref32, ref16 = decoded_model(torch.float32), decoded_model(torch.bfloat16)
+    with torch.no_grad():
+        logits = {name: m(ids).logits.double() for name, m in (("ours", ours), ("ref32", ref32), ("ref16", ref16))}
+
+    # per token (median over tokens), as for MXFP4 (tests/test_gpt_oss.py): fp4moe's bf16 error against
+    # the float32 model is no more than 1.5x Transformers' own bf16 model's on the same weights
+    def per_token(a, b):
+        return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten().median().item()
+
+    err_ours, err_theirs = per_token(logits["ours"], logits["ref32"]), per_token(logits["ref16"], logits["ref32"])
+    assert err_ours < 1.5 * err_theirs + 1e-3, (err_ours, err_theirs)
+    assert 1e-3 < err_theirs < 0.05  # a real bf16 error, not a degenerate model
+
+
+def test_modelopt_export_reproduces_modelopts_own_weight_only_forward():
+    # ModelOpt's own forward with its input quantizers off (reference_logits.pt's weight_only_logits, the
+    # bf16 eager model that exported these files). Its experts are exactly what fp4moe loaded: fp4moe's
+    # experts decoded (dequantize()) with the attention quantized the way ModelOpt's forward holds it
+    # (each projection on its own scale: the export re-quantizes q/k/v onto one shared scale, so the
+    # files' attention differs) reproduce ModelOpt's logits bit for bit
+    import sys
+
+    from fp4moe_ops.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+    auto = transformers_only()
+    sys.path.insert(0, str(MODELOPT.parent))
+    try:
+        from common import build_tiny_gptoss
+    finally:
+        sys.path.remove(str(MODELOPT.parent))
+    reference = torch.load(MODELOPT / "reference_logits.pt")
+    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16, attn_implementation="eager")
+    model.dequantize()
+    source = build_tiny_gptoss().state_dict()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+                q = quantize_nvfp4(source[f"{name}.weight"].float())
+                module.weight.copy_(dequantize_nvfp4(q.packed, q.block_scale, q.global_scale))
+        logits = model(reference["input_ids"]).logits.float()
+    assert torch.equal(logits, reference["weight_only_logits"])
+    assert not torch.equal(logits, reference["bf16_source_logits"])
+
+
+def test_modelopt_export_saves_back_byte_for_byte(tmp_path):
+    import json
+
+    from hf_integration import NVFP4GptOssExperts
+
+    auto = transformers_only()
+    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    saved, source = file_tensors(tmp_path), file_tensors(MODELOPT / "checkpoint")
+    assert sorted(saved) == sorted(source)
+    for key, t in source.items():
+        assert same_bytes(saved[key], t), key
+    assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+    again = auto.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert isinstance(again.model.layers[1].mlp.experts, NVFP4GptOssExperts)
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_modelopt_export_compiles_without_graph_breaks():
+    auto = transformers_only()
+    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (1, 7))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(ids)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_modelopt_export_dequantizes_to_transformers_own_model():
+    auto = transformers_only()
+    ids = torch.randint(0, 256, (1, 9))
+    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16)
+    with torch.no_grad():
+        before = model(ids).logits
+        model.dequantize()
+        after = model(ids).logits
+    assert type(model.model.layers[0].mlp.experts).__name__ == "GptOssExperts"
+    # the same weights in bf16 instead of float32 dequantized on the fly: within bf16 rounding
+    assert ((after.double() - before.double()).norm() / before.double().norm()).item() < 0.05

@@ -316,15 +316,15 @@ def test_other_compressed_tensors_configs_still_go_to_transformers(monkeypatch):
     assert entry.from_dict(int4) == "transformers' config" and seen == [int4]
 
 
-@pytest.mark.parametrize("tool", ["modelopt", "llmcompressor"])
-def test_nvfp4_exports_of_gpt_oss_are_refused_naming_the_layer(tool):
-    # Genuine NVFP4 exports of a tiny gpt-oss by both tools (tests/fixtures/gpt_oss_nvfp4): its experts
-    # are transposed, interleaved, biased and use a clamped SwiGLU, which fp4moe's NVFP4 experts do not
-    # compute, so loading must stop there, naming the layer and the way that works (MXFP4), not load
-    # the tensors by shape into the wrong math
+def test_llmcompressor_export_of_gpt_oss_is_refused_naming_the_layer():
+    # llm-compressor's NVFP4 export of a tiny gpt-oss (tests/fixtures/gpt_oss_nvfp4) holds the experts as
+    # one biased linear per expert; fp4moe reads ModelOpt's fused form (tests/test_gpt_oss_nvfp4.py), so
+    # loading must stop here, naming the layer and the forms that load, not read the tensors by shape
+    # into SiLU experts without biases
     from hf_integration.checkpoint_format import CheckpointError
 
-    path = FIXTURES / "gpt_oss_nvfp4" / tool / "checkpoint"
+    path = FIXTURES / "gpt_oss_nvfp4" / "llmcompressor" / "checkpoint"
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts \(GptOssExperts\): fp4moe does not "
-                                              r"load these experts from an NVFP4 checkpoint: .*bias-free.*'mxfp4'"):
+                                              r"load these experts from an NVFP4 checkpoint: .*ModelOpt exports them "
+                                              r".*one linear per expert.*'mxfp4'"):
         AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
