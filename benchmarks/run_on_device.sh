@@ -37,7 +37,7 @@ for step in "$@"; do
     probestream) timeout 200 python3 benchmarks/probes/probe_stream.py ${STREAM_ARGS:-} 2>&1 | tee "$OUT/probe_stream.log" ;;
     densebound) timeout 300 python3 benchmarks/probes/probe_dense_bound.py ${DENSE_ARGS:-} 2>&1 | tee "$OUT/probe_dense_bound.log" ;;
     probecompile) timeout 200 python3 benchmarks/probes/probe_compile.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_compile.log" | grep -v -i warn ;;
-    gptoss_tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mxfp4_triton.py 2>&1 | tee "$OUT/gptoss_tests.log" | tail -5 ;;
+    gptoss_tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mxfp4_triton.py tests/test_gpt_oss_nvfp4.py 2>&1 | tee "$OUT/gptoss_tests.log" | tail -5 ;;
     gptoss) timeout ${GPTOSS_TIMEOUT:-500} python3 benchmarks/bench_gpt_oss.py --out "$OUT" ${GPTOSS_ARGS:-} 2>&1 | tee "$OUT/gpt_oss.log" | grep -v -i warn ;;
     generate_batch) timeout 400 python3 benchmarks/bench_generate_batch.py --layers 2 --requests 16,32,64 --out "$OUT" 2>&1 | tee "$OUT/generate_batch.log" | grep -v -i warn ;;
     linear) timeout ${LINEAR_TIMEOUT:-200} python3 benchmarks/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/linear.log" ;;

@@ -141,13 +141,11 @@ class _GptOssExperts(nn.Module):
         if self.kernel_layout:
             from fp4moe_ops.backends.triton_moe.layout import gpt_oss_kernel_biases
 
-            held = [self._buffers[name] for name in self.KERNEL_BUFFERS]
-            b1, b2 = self.BIASES
-            s13, s2 = held[1], held[b2 - 1]
+            s13, s2 = self._buffers["kernel_s13"], self._buffers["kernel_s2"]
             with torch.no_grad():
-                biases = gpt_oss_kernel_biases(self.gate_up_proj_bias.to(held[b1].device),
-                                               self.down_proj_bias.to(held[b2].device), s13.shape[1] // 2, s2.shape[1])
-            self._buffers[self.KERNEL_BUFFERS[b1]], self._buffers[self.KERNEL_BUFFERS[b2]] = biases
+                self.kernel_b1, self.kernel_b2 = gpt_oss_kernel_biases(
+                    self.gate_up_proj_bias.to(s13.device), self.down_proj_bias.to(s2.device), s13.shape[1] // 2,
+                    s2.shape[1])
         return self
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,

@@ -285,3 +285,94 @@ def test_modelopt_export_dequantizes_to_transformers_own_model():
     assert type(model.model.layers[0].mlp.experts).__name__ == "GptOssExperts"
     # the same weights in bf16 instead of float32 dequantized on the fly: within bf16 rounding
     assert ((after.double() - before.double()).norm() / before.double().norm()).item() < 0.05
+
+
+def test_module_in_the_kernel_layout_keeps_the_checkpoint_state_dict():
+    # on the CPU the layout change itself (what set_backend("triton") does on a GPU): the weights and
+    # block scales held once, the state dict the file's bytes, a load going through them, casts
+    auto = transformers_only()
+    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16)
+    m = model.model.layers[0].mlp.experts
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    m._to_kernel_layout()
+    m.backend = "triton"
+    assert m.kernel_layout and m._buffers["gate_up_proj"] is None and m.kernel_s13.dtype == torch.uint8
+    after = m.state_dict()
+    assert set(after) == set(before) and all(same_bytes(after[k], before[k]) for k in before)
+    other = {k: v.clone() for k, v in model.model.layers[1].mlp.experts.state_dict().items()}
+    m.load_state_dict(other)
+    assert m.kernel_layout  # what the state dict said, in the kernels' layout again
+    assert all(same_bytes(m.state_dict()[k], other[k]) for k in other)
+    assert torch.equal(m.kernel_g2, other["down_proj_weight_scale_2"].expand(4))
+    m.to(torch.float16)  # the biases cast as Transformers casts them; scales and the kernels' biases stay float32
+    assert m.gate_up_proj_bias.dtype == torch.float16 and m.kernel_b1.dtype == torch.float32
+    assert m.gate_up_proj_weight_scale_2.dtype == torch.float32 and m.kernel_g13.dtype == torch.float32
+    assert torch.equal(m.kernel_b2[:, :64], m.down_proj_bias.float())
+    m._to_checkpoint_layout()
+    assert not m.kernel_layout and same_bytes(m.gate_up_proj, other["gate_up_proj"])
+
+
+def test_bad_scales_are_refused_naming_the_tensor(tmp_path):
+    # a NaN E4M3 byte in a block scale, at from_pretrained (naming key and file) and at load_state_dict
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from hf_integration.checkpoint_format import CheckpointError
+
+    auto = transformers_only()
+    bad = tmp_path / "bad"
+    shutil.copytree(MODELOPT / "checkpoint", bad)
+    tensors = file_tensors(bad)
+    key = "model.layers.1.mlp.experts.down_proj_weight_scale"
+    tensors[key].view(torch.uint8)[2, 1, 5] = 0x7F
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"checkpoint tensor '{key}' in model.safetensors .*E4M3 NaN"):
+        auto.from_pretrained(bad, dtype=torch.bfloat16)
+    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16)
+    state = model.state_dict()
+    held = state[key].clone()
+    state[key] = tensors[key]
+    with pytest.raises(ValueError, match=rf"load_state_dict: {key}\[2\] holds an E4M3 NaN"):
+        model.load_state_dict(state)
+    assert same_bytes(model.state_dict()[key], held)  # nothing changed
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels: Hopper only")
+@pytest.mark.parametrize("e,t,k,family", [(32, 1, 4, "gluon-decode"), (32, 8, 4, "gluon-decode"),
+                                          (8, 40, 4, "triton-wgmma"), (8, 600, 4, "gluon-prefill")])
+def test_every_kernel_family_matches_float64(e, t, k, family):
+    # gpt-oss's H = I = 2880 (padded to 3072) with NVFP4 weights: each family the layer's token counts pick
+    from fp4moe_ops.backends.triton_moe import gpt_oss_kernel_tensors, triton_gpt_oss_moe
+    from fp4moe_ops.backends.triton_moe.launch import kernel_family
+
+    h = i = 2880
+    tensors = experts(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids, rw = routing(t, e, k)
+    assert kernel_family(x.cuda(), t * k, e, 3072, 3072) == family
+    kernel = [a.cuda() for a in gpt_oss_kernel_tensors(tensors)]
+    out = triton_gpt_oss_moe(x.cuda(), ids.cuda(), rw.cuda(), kernel, ALPHA, 7.0).cpu()
+    check(out, gpt_oss_moe64(x, ids, rw, tensors, ALPHA, 7.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels: Hopper only")
+def test_modelopt_export_runs_triton_on_the_gpu_as_the_reference_does():
+    auto = transformers_only()
+    ids = torch.randint(0, 256, (2, 11), device="cuda")
+    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16, device_map="cuda")
+    assert model.model.layers[0].mlp.experts.backend == "triton"  # auto on Hopper
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        out = model(ids).logits
+        from hf_integration import set_backend
+
+        set_backend(model, "reference")
+        ref = model(ids).logits
+    assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < 2**-6
+    assert all(same_bytes(v, state[k]) for k, v in model.state_dict().items())
