@@ -33,6 +33,21 @@ from fp4moe_ops.gpt_oss_op import MXFP4_EXPERT_TENSORS, check_mxfp4_experts
 from fp4moe_ops.nvfp4 import dequantize_nvfp4
 from fp4moe_ops.prepared import QuantizedBuffers
 
+# gpt-oss as fp4moe reads it (``swiglu_alpha`` / ``swiglu_limit`` in its config, the experts' math
+# checked against Transformers' own GptOssMLP) is Transformers 5.24's and 5.25's; 5.17's differs
+# (its config has no swiglu_alpha, and its MLP's outputs are not those of the same weights here).
+# Older releases keep their own "mxfp4" quantizer, and NVFP4 gpt-oss is refused there.
+MIN_TRANSFORMERS = (5, 24)
+
+
+def supported() -> bool:
+    """Whether this Transformers' gpt-oss is the one fp4moe's gpt-oss modules are tested against."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= MIN_TRANSFORMERS
+
+
 def modelopt_gpt_oss_specs(proj: str, experts: int, n: int, k: int, input_scales: bool) -> dict[str, tuple]:
     """``{name: (dtype, shape)}`` of projection ``proj``'s quantized tensors (``n`` outputs, ``k``
     inputs) as ModelOpt exports gpt-oss: the packed weight ``[E, K/2, N]`` (bytes along K), E4M3 block
@@ -299,4 +314,5 @@ def is_gpt_oss_experts(module: nn.Module) -> bool:
     return type(module).__name__ == "GptOssExperts"
 
 
-__all__ = ["GPT_OSS_EXPERTS", "MXFP4GptOssExperts", "NVFP4GptOssExperts", "is_gpt_oss_experts", "modelopt_gpt_oss_specs"]
+__all__ = ["GPT_OSS_EXPERTS", "MIN_TRANSFORMERS", "MXFP4GptOssExperts", "NVFP4GptOssExperts", "is_gpt_oss_experts", "modelopt_gpt_oss_specs",
+           "supported"]

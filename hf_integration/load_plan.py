@@ -30,7 +30,8 @@ from .checkpoint_format import (
     model_conversions,
     read_json,
 )
-from .gpt_oss import is_gpt_oss_experts, modelopt_gpt_oss_specs
+from .gpt_oss import MIN_TRANSFORMERS, is_gpt_oss_experts, modelopt_gpt_oss_specs
+from .gpt_oss import supported as gpt_oss_supported
 from .llama4 import fused_key, fused_specs, is_llama4_experts
 from .surgery import experts_form_problem, is_transformers_experts
 
@@ -335,9 +336,7 @@ def _plan_gpt_oss(name: str, prefix: str, m: nn.Module, scan: CheckpointScan, co
                   claimed: set[str]) -> GptOssPlan:
     """Check every tensor of the gpt-oss experts module ``name`` in ModelOpt's fused layout
     (:func:`~hf_integration.gpt_oss.modelopt_gpt_oss_specs`, biases included) and claim them."""
-    from .mxfp4_quantizer import MIN_TRANSFORMERS, supported
-
-    if not supported():  # (the same reason as for MXFP4: this Transformers' gpt-oss computes otherwise)
+    if not gpt_oss_supported():  # (the same reason as for MXFP4: this Transformers' gpt-oss computes otherwise)
         raise CheckpointError(f"{name}: fp4moe loads gpt-oss's NVFP4 experts on Transformers "
                               f"{'.'.join(map(str, MIN_TRANSFORMERS))} or later, whose gpt-oss it is tested against; "
                               f"this is {__import__('transformers').__version__}")

@@ -34,7 +34,7 @@ from transformers.utils import logging
 from fp4moe_ops.mxfp4 import E8M0_NAN, gpt_oss_shapes
 
 from .checkpoint_format import CheckpointError
-from .gpt_oss import MXFP4GptOssExperts, is_gpt_oss_experts
+from .gpt_oss import MIN_TRANSFORMERS, MXFP4GptOssExperts, is_gpt_oss_experts, supported
 from .quantizer import CheckpointScan, refuse_meta_device
 from .surgery import replace_module
 
@@ -163,21 +163,6 @@ class _MXFP4Quantizers:
         if wants_transformers_quantizer(quantization_config):
             return self.transformers_quantizer(quantization_config, **kwargs)
         return MXFP4Quantizer(quantization_config, **kwargs)
-
-
-# gpt-oss as fp4moe reads it (``swiglu_alpha`` / ``swiglu_limit`` in its config, the experts' math
-# checked against Transformers' own GptOssMLP) is Transformers 5.24's and 5.25's; 5.17's differs
-# (its config has no swiglu_alpha, and its MLP's outputs are not those of the same weights here).
-# Older releases keep their own "mxfp4" quantizer.
-MIN_TRANSFORMERS = (5, 24)
-
-
-def supported() -> bool:
-    """Whether this Transformers' gpt-oss is the one fp4moe's MXFP4 path is tested against."""
-    import transformers
-    from packaging.version import Version
-
-    return Version(transformers.__version__).release >= MIN_TRANSFORMERS
 
 
 def register() -> None:
