@@ -84,15 +84,18 @@ def layer_arguments(e: int, h: int, i: int, top_k: int, device: str = "cpu"):
     return torch.randn(1, h, dtype=torch.bfloat16, device=device), ids, torch.rand(1, top_k, device=device), tensors
 
 
-def gpt_oss_arguments(e: int, hp: int, ip: int):
+def gpt_oss_arguments(e: int, hp: int, ip: int, nvfp4: bool = False):
     """``(expert tensors, gpt_oss)`` of ``launch.triton_fused_moe`` for gpt-oss's experts in the kernels'
-    layout (``layout.gpt_oss_kernel_tensors``; uninitialized)."""
+    layout (``layout.gpt_oss_kernel_tensors``; uninitialized): MXFP4's E8M0 scales (int8, no global
+    scale), or with ``nvfp4`` E4M3 scales (uint8) and global scales."""
     from fp4moe_ops.backends.triton_moe.layout import GptOssTerms
 
-    shapes = [((e, ip, hp // 4), torch.int32), ((e, 2 * ip, hp // 16), torch.int8), ((e, 2 * ip), torch.float32),
-              ((e, hp // 2, ip // 4), torch.int32), ((e, hp, ip // 16), torch.int8), ((e, hp), torch.float32)]
+    scale = torch.uint8 if nvfp4 else torch.int8
+    shapes = [((e, ip, hp // 4), torch.int32), ((e, 2 * ip, hp // 16), scale), ((e, 2 * ip), torch.float32),
+              ((e, hp // 2, ip // 4), torch.int32), ((e, hp, ip // 16), scale), ((e, hp), torch.float32)]
     w13, s13, b1, w2, s2, b2 = (torch.empty(shape, dtype=dtype) for shape, dtype in shapes)
-    return [w13, s13, b1, w2, s2, b1], GptOssTerms(b1, b2, 1.702, 7.0)
+    g13, g2 = (torch.empty(e) for _ in range(2)) if nvfp4 else (b1, b1)
+    return [w13, s13, g13, w2, s2, g2], GptOssTerms(b1, b2, 1.702, 7.0)
 
 
 def cached_variants() -> int:
@@ -150,8 +153,9 @@ def linear_main(args) -> bool:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["serial", "together"])
-    ap.add_argument("--shape", choices=["small", "deepseek", "gpt-oss"], default="small",
-                    help="gpt-oss: gpt-oss-20b's MXFP4 experts (E=32, H=I=2880 padded to 3072, top-4)")
+    ap.add_argument("--shape", choices=["small", "deepseek", "gpt-oss", "gpt-oss-nvfp4"], default="small",
+                    help="gpt-oss: gpt-oss-20b's MXFP4 experts (E=32, H=I=2880 padded to 3072, top-4); "
+                         "gpt-oss-nvfp4: the same in NVFP4")
     ap.add_argument("--check-tokens", default="", help="comma-separated token counts (see the module docstring)")
     ap.add_argument("--linear", action="store_true", help="the NVFP4 linear shapes instead of the MoE layer")
     args = ap.parse_args()
@@ -162,10 +166,11 @@ def main():
     from fp4moe_ops.backends.triton_moe import compile_ahead, launch
 
     launch._gluon_runs = lambda x: True  # (CPU tensors: see the module docstring)
-    e, h, i, k = {"deepseek": (256, 7168, 2048, 8), "gpt-oss": (32, 3072, 3072, 4)}.get(args.shape, (8, 512, 256, 2))
-    gpt_oss = gpt_oss_arguments(e, h, i) if args.shape == "gpt-oss" else None
+    e, h, i, k = {"deepseek": (256, 7168, 2048, 8)}.get(args.shape, (32, 3072, 3072, 4) if
+                                                        args.shape.startswith("gpt-oss") else (8, 512, 256, 2))
+    gpt_oss = gpt_oss_arguments(e, h, i, args.shape == "gpt-oss-nvfp4") if args.shape.startswith("gpt-oss") else None
     x, ids, rw, tensors = layer_arguments(e, h, i, k)
-    if gpt_oss is not None:  # the kernels' layout of gpt-oss's experts: E8M0 scales as int8, biases
+    if gpt_oss is not None:  # the kernels' layout of gpt-oss's experts: their scales, biases
         tensors, gpt_oss = gpt_oss
     plans = launch.layer_plans(x, ids, rw, tensors, gpt_oss=gpt_oss)
     t0 = time.time()

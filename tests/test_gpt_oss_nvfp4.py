@@ -1,7 +1,8 @@
 """gpt-oss's experts with NVFP4 weights (ModelOpt's export of gpt-oss): ``fp4moe::gpt_oss_moe`` on
 eight NVFP4 tensors against the float64 oracle (the reference backend, and the Triton kernels in
-Triton's interpreter on the CPU), the Triton layout's round trip, and the genuine ModelOpt export of
-a tiny gpt-oss loaded, run and saved back byte for byte."""
+Triton's interpreter on the CPU; every kernel family on the GPU: tests/test_mxfp4_triton.py), the
+Triton layout's round trip, and the genuine ModelOpt export of a tiny gpt-oss loaded, run and saved
+back byte for byte."""
 
 import pytest
 import torch
@@ -339,25 +340,6 @@ def test_bad_scales_are_refused_naming_the_tensor(tmp_path):
 
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels: Hopper only")
-@pytest.mark.parametrize("e,t,k,family", [(32, 1, 4, "gluon-decode"), (32, 8, 4, "gluon-decode"),
-                                          (8, 40, 4, "triton-wgmma"), (8, 600, 4, "gluon-prefill")])
-def test_every_kernel_family_matches_float64(e, t, k, family):
-    # gpt-oss's H = I = 2880 (padded to 3072) with NVFP4 weights: each family the layer's token counts pick
-    from fp4moe_ops.backends.triton_moe import gpt_oss_kernel_tensors, triton_gpt_oss_moe
-    from fp4moe_ops.backends.triton_moe.launch import kernel_family
-
-    h = i = 2880
-    tensors = experts(e, h, i)
-    x = torch.randn(t, h, dtype=torch.bfloat16)
-    ids, rw = routing(t, e, k)
-    assert kernel_family(x.cuda(), t * k, e, 3072, 3072) == family
-    kernel = [a.cuda() for a in gpt_oss_kernel_tensors(tensors)]
-    out = triton_gpt_oss_moe(x.cuda(), ids.cuda(), rw.cuda(), kernel, ALPHA, 7.0).cpu()
-    check(out, gpt_oss_moe64(x, ids, rw, tensors, ALPHA, 7.0))
 
 
 @pytest.mark.gpu

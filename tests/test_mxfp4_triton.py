@@ -1,6 +1,6 @@
 """gpt-oss's MXFP4 experts on the Triton kernels: the checkpoint tensors moved into the kernels'
 layout and back byte for byte, and every kernel family against the float64 oracle of gpt-oss's
-expert math. On the CPU the single-role kernels run in Triton's interpreter; the GPU tests add the
+expert math (there with NVFP4 weights too). On the CPU the single-role kernels run in Triton's interpreter; the GPU tests add the
 fast scale decode and the Gluon decode and prefill kernels (Hopper)."""
 
 import pytest
@@ -124,12 +124,15 @@ def test_e8m0_scale_ptx_on_the_gpu_every_byte():
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernels: Hopper only")
 @pytest.mark.parametrize("e,t,k,family", [(32, 1, 4, "gluon-decode"), (32, 8, 4, "gluon-decode"),
                                           (8, 40, 4, "triton-wgmma"), (8, 600, 4, "gluon-prefill")])
-def test_every_kernel_family_matches_float64(e, t, k, family):
-    # gpt-oss-20b's H = I = 2880 (padded to 3072): each family the layer's token counts pick
+@pytest.mark.parametrize("weights", ["mxfp4", "nvfp4"])
+def test_every_kernel_family_matches_float64(e, t, k, family, weights):
+    # gpt-oss-20b's H = I = 2880 (padded to 3072): each family the layer's token counts pick, with
+    # gpt-oss's MXFP4 weights and with NVFP4 ones (ModelOpt's export of gpt-oss)
     from fp4moe_ops.backends.triton_moe.launch import kernel_family
+    from test_gpt_oss_nvfp4 import experts as nvfp4_experts
 
     h = i = 2880
-    tensors = experts(e, h, i)
+    tensors = (experts if weights == "mxfp4" else nvfp4_experts)(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     ids[0, -1] = -1
