@@ -65,7 +65,7 @@ class _GptOssExperts(nn.Module):
     state dict and loads that go through the checkpoint's tensors in either layout. A subclass names
     the held tensors the kernels' layout replaces (``QUANTIZED``), the kernels' buffers
     (``KERNEL_BUFFERS``) and where the biases sit in the op's tensors (``BIASES``), and moves the
-    op's tensors in and out of its held ones (:meth:`_held_op_tensors`, :meth:`_hold`)."""
+    op's tensors in and out of its held ones (:meth:`_held_op_tensors`, :meth:`_checkpoint_form`)."""
 
     QUANTIZED: tuple[str, ...] = ()
     KERNEL_BUFFERS: tuple[str, ...] = ()

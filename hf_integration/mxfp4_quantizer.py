@@ -4,8 +4,8 @@
 the routed experts in MXFP4 on every device: :class:`~hf_integration.gpt_oss.MXFP4GptOssExperts`
 takes the place of ``GptOssExperts`` on the meta model, the checkpoint's ``*_blocks`` / ``*_scales``
 bytes load straight into it (no conversion op, never a BF16 copy of the experts), and its forward
-is one ``fp4moe::gpt_oss_moe`` call (the CPU runs the ``reference`` backend; on a GPU ``auto`` takes
-the reference too, with a warning, until a GPU kernel runs MXFP4). ``save_pretrained`` writes the
+is one ``fp4moe::gpt_oss_moe`` call (``auto``: the ``triton`` backend on Hopper and newer, else the
+``reference`` backend, with a warning on a GPU). ``save_pretrained`` writes the
 same tensors back under the same names, so the saved checkpoint is the published format again,
 byte for byte.
 
