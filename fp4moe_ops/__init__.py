@@ -1,5 +1,5 @@
 """fp4moe_ops: NVFP4 Mixture-of-Experts as one ``torch.library`` op with pluggable backends (and
-gpt-oss's MXFP4 experts as another, ``gpt_oss_moe``).
+gpt-oss's experts, MXFP4 or NVFP4, as another, ``gpt_oss_moe``).
 
 Typical use::
 
@@ -9,7 +9,7 @@ Typical use::
     out = experts(hidden [T, H] bf16, topk_ids [T, k], topk_weights [T, k] fp32)
 
 Modules: ``nvfp4`` and ``mxfp4`` the formats, ``moe_weights`` a layer's canonical experts, ``op`` the op,
-``gpt_oss_op`` gpt-oss's MXFP4 experts op,
+``gpt_oss_op`` gpt-oss's experts op,
 ``linear`` the NVFP4 linear-layer op, ``autograd`` the three ops' backward (frozen weights),
 ``prepared`` the prepared layer, ``backends`` the kernels behind the op, ``moe_math`` the
 pure-torch MoE math, ``routing`` the router op, ``flashinfer_sim`` a CPU model of FlashInfer's

@@ -349,11 +349,14 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
         raise ValueError(reason)
     layout = module.incoming_layout() if callable(getattr(module, "incoming_layout", None)) else {}
     counts = module.incoming_expert_counts() if experts else None
+    # what a partial load is checked against: the buffers, or a module's checkpoint tensors where it
+    # holds them in another layout (gpt-oss's experts on the Triton kernels)
+    buffers = module.checkpoint_buffers() if callable(getattr(module, "checkpoint_buffers", None)) else module._buffers
     for name, (dtype, shape) in layout.items():
         check_incoming_layout(prefix + name, state_dict.get(prefix + name), dtype, shape, counts)
     for name, kind in module.scale_checks():
         key = prefix + name
-        t = _incoming(state_dict.get(key), module._buffers.get(name),
+        t = _incoming(state_dict.get(key), buffers.get(name),
                       torch.float8_e4m3fn if kind == "block" else torch.float32, experts)
         if t is None:
             continue
@@ -363,7 +366,7 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
             check_scale_values(t[None] if kind == "block" else t.reshape(-1), kind,
                                lambda e, key=key: f"load_state_dict: {key}")
     for block_name, global_name, to_multiplier in getattr(module, "weight_ranges", list)():  # valid: in range?
-        held_block, held_scale = module._buffers.get(block_name), module._buffers.get(global_name)
+        held_block, held_scale = buffers.get(block_name), buffers.get(global_name)
         block = _incoming(state_dict.get(prefix + block_name), held_block, torch.float8_e4m3fn, experts)
         scale = _incoming(state_dict.get(prefix + global_name), held_scale, torch.float32, experts)
         if block is None and scale is None:

@@ -19,7 +19,9 @@ holds them; the quantized tensors never follow ``model.to(dtype)``.
 On the Triton backend (Hopper) the weights and block scales are held once, in the kernels' layout
 (:func:`fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors`: the same codes and scale
 bytes, H and I padded to multiples of 256), as non-persistent buffers; the state dict still holds
-the checkpoint's tensors, converted back exactly, and ``load_state_dict`` goes through them.
+the checkpoint's tensors, converted back exactly, and ``load_state_dict`` goes through them. The
+kernels' copies (float32 biases, NVFP4's global scales) follow ``load_state_dict``, moves and casts,
+not in-place edits of the held tensors: change them through ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from fp4moe_ops.backends import resolve_gpt_oss_backend
+from fp4moe_ops.backends.base import check_nvfp4_gpt_oss_tensors
 from fp4moe_ops.mxfp4 import dequantize_gpt_oss, gpt_oss_shapes
 from fp4moe_ops.gpt_oss_op import MXFP4_EXPERT_TENSORS, check_mxfp4_experts
 from fp4moe_ops.nvfp4 import dequantize_nvfp4
@@ -245,6 +248,7 @@ class NVFP4GptOssExperts(QuantizedBuffers, _GptOssExperts):
             for name, (dtype_, shape) in modelopt_gpt_oss_specs(proj, e, n, k, input_scales).items():
                 self.register_buffer(name, torch.zeros(shape, dtype=dtype_))
             self.register_parameter(f"{proj}_bias", nn.Parameter(torch.zeros(e, n, dtype=dtype), requires_grad=False))
+        check_nvfp4_gpt_oss_tensors(self._held_op_tensors(), h)  # sizes that are no multiple of 16 fail here
         self._register_layout_hooks()
 
     def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
@@ -263,6 +267,12 @@ class NVFP4GptOssExperts(QuantizedBuffers, _GptOssExperts):
 
     def weight_ranges(self):
         return [(f"{proj}_weight_scale", f"{proj}_weight_scale_2", None) for proj in ("gate_up_proj", "down_proj")]
+
+    def checkpoint_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers under the checkpoint's names, whichever layout holds them (what a partial
+        ``load_state_dict`` is checked against: a new global scale with the held block scales)."""
+        held = {name: t for name, t in self._buffers.items() if t is not None}
+        return held | (self._checkpoint_form(self.op_tensors()) if self.kernel_layout else {})
 
     def _held_op_tensors(self) -> list[torch.Tensor]:
         e = self.num_experts

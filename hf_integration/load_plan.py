@@ -343,12 +343,15 @@ def _plan_gpt_oss(name: str, prefix: str, m: nn.Module, scan: CheckpointScan, co
     input_scales = not config.weights_only and f"{prefix}.gate_up_proj_input_scale" in scan.tensors
     e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
     for proj, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
-        specs = modelopt_gpt_oss_specs(proj, e, n, k, input_scales)
-        specs[f"{proj}_bias"] = (m.gate_up_proj_bias.dtype, (e, n))
-        for tensor, (dtype, shape) in specs.items():
+        for tensor, (dtype, shape) in modelopt_gpt_oss_specs(proj, e, n, k, input_scales).items():
             what = " (its other projection has an input scale)" if tensor.endswith("input_scale") else ""
             scan.check(f"{prefix}.{tensor}", shape, dtype, what)
             claimed.add(f"{prefix}.{tensor}")
+        bias = f"{prefix}.{proj}_bias"  # any float dtype: Transformers casts it to the model's, as any bias
+        found = scan.tensors.get(bias)
+        scan.check(bias, (e, n), found[1] if found and found[1] in (torch.bfloat16, torch.float16, torch.float32)
+                   else torch.bfloat16)
+        claimed.add(bias)
     return GptOssPlan(name, prefix, input_scales)
 
 

@@ -342,10 +342,13 @@ def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = Non
             resolve_gpt_oss_backend(backend, m.gate_up_proj_bias.device)
         for m in gpt_oss:
             m.set_backend(backend)
+        config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
+        if isinstance(config, ModelOptConfig):  # (NVFP4 gpt-oss: a save writes the loading options)
+            config.backend = backend
         return model
     modules = [m for _, m in nvfp4_experts(model)]
     if not modules:
-        raise ValueError("model has no fp4moe NVFP4 experts (nor gpt-oss MXFP4 ones); call patch_moe / patch_deepseek "
+        raise ValueError("model has no fp4moe NVFP4 experts (nor gpt-oss ones); call patch_moe / patch_deepseek "
                          "or load an NVFP4 or gpt-oss MXFP4 checkpoint first")
     for m in modules:  # validate every layer first
         m.check_backend(backend, act_scale_mode)

@@ -358,3 +358,49 @@ def test_modelopt_export_runs_triton_on_the_gpu_as_the_reference_does():
         ref = model(ids).logits
     assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < 2**-6
     assert all(same_bytes(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_float16_load_casts_the_biases_only():
+    auto = transformers_only()
+    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.float16)
+    experts = model.model.layers[0].mlp.experts
+    files = file_tensors(MODELOPT / "checkpoint")
+    assert experts.gate_up_proj_bias.dtype == torch.float16
+    assert torch.equal(experts.gate_up_proj_bias, files["model.layers.0.mlp.experts.gate_up_proj_bias"].half())
+    assert same_bytes(experts.down_proj_weight_scale, files["model.layers.0.mlp.experts.down_proj_weight_scale"])
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 256, (1, 5))).logits).all()
+
+
+def test_partial_load_in_the_kernel_layout_is_checked_against_the_held_scales():
+    # a global scale alone (strict=False) whose largest weight overflows with the held block scales: refused
+    # in either layout, the module unchanged
+    auto = transformers_only()
+    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16)
+    m = model.model.layers[0].mlp.experts
+    for kernel in (False, True):
+        if kernel:
+            m._to_kernel_layout()
+            m.backend = "triton"
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        with pytest.raises(ValueError, match=r"down_proj_weight_scale_2.*largest weight"):
+            m.load_state_dict({"down_proj_weight_scale_2": torch.tensor(1e36)}, strict=False)
+        assert all(same_bytes(m.state_dict()[k], v) for k, v in before.items())
+        assert m.kernel_layout == kernel
+
+
+@pytest.mark.parametrize("h,i", [(40, 32), (32, 24)])
+def test_sizes_the_format_cannot_hold_are_refused_by_name(h, i):
+    from types import SimpleNamespace
+
+    from hf_integration import NVFP4GptOssExperts
+
+    config = SimpleNamespace(num_local_experts=2, hidden_size=h, intermediate_size=i, swiglu_alpha=ALPHA,
+                             swiglu_limit=7.0)
+    with pytest.raises(ValueError, match=rf"a (hidden|intermediate) size that is a multiple of 16, got {40 if h == 40 else 24}"):
+        NVFP4GptOssExperts(config)
+    tensors = experts(2, 32, 32)
+    x = torch.randn(3, 40, dtype=torch.bfloat16)
+    ids, rw = routing(3, 2, 2)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, ALPHA, 7.0, "reference")

@@ -76,6 +76,11 @@ def check_nvfp4_gpt_oss_tensors(expert_tensors: list[torch.Tensor], hidden_size:
         raise ValueError(f"expected {len(NVFP4_GPT_OSS_TENSORS)} tensors {list(NVFP4_GPT_OSS_TENSORS)} for gpt-oss's "
                          f"NVFP4 experts, got {len(expert_tensors)}")
     w13, s13, g13, b1, w2, s2, g2, b2 = expert_tensors
+    if s13.dim() != 3 or s13.shape[1] % 2:
+        raise ValueError(f"w13_scale: expected [E, 2I, H/16], got {list(s13.shape)}")
+    for name, size in (("hidden size", hidden_size), ("intermediate size", s13.shape[1] // 2)):
+        if size % BLOCK_SIZE:
+            raise ValueError(f"gpt-oss NVFP4 experts need a {name} that is a multiple of {BLOCK_SIZE}, got {size}")
     specs = canonical_specs([w13, s13, g13, w2, s2, g2], hidden_size)
     check_specs(specs, hidden_size)
     e, two_i = s13.shape[:2]

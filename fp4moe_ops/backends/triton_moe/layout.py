@@ -1,6 +1,6 @@
 """The Triton backend's data layouts, in plain torch: the paired packed-weight layout (converted
-expert by expert both ways), the MMA-fragment order of the K axis, and gpt-oss's MXFP4 experts in
-the kernels' layout."""
+expert by expert both ways), the MMA-fragment order of the K axis, and gpt-oss's experts (MXFP4 or
+NVFP4) in the kernels' layout."""
 
 from __future__ import annotations
 
