@@ -275,6 +275,24 @@ def test_modelopt_export_compiles_without_graph_breaks():
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
+def test_modelopt_export_static_cache_generate_has_no_graph_breaks():
+    from transformers import StaticCache
+
+    auto = transformers_only()
+    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16).eval()
+    prompt = torch.randint(0, 256, (1, 5))
+    greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(prompt, **greedy)
+        assert torch.equal(model.generate(prompt, cache_implementation="static", **greedy), want)
+        cache = StaticCache(config=model.config, max_cache_len=16)  # one decode step, as generate compiles it
+        model(prompt, past_key_values=cache, use_cache=True)
+        step = dict(input_ids=want[:, 5:6], past_key_values=cache, use_cache=True, cache_position=torch.tensor([5]))
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(**step)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
 def test_modelopt_export_dequantizes_to_transformers_own_model():
     # dequantize(): Transformers' own modules holding the weights decoded once to bf16, exactly the
     # oracle's float64 decode rounded to bf16 (on this fixture; a float32 product rounded twice could
