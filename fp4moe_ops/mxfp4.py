@@ -110,7 +110,7 @@ def check_gpt_oss_blocks(name: str, blocks: torch.Tensor, scales: torch.Tensor, 
                              f"[{rows}, {cols}] in 32-value MXFP4 blocks), got {t.dtype} {list(t.shape)}")
 
 
-_BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # gpt-oss's biases, as a model may hold them
 # one layer's experts, as gpt-oss's checkpoint names them (and fp4moe::gpt_oss_moe takes them)
 MXFP4_EXPERT_TENSORS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
                         "down_proj_blocks", "down_proj_scales", "down_proj_bias")
@@ -132,12 +132,18 @@ def check_mxfp4_experts(expert_tensors: list[torch.Tensor], hidden_size: int) ->
             raise ValueError(f"gpt-oss MXFP4 experts need a {name} that is a multiple of {MX_BLOCK_SIZE}, got {size}")
     check_gpt_oss_blocks("gate_up_proj", gate_up_blocks, gate_up_scales, 2 * inter, hidden_size, experts)
     check_gpt_oss_blocks("down_proj", down_blocks, down_scales, hidden_size, inter, experts)
-    for name, bias, shape in (("gate_up_proj_bias", gate_up_bias, (experts, 2 * inter)),
-                              ("down_proj_bias", down_bias, (experts, hidden_size))):
-        if bias.dtype not in _BIAS_DTYPES or tuple(bias.shape) != shape:
+    check_gpt_oss_biases(("gate_up_proj_bias", gate_up_bias), ("down_proj_bias", down_bias), experts, inter, hidden_size)
+    return experts, inter
+
+
+def check_gpt_oss_biases(b1: tuple[str, torch.Tensor], b2: tuple[str, torch.Tensor], experts: int, inter: int,
+                         hidden_size: int) -> None:
+    """Raise ValueError naming the bias unless ``(name, b1)`` is ``[E, 2I]`` and ``(name, b2)`` ``[E, H]``,
+    both of :data:`BIAS_DTYPES`. Metadata only."""
+    for (name, bias), shape in ((b1, (experts, 2 * inter)), (b2, (experts, hidden_size))):
+        if bias.dtype not in BIAS_DTYPES or tuple(bias.shape) != shape:
             raise ValueError(f"{name}: expected bfloat16/float16/float32 {list(shape)}, got {bias.dtype} "
                              f"{list(bias.shape)}")
-    return experts, inter
 
 
 def dequantize_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -160,7 +166,7 @@ def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, dim: int = -2) -> t
 
 
 __all__ = [
-    "BLOCK_BYTES", "E8M0_BIAS", "E8M0_NAN", "MXFP4_EXPERT_TENSORS", "MX_BLOCK_SIZE", "check_gpt_oss_blocks", "check_mxfp4_experts",
+    "BLOCK_BYTES", "E8M0_BIAS", "E8M0_NAN", "MXFP4_EXPERT_TENSORS", "MX_BLOCK_SIZE", "BIAS_DTYPES", "check_gpt_oss_biases", "check_gpt_oss_blocks", "check_mxfp4_experts",
     "dequantize_gpt_oss", "dequantize_mxfp4", "e8m0_decode", "gpt_oss_shapes", "interleave_gate_up", "mxfp4_requant_error",
     "nvfp4_to_mxfp4", "quantize_mxfp4", "to_gpt_oss_blocks",
 ]

@@ -382,11 +382,10 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
         if experts:
             n = min(block.shape[0], multiplier.shape[0])
             check_weight_range(block[:n], multiplier[:n], lambda e, key=key: f"load_state_dict: {key}[{e}]")
-        elif block.dim() == 2 and multiplier.numel() == 1:
-            check_weight_range(block[None], multiplier.reshape(1), lambda e, key=key: f"load_state_dict: {key}")
-        elif block.dim() == 3 and multiplier.numel() == 1:  # a layer's experts in one tensor, one global scale
-            check_weight_range(block, multiplier.reshape(1).expand(block.shape[0]),
-                               lambda e, key=key: f"load_state_dict: {key} (expert {e})")
+        elif block.dim() in (2, 3) and multiplier.numel() == 1:  # a linear's, or a layer's experts in one tensor
+            stack = block if block.dim() == 3 else block[None]
+            check_weight_range(stack, multiplier.reshape(1).expand(stack.shape[0]),
+                               lambda e, key=key: f"load_state_dict: {key}" + (f" (expert {e})" if block.dim() == 3 else ""))
 
 
 def check_incoming_layout(key: str, t, dtype: torch.dtype, shape: tuple, counts: tuple[int, ...] | None = None) -> None:

@@ -95,9 +95,6 @@ class _GptOssExperts(nn.Module):
         """The :data:`QUANTIZED` tensors of the op's tensors ``op_tensors``, in the checkpoint's form."""
         raise NotImplementedError
 
-    def _hold(self, op_tensors: list[torch.Tensor]) -> None:
-        self._buffers.update(self._checkpoint_form(op_tensors))
-
     @property
     def kernel_layout(self) -> bool:
         """Whether the weights and block scales are held in the Triton kernels' layout."""
@@ -148,7 +145,7 @@ class _GptOssExperts(nn.Module):
 
     @torch.no_grad()
     def _to_checkpoint_layout(self) -> None:
-        self._hold(self.op_tensors())
+        self._buffers.update(self._checkpoint_form(self.op_tensors()))
         for name in self.KERNEL_BUFFERS:
             del self._buffers[name]
 
@@ -253,9 +250,8 @@ class NVFP4GptOssExperts(QuantizedBuffers, _GptOssExperts):
 
     def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
         """The checkpoint's quantized tensors, whichever layout holds them now (a load goes through them)."""
-        h, i = self.hidden_size, self.intermediate_size
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         has_input = "gate_up_proj_input_scale" in self._buffers
-        e = self.num_experts
         return {**modelopt_gpt_oss_specs("gate_up_proj", e, 2 * i, h, has_input),
                 **modelopt_gpt_oss_specs("down_proj", e, h, i, has_input)}
 

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers.modeling_utils import str_to_torch_dtype  # safetensors' dtype names -> torch
 
+from fp4moe_ops.mxfp4 import BIAS_DTYPES
 
 from .checkpoint_format import (
     COMPRESSED_TENSORS,
@@ -89,12 +90,13 @@ class CheckpointScan:
                     raise CheckpointError(f"{other.name} holds {clash[0]!r} but {index_file.name} does not list the "
                                           "file (a stale shard?); remove it or fix the index")
 
-    def check(self, key: str, shape: tuple, dtype: torch.dtype, what: str = "") -> None:
-        """Raise naming ``key`` (and its file) unless it exists with ``shape`` and ``dtype``."""
+    def check(self, key: str, shape: tuple, dtype: torch.dtype | tuple[torch.dtype, ...], what: str = "") -> None:
+        """Raise naming ``key`` (and its file) unless it exists with ``shape`` and ``dtype`` (or one of
+        several)."""
         if key not in self.tensors:
             raise CheckpointError(f"checkpoint tensor {key!r} is missing{what}")
         file, found_dtype, found_shape = self.tensors[key]
-        if found_dtype != dtype:
+        if found_dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
             raise CheckpointError(f"checkpoint tensor {key!r} in {file}: expected dtype {dtype}, found {found_dtype}")
         if found_shape != tuple(shape):
             raise CheckpointError(f"checkpoint tensor {key!r} in {file}: expected shape {list(shape)}, "
@@ -343,15 +345,12 @@ def _plan_gpt_oss(name: str, prefix: str, m: nn.Module, scan: CheckpointScan, co
     input_scales = not config.weights_only and f"{prefix}.gate_up_proj_input_scale" in scan.tensors
     e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
     for proj, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
-        for tensor, (dtype, shape) in modelopt_gpt_oss_specs(proj, e, n, k, input_scales).items():
+        specs = modelopt_gpt_oss_specs(proj, e, n, k, input_scales)
+        specs[f"{proj}_bias"] = (BIAS_DTYPES, (e, n))  # any float dtype: Transformers casts it, as any bias
+        for tensor, (dtype, shape) in specs.items():
             what = " (its other projection has an input scale)" if tensor.endswith("input_scale") else ""
             scan.check(f"{prefix}.{tensor}", shape, dtype, what)
             claimed.add(f"{prefix}.{tensor}")
-        bias = f"{prefix}.{proj}_bias"  # any float dtype: Transformers casts it to the model's, as any bias
-        found = scan.tensors.get(bias)
-        scan.check(bias, (e, n), found[1] if found and found[1] in (torch.bfloat16, torch.float16, torch.float32)
-                   else torch.bfloat16)
-        claimed.add(bias)
     return GptOssPlan(name, prefix, input_scales)
 
 

@@ -19,7 +19,7 @@ import logging
 import torch
 
 from ..moe_weights import NVFP4MoEWeights
-from ..mxfp4 import check_mxfp4_experts
+from ..mxfp4 import check_gpt_oss_biases, check_mxfp4_experts
 from ..nvfp4 import BLOCK_SIZE
 
 
@@ -64,7 +64,6 @@ def canonical_specs(expert_tensors: list[torch.Tensor], hidden_size: int) -> dic
 # gpt-oss's experts with NVFP4 weights, as fp4moe::gpt_oss_moe takes them (its MXFP4 ones:
 # fp4moe_ops.mxfp4.MXFP4_EXPERT_TENSORS)
 NVFP4_GPT_OSS_TENSORS = ("w13", "w13_scale", "w13_global", "b1", "w2", "w2_scale", "w2_global", "b2")
-_BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_nvfp4_gpt_oss_tensors(expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
@@ -83,10 +82,8 @@ def check_nvfp4_gpt_oss_tensors(expert_tensors: list[torch.Tensor], hidden_size:
             raise ValueError(f"gpt-oss NVFP4 experts need a {name} that is a multiple of {BLOCK_SIZE}, got {size}")
     specs = canonical_specs([w13, s13, g13, w2, s2, g2], hidden_size)
     check_specs(specs, hidden_size)
-    e, two_i = s13.shape[:2]
-    for name, bias, shape in (("b1", b1, (e, two_i)), ("b2", b2, (e, hidden_size))):
-        if bias.dtype not in _BIAS_DTYPES or tuple(bias.shape) != shape:
-            raise ValueError(f"{name}: expected bfloat16/float16/float32 {list(shape)}, got {bias.dtype} {list(bias.shape)}")
+    e = s13.shape[0]
+    check_gpt_oss_biases(("b1", b1), ("b2", b2), e, s13.shape[1] // 2, hidden_size)
     return e
 
 
