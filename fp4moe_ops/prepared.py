@@ -360,7 +360,8 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
                       torch.float8_e4m3fn if kind == "block" else torch.float32, experts)
         if t is None:
             continue
-        if experts or (kind == "block" and t.dim() == 3):  # (a module holding a layer's experts in one tensor)
+        # (a module holding a layer's experts in one tensor: [E, K/16, N] block scales, maybe [E] global ones)
+        if experts or (t.dim() == 3 if kind == "block" else t.dim() == 1 and t.numel() > 1):
             check_scale_values(t, kind, lambda e, key=key: f"load_state_dict: {key}[{e}]")
         elif t.dim() == 2 if kind == "block" else t.numel() == 1:
             check_scale_values(t[None] if kind == "block" else t.reshape(-1), kind,
@@ -382,9 +383,9 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
         if experts:
             n = min(block.shape[0], multiplier.shape[0])
             check_weight_range(block[:n], multiplier[:n], lambda e, key=key: f"load_state_dict: {key}[{e}]")
-        elif block.dim() in (2, 3) and multiplier.numel() == 1:  # a linear's, or a layer's experts in one tensor
-            stack = block if block.dim() == 3 else block[None]
-            check_weight_range(stack, multiplier.reshape(1).expand(stack.shape[0]),
+        elif block.dim() in (2, 3) and multiplier.numel() in (1, block.shape[0] if block.dim() == 3 else 1):
+            stack = block if block.dim() == 3 else block[None]  # a linear's, or a layer's experts in one tensor
+            check_weight_range(stack, multiplier.reshape(-1).expand(stack.shape[0]),
                                lambda e, key=key: f"load_state_dict: {key}" + (f" (expert {e})" if block.dim() == 3 else ""))
 
 

@@ -63,33 +63,50 @@ class StackNVFP4Experts(ConversionOps):
     def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, **kwargs):
         module_name = full_layer_name.rsplit(".", 1)[0]
         plan = self.hf_quantizer.plan.experts[module_name]
-        scheme = self.hf_quantizer.plan.scheme
-        names = dict(zip(self.ROLES, scheme.tensors))
+        got = self._collect(input_dict, source_patterns, module_name, plan)
+        base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
+        return {base + name: t for name, t in self._stacked(got, module_name, plan).items()}
+
+    def _collect(self, input_dict, source_patterns, module_name: str, plan: ExpertsPlan) -> dict:
+        """``{(leaf, role): [one tensor per expert]}`` of what the loader read, each list checked to
+        hold one tensor per expert of the plan."""
+        names = dict(zip(self.ROLES, self.hf_quantizer.plan.scheme.tensors), bias="bias")
         got = {self.SOURCES[source_patterns.index(p)]: tensors for p, tensors in input_dict.items()}
         input_dict.clear()
-        leaves, count, inter = list(plan.leaves), len(plan.ids), plan.inter
         for (leaf, role), tensors in got.items():
-            if len(tensors) != count:
-                raise CheckpointError(f"{module_name}: read {len(tensors)} '{leaves[leaf]}.{names[role]}' tensors "
-                                      f"for {count} experts")
+            if len(tensors) != len(plan.ids):
+                raise CheckpointError(f"{module_name}: read {len(tensors)} '{list(plan.leaves)[leaf]}.{names[role]}' "
+                                      f"tensors for {len(plan.ids)} experts")
+        return got
 
-        def stack(parts: list[tuple[int, str]]) -> torch.Tensor:
-            """The experts' tensors of ``parts`` (concatenated along rows), each per-expert tensor
-            dropped as soon as it is copied: one layer plus one expert tensor in memory, not two layers."""
-            lists = [got.pop(p) for p in parts]
-            first = lists[0][0]
-            rows = [ts[0].shape[0] if ts[0].dim() else 0 for ts in lists]  # scalars: [] (ModelOpt) or [1]
-            out = torch.empty(count, *((sum(rows),) if first.dim() else ()), *first.shape[1:], dtype=first.dtype,
-                              device=first.device)
-            for e in range(count):
-                r0 = 0
-                for ts, n in zip(lists, rows):
-                    if first.dim():
-                        out[e, r0:r0 + n] = ts[e]
-                    else:
-                        out[e] = ts[e]
-                    ts[e], r0 = None, r0 + n
-            return out
+    @staticmethod
+    def _stack(got: dict, parts: list[tuple[int, str]]) -> torch.Tensor:
+        """The experts' tensors of ``parts`` (concatenated along rows), each per-expert tensor
+        dropped as soon as it is copied: one layer plus one expert tensor in memory, not two layers."""
+        lists = [got.pop(p) for p in parts]
+        first, count = lists[0][0], len(lists[0])
+        rows = [ts[0].shape[0] if ts[0].dim() else 0 for ts in lists]  # scalars: [] (ModelOpt) or [1]
+        out = torch.empty(count, *((sum(rows),) if first.dim() else ()), *first.shape[1:], dtype=first.dtype,
+                          device=first.device)
+        for e in range(count):
+            r0 = 0
+            for ts, n in zip(lists, rows):
+                if first.dim():
+                    out[e, r0:r0 + n] = ts[e]
+                else:
+                    out[e] = ts[e]
+                ts[e], r0 = None, r0 + n
+        return out
+
+    def _stacked(self, got: dict, module_name: str, plan: ExpertsPlan) -> dict[str, torch.Tensor]:
+        """The canonical buffers (and input scales) of the per-expert tensors in ``got`` (taken out
+        of it), every scale value checked; gate and up global scales that differ reconciled."""
+        scheme = self.hf_quantizer.plan.scheme
+        names = dict(zip(self.ROLES, scheme.tensors))
+        leaves, inter = list(plan.leaves), plan.inter
+
+        def stack(parts):
+            return self._stack(got, parts)
 
         g_gate, g_up = stack([(0, "global")]), stack([(1, "global")])
         fc1_gate = stack([(0, "input")]) if plan.input_scales else None
@@ -125,11 +142,10 @@ class StackNVFP4Experts(ConversionOps):
             s13[:, inter:] = (s13[:, inter:].float() * (g_up / g13)[:, None, None]).to(torch.float8_e4m3fn)
             logger.warning("fp4moe: %s: %d experts had different gate/up weight_scale_2; used their max and "
                            "rescaled the other's block scales (re-rounded to E4M3)", module_name, int(differ.sum()))
-        base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
-        out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, (w13, s13, g13, w2, s2, g2))}
+        out = dict(zip(CANONICAL_BUFFERS, (w13, s13, g13, w2, s2, g2)))
         if plan.input_scales:
-            out[base + INPUT_SCALE_BUFFERS[0]] = torch.maximum(fc1_gate, fc1_up)
-            out[base + INPUT_SCALE_BUFFERS[1]] = fc2_in
+            out[INPUT_SCALE_BUFFERS[0]] = torch.maximum(fc1_gate, fc1_up)
+            out[INPUT_SCALE_BUFFERS[1]] = fc2_in
         return out
 
     def _check(self, check, plan: ExpertsPlan, leaf: str, tensor: str) -> None:
@@ -200,6 +216,41 @@ class UnfuseNVFP4Experts(StackNVFP4Experts):
         return out
 
 
+class StackGptOssExperts(StackNVFP4Experts):
+    """Transformers conversion op for gpt-oss's experts as llm-compressor exports them: one layer's
+    per-expert biased linears (``<e>.gate_proj`` ...) -> the held tensors of
+    :class:`~hf_integration.gpt_oss.NVFP4GptOssExperts` with one global scale per expert: ModelOpt's
+    fused layout (``[E, K/2, N]`` bytes and ``[E, K/16, N]`` block scales, gate and up rows
+    interleaved along 2I as gpt-oss computes them), the multiplying global scales ``[E]`` and the
+    biases. Every scale value is checked by its checkpoint name, as for other experts; input scales
+    are checked and not held (the activations stay 16-bit)."""
+
+    SOURCES = (*StackNVFP4Experts.SOURCES, *((leaf, "bias") for leaf in range(3)))
+
+    def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, **kwargs):
+        module_name = full_layer_name.rsplit(".", 1)[0]
+        gpt_oss = self.hf_quantizer.plan.gpt_oss[module_name]
+        plan = gpt_oss.per_expert
+        got = self._collect(input_dict, source_patterns, module_name, plan)
+        # in the model's dtype, as Transformers loads any bias (it keeps a converter's outputs as they are)
+        biases = [self._stack(got, [(leaf, "bias")]).to(gpt_oss.bias_dtype) for leaf in range(3)]
+        stacked = self._stacked(got, module_name, plan)
+        w13, s13, g13, w2, s2, g2 = (stacked[name] for name in CANONICAL_BUFFERS)
+
+        def interleaved(t):  # [E, 2I, ...] gate rows then up rows -> gate and up rows alternating
+            return torch.stack((t[:, :plan.inter], t[:, plan.inter:]), dim=2).flatten(1, 2)
+
+        base = target_patterns[0][:-len("gate_up_proj")]
+        held = {"gate_up_proj": (interleaved(w13), interleaved(s13), g13, interleaved(torch.cat(biases[:2], dim=1))),
+                "down_proj": (w2, s2, g2, biases[2])}
+        out = {}
+        for proj, (w, s, g, b) in held.items():  # ModelOpt's [E, K/2, N]: the transposes of [E, N, K/2]
+            out |= {f"{base}{proj}": w.transpose(1, 2).contiguous(),
+                    f"{base}{proj}_weight_scale": s.transpose(1, 2).contiguous(),
+                    f"{base}{proj}_weight_scale_2": g, f"{base}{proj}_bias": b}
+        return out
+
+
 def converters_for(plan: LoadPlan, quantizer: HfQuantizer) -> list:
     """One converter per distinct experts naming (e.g. ``mlp.experts`` with ``gate_proj`` ...), whose
     sources are the per-expert NVFP4 tensors in model terms (after Transformers' renamings)."""
@@ -224,6 +275,16 @@ def converters_for(plan: LoadPlan, quantizer: HfQuantizer) -> list:
         sources = [rf"{re.escape(base)}\.(?:{ids})\.{re.escape(list(p.leaves)[leaf])}\.{names[role]}$"
                    for leaf, role in StackNVFP4Experts.SOURCES]
         converters.append(WeightConverter(sources, f"{base}.{CANONICAL_BUFFERS[0]}", [StackNVFP4Experts(quantizer)]))
+    for p in plan.gpt_oss.values():
+        base = ".".join(p.name.split(".")[-2:])
+        if p.per_expert is None or ("gpt-oss", base) in seen:
+            continue
+        seen.add(("gpt-oss", base))
+        names = dict(zip(StackNVFP4Experts.ROLES, plan.scheme.tensors), bias="bias")
+        leaves = list(p.per_expert.leaves)
+        sources = [rf"{re.escape(base)}\.\d+\.{re.escape(leaves[leaf])}\.{names[role]}$"
+                   for leaf, role in StackGptOssExperts.SOURCES]
+        converters.append(WeightConverter(sources, f"{base}.gate_up_proj", [StackGptOssExperts(quantizer)]))
     return converters
 
 
@@ -233,4 +294,4 @@ def is_ours(conversion) -> bool:
     return any(isinstance(op, StackNVFP4Experts) for op in getattr(conversion, "operations", ()))
 
 
-__all__ = ["StackNVFP4Experts", "UnfuseNVFP4Experts", "converters_for", "is_ours"]
+__all__ = ["StackGptOssExperts", "StackNVFP4Experts", "UnfuseNVFP4Experts", "converters_for", "is_ours"]

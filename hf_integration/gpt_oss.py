@@ -14,7 +14,12 @@ holds them; the quantized tensors never follow ``model.to(dtype)``.
   packed along H, ``gate_up_proj_weight_scale [E, H/16, 2I]`` E4M3, one ``gate_up_proj_weight_scale_2``
   float32 for the layer, ``gate_up_proj_input_scale`` where calibrated, ``gate_up_proj_bias [E, 2I]``;
   ``down_proj`` alike with ``[E, I/2, H]``), gate and up interleaved along 2I. The activations stay
-  16-bit: calibrated input scales are kept for saving, and not used.
+  16-bit: calibrated input scales are kept for saving, and not used. llm-compressor's export (one
+  linear per expert, one global scale per expert) is held in the same layout with ``weight_scale_2 [E]``
+  (``per_expert_scales``; :class:`~hf_integration.expert_conversion.StackGptOssExperts` reads it): its
+  dividing global scales as their multiplying reciprocals, its gate and up rows interleaved, its
+  input scales (checked at load) not held. ModelOpt's gpt-oss format has one global scale per
+  projection, so such a layer cannot be saved as ModelOpt's (``save_pretrained`` refuses it).
 
 On the Triton backend (Hopper) the weights and block scales are held once, in the kernels' layout
 (:func:`fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors`: the same codes and scale
@@ -51,13 +56,15 @@ def supported() -> bool:
     return Version(transformers.__version__).release >= MIN_TRANSFORMERS
 
 
-def modelopt_gpt_oss_specs(proj: str, experts: int, n: int, k: int, input_scales: bool) -> dict[str, tuple]:
+def modelopt_gpt_oss_specs(proj: str, experts: int, n: int, k: int, input_scales: bool,
+                           per_expert_scales: bool = False) -> dict[str, tuple]:
     """``{name: (dtype, shape)}`` of projection ``proj``'s quantized tensors (``n`` outputs, ``k``
     inputs) as ModelOpt exports gpt-oss: the packed weight ``[E, K/2, N]`` (bytes along K), E4M3 block
-    scales ``[E, K/16, N]``, one float32 global scale (and input scale) for the layer."""
+    scales ``[E, K/16, N]``, one float32 global scale (and input scale) for the layer, or
+    (``per_expert_scales``) a global scale ``[E]`` per expert."""
     specs = {proj: (torch.uint8, (experts, k // 2, n)),
              f"{proj}_weight_scale": (torch.float8_e4m3fn, (experts, k // 16, n)),
-             f"{proj}_weight_scale_2": (torch.float32, ())}
+             f"{proj}_weight_scale_2": (torch.float32, (experts,) if per_expert_scales else ())}
     if input_scales:
         specs[f"{proj}_input_scale"] = (torch.float32, ())
     return specs
@@ -229,7 +236,8 @@ class MXFP4GptOssExperts(_GptOssExperts):
 class NVFP4GptOssExperts(QuantizedBuffers, _GptOssExperts):
     """One gpt-oss layer's experts in NVFP4 as ModelOpt exports them (see the module docstring), run
     by ``fp4moe::gpt_oss_moe``. ``input_scales``: the checkpoint has calibrated input scales (held
-    for saving; the activations stay 16-bit)."""
+    for saving; the activations stay 16-bit). ``per_expert_scales``: one global scale per expert
+    (``weight_scale_2 [E]``, llm-compressor's export), which ModelOpt's format cannot save."""
 
     FORMAT = "NVFP4"
     QUANTIZED = ("gate_up_proj", "gate_up_proj_weight_scale", "down_proj", "down_proj_weight_scale")
@@ -237,12 +245,14 @@ class NVFP4GptOssExperts(QuantizedBuffers, _GptOssExperts):
                       "kernel_b2")
     BIASES = (3, 7)
 
-    def __init__(self, config, dtype: torch.dtype = torch.bfloat16, input_scales: bool = False):
+    def __init__(self, config, dtype: torch.dtype = torch.bfloat16, input_scales: bool = False,
+                 per_expert_scales: bool = False):
         super().__init__()
         self._setup(config)
+        self.per_expert_scales = per_expert_scales
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         for proj, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
-            for name, (dtype_, shape) in modelopt_gpt_oss_specs(proj, e, n, k, input_scales).items():
+            for name, (dtype_, shape) in modelopt_gpt_oss_specs(proj, e, n, k, input_scales, per_expert_scales).items():
                 self.register_buffer(name, torch.zeros(shape, dtype=dtype_))
             self.register_parameter(f"{proj}_bias", nn.Parameter(torch.zeros(e, n, dtype=dtype), requires_grad=False))
         check_nvfp4_gpt_oss_tensors(self._held_op_tensors(), h)  # sizes that are no multiple of 16 fail here
@@ -252,8 +262,8 @@ class NVFP4GptOssExperts(QuantizedBuffers, _GptOssExperts):
         """The checkpoint's quantized tensors, whichever layout holds them now (a load goes through them)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         has_input = "gate_up_proj_input_scale" in self._buffers
-        return {**modelopt_gpt_oss_specs("gate_up_proj", e, 2 * i, h, has_input),
-                **modelopt_gpt_oss_specs("down_proj", e, h, i, has_input)}
+        return {**modelopt_gpt_oss_specs("gate_up_proj", e, 2 * i, h, has_input, self.per_expert_scales),
+                **modelopt_gpt_oss_specs("down_proj", e, h, i, has_input, self.per_expert_scales)}
 
     def scale_checks(self) -> list[tuple[str, str]]:
         checks = [(f"{proj}_{name}", kind) for proj in ("gate_up_proj", "down_proj")
@@ -276,7 +286,7 @@ class NVFP4GptOssExperts(QuantizedBuffers, _GptOssExperts):
         for proj in ("gate_up_proj", "down_proj"):  # ModelOpt's [E, K/2, N] are the op's [E, N, K/2] transposed
             tensors += [self._buffers[proj].transpose(1, 2),
                         self._buffers[f"{proj}_weight_scale"].transpose(1, 2).view(torch.uint8),
-                        self._buffers[f"{proj}_weight_scale_2"].reshape(1).expand(e), getattr(self, f"{proj}_bias")]
+                        self._buffers[f"{proj}_weight_scale_2"].reshape(-1).expand(e), getattr(self, f"{proj}_bias")]
         return tensors
 
     def _checkpoint_form(self, op_tensors):

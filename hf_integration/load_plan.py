@@ -126,12 +126,15 @@ class ExpertsPlan:
 
 @dataclass
 class GptOssPlan:
-    """One gpt-oss experts module to load as NVFP4 from ModelOpt's fused tensors
-    (:class:`~hf_integration.gpt_oss.NVFP4GptOssExperts`)."""
+    """One gpt-oss experts module to load as NVFP4 (:class:`~hf_integration.gpt_oss.NVFP4GptOssExperts`):
+    from ModelOpt's fused tensors, or from llm-compressor's one linear per expert (``per_expert``:
+    its tensors as for other experts, read by :class:`~hf_integration.expert_conversion.StackGptOssExperts`)."""
 
     name: str               # module path in the model
     checkpoint_prefix: str  # the same in checkpoint keys
-    input_scales: bool
+    input_scales: bool      # input scales held (ModelOpt's, for saving)
+    per_expert: ExpertsPlan | None = None
+    bias_dtype: torch.dtype | None = None  # the model's (set when the module is made): per-expert biases cast to it
 
 
 @dataclass
@@ -237,9 +240,15 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
             if is_gpt_oss_experts(m) and own is not None and scheme is MODELOPT:
                 plan.gpt_oss[name] = _plan_gpt_oss(name, own[:-len(".gate_up_proj")], m, scan, config, claimed)
                 continue
+            if is_gpt_oss_experts(m) and own is None:
+                per_expert = _plan_gpt_oss_per_expert(name, m, scan, in_model, leaves[name], scheme, claimed)
+                if per_expert is not None:
+                    plan.gpt_oss[name] = per_expert
+                    continue
             if is_gpt_oss_experts(m):
                 problem = ("fp4moe reads gpt-oss's NVFP4 experts as ModelOpt exports them (fused gate_up_proj / "
-                           "down_proj tensors), not one linear per expert as this checkpoint holds them")
+                           "down_proj tensors) or as llm-compressor does (one linear per expert), and this "
+                           "checkpoint holds neither")
             raise CheckpointError(
                 f"{name} ({type(m).__name__}): fp4moe does not load these experts from an NVFP4 checkpoint: {problem}"
                 + ("; gpt-oss also loads through fp4moe from its MXFP4 release (quant_method 'mxfp4')"
@@ -338,10 +347,7 @@ def _plan_gpt_oss(name: str, prefix: str, m: nn.Module, scan: CheckpointScan, co
                   claimed: set[str]) -> GptOssPlan:
     """Check every tensor of the gpt-oss experts module ``name`` in ModelOpt's fused layout
     (:func:`~hf_integration.gpt_oss.modelopt_gpt_oss_specs`, biases included) and claim them."""
-    if not gpt_oss_supported():  # (the same reason as for MXFP4: this Transformers' gpt-oss computes otherwise)
-        raise CheckpointError(f"{name}: fp4moe loads gpt-oss's NVFP4 experts on Transformers "
-                              f"{'.'.join(map(str, MIN_TRANSFORMERS))} or later, whose gpt-oss it is tested against; "
-                              f"this is {__import__('transformers').__version__}")
+    _require_gpt_oss_transformers(name)
     input_scales = not config.weights_only and f"{prefix}.gate_up_proj_input_scale" in scan.tensors
     e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
     for proj, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
@@ -352,6 +358,42 @@ def _plan_gpt_oss(name: str, prefix: str, m: nn.Module, scan: CheckpointScan, co
             scan.check(f"{prefix}.{tensor}", shape, dtype, what)
             claimed.add(f"{prefix}.{tensor}")
     return GptOssPlan(name, prefix, input_scales)
+
+
+def _plan_gpt_oss_per_expert(name: str, m: nn.Module, scan: CheckpointScan, in_model: dict[str, str], lv,
+                             scheme: TensorScheme, claimed: set[str]) -> GptOssPlan | None:
+    """The plan of gpt-oss experts module ``name`` if the checkpoint holds it as llm-compressor exports
+    it (one biased NVFP4 linear per expert: ``<e>.gate_proj`` ...), every tensor checked and claimed;
+    None if it holds no such NVFP4 tensors. Input scales are checked (all or none) and not held: the
+    activations stay 16-bit."""
+    e_total, h, i = m.num_experts, m.hidden_size, m.intermediate_size
+    prefix = _nvfp4_experts_prefix(in_model, scan, name, e_total, lv, scheme.packed, scheme.block_scale)
+    if prefix is None:
+        return None
+    _require_gpt_oss_transformers(name)
+    input_ = scheme.input_scale
+    p = ExpertsPlan(name, prefix, lv, e_total, range(e_total), h, i, input_scales=any(
+        f"{prefix}.{e}.{leaf}.{input_}" in scan.tensors for e in range(e_total) for leaf in lv))
+    for e in range(e_total):
+        for leaf, (n_out, k_in) in ((lv.gate, (i, h)), (lv.up, (i, h)), (lv.down, (h, i))):
+            specs = scheme.specs(f"{prefix}.{e}.{leaf}", n_out, k_in, p.input_scales)
+            specs[f"{prefix}.{e}.{leaf}.bias"] = ((n_out,), BIAS_DTYPES)
+            for key, (shape, dtype) in specs.items():
+                what = " (the other experts of this layer have input scales)" if key.endswith(input_) else ""
+                scan.check(key, shape, dtype, what)
+            claimed.update(specs)
+    for k in scan.tensors:
+        if k.startswith(prefix + ".") and k not in claimed:
+            raise CheckpointError(f"unexpected checkpoint tensor {k!r} in {scan.tensors[k][0]}: {name} has {e_total} "
+                                  f"experts, each three biased NVFP4 linears {list(lv)}")
+    return GptOssPlan(name, prefix, input_scales=False, per_expert=p)
+
+
+def _require_gpt_oss_transformers(name: str) -> None:
+    if not gpt_oss_supported():  # (the same reason as for MXFP4: this Transformers' gpt-oss computes otherwise)
+        raise CheckpointError(f"{name}: fp4moe loads gpt-oss's NVFP4 experts on Transformers "
+                              f"{'.'.join(map(str, MIN_TRANSFORMERS))} or later, whose gpt-oss it is tested against; "
+                              f"this is {__import__('transformers').__version__}")
 
 
 def refuse_meta_device(device_map) -> None:

@@ -141,8 +141,10 @@ class ModelOptQuantizer(HfQuantizer):
             parent_name, _, attr = name.rpartition(".")
             if name in self.plan.gpt_oss:
                 with torch.device("meta"):
-                    new = NVFP4GptOssExperts(text_config, dtype=m.gate_up_proj_bias.dtype,
-                                             input_scales=self.plan.gpt_oss[name].input_scales)
+                    p = self.plan.gpt_oss[name]
+                    p.bias_dtype = m.gate_up_proj_bias.dtype
+                    new = NVFP4GptOssExperts(text_config, dtype=p.bias_dtype, input_scales=p.input_scales,
+                                             per_expert_scales=p.per_expert is not None)
                 replace_module(model.get_submodule(parent_name), attr, new)
             elif name in self.plan.experts:
                 p = self.plan.experts[name]
@@ -198,7 +200,9 @@ class ModelOptQuantizer(HfQuantizer):
         self._check_all_loaded(model)
         linears = [(n, m) for n, m in model.named_modules() if isinstance(m, (NVFP4Linear, FP8Linear))]
         gpt_oss = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4GptOssExperts)]
-        for name, m in linears + gpt_oss:  # every value checked before any module changes
+        # every value checked before any module changes (llm-compressor's gpt-oss experts: by the
+        # converter already, under the file's per-expert keys)
+        for name, m in linears + [(n, m) for n, m in gpt_oss if not m.per_expert_scales]:
             for tensor, kind in m.scale_checks():
                 key = self._checkpoint_key(name, tensor)
                 values = m._buffers[tensor]

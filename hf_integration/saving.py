@@ -61,6 +61,7 @@ def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         raise ValueError("the model holds no fp4moe NVFP4 modules: nothing to save as a ModelOpt NVFP4 checkpoint")
     if any(isinstance(m.dispatch, ExpertShard) for _, m in experts):  # (never fused with a shared expert)
         raise ValueError("an expert-parallel model holds only this rank's experts; save the unsharded model")
+    _refuse_per_expert_gpt_oss(model)
     _, converters = model_conversions(model)
     state = {}
     fused = {f"{n}.experts" for n, _ in nvfp4_modules(model, NVFP4Llama4TextMoe)}
@@ -123,9 +124,19 @@ def kv_cache_scales(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(getattr(getattr(model, "hf_quantizer", None), "kv_cache_scales", None) or {})
 
 
+def _refuse_per_expert_gpt_oss(model: nn.Module) -> None:
+    for name, m in nvfp4_modules(model, NVFP4GptOssExperts):
+        if m.per_expert_scales:
+            raise ValueError(f"{name}: these gpt-oss experts have one global scale per expert (llm-compressor's "
+                             "export), and ModelOpt's gpt-oss format, which fp4moe saves, holds one per projection: "
+                             "they cannot be saved without re-quantizing; keep the checkpoint you loaded them from, "
+                             "or call model.dequantize() first to save 16-bit experts")
+
+
 def saved_config(model: nn.Module, config: ModelOptConfig) -> ModelOptConfig:
     """The quantization config a save writes: every module kept in 16 bits (attention, dequantized
     linears, routers, LM head) listed in ``exclude_modules``, so vLLM and SGLang read them as such."""
+    _refuse_per_expert_gpt_oss(model)  # (first: before any other reason the save might stop)
     kept = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) or (
         not isinstance(m, nn.Embedding) and isinstance(m._parameters.get("weight"), torch.Tensor)
         and m._parameters["weight"].dim() == 2))

@@ -123,6 +123,9 @@ def test_triton_single_role_kernels_match_float64(t, k, limit):
 from pathlib import Path  # noqa: E402
 
 MODELOPT = Path(__file__).parent / "fixtures" / "gpt_oss_nvfp4" / "modelopt"
+LLMCOMPRESSOR = MODELOPT.parent / "llmcompressor"  # the same model exported by llm-compressor (tests at the end)
+# both exports, for what they share once loaded (the same module, per-expert or one global scale)
+EXPORTS = pytest.mark.parametrize("export", [MODELOPT, LLMCOMPRESSOR], ids=["modelopt", "llmcompressor"])
 
 
 def transformers_only():
@@ -265,9 +268,10 @@ def test_modelopt_export_saves_back_byte_for_byte(tmp_path):
         assert torch.equal(again(ids).logits, model(ids).logits)
 
 
-def test_modelopt_export_compiles_without_graph_breaks():
+@EXPORTS
+def test_export_compiles_without_graph_breaks(export):
     auto = transformers_only()
-    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16).eval()
+    model = auto.from_pretrained(export / "checkpoint", dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 256, (1, 7))
     torch._dynamo.reset()
     with torch.no_grad():
@@ -275,11 +279,12 @@ def test_modelopt_export_compiles_without_graph_breaks():
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
-def test_modelopt_export_static_cache_generate_has_no_graph_breaks():
+@EXPORTS
+def test_export_static_cache_generate_has_no_graph_breaks(export):
     from transformers import StaticCache
 
     auto = transformers_only()
-    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16).eval()
+    model = auto.from_pretrained(export / "checkpoint", dtype=torch.bfloat16).eval()
     prompt = torch.randint(0, 256, (1, 5))
     greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -310,11 +315,12 @@ def test_modelopt_export_dequantizes_to_transformers_own_model():
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
-def test_module_in_the_kernel_layout_keeps_the_checkpoint_state_dict():
+@EXPORTS
+def test_module_in_the_kernel_layout_keeps_the_checkpoint_state_dict(export):
     # on the CPU the layout change itself (what set_backend("triton") does on a GPU): the weights and
     # block scales held once, the state dict the file's bytes, a load going through them, casts
     auto = transformers_only()
-    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16)
+    model = auto.from_pretrained(export / "checkpoint", dtype=torch.bfloat16)
     m = model.model.layers[0].mlp.experts
     before = {k: v.clone() for k, v in m.state_dict().items()}
     m._to_kernel_layout()
@@ -366,10 +372,11 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernels: Hopper only")
-def test_modelopt_export_runs_triton_on_the_gpu_as_the_reference_does():
+@EXPORTS
+def test_export_runs_triton_on_the_gpu_as_the_reference_does(export):
     auto = transformers_only()
     ids = torch.randint(0, 256, (2, 11), device="cuda")
-    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16, device_map="cuda")
+    model = auto.from_pretrained(export / "checkpoint", dtype=torch.bfloat16, device_map="cuda")
     assert model.model.layers[0].mlp.experts.backend == "triton"  # auto on Hopper
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
@@ -382,23 +389,25 @@ def test_modelopt_export_runs_triton_on_the_gpu_as_the_reference_does():
     assert all(same_bytes(v, state[k]) for k, v in model.state_dict().items())
 
 
-def test_float16_load_casts_the_biases_only():
+@EXPORTS
+def test_float16_load_casts_the_biases_only(export):
     auto = transformers_only()
-    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.float16)
+    model = auto.from_pretrained(export / "checkpoint", dtype=torch.float16)
     experts = model.model.layers[0].mlp.experts
-    files = file_tensors(MODELOPT / "checkpoint")
-    assert experts.gate_up_proj_bias.dtype == torch.float16
-    assert torch.equal(experts.gate_up_proj_bias, files["model.layers.0.mlp.experts.gate_up_proj_bias"].half())
-    assert same_bytes(experts.down_proj_weight_scale, files["model.layers.0.mlp.experts.down_proj_weight_scale"])
+    held = auto.from_pretrained(export / "checkpoint", dtype=torch.bfloat16).model.layers[0].mlp.experts.state_dict()
+    assert experts.gate_up_proj_bias.dtype == experts.down_proj_bias.dtype == torch.float16
+    assert torch.equal(experts.gate_up_proj_bias, held["gate_up_proj_bias"].half())
+    assert same_bytes(experts.down_proj_weight_scale, held["down_proj_weight_scale"])
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, 256, (1, 5))).logits).all()
 
 
-def test_partial_load_in_the_kernel_layout_is_checked_against_the_held_scales():
+@EXPORTS
+def test_partial_load_in_the_kernel_layout_is_checked_against_the_held_scales(export):
     # a global scale alone (strict=False) whose largest weight overflows with the held block scales: refused
     # in either layout, the module unchanged
     auto = transformers_only()
-    model = auto.from_pretrained(MODELOPT / "checkpoint", dtype=torch.bfloat16)
+    model = auto.from_pretrained(export / "checkpoint", dtype=torch.bfloat16)
     m = model.model.layers[0].mlp.experts
     for kernel in (False, True):
         if kernel:
@@ -406,7 +415,8 @@ def test_partial_load_in_the_kernel_layout_is_checked_against_the_held_scales():
             m.backend = "triton"
         before = {k: v.clone() for k, v in m.state_dict().items()}
         with pytest.raises(ValueError, match=r"down_proj_weight_scale_2.*largest weight"):
-            m.load_state_dict({"down_proj_weight_scale_2": torch.tensor(1e36)}, strict=False)
+            m.load_state_dict({"down_proj_weight_scale_2": torch.full_like(before["down_proj_weight_scale_2"], 1e36)},
+                              strict=False)
         assert all(same_bytes(m.state_dict()[k], v) for k, v in before.items())
         assert m.kernel_layout == kernel
 
@@ -426,3 +436,167 @@ def test_sizes_the_format_cannot_hold_are_refused_by_name(h, i):
     ids, rw = routing(3, 2, 2)
     with pytest.raises(ValueError, match="multiple of 16"):
         torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, ALPHA, 7.0, "reference")
+
+
+# --- llm-compressor's export of the same tiny gpt-oss (tests/fixtures/gpt_oss_nvfp4/llmcompressor) ---------
+
+
+def llmcompressor_decoded_model(dtype):
+    """Transformers' gpt-oss holding llm-compressor's export decoded in float64 from the format
+    definition, independent of fp4moe's loader: compressed-tensors' global scales divide (W = e2m1 *
+    block scale / weight_global_scale); expert e's ``gate_proj`` / ``up_proj`` ``[I, H]`` become
+    the even / odd columns of Transformers' ``gate_up_proj [E, H, 2I]`` (gpt-oss's interleaved
+    gate and up), its ``down_proj [H, I]`` the transpose in ``down_proj [E, I, H]``; biases alike."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fp4moe_ops.oracle64 import dequant64
+
+    files = file_tensors(LLMCOMPRESSOR / "checkpoint")
+    config = AutoConfig.from_pretrained(LLMCOMPRESSOR / "checkpoint")
+    del config.quantization_config
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+    def decode(prefix):
+        return (dequant64(files[f"{prefix}.weight_packed"], files[f"{prefix}.weight_scale"], 1.0)
+                / files[f"{prefix}.weight_global_scale"].double())
+
+    state = {}
+    for key, t in files.items():
+        if ".experts." in key or key.endswith((".weight_scale", ".weight_global_scale", ".input_global_scale")):
+            continue
+        if key.endswith(".weight_packed"):
+            state[key.replace(".weight_packed", ".weight")] = decode(key[:-len(".weight_packed")]).to(dtype)
+        else:
+            state[key] = t.to(dtype)
+    for layer in range(config.num_hidden_layers):
+        base = f"model.layers.{layer}.mlp.experts"
+        experts = range(config.num_local_experts)
+        gate, up, down = (torch.stack([decode(f"{base}.{e}.{leaf}") for e in experts]) for leaf in
+                          ("gate_proj", "up_proj", "down_proj"))
+        gate_b, up_b, down_b = (torch.stack([files[f"{base}.{e}.{leaf}.bias"] for e in experts]) for leaf in
+                                ("gate_proj", "up_proj", "down_proj"))
+        gate_up = torch.stack((gate, up), dim=2).flatten(1, 2)  # [E, 2I, H]: rows gate 0, up 0, gate 1, ...
+        state[f"{base}.gate_up_proj"] = gate_up.transpose(1, 2).to(dtype)
+        state[f"{base}.gate_up_proj_bias"] = torch.stack((gate_b, up_b), dim=2).flatten(1, 2).to(dtype)
+        state[f"{base}.down_proj"] = down.transpose(1, 2).to(dtype)
+        state[f"{base}.down_proj_bias"] = down_b.to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model
+
+
+def test_llmcompressor_export_loads_with_the_experts_kept_4_bit():
+    # one biased linear per expert in the files, held in ModelOpt's fused layout with a global scale per
+    # expert: every byte is the file's (gate and up rows interleaved, transposed), the global scale the
+    # reciprocal of the file's dividing one
+    from hf_integration import NVFP4GptOssExperts
+
+    auto = transformers_only()
+    model = auto.from_pretrained(LLMCOMPRESSOR / "checkpoint", dtype=torch.bfloat16)
+    files = file_tensors(LLMCOMPRESSOR / "checkpoint")
+    for layer in (0, 1):
+        experts = model.model.layers[layer].mlp.experts
+        assert isinstance(experts, NVFP4GptOssExperts) and experts.per_expert_scales
+        held = experts.state_dict()
+        for e in range(4):
+            f = f"model.layers.{layer}.mlp.experts.{e}."
+            for column, leaf in ((slice(0, None, 2), "gate_proj"), (slice(1, None, 2), "up_proj")):
+                assert same_bytes(held["gate_up_proj"][e][:, column].T.contiguous(), files[f + leaf + ".weight_packed"])
+                assert same_bytes(held["gate_up_proj_weight_scale"][e][:, column].T.contiguous(),
+                                  files[f + leaf + ".weight_scale"])
+                assert same_bytes(held["gate_up_proj_bias"][e][column].contiguous(), files[f + leaf + ".bias"])
+                assert held["gate_up_proj_weight_scale_2"][e] == 1 / files[f + leaf + ".weight_global_scale"]
+            assert same_bytes(held["down_proj"][e].T.contiguous(), files[f + "down_proj.weight_packed"])
+            assert same_bytes(held["down_proj_weight_scale"][e].T.contiguous(), files[f + "down_proj.weight_scale"])
+            assert same_bytes(held["down_proj_bias"][e], files[f + "down_proj.bias"])
+            assert held["down_proj_weight_scale_2"][e] == 1 / files[f + "down_proj.weight_global_scale"]
+        assert not any(p.dim() == 3 for p in experts.parameters())  # no decoded [E, K, N] weight anywhere
+
+
+def test_llmcompressor_export_logits_match_its_float_weights_and_its_own_forward():
+    # against the float32 model of the oracle-decoded weights: fp4moe's bf16 error per token (median) is
+    # no more than 1.5x Transformers' own bf16 model's on the same weights; against llm-compressor's own
+    # weight-only forward (reference_logits.pt: its per-expert linears, bf16, input quantizers off),
+    # no further than Transformers' bf16 model of the same weights is (1.5x)
+    auto = transformers_only()
+    reference = torch.load(LLMCOMPRESSOR / "reference_logits.pt")
+    ours = auto.from_pretrained(LLMCOMPRESSOR / "checkpoint", dtype=torch.bfloat16, attn_implementation="eager")
+    ref32, ref16 = llmcompressor_decoded_model(torch.float32), llmcompressor_decoded_model(torch.bfloat16)
+    with torch.no_grad():
+        logits = {name: m(reference["input_ids"]).logits.double() for name, m in
+                  (("ours", ours), ("ref32", ref32), ("ref16", ref16))}
+    tool = reference["weight_only_logits"].double()
+
+    def per_token(a, b):
+        return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten().median().item()
+
+    err_ours, err_theirs = per_token(logits["ours"], logits["ref32"]), per_token(logits["ref16"], logits["ref32"])
+    assert err_ours < 1.5 * err_theirs + 1e-3, (err_ours, err_theirs)
+    assert 1e-3 < err_theirs < 0.05  # a real bf16 error, not a degenerate model
+    tool_ours, tool_theirs = per_token(logits["ours"], tool), per_token(logits["ref16"], tool)
+    assert tool_ours < 1.5 * tool_theirs + 1e-3, (tool_ours, tool_theirs)
+    assert per_token(tool, reference["bf16_source_logits"].double()) > 5 * tool_ours  # the quantization is visible
+
+
+def test_llmcompressor_export_dequantizes_to_the_oracles_model():
+    auto = transformers_only()
+    model = auto.from_pretrained(LLMCOMPRESSOR / "checkpoint", dtype=torch.bfloat16, attn_implementation="eager")
+    model.dequantize()
+    state, want = model.state_dict(), llmcompressor_decoded_model(torch.bfloat16).state_dict()
+    assert sorted(state) == sorted(want)
+    assert all(torch.equal(state[k], want[k]) for k in want), [k for k in want if not torch.equal(state[k], want[k])]
+
+
+def test_llmcompressor_export_save_is_refused_naming_the_layer_and_the_folder_is_untouched(tmp_path):
+    # ModelOpt's gpt-oss format (what fp4moe saves) has one global scale per projection; llm-compressor's
+    # experts have one each, which only re-quantizing could fit
+    auto = transformers_only()
+    model = auto.from_pretrained(LLMCOMPRESSOR / "checkpoint", dtype=torch.bfloat16)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: these gpt-oss experts have one global "
+                                         r"scale per expert .*dequantize\(\)"):
+        model.save_pretrained(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"] and (tmp_path / "config.json").read_text() == "{}"
+    model.dequantize()
+    model.save_pretrained(tmp_path / "bf16")  # the way out the message names
+    assert (tmp_path / "bf16" / "model.safetensors").exists()
+
+
+def test_llmcompressor_export_bad_scales_are_refused_naming_the_expert_tensor(tmp_path):
+    import re
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from hf_integration.checkpoint_format import CheckpointError
+
+    auto = transformers_only()
+    for key, value in (("model.layers.1.mlp.experts.2.up_proj.weight_scale", 0x7F),  # an E4M3 NaN
+                       ("model.layers.0.mlp.experts.3.down_proj.weight_global_scale", 0.0)):  # divides: never 0
+        bad = tmp_path / key
+        shutil.copytree(LLMCOMPRESSOR / "checkpoint", bad)
+        tensors = file_tensors(bad)
+        if tensors[key].dtype == torch.float8_e4m3fn:
+            tensors[key].view(torch.uint8)[5, 1] = value
+        else:
+            tensors[key].fill_(value)
+        save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=rf"checkpoint tensor '{re.escape(key)}' in model.safetensors"):
+            auto.from_pretrained(bad, dtype=torch.bfloat16)
+
+
+def test_llmcompressor_export_missing_expert_tensor_is_named(tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from hf_integration.checkpoint_format import CheckpointError
+
+    auto = transformers_only()
+    shutil.copytree(LLMCOMPRESSOR / "checkpoint", tmp_path / "ckpt")
+    tensors = file_tensors(tmp_path / "ckpt")
+    del tensors["model.layers.1.mlp.experts.3.gate_proj.bias"]
+    save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.3\.gate_proj\.bias"):
+        auto.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16)

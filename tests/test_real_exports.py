@@ -314,17 +314,3 @@ def test_other_compressed_tensors_configs_still_go_to_transformers(monkeypatch):
     int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "weights": {"num_bits": 4, "type": "int", "group_size": 128}, "targets": ["Linear"]}}}
     assert entry.from_dict(int4) == "transformers' config" and seen == [int4]
-
-
-def test_llmcompressor_export_of_gpt_oss_is_refused_naming_the_layer():
-    # llm-compressor's NVFP4 export of a tiny gpt-oss (tests/fixtures/gpt_oss_nvfp4) holds the experts as
-    # one biased linear per expert; fp4moe reads ModelOpt's fused form (tests/test_gpt_oss_nvfp4.py), so
-    # loading must stop here, naming the layer and the forms that load, not read the tensors by shape
-    # into SiLU experts without biases
-    from hf_integration.checkpoint_format import CheckpointError
-
-    path = FIXTURES / "gpt_oss_nvfp4" / "llmcompressor" / "checkpoint"
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts \(GptOssExperts\): fp4moe does not "
-                                              r"load these experts from an NVFP4 checkpoint: .*ModelOpt exports them "
-                                              r".*one linear per expert.*'mxfp4'"):
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
