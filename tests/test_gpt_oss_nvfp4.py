@@ -153,20 +153,28 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                       b.reshape(-1).view(torch.uint8))
 
 
-def decoded_model(dtype, experts_from=None):
+def model_holding(folder: Path, state: dict, dtype):
+    """Transformers' gpt-oss of ``folder``'s config (quantization config dropped, eager attention)
+    holding exactly ``state``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder / "checkpoint")
+    del config.quantization_config
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model
+
+
+def decoded_model(dtype):
     """Transformers' gpt-oss holding the export's weights decoded in float64 by the oracle (from the
     format definition, independent of fp4moe's loader): ModelOpt's fused experts ``[E, K/2, N]`` are the
     transposes of ``[E, N, K/2]`` NVFP4 matrices, whose decoded ``[E, N, K]`` transposed again is
     Transformers' ``[E, K, N]``; attention ``[N, K/2]`` as usual; the rest as stored."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from fp4moe_ops.oracle64 import dequant64
 
     files = file_tensors(MODELOPT / "checkpoint")
-    config = AutoConfig.from_pretrained(MODELOPT / "checkpoint")
-    del config.quantization_config
-    config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     state = {}
     for key, t in files.items():
         if key.endswith(("_weight_scale", "_weight_scale_2", "_input_scale", ".weight_scale", ".weight_scale_2",
@@ -179,9 +187,7 @@ def decoded_model(dtype, experts_from=None):
             state[key] = dequant64(t, files[f"{key}_scale"], files[f"{key}_scale_2"]).to(dtype)
         else:
             state[key] = t.to(dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    return model
+    return model_holding(MODELOPT, state, dtype)
 
 
 def test_modelopt_export_loads_with_the_experts_kept_4_bit():
@@ -447,15 +453,12 @@ def llmcompressor_decoded_model(dtype):
     block scale / weight_global_scale); expert e's ``gate_proj`` / ``up_proj`` ``[I, H]`` become
     the even / odd columns of Transformers' ``gate_up_proj [E, H, 2I]`` (gpt-oss's interleaved
     gate and up), its ``down_proj [H, I]`` the transpose in ``down_proj [E, I, H]``; biases alike."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from fp4moe_ops.oracle64 import dequant64
 
     files = file_tensors(LLMCOMPRESSOR / "checkpoint")
     config = AutoConfig.from_pretrained(LLMCOMPRESSOR / "checkpoint")
-    del config.quantization_config
-    config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
     def decode(prefix):
         return (dequant64(files[f"{prefix}.weight_packed"], files[f"{prefix}.weight_scale"], 1.0)
@@ -481,9 +484,7 @@ def llmcompressor_decoded_model(dtype):
         state[f"{base}.gate_up_proj_bias"] = torch.stack((gate_b, up_b), dim=2).flatten(1, 2).to(dtype)
         state[f"{base}.down_proj"] = down.transpose(1, 2).to(dtype)
         state[f"{base}.down_proj_bias"] = down_b.to(dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    return model
+    return model_holding(LLMCOMPRESSOR, state, dtype)
 
 
 def test_llmcompressor_export_loads_with_the_experts_kept_4_bit():
