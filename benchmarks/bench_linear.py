@@ -70,7 +70,7 @@ def main():
     ap.add_argument("--tflops", type=float, default=790.0, help="BF16 dense tensor-core rate for the floor")
     ap.add_argument("--reference", action="store_true", help="also time the reference backend")
     ap.add_argument("--sweep", action="store_true",
-                    help="instead: GEMV tile variants (K parts, stages, warps, M block) against the chosen config")
+                    help="instead: GEMV tile variants (K parts, warps, token block) against the chosen config and BF16")
     args = ap.parse_args()
     if args.sweep:
         return sweep(args)
@@ -133,50 +133,56 @@ def main():
 
 
 def sweep(args):
-    """Time GEMV config variants per (shape, tokens) on the GPU; prints the chosen config's time and
-    the best variant's."""
+    """Time GEMV config variants per (shape, tokens) on the GPU, past 64 tokens too (token blocks of
+    16-128 rows, K parts, warps): prints the chosen config's time (the dequantize + cuBLAS
+    path past 64 tokens), the best variant's and BF16 ``F.linear``'s."""
     from bench_moe import copy_bandwidth, graph_time_ms
 
-    from fp4moe_ops.backends.triton_moe.launch import linear_config, triton_nvfp4_linear
+    from fp4moe_ops.backends.triton_moe.launch import LINEAR_GEMV_MAX_TOKENS, linear_config, triton_nvfp4_linear
     from fp4moe_ops.linear import split_counters
 
     table = split_counters("cuda")
     bw = copy_bandwidth("cuda")
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    print("| layer | tokens | floor ms | chosen | chosen ms | best | best ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layer | tokens | floor ms | chosen | chosen ms | best GEMV | best GEMV ms | BF16 ms | BF16 / best |")
+    print("|---|---|---|---|---|---|---|---|---|")
     wanted = set(args.shapes.split(",")) if args.shapes else None
+    short = lambda c: (f"P{c['PARTS']} S{c['num_stages']} W{c['num_warps']} BM{c['BM']}"  # noqa: E731
+                       if c["path"] == "gemv" else c["path"])
     for name, n, k in SHAPES:
         if wanted and name not in wanted:
             continue
         fp4_bytes = n * k * 0.5625
-        weights = [c[:3] for c in weight_copies(n, k, "cuda")]
-        copies = len(weights)
+        copies = weight_copies(n, k, "cuda")
         for t in (int(x) for x in args.tokens.split(",")):
-            if t > 64:
-                continue
-            inputs = [(torch.randn(t, k, device="cuda", dtype=torch.bfloat16), *weights[i]) for i in range(copies)]
+            inputs = [(torch.randn(t, k, device="cuda", dtype=torch.bfloat16), *copies[i][:3])
+                      for i in range(len(copies))]
             chosen = linear_config(t, n, k)
+            gemv = linear_config(min(t, LINEAR_GEMV_MAX_TOKENS), n, k)
+            blocks = {16, 32} if t <= 32 else {32, 64, 128}
             variants = []
-            for parts in sorted({1, 2, 4, 8, 16, chosen["PARTS"], min(k // 256, 2 * chosen["PARTS"])}):
-                for stages in (2, 3, 4):
-                    for warps in (4, 8):
-                        for bm in sorted({chosen["BM"], 16 if t <= 16 else 32}):
-                            variants.append(dict(chosen, PARTS=parts, num_stages=stages, num_warps=warps, BM=bm))
+            for bm in sorted(b for b in blocks if b < 2 * t):
+                tiles = (n // gemv["BN"]) * -(-t // bm)
+                target = max(1, min(16, k // 256, -(-264 // tiles)))
+                for parts in sorted({max(1, target // 2), target, min(16, k // 256, 2 * target)}):
+                    for warps in (4, 8):  # (2 pipeline stages: 3 lost at 1-64 tokens, benchmarks/NOTES.md)
+                        variants.append(dict(gemv, PARTS=parts, num_stages=2, num_warps=warps, BM=bm))
             times = []
             for cfg in variants:
                 try:
                     ms = graph_time_ms(lambda x, w, s, g, c=cfg: triton_nvfp4_linear(x, w, s, g, None, c, table), inputs)
                 except Exception as e:  # noqa: BLE001 - a variant that does not compile is skipped
-                    print(f"  {cfg}: {type(e).__name__}", flush=True)
+                    print(f"  {short(cfg)}: {type(e).__name__}", flush=True)
                     continue
                 times.append((ms, cfg))
-            base = next(ms for ms, c in times if c == chosen)
+            base = graph_time_ms(lambda x, w, s, g: triton_nvfp4_linear(x, w, s, g, None, chosen, table), inputs)
+            bf16 = [(inp[0], c[3]) for inp, c in zip(inputs, copies)]
+            ref = graph_time_ms(lambda x, b: F.linear(x, b), bf16)
             best_ms, best = min(times, key=lambda r: r[0])
-            short = lambda c: f"P{c['PARTS']} S{c['num_stages']} W{c['num_warps']} BM{c['BM']}"  # noqa: E731
             print(f"| {name} | {t} | {fp4_bytes / bw * 1e3:.4f} | {short(chosen)} | {base:.4f} | {short(best)} | "
-                  f"{best_ms:.4f} |", flush=True)
-        del weights
+                  f"{best_ms:.4f} | {ref:.4f} | {ref / best_ms:.2f}x |", flush=True)
+            del inputs, bf16
+        del copies
         torch.cuda.empty_cache()
 
 
