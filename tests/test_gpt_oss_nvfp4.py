@@ -601,3 +601,20 @@ def test_llmcompressor_export_missing_expert_tensor_is_named(tmp_path):
     save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.3\.gate_proj\.bias"):
         auto.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16)
+
+
+@EXPORTS
+def test_older_transformers_refuse_nvfp4_gpt_oss_naming_the_version(export):
+    # before 5.24 Transformers' gpt-oss computes otherwise (tests/test_gpt_oss.py): both exports stop at
+    # from_pretrained, naming the layer and the version, instead of loading into experts that differ
+    import hf_integration  # noqa: F401 (registers the quantizer)
+    from transformers import AutoModelForCausalLM
+
+    from hf_integration.checkpoint_format import CheckpointError
+    from hf_integration.gpt_oss import supported
+
+    if supported():
+        pytest.skip("this Transformers runs NVFP4 gpt-oss (the tests above)")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts: fp4moe loads gpt-oss's NVFP4 experts "
+                                              r"on Transformers 5\.24 or later"):
+        AutoModelForCausalLM.from_pretrained(export / "checkpoint", dtype=torch.bfloat16)
