@@ -1,8 +1,9 @@
 """The weight conversion of NVFP4 routed experts, plugged into Transformers' loader: the per-expert
 ModelOpt / compressed-tensors tensors of a layer, as they are read from the files, straight into the
 stacked buffers of :class:`~hf_integration.experts.NVFP4Experts` (:class:`StackNVFP4Experts`; Llama-4's
-fused 3-D tensors: :class:`UnfuseNVFP4Experts`), never through BF16, every scale value checked by its
-checkpoint name. :func:`converters_for` makes them for a :class:`~hf_integration.load_plan.LoadPlan`;
+fused 3-D tensors: :class:`UnfuseNVFP4Experts`; llm-compressor's gpt-oss experts into
+:class:`~hf_integration.gpt_oss.NVFP4GptOssExperts`: :class:`StackGptOssExperts`), never through BF16,
+every scale value checked by its checkpoint name. :func:`converters_for` makes them for a :class:`~hf_integration.load_plan.LoadPlan`;
 :mod:`hf_integration.quantizer` puts them in place of Transformers' own."""
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ try:
     from transformers.core_model_loading import ConversionOps
 except ImportError:  # pragma: no cover - Transformers without the v5 loader
     ConversionOps = object
+
+
+def role_names(scheme) -> dict[str, str]:
+    """Each tensor role's name in a format's checkpoint (a :class:`~hf_integration.checkpoint_format.TensorScheme`),
+    and ``bias`` for gpt-oss's biases."""
+    return dict(zip(StackNVFP4Experts.ROLES, scheme.tensors), bias="bias")
 
 
 class StackNVFP4Experts(ConversionOps):
@@ -65,12 +72,12 @@ class StackNVFP4Experts(ConversionOps):
         plan = self.hf_quantizer.plan.experts[module_name]
         got = self._collect(input_dict, source_patterns, module_name, plan)
         base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
-        return {base + name: t for name, t in self._stacked(got, module_name, plan).items()}
+        return {base + name: t for name, t in self._canonical(got, module_name, plan).items()}
 
     def _collect(self, input_dict, source_patterns, module_name: str, plan: ExpertsPlan) -> dict:
         """``{(leaf, role): [one tensor per expert]}`` of what the loader read, each list checked to
         hold one tensor per expert of the plan."""
-        names = dict(zip(self.ROLES, self.hf_quantizer.plan.scheme.tensors), bias="bias")
+        names = role_names(self.hf_quantizer.plan.scheme)
         got = {self.SOURCES[source_patterns.index(p)]: tensors for p, tensors in input_dict.items()}
         input_dict.clear()
         for (leaf, role), tensors in got.items():
@@ -98,11 +105,11 @@ class StackNVFP4Experts(ConversionOps):
                 ts[e], r0 = None, r0 + n
         return out
 
-    def _stacked(self, got: dict, module_name: str, plan: ExpertsPlan) -> dict[str, torch.Tensor]:
+    def _canonical(self, got: dict, module_name: str, plan: ExpertsPlan) -> dict[str, torch.Tensor]:
         """The canonical buffers (and input scales) of the per-expert tensors in ``got`` (taken out
         of it), every scale value checked; gate and up global scales that differ reconciled."""
         scheme = self.hf_quantizer.plan.scheme
-        names = dict(zip(self.ROLES, scheme.tensors))
+        names = role_names(scheme)
         leaves, inter = list(plan.leaves), plan.inter
 
         def stack(parts):
@@ -140,8 +147,9 @@ class StackNVFP4Experts(ConversionOps):
             # one global scale for [gate; up]: rescale the smaller side's block scales (re-rounded)
             s13[:, :inter] = (s13[:, :inter].float() * (g_gate / g13)[:, None, None]).to(torch.float8_e4m3fn)
             s13[:, inter:] = (s13[:, inter:].float() * (g_up / g13)[:, None, None]).to(torch.float8_e4m3fn)
-            logger.warning("fp4moe: %s: %d experts had different gate/up weight_scale_2; used their max and "
-                           "rescaled the other's block scales (re-rounded to E4M3)", module_name, int(differ.sum()))
+            logger.warning("fp4moe: %s: %d experts had different %s for %s and %s (experts %s); used their max and "
+                           "rescaled the other's block scales (re-rounded to E4M3)", module_name, int(differ.sum()),
+                           names["global"], leaves[0], leaves[1], differ.nonzero().flatten()[:8].tolist())
         out = dict(zip(CANONICAL_BUFFERS, (w13, s13, g13, w2, s2, g2)))
         if plan.input_scales:
             out[INPUT_SCALE_BUFFERS[0]] = torch.maximum(fc1_gate, fc1_up)
@@ -223,7 +231,8 @@ class StackGptOssExperts(StackNVFP4Experts):
     fused layout (``[E, K/2, N]`` bytes and ``[E, K/16, N]`` block scales, gate and up rows
     interleaved along 2I as gpt-oss computes them), the multiplying global scales ``[E]`` and the
     biases. Every scale value is checked by its checkpoint name, as for other experts; input scales
-    are checked and not held (the activations stay 16-bit)."""
+    are checked and not held (the activations stay 16-bit). The fused tensors are written from the
+    stacked ones: two copies of a layer's weights at the peak."""
 
     SOURCES = (*StackNVFP4Experts.SOURCES, *((leaf, "bias") for leaf in range(3)))
 
@@ -234,21 +243,27 @@ class StackGptOssExperts(StackNVFP4Experts):
         got = self._collect(input_dict, source_patterns, module_name, plan)
         # in the model's dtype, as Transformers loads any bias (it keeps a converter's outputs as they are)
         biases = [self._stack(got, [(leaf, "bias")]).to(gpt_oss.bias_dtype) for leaf in range(3)]
-        stacked = self._stacked(got, module_name, plan)
-        w13, s13, g13, w2, s2, g2 = (stacked[name] for name in CANONICAL_BUFFERS)
+        canonical = self._canonical(got, module_name, plan)
+        inter = plan.inter
 
-        def interleaved(t):  # [E, 2I, ...] gate rows then up rows -> gate and up rows alternating
-            return torch.stack((t[:, :plan.inter], t[:, plan.inter:]), dim=2).flatten(1, 2)
+        def fused(name, interleave=True):
+            """A canonical ``[E, N, K']`` tensor (taken out of ``canonical``) as ModelOpt's ``[E, K', N]``,
+            gate and up columns alternating where ``interleave`` (gpt-oss's order)."""
+            t = canonical.pop(name)
+            out = t.new_empty(t.shape[0], t.shape[2], t.shape[1])
+            if interleave:
+                out[:, :, 0::2], out[:, :, 1::2] = t[:, :inter].transpose(1, 2), t[:, inter:].transpose(1, 2)
+            else:
+                out.copy_(t.transpose(1, 2))
+            return out
 
+        bias13 = torch.stack(biases[:2], dim=2).flatten(1, 2)  # [E, 2I]: gate 0, up 0, gate 1, ...
         base = target_patterns[0][:-len("gate_up_proj")]
-        held = {"gate_up_proj": (interleaved(w13), interleaved(s13), g13, interleaved(torch.cat(biases[:2], dim=1))),
-                "down_proj": (w2, s2, g2, biases[2])}
-        out = {}
-        for proj, (w, s, g, b) in held.items():  # ModelOpt's [E, K/2, N]: the transposes of [E, N, K/2]
-            out |= {f"{base}{proj}": w.transpose(1, 2).contiguous(),
-                    f"{base}{proj}_weight_scale": s.transpose(1, 2).contiguous(),
-                    f"{base}{proj}_weight_scale_2": g, f"{base}{proj}_bias": b}
-        return out
+        w13, s13, g13, w2, s2, g2 = CANONICAL_BUFFERS
+        return {f"{base}gate_up_proj": fused(w13), f"{base}gate_up_proj_weight_scale": fused(s13),
+                f"{base}gate_up_proj_weight_scale_2": canonical[g13], f"{base}gate_up_proj_bias": bias13,
+                f"{base}down_proj": fused(w2, False), f"{base}down_proj_weight_scale": fused(s2, False),
+                f"{base}down_proj_weight_scale_2": canonical[g2], f"{base}down_proj_bias": biases[2]}
 
 
 def converters_for(plan: LoadPlan, quantizer: HfQuantizer) -> list:
@@ -271,7 +286,7 @@ def converters_for(plan: LoadPlan, quantizer: HfQuantizer) -> list:
         if key in seen:
             continue
         seen.add(key)
-        names = dict(zip(StackNVFP4Experts.ROLES, plan.scheme.tensors))
+        names = role_names(plan.scheme)
         sources = [rf"{re.escape(base)}\.(?:{ids})\.{re.escape(list(p.leaves)[leaf])}\.{names[role]}$"
                    for leaf, role in StackNVFP4Experts.SOURCES]
         converters.append(WeightConverter(sources, f"{base}.{CANONICAL_BUFFERS[0]}", [StackNVFP4Experts(quantizer)]))
@@ -280,7 +295,7 @@ def converters_for(plan: LoadPlan, quantizer: HfQuantizer) -> list:
         if p.per_expert is None or ("gpt-oss", base) in seen:
             continue
         seen.add(("gpt-oss", base))
-        names = dict(zip(StackNVFP4Experts.ROLES, plan.scheme.tensors), bias="bias")
+        names = role_names(plan.scheme)
         leaves = list(p.per_expert.leaves)
         sources = [rf"{re.escape(base)}\.\d+\.{re.escape(leaves[leaf])}\.{names[role]}$"
                    for leaf, role in StackGptOssExperts.SOURCES]

@@ -241,7 +241,7 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
                 plan.gpt_oss[name] = _plan_gpt_oss(name, own[:-len(".gate_up_proj")], m, scan, config, claimed)
                 continue
             if is_gpt_oss_experts(m) and own is None:
-                per_expert = _plan_gpt_oss_per_expert(name, m, scan, in_model, leaves[name], scheme, claimed)
+                per_expert = _plan_gpt_oss_per_expert(name, m, scan, in_model, leaves[name], config, claimed)
                 if per_expert is not None:
                     plan.gpt_oss[name] = per_expert
                     continue
@@ -361,18 +361,19 @@ def _plan_gpt_oss(name: str, prefix: str, m: nn.Module, scan: CheckpointScan, co
 
 
 def _plan_gpt_oss_per_expert(name: str, m: nn.Module, scan: CheckpointScan, in_model: dict[str, str], lv,
-                             scheme: TensorScheme, claimed: set[str]) -> GptOssPlan | None:
+                             config: ModelOptConfig, claimed: set[str]) -> GptOssPlan | None:
     """The plan of gpt-oss experts module ``name`` if the checkpoint holds it as llm-compressor exports
     it (one biased NVFP4 linear per expert: ``<e>.gate_proj`` ...), every tensor checked and claimed;
-    None if it holds no such NVFP4 tensors. Input scales are checked (all or none) and not held: the
-    activations stay 16-bit."""
+    None if it holds no such NVFP4 tensors. Input scales, as for other experts, are read unless the
+    config says weights only, and then checked (all or none) and not held: the activations stay 16-bit."""
+    scheme = config.scheme
     e_total, h, i = m.num_experts, m.hidden_size, m.intermediate_size
     prefix = _nvfp4_experts_prefix(in_model, scan, name, e_total, lv, scheme.packed, scheme.block_scale)
     if prefix is None:
         return None
     _require_gpt_oss_transformers(name)
     input_ = scheme.input_scale
-    p = ExpertsPlan(name, prefix, lv, e_total, range(e_total), h, i, input_scales=any(
+    p = ExpertsPlan(name, prefix, lv, e_total, range(e_total), h, i, input_scales=not config.weights_only and any(
         f"{prefix}.{e}.{leaf}.{input_}" in scan.tensors for e in range(e_total) for leaf in lv))
     for e in range(e_total):
         for leaf, (n_out, k_in) in ((lv.gate, (i, h)), (lv.up, (i, h)), (lv.down, (h, i))):

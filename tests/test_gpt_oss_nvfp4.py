@@ -153,6 +153,36 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                       b.reshape(-1).view(torch.uint8))
 
 
+def held_from_files(export: Path, layer: int) -> dict:
+    """What fp4moe's experts module of ``layer`` should hold, built from the files by indexing alone:
+    ModelOpt's tensors as they are; llm-compressor's per-expert linears placed in ModelOpt's fused
+    layout (the transposes of ``[E, N, K/2]``; gate and up rows of expert e at 2i and 2i + 1) with the
+    multiplying global scale ``1 / weight_global_scale``."""
+    files = file_tensors(export / "checkpoint")
+    prefix = f"model.layers.{layer}.mlp.experts."
+    if export == MODELOPT:
+        return {k[len(prefix):]: t for k, t in files.items() if k.startswith(prefix)}
+    experts = range(4)
+
+    def per_expert(leaf, tensor):
+        return torch.stack([files[f"{prefix}{e}.{leaf}.{tensor}"] for e in experts])
+
+    held = {}
+    for tensor, name in (("weight_packed", ""), ("weight_scale", "_weight_scale")):
+        gate, up = per_expert("gate_proj", tensor), per_expert("up_proj", tensor)  # [E, I, K']
+        fused = torch.empty(gate.shape[0], gate.shape[2], 2 * gate.shape[1], dtype=gate.dtype)
+        fused[:, :, 0::2], fused[:, :, 1::2] = gate.transpose(1, 2), up.transpose(1, 2)
+        held[f"gate_up_proj{name}"] = fused
+        held[f"down_proj{name}"] = per_expert("down_proj", tensor).transpose(1, 2).contiguous()
+    gate_b, up_b = per_expert("gate_proj", "bias"), per_expert("up_proj", "bias")
+    held["gate_up_proj_bias"] = torch.stack((gate_b, up_b), dim=2).flatten(1, 2)
+    held["down_proj_bias"] = per_expert("down_proj", "bias")
+    assert torch.equal(per_expert("gate_proj", "weight_global_scale"), per_expert("up_proj", "weight_global_scale"))
+    held["gate_up_proj_weight_scale_2"] = 1 / per_expert("gate_proj", "weight_global_scale").reshape(-1)
+    held["down_proj_weight_scale_2"] = 1 / per_expert("down_proj", "weight_global_scale").reshape(-1)
+    return held
+
+
 def model_holding(folder: Path, state: dict, dtype):
     """Transformers' gpt-oss of ``folder``'s config (quantization config dropped, eager attention)
     holding exactly ``state``."""
@@ -400,10 +430,10 @@ def test_float16_load_casts_the_biases_only(export):
     auto = transformers_only()
     model = auto.from_pretrained(export / "checkpoint", dtype=torch.float16)
     experts = model.model.layers[0].mlp.experts
-    held = auto.from_pretrained(export / "checkpoint", dtype=torch.bfloat16).model.layers[0].mlp.experts.state_dict()
+    want = held_from_files(export, 0)
     assert experts.gate_up_proj_bias.dtype == experts.down_proj_bias.dtype == torch.float16
-    assert torch.equal(experts.gate_up_proj_bias, held["gate_up_proj_bias"].half())
-    assert same_bytes(experts.down_proj_weight_scale, held["down_proj_weight_scale"])
+    assert torch.equal(experts.gate_up_proj_bias, want["gate_up_proj_bias"].half())
+    assert same_bytes(experts.down_proj_weight_scale, want["down_proj_weight_scale"])
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, 256, (1, 5))).logits).all()
 
@@ -495,23 +525,12 @@ def test_llmcompressor_export_loads_with_the_experts_kept_4_bit():
 
     auto = transformers_only()
     model = auto.from_pretrained(LLMCOMPRESSOR / "checkpoint", dtype=torch.bfloat16)
-    files = file_tensors(LLMCOMPRESSOR / "checkpoint")
     for layer in (0, 1):
         experts = model.model.layers[layer].mlp.experts
         assert isinstance(experts, NVFP4GptOssExperts) and experts.per_expert_scales
-        held = experts.state_dict()
-        for e in range(4):
-            f = f"model.layers.{layer}.mlp.experts.{e}."
-            for column, leaf in ((slice(0, None, 2), "gate_proj"), (slice(1, None, 2), "up_proj")):
-                assert same_bytes(held["gate_up_proj"][e][:, column].T.contiguous(), files[f + leaf + ".weight_packed"])
-                assert same_bytes(held["gate_up_proj_weight_scale"][e][:, column].T.contiguous(),
-                                  files[f + leaf + ".weight_scale"])
-                assert same_bytes(held["gate_up_proj_bias"][e][column].contiguous(), files[f + leaf + ".bias"])
-                assert held["gate_up_proj_weight_scale_2"][e] == 1 / files[f + leaf + ".weight_global_scale"]
-            assert same_bytes(held["down_proj"][e].T.contiguous(), files[f + "down_proj.weight_packed"])
-            assert same_bytes(held["down_proj_weight_scale"][e].T.contiguous(), files[f + "down_proj.weight_scale"])
-            assert same_bytes(held["down_proj_bias"][e], files[f + "down_proj.bias"])
-            assert held["down_proj_weight_scale_2"][e] == 1 / files[f + "down_proj.weight_global_scale"]
+        held, want = experts.state_dict(), held_from_files(LLMCOMPRESSOR, layer)
+        assert sorted(held) == sorted(want)
+        assert all(same_bytes(held[k], want[k]) for k in want), [k for k in want if not same_bytes(held[k], want[k])]
         assert not any(p.dim() == 3 for p in experts.parameters())  # no decoded [E, K, N] weight anywhere
 
 
@@ -618,3 +637,58 @@ def test_older_transformers_refuse_nvfp4_gpt_oss_naming_the_version(export):
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts: fp4moe loads gpt-oss's NVFP4 experts "
                                               r"on Transformers 5\.24 or later"):
         AutoModelForCausalLM.from_pretrained(export / "checkpoint", dtype=torch.bfloat16)
+
+
+@EXPORTS
+def test_a_zero_global_scale_in_load_state_dict_is_refused_in_either_layout(export):
+    # one expert's global scale 0 (ModelOpt: the layer's one scale), refused by name, the module unchanged
+    auto = transformers_only()
+    m = auto.from_pretrained(export / "checkpoint", dtype=torch.bfloat16).model.layers[0].mlp.experts
+    for kernel in (False, True):
+        if kernel:
+            m._to_kernel_layout()
+            m.backend = "triton"
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        bad = before["down_proj_weight_scale_2"].clone()
+        bad.view(-1)[-1] = 0.0
+        index = r"\[3\]" if bad.dim() else ""
+        with pytest.raises(ValueError, match=rf"load_state_dict: down_proj_weight_scale_2{index}"):
+            m.load_state_dict({**before, "down_proj_weight_scale_2": bad})
+        assert all(same_bytes(m.state_dict()[k], v) for k, v in before.items()) and m.kernel_layout == kernel
+
+
+def test_llmcompressor_gate_and_up_global_scales_that_differ_are_reconciled_and_logged(tmp_path, caplog):
+    # gpt-oss runs gate and up of an expert on one global scale: where the file's differ (expert 1's up
+    # scale tripled here), the larger multiplier is kept and the other side's block scales are rescaled,
+    # re-rounded to E4M3 (3 mantissa bits: within 2^-4 of each scale, relative, where it stays normal),
+    # with a warning naming the layer; every other expert and every gate row decodes exactly
+    import shutil
+
+    from safetensors.torch import save_file
+
+    auto = transformers_only()
+    folder = tmp_path / "ckpt"
+    shutil.copytree(LLMCOMPRESSOR / "checkpoint", folder)
+    tensors = file_tensors(folder)
+    key = "model.layers.0.mlp.experts.1.up_proj.weight_global_scale"
+    tensors[key] = tensors[key] * 3
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="transformers.fp4moe"):
+        model = auto.from_pretrained(folder, dtype=torch.bfloat16)
+    assert "model.layers.0.mlp.experts: 1 experts had different weight_global_scale for gate_proj and up_proj " \
+           "(experts [1])" in caplog.text
+    experts = model.model.layers[0].mlp.experts
+    gate_up = experts._decoded(torch.float32)[0]  # [E, 2I, H]
+    from fp4moe_ops.oracle64 import dequant64
+
+    for e in range(4):
+        for leaf, rows in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+            f = f"model.layers.0.mlp.experts.{e}.{leaf}."
+            want = dequant64(tensors[f + "weight_packed"], tensors[f + "weight_scale"], 1.0) / \
+                tensors[f + "weight_global_scale"].double()
+            got = gate_up[e, rows].double()
+            if (e, leaf) != (1, "up_proj"):
+                assert torch.allclose(got, want, rtol=2**-23, atol=0), (e, leaf)
+            else:
+                err = (got - want).abs().max() / want.abs().max()
+                assert 0 < err < 2**-4, err  # re-rounded, and visibly so
