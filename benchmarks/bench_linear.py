@@ -4,6 +4,7 @@ on a GPU (wall time on CPU), for 1-8192 tokens.
 
     python benchmarks/bench_linear.py --tokens 1,8,64,512,2048,8192      # GPU
     python benchmarks/bench_linear.py --tokens 1,8 --small                # CPU smoke run
+    python benchmarks/bench_linear.py --sweep --shapes o_proj --tokens 64,128   # GEMV variants (GPU)
 
 Columns: the op as ``"auto"`` chooses (the Triton kernel on a GPU), the Triton GEMV path (split-K
 parts summed in the same launch; x through TMA from 4 tokens), the same with x read the other way
