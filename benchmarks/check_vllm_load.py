@@ -4,9 +4,11 @@ byte for byte with what the safetensors files say it should hold.
 
     /path/to/venv-with-vllm/bin/python benchmarks/check_vllm_load.py [--archs deepseek_v3 qwen3_moe]
         [--saves-python /path/to/python-with-fp4moe] [--keep NEW_DIR]
+    ... --archs gpt_oss_mxfp4 gpt_oss_nvfp4      # gpt-oss (also part of the default run)
 
 Outside CI: it needs vLLM (not a dependency of fp4moe; its CUDA wheel is fine, no GPU is used).
-Exit status 0 when every save loads exactly and both controls (below) are caught.
+Exit status 0 when every save loads exactly (gpt_oss_nvfp4: exactly as ModelOpt's own export, see
+below) and both controls (below) are caught.
 
 Per architecture of :mod:`hf_integration.tiny_models` that vLLM has:
 
@@ -32,6 +34,29 @@ Per architecture of :mod:`hf_integration.tiny_models` that vLLM has:
    Global scales: vLLM keeps one ``weight_scale_2`` (and ``input_scale``) per fused shard at load
    and collapses them afterwards (max for linears, the gate's for experts); only if all shards
    hold the same value does that single value equal every shard's file value: "tied".
+
+gpt-oss (``--archs gpt_oss_mxfp4 gpt_oss_nvfp4``):
+
+* ``gpt_oss_mxfp4``: a tiny checkpoint in OpenAI's published MXFP4 layout
+  (``tiny_models.write_gpt_oss_mxfp4_checkpoint``), loaded by fp4moe (``from_pretrained`` after
+  ``import hf_integration``) and saved again with ``save_pretrained``. vLLM parses it as
+  ``gpt_oss_mxfp4``. None of its MXFP4 MoE backends is usable here (even the CPU one needs a
+  Triton build for CPUs) and it refuses to build the experts, so the backend choice is forced to
+  TRITON, which pads nothing (the padding of other
+  backends would move the expected bytes; the choice sticks for the rest of the process). Expected:
+  ``w13_weight[e] = gate_up_proj_blocks[e]`` with its last two axes flattened (rows stay
+  interleaved gate/up, nothing is transposed), ``w13_weight_scale[e] = gate_up_proj_scales[e]``,
+  ``w2_*`` from ``down_proj_*`` alike, biases as stored; attention q/k/v fused into ``qkv_proj``
+  as above, ``self_attn`` -> ``attn``, ``embed_tokens`` -> ``embedding``.
+* ``gpt_oss_nvfp4``: fp4moe's save of the ModelOpt NVFP4 gpt-oss export kept in
+  ``tests/fixtures/gpt_oss_nvfp4/modelopt/checkpoint``. vLLM 0.33 cannot load this format at all
+  (ModelOpt's own export included): it parses it as ``modelopt_fp4``, whose MoE method creates no
+  expert bias parameters, and gpt-oss's ``load_weights`` then fails with ``KeyError:
+  '...mlp.experts.w2_bias'``; without the biases it would still drop the experts' weight scales,
+  global scales and input scales, which gpt-oss's name mapper does not map. So what is checked is
+  that vLLM reads fp4moe's save exactly as it reads the ModelOpt export itself: the same exception
+  (type and message), or the same bytes in every parameter. The run prints the finding with the
+  vLLM source locations.
 
 Two controls show the checks can fail: a DeepSeek-V3 save with ``topk_method``/``scoring_func``
 removed from config.json (vLLM then builds no ``e_score_correction_bias`` and the load fails), and
@@ -66,6 +91,13 @@ ARCHITECTURES = {
     "mixtral": "tm.tiny_mixtral()",
 }
 
+# gpt-oss saves are made from checkpoints rather than patched models (see write_gpt_oss_save).
+GPT_OSS = ("gpt_oss_mxfp4", "gpt_oss_nvfp4")
+ALL_ARCHS = [*ARCHITECTURES, *GPT_OSS]
+# A genuine ModelOpt NVFP4 export of a tiny gpt-oss: what vLLM does with it is the reference for
+# what it should do with fp4moe's save of it.
+MODELOPT_GPT_OSS = Path(__file__).resolve().parents[1] / "tests/fixtures/gpt_oss_nvfp4/modelopt/checkpoint"
+
 # Also saved after calibrate_activation_scales: ModelOpt "NVFP4" (W4A4) with per-expert input scales,
 # which vLLM loads per gate/up shard like the global weight scales.
 CALIBRATED = ("deepseek_v3", "qwen3_moe")
@@ -99,6 +131,10 @@ def write_saves(out: Path, archs: list[str]) -> None:
     from hf_integration import calibrate_activation_scales, patch_moe
     from hf_integration import tiny_models as tm  # noqa: F401  (used by the ARCHITECTURES expressions)
 
+    for arch in archs:
+        if arch in GPT_OSS:
+            write_gpt_oss_save(arch, out)
+    archs = [arch for arch in archs if arch not in GPT_OSS]
     cases = [(arch, arch) for arch in archs] + [(f"{arch}+calibrated", arch) for arch in archs if arch in CALIBRATED]
     for case, arch in cases:
         torch.manual_seed(0)
@@ -113,6 +149,23 @@ def write_saves(out: Path, archs: list[str]) -> None:
         model.save_pretrained(out / case)
     (out / "versions.json").write_text(json.dumps({"torch": torch.__version__,
                                                    "transformers": transformers.__version__}))
+
+
+def write_gpt_oss_save(arch: str, out: Path) -> None:
+    """fp4moe's round trip of a gpt-oss checkpoint: loaded through its Transformers integration,
+    then ``save_pretrained`` to ``out/<arch>``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_integration import tiny_models as tm
+
+    if arch == "gpt_oss_mxfp4":
+        source = out / f"{arch}.original"
+        tm.write_gpt_oss_mxfp4_checkpoint(source, seed=0)
+        model = AutoModelForCausalLM.from_pretrained(source)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(MODELOPT_GPT_OSS, dtype=torch.bfloat16)
+    model.save_pretrained(out / arch)
 
 
 def make_saves(python: str, out: Path, archs: list[str]) -> dict:
@@ -166,6 +219,15 @@ def stub_kernel_selection() -> None:
     # Marlin: the backend vLLM runs W4A16 NVFP4 experts with on Hopper; the choice only decides
     # whether input scales are sized per local or per global expert (the same on one rank).
     modelopt.select_nvfp4_moe_backend = lambda *args, **kwargs: (NvFp4MoeBackend.MARLIN, None)
+
+    # gpt-oss MXFP4 experts: vLLM finds no MXFP4 MoE backend usable here and refuses (even its CPU
+    # one needs a Triton build for CPUs). TRITON is one it
+    # runs on GPUs and, unlike some others, pads no expert dimension, so the parameters keep the
+    # checkpoint's shapes and can be compared with it directly.
+    import vllm.model_executor.layers.quantization.mxfp4 as mxfp4
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+
+    mxfp4.select_mxfp4_moe_backend = lambda *args, **kwargs: (Mxfp4MoeBackend.TRITON, None)
 
 
 def init_one_rank() -> None:
@@ -226,6 +288,27 @@ def expert_param(params: dict, prefix: str, kind: str, tensor: str) -> str | Non
     leaf = f"{kind}_{tensor}"
     found = [n for n in params if n.startswith(prefix + ".") and n.rsplit(".", 1)[-1] == leaf]
     return found[0] if len(found) == 1 else None
+
+
+def gpt_oss_as_vllm_names(files: dict, params: dict) -> dict:
+    """gpt-oss file tensors under the names vLLM's gpt-oss class gives them (its ``hf_to_vllm_mapper``),
+    so that :func:`target` can place them like any other model's. The MXFP4 experts become whole
+    ``w13_*``/``w2_*`` parameters: vLLM copies each expert's blocks with the last two axes flattened
+    (``[2I, H/32, 16]`` -> ``[2I, H/2]``, the gate/up rows left interleaved, nothing transposed) and
+    the scales and biases as stored. Tensors of any other layout keep their file names."""
+    mxfp4 = {"gate_up_proj_blocks": ("w13", "weight"), "gate_up_proj_scales": ("w13", "weight_scale"),
+             "gate_up_proj_bias": ("w13", "bias"), "down_proj_blocks": ("w2", "weight"),
+             "down_proj_scales": ("w2", "weight_scale"), "down_proj_bias": ("w2", "bias")}
+    renamed = {}
+    for name, t in files.items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith(".mlp.experts") and leaf in mxfp4:
+            param = expert_param(params, prefix, *mxfp4[leaf])
+            if param is not None:
+                renamed[param] = t.flatten(2) if leaf.endswith("_blocks") else t
+                continue
+        renamed[name.replace(".self_attn.", ".attn.").replace(".embed_tokens.", ".embedding.")] = t
+    return renamed
 
 
 def target(name: str, t, files: dict, params: dict):
@@ -329,6 +412,8 @@ def check(label: str, arch: str, path: Path) -> dict:
         model, hf_config, quantization, loaded = vllm_load(path)
     except Exception as exc:  # noqa: BLE001  (a control expects this; reported, not hidden)
         return row | dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    if arch in GPT_OSS:
+        files = gpt_oss_as_vllm_names(files, dict(model.named_parameters()))
     result = compare(model, files)
     result["not_in_vllm_loaded_set"] = sorted(set(dict(model.named_parameters())) - loaded)
     # the routing fields vLLM's MoE classes read (DeepSeek's from fp4moe's save, see saving.py)
@@ -336,8 +421,62 @@ def check(label: str, arch: str, path: Path) -> dict:
     return row | result | dict(quantization=quantization, routing=routing, file_tensors=len(files))
 
 
+def load_outcome(path: Path) -> dict:
+    """What vLLM's load of ``path`` ends in: the exception (message with the folder's path taken
+    out, and the vLLM source line that raised it), or every parameter's bytes."""
+    import traceback
+
+    import torch
+
+    try:
+        model, *_ = vllm_load(path)
+    except Exception as exc:  # noqa: BLE001  (the outcome being compared)
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        parts = Path(frame.filename).parts
+        source = "/".join(parts[len(parts) - 1 - parts[::-1].index("vllm"):]) if "vllm" in parts else frame.filename
+        return dict(error=f"{type(exc).__name__}: {exc}".replace(str(path), "<checkpoint>"),
+                    where=f"{source}:{frame.lineno} ({frame.name})")
+    return dict(params={n: p.data.reshape(-1).view(torch.uint8).clone() for n, p in model.named_parameters()})
+
+
+def check_same_as_modelopt(label: str, arch: str, path: Path, reference: Path) -> dict:
+    """For a format vLLM may not load correctly: does vLLM treat fp4moe's save (``path``) exactly as
+    the ModelOpt export it was made from (``reference``)? The same exception, or the same bytes."""
+    import torch
+
+    save, modelopt = load_outcome(path), load_outcome(reference)
+    if "error" in save or "error" in modelopt:
+        same = save.get("error") == modelopt.get("error")
+    else:  # the same parameters, each with the same bytes (written or left at the sentinel)
+        same = save["params"].keys() == modelopt["params"].keys() and all(
+            torch.equal(save["params"][n], modelopt["params"][n]) for n in save["params"])
+    return dict(label=label, arch=arch, save=save, modelopt=modelopt, same_as_modelopt=same)
+
+
+def describe_outcome(outcome: dict) -> str:
+    if "error" in outcome:
+        return f"load_weights raised {outcome['error']} (at {outcome['where']})"
+    return f"loaded; {len(outcome['params'])} parameters"
+
+
+# Why vLLM 0.33 cannot load ModelOpt's NVFP4 gpt-oss, printed when that is what happens (line
+# numbers as of vLLM 0.33.0).
+GPT_OSS_NVFP4_FINDING = """  finding about vLLM (not fp4moe): vLLM 0.33 cannot load ModelOpt NVFP4 gpt-oss checkpoints, ModelOpt's
+  own export included. It parses them as modelopt_fp4 and builds the experts with
+  ModelOptNvFp4FusedMoE (vllm/model_executor/layers/quantization/modelopt.py, create_weights ~912),
+  which creates no w13_bias/w2_bias parameters although gpt-oss's experts have biases; gpt-oss's
+  loader (vllm/model_executor/models/gpt_oss.py, GptOssModel._load_weights_other) indexes
+  params_dict[...w13_bias / ...w2_bias] (~1221 / ~1233): KeyError. Even without the biases the
+  experts would be wrong: GptOssForCausalLM.hf_to_vllm_mapper (~1375) maps gate_up_proj/down_proj
+  to w13_weight/w2_weight but not their _weight_scale, _weight_scale_2 or _input_scale, which the
+  loader then skips ("if name not in params_dict: continue", ~1250), leaving the expert scales
+  uninitialized."""
+
+
 def failures(r: dict) -> list[str]:
     """What a row fails, in words (empty: vLLM holds exactly what the files say)."""
+    if "same_as_modelopt" in r:
+        return [] if r["same_as_modelopt"] else ["vLLM reads fp4moe's save differently from ModelOpt's export"]
     if "error" in r:
         return ["vLLM could not load it"]
     out = []
@@ -357,7 +496,7 @@ def failures(r: dict) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--archs", nargs="+", default=list(ARCHITECTURES), choices=list(ARCHITECTURES))
+    parser.add_argument("--archs", nargs="+", default=ALL_ARCHS, choices=ALL_ARCHS)
     parser.add_argument("--saves-python", default=sys.executable,
                         help="interpreter with fp4moe that writes the saves (default: this one)")
     parser.add_argument("--keep", type=Path, help="a new folder to write the saves to and keep (default: a temp dir)")
@@ -377,12 +516,14 @@ def main() -> int:
     import vllm
 
     stub_kernel_selection()
-    cases = {arch: (arch, root / arch) for arch in args.archs}
+    cases = {arch: (arch, root / arch) for arch in args.archs if arch != "gpt_oss_nvfp4"}
     cases |= {f"{arch}+calibrated": (arch, root / f"{arch}+calibrated") for arch in args.archs if arch in CALIBRATED}
     cases |= control_saves(root)
     rows = []
     for label, (arch, path) in cases.items():
         rows.append(check(label, arch, path))
+    if "gpt_oss_nvfp4" in args.archs:
+        rows.append(check_same_as_modelopt("gpt_oss_nvfp4", "gpt_oss_nvfp4", root / "gpt_oss_nvfp4", MODELOPT_GPT_OSS))
 
     print(f"\nvLLM {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__} "
           f"(vLLM side); saves written with torch {saves_versions['torch']}, "
@@ -393,6 +534,11 @@ def main() -> int:
     header = ("architecture", "params compared", "bytes equal", "fused global scales tied", "vLLM", "torch")
     table = [header]
     for r in rows:
+        if "same_as_modelopt" in r:
+            outcome = "load failed" if "error" in r["save"] else "loaded"
+            same = "as ModelOpt's export" if r["same_as_modelopt"] else "NOT as ModelOpt's export"
+            table.append((r["label"], f"{outcome}, {same}", "-", "-", vllm.__version__, torch.__version__))
+            continue
         if "error" in r:
             table.append((r["label"], "load failed", "-", "-", vllm.__version__, torch.__version__))
             continue
@@ -414,6 +560,15 @@ def main() -> int:
     for r in rows:
         control = r["label"].startswith("control")
         print(f"[{r['label']}]")
+        if "same_as_modelopt" in r:
+            print(f"  fp4moe's save:         {describe_outcome(r['save'])}")
+            print(f"  ModelOpt's own export: {describe_outcome(r['modelopt'])}")
+            if any("_bias" in outcome.get("error", "") for outcome in (r["save"], r["modelopt"])):
+                print(GPT_OSS_NVFP4_FINDING)
+            same = "vLLM reads fp4moe's save exactly as it reads ModelOpt's own export"
+            print(f"  verdict: {'; '.join(r['failures']) or same}")
+            ok &= not r["failures"]
+            continue
         if "error" in r:
             print(f"  vLLM load failed: {r['error']}")
         else:
@@ -436,8 +591,8 @@ def main() -> int:
         ok &= bool(r["failures"]) == control  # a save must pass every check, a control fail one
     if not args.keep:
         shutil.rmtree(root)
-    print("\nRESULT:", "OK: every save loads exactly, both controls are caught" if ok
-          else "FAILED: see the verdicts above")
+    controls = ", both controls are caught" if any(r["label"].startswith("control") for r in rows) else ""
+    print("\nRESULT:", f"OK: every save loads as it should{controls}" if ok else "FAILED: see the verdicts above")
     return 0 if ok else 1
 
 
