@@ -265,16 +265,7 @@ def plan_load(model: nn.Module, scan: CheckpointScan, config: ModelOptConfig, sh
         shard = shard_of(e_total) if shard_of else None
         ids = range(shard.offset, shard.offset + shard.count) if shard else range(e_total)
         p = ExpertsPlan(name, ckpt_prefix, lv, e_total, ids, hidden, inter, input_scales=False)
-        # any expert's input scale: one missing (expert 0's included) is then named below as missing
-        p.input_scales = not config.weights_only and any(
-            f"{ckpt_prefix}.{e}.{leaf}.{input_}" in scan.tensors for e in range(e_total) for leaf in lv)
-        for e in ids:
-            for leaf, (n_out, k_in) in ((lv.gate, (inter, hidden)), (lv.up, (inter, hidden)), (lv.down, (hidden, inter))):
-                specs = scheme.specs(f"{ckpt_prefix}.{e}.{leaf}", n_out, k_in, p.input_scales)
-                for key, (shape, dtype) in specs.items():
-                    what = " (the other experts of this layer have input scales)" if key.endswith(input_) else ""
-                    scan.check(key, shape, dtype, what)
-                claimed.update(specs)
+        _claim_expert_linears(p, config, scan, claimed)
         # every expert tensor of this layer is accounted for: ours, or (expert parallelism) another rank's
         layer_keys = [k for k in scan.tensors if k.startswith(ckpt_prefix + ".")]
         pattern = re.compile(rf"{re.escape(ckpt_prefix)}\.(\d+)\.({'|'.join(map(re.escape, lv))})\.(\w+)$")
@@ -372,22 +363,33 @@ def _plan_gpt_oss_per_expert(name: str, m: nn.Module, scan: CheckpointScan, in_m
     if prefix is None:
         return None
     _require_gpt_oss_transformers(name)
-    input_ = scheme.input_scale
-    p = ExpertsPlan(name, prefix, lv, e_total, range(e_total), h, i, input_scales=not config.weights_only and any(
-        f"{prefix}.{e}.{leaf}.{input_}" in scan.tensors for e in range(e_total) for leaf in lv))
-    for e in range(e_total):
-        for leaf, (n_out, k_in) in ((lv.gate, (i, h)), (lv.up, (i, h)), (lv.down, (h, i))):
-            specs = scheme.specs(f"{prefix}.{e}.{leaf}", n_out, k_in, p.input_scales)
-            specs[f"{prefix}.{e}.{leaf}.bias"] = ((n_out,), BIAS_DTYPES)
-            for key, (shape, dtype) in specs.items():
-                what = " (the other experts of this layer have input scales)" if key.endswith(input_) else ""
-                scan.check(key, shape, dtype, what)
-            claimed.update(specs)
+    p = ExpertsPlan(name, prefix, lv, e_total, range(e_total), h, i, input_scales=False)
+    _claim_expert_linears(p, config, scan, claimed, biases=True)
     for k in scan.tensors:
         if k.startswith(prefix + ".") and k not in claimed:
             raise CheckpointError(f"unexpected checkpoint tensor {k!r} in {scan.tensors[k][0]}: {name} has {e_total} "
                                   f"experts, each three biased NVFP4 linears {list(lv)}")
     return GptOssPlan(name, prefix, input_scales=False, per_expert=p)
+
+
+def _claim_expert_linears(p: ExpertsPlan, config: ModelOptConfig, scan: CheckpointScan, claimed: set[str],
+                          biases: bool = False) -> None:
+    """Check and claim the per-expert NVFP4 linears of ``p`` (its experts' ``gate`` / ``up`` / ``down``,
+    with a ``bias`` each where ``biases``: gpt-oss), setting ``p.input_scales`` from the checkpoint:
+    any expert's input scale means all must have them (a missing one, expert 0's included, is named)."""
+    scheme, input_ = config.scheme, config.scheme.input_scale
+    prefix, lv, h, i = p.checkpoint_prefix, p.leaves, p.hidden, p.inter
+    p.input_scales = not config.weights_only and any(
+        f"{prefix}.{e}.{leaf}.{input_}" in scan.tensors for e in range(p.total) for leaf in lv)
+    for e in p.ids:
+        for leaf, (n_out, k_in) in ((lv.gate, (i, h)), (lv.up, (i, h)), (lv.down, (h, i))):
+            specs = scheme.specs(f"{prefix}.{e}.{leaf}", n_out, k_in, p.input_scales)
+            if biases:
+                specs[f"{prefix}.{e}.{leaf}.bias"] = ((n_out,), BIAS_DTYPES)
+            for key, (shape, dtype) in specs.items():
+                what = " (the other experts of this layer have input scales)" if key.endswith(input_) else ""
+                scan.check(key, shape, dtype, what)
+            claimed.update(specs)
 
 
 def _require_gpt_oss_transformers(name: str) -> None:
