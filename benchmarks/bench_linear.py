@@ -51,15 +51,17 @@ def time_ms(fn, inputs, cuda: bool) -> float:
 
 
 def weight_copies(n: int, k: int, device) -> list[tuple]:
-    """Distinct random NVFP4 weights ``(packed, block scale, global scale, BF16 dequantized)``: on a
-    GPU enough copies for >= 150 MB of NVFP4 bytes (3x the H200's L2), so a graph cycling through
-    them reads weights from HBM; one on CPU."""
+    """Distinct random NVFP4 weights ``(packed, block scale, global scale, BF16 dequantized, packed in
+    the paired layout)``: on a GPU enough copies for >= 150 MB of NVFP4 bytes (3x the H200's L2), so
+    a graph cycling through them reads weights from HBM; one on CPU."""
+    from fp4moe_ops.backends.triton_moe.layout import paired_weight_layout
+
     copies = max(2, min(64, int(150e6 // (n * k * 0.5625)) + 1)) if device != "cpu" else 1
     out = []
     for _ in range(copies):
         q = nvfp4.quantize_nvfp4(torch.randn(n, k, device=device) / k**0.5)
         w, s, g = q.packed, q.block_scale, q.global_scale.reshape(())
-        out.append((w, s, g, nvfp4.dequantize_nvfp4(w, s, g, torch.bfloat16)))
+        out.append((w, s, g, nvfp4.dequantize_nvfp4(w, s, g, torch.bfloat16), paired_weight_layout(w)))
     return out
 
 
@@ -71,7 +73,7 @@ def main():
     ap.add_argument("--tflops", type=float, default=790.0, help="BF16 dense tensor-core rate for the floor")
     ap.add_argument("--reference", action="store_true", help="also time the reference backend")
     ap.add_argument("--sweep", action="store_true",
-                    help="instead: GEMV tile variants (K parts, warps, token block) against the chosen config and BF16")
+                    help="instead: kernel variants (K parts, warps, token block) against the chosen config and BF16")
     args = ap.parse_args()
     if args.sweep:
         return sweep(args)
@@ -89,9 +91,9 @@ def main():
         bw = copy_bandwidth(device)
     print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}, "
           f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    print("| layer | N | K | tokens | floor ms | auto ms | x floor | GEMV ms | GEMV other x ms | dequant+cuBLAS ms "
-          "| reference ms | F.linear BF16 ms | BF16 / auto | rel err vs BF16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| layer | N | K | tokens | floor ms | paired ms | x floor | stored ms | dequant+cuBLAS ms "
+          "| reference ms | F.linear BF16 ms | BF16 / paired | rel err vs BF16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     wanted = set(args.shapes.split(",")) if args.shapes else None
     for name, n, k in SHAPES:
         if wanted and name not in wanted:
@@ -104,39 +106,37 @@ def main():
         for t in (int(x) for x in args.tokens.split(",")):
             inputs = [(torch.randn(t, k, device=device, dtype=torch.bfloat16), *weights[i]) for i in range(copies)]
             floor = max(fp4_bytes / bw, 2 * t * n * k / (args.tflops * 1e12)) * 1e3
-            x, w, s, g, bf16 = inputs[0]
+            x, w, s, g, bf16, words = inputs[0]
             want = F.linear(x, bf16).double()
-            got = fp4moe_ops.nvfp4_linear(x, w, s, g, counters=table).double()
+            got = fp4moe_ops.nvfp4_linear(x, words, s, g, counters=table).double()
             err = ((got - want).norm() / want.norm()).item()
-            # as NVFP4Linear calls it: with its counter table (split-K parts summed in one launch)
-            auto = time_ms(lambda x, w, s, g, b: fp4moe_ops.nvfp4_linear(x, w, s, g, counters=table), inputs, cuda)
-            base = time_ms(lambda x, w, s, g, b: F.linear(x, b), inputs, cuda)
-            cols = {}
+            # as NVFP4Linear calls it: its weight in the paired layout where the Triton kernels run,
+            # with its counter table (split-K parts summed in one launch); then the weight as stored
+            paired = time_ms(lambda x, w, s, g, b, p: fp4moe_ops.nvfp4_linear(x, p, s, g, counters=table), inputs,
+                             cuda)
+            stored = time_ms(lambda x, w, s, g, b, p: fp4moe_ops.nvfp4_linear(x, w, s, g, counters=table), inputs,
+                             cuda)
+            base = time_ms(lambda x, w, s, g, b, p: F.linear(x, b), inputs, cuda)
+            dequant = None
             if linear_supported(x, w) is None:
-                for path in ("gemv", "xtma", "dequantize"):
-                    cfg = linear_config(min(t, 64) if path != "dequantize" else 65, n, k)
-                    if path != "dequantize" and t > 64:
-                        continue  # the GEMV tiles stop at 64-row blocks
-                    if path == "xtma":  # the other way of reading x than the chosen one
-                        cfg["X_TMA"] = not cfg["X_TMA"]
-                    cols[path] = time_ms(lambda x, w, s, g, b, c=cfg: triton_nvfp4_linear(x, w, s, g, None, c, table),
-                                         inputs, cuda)
-            ref = time_ms(lambda x, w, s, g, b: fp4moe_ops.nvfp4_linear(x, w, s, g, backend="reference"),
+                cfg = linear_config(65, n, k)
+                dequant = time_ms(lambda x, w, s, g, b, p: triton_nvfp4_linear(x, w, s, g, None, cfg, table), inputs,
+                                  cuda)
+            ref = time_ms(lambda x, w, s, g, b, p: fp4moe_ops.nvfp4_linear(x, w, s, g, backend="reference"),
                           inputs[:4], cuda) if args.reference or not cuda else float("nan")
             fmt = lambda v: "" if v is None else f"{v:.4f}"  # noqa: E731
-            print(f"| {name} | {n} | {k} | {t} | {floor:.4f} | {auto:.4f} | {auto / floor:.2f}x | "
-                  f"{fmt(cols.get('gemv'))} | {fmt(cols.get('xtma'))} | {fmt(cols.get('dequantize'))} | {ref:.4f} | "
-                  f"{base:.4f} | "
-                  f"{base / auto:.2f}x | {err:.1e} |", flush=True)
+            print(f"| {name} | {n} | {k} | {t} | {floor:.4f} | {paired:.4f} | {paired / floor:.2f}x | {stored:.4f} | "
+                  f"{fmt(dequant)} | {ref:.4f} | {base:.4f} | {base / paired:.2f}x | {err:.1e} |", flush=True)
         del weights, inputs
         if cuda:
             torch.cuda.empty_cache()
 
 
 def sweep(args):
-    """Time GEMV config variants per (shape, tokens) on the GPU, past 64 tokens too (token blocks of
-    16-128 rows, K parts, warps): prints the chosen config's time (the dequantize + cuBLAS
-    path past 64 tokens), the best variant's and BF16 ``F.linear``'s."""
+    """Time kernel variants per (shape, tokens) on the GPU: the GEMV's past 64 tokens too (token
+    blocks of 16-128 rows, K parts, warps) and up to 64 decode_v3's linear on paired weights
+    (token blocks, K parts, ring stages): prints the chosen config's time (paired weights, the
+    dequantize + cuBLAS path past 64 tokens), the best variant's and BF16 ``F.linear``'s."""
     from bench_moe import copy_bandwidth, graph_time_ms
 
     from fp4moe_ops.backends.triton_moe.launch import LINEAR_GEMV_MAX_TOKENS, linear_config, triton_nvfp4_linear
@@ -145,11 +145,12 @@ def sweep(args):
     table = split_counters("cuda")
     bw = copy_bandwidth("cuda")
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    print("| layer | tokens | floor ms | chosen | chosen ms | best GEMV | best GEMV ms | BF16 ms | BF16 / best |")
+    print("| layer | tokens | floor ms | chosen | chosen ms | best variant | best ms | BF16 ms | BF16 / best |")
     print("|---|---|---|---|---|---|---|---|---|")
     wanted = set(args.shapes.split(",")) if args.shapes else None
     short = lambda c: (f"P{c['PARTS']} S{c['num_stages']} W{c['num_warps']} BM{c['BM']}"  # noqa: E731
-                       if c["path"] == "gemv" else c["path"])
+                       if c["path"] == "gemv" else f"v3 P{c['PARTS']} S{c['STAGES']} BM{c['BM']}"
+                       if c["path"] == "v3" else c["path"])
     for name, n, k in SHAPES:
         if wanted and name not in wanted:
             continue
@@ -158,7 +159,8 @@ def sweep(args):
         for t in (int(x) for x in args.tokens.split(",")):
             inputs = [(torch.randn(t, k, device="cuda", dtype=torch.bfloat16), *copies[i][:3])
                       for i in range(len(copies))]
-            chosen = linear_config(t, n, k)
+            paired_inputs = [(x, c[4], s, g) for (x, _, s, g), c in zip(inputs, copies)]
+            chosen = linear_config(t, n, k, True, True)
             gemv = linear_config(min(t, LINEAR_GEMV_MAX_TOKENS), n, k)
             blocks = {16, 32} if t <= 32 else {32, 64, 128}
             variants = []
@@ -168,15 +170,23 @@ def sweep(args):
                 for parts in sorted({max(1, target // 2), target, min(16, k // 256, 2 * target)}):
                     for warps in (4, 8):  # (2 pipeline stages: 3 lost at 1-64 tokens, benchmarks/NOTES.md)
                         variants.append(dict(gemv, PARTS=parts, num_stages=2, num_warps=warps, BM=bm))
+            if t <= LINEAR_GEMV_MAX_TOKENS:  # decode_v3's linear on the paired weights
+                slots = k // (512 if k % 512 == 0 else 256)
+                for bm in (8, 16, 32):
+                    if bm == 8 or bm < 2 * t:
+                        variants += [dict(path="v3", BM=bm, PARTS=p, STAGES=st) for p in range(1, 17)
+                                     if slots % p == 0 for st in (2, 3)]
             times = []
             for cfg in variants:
                 try:
-                    ms = graph_time_ms(lambda x, w, s, g, c=cfg: triton_nvfp4_linear(x, w, s, g, None, c, table), inputs)
+                    ms = graph_time_ms(lambda x, w, s, g, c=cfg: triton_nvfp4_linear(x, w, s, g, None, c, table),
+                                       paired_inputs if cfg["path"] == "v3" else inputs)
                 except Exception as e:  # noqa: BLE001 - a variant that does not compile is skipped
                     print(f"  {short(cfg)}: {type(e).__name__}", flush=True)
                     continue
                 times.append((ms, cfg))
-            base = graph_time_ms(lambda x, w, s, g: triton_nvfp4_linear(x, w, s, g, None, chosen, table), inputs)
+            base = graph_time_ms(lambda x, w, s, g: triton_nvfp4_linear(x, w, s, g, None, chosen, table),
+                                 paired_inputs)
             bf16 = [(inp[0], c[3]) for inp, c in zip(inputs, copies)]
             ref = graph_time_ms(lambda x, b: F.linear(x, b), bf16)
             best_ms, best = min(times, key=lambda r: r[0])

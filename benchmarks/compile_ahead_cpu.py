@@ -103,7 +103,7 @@ def cached_variants() -> int:
 
     fns = (kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel, kernels._sum_topk_kernel,
            prefill_rs._prefill_gemm_kernel, decode_v3._gemm1_v3_kernel, decode_v3._gemm2_v3_kernel,
-           kernels._linear_kernel, kernels._linear_parts_kernel, kernels._dequant_kernel)
+           kernels._linear_kernel, kernels._linear_parts_kernel, kernels._dequant_kernel, decode_v3._linear_v3_kernel)
     return sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
 
 
@@ -111,12 +111,13 @@ def cached_variants() -> int:
 LINEAR_SHAPES = {"deepseek": [(n, k) for _, n, k in SHAPES[:5]], "small": [(128, 256), (576, 512)]}
 
 
-def linear_arguments(n: int, k: int, bias: bool):
-    """A one-token call's arguments for an NVFP4 linear of weight ``[n, k/2]`` (uninitialized) with a
-    split-K counter table, as ``NVFP4Linear`` calls it."""
+def linear_arguments(n: int, k: int, bias: bool, paired: bool = False):
+    """A one-token call's arguments for an NVFP4 linear of weight ``[n, k/2]`` (uninitialized; paired:
+    ``[n/2, k/4]`` int32) with a split-K counter table, as ``NVFP4Linear`` calls it."""
     from fp4moe_ops.linear import SPLIT_COUNTERS
 
-    return (torch.randn(1, k, dtype=torch.bfloat16), torch.empty(n, k // 2, dtype=torch.uint8),
+    weight = torch.empty(n // 2, k // 4, dtype=torch.int32) if paired else torch.empty(n, k // 2, dtype=torch.uint8)
+    return (torch.randn(1, k, dtype=torch.bfloat16), weight,
             torch.empty(n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(()), torch.randn(n, dtype=torch.bfloat16) if bias else None,
             torch.zeros(SPLIT_COUNTERS, dtype=torch.int32))
 
@@ -126,27 +127,28 @@ def linear_main(args) -> bool:
     count of 1-70 at each shape checked against the cache."""
     from fp4moe_ops.backends.triton_moe import compile_ahead, launch
 
-    shapes = [(n, k, bias) for n, k in LINEAR_SHAPES[args.shape] for bias in (False, True)]
+    shapes = [(n, k, bias, paired) for n, k in LINEAR_SHAPES[args.shape] for bias in (False, True)
+              for paired in (False, True)]
     t0 = time.time()
     errors, per_shape = [], []
-    for n, k, bias in shapes:
+    for n, k, bias, paired in shapes:
         before = cached_variants()
-        errors += compile_ahead.compile_all(launch.linear_plans(*linear_arguments(n, k, bias)),
+        errors += compile_ahead.compile_all(launch.linear_plans(*linear_arguments(n, k, bias, paired)),
                                             together=args.mode == "together")
         per_shape.append(cached_variants() - before)
     seconds, compiled, ok = time.time() - t0, cached_variants(), not errors
-    for n, k, bias in shapes:
-        x, *rest = linear_arguments(n, k, bias)
+    for n, k, bias, paired in shapes:
+        x, *rest = linear_arguments(n, k, bias, paired)
         for t in range(1, 71):
             failed = compile_ahead.compile_all([(t, lambda: launch.triton_nvfp4_linear(x.expand(t, k), *rest[:4],
                                                                                       counters=rest[4]))],
                                                together=False)
             if failed or cached_variants() != compiled:
-                print(f"a call of {t} tokens at [{n}, {k}] (bias {bias}) compiled {cached_variants() - compiled} "
+                print(f"a call of {t} tokens at [{n}, {k}] (bias {bias}, paired {paired}) compiled {cached_variants() - compiled} "
                       f"more kernels {failed}: WRONG")
                 ok, compiled = False, cached_variants()
     print(f"{args.mode}, linears {args.shape}: {compiled} kernels in {seconds:.1f} s (new per shape, without / with "
-          f"bias: {per_shape}); calls of 1-70 tokens {'compiled nothing' if ok else 'WRONG'} {errors or ''}")
+          f"bias, canonical / paired weights: {per_shape}); calls of 1-70 tokens {'compiled nothing' if ok else 'WRONG'} {errors or ''}")
     return ok
 
 
@@ -161,11 +163,11 @@ def main():
     args = ap.parse_args()
     stand_in = _Sm90WithoutGpu()
     driver.set_active(stand_in)
-    if args.linear:
-        sys.exit(0 if linear_main(args) else 1)
     from fp4moe_ops.backends.triton_moe import compile_ahead, launch
 
     launch._gluon_runs = lambda x: True  # (CPU tensors: see the module docstring)
+    if args.linear:
+        sys.exit(0 if linear_main(args) else 1)
     e, h, i, k = {"deepseek": (256, 7168, 2048, 8)}.get(args.shape, (32, 3072, 3072, 4) if
                                                         args.shape.startswith("gpt-oss") else (8, 512, 256, 2))
     gpt_oss = gpt_oss_arguments(e, h, i, args.shape == "gpt-oss-nvfp4") if args.shape.startswith("gpt-oss") else None

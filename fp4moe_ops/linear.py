@@ -8,6 +8,11 @@ Weights as a ModelOpt checkpoint holds them::
     weight_scale  [N, K/16] float8_e4m3fn  one scale per 16 weights along K
     weight_scale_2 []       float32        the per-tensor scale that multiplies
 
+or the packed weight in the Triton backend's paired layout, ``[N/2, K/4] int32``
+(:func:`fp4moe_ops.backends.triton_moe.layout.paired_weight_layout`: the same bytes, rows ``r`` and
+``r + 8`` interleaved and their bits permuted for the GPU decode), which
+:class:`~hf_integration.experts.NVFP4Linear` holds on Hopper.
+
 Activations are not quantized (W4A16): ``x [..., K]`` bfloat16/float16 (float32 too) -> ``[..., N]`` of
 x's dtype.
 
@@ -22,7 +27,8 @@ Backends:
 * ``"triton"`` (CUDA, compute capability 9.0+, 16-bit x, N % 64 == 0, K % 256 == 0): up to 64
   tokens a GEMV-shaped kernel that reads the 4-bit weight once, decodes it exactly in registers
   and multiplies on the tensor cores (split along K where N alone gives too few programs), the
-  global scale applied to the float32 sum, so it is closer to float64 than the reference; past
+  global scale applied to the float32 sum, so it is closer to float64 than the reference: with
+  paired weights and bf16 x on Hopper ``decode_v3``'s ``mma.sync`` kernel, else a wgmma one. Past
   64 tokens one kernel decodes the weight to 16 bits (bitwise the reference's weight) and cuBLAS
   multiplies. See :mod:`fp4moe_ops.backends.triton_moe.launch`.
 * ``"flashinfer"`` (Blackwell, compute capability 10.0+, bf16 x, FlashInfer >= 0.7 with cuDNN >=
@@ -72,11 +78,14 @@ def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counte
     if x.dim() < 1 or x.dtype not in _X_DTYPES:
         raise TypeError(f"x must be [..., K] bfloat16/float16/float32, got {x.dtype} {list(x.shape)}")
     k = x.shape[-1]
-    if weight.dtype != torch.uint8 or weight.dim() != 2:
-        raise TypeError(f"weight must be [N, K/2] uint8 (packed E2M1), got {weight.dtype} {list(weight.shape)}")
-    n = weight.shape[0]
-    if k % BLOCK_SIZE or weight.shape[1] * 2 != k:
-        raise ValueError(f"weight {list(weight.shape)} does not match x's K={k}: expected [N, {k // 2}] "
+    if weight.dtype not in (torch.uint8, torch.int32) or weight.dim() != 2:
+        raise TypeError(f"weight must be [N, K/2] uint8 (packed E2M1) or [N/2, K/4] int32 (the paired layout), got "
+                        f"{weight.dtype} {list(weight.shape)}")
+    paired = weight.dtype == torch.int32
+    n = 2 * weight.shape[0] if paired else weight.shape[0]
+    if k % BLOCK_SIZE or weight.shape[1] * (4 if paired else 2) != k:
+        want = f"[N/2, {k // 4}] int32" if paired else f"[N, {k // 2}]"
+        raise ValueError(f"weight {list(weight.shape)} does not match x's K={k}: expected {want} "
                          f"and K a multiple of {BLOCK_SIZE}")
     if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (n, k // BLOCK_SIZE):
         raise TypeError(f"weight_scale must be [N={n}, K/16={k // BLOCK_SIZE}] float8_e4m3fn, got "
@@ -94,7 +103,7 @@ def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counte
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     if backend in ("triton", "flashinfer"):
-        reason = _triton_refusal(x, weight) if backend == "triton" else _flashinfer_refusal(x)
+        reason = _triton_refusal(x, weight) if backend == "triton" else _flashinfer_refusal(x, weight)
         if reason:
             raise ValueError(f"nvfp4_linear backend {backend!r} cannot run this call: {reason}")
 
@@ -107,7 +116,9 @@ def _triton_refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return linear_supported(x, weight)
 
 
-def _flashinfer_refusal(x: torch.Tensor) -> str | None:
+def _flashinfer_refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    if weight.dtype == torch.int32:
+        return "the weight is in the Triton backend's paired layout (FlashInfer reads the checkpoint's bytes)"
     if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (10, 0):
         return f"FlashInfer's FP4 GEMM needs a Blackwell GPU (compute capability 10.0+); x is on {x.device}"
     if x.dtype != torch.bfloat16:
@@ -200,13 +211,17 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         from .backends.triton_moe.launch import triton_nvfp4_linear
 
         return triton_nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias, counters=counters)
+    if weight.dtype == torch.int32:
+        from .backends.triton_moe.layout import canonical_from_paired
+
+        weight = canonical_from_paired(weight)
     return F.linear(x, dequantize_nvfp4(weight, weight_scale, weight_scale_2, x.dtype), bias)
 
 
 @nvfp4_linear.register_fake
 def _(x, weight, weight_scale, weight_scale_2, bias=None, backend="auto", counters=None):
     _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counters)
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+    return x.new_empty(*x.shape[:-1], weight_scale.shape[0])
 
 
 __all__ = ["LINEAR_BACKENDS", "SPLIT_COUNTERS", "flashinfer_linear_arguments", "nvfp4_linear", "split_counters"]

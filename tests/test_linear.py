@@ -123,8 +123,16 @@ def test_triton_linear_matches_float64(dtype, tokens, parts, bias, serial, x_tma
     assert int(counters.abs().sum()) == 0  # every tile's counter back at zero
     want = linear64(x.cpu(), packed.cpu(), scale.cpu(), g.cpu(), None if b is None else b.cpu())
     w64 = dequant64(packed.cpu(), scale.cpu(), g.cpu())
+    assert got.dtype == dtype and got.shape == (tokens, n)
+    assert_within_kernel_bound(got, want, x, w64, dtype, exact_weight=config["path"] != "dequantize")
+
+
+def assert_within_kernel_bound(got, want, x, w64, dtype, exact_weight: bool):
+    """``got`` against float64 ``want`` within what the kernel's arithmetic allows (``exact_weight``:
+    the weight decoded exactly, summed in float32; else the reference's weight rounded to the dtype)."""
+    k = x.shape[-1]
     abs_products = x.cpu().double().abs() @ w64.abs().T
-    if config["path"] == "gemv":
+    if exact_weight:
         # The weight decodes exactly; errors: float32 summation (<= K 2^-24 sum|x w|) and one
         # rounding of the result to the dtype (half an ulp on a GPU; Triton's CPU interpreter
         # truncates bf16: under one ulp, <= 2^-7 |y|; fp16 2^-10). The reference backend's weight
@@ -134,47 +142,43 @@ def test_triton_linear_matches_float64(dtype, tokens, parts, bias, serial, x_tma
     else:  # the reference's arithmetic: the bound of test_nvfp4_linear_matches_float64
         u = 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12
         bound = 2 * u * abs_products + 4 * u * want.abs()
-    assert got.dtype == dtype and got.shape == (tokens, n)
     assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max()
 
 
-def test_a_moved_or_emptied_nvfp4_linear_starts_with_a_zeroed_counter_table():
-    # a non-zero counter would make a tile's parts sum early on every later call: moves and
-    # to_empty() (uninitialized memory) zero the module's table
-    from hf_integration.checkpoint_format import MODELOPT
-    from hf_integration.experts import NVFP4Linear
-
-    m = NVFP4Linear.quantize(torch.nn.Linear(256, 64, bias=False).to(torch.bfloat16))
-    for move in (lambda: m.to("cpu"), lambda: m.to(torch.float16), lambda: m.to_empty(device="cpu")):
-        m.split_counters.fill_(7)
-        move()
-        assert m.split_counters.dtype == torch.int32 and int(m.split_counters.abs().sum()) == 0
-    assert m.scheme is MODELOPT and m.weight.dtype == torch.uint8  # the quantized buffers keep their dtypes
-
-
-def test_split_k_parts_are_summed_through_the_callers_counter_table():
-    # the same-launch sum really counts arrivals in the table: tile 0 (output rows 0-63) ends at
-    # 0 again with the right result; tile 1's counter, set to 100 beforehand, only counts its 4
-    # parts (none of them sees 3 arrivals before it, so none sums or resets). A table too small
-    # for the call is not used: a second kernel sums the parts.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,parts,bias", [(1, None, False), (2, 3, True), (9, 6, False), (17, 2, True),
+                                               (40, None, False), (64, 1, True), (70, None, True)])
+@pytest.mark.parametrize("serial", [True, False])
+def test_triton_linear_on_paired_weights_matches_float64(dtype, tokens, parts, bias, serial):
+    # Weights in the paired layout (what NVFP4Linear holds on Hopper): on a GPU with bf16
+    # activations decode_v3's mma.sync linear up to 64 tokens (8/16/32-token blocks; K's 6 ring
+    # slots in 1, 2, 3 or 6 parts, summed in the same launch or by a second kernel), else the
+    # Triton GEMV; past 64 the paired weight decoded to 16 bits for F.linear. N = 192: three
+    # 64-row tiles; K = 3072: six 512-wide slots.
     from fp4moe_ops.backends.triton_moe.launch import linear_config
+    from fp4moe_ops.backends.triton_moe.layout import paired_weight_layout
     from fp4moe_ops.linear import split_counters
 
-    n, k = 128, 1024
-    packed, scale, g = (t.to(DEVICE) for t in nvfp4_weight(n, k, seed=21))
-    x = torch.randn(2, k, dtype=torch.bfloat16, device=DEVICE)
-    config = dict(linear_config(2, n, k), PARTS=4)
-    want = linear64(x.cpu(), packed.cpu(), scale.cpu(), g.cpu())
-    bound = 2.0**-7 * want.abs() + 1024 * 2.0**-24 * (x.cpu().double().abs() @ dequant64(packed.cpu(), scale.cpu(),
-                                                                                           g.cpu()).abs().T)
+    v3 = DEVICE == "cuda" and dtype == torch.bfloat16
+    if DEVICE == "cpu" and (tokens not in (2, 70) or not serial):
+        pytest.skip("the interpreter is slow: one split GEMV and the dequantize path")
+    n, k = 192, 3072
+    packed, scale, g = nvfp4_weight(n, k, seed=7)
+    words = paired_weight_layout(packed).to(DEVICE)
+    scale, g = scale.to(DEVICE), g.to(DEVICE)
+    x = torch.randn(tokens, k, dtype=dtype, device=DEVICE)
+    b = torch.randn(n, dtype=dtype, device=DEVICE) if bias else None
+    config = linear_config(tokens, n, k, True, v3)
+    assert config["path"] == ("dequantize" if tokens > 64 else "v3" if v3 else "gemv")
+    if parts and config["path"] != "dequantize":
+        config["PARTS"] = parts
     counters = split_counters(DEVICE)
-    counters[1] = 100
-    got = triton_linear(x, packed, scale, g, None, config, counters).cpu().double()
-    assert counters[:3].tolist() == [0, 104, 0]
-    assert ((got - want).abs() <= bound)[:, :64].all()
-    tiny = torch.zeros(1, dtype=torch.int32, device=DEVICE)  # 2 tiles need 2 entries
-    got = triton_linear(x, packed, scale, g, None, config, tiny).cpu().double()
-    assert ((got - want).abs() <= bound).all() and int(tiny[0]) == 0
+    got = triton_linear(x, words, scale, g, b, config, counters if serial else None).cpu()
+    assert int(counters.abs().sum()) == 0  # every tile's counter back at zero
+    want = linear64(x.cpu(), packed, scale.cpu(), g.cpu(), None if b is None else b.cpu())
+    assert got.dtype == dtype and got.shape == (tokens, n)
+    assert_within_kernel_bound(got, want, x, dequant64(packed, scale.cpu(), g.cpu()), dtype,
+                               exact_weight=config["path"] != "dequantize")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -186,8 +190,20 @@ def test_triton_dequantize_kernel_is_bitwise_the_reference_weight(dtype):
         pytest.skip("Triton's CPU interpreter truncates float32 -> bf16 (the GPU rounds to nearest)")
     packed, scale, g = (t.to(DEVICE) for t in nvfp4_weight(128, 512, seed=3))
     out = torch.empty(128, 512, dtype=dtype, device=DEVICE)
-    _dequant_kernel[(2, 2)](packed, scale.view(torch.uint8), g, out, 512, BN=64, BK=256, FAST_DECODE=not interpreting())
+    _dequant_kernel[(2, 2)](packed, scale.view(torch.uint8), g, out, 512, None, BN=64, BK=256,
+                            FAST_DECODE=not interpreting())
     assert torch.equal(out, nvfp4.dequantize_nvfp4(packed, scale, g, dtype))
+    # the same weight in the paired layout, its bytes through TMA
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fp4moe_ops.backends.triton_moe.layout import paired_weight_layout
+
+    words = paired_weight_layout(packed.cpu()).to(DEVICE)
+    desc = TensorDescriptor.from_tensor(words.view(torch.uint8).reshape(64, 512), [32, 256])
+    paired = torch.empty_like(out)
+    _dequant_kernel[(2, 2)](words, scale.view(torch.uint8), g, paired, 512, desc, BN=64, BK=256,
+                            FAST_DECODE=not interpreting(), PAIRED=True)
+    assert torch.equal(paired, out)
 
 
 def test_linear_config_splits_k_to_fill_the_gpu_and_switches_to_cublas_past_64_tokens():
@@ -258,8 +274,12 @@ def test_flashinfer_linear_call_adds_the_bias_and_keeps_the_leading_shape(monkey
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_triton_linear_compiles_and_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("paired", [False, True])
+def test_triton_linear_compiles_and_replays_in_a_cuda_graph(paired):
+    from fp4moe_ops.backends.triton_moe.layout import paired_weight_layout
+
     packed, scale, g = (t.cuda() for t in nvfp4_weight(256, 512, seed=5))
+    packed = paired_weight_layout(packed) if paired else packed
 
     def f(x):
         return fp4moe_ops.nvfp4_linear(x, packed, scale, g, backend="auto") * 2

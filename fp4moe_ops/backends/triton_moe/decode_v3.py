@@ -476,3 +476,138 @@ def gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end,
                       sorted_slot, block_expert, row_start, row_end, H=hidden, I=inter, TOPK=top_k, BM=bm,
                       SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, E8M0=s13.dtype == torch.int8,
                       **({} if gpt_oss is None else gpt_oss.gemm1_args()), num_warps=4)
+
+
+@gluon.jit(do_not_specialize=["T"])
+def _linear_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, bias_ptr, out_ptr, parts_ptr, count_ptr, T, N, K,
+                      BM: gl.constexpr, PART_SLOTS: gl.constexpr, STAGES: gl.constexpr, SPS: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, SERIAL: gl.constexpr):
+    """One NVFP4 linear (``fp4moe::nvfp4_linear``), program (weight tile ``n``, token block ``m``,
+    K part ``p``): ``out[m BM .., 64 n ..] = g * x @ W^T (+ bias)`` over ring slots ``[p PART_SLOTS,
+    (p + 1) PART_SLOTS)`` of SPS 256-wide steps each. The weight tile is the MMA's M side, as in
+    :func:`_gemm2_v3_kernel` with one expert; ``x [T, K]`` bf16 in natural order. SPLIT: each part
+    stores float32 partial sums into ``parts [PARTS, T, N]``, and with SERIAL the last part of a
+    tile to arrive (``count [tiles]`` int32, zero between calls; that program sets it back) adds
+    them in part order and stores ``out``; without, the caller's second kernel does."""
+    n = gl.program_id(0)
+    mb = gl.program_id(1)
+    part = gl.program_id(2)
+    PART_STEPS: gl.constexpr = PART_SLOTS * SPS
+    mma: gl.constexpr = _MMA
+    la: gl.constexpr = _LA
+    lb: gl.constexpr = _LB
+    wref = _words_ref(la)
+    WL: gl.constexpr = wref.type.layout
+    WL16: gl.constexpr = gl.reshape(wref, [4, 32, 16]).type.layout
+    SL: gl.constexpr = gl.SliceLayout(3, WL)
+    BL: gl.constexpr = _act_ref(lb, BM).type.layout
+
+    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, SPS, 4, 1, 32, 64], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, SPS, 1, 64, 4], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for q in gl.static_range(STAGES):
+        mbarrier.init(ready.index(q), count=1)
+    pair0 = n * 32
+    row0 = n * 64
+    slot0 = part * PART_SLOTS
+    SLOT_BYTES: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes
+    for q in gl.static_range(STAGES):
+        if q < PART_SLOTS:
+            mbarrier.expect(ready.index(q), SLOT_BYTES)
+            tma_load(s_desc, [0, slot0 + q, row0, 0], ready.index(q), s_smem.index(q))
+            tma_load(w_desc, [0, 0, slot0 + q, pair0, 0], ready.index(q), w_smem.index(q))
+    words_smem = reinterpret(w_smem, gl.int32, [STAGES * SPS, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    s_steps = reinterpret(s_smem, gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+    sel = _scale_selector(SL)
+
+    # the block's tokens and their activation words [4, BM, 32] of the part's first step
+    bw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
+    bn = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
+    bq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
+    tok_b = mb * BM + bn
+    x_off = (gl.expand_dims(gl.expand_dims(tok_b.to(gl.int64) * (K // 2), 0), 2)
+             + gl.expand_dims(gl.expand_dims(bw * 32, 1), 2) + gl.expand_dims(gl.expand_dims(bq, 0), 1)
+             + slot0 * (SPS * 128))
+    x_words = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    x_mask = gl.expand_dims(gl.expand_dims(tok_b < T, 0), 2) & gl.expand_dims(gl.expand_dims(bq >= 0, 0), 1)
+
+    x_cur = gl.load(x_words + x_off, mask=x_mask, other=0)
+    acc = gl.zeros([4, 64, BM], gl.float32, mma)
+    for i in range(PART_SLOTS):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        words0 = words_smem.index(SPS * s).load(WL16)
+        ra, rb = _slot_scales(s_steps.index(SPS * s), SL)
+        if SPS == 2:
+            words1 = words_smem.index(SPS * s + 1).load(WL16)
+            na, nb = _slot_scales(s_steps.index(SPS * s + 1), SL)
+        thread_barrier()  # every warp has its words and scales of slot s: refill it
+        if i + STAGES < PART_SLOTS:
+            mbarrier.expect(ready.index(s), SLOT_BYTES)
+            tma_load(s_desc, [0, slot0 + i + STAGES, row0, 0], ready.index(s), s_smem.index(s))
+            tma_load(w_desc, [0, 0, slot0 + i + STAGES, pair0, 0], ready.index(s), w_smem.index(s))
+        x_nxt = gl.load(x_words + x_off + gl.minimum(SPS * i + 1, PART_STEPS - 1) * 128, mask=x_mask, other=0)
+        acc = _step(acc, words0, ra, rb, sel, x_cur, WL, la, lb, BM, NATURAL_B=True)
+        if SPS == 2:
+            x_cur = gl.load(x_words + x_off + gl.minimum(SPS * i + 2, PART_STEPS - 1) * 128, mask=x_mask, other=0)
+            acc = _step(acc, words1, na, nb, sel, x_nxt, WL, la, lb, BM, NATURAL_B=True)
+        else:
+            x_cur = x_nxt
+
+    # the four warps' partial sums through shared memory (as in _gemm2_v3_kernel)
+    red = gl.allocate_shared_memory(gl.float32, [4, 64, BM], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    red.store(acc)
+    thread_barrier()
+    RL: gl.constexpr = gl.BlockedLayout([4, 1, 4], [1, 32 // (BM // 4), BM // 4], [1, 4, 1], [2, 1, 0])
+    y = gl.sum(red.load(RL), axis=0) * (gl.load(g_ptr) * 4194304.0)  # the decoded tiles' 2^-22
+    YL: gl.constexpr = y.type.layout
+    tok = mb * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, YL))
+    cols = n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, YL))
+    offs = gl.expand_dims(tok.to(gl.int64) * N, 0) + gl.expand_dims(cols, 1)
+    mask = gl.expand_dims(tok < T, 0) & gl.expand_dims(cols >= 0, 1)
+    if not SPLIT:
+        _linear_v3_store(y, bias_ptr, out_ptr, cols, offs, mask, HAS_BIAS)
+    else:
+        gl.store(parts_ptr + part.to(gl.int64) * T * N + offs, y, mask=mask)
+        if SERIAL:
+            thread_barrier()  # all of this program's partial sums are stored before it counts itself
+            tile = mb * gl.num_programs(0) + n
+            arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == gl.num_programs(2) - 1:
+                total = gl.zeros([64, BM], gl.float32, YL)
+                for p in range(0, gl.num_programs(2)):
+                    total += gl.load(parts_ptr + (p * T).to(gl.int64) * N + offs, mask=mask, other=0.0,
+                                     cache_modifier=".cg")  # from L2, where the other programs' stores are
+                _linear_v3_store(total, bias_ptr, out_ptr, cols, offs, mask, HAS_BIAS)
+                gl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call (and a graph's next replay)
+
+
+@gluon.jit
+def _linear_v3_store(y, bias_ptr, out_ptr, cols, offs, mask, HAS_BIAS: gl.constexpr):
+    if HAS_BIAS:
+        y += gl.expand_dims(gl.load(bias_ptr + cols).to(gl.float32), 1)
+    gl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def linear_v3(x2, words, weight_scale, weight_scale_2, bias, out, partials, counters, bm: int, parts: int,
+              stages: int = 2):
+    """``out [T, N] = x2 [T, K] @ W^T (+ bias)`` (:func:`_linear_v3_kernel`) for paired weights
+    ``words [N/2, K/4]`` int32 (:func:`.layout.paired_weight_layout`), block scales ``[N, K/16]``
+    E4M3, ``weight_scale_2 []`` float32 that multiplies; bf16 ``x2``. ``parts`` splits K's ring
+    slots (it must divide them): ``partials [parts, T, N]`` float32 receives the parts' sums,
+    added by the last part of each tile where ``counters`` (a zeroed int32 table of at least
+    ``N/64 * ceil(T/bm)`` entries) is given; else the caller adds them."""
+    n, k = 2 * words.shape[0], 4 * words.shape[1]
+    sps = 2 if k % 512 == 0 else 1
+    slots = k // (256 * sps)
+    if k % 256 or n % 64 or slots % parts:
+        raise ValueError(f"linear_v3: N must be a multiple of 64, K of 256 and the parts ({parts}) must divide "
+                         f"K's {slots} slots; got N={n}, K={k}")
+    tokens = x2.shape[0]
+    grid = (n // 64, -(-tokens // bm), parts)
+    launch_or_compile(_linear_v3_kernel, grid, x2, _descriptor(weight_view(words[None], sps), [sps, 4, 1, 32, 64]),
+                      _descriptor(scale_view(weight_scale[None], sps), [sps, 1, 64, 4]), weight_scale_2,
+                      out if bias is None else bias, out, partials, out if counters is None else counters, tokens,
+                      n, k, BM=bm, PART_SLOTS=slots // parts, STAGES=stages, SPS=sps, HAS_BIAS=bias is not None,
+                      SPLIT=parts > 1, SERIAL=counters is not None, num_warps=4)

@@ -178,7 +178,8 @@ def _decode_tile(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: 
 @triton.jit
 def _decode_tile_fragment_order(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr,
                                 FAST_DECODE: tl.constexpr, PAIRED: tl.constexpr = False,
-                                FAST_SCALES: tl.constexpr = True, DIAG: tl.constexpr = 0):
+                                FAST_SCALES: tl.constexpr = True, DIAG: tl.constexpr = 0,
+                                NATURAL_K: tl.constexpr = False):
     """:func:`_decode_tile` with the K axis in MMA-fragment order (see :func:`fragment_order`):
     ``[BN, BK]`` whose column ``16j + 8s + 2t + e`` is the weight at ``k = (BK/4)t + 4j + 2e + s``.
 
@@ -189,6 +190,7 @@ def _decode_tile_fragment_order(packed, sbytes, BN: tl.constexpr, BK: tl.constex
     activations are fed in the same order, so the dot product is unchanged.
 
     With PAIRED, ``packed`` is a ``[BN/2, BK]`` tile of :func:`paired_weight_layout` words.
+    NATURAL_K: the tile in natural K order instead (for a decode to memory).
     """
     if FAST_DECODE and OUT_DTYPE == tl.bfloat16:
         scale = _scales_bf16(sbytes, FAST_SCALES).reshape(BN, 4, BK // 64, 1, 1)  # block of byte b is b // 8
@@ -213,6 +215,8 @@ def _decode_tile_fragment_order(packed, sbytes, BN: tl.constexpr, BK: tl.constex
         lo = _finish(_e2m1_f32(lo_codes) * scale, OUT_DTYPE)
         hi = _finish(_e2m1_f32(hi_codes) * scale, OUT_DTYPE)
     w = tl.join(lo, hi)  # [row, t, j, e, s]: the low nibble is s = 0
+    if NATURAL_K:  # k = (BK/4)t + 4j + 2e + s
+        return w.reshape(BN, BK)
     return tl.permute(w, (0, 2, 4, 1, 3)).reshape(BN, BK)  # column 16j + 8s + 2t + e
 
 # The fragment-order permutation is written once, in .layout (plain index arithmetic); the
@@ -564,7 +568,7 @@ def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.c
 def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, parts_ptr, count_ptr, T, N, K, K_PART, w_desc,
                    s_desc, x_desc, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST_DECODE: tl.constexpr,
                    INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
-                   X_TMA: tl.constexpr):
+                   X_TMA: tl.constexpr, PAIRED: tl.constexpr = False):
     """Per (N tile, M block, K part) program: ``W[cols, part] @ x[rows, part]^T`` (the weight tile on
     the MMA's M side, as in the experts' decode) times the global scale, + bias, stored in x's
     dtype into ``out [T, N]``. Split K (several parts, to fill the GPU when N / BN is small): each
@@ -573,7 +577,8 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, parts_ptr, cou
     program sets it back) sums all parts in part order and stores ``out``, in this launch; else
     :func:`_linear_parts_kernel` does, in a second one. The same float32 additions in the same order
     either way. ``x [T, K]`` is in natural order (read in fragment order, or with X_TMA through
-    TMA and permuted in registers); weights and scales come through TMA."""
+    TMA and permuted in registers); weights and scales come through TMA, the weights as stored
+    (``[N, K/2]`` bytes) or PAIRED (``[N/2, K/4]`` words of :func:`.layout.paired_weight_layout`)."""
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     row_mask = rows < T
@@ -581,7 +586,7 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, parts_ptr, cou
     k_lo = part * K_PART
     acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_ptr, s_ptr, cols, x_ptr, rows.to(tl.int64),
                          row_mask, K, BN, BK, False, FAST_DECODE, INTERPRET, w_desc, s_desc, tl.program_id(0) * BN,
-                         True, True, False, True, k_lo, tl.minimum(k_lo + K_PART, K), True,
+                         True, True, PAIRED, True, k_lo, tl.minimum(k_lo + K_PART, K), True,
                          x_desc, tl.program_id(1) * BM, X_TMA, BM)
     g = tl.load(g_ptr)
     if x_ptr.dtype.element_ty == tl.bfloat16:
@@ -623,19 +628,25 @@ def _linear_parts_kernel(parts_ptr, bias_ptr, out_ptr, NUMEL, N, PARTS, HAS_BIAS
     tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, g_ptr, out_ptr, K, BN: tl.constexpr, BK: tl.constexpr,
-                    FAST_DECODE: tl.constexpr):
+def _dequant_kernel(w_ptr, s_ptr, g_ptr, out_ptr, K, w_desc, BN: tl.constexpr, BK: tl.constexpr,
+                    FAST_DECODE: tl.constexpr, PAIRED: tl.constexpr = False):
     """``out [N, K]`` (16-bit) = e2m1 * block scale * global scale, the product in float32 rounded
     once: bitwise what :func:`fp4moe_ops.nvfp4.dequantize_nvfp4` gives (the exact decoded tile times
-    ``2^22 g`` is the same float32 product). For prefill, where cuBLAS then does the GEMM."""
+    ``2^22 g`` is the same float32 product). For prefill, where cuBLAS then does the GEMM. The
+    weights as stored, or PAIRED (``w_desc``: a TMA descriptor over their bytes ``[N/2, K]``)."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * BK
-    kb = tl.arange(0, BK // 2)
     ks = tl.arange(0, BK // 16)
-    packed = tl.load(w_ptr + rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + kb[None, :])
     sbytes = tl.load(s_ptr + rows[:, None].to(tl.int64) * (K // 16) + k0 // 16 + ks[None, :])
     dtype = out_ptr.dtype.element_ty
-    w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE).to(tl.float32)
+    if PAIRED:
+        packed = w_desc.load([tl.program_id(0) * (BN // 2), k0])
+        w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, True, NATURAL_K=True)
+    else:
+        kb = tl.arange(0, BK // 2)
+        packed = tl.load(w_ptr + rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + kb[None, :])
+        w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE)
+    w = w.to(tl.float32)
     g = tl.load(g_ptr)
     if dtype == tl.bfloat16:
         g = g * 4194304.0

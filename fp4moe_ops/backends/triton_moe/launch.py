@@ -590,12 +590,16 @@ def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_expe
 LINEAR_GEMV_MAX_TOKENS = 64  # past this, decode the weight to 16 bits once and let cuBLAS multiply
 SM_COUNT_TARGET = 264  # programs to aim for: two per SM of an H100/H200 (132 SMs)
 LINEAR_MAX_PARTS = 16  # K split at most this many ways (each part writes a float32 [T, N] of partial sums)
+# Paired weights (NVFP4Linear.pair_layout) up to this many tokens: decode_v3's mma.sync linear
+LINEAR_V3_MAX_TOKENS = 64
+LINEAR_V3_TARGET = 528  # its programs to aim for (4 per SM: 37 KB of ring each)
 
 
 def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why the Triton linear cannot run these tensors, or None: a CUDA device of compute
-    capability 9.0+ (TMA), 16-bit activations, N a multiple of 64 and K of 256 (its tiles)."""
-    n, k = weight.shape[0], weight.shape[1] * 2
+    capability 9.0+ (TMA), 16-bit activations, N a multiple of 64 and K of 256 (its tiles).
+    ``weight``: ``[N, K/2]`` uint8 as stored, or ``[N/2, K/4]`` int32 in the paired layout."""
+    n, k = linear_shape(weight)
     if triton is None:
         return "Triton is not installed"
     if not x.is_cuda:  # (tests call triton_nvfp4_linear itself in Triton's CPU interpreter)
@@ -609,11 +613,31 @@ def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-def linear_config(tokens: int, n: int, k: int) -> dict:
-    """Tiles for ``[tokens, k] x [n, k]^T``: the GEMV path (up to LINEAR_GEMV_MAX_TOKENS tokens),
-    split along K until about SM_COUNT_TARGET programs run, or the dequantize + cuBLAS path."""
+def linear_shape(weight: torch.Tensor) -> tuple[int, int]:
+    """``(N, K)`` of a packed linear weight in either layout."""
+    if weight.dtype == torch.int32:
+        return 2 * weight.shape[0], 4 * weight.shape[1]
+    return weight.shape[0], 2 * weight.shape[1]
+
+
+def _divisor_near(slots: int, want: int) -> int:
+    """The divisor of ``slots`` (at most LINEAR_MAX_PARTS) closest to ``want``, the smaller on a tie."""
+    divisors = [d for d in range(1, min(slots, LINEAR_MAX_PARTS) + 1) if slots % d == 0]
+    return min(divisors, key=lambda d: (abs(d - want), d))
+
+
+def linear_config(tokens: int, n: int, k: int, paired: bool = False, v3: bool = False) -> dict:
+    """Tiles for ``[tokens, k] x [n, k]^T``: with paired weights and ``v3`` (bf16 activations, the
+    Gluon kernels available) decode_v3's linear up to LINEAR_V3_MAX_TOKENS tokens; else the GEMV
+    path (up to LINEAR_GEMV_MAX_TOKENS tokens), split along K until about SM_COUNT_TARGET programs
+    run; past those, the dequantize + cuBLAS path."""
+    if paired and v3 and tokens <= LINEAR_V3_MAX_TOKENS:
+        bm = 8 if tokens <= 8 else 16 if tokens <= 16 else 32
+        tiles = (n // 64) * triton.cdiv(tokens, bm)
+        slots = k // (512 if k % 512 == 0 else 256)
+        return dict(path="v3", BM=bm, PARTS=_divisor_near(slots, triton.cdiv(LINEAR_V3_TARGET, tiles)), STAGES=2)
     if tokens > LINEAR_GEMV_MAX_TOKENS:
-        return dict(path="dequantize", BN=64, BK=256)
+        return dict(path="dequantize", BN=64, BK=256, PAIRED=paired)
     # 16- or 32-row token blocks: past 32 tokens two 32-row blocks beat one 64-row block (0.72-0.76x
     # the time at 64 tokens), and 2 pipeline stages beat 3 (0.94-0.98x) (H200 sweep, benchmarks/NOTES.md)
     bm = 16 if tokens <= 16 else 32
@@ -627,17 +651,18 @@ def linear_config(tokens: int, n: int, k: int) -> dict:
     # 9 shapes faster), 0.83-1.31x at 1-4 (faster on 1-3 of 9 shapes) (H200, 2026-12-01,
     # DeepSeek-V3's shapes: benchmarks/results/linear_xtma_2026-12-01d.log, linear_small_tokens_2026-12-01e.log)
     return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, SERIAL=True, X_TMA=tokens >= 8, num_warps=4,
-                num_stages=2)
+                num_stages=2, PAIRED=paired)
 
 
 def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None,
                         config: dict | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K]`` (bf16/fp16) x NVFP4 ``weight [N, K/2]`` -> ``[..., N]``; see
-    :func:`linear_supported` for what runs. No host syncs; the tiles depend on shapes only.
-    ``counters`` (:func:`fp4moe_ops.linear.split_counters`): split-K parts summed in the same launch;
-    without, a second kernel sums them."""
-    n, k = weight.shape[0], weight.shape[1] * 2
+    """``x [..., K]`` (bf16/fp16) x NVFP4 ``weight`` (``[N, K/2]`` uint8, or ``[N/2, K/4]`` int32 in
+    the paired layout) -> ``[..., N]``; see :func:`linear_supported` for what runs. No host syncs;
+    the tiles depend on shapes only. ``counters`` (:func:`fp4moe_ops.linear.split_counters`):
+    split-K parts summed in the same launch; without, a second kernel sums them."""
+    n, k = linear_shape(weight)
+    paired = weight.dtype == torch.int32
     x2 = x.reshape(-1, k).contiguous()
     tokens = x2.shape[0]
     if tokens == 0:
@@ -645,38 +670,47 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()  # the kernels assume dense rows
     if config is None and COMPILE_AHEAD:
         compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias, counters)
-    cfg = config or linear_config(tokens, n, k)
+    cfg = config or linear_config(tokens, n, k, paired, paired and _gluon_runs(x2))
     fast = not interpreting()
+    has_bias = bias is not None
     if cfg["path"] == "dequantize":
-        if compiling_ahead():  # only the kernel's compile: no n x k buffer, no GEMM on garbage
-            launch_or_compile(_dequant_kernel, (n // cfg["BN"], k // cfg["BK"]), weight, weight_scale.view(torch.uint8),
-                              weight_scale_2, x.new_empty(16), k, BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast)
-            return x.new_empty(*x.shape[:-1], n)
-        w = torch.empty(n, k, dtype=x.dtype, device=x.device)
+        w = x.new_empty(16) if compiling_ahead() else torch.empty(n, k, dtype=x.dtype, device=x.device)
+        w_desc = _descriptors(weight[None], weight_scale.view(torch.uint8)[None], cfg["BN"], cfg["BK"])[0] if paired \
+            else None
         launch_or_compile(_dequant_kernel, (n // cfg["BN"], k // cfg["BK"]), weight, weight_scale.view(torch.uint8),
-                          weight_scale_2, w, k, BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast)
+                          weight_scale_2, w, k, w_desc, BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast, PAIRED=paired)
+        if compiling_ahead():  # only the kernel's compile: no n x k buffer, no GEMM on garbage
+            return x.new_empty(*x.shape[:-1], n)
         return torch.nn.functional.linear(x, w, bias)
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
-    bm, bn, bk, parts = cfg["BM"], cfg["BN"], cfg["BK"], cfg["PARTS"]
-    w_desc, s_desc = _descriptors(weight[None], weight_scale.view(torch.uint8)[None], bn, bk)
-    x_tma = cfg["X_TMA"] and x2.data_ptr() % 16 == 0  # TMA needs a 16-byte aligned base (a view may not be)
-    if x_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        x_desc = TensorDescriptor.from_tensor(x2, [bm, bk])  # rows past T read as zeros
-    grid = (n // bn, triton.cdiv(tokens, bm), parts)
+    parts = cfg["PARTS"]
     partials = out if parts == 1 else torch.empty(parts, tokens, n, dtype=torch.float32, device=x.device)
-    if parts == 1 or not cfg["SERIAL"] or counters is None or grid[0] * grid[1] > counters.numel():
-        counters = None
-    has_bias = bias is not None
-    launch_or_compile(
-        _linear_kernel, grid, x2, weight, weight_scale.view(torch.uint8), weight_scale_2, bias if has_bias else out,
-        out, partials, out if counters is None else counters, tokens, n, k, triton.cdiv(k // bk, parts) * bk, w_desc,
-        s_desc, x_desc if x_tma else None, BM=bm, BN=bn, BK=bk, FAST_DECODE=fast, INTERPRET=interpreting(),
-        HAS_BIAS=has_bias, SPLIT=parts > 1, SERIAL=counters is not None, X_TMA=x_tma, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
-    if parts > 1 and counters is None:
+    if cfg["path"] == "v3":
+        from .decode_v3 import linear_v3
+
+        tiles = (n // 64) * triton.cdiv(tokens, cfg["BM"])
+        serial = counters if parts > 1 and counters is not None and tiles <= counters.numel() else None
+        linear_v3(x2, weight, weight_scale, weight_scale_2, bias, out, partials, serial, cfg["BM"], parts,
+                  cfg["STAGES"])
+    else:
+        bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+        w_desc, s_desc = _descriptors(weight[None], weight_scale.view(torch.uint8)[None], bn, bk)
+        x_tma = cfg["X_TMA"] and x2.data_ptr() % 16 == 0  # TMA needs a 16-byte aligned base (a view may not be)
+        if x_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            x_desc = TensorDescriptor.from_tensor(x2, [bm, bk])  # rows past T read as zeros
+        grid = (n // bn, triton.cdiv(tokens, bm), parts)
+        serial = counters if parts > 1 and cfg["SERIAL"] and counters is not None and \
+            grid[0] * grid[1] <= counters.numel() else None
+        launch_or_compile(
+            _linear_kernel, grid, x2, weight, weight_scale.view(torch.uint8), weight_scale_2,
+            bias if has_bias else out, out, partials, out if serial is None else serial, tokens, n, k,
+            triton.cdiv(k // bk, parts) * bk, w_desc, s_desc, x_desc if x_tma else None, BM=bm, BN=bn, BK=bk,
+            FAST_DECODE=fast, INTERPRET=interpreting(), HAS_BIAS=has_bias, SPLIT=parts > 1, SERIAL=serial is not None,
+            X_TMA=x_tma, PAIRED=paired, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    if parts > 1 and serial is None:
         block = 1024
         launch_or_compile(_linear_parts_kernel, (triton.cdiv(tokens * n, block),), partials,
                           bias if has_bias else out, out, tokens * n, n, parts, HAS_BIAS=has_bias, BLOCK=block)
@@ -691,7 +725,7 @@ def linear_plans(x2, weight, weight_scale, weight_scale_2, bias=None, counters=N
     and a count whose kernels are already compiled costs a cache lookup. The token count itself is
     no specialization (``T`` is ``do_not_specialize``), so these kernels serve every larger count of
     their path."""
-    k = x2.shape[1]
+    k = linear_shape(weight)[1]
 
     def plan(t):
         return triton_nvfp4_linear(x2.new_empty(t, k), weight, weight_scale, weight_scale_2, bias, counters=counters)
@@ -705,6 +739,6 @@ def compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias=None, cou
     N and K only through their divisibility, so later shapes find most of theirs compiled; which
     variants a shape launches also follows N and K (whether K is split, whether the split-K table
     covers its tiles)."""
-    key = ("linear", x2.device, x2.dtype, tuple(weight.shape), bias is not None,
+    key = ("linear", x2.device, x2.dtype, weight.dtype, tuple(weight.shape), bias is not None,
            None if counters is None else counters.numel())
     _compile_once(key, x2, lambda: linear_plans(x2, weight, weight_scale, weight_scale_2, bias, counters), "linear")
