@@ -74,6 +74,7 @@ def main():
     ap.add_argument("--reference", action="store_true", help="also time the reference backend")
     ap.add_argument("--sweep", action="store_true",
                     help="instead: kernel variants (K parts, warps, token block) against the chosen config and BF16")
+    ap.add_argument("--gemv", action="store_true", help="with --sweep: GEMV variants at 1-16 tokens too")
     args = ap.parse_args()
     if args.sweep:
         return sweep(args)
@@ -145,8 +146,9 @@ def sweep(args):
     table = split_counters("cuda")
     bw = copy_bandwidth("cuda")
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    print("| layer | tokens | floor ms | chosen | chosen ms | best variant | best ms | BF16 ms | BF16 / best |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| layer | tokens | floor ms | chosen | chosen ms | best variant | best ms | best v3 | v3 ms | BF16 ms "
+          "| BF16 / best |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     wanted = set(args.shapes.split(",")) if args.shapes else None
     short = lambda c: (f"P{c['PARTS']} S{c['num_stages']} W{c['num_warps']} BM{c['BM']}"  # noqa: E731
                        if c["path"] == "gemv" else f"v3 P{c['PARTS']} S{c['STAGES']} BM{c['BM']}"
@@ -170,12 +172,14 @@ def sweep(args):
                 for parts in sorted({max(1, target // 2), target, min(16, k // 256, 2 * target)}):
                     for warps in (4, 8):  # (2 pipeline stages: 3 lost at 1-64 tokens, benchmarks/NOTES.md)
                         variants.append(dict(gemv, PARTS=parts, num_stages=2, num_warps=warps, BM=bm))
-            if t <= LINEAR_GEMV_MAX_TOKENS:  # decode_v3's linear on the paired weights
+            if t <= 4 * LINEAR_GEMV_MAX_TOKENS:  # decode_v3's linear on the paired weights
                 slots = k // (512 if k % 512 == 0 else 256)
-                for bm in (8, 16, 32):
-                    if bm == 8 or bm < 2 * t:
-                        variants += [dict(path="v3", BM=bm, PARTS=p, STAGES=st) for p in range(1, 17)
-                                     if slots % p == 0 for st in (2, 3)]
+                for bm in (8, 16, 32, 64):
+                    if (bm == 8 or bm < 2 * t) and bm * 32 >= t:
+                        variants += [dict(path="v3", BM=bm, PARTS=p, STAGES=2) for p in range(1, 17)
+                                     if slots % p == 0]
+            if t <= 16 and not args.gemv:
+                variants = [v for v in variants if v["path"] == "v3"]
             times = []
             for cfg in variants:
                 try:
@@ -190,8 +194,11 @@ def sweep(args):
             bf16 = [(inp[0], c[3]) for inp, c in zip(inputs, copies)]
             ref = graph_time_ms(lambda x, b: F.linear(x, b), bf16)
             best_ms, best = min(times, key=lambda r: r[0])
+            v3 = [r for r in times if r[1]["path"] == "v3"]
+            v3_ms, v3_best = min(v3, key=lambda r: r[0]) if v3 else (float("nan"), None)
             print(f"| {name} | {t} | {fp4_bytes / bw * 1e3:.4f} | {short(chosen)} | {base:.4f} | {short(best)} | "
-                  f"{best_ms:.4f} | {ref:.4f} | {ref / best_ms:.2f}x |", flush=True)
+                  f"{best_ms:.4f} | {short(v3_best) if v3_best else ''} | {v3_ms:.4f} | {ref:.4f} | "
+                  f"{ref / best_ms:.2f}x |", flush=True)
             del inputs, bf16
         del copies
         torch.cuda.empty_cache()

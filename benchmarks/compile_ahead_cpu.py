@@ -15,7 +15,8 @@ then checks that a second pass finds every kernel in the JIT cache (compiles not
 size, find theirs there too: what the one-token plans compiled is what the calls use. Together,
 it checks that the pool asked the driver for each kernel's launcher (the stand-in builds none).
 ``--linear``: the NVFP4 linear kernels (``launch.compile_linear_once``) of the shape's linear
-layers instead, with and without bias: compiled, then every call of 1-70 tokens checked against the
+layers instead, with and without bias, weights as stored and paired: compiled, then every call of 1-130
+tokens checked against the
 cache (the launcher requests are not checked there). Use
 an empty TRITON_CACHE_DIR per run, or the disk cache answers.
 """
@@ -124,7 +125,7 @@ def linear_arguments(n: int, k: int, bias: bool, paired: bool = False):
 
 def linear_main(args) -> bool:
     """The linear shapes' plans (``launch.linear_plans``) compiled as for the layer, then every token
-    count of 1-70 at each shape checked against the cache."""
+    count of 1-130 at each shape checked against the cache."""
     from fp4moe_ops.backends.triton_moe import compile_ahead, launch
 
     shapes = [(n, k, bias, paired) for n, k in LINEAR_SHAPES[args.shape] for bias in (False, True)
@@ -139,7 +140,7 @@ def linear_main(args) -> bool:
     seconds, compiled, ok = time.time() - t0, cached_variants(), not errors
     for n, k, bias, paired in shapes:
         x, *rest = linear_arguments(n, k, bias, paired)
-        for t in range(1, 71):
+        for t in range(1, 131):
             failed = compile_ahead.compile_all([(t, lambda: launch.triton_nvfp4_linear(x.expand(t, k), *rest[:4],
                                                                                       counters=rest[4]))],
                                                together=False)
@@ -148,7 +149,7 @@ def linear_main(args) -> bool:
                       f"more kernels {failed}: WRONG")
                 ok, compiled = False, cached_variants()
     print(f"{args.mode}, linears {args.shape}: {compiled} kernels in {seconds:.1f} s (new per shape, without / with "
-          f"bias, canonical / paired weights: {per_shape}); calls of 1-70 tokens {'compiled nothing' if ok else 'WRONG'} {errors or ''}")
+          f"bias, canonical / paired weights: {per_shape}); calls of 1-130 tokens {'compiled nothing' if ok else 'WRONG'} {errors or ''}")
     return ok
 
 

@@ -14,10 +14,13 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
 from fp4moe_ops import PreparedExperts, nvfp4
+from fp4moe_ops.backends.base import CANONICAL, convert_packed
 from fp4moe_ops.linear import split_counters
 from fp4moe_ops.moe_weights import expert_chunks
 from fp4moe_ops.prepared import QuantizedBuffers
@@ -71,9 +74,15 @@ class NVFP4Linear(QuantizedBuffers):
     (:meth:`modelopt_tensors`). Its buffers keep their dtypes under ``model.to(dtype)``; the bias
     follows. Inference only: the op has no autograd formula and no autocast rule (under autocast
     it needs activations, and a bias, of one 16-bit dtype). One module must not run on two CUDA
-    streams at the same time: its split-K counter table (``split_counters``) is shared by its calls."""
+    streams at the same time: its split-K counter table (``split_counters``) is shared by its calls.
+
+    On a Hopper GPU the packed weight is held in the Triton kernels' paired layout (``[N/2, K/4]``
+    int32, the same bytes reordered; :attr:`layout`), which their fastest small-batch kernel reads:
+    the layout follows the module's device (:meth:`set_layout`), while its state dict, saves and
+    ``dequantized()`` give the checkpoint's bytes as ever, and ``load_state_dict`` takes them."""
 
     backend = "auto"  # fp4moe::nvfp4_linear: Triton where it runs, else the reference ("flashinfer": set it)
+    layout = CANONICAL  # of the packed weight buffer; "paired" on Hopper (set_layout)
 
     def __init__(self, linear: nn.Linear, scheme, input_scale: bool, device: torch.device | None = None):
         super().__init__()
@@ -90,6 +99,8 @@ class NVFP4Linear(QuantizedBuffers):
         self.register_buffer("split_counters", split_counters(device), persistent=False)
         self.bias = linear.bias
         self.dtype = linear.weight.dtype
+        self._register_state_dict_hook(_linear_canonical_state_dict)
+        self._register_load_state_dict_pre_hook(_linear_load_into_layout, with_module=True)
 
     @classmethod
     def quantize(cls, linear: nn.Linear, global_scale: torch.Tensor | None = None) -> NVFP4Linear:
@@ -108,6 +119,7 @@ class NVFP4Linear(QuantizedBuffers):
                 part = nvfp4.quantize_nvfp4(w[r0:r1], global_scale)
                 q.weight[r0:r1], q.weight_scale[r0:r1] = part.packed, part.block_scale
             q.weight_scale_2.copy_(global_scale.reshape(()))
+        q.set_layout(q.kernel_layout())
         return q
 
     def scale_checks(self) -> list[tuple[str, str]]:
@@ -122,9 +134,67 @@ class NVFP4Linear(QuantizedBuffers):
         s = self.scheme
         return [(s.block_scale, s.global_scale, s.multiplier)]
 
+    def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
+        # the packed weight as the state dict gives it (the checkpoint's bytes), whatever the layout held
+        return super().incoming_layout() | {self.scheme.packed: (torch.uint8, (self.out_features, self.in_features // 2))}
+
+    def packed(self) -> torch.Tensor:
+        """The packed weight as the checkpoint holds it, ``[N, K/2]`` uint8 (converted from the
+        paired layout where held so: a copy)."""
+        return convert_packed(self._buffers[self.scheme.packed][None], self.layout, CANONICAL)[0]
+
+    def kernel_layout(self, device: torch.device | None = None) -> str:
+        """The layout this module holds its packed weight in on ``device`` (default: its own):
+        ``"paired"`` on a Hopper GPU (compute capability 9.x) where the Triton kernels run this
+        shape (N % 64, K % 256) with backend ``"auto"`` or ``"triton"``, else ``"canonical"``."""
+        device = device or self._buffers[self.scheme.packed].device
+        if device.type != "cuda" or self.backend not in ("auto", "triton") or self.out_features % 64 or \
+                self.in_features % 256 or torch.cuda.get_device_capability(device)[0] != 9:
+            return CANONICAL
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return CANONICAL
+        from fp4moe_ops.backends.triton_moe.backend import PAIRED
+
+        return PAIRED
+
+    def set_layout(self, layout: str) -> None:
+        """Hold the packed weight in ``layout``: ``"canonical"`` (the checkpoint's ``[N, K/2]`` uint8) or
+        ``"paired"`` (``[N/2, K/4]`` int32, :func:`fp4moe_ops.backends.triton_moe.layout.paired_weight_layout`).
+        A move to another device sets :meth:`kernel_layout`'s."""
+        name = self.scheme.packed
+        t = self._buffers[name]
+        if layout == self.layout:
+            return
+        if t.is_meta:  # (no bytes to convert: the shape and dtype the layout has)
+            n, k = self.out_features, self.in_features
+            self._buffers[name] = torch.empty(*((n // 2, k // 4) if layout != CANONICAL else (n, k // 2)),
+                                              dtype=torch.int32 if layout != CANONICAL else torch.uint8, device="meta")
+        else:
+            self._buffers[name] = convert_packed(t[None], self.layout, layout)[0]
+        self.layout = layout
+
+    @contextmanager
+    def canonical_layout(self):
+        """Hold the packed weight in the canonical layout for the duration of the block (converted
+        in place), so that a save reads it as a view instead of a converted copy."""
+        layout = self.layout
+        if layout == CANONICAL:
+            yield
+            return
+        name = self.scheme.packed
+        self._buffers[name] = convert_packed(self._buffers[name][None], layout, CANONICAL, in_place=True)[0]
+        self.layout = CANONICAL
+        try:
+            yield
+        finally:
+            self._buffers[name] = convert_packed(self._buffers[name][None], CANONICAL, layout, in_place=True)[0]
+            self.layout = layout
+
     def weight_value(self) -> torch.Tensor:
         b, s = self._buffers, self.scheme
-        return nvfp4.dequantize_nvfp4(b[s.packed], b[s.block_scale], s.multiplier(b[s.global_scale]), self.dtype)
+        return nvfp4.dequantize_nvfp4(self.packed(), b[s.block_scale], s.multiplier(b[s.global_scale]), self.dtype)
 
     def dequantized(self) -> nn.Linear:
         """An ``nn.Linear`` of the original dtype holding ``e2m1 * block scale * global scale``
@@ -135,7 +205,7 @@ class NVFP4Linear(QuantizedBuffers):
         """``(weight [N, K/2] uint8, weight_scale [N, K/16] float8, global scale, input scale or None)``,
         the scales as ModelOpt's that multiply (compressed-tensors' dividing ones as reciprocals)."""
         b, s = self._buffers, self.scheme
-        return (b[s.packed], b[s.block_scale], s.multiplier(b[s.global_scale]),
+        return (self.packed(), b[s.block_scale], s.multiplier(b[s.global_scale]),
                 s.multiplier(b[s.input_scale]) if s.input_scale in b else None)
 
     def modelopt_tensors(self, name: str) -> dict[str, torch.Tensor]:
@@ -155,12 +225,16 @@ class NVFP4Linear(QuantizedBuffers):
         super()._apply(fn, recurse)
         if self.split_counters.device.type != "meta":
             self.split_counters.zero_()
+        packed = self._buffers[self.scheme.packed]
+        if not packed.is_meta:  # the layout follows the device
+            self.set_layout(self.kernel_layout(packed.device))
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed, block_scale, global_scale, _ = self.linear_tensors()
+        b, s = self._buffers, self.scheme
         counters = self.split_counters if self.split_counters.device == x.device else None  # (offloaded: none)
-        return torch.ops.fp4moe.nvfp4_linear(x, packed, block_scale, global_scale, self.bias, self.backend, counters)
+        return torch.ops.fp4moe.nvfp4_linear(x, b[s.packed], b[s.block_scale], s.multiplier(b[s.global_scale]),
+                                             self.bias, self.backend, counters)
 
 
 class FP8Linear(nn.Module):
@@ -189,6 +263,21 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # only before the loader has swapped it
         return nn.functional.linear(x, self.weight_value().to(x.dtype), self.bias)
+
+
+def _linear_canonical_state_dict(module: NVFP4Linear, state_dict, prefix, local_metadata):
+    """State dicts hold the checkpoint's packed bytes, whatever layout the module keeps."""
+    key = prefix + module.scheme.packed
+    if key in state_dict and module.layout != CANONICAL:
+        state_dict[key] = convert_packed(state_dict[key][None], module.layout, CANONICAL)[0]
+
+
+def _linear_load_into_layout(module: NVFP4Linear, state_dict, prefix, *args):
+    """The checkpoint's packed bytes in (checked by the earlier hook), the module's layout kept."""
+    key = prefix + module.scheme.packed
+    t = state_dict.get(key)
+    if module.layout != CANONICAL and isinstance(t, torch.Tensor) and not t.is_meta:
+        state_dict[key] = convert_packed(t[None], CANONICAL, module.layout)[0]
 
 
 def weight_amax(w: torch.Tensor) -> torch.Tensor:

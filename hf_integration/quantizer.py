@@ -232,6 +232,7 @@ class ModelOptQuantizer(HfQuantizer):
         for name, m in linears:
             if isinstance(m, NVFP4Linear) and config.nvfp4_linears == "nvfp4":
                 m.reset_counters()
+                m.set_layout(m.kernel_layout())  # (paired on Hopper: the small-batch kernel reads that)
                 continue  # kept in 4 bits: NVFP4Linear computes through fp4moe::nvfp4_linear
             parent, _, attr = name.rpartition(".")
             replace_module(model.get_submodule(parent), attr, m.dequantized())

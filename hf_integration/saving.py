@@ -213,7 +213,7 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
             model.config.quantization_config = config
             with ExitStack() as stack:  # packed weights read in the canonical layout, in place (no copy)
                 for m in model.modules():
-                    if isinstance(m, PreparedExperts):
+                    if isinstance(m, (PreparedExperts, NVFP4Linear)):
                         stack.enter_context(m.canonical_layout())
                 cls_save(model, staging, *args, **kwargs)
             (staging / "hf_quant_config.json").write_text(json.dumps(config.hf_quant_config(), indent=2) + "\n")

@@ -147,14 +147,15 @@ def assert_within_kernel_bound(got, want, x, w64, dtype, exact_weight: bool):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens,parts,bias", [(1, None, False), (2, 3, True), (9, 6, False), (17, 2, True),
-                                               (40, None, False), (64, 1, True), (70, None, True)])
+                                               (40, None, False), (64, 1, True), (70, None, True),
+                                               (128, 3, False), (130, None, True)])
 @pytest.mark.parametrize("serial", [True, False])
 def test_triton_linear_on_paired_weights_matches_float64(dtype, tokens, parts, bias, serial):
     # Weights in the paired layout (what NVFP4Linear holds on Hopper): on a GPU with bf16
-    # activations decode_v3's mma.sync linear up to 64 tokens (8/16/32-token blocks; K's 6 ring
+    # activations decode_v3's mma.sync linear up to 128 tokens (8/16/32-token blocks; K's 6 ring
     # slots in 1, 2, 3 or 6 parts, summed in the same launch or by a second kernel), else the
-    # Triton GEMV; past 64 the paired weight decoded to 16 bits for F.linear. N = 192: three
-    # 64-row tiles; K = 3072: six 512-wide slots.
+    # Triton GEMV up to 64; past those the paired weight decoded to 16 bits for F.linear. N = 192:
+    # three 64-row tiles; K = 3072: six 512-wide slots.
     from fp4moe_ops.backends.triton_moe.launch import linear_config
     from fp4moe_ops.backends.triton_moe.layout import paired_weight_layout
     from fp4moe_ops.linear import split_counters
@@ -169,7 +170,7 @@ def test_triton_linear_on_paired_weights_matches_float64(dtype, tokens, parts, b
     x = torch.randn(tokens, k, dtype=dtype, device=DEVICE)
     b = torch.randn(n, dtype=dtype, device=DEVICE) if bias else None
     config = linear_config(tokens, n, k, True, v3)
-    assert config["path"] == ("dequantize" if tokens > 64 else "v3" if v3 else "gemv")
+    assert config["path"] == ("v3" if v3 and tokens <= 128 else "gemv" if tokens <= 64 else "dequantize")
     if parts and config["path"] != "dequantize":
         config["PARTS"] = parts
     counters = split_counters(DEVICE)
@@ -214,6 +215,14 @@ def test_linear_config_splits_k_to_fill_the_gpu_and_switches_to_cublas_past_64_t
     o_proj = linear_config(8, 7168, 16384)  # 112 tiles
     assert o_proj["PARTS"] == 3 and 112 * o_proj["PARTS"] >= SM_COUNT_TARGET
     assert linear_config(1, 64, 512)["PARTS"] == 2  # never more parts than K steps
+    # paired weights with the Gluon kernels: decode_v3 up to 128 tokens, K parts a divisor of its
+    # 512-wide slots near two programs per SM; wide weights in the GEMV's 64-token blocks past 32
+    v3 = [linear_config(t, 7168, 16384, True, True) for t in (1, 16, 64, 128, 129)]
+    assert [c["path"] for c in v3] == ["v3"] * 4 + ["dequantize"]
+    assert [(c["BM"], c["PARTS"]) for c in v3[:4]] == [(8, 2), (16, 2), (32, 1), (32, 1)]
+    assert linear_config(1, 1536, 7168, True, True)["PARTS"] == 14  # 24 tiles, 14 slots
+    assert linear_config(64, 36864, 7168, True, True)["path"] == "gemv"
+    assert linear_config(8, 7168, 16384, True, False)["path"] == "gemv"  # fp16 or no Gluon
     assert linear_config(1, 32768, 512)["PARTS"] == 1  # kv_b_proj: 512 tiles already
     assert linear_config(64, 7168, 2048)["BM"] == 32 and linear_config(65, 7168, 2048)["path"] == "dequantize"
 
@@ -524,3 +533,43 @@ def test_a_save_whose_linears_and_experts_disagree_on_input_scales_is_refused_an
         model.save_pretrained(target)
     assert not target.exists() and list(tmp_path.iterdir()) == []
     assert isinstance(model.config.quantization_config, CompressedTensorsNVFP4Config)  # restored
+
+
+def test_linears_held_paired_read_save_and_load_as_the_checkpoint_bytes(tmp_path, monkeypatch):
+    # On Hopper NVFP4Linear holds its packed weight in the paired layout. Forced here on the CPU,
+    # every way out (state dict, save, dequantize, logits) must give what the file holds, and every
+    # way in (load_state_dict, a refused one included) must take the file's bytes.
+    folder = FIXTURES / "modelopt" / "deepseek_v3_nvfp4_default"
+    files = load_file(folder / "model.safetensors")
+    ids = load_file(folder / "reference_logits.safetensors")["input_ids"]
+    canonical = _load(folder, "nvfp4")
+    monkeypatch.setattr(NVFP4Linear, "kernel_layout",  # (where the layout holds the shape: N % 16)
+                        lambda self, device=None: "paired" if self.out_features % 16 == 0 else "canonical")
+    model = _load(folder, "nvfp4")
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Linear) and m.layout == "paired"]
+    assert len(linears) >= 4 and all(m.weight.dtype == torch.int32 for _, m in linears)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, canonical(ids).logits)
+    state = model.state_dict()
+    for n, m in linears:
+        assert torch.equal(state[f"{n}.weight"], files[f"{n}.weight"])
+        assert torch.equal(m.dequantized().weight, canonical.get_submodule(n).dequantized().weight)
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(saved[f"{n}.weight"], files[f"{n}.weight"]) for n, _ in linears)
+    assert all(m.layout == "paired" for _, m in linears)  # (converted in place for the save, and back)
+    # load_state_dict: the file's bytes in, paired kept; a bad tensor refused with nothing changed
+    name, linear = linears[0]
+    held = linear.weight.clone()
+    bad = dict(state)
+    bad[f"{linears[-1][0]}.weight_scale_2"] = torch.tensor(float("nan"))
+    flipped = {k: v.clone() for k, v in state.items()}
+    flipped[f"{name}.weight"] ^= 0x11
+    with pytest.raises(ValueError, match="weight_scale_2"):
+        model.load_state_dict(bad | {f"{name}.weight": flipped[f"{name}.weight"]})
+    assert torch.equal(linear.weight, held)
+    with pytest.raises(TypeError, match=rf"{name}.weight must be torch.uint8"):
+        model.load_state_dict(dict(state) | {f"{name}.weight": linear.weight.clone()})  # the held words: refused
+    model.load_state_dict(flipped)
+    assert linear.layout == "paired" and torch.equal(linear.packed(), flipped[f"{name}.weight"])
+    assert torch.equal(model.state_dict()[f"{name}.weight"], flipped[f"{name}.weight"])

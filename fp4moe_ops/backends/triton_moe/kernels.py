@@ -639,9 +639,9 @@ def _dequant_kernel(w_ptr, s_ptr, g_ptr, out_ptr, K, w_desc, BN: tl.constexpr, B
     ks = tl.arange(0, BK // 16)
     sbytes = tl.load(s_ptr + rows[:, None].to(tl.int64) * (K // 16) + k0 // 16 + ks[None, :])
     dtype = out_ptr.dtype.element_ty
-    if PAIRED:
+    if PAIRED:  # (the portable decode: the PTX one assumes the register order a dot operand gets)
         packed = w_desc.load([tl.program_id(0) * (BN // 2), k0])
-        w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, True, NATURAL_K=True)
+        w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, False, True, NATURAL_K=True)
     else:
         kb = tl.arange(0, BK // 2)
         packed = tl.load(w_ptr + rows[:, None].to(tl.int64) * (K // 2) + k0 // 2 + kb[None, :])

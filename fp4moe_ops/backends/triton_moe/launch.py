@@ -590,9 +590,13 @@ def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_expe
 LINEAR_GEMV_MAX_TOKENS = 64  # past this, decode the weight to 16 bits once and let cuBLAS multiply
 SM_COUNT_TARGET = 264  # programs to aim for: two per SM of an H100/H200 (132 SMs)
 LINEAR_MAX_PARTS = 16  # K split at most this many ways (each part writes a float32 [T, N] of partial sums)
-# Paired weights (NVFP4Linear.pair_layout) up to this many tokens: decode_v3's mma.sync linear
-LINEAR_V3_MAX_TOKENS = 64
-LINEAR_V3_TARGET = 528  # its programs to aim for (4 per SM: 37 KB of ring each)
+# Paired weights (what NVFP4Linear holds on Hopper), bf16: the kernel path up to this many tokens
+# (decode_v3's linear, or the GEMV in 64-token blocks for wide weights), then dequantize + cuBLAS.
+# At 65-128 tokens the kernels took 0.60-0.87x BF16's time, dequantize + cuBLAS 0.43-0.69x; from
+# 256 tokens dequantize + cuBLAS was the faster (H100, 2026-12-05, bench_linear.py --sweep on
+# DeepSeek-V3's shapes; benchmarks/NOTES.md)
+LINEAR_V3_MAX_TOKENS = 128
+LINEAR_WIDE_N = 16384  # from this many output features the GEMV's 64-token blocks beat decode_v3 past 32 tokens
 
 
 def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -628,14 +632,29 @@ def _divisor_near(slots: int, want: int) -> int:
 
 def linear_config(tokens: int, n: int, k: int, paired: bool = False, v3: bool = False) -> dict:
     """Tiles for ``[tokens, k] x [n, k]^T``: with paired weights and ``v3`` (bf16 activations, the
-    Gluon kernels available) decode_v3's linear up to LINEAR_V3_MAX_TOKENS tokens; else the GEMV
-    path (up to LINEAR_GEMV_MAX_TOKENS tokens), split along K until about SM_COUNT_TARGET programs
-    run; past those, the dequantize + cuBLAS path."""
+    Gluon kernels available) decode_v3's linear up to LINEAR_V3_MAX_TOKENS tokens (the GEMV in
+    64-token blocks past 32 tokens on wide weights); else the GEMV path (up to
+    LINEAR_GEMV_MAX_TOKENS tokens), split along K until about SM_COUNT_TARGET programs run; past
+    those, the dequantize + cuBLAS path."""
     if paired and v3 and tokens <= LINEAR_V3_MAX_TOKENS:
-        bm = 8 if tokens <= 8 else 16 if tokens <= 16 else 32
+        # Token blocks and K parts as the sweep found best (H100, 2026-12-05, DeepSeek-V3's 9 shapes):
+        # a weight decoded once per token block, so blocks grow with the tokens, but small weights
+        # (a latency-bound call) prefer more, narrower blocks; K parts for about two programs per SM
+        weight_mb = n * k / 2 / 2**20
+        if tokens > 32 and n >= LINEAR_WIDE_N:
+            return dict(path="gemv", BM=64, BN=64, BK=256, PARTS=1, SERIAL=True, X_TMA=True, num_warps=4,
+                        num_stages=2, PAIRED=True)
+        if tokens <= 8:
+            bm = 8
+        elif tokens <= 16:
+            bm = 8 if weight_mb < 16 else 16
+        elif tokens <= 32:
+            bm = 16 if weight_mb < 16 else 32
+        else:
+            bm = 16 if weight_mb < 6 else 32
         tiles = (n // 64) * triton.cdiv(tokens, bm)
         slots = k // (512 if k % 512 == 0 else 256)
-        return dict(path="v3", BM=bm, PARTS=_divisor_near(slots, triton.cdiv(LINEAR_V3_TARGET, tiles)), STAGES=2)
+        return dict(path="v3", BM=bm, PARTS=_divisor_near(slots, max(1, SM_COUNT_TARGET // tiles)), STAGES=2)
     if tokens > LINEAR_GEMV_MAX_TOKENS:
         return dict(path="dequantize", BN=64, BK=256, PAIRED=paired)
     # 16- or 32-row token blocks: past 32 tokens two 32-row blocks beat one 64-row block (0.72-0.76x
@@ -730,7 +749,8 @@ def linear_plans(x2, weight, weight_scale, weight_scale_2, bias=None, counters=N
     def plan(t):
         return triton_nvfp4_linear(x2.new_empty(t, k), weight, weight_scale, weight_scale_2, bias, counters=counters)
 
-    return [(t, partial(plan, t)) for t in range(1, LINEAR_GEMV_MAX_TOKENS + 2)]
+    last = max(LINEAR_GEMV_MAX_TOKENS, LINEAR_V3_MAX_TOKENS if weight.dtype == torch.int32 else 0) + 1
+    return [(t, partial(plan, t)) for t in range(1, last + 1)]
 
 
 def compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias=None, counters=None):
