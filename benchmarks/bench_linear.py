@@ -4,12 +4,12 @@ on a GPU (wall time on CPU), for 1-8192 tokens.
 
     python benchmarks/bench_linear.py --tokens 1,8,64,512,2048,8192      # GPU
     python benchmarks/bench_linear.py --tokens 1,8 --small                # CPU smoke run
-    python benchmarks/bench_linear.py --sweep --shapes o_proj --tokens 64,128   # GEMV variants (GPU)
+    python benchmarks/bench_linear.py --sweep --shapes o_proj --tokens 1,64,128   # kernel variants (GPU)
 
-Columns: the op as ``"auto"`` chooses (the Triton kernel on a GPU), the Triton GEMV path (split-K
-parts summed in the same launch; x through TMA from 4 tokens), the same with x read the other way
-(permuted addresses / TMA) and the dequantize + cuBLAS path forced, the ``"reference"`` backend (decode in
-torch every call), and BF16 ``F.linear`` on the dequantized weight. Each graph cycles through
+Columns: the op on the weight in the paired layout (what an ``NVFP4Linear`` holds on Hopper, as it
+calls it: with its split-K counter table), the op on the weight as stored, the dequantize + cuBLAS
+path forced, the ``"reference"`` backend (decode in torch every call), and BF16 ``F.linear`` on the
+dequantized weight. Each graph cycles through
 enough distinct weight copies (>= 150 MB of NVFP4 bytes, 3x the H200's 50 MB L2) that weights
 come from HBM, as they do in a model. Floor: NVFP4 weight + scale bytes (N K 0.5625) at the
 measured copy bandwidth, or the BF16 GEMM at ``--tflops`` where that is longer. Every output is

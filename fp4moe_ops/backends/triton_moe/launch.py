@@ -591,12 +591,12 @@ LINEAR_GEMV_MAX_TOKENS = 64  # past this, decode the weight to 16 bits once and 
 SM_COUNT_TARGET = 264  # programs to aim for: two per SM of an H100/H200 (132 SMs)
 LINEAR_MAX_PARTS = 16  # K split at most this many ways (each part writes a float32 [T, N] of partial sums)
 # Paired weights (what NVFP4Linear holds on Hopper), bf16: the kernel path up to this many tokens
-# (decode_v3's linear, or the GEMV in 64-token blocks for wide weights), then dequantize + cuBLAS.
+# (decode_v3's linear, or the GEMV in 32/64-token blocks for wide weights), then dequantize + cuBLAS.
 # At 65-128 tokens the kernels took 0.60-0.87x BF16's time, dequantize + cuBLAS 0.43-0.69x; from
 # 256 tokens dequantize + cuBLAS was the faster (H100, 2026-12-05, bench_linear.py --sweep on
 # DeepSeek-V3's shapes; benchmarks/NOTES.md)
 LINEAR_V3_MAX_TOKENS = 128
-LINEAR_WIDE_N = 16384  # from this many output features the GEMV's 64-token blocks beat decode_v3 past 32 tokens
+LINEAR_WIDE_N = 16384  # from this many output features the GEMV's 32/64-token blocks beat decode_v3 past 16 tokens
 
 
 def linear_supported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -633,7 +633,7 @@ def _divisor_near(slots: int, want: int) -> int:
 def linear_config(tokens: int, n: int, k: int, paired: bool = False, v3: bool = False) -> dict:
     """Tiles for ``[tokens, k] x [n, k]^T``: with paired weights and ``v3`` (bf16 activations, the
     Gluon kernels available) decode_v3's linear up to LINEAR_V3_MAX_TOKENS tokens (the GEMV in
-    64-token blocks past 32 tokens on wide weights); else the GEMV path (up to
+    32/64-token blocks past 16 tokens on wide weights); else the GEMV path (up to
     LINEAR_GEMV_MAX_TOKENS tokens), split along K until about SM_COUNT_TARGET programs run; past
     those, the dequantize + cuBLAS path."""
     if paired and v3 and tokens <= LINEAR_V3_MAX_TOKENS:
@@ -641,13 +641,17 @@ def linear_config(tokens: int, n: int, k: int, paired: bool = False, v3: bool = 
         # a weight decoded once per token block, so blocks grow with the tokens, but small weights
         # (a latency-bound call) prefer more, narrower blocks; K parts for about two programs per SM
         weight_mb = n * k / 2 / 2**20
-        if tokens > 32 and n >= LINEAR_WIDE_N:
-            return dict(path="gemv", BM=64, BN=64, BK=256, PARTS=1, SERIAL=True, X_TMA=True, num_warps=4,
+        wide = n >= LINEAR_WIDE_N
+        if tokens > 16 and wide:
+            bm = 32 if tokens <= 32 else 64
+            tiles = (n // 64) * triton.cdiv(tokens, bm)
+            parts = max(1, min(LINEAR_MAX_PARTS, k // 256, triton.cdiv(SM_COUNT_TARGET, tiles)))
+            return dict(path="gemv", BM=bm, BN=64, BK=256, PARTS=parts, SERIAL=True, X_TMA=True, num_warps=4,
                         num_stages=2, PAIRED=True)
         if tokens <= 8:
             bm = 8
         elif tokens <= 16:
-            bm = 8 if weight_mb < 16 else 16
+            bm = 8 if weight_mb < 16 and not wide else 16
         elif tokens <= 32:
             bm = 16 if weight_mb < 16 else 32
         else:
