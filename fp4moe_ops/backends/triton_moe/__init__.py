@@ -4,8 +4,8 @@ Hopper, ``layout`` the data layouts, ``launch`` routing and launches,
 ``compile_ahead`` launch sequences that only compile (every kernel variant of a layer at its first
 call), ``backend`` the op's view): exact NVFP4 weights x 16-bit activations (W4A16), any CUDA GPU
 Triton supports, written for Hopper (SM90) where FlashInfer's NVFP4 kernel does not run. The same
-decode loop serves ``fp4moe::nvfp4_linear``'s ``"triton"`` backend (one weight, K split into parts:
-``launch.triton_nvfp4_linear``).
+decode loops serve ``fp4moe::nvfp4_linear``'s ``"triton"`` backend (one weight, K split into parts:
+``launch.triton_nvfp4_linear``; ``decode_v3``'s on weights in the paired layout).
 
 Pipeline of one call (no host syncs, CUDA-graph capturable):
 

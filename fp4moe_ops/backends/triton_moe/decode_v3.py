@@ -25,6 +25,10 @@ K/16]``; layout.py), no copies: a chunk's 64 bytes of a pair row, and a step's f
 of a row (chunks ``4 s .. 4 s + 3``, 16 contiguous bytes), so a warp's eight scale rows in shared
 memory are 16 bytes apart (no bank conflicts).
 
+The same GEMM serves one NVFP4 linear (``fp4moe::nvfp4_linear`` on paired weights,
+:func:`linear_v3`): one expert, the tokens in natural order, K split into parts summed by the last
+to finish.
+
 Compute capability 9.x and the Triton releases of :data:`.launch.GLUON_TRITON` only (checked by the
 caller); sizes: ``H % 256 == 0``, ``I % (256 SPS) == 0``.
 """
