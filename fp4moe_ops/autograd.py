@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends.base import CANONICAL, convert_packed, get_backend
-from .linear import nvfp4_linear
+from .linear import decoded_weight, nvfp4_linear
 from .moe_math import expert_groups, expert_scale
 from .nvfp4 import dequantize_nvfp4, quantize_activation_nvfp4
 from .op import _check_inputs, fused_moe
@@ -110,12 +110,12 @@ def nvfp4_linear_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, weight_s
                             weight_scale_2: torch.Tensor) -> torch.Tensor:
     """``d x [..., K] = d y [..., N] . W`` with W decoded to d y's dtype, as the reference
     forward decodes it (an op of its own, so that a compiled backward does not trace the decode)."""
-    return grad_y @ dequantize_nvfp4(weight, weight_scale, weight_scale_2, grad_y.dtype)
+    return grad_y @ decoded_weight(weight, weight_scale, weight_scale_2, grad_y.dtype)
 
 
 @nvfp4_linear_grad_input.register_fake
 def _(grad_y, weight, weight_scale, weight_scale_2):
-    return grad_y.new_empty(*grad_y.shape[:-1], weight.shape[1] * 2)
+    return grad_y.new_empty(*grad_y.shape[:-1], weight_scale.shape[1] * 16)  # (either weight layout)
 
 
 def _linear_setup(ctx, inputs, output):

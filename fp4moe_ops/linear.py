@@ -83,6 +83,9 @@ def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counte
                         f"{weight.dtype} {list(weight.shape)}")
     paired = weight.dtype == torch.int32
     n = 2 * weight.shape[0] if paired else weight.shape[0]
+    if paired and n % 16:
+        raise ValueError(f"weight {list(weight.shape)} in the paired layout ([N/2, K/4] int32) needs N a multiple of "
+                         f"16, got N={n}")
     if k % BLOCK_SIZE or weight.shape[1] * (4 if paired else 2) != k:
         want = f"[N/2, {k // 4}] int32" if paired else f"[N, {k // 2}]"
         raise ValueError(f"weight {list(weight.shape)} does not match x's K={k}: expected {want} "
@@ -162,9 +165,14 @@ def _announce_once(x: torch.Tensor, refusal: str | None) -> None:
     if refusal is None:
         import triton
 
+        from .backends.triton_moe.launch import gluon_unavailable
+
+        gluon = gluon_unavailable(x)
+        kernels = ("decode_v3's mma.sync kernel up to 128 tokens on weights in the paired layout (NVFP4Linear's on "
+                   "Hopper), else a wgmma GEMV up to 64" if gluon is None else f"a wgmma GEMV up to 64 tokens ({gluon})")
         logging.getLogger("fp4moe").info(
-            "fp4moe: NVFP4 linears on %s run Triton %s's kernels (a GEMV up to 64 tokens, the weight decoded "
-            "to 16 bits for cuBLAS beyond)", x.device, triton.__version__)
+            "fp4moe: NVFP4 linears on %s run Triton %s's kernels: %s; the weight decoded to 16 bits for cuBLAS "
+            "beyond", x.device, triton.__version__, kernels)
     else:
         warnings.warn(f"fp4moe: an NVFP4 linear on {x.device} runs the slow reference path (its weight decoded "
                       f"in PyTorch at every call), not the Triton kernels: {refusal}", stacklevel=3)
@@ -211,11 +219,18 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         from .backends.triton_moe.launch import triton_nvfp4_linear
 
         return triton_nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias, counters=counters)
+    return F.linear(x, decoded_weight(weight, weight_scale, weight_scale_2, x.dtype), bias)
+
+
+def decoded_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The reference's weight ``[N, K]``: ``e2m1 * block scale * per-tensor scale`` in float32 rounded
+    once to ``dtype``, from the packed weight in either layout."""
     if weight.dtype == torch.int32:
         from .backends.triton_moe.layout import canonical_from_paired
 
         weight = canonical_from_paired(weight)
-    return F.linear(x, dequantize_nvfp4(weight, weight_scale, weight_scale_2, x.dtype), bias)
+    return dequantize_nvfp4(weight, weight_scale, weight_scale_2, dtype)
 
 
 @nvfp4_linear.register_fake
@@ -224,4 +239,5 @@ def _(x, weight, weight_scale, weight_scale_2, bias=None, backend="auto", counte
     return x.new_empty(*x.shape[:-1], weight_scale.shape[0])
 
 
-__all__ = ["LINEAR_BACKENDS", "SPLIT_COUNTERS", "flashinfer_linear_arguments", "nvfp4_linear", "split_counters"]
+__all__ = ["LINEAR_BACKENDS", "SPLIT_COUNTERS", "decoded_weight", "flashinfer_linear_arguments", "nvfp4_linear",
+           "split_counters"]

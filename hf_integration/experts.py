@@ -79,7 +79,10 @@ class NVFP4Linear(QuantizedBuffers):
     On a Hopper GPU the packed weight is held in the Triton kernels' paired layout (``[N/2, K/4]``
     int32, the same bytes reordered; :attr:`layout`), which their fastest small-batch kernel reads:
     the layout follows the module's device (:meth:`set_layout`), while its state dict, saves and
-    ``dequantized()`` give the checkpoint's bytes as ever, and ``load_state_dict`` takes them."""
+    ``dequantized()`` give the checkpoint's bytes as ever, and ``load_state_dict`` takes them.
+    accelerate's offloading stores the state dict's bytes: ``from_pretrained(device_map=...)`` keeps
+    offloaded linears canonical; to offload a model already on a Hopper GPU by hand
+    (``cpu_offload``, ``dispatch_model``), ``set_layout("canonical")`` its NVFP4 linears first."""
 
     backend = "auto"  # fp4moe::nvfp4_linear: Triton where it runs, else the reference ("flashinfer": set it)
     layout = CANONICAL  # of the packed weight buffer; "paired" on Hopper (set_layout)
@@ -147,9 +150,11 @@ class NVFP4Linear(QuantizedBuffers):
         """The layout this module holds its packed weight in on ``device`` (default: its own):
         ``"paired"`` on a Hopper GPU (compute capability 9.x) where the Triton kernels run this
         shape (N % 64, K % 256) with backend ``"auto"`` or ``"triton"``, else ``"canonical"``."""
-        device = device or self._buffers[self.scheme.packed].device
+        device = torch.device(device) if device is not None else self._buffers[self.scheme.packed].device
+        hook = getattr(self, "_hf_hook", None)  # accelerate's offloading keeps the state dict's bytes: canonical
         if device.type != "cuda" or self.backend not in ("auto", "triton") or self.out_features % 64 or \
-                self.in_features % 256 or torch.cuda.get_device_capability(device)[0] != 9:
+                self.in_features % 256 or torch.cuda.get_device_capability(device)[0] != 9 or \
+                getattr(hook, "offload", False):
             return CANONICAL
         try:
             import triton  # noqa: F401
@@ -167,6 +172,9 @@ class NVFP4Linear(QuantizedBuffers):
         t = self._buffers[name]
         if layout == self.layout:
             return
+        if layout != CANONICAL and (self.out_features % 16 or self.in_features % 4):
+            raise ValueError(f"the {layout} layout needs N % 16 == 0 and K % 4 == 0; this linear is "
+                             f"[{self.out_features}, {self.in_features}]")
         if t.is_meta:  # (no bytes to convert: the shape and dtype the layout has)
             n, k = self.out_features, self.in_features
             self._buffers[name] = torch.empty(*((n // 2, k // 4) if layout != CANONICAL else (n, k // 2)),
@@ -201,12 +209,15 @@ class NVFP4Linear(QuantizedBuffers):
         (exact up to one rounding of the float32 scale product to the dtype)."""
         return _linear_like(self, self.weight_value())
 
+    def scale_multipliers(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(global scale, input scale or None)`` as ModelOpt's that multiply (no packed bytes read)."""
+        b, s = self._buffers, self.scheme
+        return s.multiplier(b[s.global_scale]), s.multiplier(b[s.input_scale]) if s.input_scale in b else None
+
     def linear_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(weight [N, K/2] uint8, weight_scale [N, K/16] float8, global scale, input scale or None)``,
         the scales as ModelOpt's that multiply (compressed-tensors' dividing ones as reciprocals)."""
-        b, s = self._buffers, self.scheme
-        return (self.packed(), b[s.block_scale], s.multiplier(b[s.global_scale]),
-                s.multiplier(b[s.input_scale]) if s.input_scale in b else None)
+        return (self.packed(), self._buffers[self.scheme.block_scale], *self.scale_multipliers())
 
     def modelopt_tensors(self, name: str) -> dict[str, torch.Tensor]:
         """This linear's tensors under ModelOpt's names (``{name}.weight`` ...): the file's own

@@ -41,7 +41,7 @@ def tie_global_scales(linears: list) -> bool:
         raise ValueError(f"linears of one fused GEMM hold different tensor formats: {sorted(s.packed for s in schemes)}")
     s = schemes.pop()
     changed = False
-    multipliers = [m.linear_tensors()[2] for m in linears]
+    multipliers = [m.scale_multipliers()[0] for m in linears]
     top = max(range(len(linears)), key=lambda i: float(multipliers[i]))
     for m, g in zip(linears, multipliers):
         if m is linears[top] or torch.equal(m._buffers[s.global_scale], linears[top]._buffers[s.global_scale]):
@@ -51,7 +51,7 @@ def tie_global_scales(linears: list) -> bool:
         m._buffers[s.global_scale].copy_(linears[top]._buffers[s.global_scale])
         changed = True
     if all(s.input_scale in m._buffers for m in linears):
-        inputs = [m.linear_tensors()[3] for m in linears]
+        inputs = [m.scale_multipliers()[1] for m in linears]
         largest = linears[max(range(len(linears)), key=lambda i: float(inputs[i]))]._buffers[s.input_scale]
         for m in linears:
             if not torch.equal(m._buffers[s.input_scale], largest):

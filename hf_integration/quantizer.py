@@ -232,7 +232,6 @@ class ModelOptQuantizer(HfQuantizer):
         for name, m in linears:
             if isinstance(m, NVFP4Linear) and config.nvfp4_linears == "nvfp4":
                 m.reset_counters()
-                m.set_layout(m.kernel_layout())  # (paired on Hopper: the small-batch kernel reads that)
                 continue  # kept in 4 bits: NVFP4Linear computes through fp4moe::nvfp4_linear
             parent, _, attr = name.rpartition(".")
             replace_module(model.get_submodule(parent), attr, m.dequantized())
@@ -245,6 +244,9 @@ class ModelOptQuantizer(HfQuantizer):
             fuse_routers(model)
         if config.fuse_shared_experts and config.nvfp4_linears == "nvfp4":
             fuse_shared_experts(model)
+        for m in model.modules():  # the linears kept: paired on Hopper (the small-batch kernel reads that)
+            if isinstance(m, NVFP4Linear):
+                m.set_layout(m.kernel_layout())
         log_activation_modes(model)
         conversions = getattr(model, "_weight_conversions", None)
         if conversions:  # saving goes through get_state_dict_and_metadata, not reverse conversion

@@ -92,11 +92,18 @@ def test_fused_moe_backward_through_autograd_and_nan_isolation():
     assert torch.isnan(x.grad[~clean]).any(1).all()
 
 
-def test_nvfp4_linear_and_grouped_topk_gradients_match_float64_autograd():
+@pytest.mark.parametrize("paired", [False, True])
+def test_nvfp4_linear_and_grouped_topk_gradients_match_float64_autograd(paired):
+    # (paired: the weight as NVFP4Linear holds it on Hopper, [N/2, K/4] int32; the backward decodes it too)
+    from fp4moe_ops.backends.triton_moe.layout import paired_weight_layout
+
     torch.manual_seed(4)
     q = nvfp4.quantize_nvfp4(torch.randn(48, H))
+    weight = paired_weight_layout(q.packed) if paired else q.packed
     x, b = torch.randn(3, 5, H).bfloat16().requires_grad_(), torch.randn(48).bfloat16().requires_grad_()
-    y = torch.ops.fp4moe.nvfp4_linear(x, q.packed, q.block_scale, q.global_scale.reshape(()), b, "reference")
+    y = torch.ops.fp4moe.nvfp4_linear(x, weight, q.block_scale, q.global_scale.reshape(()), b, "reference")
+    meta = [t.to("meta") for t in (y, weight, q.block_scale, q.global_scale.reshape(()))]
+    assert torch.ops.fp4moe.nvfp4_linear_grad_input(*meta).shape == x.shape  # the compiled backward's shape
     g = torch.randn_like(y)
     (y * g).sum().backward()
     x64, b64 = x.detach().double().requires_grad_(), b.detach().double().requires_grad_()

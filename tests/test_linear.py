@@ -182,6 +182,45 @@ def test_triton_linear_on_paired_weights_matches_float64(dtype, tokens, parts, b
                                exact_weight=config["path"] != "dequantize")
 
 
+def test_a_moved_or_emptied_nvfp4_linear_starts_with_a_zeroed_counter_table():
+    # a non-zero counter would make a tile's parts sum early on every later call: moves and
+    # to_empty() (uninitialized memory) zero the module's table
+    from hf_integration.checkpoint_format import MODELOPT
+    from hf_integration.experts import NVFP4Linear
+
+    m = NVFP4Linear.quantize(torch.nn.Linear(256, 64, bias=False).to(torch.bfloat16))
+    for move in (lambda: m.to("cpu"), lambda: m.to(torch.float16), lambda: m.to_empty(device="cpu")):
+        m.split_counters.fill_(7)
+        move()
+        assert m.split_counters.dtype == torch.int32 and int(m.split_counters.abs().sum()) == 0
+    assert m.scheme is MODELOPT and m.weight.dtype == torch.uint8  # the quantized buffers keep their dtypes
+
+
+def test_split_k_parts_are_summed_through_the_callers_counter_table():
+    # the same-launch sum really counts arrivals in the table: tile 0 (output rows 0-63) ends at
+    # 0 again with the right result; tile 1's counter, set to 100 beforehand, only counts its 4
+    # parts (none of them sees 3 arrivals before it, so none sums or resets). A table too small
+    # for the call is not used: a second kernel sums the parts.
+    from fp4moe_ops.backends.triton_moe.launch import linear_config
+    from fp4moe_ops.linear import split_counters
+
+    n, k = 128, 1024
+    packed, scale, g = (t.to(DEVICE) for t in nvfp4_weight(n, k, seed=21))
+    x = torch.randn(2, k, dtype=torch.bfloat16, device=DEVICE)
+    config = dict(linear_config(2, n, k), PARTS=4)
+    want = linear64(x.cpu(), packed.cpu(), scale.cpu(), g.cpu())
+    bound = 2.0**-7 * want.abs() + 1024 * 2.0**-24 * (x.cpu().double().abs() @ dequant64(packed.cpu(), scale.cpu(),
+                                                                                           g.cpu()).abs().T)
+    counters = split_counters(DEVICE)
+    counters[1] = 100
+    got = triton_linear(x, packed, scale, g, None, config, counters).cpu().double()
+    assert counters[:3].tolist() == [0, 104, 0]
+    assert ((got - want).abs() <= bound)[:, :64].all()
+    tiny = torch.zeros(1, dtype=torch.int32, device=DEVICE)  # 2 tiles need 2 entries
+    got = triton_linear(x, packed, scale, g, None, config, tiny).cpu().double()
+    assert ((got - want).abs() <= bound).all() and int(tiny[0]) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_dequantize_kernel_is_bitwise_the_reference_weight(dtype):
     from fp4moe_ops.backends.triton_moe.kernels import _dequant_kernel
@@ -554,10 +593,24 @@ def test_linears_held_paired_read_save_and_load_as_the_checkpoint_bytes(tmp_path
     for n, m in linears:
         assert torch.equal(state[f"{n}.weight"], files[f"{n}.weight"])
         assert torch.equal(m.dequantized().weight, canonical.get_submodule(n).dequantized().weight)
+    held = {n: (m.weight.data_ptr(), m.weight.clone()) for n, m in linears}
     model.save_pretrained(tmp_path)
     saved = load_file(tmp_path / "model.safetensors")
     assert all(torch.equal(saved[f"{n}.weight"], files[f"{n}.weight"]) for n, _ in linears)
-    assert all(m.layout == "paired" for _, m in linears)  # (converted in place for the save, and back)
+    # converted in place for the save and back: the same words at the same address
+    assert all(m.layout == "paired" and m.weight.data_ptr() == held[n][0] and torch.equal(m.weight, held[n][1])
+               for n, m in linears)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, canonical(ids).logits)
+    # a save that fails while the bytes are converted (writing the weights) leaves them as they were
+    import transformers.modeling_utils
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file",
+                        lambda *a, **k: (_ for _ in ()).throw(OSError("ENOSPC")))
+    with pytest.raises(OSError, match="ENOSPC"):
+        model.save_pretrained(tmp_path / "failed")
+    assert all(m.layout == "paired" and m.weight.data_ptr() == held[n][0] and torch.equal(m.weight, held[n][1])
+               for n, m in linears)
     # load_state_dict: the file's bytes in, paired kept; a bad tensor refused with nothing changed
     name, linear = linears[0]
     held = linear.weight.clone()
@@ -573,3 +626,15 @@ def test_linears_held_paired_read_save_and_load_as_the_checkpoint_bytes(tmp_path
     model.load_state_dict(flipped)
     assert linear.layout == "paired" and torch.equal(linear.packed(), flipped[f"{name}.weight"])
     assert torch.equal(model.state_dict()[f"{name}.weight"], flipped[f"{name}.weight"])
+    # the layout follows each move (_apply): here to what the stand-in names for the device
+    model.load_state_dict(state)
+    wanted = {"layout": "canonical"}
+    monkeypatch.setattr(NVFP4Linear, "kernel_layout", lambda self, device=None: wanted["layout"] if
+                        self.out_features % 16 == 0 else "canonical")
+    model.to("cpu")
+    assert all(m.layout == "canonical" and torch.equal(m.weight, files[f"{n}.weight"]) for n, m in linears)
+    wanted["layout"] = "paired"
+    model.to("cpu")
+    assert all(m.layout == "paired" and m.weight.dtype == torch.int32 for _, m in linears)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, canonical(ids).logits)
