@@ -219,6 +219,106 @@ def _scale_selector(SL: gl.constexpr):
 
 
 @gluon.jit
+def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOTS: gl.constexpr, BM: gl.constexpr,
+               STAGES: gl.constexpr, SPS: gl.constexpr, NATURAL_B: gl.constexpr = False, E8M0: gl.constexpr = False):
+    """``[4 warps, 64 weight rows, BM tokens]`` float32 partial sums over ring slots ``slot0 ..
+    slot0 + NSLOTS`` (SPS 256-wide steps each; each warp its chunk of a step) of one 64-row weight
+    tile: weights and scales through the TMA ring (:func:`weight_view` / :func:`scale_view`
+    descriptors at pair row ``pair0``, row ``row0``), activation words ``a_words + a_off`` (``[4,
+    BM, 32]`` in :func:`_act_ref`'s layout; 128 words a step) where ``a_mask``."""
+    NSTEPS: gl.constexpr = NSLOTS * SPS
+    mma: gl.constexpr = _MMA
+    la: gl.constexpr = _LA
+    lb: gl.constexpr = _LB
+    wref = _words_ref(la)
+    WL: gl.constexpr = wref.type.layout
+    WL16: gl.constexpr = gl.reshape(wref, [4, 32, 16]).type.layout
+    SL: gl.constexpr = gl.SliceLayout(3, WL)
+
+    # the ring: per slot SPS steps x [4 warps' chunks, 32 pair rows, 64 bytes] and their
+    # scale words [64 rows, 4 warps]
+    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, SPS, 4, 1, 32, 64], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, SPS, 1, 64, 4], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for q in gl.static_range(STAGES):
+        mbarrier.init(ready.index(q), count=1)
+    SLOT_BYTES: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes
+    for q in gl.static_range(STAGES):
+        if q < NSLOTS:
+            mbarrier.expect(ready.index(q), SLOT_BYTES)
+            tma_load(s_desc, [0, slot0 + q, row0, 0], ready.index(q), s_smem.index(q))
+            tma_load(w_desc, [0, 0, slot0 + q, pair0, 0], ready.index(q), w_smem.index(q))
+    words_smem = reinterpret(w_smem, gl.int32, [STAGES * SPS, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    s_steps = reinterpret(s_smem, gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+    sel = _scale_selector(SL)
+    a_cur = gl.load(a_words + a_off, mask=a_mask, other=0)
+    acc = gl.zeros([4, 64, BM], gl.float32, mma)
+    for i in range(NSLOTS):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        words0 = words_smem.index(SPS * s).load(WL16)
+        ra, rb = _slot_scales(s_steps.index(SPS * s), SL)
+        if SPS == 2:
+            words1 = words_smem.index(SPS * s + 1).load(WL16)
+            na, nb = _slot_scales(s_steps.index(SPS * s + 1), SL)
+        thread_barrier()  # every warp has its words and scales of slot s: refill it
+        if i + STAGES < NSLOTS:
+            mbarrier.expect(ready.index(s), SLOT_BYTES)
+            tma_load(s_desc, [0, slot0 + i + STAGES, row0, 0], ready.index(s), s_smem.index(s))
+            tma_load(w_desc, [0, 0, slot0 + i + STAGES, pair0, 0], ready.index(s), w_smem.index(s))
+        # the next step's activations, issued after the copy (its proxy fence waits for the
+        # thread's outstanding memory operations)
+        a_nxt = gl.load(a_words + a_off + gl.minimum(SPS * i + 1, NSTEPS - 1) * 128, mask=a_mask, other=0)
+        acc = _step(acc, words0, ra, rb, sel, a_cur, WL, la, lb, BM, NATURAL_B=NATURAL_B, E8M0=E8M0)
+        if SPS == 2:
+            a_cur = gl.load(a_words + a_off + gl.minimum(SPS * i + 2, NSTEPS - 1) * 128, mask=a_mask, other=0)
+            acc = _step(acc, words1, na, nb, sel, a_nxt, WL, la, lb, BM, NATURAL_B=NATURAL_B, E8M0=E8M0)
+        else:
+            a_cur = a_nxt
+    return acc
+
+
+@gluon.jit
+def _warp_sum(acc, BM: gl.constexpr):
+    """The four warps' partial sums ``[4, 64, BM]`` added through shared memory -> ``[64, BM]``:
+    each warp stores its partial sums, each thread then adds the four partials of its outputs (a
+    generic reduction over the warp axis also shuffled within warps, with bank conflicts: 202 us
+    instead of 152 on GEMM2)."""
+    red = gl.allocate_shared_memory(gl.float32, [4, 64, BM], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    red.store(acc)
+    thread_barrier()
+    RL: gl.constexpr = gl.BlockedLayout([4, 1, 4], [1, 32 // (BM // 4), BM // 4], [1, 4, 1], [2, 1, 0])
+    return gl.sum(red.load(RL), axis=0)
+
+
+@gluon.jit
+def _act_offsets(rows, row_words, BM: gl.constexpr):
+    """Activation word offsets ``[4, BM, 32]`` in :func:`_act_ref`'s layout of step 0: ``rows``
+    (``[BM]`` int64 in its slice) times ``row_words`` plus warp w's chunk (32 words) and the word."""
+    BL: gl.constexpr = _act_ref(_LB, BM).type.layout
+    bw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
+    bq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
+    return (gl.expand_dims(gl.expand_dims(rows * row_words, 0), 2) + gl.expand_dims(gl.expand_dims(bw * 32, 1), 2)
+            + gl.expand_dims(gl.expand_dims(bq, 0), 1))
+
+
+@gluon.jit
+def _act_mask(valid, BM: gl.constexpr):
+    """``valid [BM]`` (rows that are real) broadcast to the ``[4, BM, 32]`` activation words."""
+    BL: gl.constexpr = _act_ref(_LB, BM).type.layout
+    bq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
+    return gl.expand_dims(gl.expand_dims(valid, 0), 2) & gl.expand_dims(gl.expand_dims(bq >= 0, 0), 1)
+
+
+@gluon.jit
+def _act_rows(BM: gl.constexpr):
+    """``arange(BM)`` in the activation words' token slice."""
+    BL: gl.constexpr = _act_ref(_LB, BM).type.layout
+    return gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
+
+
+@gluon.jit
 def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slot_ptr, block_expert_ptr,
                      row_start_ptr, row_end_ptr, H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr,
                      SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr, SPS: gl.constexpr,
@@ -232,80 +332,13 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
     n = gl.program_id(1)
     e = _block_expert(block_expert_ptr, b, SLOT_BLOCKS, E)
     if e >= 0:
-        NSTEPS: gl.constexpr = I // 256
-        mma: gl.constexpr = _MMA
-        la: gl.constexpr = _LA
-        lb: gl.constexpr = _LB
-        wref = _words_ref(la)
-        WL: gl.constexpr = wref.type.layout
-        WL16: gl.constexpr = gl.reshape(wref, [4, 32, 16]).type.layout
-        SL: gl.constexpr = gl.SliceLayout(3, WL)
-        BL: gl.constexpr = _act_ref(lb, BM).type.layout
-
-        # the ring: per slot SPS steps x [4 warps' chunks, 32 pair rows, 64 bytes] and their
-        # scale words [64 rows, 4 warps]
-        NSLOTS: gl.constexpr = NSTEPS // SPS
-        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, SPS, 4, 1, 32, 64], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, SPS, 1, 64, 4], s_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for q in gl.static_range(STAGES):
-            mbarrier.init(ready.index(q), count=1)
-        pair0 = e * (H // 2) + n * 32
-        row0 = e * H + n * 64
-        SLOT_BYTES: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes
-        for q in gl.static_range(STAGES):
-            if q < NSLOTS:
-                mbarrier.expect(ready.index(q), SLOT_BYTES)
-                tma_load(s_desc, [0, q, row0, 0], ready.index(q), s_smem.index(q))
-                tma_load(w_desc, [0, 0, q, pair0, 0], ready.index(q), w_smem.index(q))
-        words_smem = reinterpret(w_smem, gl.int32, [STAGES * SPS, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        s_steps = reinterpret(s_smem, gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-
-        sel = _scale_selector(SL)
-
-        # the block's tokens and activation offsets [4, BM, 32] (int32 words) of step 0
-        bw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
-        bn = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
-        bq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
-        slots_b, valid_b, r0, r1 = _block_rows(b, bn, sorted_slot_ptr, row_start_ptr, row_end_ptr, SLOT_BLOCKS)
-        h_off = (gl.expand_dims(gl.expand_dims(slots_b * (I // 2), 0), 2) + gl.expand_dims(gl.expand_dims(bw * 32, 1), 2)
-                 + gl.expand_dims(gl.expand_dims(bq, 0), 1))
+        # the block's slots and their activation words of step 0
+        slots_b, valid_b, r0, r1 = _block_rows(b, _act_rows(BM), sorted_slot_ptr, row_start_ptr, row_end_ptr,
+                                               SLOT_BLOCKS)
         h_words = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        h_mask = gl.expand_dims(gl.expand_dims(valid_b, 0), 2) & gl.expand_dims(gl.expand_dims(bq >= 0, 0), 1)
-
-        x_cur = gl.load(h_words + h_off, mask=h_mask, other=0)
-        acc = gl.zeros([4, 64, BM], gl.float32, mma)
-        for i in range(NSLOTS):
-            s = i % STAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            words0 = words_smem.index(SPS * s).load(WL16)
-            ra, rb = _slot_scales(s_steps.index(SPS * s), SL)
-            if SPS == 2:
-                words1 = words_smem.index(SPS * s + 1).load(WL16)
-                na, nb = _slot_scales(s_steps.index(SPS * s + 1), SL)
-            thread_barrier()  # every warp has its words and scales of slot s: refill it
-            if i + STAGES < NSLOTS:
-                mbarrier.expect(ready.index(s), SLOT_BYTES)
-                tma_load(s_desc, [0, i + STAGES, row0, 0], ready.index(s), s_smem.index(s))
-                tma_load(w_desc, [0, 0, i + STAGES, pair0, 0], ready.index(s), w_smem.index(s))
-            # the next step's activations, issued after the copy (its proxy fence waits for the
-            # thread's outstanding memory operations)
-            x_nxt = gl.load(h_words + h_off + gl.minimum(SPS * i + 1, NSTEPS - 1) * 128, mask=h_mask, other=0)
-            acc = _step(acc, words0, ra, rb, sel, x_cur, WL, la, lb, BM, E8M0=E8M0)
-            if SPS == 2:
-                x_cur = gl.load(h_words + h_off + gl.minimum(SPS * i + 2, NSTEPS - 1) * 128, mask=h_mask, other=0)
-                acc = _step(acc, words1, na, nb, sel, x_nxt, WL, la, lb, BM, E8M0=E8M0)
-            else:
-                x_cur = x_nxt
-
-        # the four warps' partial sums added through shared memory: each warp stores its partial
-        # sums, each thread then adds the four partials of its outputs (a generic reduction over
-        # the warp axis also shuffled within warps, with bank conflicts: 202 us instead of 152)
-        red = gl.allocate_shared_memory(gl.float32, [4, 64, BM], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        red.store(acc)
-        thread_barrier()
-        RL: gl.constexpr = gl.BlockedLayout([4, 1, 4], [1, 32 // (BM // 4), BM // 4], [1, 4, 1], [2, 1, 0])
-        y = gl.sum(red.load(RL), axis=0)
+        acc = _ring_gemm(w_desc, s_desc, h_words, _act_offsets(slots_b, I // 2, BM), _act_mask(valid_b, BM),
+                         e * (H // 2) + n * 32, e * H + n * 64, 0, I // (256 * SPS), BM, STAGES, SPS, E8M0=E8M0)
+        y = _warp_sum(acc, BM)
         YL: gl.constexpr = y.type.layout
         g = _global_scale(g_ptr, e, E8M0)
         mo = gl.arange(0, BM, layout=gl.SliceLayout(0, YL))
@@ -496,75 +529,12 @@ def _linear_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, bias_ptr, out_ptr, parts_ptr
     n = gl.program_id(0)
     mb = gl.program_id(1)
     part = gl.program_id(2)
-    PART_STEPS: gl.constexpr = PART_SLOTS * SPS
-    mma: gl.constexpr = _MMA
-    la: gl.constexpr = _LA
-    lb: gl.constexpr = _LB
-    wref = _words_ref(la)
-    WL: gl.constexpr = wref.type.layout
-    WL16: gl.constexpr = gl.reshape(wref, [4, 32, 16]).type.layout
-    SL: gl.constexpr = gl.SliceLayout(3, WL)
-    BL: gl.constexpr = _act_ref(lb, BM).type.layout
-
-    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, SPS, 4, 1, 32, 64], w_desc.layout)
-    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, SPS, 1, 64, 4], s_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for q in gl.static_range(STAGES):
-        mbarrier.init(ready.index(q), count=1)
-    pair0 = n * 32
-    row0 = n * 64
-    slot0 = part * PART_SLOTS
-    SLOT_BYTES: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes
-    for q in gl.static_range(STAGES):
-        if q < PART_SLOTS:
-            mbarrier.expect(ready.index(q), SLOT_BYTES)
-            tma_load(s_desc, [0, slot0 + q, row0, 0], ready.index(q), s_smem.index(q))
-            tma_load(w_desc, [0, 0, slot0 + q, pair0, 0], ready.index(q), w_smem.index(q))
-    words_smem = reinterpret(w_smem, gl.int32, [STAGES * SPS, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    s_steps = reinterpret(s_smem, gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-
-    sel = _scale_selector(SL)
-
-    # the block's tokens and their activation words [4, BM, 32] of the part's first step
-    bw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
-    bn = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
-    bq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
-    tok_b = mb * BM + bn
-    x_off = (gl.expand_dims(gl.expand_dims(tok_b.to(gl.int64) * (K // 2), 0), 2)
-             + gl.expand_dims(gl.expand_dims(bw * 32, 1), 2) + gl.expand_dims(gl.expand_dims(bq, 0), 1)
-             + slot0 * (SPS * 128))
+    tok_b = mb * BM + _act_rows(BM)
     x_words = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    x_mask = gl.expand_dims(gl.expand_dims(tok_b < T, 0), 2) & gl.expand_dims(gl.expand_dims(bq >= 0, 0), 1)
-
-    x_cur = gl.load(x_words + x_off, mask=x_mask, other=0)
-    acc = gl.zeros([4, 64, BM], gl.float32, mma)
-    for i in range(PART_SLOTS):
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        words0 = words_smem.index(SPS * s).load(WL16)
-        ra, rb = _slot_scales(s_steps.index(SPS * s), SL)
-        if SPS == 2:
-            words1 = words_smem.index(SPS * s + 1).load(WL16)
-            na, nb = _slot_scales(s_steps.index(SPS * s + 1), SL)
-        thread_barrier()  # every warp has its words and scales of slot s: refill it
-        if i + STAGES < PART_SLOTS:
-            mbarrier.expect(ready.index(s), SLOT_BYTES)
-            tma_load(s_desc, [0, slot0 + i + STAGES, row0, 0], ready.index(s), s_smem.index(s))
-            tma_load(w_desc, [0, 0, slot0 + i + STAGES, pair0, 0], ready.index(s), w_smem.index(s))
-        x_nxt = gl.load(x_words + x_off + gl.minimum(SPS * i + 1, PART_STEPS - 1) * 128, mask=x_mask, other=0)
-        acc = _step(acc, words0, ra, rb, sel, x_cur, WL, la, lb, BM, NATURAL_B=True)
-        if SPS == 2:
-            x_cur = gl.load(x_words + x_off + gl.minimum(SPS * i + 2, PART_STEPS - 1) * 128, mask=x_mask, other=0)
-            acc = _step(acc, words1, na, nb, sel, x_nxt, WL, la, lb, BM, NATURAL_B=True)
-        else:
-            x_cur = x_nxt
-
-    # the four warps' partial sums through shared memory (as in _gemm2_v3_kernel)
-    red = gl.allocate_shared_memory(gl.float32, [4, 64, BM], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    red.store(acc)
-    thread_barrier()
-    RL: gl.constexpr = gl.BlockedLayout([4, 1, 4], [1, 32 // (BM // 4), BM // 4], [1, 4, 1], [2, 1, 0])
-    y = gl.sum(red.load(RL), axis=0) * (gl.load(g_ptr) * 4194304.0)  # the decoded tiles' 2^-22
+    acc = _ring_gemm(w_desc, s_desc, x_words, _act_offsets(tok_b.to(gl.int64), K // 2, BM) + part * (PART_SLOTS * SPS * 128),
+                     _act_mask(tok_b < T, BM), n * 32, n * 64, part * PART_SLOTS, PART_SLOTS, BM, STAGES, SPS,
+                     NATURAL_B=True)
+    y = _warp_sum(acc, BM) * (gl.load(g_ptr) * 4194304.0)  # the decoded tiles' 2^-22
     YL: gl.constexpr = y.type.layout
     tok = mb * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, YL))
     cols = n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, YL))
