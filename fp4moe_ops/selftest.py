@@ -8,8 +8,10 @@ independent answer on a few shapes, token counts and activation-scale modes, one
   kernel stores them). On a Blackwell GPU this is the first hardware check of the NVFP4 x NVFP4 path:
   run it first, and if a row says FAIL, send the whole output (and ``nvidia-smi``, ``pip list``).
 
-Every case also routes some slots to ids outside ``[0, E)``, as expert parallelism does. Exit code 1
-on any FAIL. ``--quick`` runs the small shapes only.
+Every case also routes some slots to ids outside ``[0, E)``, as expert parallelism does. Then
+``fp4moe::nvfp4_linear`` (the NVFP4 linears outside the experts) as ``"auto"`` runs it, with the
+weight in the layout an ``NVFP4Linear`` holds on this device (paired on Hopper), against the
+float64 oracle. Exit code 1 on any FAIL. ``--quick`` runs the small shapes only.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from . import ACT_SCALE_MODES, activation_scales, available_backends, nvfp4, prepare_experts, quantize_moe_weights
 from .backends.reference import reference_moe
 from .moe_weights import NVFP4MoEWeights
-from .oracle64 import moe64
+from .oracle64 import linear64, moe64
 
 # name -> (E, H, I, top-k); "odd" has an odd expert count and I % 128 == 64 (FlashInfer pads it)
 SHAPES = {"deepseek-v3": (256, 7168, 2048, 8), "small": (8, 512, 256, 2), "odd": (7, 512, 192, 3)}
@@ -35,6 +37,10 @@ TOLERANCE = {
     "flashinfer_bf16": 1e-2,  # vs reference: weights rounded once to bf16
     "flashinfer_mxfp4": 0.3,  # vs reference: NVFP4 re-quantized to MXFP4, ~12% per weight matrix, two GEMMs
 }
+# the linear vs float64: the weight exact and float32 sums, or (reference, and the Triton path past
+# its kernels) the weight rounded to bf16 once (<= 2^-9 relative each), and the bf16 output rounding
+LINEAR_TOLERANCE = 4e-3
+LINEAR_TOKENS = (1, 16, 100, 300)
 # flashinfer_nvfp4 vs the kernel-faithful reference: FP4 rounding of the activations is discontinuous,
 # so most tokens agree to bf16 rounding and a few flip a code (tests/test_flashinfer_args.py)
 NVFP4_MEDIAN, NVFP4_FLIP, NVFP4_FLIP_SHARE = 5e-3, 2e-2, 0.25
@@ -123,6 +129,54 @@ def run(shapes, tokens, device) -> list[dict]:
     return rows
 
 
+def run_linears(device, tokens=LINEAR_TOKENS) -> list[dict]:
+    """``fp4moe::nvfp4_linear`` on a ``[384, 3072]`` weight (bias included) against float64, the
+    weight in the paired layout on Hopper as ``NVFP4Linear`` holds it there."""
+    from .linear import nvfp4_linear, split_counters
+
+    torch.manual_seed(1)
+    q = nvfp4.quantize_nvfp4(torch.randn(384, 3072, device=device) * torch.logspace(-2, 0, 384, device=device)[:, None])
+    g = q.global_scale.reshape(())
+    paired = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    weight = q.packed
+    if paired:
+        from .backends.triton_moe.layout import paired_weight_layout
+
+        weight = paired_weight_layout(q.packed)
+    bias = torch.randn(384, device=device, dtype=torch.bfloat16)
+    counters = split_counters(device)
+    rows = []
+    for t in tokens:
+        row = dict(backend="nvfp4_linear", shape="384x3072", tokens=t, mode="paired" if paired else "as stored")
+        try:
+            x = torch.randn(t, 3072, device=device, dtype=torch.bfloat16)
+            out = nvfp4_linear(x, weight, q.block_scale, g, bias, counters=counters)
+            row["kernels"] = _linear_kernels(x, weight)
+            row["ms"] = timed(lambda: nvfp4_linear(x, weight, q.block_scale, g, bias, counters=counters), device)
+            want = linear64(x.cpu(), q.packed.cpu(), q.block_scale.cpu(), g.cpu(), bias.cpu())
+            row["error"], row["tolerance"] = rel(out.cpu(), want), LINEAR_TOLERANCE
+            row["pass"] = row["error"] < row["tolerance"] and bool(torch.isfinite(out).all())
+        except Exception as exc:  # noqa: BLE001 - a row per case, whatever happens
+            row.update(error=float("nan"), tolerance=float("nan"), why=f"{type(exc).__name__}: {exc}")
+            row["pass"] = False
+        rows.append(row)
+        print(_format(row), flush=True)
+    return rows
+
+
+def _linear_kernels(x, weight) -> str:
+    """The path ``"auto"`` takes for this call: ``reference``, or the Triton config's path."""
+    from .linear import _triton_refusal
+
+    if _triton_refusal(x, weight):
+        return "reference"
+    from .backends.triton_moe.launch import _gluon_runs, linear_config, linear_shape
+
+    n, k = linear_shape(weight)
+    paired = weight.dtype == torch.int32
+    return "triton-" + linear_config(x.shape[0], n, k, paired, paired and _gluon_runs(x))["path"]
+
+
 def _check(row, experts, w, x, ids, rw, device, answers) -> None:
     backend, mode, t = row["backend"], None if row["mode"] == "w4a16" else row["mode"], row["tokens"]
     out = experts(x, ids, rw)
@@ -190,7 +244,7 @@ def main(argv=None) -> int:
     cap = torch.cuda.get_device_capability(device) if gpu else None
     print(f"fp4moe self-test on {name} (capability {cap}), torch {torch.__version__}, Triton {_triton_version()}; "
           f"backends here: {available_backends(device)}", flush=True)
-    rows = run(shapes, tokens, device)
+    rows = run(shapes, tokens, device) + run_linears(device)
     failed = [r for r in rows if not r["pass"]]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
