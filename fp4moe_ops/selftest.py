@@ -113,18 +113,15 @@ def run(shapes, tokens, device) -> list[dict]:
             for t in tokens:
                 x, ids, rw = inputs[t]
                 for mode in modes:
-                    row = dict(backend=backend, shape=shape, tokens=t, mode=mode or "w4a16")
-                    try:
+                    def case(row, mode=mode, x=x, ids=ids, rw=rw):
+                        nonlocal w4a16
                         weights = calibrate(w, x, ids, rw) if mode else w
                         if mode is None:
                             w4a16 = w4a16 or prepare_experts(w, backend)
                         experts = w4a16 if mode is None else prepare_experts(weights, backend, mode)
                         _check(row, experts, weights, x, ids, rw, device, answers)
-                    except Exception as exc:  # noqa: BLE001 - a row per case, whatever happens
-                        row.update(error=float("nan"), tolerance=float("nan"), why=f"{type(exc).__name__}: {exc}")
-                        row["pass"] = False
-                    rows.append(row)
-                    print(_format(row), flush=True)
+
+                    rows.append(_row(dict(backend=backend, shape=shape, tokens=t, mode=mode or "w4a16"), case))
             del w4a16
     return rows
 
@@ -147,8 +144,7 @@ def run_linears(device, tokens=LINEAR_TOKENS) -> list[dict]:
     counters = split_counters(device)
     rows = []
     for t in tokens:
-        row = dict(backend="nvfp4_linear", shape="384x3072", tokens=t, mode="paired" if paired else "as stored")
-        try:
+        def case(row, t=t):
             x = torch.randn(t, 3072, device=device, dtype=torch.bfloat16)
             out = nvfp4_linear(x, weight, q.block_scale, g, bias, counters=counters)
             row["kernels"] = _linear_kernels(x, weight)
@@ -156,12 +152,21 @@ def run_linears(device, tokens=LINEAR_TOKENS) -> list[dict]:
             want = linear64(x.cpu(), q.packed.cpu(), q.block_scale.cpu(), g.cpu(), bias.cpu())
             row["error"], row["tolerance"] = rel(out.cpu(), want), LINEAR_TOLERANCE
             row["pass"] = row["error"] < row["tolerance"] and bool(torch.isfinite(out).all())
-        except Exception as exc:  # noqa: BLE001 - a row per case, whatever happens
-            row.update(error=float("nan"), tolerance=float("nan"), why=f"{type(exc).__name__}: {exc}")
-            row["pass"] = False
-        rows.append(row)
-        print(_format(row), flush=True)
+
+        rows.append(_row(dict(backend="nvfp4_linear", shape="384x3072", tokens=t,
+                              mode="paired" if paired else "as stored"), case))
     return rows
+
+
+def _row(row: dict, case) -> dict:
+    """``case(row)`` fills in the row's result; whatever it raises fails the row, named. Printed."""
+    try:
+        case(row)
+    except Exception as exc:  # noqa: BLE001 - a row per case, whatever happens
+        row.update(error=float("nan"), tolerance=float("nan"), why=f"{type(exc).__name__}: {exc}")
+        row["pass"] = False
+    print(_format(row), flush=True)
+    return row
 
 
 def _linear_kernels(x, weight) -> str:
