@@ -547,13 +547,19 @@ def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int):
     the kernel loads scales with plain loads and gets ``s`` itself."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if w.dtype == torch.int32:
-        w_box = TensorDescriptor.from_tensor(w.view(torch.uint8).reshape(-1, 4 * w.shape[-1]), [bn // 2, bk])
-    else:
-        w_box = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[-1]), [bn, bk // 2])
+    w_box = _weight_descriptor(w, bn, bk)
     if bk < 256:
         return w_box, s
     return w_box, TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [bn, bk // 16])
+
+
+def _weight_descriptor(w: torch.Tensor, bn: int, bk: int):
+    """:func:`_descriptors`' TMA descriptor over the packed weights alone."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if w.dtype == torch.int32:
+        return TensorDescriptor.from_tensor(w.view(torch.uint8).reshape(-1, 4 * w.shape[-1]), [bn // 2, bk])
+    return TensorDescriptor.from_tensor(w.reshape(-1, w.shape[-1]), [bn, bk // 2])
 
 
 def _gate_up_descriptors(w13: torch.Tensor, s13: torch.Tensor, bn: int, bk: int):
@@ -592,9 +598,9 @@ SM_COUNT_TARGET = 264  # programs to aim for: two per SM of an H100/H200 (132 SM
 LINEAR_MAX_PARTS = 16  # K split at most this many ways (each part writes a float32 [T, N] of partial sums)
 # Paired weights (what NVFP4Linear holds on Hopper), bf16: the kernel path up to this many tokens
 # (decode_v3's linear, or the GEMV in 32/64-token blocks for wide weights), then dequantize + cuBLAS.
-# At 65-128 tokens the kernels took 0.60-0.87x BF16's time, dequantize + cuBLAS 0.43-0.69x; from
-# 256 tokens dequantize + cuBLAS was the faster (H100, 2026-12-05, bench_linear.py --sweep on
-# DeepSeek-V3's shapes; benchmarks/NOTES.md)
+# At 128 tokens the kernels ran at 0.60-0.87x BF16's speed, dequantize + cuBLAS at 0.43-0.69x; at
+# 256 dequantize + cuBLAS was the faster on 8 of 9 shapes (H100, 2026-12-05, bench_linear.py
+# --sweep on DeepSeek-V3's shapes; benchmarks/NOTES.md)
 LINEAR_V3_MAX_TOKENS = 128
 LINEAR_WIDE_N = 16384  # from this many output features the GEMV's 32/64-token blocks beat decode_v3 past 16 tokens
 
@@ -698,8 +704,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     has_bias = bias is not None
     if cfg["path"] == "dequantize":
         w = x.new_empty(16) if compiling_ahead() else torch.empty(n, k, dtype=x.dtype, device=x.device)
-        w_desc = _descriptors(weight[None], weight_scale.view(torch.uint8)[None], cfg["BN"], cfg["BK"])[0] if paired \
-            else None
+        w_desc = _weight_descriptor(weight, cfg["BN"], cfg["BK"]) if paired else None
         launch_or_compile(_dequant_kernel, (n // cfg["BN"], k // cfg["BK"]), weight, weight_scale.view(torch.uint8),
                           weight_scale_2, w, k, w_desc, BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast, PAIRED=paired)
         if compiling_ahead():  # only the kernel's compile: no n x k buffer, no GEMM on garbage
