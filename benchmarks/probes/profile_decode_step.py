@@ -31,8 +31,8 @@ from hf_integration import fuse_routers, fuse_shared_experts, patch_deepseek, qu
 from bench_e2e import deepseek_v3_layers  # noqa: E402
 
 GROUPS = [  # first match wins; lower-case substrings of kernel names
-    ("fp4moe experts (Triton)", ("_gemm1_swiglu", "_gemm2_kernel", "_route_kernel", "_sum_topk")),
-    ("fp4moe NVFP4 linears (Triton)", ("_linear_kernel", "_linear_parts", "_dequant_kernel")),
+    ("fp4moe experts (Triton)", ("_gemm1", "_gemm2", "_prefill_gemm", "_route_kernel", "_sum_topk")),
+    ("fp4moe NVFP4 linears (Triton)", ("_linear", "_dequant_kernel")),
     ("attention (SDPA/flash)", ("flash", "fmha", "attention", "sdpa", "softmax")),
     ("GEMM/GEMV (cuBLAS, cutlass, grouped_mm)", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "grouped", "matmul")),
     ("inductor-fused elementwise/reductions", ("triton_",)),
