@@ -332,80 +332,13 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
     n = gl.program_id(1)
     e = _block_expert(block_expert_ptr, b, SLOT_BLOCKS, E)
     if e >= 0:
-        NSTEPS: gl.constexpr = I // 256
-        mma: gl.constexpr = _MMA
-        la: gl.constexpr = _LA
-        lb: gl.constexpr = _LB
-        wref = _words_ref(la)
-        WL: gl.constexpr = wref.type.layout
-        WL16: gl.constexpr = gl.reshape(wref, [4, 32, 16]).type.layout
-        SL: gl.constexpr = gl.SliceLayout(3, WL)
-        BL: gl.constexpr = _act_ref(lb, BM).type.layout
-
-        # the ring: per slot SPS steps x [4 warps' chunks, 32 pair rows, 64 bytes] and their
-        # scale words [64 rows, 4 warps]
-        NSLOTS: gl.constexpr = NSTEPS // SPS
-        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, SPS, 4, 1, 32, 64], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, SPS, 1, 64, 4], s_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for q in gl.static_range(STAGES):
-            mbarrier.init(ready.index(q), count=1)
-        pair0 = e * (H // 2) + n * 32
-        row0 = e * H + n * 64
-        SLOT_BYTES: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes
-        for q in gl.static_range(STAGES):
-            if q < NSLOTS:
-                mbarrier.expect(ready.index(q), SLOT_BYTES)
-                tma_load(s_desc, [0, q, row0, 0], ready.index(q), s_smem.index(q))
-                tma_load(w_desc, [0, 0, q, pair0, 0], ready.index(q), w_smem.index(q))
-        words_smem = reinterpret(w_smem, gl.int32, [STAGES * SPS, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        s_steps = reinterpret(s_smem, gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-
-        sel = _scale_selector(SL)
-
-        # the block's tokens and activation offsets [4, BM, 32] (int32 words) of step 0
-        bw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
-        bn = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
-        bq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
-        slots_b, valid_b, r0, r1 = _block_rows(b, bn, sorted_slot_ptr, row_start_ptr, row_end_ptr, SLOT_BLOCKS)
-        h_off = (gl.expand_dims(gl.expand_dims(slots_b * (I // 2), 0), 2) + gl.expand_dims(gl.expand_dims(bw * 32, 1), 2)
-                 + gl.expand_dims(gl.expand_dims(bq, 0), 1))
+        # the block's tokens and their activation words of step 0
+        slots_b, valid_b, r0, r1 = _block_rows(b, _act_rows(BM), sorted_slot_ptr, row_start_ptr, row_end_ptr,
+                                               SLOT_BLOCKS)
         h_words = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        h_mask = gl.expand_dims(gl.expand_dims(valid_b, 0), 2) & gl.expand_dims(gl.expand_dims(bq >= 0, 0), 1)
-
-        x_cur = gl.load(h_words + h_off, mask=h_mask, other=0)
-        acc = gl.zeros([4, 64, BM], gl.float32, mma)
-        for i in range(NSLOTS):
-            s = i % STAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            words0 = words_smem.index(SPS * s).load(WL16)
-            ra, rb = _slot_scales(s_steps.index(SPS * s), SL)
-            if SPS == 2:
-                words1 = words_smem.index(SPS * s + 1).load(WL16)
-                na, nb = _slot_scales(s_steps.index(SPS * s + 1), SL)
-            thread_barrier()  # every warp has its words and scales of slot s: refill it
-            if i + STAGES < NSLOTS:
-                mbarrier.expect(ready.index(s), SLOT_BYTES)
-                tma_load(s_desc, [0, i + STAGES, row0, 0], ready.index(s), s_smem.index(s))
-                tma_load(w_desc, [0, 0, i + STAGES, pair0, 0], ready.index(s), w_smem.index(s))
-            # the next step's activations, issued after the copy (its proxy fence waits for the
-            # thread's outstanding memory operations)
-            x_nxt = gl.load(h_words + h_off + gl.minimum(SPS * i + 1, NSTEPS - 1) * 128, mask=h_mask, other=0)
-            acc = _step(acc, words0, ra, rb, sel, x_cur, WL, la, lb, BM, E8M0=E8M0)
-            if SPS == 2:
-                x_cur = gl.load(h_words + h_off + gl.minimum(SPS * i + 2, NSTEPS - 1) * 128, mask=h_mask, other=0)
-                acc = _step(acc, words1, na, nb, sel, x_nxt, WL, la, lb, BM, E8M0=E8M0)
-            else:
-                x_cur = x_nxt
-
-        # the four warps' partial sums added through shared memory: each warp stores its partial
-        # sums, each thread then adds the four partials of its outputs (a generic reduction over
-        # the warp axis also shuffled within warps, with bank conflicts: 202 us instead of 152)
-        red = gl.allocate_shared_memory(gl.float32, [4, 64, BM], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        red.store(acc)
-        thread_barrier()
-        RL: gl.constexpr = gl.BlockedLayout([4, 1, 4], [1, 32 // (BM // 4), BM // 4], [1, 4, 1], [2, 1, 0])
-        y = gl.sum(red.load(RL), axis=0)
+        acc = _ring_gemm(w_desc, s_desc, h_words, _act_offsets(slots_b, I // 2, BM), _act_mask(valid_b, BM),
+                         e * (H // 2) + n * 32, e * H + n * 64, 0, I // 256 // SPS, BM, STAGES, SPS, E8M0=E8M0)
+        y = _warp_sum(acc, BM)
         YL: gl.constexpr = y.type.layout
         g = _global_scale(g_ptr, e, E8M0)
         mo = gl.arange(0, BM, layout=gl.SliceLayout(0, YL))
