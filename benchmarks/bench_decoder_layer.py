@@ -1,6 +1,7 @@
 """Decode time per decoder layer: one DeepSeek-V3-shaped model of 4 full-size
 layers (bench_e2e.py's), timed as its first 2 layers and as all 4, so that the host's time, the
 embedding and the LM head cancel: per layer = (step time with 4 layers - with 2) / 2.
+``--layer-counts 1,2`` times 1 and 2 layers instead, which fit an 80 GB GPU.
 
 Two step times (``--timing``):
 
@@ -95,18 +96,21 @@ def main():
     ap.add_argument("--variants", default="bf16,bf16-batched,fp4moe,fp4moe-linears,fp4moe-shared,fp4moe-attn")
     ap.add_argument("--timing", choices=("forward", "generate"), default="forward")
     ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument("--layer-counts", default="2,4",
+                    help="the two model depths timed; per layer = the difference over theirs (1,2 fits an 80 GB GPU)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    model = deepseek_v3_layers(4)
+    few, many = (int(n) for n in args.layer_counts.split(","))
+    model = deepseek_v3_layers(many)
     all_layers = list(model.model.layers)
     rows = []
     print(f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}: DeepSeek-V3 layers (E=256, H=7168, I=2048), "
-          f"decode step ms ({args.timing} timing) with 2 and 4 layers", flush=True)
-    print("| variant | batch | step ms, 2 layers | step ms, 4 layers | ms per decoder layer |")
+          f"decode step ms ({args.timing} timing) with {few} and {many} layers", flush=True)
+    print(f"| variant | batch | step ms, {few} layers | step ms, {many} layers | ms per decoder layer |")
     print("|---|---|---|---|---|", flush=True)
     for variant in args.variants.split(","):
         model.model.layers = torch.nn.ModuleList(all_layers)
-        model.config.num_hidden_layers = 4
+        model.config.num_hidden_layers = many
         if variant == "bf16-batched" and not hasattr(model, "set_experts_implementation"):
             print("skipping bf16-batched: this Transformers cannot switch experts implementations")
             continue
@@ -124,15 +128,16 @@ def main():
         all_layers = list(model.model.layers)
         for b in batches:
             try:
-                two, four = (step_ms(model, n, all_layers, b, args.new_tokens, args.timing, decode_experts)
-                             for n in (2, 4))
+                t_few, t_many = (step_ms(model, n, all_layers, b, args.new_tokens, args.timing, decode_experts)
+                             for n in (few, many))
             except torch.OutOfMemoryError as e:  # batched_mm copies each chosen expert's weights per token
                 print(f"| {variant} | {b} | out of memory: {str(e).splitlines()[0][:80]} | | |", flush=True)
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
                 continue
-            rows.append(dict(variant=variant, batch=b, two=two, four=four, per_layer=(four - two) / 2))
-            print(f"| {variant} | {b} | {two:.3f} | {four:.3f} | {(four - two) / 2:.3f} |", flush=True)
+            per_layer = (t_many - t_few) / (many - few)
+            rows.append(dict(variant=variant, batch=b, layers=(few, many), few_ms=t_few, many_ms=t_many, per_layer=per_layer))
+            print(f"| {variant} | {b} | {t_few:.3f} | {t_many:.3f} | {per_layer:.3f} |", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decoder_layer.json").write_text(json.dumps(rows, indent=1))
