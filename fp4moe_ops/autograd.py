@@ -110,7 +110,10 @@ def nvfp4_linear_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, weight_s
                             weight_scale_2: torch.Tensor) -> torch.Tensor:
     """``d x [..., K] = d y [..., N] . W`` with W decoded to d y's dtype, as the reference
     forward decodes it (an op of its own, so that a compiled backward does not trace the decode)."""
-    return grad_y @ decoded_weight(weight, weight_scale, weight_scale_2, grad_y.dtype)
+    # one [T, N] matrix: see the reference forward in fp4moe_ops.linear (a batched GEMM otherwise)
+    g2 = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()
+    grad_x = g2 @ decoded_weight(weight, weight_scale, weight_scale_2, grad_y.dtype)
+    return grad_x.reshape(*grad_y.shape[:-1], grad_x.shape[-1])
 
 
 @nvfp4_linear_grad_input.register_fake

@@ -299,12 +299,12 @@ def test_triton_linear_with_no_tokens_and_with_a_strided_weight(tokens):
         assert ((got.cpu().double() - want).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("path", ["dequantize", "reference"])
+@pytest.mark.parametrize("path", ["dequantize", "reference", "backward"])
 def test_cublas_gets_the_tokens_as_one_matrix(path):
     # attention hands o_proj at decode a [B, 1, K] tensor whose size-1 axis has a stride of its own:
     # is_contiguous() holds, but F.linear cannot fold it into one matrix and runs a batched GEMM
     # that reads the weight once per row (o_proj at 512 rows: 31 ms instead of 0.2 on an H100).
-    # The paths that end in F.linear run one GEMM over all tokens
+    # The paths that end in F.linear, and the backward's d x, run one GEMM over all tokens
     from torch.profiler import profile
 
     from fp4moe_ops.backends.triton_moe.launch import linear_config
@@ -313,17 +313,25 @@ def test_cublas_gets_the_tokens_as_one_matrix(path):
     packed, scale, g = (t.to(DEVICE) for t in nvfp4_weight(n, k, seed=3))
     x = torch.randn(rows, k, dtype=torch.bfloat16, device=DEVICE).as_strided((rows, 1, k), (k, 128, 1))
     assert x.is_contiguous()
+    dy = torch.randn(rows, n, dtype=torch.bfloat16, device=DEVICE).as_strided((rows, 1, n), (n, 8, 1))
     with profile() as prof:
         if path == "dequantize":
             got = triton_linear(x, packed, scale, g, None, linear_config(65, n, k))
-        else:
+        elif path == "reference":
             got = fp4moe_ops.nvfp4_linear(x, packed, scale, g, backend="reference")
+        else:
+            got = torch.ops.fp4moe.nvfp4_linear_grad_input(dy, packed, scale, g)
     gemms = [e.name for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::bmm")]
     assert gemms and "aten::bmm" not in gemms
-    assert got.shape == (rows, 1, n)
-    want = linear64(x.cpu(), packed.cpu(), scale.cpu(), g.cpu())
     w64 = dequant64(packed.cpu(), scale.cpu(), g.cpu())
-    bound = 2.0**-7 * want.abs() + 2.0**-7 * (x.cpu().double().abs() @ w64.abs().T)  # bf16 weight and output
+    if path == "backward":
+        assert got.shape == (rows, 1, k)
+        a, b = dy.cpu().double(), w64  # d x = d y . W
+    else:
+        assert got.shape == (rows, 1, n)
+        a, b = x.cpu().double(), w64.T
+    want = a @ b
+    bound = 2.0**-7 * want.abs() + 2.0**-7 * (a.abs() @ b.abs())  # bf16 weight and output
     assert ((got.cpu().double() - want).abs() <= bound).all()
 
 
