@@ -115,9 +115,10 @@ def main():
             print("skipping bf16-batched: this Transformers cannot switch experts implementations")
             continue
         decode_experts = "batched_mm" if variant == "bf16-batched" else None
-        if variant == "fp4moe":
+        patched = any(n.endswith("gate_up_proj_packed") for n, _ in model.named_buffers())
+        if variant.startswith("fp4moe") and not patched:  # each fp4moe variant has the routed experts NVFP4
             patch_deepseek(model, verbose=False)
-        elif variant == "fp4moe-linears":
+        if variant == "fp4moe-linears":
             quantize_linears(model, dense_mlps=True)
         elif variant == "fp4moe-shared":
             quantize_linears(model, dense_mlps=True)  # (nothing left to do after fp4moe-linears)
