@@ -101,11 +101,17 @@ def main():
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     few, many = (int(n) for n in args.layer_counts.split(","))
+    if not 0 < few < many:
+        ap.error(f"--layer-counts: two depths, the first smaller, both positive; got {args.layer_counts}")
     model = deepseek_v3_layers(many)
     all_layers = list(model.model.layers)
     rows = []
-    print(f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}: DeepSeek-V3 layers (E=256, H=7168, I=2048), "
-          f"decode step ms ({args.timing} timing) with {few} and {many} layers", flush=True)
+    import transformers
+    import triton
+
+    print(f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, Triton "
+          f"{triton.__version__}, Transformers {transformers.__version__}: DeepSeek-V3 layers (E=256, H=7168, "
+          f"I=2048), decode step ms ({args.timing} timing) with {few} and {many} layers", flush=True)
     print(f"| variant | batch | step ms, {few} layers | step ms, {many} layers | ms per decoder layer |")
     print("|---|---|---|---|---|", flush=True)
     for variant in args.variants.split(","):
@@ -130,7 +136,7 @@ def main():
         for b in batches:
             try:
                 t_few, t_many = (step_ms(model, n, all_layers, b, args.new_tokens, args.timing, decode_experts)
-                             for n in (few, many))
+                                 for n in (few, many))
             except torch.OutOfMemoryError as e:  # batched_mm copies each chosen expert's weights per token
                 print(f"| {variant} | {b} | out of memory: {str(e).splitlines()[0][:80]} | | |", flush=True)
                 torch._dynamo.reset()

@@ -111,7 +111,7 @@ def nvfp4_linear_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, weight_s
     """``d x [..., K] = d y [..., N] . W`` with W decoded to d y's dtype, as the reference
     forward decodes it (an op of its own, so that a compiled backward does not trace the decode)."""
     # one [T, N] matrix: see the reference forward in fp4moe_ops.linear (a batched GEMM otherwise)
-    g2 = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()
+    g2 = grad_y.reshape(grad_y.shape[:-1].numel(), grad_y.shape[-1]).contiguous()
     grad_x = g2 @ decoded_weight(weight, weight_scale, weight_scale_2, grad_y.dtype)
     return grad_x.reshape(*grad_y.shape[:-1], grad_x.shape[-1])
 

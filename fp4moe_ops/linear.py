@@ -221,7 +221,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         return triton_nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias, counters=counters)
     # one [T, K] matrix: a [B, 1, K] input with its own stride on the size-1 axis (attention's output
     # at decode) would run a batched GEMM reading the weight once per row
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).contiguous()
     y = F.linear(x2, decoded_weight(weight, weight_scale, weight_scale_2, x.dtype), bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -42,7 +42,8 @@ GROUPS = [  # first match wins; lower-case substrings of kernel names
 def group_of(name: str) -> str:
     low = name.lower()
     for group, keys in GROUPS:
-        if any(k in low for k in keys):
+        # fp4moe's kernels by the start of their names (Inductor's fused kernels may name an op inside)
+        if any(low.startswith(k) if k.startswith("_") else k in low for k in keys):
             return group
     return "other (copies, index, sort, topk, ...)"
 
