@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends.base import CANONICAL, convert_packed, get_backend
-from .linear import decoded_weight, nvfp4_linear
+from .linear import as_matrix, decoded_weight, nvfp4_linear
 from .moe_math import expert_groups, expert_scale
 from .nvfp4 import dequantize_nvfp4, quantize_activation_nvfp4
 from .op import _check_inputs, fused_moe
@@ -110,9 +110,7 @@ def nvfp4_linear_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, weight_s
                             weight_scale_2: torch.Tensor) -> torch.Tensor:
     """``d x [..., K] = d y [..., N] . W`` with W decoded to d y's dtype, as the reference
     forward decodes it (an op of its own, so that a compiled backward does not trace the decode)."""
-    # one [T, N] matrix: see the reference forward in fp4moe_ops.linear (a batched GEMM otherwise)
-    g2 = grad_y.reshape(grad_y.shape[:-1].numel(), grad_y.shape[-1]).contiguous()
-    grad_x = g2 @ decoded_weight(weight, weight_scale, weight_scale_2, grad_y.dtype)
+    grad_x = as_matrix(grad_y) @ decoded_weight(weight, weight_scale, weight_scale_2, grad_y.dtype)
     return grad_x.reshape(*grad_y.shape[:-1], grad_x.shape[-1])
 
 

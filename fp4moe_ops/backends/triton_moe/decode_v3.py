@@ -332,12 +332,12 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
     n = gl.program_id(1)
     e = _block_expert(block_expert_ptr, b, SLOT_BLOCKS, E)
     if e >= 0:
-        # the block's tokens and their activation words of step 0
+        # the block's slots and their activation words of step 0
         slots_b, valid_b, r0, r1 = _block_rows(b, _act_rows(BM), sorted_slot_ptr, row_start_ptr, row_end_ptr,
                                                SLOT_BLOCKS)
         h_words = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         acc = _ring_gemm(w_desc, s_desc, h_words, _act_offsets(slots_b, I // 2, BM), _act_mask(valid_b, BM),
-                         e * (H // 2) + n * 32, e * H + n * 64, 0, I // 256 // SPS, BM, STAGES, SPS, E8M0=E8M0)
+                         e * (H // 2) + n * 32, e * H + n * 64, 0, I // (256 * SPS), BM, STAGES, SPS, E8M0=E8M0)
         y = _warp_sum(acc, BM)
         YL: gl.constexpr = y.type.layout
         g = _global_scale(g_ptr, e, E8M0)

@@ -709,9 +709,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                           weight_scale_2, w, k, w_desc, BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast, PAIRED=paired)
         if compiling_ahead():  # only the kernel's compile: no n x k buffer, no GEMM on garbage
             return x.new_empty(*x.shape[:-1], n)
-        # on x2, not x: attention's [B, 1, K] output at decode has its own stride on the size-1 axis,
-        # which F.linear cannot fold into one matrix: a batched GEMM reading the weight once per row
-        # (o_proj at 512 rows, H100: 31 ms instead of 0.17)
+        # on x2, not x (fp4moe_ops.linear.as_matrix says why)
         return torch.nn.functional.linear(x2, w, bias).reshape(*x.shape[:-1], n)
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     parts = cfg["PARTS"]
