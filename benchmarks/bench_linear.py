@@ -17,6 +17,7 @@ checked against BF16 ``F.linear`` first (relative error printed).
 """
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -76,6 +77,9 @@ def main():
                     help="instead: kernel variants (K parts, warps, token block) against the chosen config and BF16")
     ap.add_argument("--gemv", action="store_true", help="with --sweep: GEMV variants at 1-16 tokens too")
     args = ap.parse_args()
+    # fp4moe says once which kernel family its linears run (the Triton release, Gluon or not)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("fp4moe").setLevel(logging.INFO)
     if args.sweep:
         return sweep(args)
     cuda = torch.cuda.is_available()
