@@ -3,13 +3,14 @@
 # H100/H200 whose torch pins Triton 3.6 (torch 2.11), the second release unpacked beside it:
 #   bash benchmarks/run_triton_releases.sh bench /path/to/triton-3.9.0.tar.xz     # the layer table
 #   bash benchmarks/run_triton_releases.sh tests /path/to/triton-3.9.0.tar.xz     # the GPU tests on both
+#   bash benchmarks/run_triton_releases.sh linear /path/to/triton-3.9.0.tar.xz    # the NVFP4 linear table
 # The archive holds a `triton/` package for this Python (see CONTRIBUTING.md); fp4moe's kernels
 # run on it eagerly and under CUDA graphs. torch's own Inductor expects the Triton torch pins, so
 # under the second release only the tests that do not compile with Inductor are run.
 # Results and logs go to $OUT (default benchmarks/out).
 set -o pipefail
-step=${1:?usage: run_triton_releases.sh bench|tests TRITON_ARCHIVE}
-archive=${2:?usage: run_triton_releases.sh bench|tests TRITON_ARCHIVE}
+step=${1:?usage: run_triton_releases.sh bench|tests|linear TRITON_ARCHIVE}
+archive=${2:?usage: run_triton_releases.sh bench|tests|linear TRITON_ARCHIVE}
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT" /tmp/second-triton
 tar -xJf "$archive" -C /tmp/second-triton
@@ -29,6 +30,14 @@ case $step in
       $run timeout 280 python3 benchmarks/bench_moe.py $args --out "/tmp/bench-$v" 2>&1 | tee "$OUT/bench-triton-$v.log"
       cp "/tmp/bench-$v/results_deepseek.md" "$OUT/results_deepseek_triton-$v.md"
       cp "/tmp/bench-$v/results_deepseek.json" "$OUT/results_deepseek_triton-$v.json"
+    done ;;
+  linear)
+    # BENCH_TOKENS: other token counts; LINEAR_SHAPES: a subset of bench_linear.SHAPES. Each log
+    # names the kernel family the linears ran (fp4moe's info line)
+    for v in $first_v $second_v; do
+      run=""; [ "$v" = "$second_v" ] && run=second
+      $run timeout ${LINEAR_TIMEOUT:-280} python3 benchmarks/bench_linear.py --tokens ${BENCH_TOKENS:-1,16,64,128,512,2048} \
+        ${LINEAR_SHAPES:+--shapes "$LINEAR_SHAPES"} 2>&1 | tee "$OUT/linear-triton-$v.log"
     done ;;
   tests)
     files="tests/test_triton_backend.py tests/test_op.py tests/test_linear.py tests/test_routing.py"
