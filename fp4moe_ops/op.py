@@ -97,7 +97,9 @@ def fused_moe(
         routed_experts: how many experts the router chooses among, when this call holds only a
             shard of them (expert parallelism: ``E * world_size``); 0 means all ``E`` are here.
             A performance hint only (the Triton backend sizes its tiles by the expected rows
-            per expert); results do not depend on it.
+            per expert, slots over this count); results do not depend on it. A shared expert
+            run as one more expert on every token passes the count that gives the routed
+            experts' rows (``hf_integration.shared_experts.routed_rows_hint``).
 
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``.

@@ -291,6 +291,17 @@ def _fusable(block: nn.Module):
     return found
 
 
+def routed_rows_hint(num_routed: int, top_k: int) -> int:
+    """``fp4moe::fused_moe``'s ``routed_experts`` hint for ``num_routed`` experts of top-``top_k``
+    with the shared expert as one more on every token. The Triton backend picks its tiles by the
+    expected rows per expert, slots over this hint: counted over E + 1 experts, the shared expert's
+    T slots put 512 DeepSeek-V3 tokens at 17.9 rows per expert (the prefill bucket) where the
+    routed experts hold 16 (the middle bucket). Over E (k + 1) / k the (k + 1) T slots give the
+    routed experts' own k T / E (the layer 1.21x faster at 480-512 tokens, 1.02-1.07x at 240-256,
+    level at 1024-2048: H100, benchmarks/results/probe_shared_bucket_h100_2026-12-05.log)."""
+    return round(num_routed * (top_k + 1) / top_k)
+
+
 def fuse_shared_experts(model: nn.Module) -> int:
     """Replace every MoE block that can run its shared expert inside the routed call (see the module
     docstring) by a :class:`SharedExpertMoE`; returns how many. Blocks that cannot (a BF16 shared
@@ -314,10 +325,13 @@ def fuse_shared_experts(model: nn.Module) -> int:
             from accelerate.hooks import add_hook_to_module
 
             add_hook_to_module(fused, routed._hf_hook)
+        top_k = getattr(block.gate, "top_k", None)
+        if top_k:
+            fused.routed_experts = routed_rows_hint(w.num_experts, top_k)
         replace_module(parent, attr, SharedExpertMoE(block.gate, fused, w.num_experts, scheme, scalars))
         count += 1
     return count
 
 
 __all__ = ["SHARED_EXPERT_BLOCKS", "ExpertsWithShared", "SharedExpertMoE", "fuse_shared_experts",
-           "shared_expert_weights"]
+           "routed_rows_hint", "shared_expert_weights"]

@@ -104,6 +104,28 @@ def test_fused_block_matches_float64_and_the_unfused_block(model_fn):
     assert rel(want_unfused, want) < 8e-3 and rel(got, want_unfused) < 8e-3
 
 
+@pytest.mark.parametrize("model_fn", [tiny_deepseek_v3, tiny_glm4_moe])
+def test_fused_experts_pick_their_tiles_by_the_routed_experts_rows(model_fn):
+    """The shared expert's T slots must not move a call into another bucket: with the hint, the
+    fused call's tiles are those of the routed experts' own call at every token count (DeepSeek-V3's
+    E=256, top-8: without it 240-256 and 457-512 tokens land a bucket higher)."""
+    from fp4moe_ops.backends.triton_moe.launch import kernel_config
+    from hf_integration.shared_experts import routed_rows_hint
+
+    model = patched(model_fn)
+    for block in blocks(model, SharedExpertMoE):
+        k = block.gate.top_k
+        assert block.experts.routed_experts == routed_rows_hint(block.num_routed, k) == \
+            round(block.num_routed * (k + 1) / k)
+    bucket = ("BM", "BN1", "BK1", "BN2", "BK2", "num_warps", "GLUON_PREFILL", "DECODE_V3")
+    e, k, h, i = 256, 8, 7168, 2048
+    hint = routed_rows_hint(e, k)
+    for t in range(1, 4097):
+        fused = kernel_config(t * (k + 1), e + 1, h, i, hint)
+        routed = kernel_config(t * k, e, h, i)
+        assert [fused[key] for key in bucket] == [routed[key] for key in bucket], t
+
+
 def test_state_dict_and_saved_checkpoint_are_the_unfused_ones(tmp_path):
     unfused = patched(fuse=False)
     fused = copy.deepcopy(unfused)
