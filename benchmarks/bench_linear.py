@@ -1,6 +1,6 @@
-"""``fp4moe::nvfp4_linear`` against BF16 ``F.linear`` at DeepSeek-V3's attention and shared-expert
-shapes, all in one process: median time per call, CUDA-graph replay
-on a GPU (wall time on CPU), for 1-8192 tokens.
+"""``fp4moe::nvfp4_linear`` against BF16 ``F.linear`` at DeepSeek-V3's attention, shared-expert and
+dense-MLP shapes and Qwen3-MoE's attention shapes, all in one process: median time per call,
+CUDA-graph replay on a GPU (wall time on CPU), for 1-8192 tokens.
 
     python benchmarks/bench_linear.py --tokens 1,8,64,512,2048,8192      # GPU
     python benchmarks/bench_linear.py --tokens 1,8 --small                # CPU smoke run
@@ -31,10 +31,13 @@ import fp4moe_ops  # noqa: E402
 from fp4moe_ops import nvfp4  # noqa: E402
 
 # (name, N = out_features, K = in_features): DeepSeek-V3's MLA projections, its shared expert, the
-# MLP of its first three (dense) layers
+# MLP of its first three (dense) layers; then Qwen3-MoE's attention (30B-A3B: hidden 2048, 32 query
+# and 4 key/value heads of 128; 235B-A22B: hidden 4096, 64 and 4), k_proj and v_proj alike
 SHAPES = [("q_a_proj", 1536, 7168), ("q_b_proj", 24576, 1536), ("kv_a_proj_with_mqa", 576, 7168),
           ("kv_b_proj", 32768, 512), ("o_proj", 7168, 16384), ("shared gate_up", 4096, 7168),
-          ("shared down", 7168, 2048), ("dense gate_up", 36864, 7168), ("dense down", 7168, 18432)]
+          ("shared down", 7168, 2048), ("dense gate_up", 36864, 7168), ("dense down", 7168, 18432),
+          ("qwen3-30b q_proj", 4096, 2048), ("qwen3-30b k/v_proj", 512, 2048), ("qwen3-30b o_proj", 2048, 4096),
+          ("qwen3-235b q_proj", 8192, 4096), ("qwen3-235b k/v_proj", 512, 4096), ("qwen3-235b o_proj", 4096, 8192)]
 
 
 def time_ms(fn, inputs, cuda: bool) -> float:

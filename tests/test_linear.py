@@ -260,6 +260,8 @@ def test_linear_config_splits_k_to_fill_the_gpu_and_switches_to_cublas_past_64_t
     assert [c["path"] for c in v3] == ["v3"] * 4 + ["dequantize"]
     assert [(c["BM"], c["PARTS"]) for c in v3[:4]] == [(8, 2), (16, 2), (32, 1), (32, 1)]
     assert linear_config(1, 1536, 7168, True, True)["PARTS"] == 14  # 24 tiles, 14 slots
+    # shared down: 112 tiles (half the SMs or more) and 4 slots, too short to split
+    assert [linear_config(t, 7168, 2048, True, True)["PARTS"] for t in (1, 8)] == [1, 1]
     assert linear_config(64, 36864, 7168, True, True)["path"] == "gemv"
     assert linear_config(8, 7168, 16384, True, False)["path"] == "gemv"  # fp16 or no Gluon
     assert linear_config(1, 32768, 512)["PARTS"] == 1  # kv_b_proj: 512 tiles already

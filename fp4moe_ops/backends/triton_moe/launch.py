@@ -664,7 +664,13 @@ def linear_config(tokens: int, n: int, k: int, paired: bool = False, v3: bool = 
             bm = 16 if weight_mb < 6 else 32
         tiles = (n // 64) * triton.cdiv(tokens, bm)
         slots = k // (512 if k % 512 == 0 else 256)
-        return dict(path="v3", BM=bm, PARTS=_divisor_near(slots, max(1, SM_COUNT_TARGET // tiles)), STAGES=2)
+        want = max(1, SM_COUNT_TARGET // tiles)
+        if 4 * tiles >= SM_COUNT_TARGET:
+            # tiles for half the SMs already: a part shorter than two ring depths (4 slots) costs
+            # its ring's fill and the parts' sum for little (shared down, 112 tiles of 4 slots, at
+            # 1 token: 1 part 0.0068 ms, 2 parts 0.0081-0.0083, 4 parts 0.0083; H100, 2026-12-05)
+            want = min(want, max(1, slots // 4))
+        return dict(path="v3", BM=bm, PARTS=_divisor_near(slots, want), STAGES=2)
     if tokens > LINEAR_GEMV_MAX_TOKENS:
         return dict(path="dequantize", BN=64, BK=256, PAIRED=paired)
     # 16- or 32-row token blocks: past 32 tokens two 32-row blocks beat one 64-row block (0.72-0.76x
