@@ -272,12 +272,25 @@ def test_a_loaded_fused_model_has_the_unfused_state_dict_and_takes_it_back(fmt, 
     assert all(torch.equal(after[k], before[k]) for k in before)
 
 
-def test_recalibrating_a_loaded_fused_model_moves_the_shared_input_scales_of_its_state_dict():
+def test_recalibrating_a_loaded_fused_model_moves_the_shared_input_scales_of_its_state_dict(tmp_path):
     # a W4A4 export's shared-expert input scales are kept as the file's scalars; after calibration
     # the state dict gave those stale scalars, and loading it back put them into the fused layer
+    import shutil
+
+    from safetensors.torch import save_file
+
     from hf_integration import calibrate_activation_scales
 
-    folder = FIXTURES / "modelopt" / "deepseek_v3_nvfp4_default"
+    # The export's own scales came from calibrating on random token ids too, and a batch holding
+    # the token that set its largest activation calibrates to the same value: the file's shared
+    # input scales are made 4x larger first, which no calibration here reproduces
+    folder = tmp_path / "export"
+    shutil.copytree(FIXTURES / "modelopt" / "deepseek_v3_nvfp4_default", folder)
+    tensors = load_file(folder / "model.safetensors")
+    scaled = [k for k in tensors if ".shared_experts." in k and k.endswith(".input_scale")]
+    assert scaled
+    save_file({k: v * 4 if k in scaled else v for k, v in tensors.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=ModelOptConfig(fuse_shared_experts=True),
                                                  dtype=torch.bfloat16)
     fused = blocks(model, SharedExpertMoE)[0]
