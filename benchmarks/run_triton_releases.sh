@@ -1,5 +1,6 @@
 #!/bin/bash
-# The DeepSeek-V3 layer table on two Triton releases, one process per release, in one call on an
+# The DeepSeek-V3 layer table, the GPU tests or the NVFP4 linear table on two Triton releases, one
+# process per release, in one call on an
 # H100/H200 whose torch pins Triton 3.6 (torch 2.11), the second release unpacked beside it:
 #   bash benchmarks/run_triton_releases.sh bench /path/to/triton-3.9.0.tar.xz     # the layer table
 #   bash benchmarks/run_triton_releases.sh tests /path/to/triton-3.9.0.tar.xz     # the GPU tests on both

@@ -134,7 +134,8 @@ class PreparedExperts(QuantizedBuffers):
         backend: the resolved backend name (None until prepared).
         layout: the layout of the ``*_packed`` buffers in memory (``"canonical"``, ``"paired"``).
         act_scale_mode: None (16-bit activations), ``"per_expert"`` or ``"global_max"``.
-        routed_experts: the op's hint when this is a shard of the router's experts (0: all).
+        routed_experts: the op's hint when this is a shard of the router's experts, or holds a shared
+            expert as one more (see ``fp4moe::fused_moe``; 0: all experts are here, none shared).
     """
 
     def __init__(self, weights: NVFP4MoEWeights | None = None, backend: str | None = "auto",

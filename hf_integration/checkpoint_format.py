@@ -167,9 +167,10 @@ class ModelOptConfig(QuantizationConfigMixin):
         nvfp4_linears: what becomes of the checkpoint's NVFP4 linears outside the routed experts
             (attention, shared experts, dense MLPs): ``"nvfp4"`` (default) keeps them in 4 bits as
             :class:`~hf_integration.experts.NVFP4Linear` (a quarter of the memory; computed by
-            ``fp4moe::nvfp4_linear``: on Hopper a Triton kernel, 1.04-1.67x BF16's speed at 1-16
-            tokens, 0.63-0.79x at 64, 0.67-0.74x at 512, 0.88-1.0x from 2048; H200, 2026-12-01,
-            benchmarks/RESULTS.md); ``"dequantize"`` makes them ``nn.Linear`` in the model dtype.
+            ``fp4moe::nvfp4_linear``: on Hopper Triton kernels, 1.2-3.0x BF16's speed at 1-16
+            tokens on DeepSeek-V3's shapes, 0.86-1.37x at 64, 0.44-0.96x at 128-2048; H100,
+            2026-12-05, benchmarks/RESULTS.md); ``"dequantize"`` makes them ``nn.Linear`` in the
+            model dtype.
         fuse_shared_experts: with ``nvfp4_linears="nvfp4"``, run a DeepSeek-V3-style block's NVFP4
             shared expert inside the routed experts' op call
             (:class:`~hf_integration.shared_experts.SharedExpertMoE`; H200, 2026-12-01: 0.253

@@ -155,7 +155,7 @@ class SharedExpertMoE(QuantizedBuffers):
         return _split_weights(w, self.num_routed)
 
     def extra_repr(self) -> str:
-        return f"routed_experts={self.num_routed}, shared_experts=1 (inside the routed call)"
+        return f"num_routed={self.num_routed}, shared_experts=1 (inside the routed call)"
 
 
 def _scalar_buffer(key: str) -> str:
@@ -293,12 +293,14 @@ def _fusable(block: nn.Module):
 
 def routed_rows_hint(num_routed: int, top_k: int) -> int:
     """``fp4moe::fused_moe``'s ``routed_experts`` hint for ``num_routed`` experts of top-``top_k``
-    with the shared expert as one more on every token. The Triton backend picks its tiles by the
-    expected rows per expert, slots over this hint: counted over E + 1 experts, the shared expert's
-    T slots put 512 DeepSeek-V3 tokens at 17.9 rows per expert (the prefill bucket) where the
-    routed experts hold 16 (the middle bucket). Over E (k + 1) / k the (k + 1) T slots give the
-    routed experts' own k T / E (the layer 1.21x faster at 480-512 tokens, 1.02-1.07x at 240-256,
-    level at 1024-2048: H100, benchmarks/results/probe_shared_bucket_h100_2026-12-05.log)."""
+    (``top_k >= 1``) with the shared expert as one more on every token. The Triton backend picks
+    its tiles by the expected rows per expert, slots over this hint: counted over E + 1 experts,
+    the shared expert's T slots put 512 DeepSeek-V3 tokens at 17.9 rows per expert (the prefill
+    bucket) where the routed experts hold 16 (the middle bucket). Over E (k + 1) / k the (k + 1) T
+    slots give the routed experts' own k T / E. The MoE call took 1.21-1.22x less time at 480-512
+    tokens, 1.02-1.07x at 240-256, the same at 1024-2048 (H100,
+    benchmarks/results/probe_shared_bucket_h100_2026-12-05.log); the other counts whose bucket it
+    moves on DeepSeek-V3 (172-192 and 1828-2047 tokens) were not measured."""
     return round(num_routed * (top_k + 1) / top_k)
 
 
@@ -306,7 +308,8 @@ def fuse_shared_experts(model: nn.Module) -> int:
     """Replace every MoE block that can run its shared expert inside the routed call (see the module
     docstring) by a :class:`SharedExpertMoE`; returns how many. Blocks that cannot (a BF16 shared
     expert, another shape, gate and up on different scales, NVFP4 activations, expert parallelism,
-    tensors offloaded to the meta device) stay as they are."""
+    tensors offloaded to the meta device) stay as they are. The fused experts get the op's bucket
+    hint from the gate's ``top_k`` (:func:`routed_rows_hint`)."""
     blocks = [(parent, attr, m) for parent in model.modules() for attr, m in parent.named_children()]
     count = 0
     for parent, attr, block in blocks:

@@ -105,18 +105,25 @@ def test_fused_block_matches_float64_and_the_unfused_block(model_fn):
 
 
 @pytest.mark.parametrize("model_fn", [tiny_deepseek_v3, tiny_glm4_moe])
-def test_fused_experts_pick_their_tiles_by_the_routed_experts_rows(model_fn):
-    """The shared expert's T slots must not move a call into another bucket: with the hint, the
-    fused call's tiles are those of the routed experts' own call at every token count (DeepSeek-V3's
-    E=256, top-8: without it 240-256 and 457-512 tokens land a bucket higher)."""
-    from fp4moe_ops.backends.triton_moe.launch import kernel_config
+def test_fused_experts_carry_the_routed_rows_hint(model_fn):
     from hf_integration.shared_experts import routed_rows_hint
 
-    model = patched(model_fn)
-    for block in blocks(model, SharedExpertMoE):
+    fused = blocks(patched(model_fn), SharedExpertMoE)
+    assert fused
+    for block in fused:
         k = block.gate.top_k
         assert block.experts.routed_experts == routed_rows_hint(block.num_routed, k) == \
             round(block.num_routed * (k + 1) / k)
+
+
+def test_the_routed_rows_hint_gives_the_routed_experts_tiles():
+    """The shared expert's T slots must not move a call into another bucket: with the hint, the
+    fused call's tiles are those of the routed experts' own call at every token count (DeepSeek-V3's
+    E=256, top-8: counted over 257 experts, 172-192, 229-256, 457-512 and 1828-2047 tokens land a
+    bucket higher)."""
+    from fp4moe_ops.backends.triton_moe.launch import kernel_config
+    from hf_integration.shared_experts import routed_rows_hint
+
     bucket = ("BM", "BN1", "BK1", "BN2", "BK2", "num_warps", "GLUON_PREFILL", "DECODE_V3")
     e, k, h, i = 256, 8, 7168, 2048
     hint = routed_rows_hint(e, k)

@@ -1,5 +1,5 @@
 """What one kernel launch costs an NVFP4 linear at few tokens: the fixed part of a call against
-the weight's own stream, for DeepSeek-V3's linear shapes.
+the weight's own stream, for ``bench_linear.SHAPES``.
 
     python benchmarks/probes/probe_linear_floor.py [--tokens 1,16,64] [--shapes q_a_proj,o_proj]
 
@@ -13,8 +13,9 @@ copies as ``bench_linear.py`` (>= 150 MB of NVFP4 bytes, so weights come from HB
   decode, MMA, activations or a split-K sum.
 - ``fp4moe``: ``fp4moe::nvfp4_linear`` on the paired weight with its counter table (as
   ``NVFP4Linear`` calls it); ``BF16``: ``F.linear`` on the dequantized weight.
-The last two columns: BF16 over fp4moe, and BF16 over the fp4 stream, the most any one-kernel
-FP4 linear could reach against BF16 at this size.
+The last two columns: BF16 over fp4moe, and BF16 over the fp4 stream: an estimate of the most a
+one-kernel FP4 linear could reach against BF16 at this size (the stream is one simple kernel's
+best of five grids, not a proven floor).
 """
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     numbers in benchmarks/NOTES.md). Static: nothing is tuned at call time or in graph capture.
 
     The bucket is the expected rows per expert: slots over the experts the router chooses among
-    (``routed_experts``, e.g. 256 on an expert-parallel rank holding 32; 0: ``num_experts``).
+    (``routed_experts``, e.g. 256 on an expert-parallel rank holding 32, or 288 for DeepSeek-V3's
+    256 top-8 experts with the shared expert as a 257th on every token; 0: ``num_experts``).
     Counting only local experts would put an EP=8 rank's decode batches of 64+ tokens, ~2 real
     rows per expert, in the prefill bucket."""
     rows_per_expert = num_slots / max(1, min(routed_experts or num_experts, num_slots))
