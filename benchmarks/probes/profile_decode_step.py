@@ -1,6 +1,7 @@
-"""Where a decode step's time goes, end to end, on the DeepSeek-V3-shaped model of bench_e2e.py:
-GPU time per decode step by kernel (launch count and milliseconds) against the host's wall time per
-step, for HF BF16 compiled and for fp4moe compiled (CUDA graphs in both).
+"""Where a decode step's time goes, end to end, on the DeepSeek-V3-shaped model of bench_e2e.py or
+Qwen3-30B-A3B's (``--model qwen3-30b``): GPU time per decode step by kernel (launch count and
+milliseconds) against the host's wall time per step, for HF BF16 compiled and for fp4moe compiled
+(CUDA graphs in both); ``--prefill N`` also profiles one eager forward over N prompt tokens.
 
 Decode only: every number is the difference between a compiled ``generate()`` of ``1 + D`` new
 tokens and one of 1 new token, divided by D, so the prefill step and generate()'s setup cancel.
@@ -11,7 +12,9 @@ Variants apply in the order given, each on top of the last: ``fp4moe-hf-router``
 experts and keeps Transformers' router, ``fp4moe`` is ``patch_deepseek``'s default (router as one
 ``fp4moe::grouped_topk`` op), ``fp4moe-dense`` also quantizes the shared experts' linears
 (``quantize_dense_mlps=True`` without fusing), ``fp4moe-shared`` runs them inside the routed call,
-``fp4moe-attn`` quantizes the attention projections too (``quantize_attention=True``).
+``fp4moe-attn`` quantizes the attention projections too (``quantize_attention=True``). For Qwen3
+(no shared expert, no grouped router) ``fp4moe`` is ``patch_moe``'s default and ``fp4moe-attn`` adds
+the attention projections.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
-from hf_integration import fuse_routers, fuse_shared_experts, patch_deepseek, quantize_linears  # noqa: E402
+from hf_integration import fuse_routers, fuse_shared_experts, patch_deepseek, patch_moe, quantize_linears  # noqa: E402
 from bench_e2e import deepseek_v3_layers  # noqa: E402
+from bench_generate_batch import QWEN3_30B_A3B, qwen3_moe  # noqa: E402
 
 GROUPS = [  # first match wins; lower-case substrings of kernel names
     ("fp4moe experts (Triton)", ("_gemm1", "_gemm2", "_prefill_gemm", "_route_kernel", "_sum_topk")),
@@ -56,6 +60,30 @@ def kernels(prof, name_chars: int = 90) -> dict[str, list[float]]:
             out[ev.name[:name_chars]][0] += 1
             out[ev.name[:name_chars]][1] += ev.device_time_total / 1e3
     return out
+
+
+def profile_prefill(model, tokens: int) -> None:
+    """Wall time of one eager forward over ``tokens`` prompt tokens (median of 3, no cache) and its
+    GPU kernels by group."""
+    prompt = torch.randint(1, 1000, (1, tokens), device="cuda")
+    with torch.no_grad():
+        model(prompt, use_cache=False)
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(prompt, use_cache=False)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(prompt, use_cache=False)
+            torch.cuda.synchronize()
+    ks = kernels(prof)
+    gpu = sum(ms for _, ms in ks.values())
+    print(f"  prefill {tokens} tokens: wall {sorted(times)[1] * 1e3:.2f} ms, GPU kernels {gpu:.2f} ms in "
+          f"{sum(c for c, _ in ks.values())} launches")
+    for name, (c, ms) in sorted(ks.items(), key=lambda kv: -kv[1][1])[:25]:
+        print(f"    {ms:8.3f} ms  {c:5d}x  {name}")
 
 
 def profile_decode(model, batch: int, decode_steps: int, host_profile: bool = False) -> dict:
@@ -95,8 +123,8 @@ def profile_decode(model, batch: int, decode_steps: int, host_profile: bool = Fa
         with cProfile.Profile() as host:
             generate(1 + decode_steps)
             torch.cuda.synchronize()
-        pstats.Stats(host).sort_stats("tottime").print_stats(30)
-        pstats.Stats(host).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(host).sort_stats("tottime").print_stats(25)
+        pstats.Stats(host).sort_stats("cumulative").print_stats(35)
     wall = (walls[1 + decode_steps] - walls[1]) * 1e3 / decode_steps
     gpu = sum(ms for _, ms in per_step.values())
     launches = sum(c for c, _ in per_step.values())
@@ -122,17 +150,37 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--variants", default="bf16,fp4moe-hf-router,fp4moe")
     ap.add_argument("--host-profile", action="store_true", help="cProfile one generate() of each fp4moe variant")
+    ap.add_argument("--model", choices=("deepseek-v3", "qwen3-30b"), default="deepseek-v3")
+    ap.add_argument("--prefill", type=int, default=0, help="also profile one eager forward over this many tokens")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    model = deepseek_v3_layers(args.layers)
-    print(f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}: {args.layers} DeepSeek-V3 MoE layers, "
-          f"batch {args.batch}, {args.decode_steps} decode steps")
+    import transformers
+
+    if args.model == "qwen3-30b":
+        model = qwen3_moe(args.layers, QWEN3_30B_A3B, "cuda")
+    else:
+        model = deepseek_v3_layers(args.layers)
+    print(f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}: {args.layers} {args.model} layers, "
+          f"batch {args.batch}, {args.decode_steps} decode steps; torch {torch.__version__}, "
+          f"transformers {transformers.__version__}")
     if "bf16" in variants:
         print("HF BF16 compiled (CUDA graphs):")
-        profile_decode(model, args.batch, args.decode_steps)
+        profile_decode(model, args.batch, args.decode_steps, args.host_profile)
+        if args.prefill:
+            profile_prefill(model, args.prefill)
     for variant in [v for v in variants if v.startswith("fp4moe")]:  # applied in order, cumulatively
         torch._dynamo.reset()
         patched = any(n.endswith("gate_up_proj_packed") for n, _ in model.named_buffers())
+        if args.model == "qwen3-30b":
+            if not patched:
+                patch_moe(model, verbose=False)
+            if variant == "fp4moe-attn":
+                quantize_linears(model, dense_mlps=False, attention=True)
+            print(f"{variant} compiled (CUDA graphs):")
+            profile_decode(model, args.batch, args.decode_steps, args.host_profile)
+            if args.prefill:
+                profile_prefill(model, args.prefill)
+            continue
         if not patched:
             patch_deepseek(model, verbose=False, fuse_router=variant != "fp4moe-hf-router")
         if variant in ("fp4moe", "fp4moe-dense"):
