@@ -10,9 +10,9 @@ Typical use::
 
 Modules: ``nvfp4`` and ``mxfp4`` the formats, ``moe_weights`` a layer's canonical experts, ``op`` the op,
 ``gpt_oss_op`` gpt-oss's experts op,
-``linear`` the NVFP4 linear-layer op, ``autograd`` the three ops' backward (frozen weights),
+``linear`` the NVFP4 linear-layer op, ``autograd`` the ops' backward (frozen weights),
 ``prepared`` the prepared layer, ``backends`` the kernels behind the op, ``moe_math`` the
-pure-torch MoE math, ``routing`` the router op, ``flashinfer_sim`` a CPU model of FlashInfer's
+pure-torch MoE math, ``routing`` the router ops, ``flashinfer_sim`` a CPU model of FlashInfer's
 NVFP4 kernel (a test oracle), ``oracle64`` the float64 oracle, ``selftest`` ``python -m
 fp4moe_ops.selftest``.
 """
@@ -24,11 +24,11 @@ from .linear import nvfp4_linear
 from .op import fused_moe
 from .gpt_oss_op import gpt_oss_moe
 from .prepared import ACT_SCALE_MODES, PreparedExperts, activation_scales, prepare_experts
-from .routing import grouped_topk
+from .routing import grouped_topk, softmax_topk
 from . import autograd  # noqa: F401 (registers the ops' backward)
 
 __all__ = [
     "ACT_SCALE_MODES", "AUTO_ORDER", "BACKENDS", "NVFP4MoEWeights", "PreparedExperts",
     "activation_scales", "available_backends", "fused_moe", "grouped_topk", "gpt_oss_moe", "mxfp4", "nvfp4", "nvfp4_linear", "prepare_experts",
-    "quantize_moe_weights", "resolve_backend", "resolve_gpt_oss_backend", "routing",
+    "quantize_moe_weights", "resolve_backend", "resolve_gpt_oss_backend", "routing", "softmax_topk",
 ]

@@ -1,4 +1,4 @@
-"""Backward of fp4moe's three ops, for training adapters (LoRA) on a model whose NVFP4 weights stay
+"""Backward of fp4moe's ops, for training adapters (LoRA) on a model whose NVFP4 weights stay
 frozen: gradients flow to the ops' activations and routing weights, never to the quantized tensors.
 
 * ``fp4moe::fused_moe``: ``d hidden_states`` and ``d topk_weights`` through a second op,
@@ -14,6 +14,8 @@ frozen: gradients flow to the ops' activations and routing weights, never to the
 * ``fp4moe::grouped_topk``: ``d router_logits`` of the chosen experts' sigmoid scores
   (renormalized and scaled as the forward); the ids and the correction bias get none (they only
   choose).
+* ``fp4moe::softmax_topk``: ``d router_logits`` through the softmax over all experts (every logit
+  moves the chosen probabilities) and the renormalization.
 
 Which backends: the canonical tensors and the Triton backend's paired layout (converted expert by
 expert). FlashInfer's own tensors (MXFP4 re-quantized, dequantized BF16) are refused, naming the
@@ -30,7 +32,7 @@ from .linear import as_matrix, decoded_weight, nvfp4_linear
 from .moe_math import expert_groups, expert_scale
 from .nvfp4 import dequantize_nvfp4, quantize_activation_nvfp4
 from .op import _check_inputs, fused_moe
-from .routing import grouped_topk
+from .routing import grouped_topk, softmax_topk
 
 # the Triton backend's packed weights are int32 words where they are paired (backends/triton_moe/layout.py)
 _PAIRED = "paired"
@@ -151,8 +153,26 @@ def _topk_backward(ctx, grad_weights, grad_ids):
     return (grad_logits, None, None, None, None, None, None)[:len(ctx.needs_input_grad)]
 
 
+def _softmax_topk_setup(ctx, inputs, output):
+    router_logits, _, renormalize = inputs
+    ctx.save_for_backward(router_logits, output[1])
+    ctx.renormalize = renormalize
+
+
+def _softmax_topk_backward(ctx, grad_weights, grad_ids):
+    router_logits, ids = ctx.saved_tensors
+    with torch.enable_grad():  # the forward's weight formula, differentiated by torch
+        logits = router_logits.detach().requires_grad_()
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
+        if ctx.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        (grad_logits,) = torch.autograd.grad(weights, logits, grad_weights)
+    return grad_logits, None, None
+
+
 fused_moe.register_autograd(_moe_backward, setup_context=_moe_setup)
 nvfp4_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 grouped_topk.register_autograd(_topk_backward, setup_context=_topk_setup)
+softmax_topk.register_autograd(_softmax_topk_backward, setup_context=_softmax_topk_setup)
 
 __all__ = ["fused_moe_backward", "nvfp4_linear_grad_input"]

@@ -1,7 +1,13 @@
-"""Group-limited top-k routing (DeepSeek-V3's "noaux_tc" router, also Kimi-K2 and GLM4-MoE) as
-one op: ``torch.ops.fp4moe.grouped_topk``.
+"""The routers as ops: each turns a layer's router logits into the experts and weights of every
+token in one launch on CUDA, where Transformers runs several small kernels (at decode they cost
+more GPU time than the router's GEMV).
 
-The router's definition, per token, from logits ``[E]`` over ``E`` experts in ``G`` groups of
+* ``torch.ops.fp4moe.grouped_topk``: group-limited top-k (DeepSeek-V3's "noaux_tc" router, also
+  Kimi-K2 and GLM4-MoE), below.
+* ``torch.ops.fp4moe.softmax_topk``: softmax over all experts, the top k, optionally renormalized
+  (Qwen2/3-MoE, Qwen3-Next, OLMoE, Mixtral, MiniMax), at the end of this module.
+
+Group-limited top-k, per token, per token, from logits ``[E]`` over ``E`` experts in ``G`` groups of
 ``E/G``::
 
     score  = sigmoid(logit)                       # the routing weight source
@@ -12,9 +18,8 @@ The router's definition, per token, from logits ``[E]`` over ``E`` experts in ``
              * scaling_factor
 
 Transformers computes this with ~10 small kernels per layer (three ``topk``, a scatter, a
-``masked_fill``, a gather, reductions); at decode they cost more GPU time than the router's
-GEMV. On CUDA the op runs it in one Triton launch (one program per token); elsewhere it runs the
-same torch ops Transformers runs. Ties between equal choices go to the lower expert id (group:
+``masked_fill``, a gather, reductions). On CUDA the op runs it in one Triton launch (one program
+per token); elsewhere it runs the same torch ops Transformers runs. Ties between equal choices go to the lower expert id (group:
 lower group id); ``torch.topk`` leaves that order unspecified, so on exact ties the two may pick
 different (equal-valued) experts.
 """
@@ -159,3 +164,104 @@ def _(router_logits, correction_bias, n_group, topk_group, top_k, renormalize, s
     _check(router_logits, correction_bias, n_group, topk_group, top_k)
     t = router_logits.shape[0]
     return (router_logits.new_empty(t, top_k), router_logits.new_empty(t, top_k, dtype=torch.int64))
+
+
+# Softmax top-k -----------------------------------------------------------------------------------
+#
+#     prob   = softmax(logits) in float32 over all E experts
+#     ids    = the top_k largest probs (ties: the lower expert id)
+#     weight = prob of each chosen expert, / (sum of the k probs) if renormalize
+#
+# Transformers runs a softmax, torch.topk (a radix select and a sort: ~9 us of GPU time per layer
+# at one token on an H100, more than the router's GEMV) and the division as separate kernels.
+
+
+def _check_softmax(router_logits, top_k):
+    if router_logits.dim() != 2 or not router_logits.dtype.is_floating_point:
+        raise TypeError(f"router_logits must be [T, E] floating point, got {router_logits.dtype} "
+                        f"{list(router_logits.shape)}")
+    if not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"top_k={top_k} must be in [1, {router_logits.shape[1]}] (the experts)")
+
+
+def softmax_topk_torch(router_logits, top_k, renormalize):
+    """The router's definition in the torch calls Transformers' Qwen3-MoE router makes, in its
+    order (bitwise its results; the op's path off CUDA). Returns ``(weights [T, k] float32,
+    ids [T, k] int64)``."""
+    probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+if triton is not None:
+
+    @triton.jit
+    def _softmax_topk_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, NUM_EXPERTS: tl.constexpr,
+                             EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
+                             RENORMALIZE: tl.constexpr):
+        """One token per program: its E logits in registers, the top k by k passes of max."""
+        t = tl.program_id(0).to(tl.int64)
+        expert = tl.arange(0, EXPERTS_P2)
+        valid = expert < NUM_EXPERTS
+        logit = tl.load(logits_ptr + t * stride_t + expert, mask=valid, other=float("-inf")).to(tl.float32)
+        e = tl.where(valid, tl.exp(logit - tl.max(logit, axis=0)), 0.0)
+        prob = e / tl.sum(e, axis=0)
+        choice = tl.where(valid, prob, float("-inf"))  # padding is never chosen
+
+        slot = tl.arange(0, TOP_K_P2)
+        ids = tl.zeros([TOP_K_P2], dtype=tl.int32)
+        weights = tl.zeros([TOP_K_P2], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            best = tl.max(choice, axis=0)
+            pick = tl.min(tl.where(choice == best, expert, EXPERTS_P2), axis=0)
+            ids = tl.where(slot == k, pick, ids)
+            weights = tl.where(slot == k, best, weights)
+            choice = tl.where(expert == pick, float("-inf"), choice)
+        if RENORMALIZE:
+            weights = weights / tl.sum(weights, axis=0)
+        out = t * TOP_K + slot
+        tl.store(weights_ptr + out, weights, mask=slot < TOP_K)
+        tl.store(ids_ptr + out, ids.to(tl.int64), mask=slot < TOP_K)
+
+
+def softmax_topk_triton(router_logits, top_k, renormalize):
+    """The Triton kernel (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``); same contract as
+    :func:`softmax_topk_torch`."""
+    t, e = router_logits.shape
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    if t:
+        logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+        _softmax_topk_kernel[(t,)](
+            logits, logits.stride(0), weights, ids, NUM_EXPERTS=e, EXPERTS_P2=triton.next_power_of_2(e),
+            TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+            num_warps=1 if e <= 256 else 4)
+    return weights, ids
+
+
+@torch.library.custom_op("fp4moe::softmax_topk", mutates_args=())
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing (see the comment above :func:`softmax_topk_torch`).
+
+    Args:
+        router_logits: ``[T, E]`` in any floating dtype (the router's ``hidden @ W.T``); the
+            softmax runs in float32.
+        top_k: experts per token.
+        renormalize: divide each token's weights by their sum (``norm_topk_prob``).
+
+    Returns:
+        ``(weights [T, k] float32, ids [T, k] int64)``; order within a row is not specified.
+    """
+    _check_softmax(router_logits, top_k)
+    run = softmax_topk_triton if router_logits.is_cuda and triton is not None else softmax_topk_torch
+    return run(router_logits, top_k, renormalize)
+
+
+@softmax_topk.register_fake
+def _(router_logits, top_k, renormalize):
+    _check_softmax(router_logits, top_k)
+    t = router_logits.shape[0]
+    return (router_logits.new_empty(t, top_k, dtype=torch.float32),
+            router_logits.new_empty(t, top_k, dtype=torch.int64))

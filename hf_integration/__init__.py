@@ -39,7 +39,7 @@ from .patch import patch_deepseek, patch_moe, quantize_linears, set_backend
 from .quantizer import ModelOptQuantizer, register
 from .gpt_oss import MXFP4GptOssExperts, NVFP4GptOssExperts
 from . import mxfp4_quantizer
-from .router import GroupedTopkRouter, fuse_routers
+from .router import GroupedTopkRouter, SoftmaxTopkRouter, fuse_routers
 from .shared_experts import SharedExpertMoE, fuse_shared_experts
 from .surgery import find_experts_modules
 
@@ -48,7 +48,7 @@ mxfp4_quantizer.register()
 architectures.register()
 
 __all__ = [
-    "CheckpointError", "CompressedTensorsNVFP4Config", "GroupedTopkRouter", "MXFP4GptOssExperts", "ModelOptConfig",
+    "CheckpointError", "CompressedTensorsNVFP4Config", "GroupedTopkRouter", "SoftmaxTopkRouter", "MXFP4GptOssExperts", "ModelOptConfig",
     "NVFP4GptOssExperts",
     "ModelOptQuantizer",
     "NVFP4Experts", "NVFP4Linear", "SharedExpertMoE",

@@ -27,7 +27,7 @@ from .expert_parallel import ExpertShard
 from .experts import NVFP4Experts, NVFP4Linear
 from .gpt_oss import NVFP4GptOssExperts
 from .llama4 import NVFP4Llama4TextMoe
-from .router import GroupedTopkRouter
+from .router import GroupedTopkRouter, SoftmaxTopkRouter
 from .saving import atomic_save_pretrained
 from .shared_experts import SharedExpertMoE
 from .surgery import replace_module
@@ -90,7 +90,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
             state = _experts_state(m, dtype)
         elif isinstance(m, NVFP4Linear):
             state = _linear_state(m, dtype)
-        elif isinstance(m, GroupedTopkRouter):
+        elif isinstance(m, (GroupedTopkRouter, SoftmaxTopkRouter)):
             state = m.state_dict()
         elif isinstance(m, NVFP4GptOssExperts):
             state = m.dequantized(config.get_text_config(), dtype).state_dict()

@@ -1,11 +1,20 @@
-"""The router: DeepSeek-V3-style group-limited top-k routers (DeepSeek-V3/R1, Kimi-K2, GLM4-MoE)
-swapped for :class:`GroupedTopkRouter`, which keeps their parameters and state-dict keys and runs
-the routing as one ``torch.ops.fp4moe.grouped_topk`` op (one Triton launch on CUDA instead of
-Transformers' ~10 small kernels)."""
+"""The routers: Transformers' router modules swapped for fp4moe's, which keep their parameters and
+state-dict keys and run the routing after the router's GEMM as one op (one Triton launch on CUDA
+instead of Transformers' several small kernels):
+
+* :class:`GroupedTopkRouter` for DeepSeek-V3-style group-limited top-k routers (DeepSeek-V3/R1,
+  Kimi-K2, GLM4-MoE): ``torch.ops.fp4moe.grouped_topk``;
+* :class:`SoftmaxTopkRouter` for softmax top-k routers (Qwen2/3-MoE, Qwen3-Next, OLMoE, Mixtral,
+  MiniMax): ``torch.ops.fp4moe.softmax_topk``.
+
+Which Transformers classes compute exactly an op's definition is listed by name below; the tests
+compare every listed class that the installed Transformers has against its replacement.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fp4moe_ops  # noqa: F401  (registers torch.ops.fp4moe.grouped_topk)
@@ -54,17 +63,65 @@ class GroupedTopkRouter(nn.Module):
                 f"top_k={self.top_k}, op=fp4moe::grouped_topk")
 
 
+# Transformers routers that compute fp4moe::softmax_topk's definition after ``F.linear(hidden,
+# weight)``: {class name: (renormalize: True or the attribute that says, weights cast to the
+# logits' dtype)}. Mixtral's and MiniMax's return float32 weights; the Qwen family's, 16-bit ones.
+SOFTMAX_TOPK_ROUTERS = {
+    **dict.fromkeys(("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "Qwen3NextTopKRouter", "OlmoeTopKRouter",
+                     "FlexOlmoTopKRouter", "Qwen3OmniMoeThinkerTextTopKRouter", "Qwen3OmniMoeTalkerTextTopKRouter"),
+                    ("norm_topk_prob", True)),
+    **dict.fromkeys(("Qwen3_5MoeTopKRouter", "Qwen3VLMoeTextTopKRouter", "Qwen3OmniMoeTextTopKRouter"), (True, True)),
+    **dict.fromkeys(("MixtralTopKRouter", "MiniMaxTopKRouter"), (True, False)),
+}
+
+
+class SoftmaxTopkRouter(nn.Module):
+    """Drop-in for a softmax top-k router (:data:`SOFTMAX_TOPK_ROUTERS`): the same ``weight [E, H]``
+    parameter, so the same state-dict keys, and the same outputs ``(logits [T, E], weights [T, k],
+    ids [T, k] int64)`` in the same dtypes; after the router's GEMM the softmax, top-k and
+    renormalization run as one ``fp4moe::softmax_topk`` op. Off CUDA the results are bitwise
+    Transformers'; on CUDA the softmax's exponent and sums are computed in another order, so a
+    near-tied token may pick another expert."""
+
+    def __init__(self, router: nn.Module):
+        super().__init__()
+        renormalize, self.cast_weights = SOFTMAX_TOPK_ROUTERS[type(router).__name__]
+        self.renormalize = bool(renormalize if renormalize is True else getattr(router, renormalize))
+        self.weight = router.weight
+        self.top_k, self.num_experts, self.hidden_dim = router.top_k, router.num_experts, router.hidden_dim
+
+    def forward(self, hidden_states: torch.Tensor):
+        logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        weights, ids = torch.ops.fp4moe.softmax_topk(logits, self.top_k, self.renormalize)
+        return logits, weights.to(logits.dtype) if self.cast_weights else weights, ids
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}, "
+                f"op=fp4moe::softmax_topk")
+
+
+ROUTERS = {**dict.fromkeys(GROUPED_TOPK_ROUTERS, GroupedTopkRouter),
+           **dict.fromkeys(SOFTMAX_TOPK_ROUTERS, SoftmaxTopkRouter)}
+
+
 def grouped_topk_routers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, attribute, router) of the routers :class:`GroupedTopkRouter` replaces."""
     return children_where(model, lambda m: type(m).__name__ in GROUPED_TOPK_ROUTERS)
 
 
+def fusable_routers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, router) of every router :func:`fuse_routers` replaces."""
+    return children_where(model, lambda m: type(m).__name__ in ROUTERS)
+
+
 def fuse_routers(model: nn.Module) -> int:
-    """Swap every DeepSeek-V3-style router for a :class:`GroupedTopkRouter`; returns how many."""
-    routers = grouped_topk_routers(model)
+    """Swap every router fp4moe runs as one op (:data:`ROUTERS`) for fp4moe's module; returns how
+    many."""
+    routers = fusable_routers(model)
     for parent, attr, m in routers:
-        replace_module(parent, attr, GroupedTopkRouter(m))
+        replace_module(parent, attr, ROUTERS[type(m).__name__](m))
     return len(routers)
 
 
-__all__ = ["GROUPED_TOPK_ROUTERS", "GroupedTopkRouter", "fuse_routers", "grouped_topk_routers"]
+__all__ = ["GROUPED_TOPK_ROUTERS", "GroupedTopkRouter", "ROUTERS", "SOFTMAX_TOPK_ROUTERS", "SoftmaxTopkRouter",
+           "fusable_routers", "fuse_routers", "grouped_topk_routers"]

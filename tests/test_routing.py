@@ -113,3 +113,131 @@ def test_router_module_bf16_gemm_matches_transformers_on_gpu():
     assert differ.sum() <= 4, int(differ.sum())
     same = ~differ
     torch.testing.assert_close(by_id(w[same], ids[same])[0], by_id(hf_w[same], hf_ids[same])[0], rtol=1e-5, atol=0)
+
+
+# fp4moe::softmax_topk ----------------------------------------------------------------------------
+
+SOFTMAX_OP = torch.ops.fp4moe.softmax_topk
+# where each router of hf_integration.router.SOFTMAX_TOPK_ROUTERS lives in Transformers
+ROUTER_MODULES = {
+    "Qwen2MoeTopKRouter": "qwen2_moe", "Qwen3MoeTopKRouter": "qwen3_moe", "Qwen3NextTopKRouter": "qwen3_next",
+    "OlmoeTopKRouter": "olmoe", "FlexOlmoTopKRouter": "flex_olmo", "Qwen3OmniMoeThinkerTextTopKRouter": "qwen3_omni_moe",
+    "Qwen3OmniMoeTalkerTextTopKRouter": "qwen3_omni_moe", "Qwen3_5MoeTopKRouter": "qwen3_5_moe",
+    "Qwen3VLMoeTextTopKRouter": "qwen3_vl_moe", "Qwen3OmniMoeTextTopKRouter": "qwen3_omni_moe",
+    "MixtralTopKRouter": "mixtral", "MiniMaxTopKRouter": "minimax",
+}
+
+
+def softmax_topk64(logits, top_k, renormalize):
+    """The definition in float64 from the logits as given: softmax, the k largest, renormalized."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    return (weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights), ids
+
+
+def transformers_softmax_router(name, num_experts=60, top_k=4, hidden=96, norm_topk_prob=True):
+    """Transformers' router class ``name`` with a random weight (logits ~ N(0, 4): probabilities
+    far from uniform, few near ties), or a skip where this Transformers lacks it."""
+    import importlib
+    from types import SimpleNamespace
+
+    module = importlib.import_module(f"transformers.models.{ROUTER_MODULES[name]}.modeling_{ROUTER_MODULES[name]}")
+    if not hasattr(module, name):
+        pytest.skip(f"this Transformers has no {name}")
+    config = SimpleNamespace(num_experts_per_tok=top_k, num_experts=num_experts, num_local_experts=num_experts,
+                             hidden_size=hidden, norm_topk_prob=norm_topk_prob)
+    router = getattr(module, name)(config)
+    with torch.no_grad():
+        router.weight.normal_(std=2 * hidden**-0.5)
+    return router
+
+
+def test_every_listed_softmax_router_has_a_test():
+    from hf_integration.router import SOFTMAX_TOPK_ROUTERS
+
+    assert set(SOFTMAX_TOPK_ROUTERS) == set(ROUTER_MODULES)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("name", sorted(ROUTER_MODULES))
+def test_softmax_router_module_matches_transformers(name, norm):
+    """Off CUDA the module makes Transformers' calls: bitwise its logits, weights (in its dtype)
+    and ids, for a bf16 router as loaded and a float32 one. A family that always renormalizes
+    ignores ``norm_topk_prob``, as Transformers' own class does."""
+    from hf_integration.router import SoftmaxTopkRouter
+
+    for dtype in (torch.bfloat16, torch.float32):
+        hf = transformers_softmax_router(name, norm_topk_prob=norm).to(dtype)
+        ours = SoftmaxTopkRouter(hf)
+        assert ours.weight is hf.weight and "op=fp4moe::softmax_topk" in repr(ours)
+        x = torch.randn(2, 19, 96, dtype=dtype)
+        with torch.no_grad():
+            want, got = hf(x), ours(x)
+        for w, g in zip(want, got):
+            assert w.dtype == g.dtype and torch.equal(w, g), name
+
+
+@pytest.mark.parametrize("e,k,renorm", [(128, 8, True), (60, 4, False), (8, 2, True), (256, 1, True), (5, 5, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_topk_kernel_against_float64(e, k, renorm, dtype):
+    """The kernel (Triton's interpreter on a CPU) against the float64 definition: the same experts
+    for every token (random logits ~ N(0, 4) have no ties closer than float32's rounding of a
+    probability here) and weights within 4e-6 relative: a float32 exp and sums of at most 256
+    terms, each a few ulps (1.2e-7) from float64."""
+    logits = (torch.randn(33, e, generator=torch.Generator().manual_seed(e)) * 2).to(dtype)
+    w, ids = softmax_topk_triton_on_device(logits, k, renorm)
+    ref_w, ref_ids = softmax_topk64(logits, k, renorm)
+    got_w, got_ids = by_id(w.cpu().double(), ids.cpu())
+    want_w, want_ids = by_id(ref_w, ref_ids)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=4e-6, atol=0)
+
+
+def softmax_topk_triton_on_device(logits, k, renorm):
+    from fp4moe_ops.routing import softmax_topk_triton
+
+    return softmax_topk_triton(logits.to(DEVICE), k, renorm)
+
+
+def test_softmax_topk_kernel_ties_and_strided_rows():
+    """Equal logits: experts 0..k-1, weights 1/k. A row-strided view (a slice of wider logits) is
+    read in place."""
+    w, ids = softmax_topk_triton_on_device(torch.zeros(3, 16), 4, True)
+    assert ids.cpu().tolist() == [[0, 1, 2, 3]] * 3
+    torch.testing.assert_close(w.cpu(), torch.full((3, 4), 0.25))
+    wide = torch.randn(5, 40) * 2
+    w, ids = softmax_topk_triton_on_device(wide[:, :32], 3, False)
+    ref_w, ref_ids = softmax_topk64(wide[:, :32], 3, False)
+    assert torch.equal(by_id(w.cpu(), ids.cpu())[1], by_id(ref_w, ref_ids)[1])
+
+
+def test_softmax_topk_op_opcheck_compile_and_errors():
+    logits = (torch.randn(9, 64) * 2).to(DEVICE)
+    torch.library.opcheck(SOFTMAX_OP, (logits, 4, True))
+    torch.library.opcheck(SOFTMAX_OP, (logits.bfloat16(), 4, False))
+    compiled = torch.compile(lambda x: SOFTMAX_OP(x, 4, True), fullgraph=True, dynamic=True)
+    for t in (9, 3):
+        got, want = by_id(*compiled(logits[:t])), by_id(*SOFTMAX_OP(logits[:t], 4, True))
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    with pytest.raises(TypeError, match="floating point"):
+        SOFTMAX_OP(torch.ones(4, 8, dtype=torch.int32), 2, True)
+    with pytest.raises(TypeError, match=r"\[T, E\]"):
+        SOFTMAX_OP(torch.randn(8), 2, True)
+    with pytest.raises(ValueError, match=r"top_k=9 must be in \[1, 8\]"):
+        SOFTMAX_OP(torch.randn(4, 8), 9, True)
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_softmax_topk_gradient_matches_float64_autograd(renorm):
+    """d logits flows through the softmax over every expert (not only the chosen ones) and the
+    renormalization: against torch's float64 autograd of the definition, within float32 rounding."""
+    logits = (torch.randn(7, 24) * 2).requires_grad_()
+    grad = torch.randn(7, 3)
+    w, ids = SOFTMAX_OP(logits, 3, renorm)
+    (got,) = torch.autograd.grad(w, logits, grad)
+    l64 = logits.detach().double().requires_grad_()
+    probs = torch.softmax(l64, dim=-1).gather(1, ids)
+    w64 = probs / probs.sum(dim=-1, keepdim=True) if renorm else probs
+    (want,) = torch.autograd.grad(w64, l64, grad.double())
+    assert (got != 0).sum() > 7 * 3  # every logit of a token moves its weights
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
