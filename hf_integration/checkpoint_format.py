@@ -161,7 +161,8 @@ class ModelOptConfig(QuantizationConfigMixin):
         backend: fp4moe backend for the routed experts (``"auto"``: by device).
         act_scale_mode: None (16-bit activations) or ``"per_expert"`` / ``"global_max"`` (NVFP4
             activations with the checkpoint's input scales; Blackwell's ``flashinfer_nvfp4``).
-        fuse_router: run DeepSeek-V3-style routers as one op (:class:`hf_integration.router.GroupedTopkRouter`).
+        fuse_router: run the routers :mod:`hf_integration.router` knows as one op after their GEMM
+            (DeepSeek-V3-style, softmax top-k).
         expert_parallel: load only this rank's ``E / world_size`` experts of each layer and sum the
             ranks' outputs (``torch.distributed`` must be initialized).
         nvfp4_linears: what becomes of the checkpoint's NVFP4 linears outside the routed experts

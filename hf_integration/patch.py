@@ -8,7 +8,7 @@ Kimi-K2, GLM4-MoE, Qwen3-MoE, Mixtral, ...) is replaced by an
 recipe; optionally the linears of dense gated MLPs (shared experts, dense layers) and of attention
 become :class:`~hf_integration.experts.NVFP4Linear` s (W4A16, ``fp4moe::nvfp4_linear``) inside the
 model's own modules, and shared experts of the routed experts' shape run inside the routed call;
-DeepSeek-V3-style routers become :class:`~hf_integration.router.GroupedTopkRouter`. The model is
+routers become :mod:`hf_integration.router`'s one-op modules. The model is
 then marked quantized as if loaded from a ModelOpt checkpoint (``save_pretrained`` writes one).
 """
 
@@ -243,9 +243,11 @@ def patch_moe(model: nn.Module, *, backend: str = "auto", act_scale_mode: str | 
         quantize_attention: also quantize every ``nn.Linear`` of the attention modules (W4A16, as
             ModelOpt's default NVFP4 config does). Off by default: it changes the model's
             attention, which the routed experts alone do not.
-        fuse_router: replace DeepSeek-V3-style routers by
-            :class:`~hf_integration.router.GroupedTopkRouter` (same parameters, same experts chosen up
-            to near ties, one kernel instead of ~10). Off: Transformers' router runs.
+        fuse_router: replace the routers fp4moe runs as one op (DeepSeek-V3-style by
+            :class:`~hf_integration.router.GroupedTopkRouter`, softmax top-k ones of Qwen-MoE,
+            OLMoE, Mixtral and MiniMax by :class:`~hf_integration.router.SoftmaxTopkRouter`; same
+            parameters, same experts chosen up to near ties, one kernel after the router's GEMM
+            instead of several). Off: Transformers' router runs.
         fuse_shared_experts: with ``quantize_dense_mlps``, run each DeepSeek-V3-style block's
             shared expert as one more expert inside the routed experts' op call
             (:class:`~hf_integration.shared_experts.SharedExpertMoE`; same state dict and saved

@@ -98,12 +98,13 @@ def test_repr_state_dict_and_memory():
     assert after <= 0.3 * before  # NVFP4: 0.5 + 1/16 bytes per weight vs 2
 
 
-@pytest.mark.parametrize("make", [tiny_deepseek_v3, tiny_glm4_moe])
+@pytest.mark.parametrize("make", [tiny_deepseek_v3, tiny_glm4_moe, tiny_qwen3_moe, tiny_mixtral])
 def test_router_swapped_for_one_op_with_same_keys_and_results(make):
-    """fuse_router (the default) swaps DeepSeek-V3-style routers for GroupedTopkRouter: same
-    state-dict keys and values; on CPU the op's torch path makes Transformers' own calls, so the
-    logits are bitwise those of the model patched with Transformers' router."""
-    from hf_integration.router import GroupedTopkRouter
+    """fuse_router (the default) swaps the routers fp4moe runs as one op (DeepSeek-V3-style for
+    GroupedTopkRouter, softmax top-k for SoftmaxTopkRouter): same state-dict keys and values; on
+    CPU the ops' torch paths make Transformers' own calls, so the logits are bitwise those of the
+    model patched with Transformers' router."""
+    from hf_integration.router import ROUTERS
 
     model = make()
     for name, bias in model.named_buffers():
@@ -111,10 +112,11 @@ def test_router_swapped_for_one_op_with_same_keys_and_results(make):
             bias.data = (torch.randn_like(bias) * 0.05).to(torch.bfloat16 if "layers.1." in name else bias.dtype)
     hf_routed = patch_moe(copy.deepcopy(model), fuse_router=False)
     keys = hf_routed.state_dict().keys()
+    hf_routers = [type(m).__name__ for m in hf_routed.modules() if type(m).__name__ in ROUTERS]
     patch_moe(model)
-    routers = [m for m in model.modules() if isinstance(m, GroupedTopkRouter)]
-    assert len(routers) == sum(1 for m in hf_routed.modules() if type(m).__name__.endswith("TopkRouter")) > 0
-    assert "op=fp4moe::grouped_topk" in repr(model)
+    routers = [m for m in model.modules() if type(m) in set(ROUTERS.values())]
+    assert len(routers) == len(hf_routers) > 0
+    assert {type(m) for m in routers} == {ROUTERS[n] for n in hf_routers}
     assert model.state_dict().keys() == keys
     for k, v in hf_routed.state_dict().items():
         if ".gate." in k:
