@@ -13,8 +13,8 @@ experts and keeps Transformers' router, ``fp4moe`` is ``patch_deepseek``'s defau
 ``fp4moe::grouped_topk`` op), ``fp4moe-dense`` also quantizes the shared experts' linears
 (``quantize_dense_mlps=True`` without fusing), ``fp4moe-shared`` runs them inside the routed call,
 ``fp4moe-attn`` quantizes the attention projections too (``quantize_attention=True``). For Qwen3
-(no shared expert, no grouped router) ``fp4moe`` is ``patch_moe``'s default and ``fp4moe-attn`` adds
-the attention projections.
+``fp4moe-hf-router`` keeps Transformers' softmax top-k router, ``fp4moe`` is ``patch_moe``'s default
+(router as one ``fp4moe::softmax_topk`` op) and ``fp4moe-attn`` adds the attention projections.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from hf_integration import fuse_routers, fuse_shared_experts, patch_deepseek, patch_moe, quantize_linears  # noqa: E402
 from bench_e2e import deepseek_v3_layers  # noqa: E402
+from bench_decoder_layer import forward_step_ms  # noqa: E402
 from bench_generate_batch import QWEN3_30B_A3B, qwen3_moe  # noqa: E402
 
 GROUPS = [  # first match wins; lower-case substrings of kernel names
@@ -151,6 +152,8 @@ def main() -> None:
     ap.add_argument("--variants", default="bf16,fp4moe-hf-router,fp4moe")
     ap.add_argument("--host-profile", action="store_true", help="cProfile one generate() of each fp4moe variant")
     ap.add_argument("--model", choices=("deepseek-v3", "qwen3-30b"), default="deepseek-v3")
+    ap.add_argument("--forward-step", action="store_true",
+                    help="also time the compiled model's decode step alone (bench_decoder_layer's forward timing)")
     ap.add_argument("--prefill", type=int, default=0, help="also profile one eager forward over this many tokens")
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -166,6 +169,8 @@ def main() -> None:
     if "bf16" in variants:
         print("HF BF16 compiled (CUDA graphs):")
         profile_decode(model, args.batch, args.decode_steps, args.host_profile)
+        if args.forward_step:
+            print(f"  graph replays alone (no generate loop): {forward_step_ms(model, args.batch):.3f} ms a step")
         if args.prefill:
             profile_prefill(model, args.prefill)
     for variant in [v for v in variants if v.startswith("fp4moe")]:  # applied in order, cumulatively
@@ -173,11 +178,15 @@ def main() -> None:
         patched = any(n.endswith("gate_up_proj_packed") for n, _ in model.named_buffers())
         if args.model == "qwen3-30b":
             if not patched:
-                patch_moe(model, verbose=False)
+                patch_moe(model, verbose=False, fuse_router=variant != "fp4moe-hf-router")
+            if variant in ("fp4moe", "fp4moe-attn"):
+                fuse_routers(model)
             if variant == "fp4moe-attn":
                 quantize_linears(model, dense_mlps=False, attention=True)
             print(f"{variant} compiled (CUDA graphs):")
             profile_decode(model, args.batch, args.decode_steps, args.host_profile)
+            if args.forward_step:
+                print(f"  graph replays alone (no generate loop): {forward_step_ms(model, args.batch):.3f} ms a step")
             if args.prefill:
                 profile_prefill(model, args.prefill)
             continue
