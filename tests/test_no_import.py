@@ -263,7 +263,7 @@ def test_lm_eval_cli_scores_a_checkpoint_through_fp4moe_with_no_import(fp4moe_sa
     # lm_eval's own CLI and HF wrapper (`--model hf --model_args pretrained=PATH`), on a local
     # multiple-choice task; its per-choice log-likelihoods are those of the checkpoint loaded here
     # with fp4moe imported, scored by the same harness in this process
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "tools"))
     from lm_eval_tiny import evaluate, write_task
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -2,7 +2,7 @@
 ``load_weights``, on the CPU, against tiny fp4moe saves; then every vLLM parameter is compared
 byte for byte with what the safetensors files say it should hold.
 
-    /path/to/venv-with-vllm/bin/python benchmarks/check_vllm_load.py [--archs deepseek_v3 qwen3_moe]
+    /path/to/venv-with-vllm/bin/python tools/check_vllm_load.py [--archs deepseek_v3 qwen3_moe]
         [--saves-python /path/to/python-with-fp4moe] [--keep NEW_DIR]
     ... --archs gpt_oss_mxfp4 gpt_oss_nvfp4      # gpt-oss (also part of the default run)
 
