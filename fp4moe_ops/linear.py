@@ -104,7 +104,7 @@ def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counte
     for name, t in (("weight", weight), ("weight_scale", weight_scale), ("weight_scale_2", weight_scale_2),
                     ("bias", bias), ("counters", counters)):
         if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device} (nvfp4_linear backend {backend!r})")
     if backend in ("triton", "flashinfer"):
         reason = _triton_refusal(x, weight) if backend == "triton" else _flashinfer_refusal(x, weight)
         if reason:

@@ -19,6 +19,16 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
                   routed_experts=0):
     """Metadata checks shared by the real and the fake implementation."""
     b = get_backend(backend)
+    device = hidden_states.device
+    # Off CUDA the refusal is a cheap test of the device type (the Triton and FlashInfer backends
+    # need a GPU). On a GPU prepare_experts has checked the backend against the device already, and
+    # asking again every call would query the device's capability on the hot path; meta tensors
+    # (shape inference) run nothing.
+    if device.type not in ("cuda", "meta"):
+        reason = b.unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"fp4moe backend {backend!r} cannot run on {device} (hidden_states is on {device}): "
+                             f"{reason}; prepare_experts(weights, 'auto') picks a backend this device runs")
     if routed_experts < 0:
         raise ValueError(f"routed_experts must be >= 0 (0: all experts are local), got {routed_experts}")
     if hidden_states.dim() != 2 or hidden_states.dtype not in _HIDDEN_DTYPES:
@@ -32,7 +42,7 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
             f"{list(hidden_states.shape)}{hint}"
         )
     scales = [(n, s) for n, s in (("fc1_act_scale", fc1_act_scale), ("fc2_act_scale", fc2_act_scale)) if s is not None]
-    check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, scales)
+    check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, scales, backend)
     num_experts = b.check_expert_tensors(expert_tensors, hidden_states.shape[1])
     scales = [s for _, s in scales]
     if b.activation_scales == "forbidden" and scales:
@@ -51,10 +61,11 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
             )
 
 
-def check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, others=()) -> None:
+def check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, others=(), backend: str = "") -> None:
     """The routing inputs of an experts op against ``hidden_states [T, H]``: ``topk_ids [T, k]``
     int32/int64, ``topk_weights`` float32 of the same shape, and every tensor (``expert_tensors``,
-    ``others`` as ``(name, tensor)``) on hidden_states' device. Metadata only: no host sync."""
+    ``others`` as ``(name, tensor)``) on hidden_states' device (the error names ``backend``, the
+    call's). Metadata only: no host sync."""
     t = hidden_states.shape[0]
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be [T, k] int32/int64, got {topk_ids.dtype} {list(topk_ids.shape)}")
@@ -70,7 +81,7 @@ def check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, others=
     named += [(f"expert_tensors[{i}]", x) for i, x in enumerate(expert_tensors)]
     for name, x in [*named, *others]:
         if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but hidden_states is on {device}")
+            raise ValueError(f"{name} is on {x.device} but hidden_states is on {device} (fp4moe backend {backend!r})")
 
 
 @torch.library.custom_op("fp4moe::fused_moe", mutates_args=())
