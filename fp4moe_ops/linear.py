@@ -226,8 +226,8 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 def as_matrix(t: torch.Tensor) -> torch.Tensor:
     """``t [..., K]`` as one ``[T, K]`` matrix for cuBLAS. A ``[B, 1, K]`` tensor with its own stride on
     the size-1 axis (attention's output at decode) passes ``is_contiguous()``, but ``F.linear`` and
-    ``@`` cannot fold it and run a batched GEMM that reads the weight once per row (o_proj at 512
-    rows, H100: 31 ms instead of 0.17)."""
+    ``@`` cannot fold it and run a batched GEMM that reads the weight once per row (two orders of
+    magnitude slower at 512 rows: benchmarks/NOTES.md, "NVFP4 linears")."""
     return t.reshape(t.shape[:-1].numel(), t.shape[-1])
 
 
