@@ -80,13 +80,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-# vLLM picks its platform at first use; without this a CUDA wheel on a GPU-less host gets
-# "UnspecifiedPlatform" (no device). An explicit CPU target is what vLLM's own CPU jobs set.
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-# With a CUDA build of torch and no GPU, vLLM on x86 still looks for a Triton that runs on CPUs
-# ("vLLM on x86 CPUs requires Triton (triton-cpu)") unless no CUDA device is visible at all.
-if not any(Path("/dev").glob("nvidia[0-9]*")):
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+def cpu_platform() -> None:
+    """Make vLLM, imported after this, take its CPU platform (this process and the saves' subprocess)."""
+    # vLLM picks its platform at first use; without this a CUDA wheel on a GPU-less host gets
+    # "UnspecifiedPlatform" (no device). An explicit CPU target is what vLLM's own CPU jobs set.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # With a CUDA build of torch and no GPU, vLLM on x86 still looks for a Triton that runs on CPUs
+    # ("vLLM on x86 CPUs requires Triton (triton-cpu)") unless no CUDA device is visible at all.
+    if not any(Path("/dev").glob("nvidia[0-9]*")):
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 # Architectures of hf_integration.tiny_models that vLLM has a model class for; the builder
 # expression is evaluated in the saves subprocess (kimi_k2 is DeepSeek-V3 under its model_type).
@@ -509,6 +512,7 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="a new folder to write the saves to and keep (default: a temp dir)")
     parser.add_argument("--write-saves", type=Path, help=argparse.SUPPRESS)  # the subprocess's role
     args = parser.parse_args()
+    cpu_platform()
     if args.write_saves:
         write_saves(args.write_saves, args.archs)
         return 0
