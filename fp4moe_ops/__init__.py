@@ -58,7 +58,11 @@ def _documented(op):
     shows torch's ``CustomOpDef`` class, this shows the op's own signature and docstring. Calling it
     is calling the op (also under ``torch.compile``); ``.op`` is the custom op itself."""
 
-    @functools.wraps(op._init_fn)  # the function the op was defined from: name, signature, docstring
+    defined_from = getattr(op, "_init_fn", None)  # the decorated function: name, signature, docstring
+    if defined_from is None:  # a torch that keeps it elsewhere: the op itself, with torch's help()
+        return op
+
+    @functools.wraps(defined_from)
     def call(*args, **kwargs):
         return op(*args, **kwargs)
 

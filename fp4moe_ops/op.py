@@ -19,16 +19,6 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
                   routed_experts=0):
     """Metadata checks shared by the real and the fake implementation."""
     b = get_backend(backend)
-    device = hidden_states.device
-    # Off CUDA the refusal is a cheap test of the device type (the Triton and FlashInfer backends
-    # need a GPU). On a GPU prepare_experts has checked the backend against the device already, and
-    # asking again every call would query the device's capability on the hot path; meta tensors
-    # (shape inference) run nothing.
-    if device.type not in ("cuda", "meta"):
-        reason = b.unavailable_reason(device)
-        if reason is not None:
-            raise ValueError(f"fp4moe backend {backend!r} cannot run on {device} (hidden_states is on {device}): "
-                             f"{reason}; prepare_experts(weights, 'auto') picks a backend this device runs")
     if routed_experts < 0:
         raise ValueError(f"routed_experts must be >= 0 (0: all experts are local), got {routed_experts}")
     if hidden_states.dim() != 2 or hidden_states.dtype not in _HIDDEN_DTYPES:
@@ -59,6 +49,21 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
                 f"activation scales must be float32 0-dim scalars or [E={num_experts}], got "
                 f"{s.dtype} {list(s.shape)}"
             )
+
+
+def _check_device(hidden_states, backend) -> None:
+    """That ``backend``'s kernels run on hidden_states' device: the forward's real and fake
+    functions, after the metadata checks (the backward, ``fused_moe_backward``, computes in torch
+    on any device and checks only the metadata). Off CUDA the refusal is a cheap test of the device
+    type (the Triton and FlashInfer backends need a GPU); on a GPU prepare_experts has checked the
+    backend against the device, and asking every call would query its capability on the hot path.
+    Meta tensors (shape inference) run nothing."""
+    device = hidden_states.device
+    if device.type not in ("cuda", "meta"):
+        reason = get_backend(backend).unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"fp4moe backend {backend!r} cannot run on {device} (hidden_states is on {device}): "
+                             f"{reason}; prepare_experts(weights, 'auto') picks a backend this device runs")
 
 
 def check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, others=(), backend: str = "") -> None:
@@ -117,6 +122,7 @@ def fused_moe(
     """
     _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
                   routed_experts)
+    _check_device(hidden_states, backend)
     if hidden_states.shape[0] == 0:
         return torch.empty_like(hidden_states)
     return get_backend(backend).run(
@@ -130,4 +136,5 @@ def _(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_
       routed_experts=0):
     _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
                   routed_experts)
+    _check_device(hidden_states, backend)
     return torch.empty_like(hidden_states)
