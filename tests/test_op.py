@@ -223,14 +223,17 @@ def test_version_is_the_packages():
     assert fp4moe_ops.__version__ == pyproject["project"]["version"]
 
 
+def cpu_call():
+    """A valid call's inputs on the CPU: hidden states, ids, weights, the canonical expert tensors."""
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    return (x, *routing(3, 6, 2), fp4moe_ops.prepare_experts(make_layer(), "reference").op_tensors())
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors on a GPU backend: this machine has a GPU")
 def test_a_gpu_backend_on_cpu_tensors_names_the_backend_in_the_real_and_the_fake_call():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    w = make_layer()
-    tensors = fp4moe_ops.prepare_experts(w, "reference").op_tensors()
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
-    ids, rw = routing(3, 6, 2)
+    x, ids, rw, tensors = cpu_call()
     # the Triton backend takes the canonical tensors too: every metadata check passes, the device does not
     with pytest.raises(ValueError, match=r"fp4moe backend 'triton' cannot run on cpu \(hidden_states is on "
                                          r"cpu\): needs a CUDA GPU"):
@@ -241,10 +244,7 @@ def test_a_gpu_backend_on_cpu_tensors_names_the_backend_in_the_real_and_the_fake
 
 
 def test_a_device_mismatch_names_the_argument_and_the_backend():
-    w = make_layer()
-    tensors = fp4moe_ops.prepare_experts(w, "reference").op_tensors()
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
-    ids, rw = routing(3, 6, 2)
+    x, ids, rw, tensors = cpu_call()
     with pytest.raises(ValueError, match=r"topk_weights is on meta but hidden_states is on cpu \(fp4moe backend "
                                          r"'reference'\)"):
         fp4moe_ops.fused_moe(x, ids, rw.to("meta"), tensors, None, None, "reference")
