@@ -14,7 +14,7 @@ for step in "$@"; do
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_triton_backend.py} 2>&1 | tee "$OUT/tests.log" | grep -E "rel err|passed|failed|Error|error" ;;
     bench) timeout 400 python3 benchmarks/bench_moe.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     sweep) timeout 300 python3 benchmarks/probes/sweep_triton.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" ;;
-    gluonprefill) timeout 300 python3 benchmarks/probes/bench_gluon_prefill.py ${GLUON_PREFILL_ARGS:-} 2>&1 | tee "$OUT/gluon_prefill.log" ;;
+    gluonprefill) timeout 300 python3 benchmarks/probes/probe_gluon_prefill.py ${GLUON_PREFILL_ARGS:-} 2>&1 | tee "$OUT/gluon_prefill.log" ;;
     pipeline) timeout 300 python3 benchmarks/probes/sweep_pipeline.py --out "$OUT" ${PIPELINE_ARGS:-} 2>&1 | tee "$OUT/sweep_pipeline.log" ;;
     ncu) timeout 200 ncu --clock-control none --kernel-name regex:_gemm --launch-skip 2 --launch-count 2 \
            --section SpeedOfLight --section WarpStateStats --section Occupancy \
@@ -28,7 +28,7 @@ for step in "$@"; do
     e2e) timeout ${E2E_TIMEOUT:-330} python3 benchmarks/bench_e2e.py --out "$OUT" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | grep -v -i warn ;;
     profile_decode) timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/probes/profile_decode_step.py ${PROFILE_DECODE_ARGS:-} 2>&1 | tee "$OUT/profile_decode.log" | grep -v -i warn ;;
     decoder_layer) timeout ${LAYER_TIMEOUT:-400} python3 benchmarks/bench_decoder_layer.py --out "$OUT" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/decoder_layer.log" | grep -v -i "warn\|attention mask" ;;
-    route) TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 benchmarks/probes/bench_route.py 2>&1 | tee "$OUT/route.log" ;;
+    route) TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 benchmarks/probes/probe_route.py 2>&1 | tee "$OUT/route.log" ;;
     firstpass) timeout 400 python3 benchmarks/bench_first_pass.py --out "$OUT" ${FIRSTPASS_ARGS:-} 2>&1 | tee "$OUT/first_pass.log" | grep "^|" ;;
     # the same without the first-call compile of every variant (launch.COMPILE_AHEAD), rows added to first_pass.*
     firstpass_noahead) FP4MOE_COMPILE_AHEAD=0 timeout 200 python3 benchmarks/bench_first_pass.py --out "$OUT" --impls fp4moe \

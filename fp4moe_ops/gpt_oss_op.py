@@ -50,7 +50,7 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, 
         raise ValueError(f"limit (swiglu_limit) must be > 0, got {limit}")
     if alpha != alpha:
         raise ValueError("alpha (swiglu_alpha) is NaN")
-    check_routing(hidden_states, topk_ids, topk_weights, expert_tensors)
+    check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, backend=backend)
     b.check_gpt_oss_tensors(expert_tensors, hidden_states.shape[1])
 
 

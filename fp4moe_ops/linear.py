@@ -104,7 +104,7 @@ def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counte
     for name, t in (("weight", weight), ("weight_scale", weight_scale), ("weight_scale_2", weight_scale_2),
                     ("bias", bias), ("counters", counters)):
         if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device} (nvfp4_linear backend {backend!r})")
     if backend in ("triton", "flashinfer"):
         reason = _triton_refusal(x, weight) if backend == "triton" else _flashinfer_refusal(x, weight)
         if reason:
@@ -226,8 +226,8 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 def as_matrix(t: torch.Tensor) -> torch.Tensor:
     """``t [..., K]`` as one ``[T, K]`` matrix for cuBLAS. A ``[B, 1, K]`` tensor with its own stride on
     the size-1 axis (attention's output at decode) passes ``is_contiguous()``, but ``F.linear`` and
-    ``@`` cannot fold it and run a batched GEMM that reads the weight once per row (o_proj at 512
-    rows, H100: 31 ms instead of 0.17)."""
+    ``@`` cannot fold it and run a batched GEMM that reads the weight once per row (two orders of
+    magnitude slower at 512 rows: benchmarks/NOTES.md, "NVFP4 linears")."""
     return t.reshape(t.shape[:-1].numel(), t.shape[-1])
 
 

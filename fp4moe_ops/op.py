@@ -32,7 +32,7 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
             f"{list(hidden_states.shape)}{hint}"
         )
     scales = [(n, s) for n, s in (("fc1_act_scale", fc1_act_scale), ("fc2_act_scale", fc2_act_scale)) if s is not None]
-    check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, scales)
+    check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, scales, backend)
     num_experts = b.check_expert_tensors(expert_tensors, hidden_states.shape[1])
     scales = [s for _, s in scales]
     if b.activation_scales == "forbidden" and scales:
@@ -51,10 +51,26 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
             )
 
 
-def check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, others=()) -> None:
+def _check_device(hidden_states, backend) -> None:
+    """That ``backend``'s kernels run on hidden_states' device: the forward's real and fake
+    functions, after the metadata checks (the backward, ``fused_moe_backward``, computes in torch
+    on any device and checks only the metadata). Off CUDA the refusal is a cheap test of the device
+    type (the Triton and FlashInfer backends need a GPU); on a GPU prepare_experts has checked the
+    backend against the device, and asking every call would query its capability on the hot path.
+    Meta tensors (shape inference) run nothing."""
+    device = hidden_states.device
+    if device.type not in ("cuda", "meta"):
+        reason = get_backend(backend).unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"fp4moe backend {backend!r} cannot run on {device} (hidden_states is on {device}): "
+                             f"{reason}; prepare_experts(weights, 'auto') picks a backend this device runs")
+
+
+def check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, others=(), backend: str = "") -> None:
     """The routing inputs of an experts op against ``hidden_states [T, H]``: ``topk_ids [T, k]``
     int32/int64, ``topk_weights`` float32 of the same shape, and every tensor (``expert_tensors``,
-    ``others`` as ``(name, tensor)``) on hidden_states' device. Metadata only: no host sync."""
+    ``others`` as ``(name, tensor)``) on hidden_states' device (the error names ``backend``, the
+    call's). Metadata only: no host sync."""
     t = hidden_states.shape[0]
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be [T, k] int32/int64, got {topk_ids.dtype} {list(topk_ids.shape)}")
@@ -70,7 +86,7 @@ def check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, others=
     named += [(f"expert_tensors[{i}]", x) for i, x in enumerate(expert_tensors)]
     for name, x in [*named, *others]:
         if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but hidden_states is on {device}")
+            raise ValueError(f"{name} is on {x.device} but hidden_states is on {device} (fp4moe backend {backend!r})")
 
 
 @torch.library.custom_op("fp4moe::fused_moe", mutates_args=())
@@ -106,6 +122,7 @@ def fused_moe(
     """
     _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
                   routed_experts)
+    _check_device(hidden_states, backend)
     if hidden_states.shape[0] == 0:
         return torch.empty_like(hidden_states)
     return get_backend(backend).run(
@@ -119,4 +136,5 @@ def _(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_
       routed_experts=0):
     _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
                   routed_experts)
+    _check_device(hidden_states, backend)
     return torch.empty_like(hidden_states)

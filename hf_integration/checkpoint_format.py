@@ -168,17 +168,16 @@ class ModelOptConfig(QuantizationConfigMixin):
         nvfp4_linears: what becomes of the checkpoint's NVFP4 linears outside the routed experts
             (attention, shared experts, dense MLPs): ``"nvfp4"`` (default) keeps them in 4 bits as
             :class:`~hf_integration.experts.NVFP4Linear` (a quarter of the memory; computed by
-            ``fp4moe::nvfp4_linear``: on Hopper Triton kernels, 1.2-3.0x BF16's speed at 1-16
-            tokens on DeepSeek-V3's shapes, 0.86-1.37x at 64, 0.44-0.96x at 128-2048; H100,
-            2026-12-05, benchmarks/RESULTS.md); ``"dequantize"`` makes them ``nn.Linear`` in the
-            model dtype.
+            ``fp4moe::nvfp4_linear``: on Hopper Triton kernels, faster than BF16 at a few tokens
+            per call, slower at many: benchmarks/RESULTS.md, "NVFP4 linears"); ``"dequantize"``
+            makes them ``nn.Linear`` in the model dtype (BF16's speed, 4x the memory).
         fuse_shared_experts: with ``nvfp4_linears="nvfp4"``, run a DeepSeek-V3-style block's NVFP4
             shared expert inside the routed experts' op call
-            (:class:`~hf_integration.shared_experts.SharedExpertMoE`; H200, 2026-12-01: 0.253
-            instead of 0.271 ms per DeepSeek-V3 layer at batch 1). Off by default: fusing copies
-            each layer's experts once, so loading then needs one layer's expert bytes of headroom
-            (+7.3 GB for a full-size DeepSeek-V3 layer, benchmarks/RESULTS.md), and a fused model
-            runs neither NVFP4 activations nor expert parallelism.
+            (:class:`~hf_integration.shared_experts.SharedExpertMoE`): one launch instead of a
+            second op call, faster at batch 1 (benchmarks/NOTES.md, "The shared expert inside the
+            routed call"). Off by default: fusing copies each layer's experts once, so loading then
+            needs one layer's expert bytes of headroom (7.3 GB for a full-size DeepSeek-V3 layer),
+            and a fused model runs neither NVFP4 activations nor expert parallelism.
     """
 
     LOADING_ATTRIBUTES = ("backend", "act_scale_mode", "fuse_router", "expert_parallel", "nvfp4_linears",

@@ -297,10 +297,9 @@ def routed_rows_hint(num_routed: int, top_k: int) -> int:
     its tiles by the expected rows per expert, slots over this hint: counted over E + 1 experts,
     the shared expert's T slots put 512 DeepSeek-V3 tokens at 17.9 rows per expert (the prefill
     bucket) where the routed experts hold 16 (the middle bucket). Over E (k + 1) / k the (k + 1) T
-    slots give the routed experts' own k T / E. The MoE call took 1.21-1.22x less time at 480-512
-    tokens, 1.02-1.07x at 240-256, the same at 1024-2048 (H100,
-    benchmarks/results/probe_shared_bucket_h100_2026-12-05.log); the other counts whose bucket it
-    moves on DeepSeek-V3 (172-192 and 1828-2047 tokens) were not measured."""
+    slots give the routed experts' own k T / E, and so their tiles (what that gains, and which
+    token counts were not measured: benchmarks/NOTES.md, "The shared expert inside the routed
+    call")."""
     return round(num_routed * (top_k + 1) / top_k)
 
 

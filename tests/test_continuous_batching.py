@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
 import hf_integration  # noqa: F401
 from hf_integration import patch_moe
@@ -27,8 +27,16 @@ def config() -> GenerationConfig:
     return GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
 
 
+def small_cache() -> ContinuousBatchingConfig:
+    """A paged cache sized for PROMPTS. Left unset, Transformers sizes it from free memory, which on
+    the CPU is free RAM (0.8-0.9 of it): gigabytes per call, enough to exhaust a 16 GB machine. Each
+    request here needs one block of 256 tokens; 256 batch tokens hold every prompt in one step."""
+    return ContinuousBatchingConfig(num_blocks=len(PROMPTS) + 1, max_batch_tokens=256)
+
+
 def batched(model) -> list[list[int]]:
-    out = model.generate_batch(inputs=PROMPTS, generation_config=config(), progress_bar=False)
+    out = model.generate_batch(inputs=PROMPTS, generation_config=config(),
+                               continuous_batching_config=small_cache(), progress_bar=False)
     return [out[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))]
 
 
@@ -105,7 +113,8 @@ def test_llama4_chunked_attention_is_refused_by_transformers_at_the_call():
 def test_generate_batch_on_mla_is_refused_at_the_call(arch):
     model = fp4moe_model(arch)
     with pytest.raises(NotImplementedError, match="caches 1 head of 16 latents and 8 rotary keys"):
-        model.generate_batch(inputs=PROMPTS, generation_config=config(), progress_bar=False)
+        model.generate_batch(inputs=PROMPTS, generation_config=config(),
+                             continuous_batching_config=small_cache(), progress_bar=False)
     with pytest.raises(NotImplementedError, match="continuous batching"):  # (transformers serve's way in)
         model.init_continuous_batching(generation_config=config())
     assert len(greedy(model)[0]) == 6  # generate runs
@@ -124,7 +133,8 @@ def test_a_loaded_mla_checkpoint_refuses_too(tmp_path):
     patch_moe(ARCHITECTURES["deepseek_v3"](), verbose=False).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     with pytest.raises(NotImplementedError, match="continuous batching"):
-        model.generate_batch(inputs=PROMPTS, generation_config=config(), progress_bar=False)
+        model.generate_batch(inputs=PROMPTS, generation_config=config(),
+                             continuous_batching_config=small_cache(), progress_bar=False)
 
 
 @pytest.mark.skipif(not paged_cache_holds_mla(), reason="before Transformers 5.25 this is refused (above)")

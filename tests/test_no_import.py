@@ -218,8 +218,11 @@ def test_transformers_serve_answers_a_completion_with_no_import(batching, fp4moe
     port = _free_port()
     log = (tmp_path / "serve.log").open("w")
     env = {k: v for k, v in os.environ.items() if k != "FP4MOE_AUTOLOAD"} | {"HF_HUB_OFFLINE": "1"}
+    # the paged cache sized for one short request: left unset, Transformers sizes it from free memory,
+    # on the CPU 0.8-0.9 of the free RAM
+    cache = ["--cb-num-blocks", "2", "--cb-max-batch-tokens", "256"] if batching == "--continuous-batching" else []
     server = subprocess.Popen([str(cli), "serve", str(fp4moe_save), "--host", "127.0.0.1", "--port", str(port),
-                               "--device", "cpu", batching], cwd=tmp_path, env=env, stdout=log,
+                               "--device", "cpu", batching, *cache], cwd=tmp_path, env=env, stdout=log,
                               stderr=subprocess.STDOUT, preexec_fn=os.setsid)  # its own process group
     try:
         deadline = time.monotonic() + 180
@@ -260,7 +263,7 @@ def test_lm_eval_cli_scores_a_checkpoint_through_fp4moe_with_no_import(fp4moe_sa
     # lm_eval's own CLI and HF wrapper (`--model hf --model_args pretrained=PATH`), on a local
     # multiple-choice task; its per-choice log-likelihoods are those of the checkpoint loaded here
     # with fp4moe imported, scored by the same harness in this process
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "tools"))
     from lm_eval_tiny import evaluate, write_task
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -201,3 +201,54 @@ def test_a_nan_expert_never_reaches_tokens_not_routed_to_it():
     ids[3, 0] = 2
     out = fp4moe_ops.prepare_experts(bad, "reference", check_values=False)(x, ids, rw)
     assert torch.isnan(out[3]).all() and torch.equal(out[4:], clean[4:])
+
+
+@pytest.mark.parametrize("name", ["fused_moe", "gpt_oss_moe", "grouped_topk", "softmax_topk", "nvfp4_linear"])
+def test_help_on_each_public_op_shows_its_signature_and_docstring(name):
+    import pydoc
+
+    shown = pydoc.render_doc(getattr(fp4moe_ops, name), renderer=pydoc.plaintext)
+    # the argument names come from the op's registered schema, not from the function help() reads
+    schema = getattr(torch.ops.fp4moe, name).default._schema
+    assert f"{name}({schema.arguments[0].name}" in shown
+    assert all(a.name in shown for a in schema.arguments)
+    assert "CustomOpDef" not in shown and len(shown.splitlines()) > 4  # a docstring, not torch's class
+
+
+def test_version_is_the_packages():
+    tomllib = pytest.importorskip("tomllib")
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert fp4moe_ops.__version__ == pyproject["project"]["version"]
+
+
+def cpu_call():
+    """A valid call's inputs on the CPU: hidden states, ids, weights, the canonical expert tensors."""
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    return (x, *routing(3, 6, 2), fp4moe_ops.prepare_experts(make_layer(), "reference").op_tensors())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors on a GPU backend: this machine has a GPU")
+def test_a_gpu_backend_on_cpu_tensors_names_the_backend_in_the_real_and_the_fake_call():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, ids, rw, tensors = cpu_call()
+    # the Triton backend takes the canonical tensors too: every metadata check passes, the device does not
+    with pytest.raises(ValueError, match=r"fp4moe backend 'triton' cannot run on cpu \(hidden_states is on "
+                                         r"cpu\): needs a CUDA GPU"):
+        fp4moe_ops.fused_moe(x, ids, rw, tensors, None, None, "triton")
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=r"'triton' cannot run on cpu"):
+        fp4moe_ops.fused_moe(*(mode.from_tensor(t) for t in (x, ids, rw)),
+                             [mode.from_tensor(t) for t in tensors], None, None, "triton")
+
+
+def test_a_device_mismatch_names_the_argument_and_the_backend():
+    x, ids, rw, tensors = cpu_call()
+    with pytest.raises(ValueError, match=r"topk_weights is on meta but hidden_states is on cpu \(fp4moe backend "
+                                         r"'reference'\)"):
+        fp4moe_ops.fused_moe(x, ids, rw.to("meta"), tensors, None, None, "reference")
+    q = nvfp4.quantize_nvfp4(torch.randn(32, 64))
+    with pytest.raises(ValueError, match=r"weight_scale_2 is on meta but x is on cpu \(nvfp4_linear backend "
+                                         r"'reference'\)"):
+        fp4moe_ops.nvfp4_linear(x, q.packed, q.block_scale, q.global_scale.reshape(()).to("meta"), backend="reference")

@@ -30,14 +30,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _compile(*args: str) -> subprocess.CompletedProcess:
-    """``benchmarks/compile_ahead_cpu.py`` in a subprocess with an empty Triton cache (a cached
+    """``tools/compile_ahead_cpu.py`` in a subprocess with an empty Triton cache (a cached
     kernel would not be compiled again)."""
     env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="fp4moe-sm90-"), TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
     extra = os.environ.get("FP4MOE_COMPILE_TRITON")
     if extra:
         env["PYTHONPATH"] = os.pathsep.join([extra, env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_ahead_cpu.py"), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "compile_ahead_cpu.py"), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
 
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import fp4moe_ops  # noqa: E402
 from bench_moe import make_inputs, random_weights  # noqa: E402
-from bench_gluon_prefill import gluon_moe  # noqa: E402
+from probe_gluon_prefill import gluon_moe  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--tokens", type=int, default=8192)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))  # benchmarks/ (compile_ahead_cpu)
+sys.path.insert(0, str(HERE.parent / "tools"))  # compile_ahead_cpu
 E, H, I, K = 256, 7168, 2048, 8
 
 

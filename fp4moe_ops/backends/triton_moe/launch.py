@@ -33,12 +33,9 @@ def interpreting() -> bool:
 
 FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (prefill)
 # From this many rows per expert on, the Gluon prefill kernels (prefill_rs.py) on Hopper, with an
-# expert's last block in 64-token tiles when it holds 64 rows or fewer (GLUON_PREFILL_TAILS).
-# DeepSeek-V3's layer against the single-role kernels, one process (H200, 2026-12-01,
-# benchmarks/NOTES.md): 0.77x the time at 8192 tokens (256 rows per expert), 0.82x at 4096, 0.86x
-# at 2048 (64 rows); at 1024 (32 rows) 1.03x, so not there. Without tails 0.81x, 0.86x, 1.02x, 1.38x.
-# A second tail level of 32 rows moved 2048-8192 by -2% to +8% (within the drift) and costs two more
-# kernels to compile on a new machine (the first pass over new shapes: results/first_pass_tails_*).
+# expert's last block in 64-token tiles when it holds 64 rows or fewer (GLUON_PREFILL_TAILS): faster
+# than the single-role kernels from 64 rows, not at 32; a second, 32-row tail level gained nothing
+# measurable and costs two more kernels to compile (measurements: benchmarks/NOTES.md, "Where launch.py's settings come from")
 GLUON_PREFILL_MIN_ROWS = 64
 GLUON_PREFILL_TAILS = (64,)
 # Up to this many rows per expert, decode_v3's kernels in 8-row blocks (kernel_config)
@@ -152,8 +149,8 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, routed_experts: int = 0) -> dict:
-    """Tile sizes by shape bucket, chosen from H200 sweeps (benchmarks/probes/sweep_triton.py,
-    numbers in benchmarks/NOTES.md). Static: nothing is tuned at call time or in graph capture.
+    """Tile sizes by shape bucket, chosen from H200 sweeps (benchmarks/probes/sweep_triton.py; the
+    measurements behind each choice: benchmarks/NOTES.md, "Where launch.py's settings come from"). Static: nothing is tuned at call time or in graph capture.
 
     The bucket is the expected rows per expert: slots over the experts the router chooses among
     (``routed_experts``, e.g. 256 on an expert-parallel rank holding 32, or 288 for DeepSeek-V3's
@@ -167,14 +164,14 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     middle = tma and 8 < rows_per_expert <= 16
     decode = rows_per_expert <= 16 and not middle
     regs = 0  # no cap on registers per thread
-    if middle:  # 0.90x the decode tiles' time at 512 tokens on DeepSeek-V3 (results/sweep_middle_2026-12-01.log);
-        # 8 warps capped at 128 registers (2 programs per SM): 0.98x 4 warps (results/sweep_pipeline_2026-12-01c.log)
+    if middle:  # 32-row tiles beat the decode tiles here; 8 warps capped at 128 registers (2 programs
+        # per SM) edge out 4 warps
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch, regs = 32, 128, 256, 128, 256, 8, 3, False, 128
     elif decode:
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 16, 64, 256, 64, 256, 4, 3, False
-    elif tma:  # prefill, tensor-core bound: 1.8x / 1.37x over the plain-load tiles at 2048 / 8192 tokens;
-        # 256-row weight tiles (half the programs; GEMM2's K loop is short, I / 256 steps; GEMM1
-        # decodes each weight tile for 2x the MMA work per instruction): 1.08-1.10x more
+    elif tma:  # prefill, tensor-core bound: TMA tiles beat the plain-load ones; 256-row weight tiles
+        # (half the programs; GEMM2's K loop is short, I / 256 steps; GEMM1 decodes each weight tile
+        # for 2x the MMA work per instruction) a little more
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 64, 256, 256, 256, 256, 8, 3, False
     else:
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 128, 128, 128, 128, 128, 8, 2, True
@@ -183,45 +180,32 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
         BN2=_pow2_divisor(hidden, bn2), BK2=_pow2_divisor(inter, bk2),
         num_warps=warps, num_stages=stages, PREFETCH=prefetch, maxnreg=regs,
     )
-    # Weights through TMA (bulk copies pipelined over num_stages, 1.2x at decode on H200), and K
-    # in MMA-fragment order: vector loads of each thread's weight bytes instead of byte loads and
-    # shuffles (933 -> 562 instructions per K step of the decode GEMM2 loop, sm90 SASS; 1.4-1.5x);
-    # with the paired weight layout (layout.py, held by PreparedExperts), 462 (0.88-0.93x the time at decode).
+    # Weights through TMA (bulk copies pipelined over num_stages), and K in MMA-fragment order:
+    # vector loads of each thread's weight bytes instead of byte loads and shuffles, fewer
+    # instructions per K step, fewer still with the paired weight layout (layout.py, held by
+    # PreparedExperts)
     cfg["TMA"] = cfg["FRAGMENT_ORDER"] = tma
     # GEMM1's tiles hold BN1/2 gate rows and the same up rows, in one K loop with one accumulator
-    # (4-D TMA boxes). Two K loops of BN1 rows each kept a first accumulator alive through the
-    # second loop, and ptxas serialized every wgmma there even with static loops (the merged prefill
-    # tile still uses 255 registers and spills a little, but its wgmma overlap); at decode gate and
-    # up used to go to separate programs with an fp32 scratch of S x 2I and a SiLU kernel. Against
-    # those, on DeepSeek-V3 (results/sweep_pipeline_2026-12-01*.log, sweep_pipeline_decode_2026-12-01d.log):
-    # 0.94-0.96x the layer's time at 1 token, 0.91-1.03x at 2-256 (within those rows' run-to-run
-    # drift: up to 1.07x between runs of one config, one outlier of 1.25x), 0.94-0.97x at 512,
-    # 0.88-0.93x at 2048-8192.
+    # (4-D TMA boxes): two K loops kept a first accumulator alive through the second, and ptxas
+    # serialized every wgmma there (the merged prefill tile still uses 255 registers and spills a
+    # little, but its wgmmas overlap); faster or level at every token count
     cfg["MERGED_GATE_UP"] = tma
     # A static K loop (wgmma pipelined; see _expert_matmul) where measured faster: one token of top-8
     # (8 slots: the rule counts slots, so a top-2 model pipelines up to 4 tokens, not measured) and
-    # the middle and prefill buckets. In the rest of the decode bucket a run-time loop is faster:
-    # pipelined, the layer took 1.01-1.07x the time at 2-256 tokens (cause not established).
+    # the middle and prefill buckets; in the rest of the decode bucket a run-time loop is faster
     cfg["PIPELINED_MMA1"] = cfg["PIPELINED_MMA2"] = tma and not (decode and num_slots > 8)
     # Programmatic dependent launch (sm90+; opt-in, config key PDL) for the launches of a call
     # (routing, GEMM1, GEMM2, top-k sum; no routing at one token): each kernel's programs start while
     # the previous one drains its last wave, and wait for it (griddepcontrol) before reading anything
-    # it wrote. 0.97-0.98x the layer's time at 1 token, 0.98-0.99x at 2, nothing measurable from 8
-    # (H200, results/sweep_pdl_2026-12-01.log); but the first pass over 24 new shapes of a compiled
-    # generate() took 70.9 s instead of 53.8 s (20.1 instead of 16.4 s with Triton's disk cache; cause
-    # not established; results/first_pass_pdl_2026-12-01.md, first_pass_860092d_2026-12-01.md). Off.
+    # it wrote. Off: a few % at 1-2 tokens, but a slower first pass over new shapes
     cfg["PDL"] = False
     # Prefill with many rows per expert: the Gluon kernels (prefill_rs.py; paired weights, bf16
     # activations and compute capability 9.x only, checked at the call)
     cfg["GLUON_PREFILL"] = tma and rows_per_expert >= GLUON_PREFILL_MIN_ROWS
     # Up to V3_MAX_ROWS rows per expert: both GEMMs on mma.sync with weights and scales through a
-    # TMA ring (decode_v3.py; Hopper, bf16 and Gluon only, checked at the call), in 8-row blocks.
-    # DeepSeek-V3's layer against the wgmma kernels, one process (H200, benchmarks/NOTES.md,
-    # 2026-12-02): 0.83x the time at 1 token, 0.76-0.81x at 8,
-    # 0.86-0.95x at 64, 0.85-0.88x at 128 (4 rows), 0.91-0.95x at 160 (5), 0.93-1.02x at 192 (6);
-    # at 256 (8 rows) 1.07-1.15x, so not there. 8-row blocks against 16: 0.90x at 8 tokens, 0.87x
-    # at 32. Rings of 2 slots: GEMM2's of 2 steps (256 K each) where I
-    # allows, of one at one token (0.97x there), GEMM1's of one step
+    # TMA ring (decode_v3.py; Hopper, bf16 and Gluon only, checked at the call), in 8-row blocks:
+    # faster than the wgmma kernels up to 6 rows per expert, slower at 8. Rings of 2 slots: GEMM2's
+    # of 2 steps (256 K each) where I allows, of one at one token, GEMM1's of one step
     cfg["DECODE_V3"] = tma and rows_per_expert <= V3_MAX_ROWS and hidden % 256 == 0 and inter % 256 == 0
     if cfg["DECODE_V3"]:
         cfg |= dict(V3_STAGES=2, V3_SPS=2 if inter % 512 == 0 else 1, V3_SPS_ONE_TOKEN=1, V3_STAGES1=2, V3_BM=8)
@@ -252,13 +236,12 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
                          "uint8 weights for other configs")
     if cfg.get("FRAGMENT_ORDER") and (cfg["BN1"] % 64 or cfg["BN2"] % 64):
         # the GPU decode maps a 64-row weight tile onto the warpgroup's MMA fragments; narrower
-        # tiles compile but give wrong sums on H200 (benchmarks/results/sweep_narrow_*.log)
+        # tiles compile but give wrong sums on the GPU (benchmarks/NOTES.md, "Where launch.py's settings come from")
         raise ValueError(f"fragment-order configs need BN1 and BN2 multiples of 64, got {cfg['BN1']} and {cfg['BN2']}")
     if cfg.get("FRAGMENT_ORDER") and cfg["BM"] % 16:
-        # 8-token row blocks gave wrong sums on H200 at 1, 8 and 64 tokens (relative error 1.5-1.6;
-        # benchmarks/results/probe_v3_decode_bm8_*_2026-12-02.log): at N = 8 Triton 3.6 compiles the
-        # dot to mma.sync through a shared-memory layout conversion, not wgmma, and the paired
-        # decode's packing assumption likely fails there (the CPU interpreter's sums are right).
+        # 8-token row blocks give wrong sums on the GPU: at N = 8 Triton compiles the dot to
+        # mma.sync through a shared-memory layout conversion, not wgmma, and the paired decode's
+        # packing assumption likely fails there (the CPU interpreter's sums are right; NOTES.md).
         # kernel_config never makes them
         raise ValueError(f"fragment-order configs need BM a multiple of 16, got {cfg['BM']}")
     x = hidden_states.contiguous()
@@ -598,10 +581,8 @@ LINEAR_GEMV_MAX_TOKENS = 64  # past this, decode the weight to 16 bits once and 
 SM_COUNT_TARGET = 264  # programs to aim for: two per SM of an H100/H200 (132 SMs)
 LINEAR_MAX_PARTS = 16  # K split at most this many ways (each part writes a float32 [T, N] of partial sums)
 # Paired weights (what NVFP4Linear holds on Hopper), bf16: the kernel path up to this many tokens
-# (decode_v3's linear, or the GEMV in 32/64-token blocks for wide weights), then dequantize + cuBLAS.
-# At 128 tokens the kernels ran at 0.60-0.87x BF16's speed, dequantize + cuBLAS at 0.43-0.69x; at
-# 256 dequantize + cuBLAS was the faster on 8 of 9 shapes (H100, 2026-12-05, bench_linear.py
-# --sweep on DeepSeek-V3's shapes; benchmarks/NOTES.md)
+# (decode_v3's linear, or the GEMV in 32/64-token blocks for wide weights), then dequantize + cuBLAS,
+# where that became the faster (measurements: benchmarks/NOTES.md, "Where launch.py's settings come from")
 LINEAR_V3_MAX_TOKENS = 128
 LINEAR_WIDE_N = 16384  # from this many output features the GEMV's 32/64-token blocks beat decode_v3 past 16 tokens
 
@@ -644,7 +625,7 @@ def linear_config(tokens: int, n: int, k: int, paired: bool = False, v3: bool = 
     LINEAR_GEMV_MAX_TOKENS tokens), split along K until about SM_COUNT_TARGET programs run; past
     those, the dequantize + cuBLAS path."""
     if paired and v3 and tokens <= LINEAR_V3_MAX_TOKENS:
-        # Token blocks and K parts as the sweep found best (H100, 2026-12-05, DeepSeek-V3's 9 shapes):
+        # Token blocks and K parts as the sweep found best (bench_linear.py --sweep, NOTES.md):
         # a weight decoded once per token block, so blocks grow with the tokens, but small weights
         # (a latency-bound call) prefer more, narrower blocks; K parts for about two programs per SM
         weight_mb = n * k / 2 / 2**20
@@ -668,24 +649,21 @@ def linear_config(tokens: int, n: int, k: int, paired: bool = False, v3: bool = 
         want = max(1, SM_COUNT_TARGET // tiles)
         if 4 * tiles >= SM_COUNT_TARGET:
             # tiles for half the SMs already: a part shorter than two ring depths (4 slots) costs
-            # its ring's fill and the parts' sum for little (shared down, 112 tiles of 4 slots, at
-            # 1 token: 1 part 0.0068 ms, 2 parts 0.0081-0.0083, 4 parts 0.0083; H100, 2026-12-05)
+            # its ring's fill and the parts' sum for little
             want = min(want, max(1, slots // 4))
         return dict(path="v3", BM=bm, PARTS=_divisor_near(slots, want), STAGES=2)
     if tokens > LINEAR_GEMV_MAX_TOKENS:
         return dict(path="dequantize", BN=64, BK=256, PAIRED=paired)
-    # 16- or 32-row token blocks: past 32 tokens two 32-row blocks beat one 64-row block (0.72-0.76x
-    # the time at 64 tokens), and 2 pipeline stages beat 3 (0.94-0.98x) (H200 sweep, benchmarks/NOTES.md)
+    # 16- or 32-row token blocks: past 32 tokens two 32-row blocks beat one 64-row block, and 2
+    # pipeline stages beat 3 (NOTES.md)
     bm = 16 if tokens <= 16 else 32
     bn, bk = 64, 256
     tiles = max(1, (n // bn) * triton.cdiv(tokens, bm))
     steps = k // bk
     parts = max(1, min(LINEAR_MAX_PARTS, steps, triton.cdiv(SM_COUNT_TARGET, tiles)))
     # SERIAL: the parts are summed in the same launch by the last to finish (no second kernel).
-    # X_TMA: x's tiles through TMA, permuted in registers, from 8 tokens: against reading x with
-    # permuted addresses 0.48-0.93x the time at 32-64 tokens, 0.70-0.95x at 16, 0.77-1.05x at 8 (8 of
-    # 9 shapes faster), 0.83-1.31x at 1-4 (faster on 1-3 of 9 shapes) (H200, 2026-12-01,
-    # DeepSeek-V3's shapes: benchmarks/results/linear_xtma_2026-12-01d.log, linear_small_tokens_2026-12-01e.log)
+    # X_TMA: x's tiles through TMA, permuted in registers, from 8 tokens, where it beats reading x
+    # with permuted addresses on most shapes (below 8, on few; NOTES.md)
     return dict(path="gemv", BM=bm, BN=bn, BK=bk, PARTS=parts, SERIAL=True, X_TMA=tokens >= 8, num_warps=4,
                 num_stages=2, PAIRED=paired)
 

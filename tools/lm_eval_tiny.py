@@ -1,7 +1,7 @@
 """lm-evaluation-harness on a patched model, fully local (no hub download): the tool the seed's
 accuracy numbers came from, evaluating through its HF wrapper ``HFLM(pretrained=model)``.
 
-    pip install lm-eval && python benchmarks/lm_eval_tiny.py
+    pip install lm-eval && python tools/lm_eval_tiny.py
 
 Uses a tiny random DeepSeek-V3 and a word-level tokenizer built in memory, and a small
 multiple-choice task written to a temporary folder (JSON lines + task YAML). It checks that the

@@ -1,7 +1,7 @@
 """The Gluon prefill GEMMs (``prefill_rs.py``) against the Triton backend's single-role kernels, one
 process.
 
-    python benchmarks/probes/bench_gluon_prefill.py [--tokens 2048,4096,6144,8192] [--stages 3,4] [--diag 0,1]
+    python benchmarks/probes/probe_gluon_prefill.py [--tokens 2048,4096,6144,8192] [--stages 3,4] [--diag 0,1]
         [--block-m auto|8,16,...] [--tail 0,64,64-32] [--compare-module NAME] [--balanced] [--no-layer]
         [--skip-small]
 

@@ -3,8 +3,8 @@ disk-cache loads included) and the steady time (CUDA-graph replay, 8 routings) o
 step alone and of a whole DeepSeek-V3 layer (E=256, H=7168, I=2048, top-8), token count by
 token count in one process, plus how many variants of each kernel the process compiled.
 
-    TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/probes/bench_route.py --tokens 1,8,20,57,160,231,512
-    PYTHONPATH=/old/tree python benchmarks/probes/bench_route.py ...   # an older commit, for comparison
+    TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/probes/probe_route.py --tokens 1,8,20,57,160,231,512
+    PYTHONPATH=/old/tree python benchmarks/probes/probe_route.py ...   # an older commit, for comparison
 """
 
 import argparse

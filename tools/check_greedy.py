@@ -2,7 +2,7 @@
 and fp4moe: random weights give near-tied logits that bf16 rounding differences between
 inductor and eager can flip, so a difference is a bug only if the BF16 control agrees.
 
-    python benchmarks/check_greedy.py
+    python tools/check_greedy.py
 """
 
 import sys
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # bench_e2e
 from bench_e2e import deepseek_v3_layers  # noqa: E402
 from hf_integration import patch_deepseek  # noqa: E402
 

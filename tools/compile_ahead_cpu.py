@@ -4,7 +4,7 @@ kernel variant compiles on a Triton release: tests/test_triton_releases.py), as
 (``launch.variant_slots``) one by one, or together in threads (``compile_ahead.compile_all``), timed.
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0   # any release of GLUON_TRITON (3.6-3.9)
-    PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/compile_ahead_cpu.py together [--shape deepseek]
+    PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=$(mktemp -d) python tools/compile_ahead_cpu.py together [--shape deepseek]
         [--check-tokens 1,9,300] [--linear]
 
 A stand-in driver answers Triton's JIT as an sm90 device would; nothing launches. The tensors are
@@ -34,7 +34,7 @@ from triton.backends.nvidia.driver import CudaDriver
 from triton.runtime import driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # bench_linear
 from bench_linear import SHAPES  # noqa: E402
 
 
