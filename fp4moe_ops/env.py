@@ -1,0 +1,45 @@
+"""fp4moe's environment variables, parsed one way everywhere: a switch takes ``1`` / ``true`` /
+``yes`` / ``on`` or ``0`` / ``false`` / ``no`` / ``off`` (any case, spaces ignored; unset or empty:
+its default), a choice one of its named values; anything else is a ValueError naming the variable,
+the value and what it takes, raised where the variable is read (a typo is never silently ignored).
+
+``FP4MOE_AUTOLOAD`` is read by the start-up hook (``fp4moe_autoload``), which imports nothing heavy
+and must never stop a program from starting: it takes the same words, and any other value leaves
+it on (``ON_WORDS`` / ``OFF_WORDS`` are its lists too; ``tests/test_env_parsing.py`` keeps them equal).
+"""
+
+from __future__ import annotations
+
+import os
+
+ON_WORDS = ("1", "true", "yes", "on")
+OFF_WORDS = ("0", "false", "no", "off")
+
+
+def env_switch(name: str, default: bool | None = None) -> bool | None:
+    """The switch ``name`` as True / False, or ``default`` where it is unset or empty."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in ON_WORDS:
+        return True
+    if value in OFF_WORDS:
+        return False
+    raise ValueError(f"environment variable {name}={raw!r} is not understood: it takes "
+                     f"{'/'.join(ON_WORDS)} or {'/'.join(OFF_WORDS)}, or unset for the default")
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str | None = None) -> str | None:
+    """The choice ``name`` (lower-cased; one of ``choices``), or ``default`` where it is unset or empty."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value not in choices:
+        raise ValueError(f"environment variable {name}={raw!r} is not understood: it takes "
+                         f"{' or '.join(repr(c) for c in choices)}, or unset for the default")
+    return value
+
+
+__all__ = ["OFF_WORDS", "ON_WORDS", "env_choice", "env_switch"]
