@@ -157,6 +157,18 @@ def check_scale_values(t: torch.Tensor, kind: str, describe) -> None:
         raise ValueError(f"{describe(e)} {what}{value}; {int(bad.sum())} expert(s) affected")
 
 
+def rescale_block_scales(block_scale: torch.Tensor, ratio: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """E4M3 block scales ``[..., N, K/16]`` times ``ratio`` (broadcast; <= 1: moving a tensor onto a
+    larger global scale), re-rounded to E4M3; returns ``(rescaled, rows changed, rows zeroed)``. A
+    ratio far below 1 flushes small block scales to 0 (E4M3's smallest is 2^-9): a row whose every
+    non-zero block scale flushes loses its weights entirely, which the caller must say."""
+    rescaled = (block_scale.float() * ratio).to(torch.float8_e4m3fn)
+    old, new = block_scale.view(torch.uint8), rescaled.view(torch.uint8)
+    changed = int((old != new).any(-1).sum())
+    zeroed = int(((old & 0x7F != 0).any(-1) & ~(new & 0x7F != 0).any(-1)).sum())
+    return rescaled, changed, zeroed
+
+
 def largest_weights(block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """``[E] float64``: the largest ``|W|`` each expert's scales allow, ``6 x`` its largest block
     scale ``x`` its global scale (the multiplier: ModelOpt's ``weight_scale_2``). ``block_scale``
@@ -270,4 +282,5 @@ def validate_moe_weights(w: NVFP4MoEWeights) -> None:
             _expect(name, s, (e,), torch.float32, dev)
 
 
-__all__ = ["NVFP4MoEWeights", "NVFP4Tensor", "quantize_expert_stack", "quantize_moe_weights", "validate_moe_weights"]
+__all__ = ["NVFP4MoEWeights", "NVFP4Tensor", "quantize_expert_stack", "quantize_moe_weights", "rescale_block_scales",
+           "validate_moe_weights"]

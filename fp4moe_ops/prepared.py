@@ -369,7 +369,7 @@ def _canonical_state_dict(module: PreparedExperts, state_dict, prefix, local_met
             state_dict[key] = convert_packed(state_dict[key], module.layout, CANONICAL)
 
 
-def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> None:
+def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str, strict: bool = False) -> None:
     """Raise naming the key of the first quantized tensor in ``state_dict`` (under ``prefix``) that
     ``module`` must not take: one that ``module.load_refusal`` refuses (a tensor that cannot be
     loaded without the others), one of another dtype or shape than ``module.incoming_layout()``
@@ -379,8 +379,14 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
     relative to ``module``; kinds of :data:`fp4moe_ops.moe_weights.SCALE_CHECKS`). Meta tensors
     (a skeleton's ``assign=True`` load) are not checked. Experts' scales are per expert (``[E]``,
     ``[E, N, K/16]``; a fused layer may hold more experts than the state dict's routed ones); a
-    linear's are one ``[]`` / ``[1]`` / ``[N, K/16]``."""
+    linear's are one ``[]`` / ``[1]`` / ``[N, K/16]``. ``strict``: a tensor the module declares
+    (:meth:`QuantizedBuffers.tensor_specs`) missing from ``state_dict`` is refused too
+    (``load_state_dict`` would load the others first, and report it only at the end)."""
     experts = isinstance(module, PreparedExperts)
+    if strict:
+        for spec in getattr(module, "tensor_specs", list)():
+            if prefix + spec.name not in state_dict:
+                raise ValueError(f"load_state_dict: {prefix + spec.name} is missing (strict=True); nothing was loaded")
     refusal = getattr(module, "load_refusal", None)
     reason = refusal(state_dict, prefix) if refusal is not None else None
     if reason:
@@ -476,7 +482,7 @@ def _held(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.is_meta else t
 
 
-def check_incoming_tensors(root: nn.Module, state_dict: dict, prefix: str) -> None:
+def check_incoming_tensors(root: nn.Module, state_dict: dict, prefix: str, strict: bool = False) -> None:
     """Raise naming the key of the first tensor in ``state_dict`` that ``root`` and its submodules
     must not take, before any of them changes: quantized modules' (those with ``scale_checks``) by
     :func:`check_incoming_scales`; every other tensor (a router's weight, a bias) of another shape
@@ -486,7 +492,7 @@ def check_incoming_tensors(root: nn.Module, state_dict: dict, prefix: str) -> No
         at = f"{prefix}{name}." if name else prefix
         quantized = callable(getattr(m, "scale_checks", None))
         if quantized:
-            check_incoming_scales(m, state_dict, at)
+            check_incoming_scales(m, state_dict, at, strict)
         plain = [*m.named_parameters(recurse=False), *([] if quantized else m.named_buffers(recurse=False))]
         for tensor, held in plain:
             _check_incoming_plain(at + tensor, state_dict.get(at + tensor), held)
@@ -502,8 +508,8 @@ def _check_incoming_plain(key: str, t, held: torch.Tensor | None) -> None:
         raise ValueError(f"load_state_dict: {key} must have shape {list(held.shape)}, got {list(t.shape)}")
 
 
-def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, *args):
-    check_incoming_tensors(module, state_dict, prefix)
+def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, local_metadata=None, strict=True, *args):
+    check_incoming_tensors(module, state_dict, prefix, strict)
 
 
 def _load_into_layout(module: PreparedExperts, state_dict, prefix, *args):

@@ -435,10 +435,11 @@ def _num_parameters(model, only_trainable: bool = False, exclude_embeddings: boo
     return total
 
 
-def _check_model_scales(model, state_dict, prefix, *args):
-    """The model's own pre-hook runs before any module loads: a bad tensor anywhere is refused with
-    the model untouched (the modules' hooks alone would leave the earlier modules loaded)."""
-    check_incoming_tensors(model, state_dict, prefix)
+def _check_model_scales(model, state_dict, prefix, local_metadata=None, strict=True, *args):
+    """The model's own pre-hook runs before any module loads: a bad or (``strict``) missing tensor
+    of a quantized module anywhere is refused with the model untouched (the modules' hooks alone
+    would leave the earlier modules loaded)."""
+    check_incoming_tensors(model, state_dict, prefix, strict)
 
 
 def _guarded_double(model):
