@@ -508,8 +508,10 @@ def _check_incoming_plain(key: str, t, held: torch.Tensor | None) -> None:
         raise ValueError(f"load_state_dict: {key} must have shape {list(held.shape)}, got {list(t.shape)}")
 
 
-def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, local_metadata=None, strict=True, *args):
-    check_incoming_tensors(module, state_dict, prefix, strict)
+def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, *args):
+    # (torch passes strict=True to every hook, whatever the call's: a missing tensor is checked by
+    # the model's load_state_dict, hf_integration.quantizer.attach_guards)
+    check_incoming_tensors(module, state_dict, prefix)
 
 
 def _load_into_layout(module: PreparedExperts, state_dict, prefix, *args):

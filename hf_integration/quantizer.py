@@ -373,7 +373,7 @@ def attach_guards(model: nn.Module) -> None:
       model (accelerate's guard of a dispatched model) still runs after;
     * ``load_state_dict`` checks every incoming tensor of every quantized module before any module
       changes (each module also checks its own, as it loads, which alone would leave the earlier
-      modules loaded);
+      modules loaded), and with ``strict=True`` refuses a missing declared tensor first;
     * ``save_pretrained`` is atomic and replaces the whole checkpoint of the folder it saves into
       (:func:`hf_integration.saving.atomic_save_pretrained`)."""
     from .saving import atomic_save_pretrained
@@ -383,6 +383,7 @@ def attach_guards(model: nn.Module) -> None:
         model._fp4moe_next_to = model.__dict__.get("to")  # accelerate's, on a dispatched model
         model.to = types.MethodType(_guarded_to, model)
         model.double = types.MethodType(_guarded_double, model)
+        model.load_state_dict = types.MethodType(_guarded_load_state_dict, model)
         model._register_load_state_dict_pre_hook(_check_model_scales, with_module=True)
 
 
@@ -435,11 +436,20 @@ def _num_parameters(model, only_trainable: bool = False, exclude_embeddings: boo
     return total
 
 
-def _check_model_scales(model, state_dict, prefix, local_metadata=None, strict=True, *args):
-    """The model's own pre-hook runs before any module loads: a bad or (``strict``) missing tensor
-    of a quantized module anywhere is refused with the model untouched (the modules' hooks alone
-    would leave the earlier modules loaded)."""
-    check_incoming_tensors(model, state_dict, prefix, strict)
+def _check_model_scales(model, state_dict, prefix, *args):
+    """The model's own pre-hook runs before any module loads: a bad tensor of a quantized module
+    anywhere is refused with the model untouched (the modules' hooks alone would leave the earlier
+    modules loaded)."""
+    check_incoming_tensors(model, state_dict, prefix)
+
+
+def _guarded_load_state_dict(model, state_dict, strict: bool = True, assign: bool = False):
+    """``model.load_state_dict``: with ``strict=True``, a tensor a quantized module declares that is
+    missing is refused before anything changes (torch loads the others first and reports it at the
+    end; its hooks are told strict=True whatever the call says, so the check is made here)."""
+    if strict:
+        check_incoming_tensors(model, state_dict, "", strict=True)
+    return type(model).load_state_dict(model, state_dict, strict=strict, assign=assign)
 
 
 def _guarded_double(model):
