@@ -7,6 +7,7 @@ or build their own from them once, at load time (FlashInfer; :func:`fp4moe_ops.p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -122,8 +123,28 @@ def _bad_block(t):
     return bad.flatten(1).any(1), "holds an E4M3 NaN byte (0x7F/0xFF) or a negative block scale"
 
 
-# kind -> (per-expert "bad" mask [E], what the values must be)
-SCALE_CHECKS = {"global": _bad_global, "block": _bad_block, "input": _bad_input}
+# The largest weight a layer may hold: bfloat16's (float32's is 0.4% above). Past it a decoded
+# weight is Inf in the kernels, and every token routed to the expert gets Inf or NaN.
+LARGEST_WEIGHT = torch.finfo(torch.bfloat16).max
+# The largest MXFP4 (E8M0) scale byte whose weights stay within it: 6 x 2^(252 - 127) is; 2^126 x 6 is not
+E8M0_LARGEST = 127 + math.floor(math.log2(LARGEST_WEIGHT / E2M1_MAX))
+
+
+def _bad_e8m0(t):
+    # MXFP4 has no global scale, so a block's scale byte alone says whether its weights decode in range
+    nan = t == 0xFF
+    if bool(nan.any()):
+        return nan.flatten(1).any(1), "holds E8M0 scale byte 0xFF (NaN), which makes its 32 weights NaN"
+    return (t > E8M0_LARGEST).flatten(1).any(1), (
+        f"holds an E8M0 scale byte above {E8M0_LARGEST} (2^{E8M0_LARGEST - 127}): 6 x its power of two is past "
+        f"bfloat16's largest finite value {LARGEST_WEIGHT:.3g}, so its weights decode to Inf")
+
+
+# kind -> (per-expert "bad" mask [E], what the values must be); "block": NVFP4's E4M3 block
+# scales, "e8m0": MXFP4's uint8 ones (also checked for range: they are the whole multiplier)
+SCALE_CHECKS = {"global": _bad_global, "block": _bad_block, "input": _bad_input, "e8m0": _bad_e8m0}
+# the kinds that are per-block tensors ([E, N, K/b], or a linear's [N, K/b]), not one value per expert
+BLOCK_KINDS = ("block", "e8m0")
 
 
 def check_scale_values(t: torch.Tensor, kind: str, describe) -> None:
@@ -136,9 +157,16 @@ def check_scale_values(t: torch.Tensor, kind: str, describe) -> None:
         raise ValueError(f"{describe(e)} {what}{value}; {int(bad.sum())} expert(s) affected")
 
 
-# The largest weight a layer may hold: bfloat16's (float32's is 0.4% above). Past it a decoded
-# weight is Inf in the kernels, and every token routed to the expert gets Inf or NaN.
-LARGEST_WEIGHT = torch.finfo(torch.bfloat16).max
+def rescale_block_scales(block_scale: torch.Tensor, ratio: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """E4M3 block scales ``[..., N, K/16]`` times ``ratio`` (broadcast; <= 1: moving a tensor onto a
+    larger global scale), re-rounded to E4M3; returns ``(rescaled, rows changed, rows zeroed)``. A
+    ratio far below 1 flushes small block scales to 0 (E4M3's smallest is 2^-9): a row whose every
+    non-zero block scale flushes loses its weights entirely, which the caller must say."""
+    rescaled = (block_scale.float() * ratio).to(torch.float8_e4m3fn)
+    old, new = block_scale.view(torch.uint8), rescaled.view(torch.uint8)
+    changed = int((old != new).any(-1).sum())
+    zeroed = int(((old & 0x7F != 0).any(-1) & ~(new & 0x7F != 0).any(-1)).sum())
+    return rescaled, changed, zeroed
 
 
 def largest_weights(block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
@@ -254,4 +282,5 @@ def validate_moe_weights(w: NVFP4MoEWeights) -> None:
             _expect(name, s, (e,), torch.float32, dev)
 
 
-__all__ = ["NVFP4MoEWeights", "NVFP4Tensor", "quantize_expert_stack", "quantize_moe_weights", "validate_moe_weights"]
+__all__ = ["NVFP4MoEWeights", "NVFP4Tensor", "quantize_expert_stack", "quantize_moe_weights", "rescale_block_scales",
+           "validate_moe_weights"]

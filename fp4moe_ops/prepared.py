@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -27,8 +28,9 @@ from torch import nn
 from .backends import resolve_backend
 from .backends.base import CANONICAL, convert_packed
 from .backends.base import canonical_layout as op_layout  # contiguous + views; not the context manager below
-from .moe_weights import NVFP4MoEWeights, check_scale_values, check_weight_range
+from .moe_weights import BLOCK_KINDS, NVFP4MoEWeights, check_scale_values, check_weight_range
 from .nvfp4 import BLOCK_SIZE
+from .op import _HIDDEN_DTYPES
 
 CANONICAL_BUFFERS = ("gate_up_proj_packed", "gate_up_proj_scale", "gate_up_proj_global_scale",
                      "down_proj_packed", "down_proj_scale", "down_proj_global_scale")
@@ -73,6 +75,24 @@ def activation_scales(fc1_input_scale: torch.Tensor | None, fc2_input_scale: tor
     return fc1_input_scale, fc2_input_scale
 
 
+class TensorSpec(NamedTuple):
+    """One tensor a quantized module holds, as its state dict (and checkpoint) names it: ``role``
+    is one of :data:`ROLE_CHECKS`' keys, ``"packed"`` (quantized codes), ``"bias"`` or ``"plain"``."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple
+    role: str
+
+
+# role -> the value rule of moe_weights.SCALE_CHECKS the tensor follows (a block scale's rule is
+# its format's: E4M3 for NVFP4, E8M0 bytes for MXFP4)
+ROLE_CHECKS = {"block_scale": {torch.float8_e4m3fn: "block", torch.uint8: "e8m0"},
+               "global_scale": {torch.float32: "global"}, "input_scale": {torch.float32: "input"}}
+# the roles whose tensors a load must give exactly as declared (quantized bytes and their scales)
+QUANTIZED_ROLES = ("packed", *ROLE_CHECKS)
+
+
 class QuantizedBuffers(nn.Module):
     """A module whose buffers are quantized bytes and their scales: moves apply, dtype casts do
     not (``model.to(torch.bfloat16)`` / ``.half()`` must not round the FP8 block scales or the
@@ -80,16 +100,28 @@ class QuantizedBuffers(nn.Module):
     ``load_state_dict`` checks the incoming tensors' dtypes and shapes (:meth:`incoming_layout`)
     and the values of the scales :meth:`scale_checks` names, as the constructors and the checkpoint
     loader do: a NaN or zero global scale, say, or raw E4M3 bytes as uint8, is refused naming its
-    key before this module changes (it would poison or zero its outputs)."""
+    key before this module changes (it would poison or zero its outputs).
+
+    A kind declares its tensors once in :meth:`tensor_specs`; :meth:`incoming_layout` and
+    :meth:`scale_checks` follow from it. ``COMPUTE_DTYPES``: the model dtypes its op runs (a cast of
+    the model to another is refused before anything changes; None: any)."""
+
+    COMPUTE_DTYPES: tuple[torch.dtype, ...] | None = None
 
     def __init__(self):
         super().__init__()
         self._register_load_state_dict_pre_hook(_check_incoming_scales, with_module=True)
 
+    def tensor_specs(self) -> list[TensorSpec]:
+        """The tensors this kind holds, as its state dict names them (none declared: the buffers as
+        held, see :meth:`incoming_layout`)."""
+        return []
+
     def scale_checks(self) -> list[tuple[str, str]]:
         """``(buffer, kind)`` of the scales whose values are checked (kinds of
-        :data:`fp4moe_ops.moe_weights.SCALE_CHECKS`)."""
-        return []
+        :data:`fp4moe_ops.moe_weights.SCALE_CHECKS`): by default the declared scales'."""
+        return [(spec.name, ROLE_CHECKS[spec.role][spec.dtype]) for spec in self.tensor_specs()
+                if spec.role in ROLE_CHECKS]
 
     def weight_ranges(self) -> list[tuple[str, str, Callable | None]]:
         """``(block scale buffer, global scale buffer, to_multiplier)`` of the weights whose largest
@@ -99,8 +131,11 @@ class QuantizedBuffers(nn.Module):
 
     def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
         """``{state dict name: (dtype, shape)}`` of the quantized tensors a load must give exactly as
-        held (:func:`check_incoming_layout`): the persistent buffers, every one of them quantized
-        bytes or a float32 scale."""
+        held (:func:`check_incoming_layout`): the declared quantized tensors, else the persistent
+        buffers, every one of them quantized bytes or a float32 scale."""
+        specs = self.tensor_specs()
+        if specs:
+            return {s.name: (s.dtype, tuple(s.shape)) for s in specs if s.role in QUANTIZED_ROLES}
         return {name: (t.dtype, tuple(t.shape)) for name, t in self._buffers.items()
                 if t is not None and name not in self._non_persistent_buffers_set}
 
@@ -137,6 +172,8 @@ class PreparedExperts(QuantizedBuffers):
         routed_experts: the op's hint when this is a shard of the router's experts, or holds a shared
             expert as one more (see ``fp4moe::fused_moe``; 0: all experts are here, none shared).
     """
+
+    COMPUTE_DTYPES = _HIDDEN_DTYPES
 
     def __init__(self, weights: NVFP4MoEWeights | None = None, backend: str | None = "auto",
                  act_scale_mode: str | None = None, *, owns_weights: bool = False, num_experts: int = 0,
@@ -332,7 +369,7 @@ def _canonical_state_dict(module: PreparedExperts, state_dict, prefix, local_met
             state_dict[key] = convert_packed(state_dict[key], module.layout, CANONICAL)
 
 
-def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> None:
+def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str, strict: bool = False) -> None:
     """Raise naming the key of the first quantized tensor in ``state_dict`` (under ``prefix``) that
     ``module`` must not take: one that ``module.load_refusal`` refuses (a tensor that cannot be
     loaded without the others), one of another dtype or shape than ``module.incoming_layout()``
@@ -342,8 +379,14 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
     relative to ``module``; kinds of :data:`fp4moe_ops.moe_weights.SCALE_CHECKS`). Meta tensors
     (a skeleton's ``assign=True`` load) are not checked. Experts' scales are per expert (``[E]``,
     ``[E, N, K/16]``; a fused layer may hold more experts than the state dict's routed ones); a
-    linear's are one ``[]`` / ``[1]`` / ``[N, K/16]``."""
+    linear's are one ``[]`` / ``[1]`` / ``[N, K/16]``. ``strict``: a tensor the module declares
+    (:meth:`QuantizedBuffers.tensor_specs`) missing from ``state_dict`` is refused too
+    (``load_state_dict`` would load the others first, and report it only at the end)."""
     experts = isinstance(module, PreparedExperts)
+    if strict:
+        for spec in getattr(module, "tensor_specs", list)():
+            if prefix + spec.name not in state_dict:
+                raise ValueError(f"load_state_dict: {prefix + spec.name} is missing (strict=True); nothing was loaded")
     refusal = getattr(module, "load_refusal", None)
     reason = refusal(state_dict, prefix) if refusal is not None else None
     if reason:
@@ -357,15 +400,15 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
         check_incoming_layout(prefix + name, state_dict.get(prefix + name), dtype, shape, counts)
     for name, kind in module.scale_checks():
         key = prefix + name
-        t = _incoming(state_dict.get(key), buffers.get(name),
-                      torch.float8_e4m3fn if kind == "block" else torch.float32, experts)
+        block = kind in BLOCK_KINDS
+        t = _incoming(state_dict.get(key), buffers.get(name), _KIND_DTYPES[kind], experts)
         if t is None:
             continue
         # (a module holding a layer's experts in one tensor: [E, K/16, N] block scales, maybe [E] global ones)
-        if experts or (t.dim() == 3 if kind == "block" else t.dim() == 1 and t.numel() > 1):
+        if experts or (t.dim() == 3 if block else t.dim() == 1 and t.numel() > 1):
             check_scale_values(t, kind, lambda e, key=key: f"load_state_dict: {key}[{e}]")
-        elif t.dim() == 2 if kind == "block" else t.numel() == 1:
-            check_scale_values(t[None] if kind == "block" else t.reshape(-1), kind,
+        elif t.dim() == 2 if block else t.numel() == 1:
+            check_scale_values(t[None] if block else t.reshape(-1), kind,
                                lambda e, key=key: f"load_state_dict: {key}")
     for block_name, global_name, to_multiplier in getattr(module, "weight_ranges", list)():  # valid: in range?
         held_block, held_scale = buffers.get(block_name), buffers.get(global_name)
@@ -388,6 +431,11 @@ def check_incoming_scales(module: nn.Module, state_dict: dict, prefix: str) -> N
             stack = block if block.dim() == 3 else block[None]  # a linear's, or a layer's experts in one tensor
             check_weight_range(stack, multiplier.reshape(-1).expand(stack.shape[0]),
                                lambda e, key=key: f"load_state_dict: {key}" + (f" (expert {e})" if block.dim() == 3 else ""))
+
+
+# the dtype each kind of scale is held in (what an incoming tensor is compared with where the module
+# holds none under that name)
+_KIND_DTYPES = {"block": torch.float8_e4m3fn, "e8m0": torch.uint8, "global": torch.float32, "input": torch.float32}
 
 
 def check_incoming_layout(key: str, t, dtype: torch.dtype, shape: tuple, counts: tuple[int, ...] | None = None) -> None:
@@ -434,7 +482,7 @@ def _held(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.is_meta else t
 
 
-def check_incoming_tensors(root: nn.Module, state_dict: dict, prefix: str) -> None:
+def check_incoming_tensors(root: nn.Module, state_dict: dict, prefix: str, strict: bool = False) -> None:
     """Raise naming the key of the first tensor in ``state_dict`` that ``root`` and its submodules
     must not take, before any of them changes: quantized modules' (those with ``scale_checks``) by
     :func:`check_incoming_scales`; every other tensor (a router's weight, a bias) of another shape
@@ -444,7 +492,7 @@ def check_incoming_tensors(root: nn.Module, state_dict: dict, prefix: str) -> No
         at = f"{prefix}{name}." if name else prefix
         quantized = callable(getattr(m, "scale_checks", None))
         if quantized:
-            check_incoming_scales(m, state_dict, at)
+            check_incoming_scales(m, state_dict, at, strict)
         plain = [*m.named_parameters(recurse=False), *([] if quantized else m.named_buffers(recurse=False))]
         for tensor, held in plain:
             _check_incoming_plain(at + tensor, state_dict.get(at + tensor), held)
@@ -461,6 +509,8 @@ def _check_incoming_plain(key: str, t, held: torch.Tensor | None) -> None:
 
 
 def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, *args):
+    # (torch passes strict=True to every hook, whatever the call's: a missing tensor is checked by
+    # the model's load_state_dict, hf_integration.quantizer.attach_guards)
     check_incoming_tensors(module, state_dict, prefix)
 
 
@@ -487,5 +537,5 @@ def prepare_experts(weights: NVFP4MoEWeights, backend: str = "auto", act_scale_m
     return PreparedExperts(weights, backend, act_scale_mode, check_values=check_values)
 
 
-__all__ = ["ACT_SCALE_MODES", "CANONICAL_BUFFERS", "INPUT_SCALE_BUFFERS", "PreparedExperts", "activation_scales",
-           "prepare_experts"]
+__all__ = ["ACT_SCALE_MODES", "CANONICAL_BUFFERS", "INPUT_SCALE_BUFFERS", "PreparedExperts", "QuantizedBuffers",
+           "TensorSpec", "activation_scales", "prepare_experts"]

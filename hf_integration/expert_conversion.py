@@ -16,7 +16,7 @@ import torch
 from transformers.quantizers import HfQuantizer
 from transformers.utils import logging
 
-from fp4moe_ops.moe_weights import check_scale_values, check_weight_range
+from fp4moe_ops.moe_weights import check_scale_values, check_weight_range, rescale_block_scales
 from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS
 
 from .checkpoint_format import (
@@ -145,11 +145,13 @@ class StackNVFP4Experts(ConversionOps):
         differ = g_gate != g_up
         if bool(differ.any()):
             # one global scale for [gate; up]: rescale the smaller side's block scales (re-rounded)
-            s13[:, :inter] = (s13[:, :inter].float() * (g_gate / g13)[:, None, None]).to(torch.float8_e4m3fn)
-            s13[:, inter:] = (s13[:, inter:].float() * (g_up / g13)[:, None, None]).to(torch.float8_e4m3fn)
+            s13[:, :inter], gate_rows, gate_zeroed = rescale_block_scales(s13[:, :inter], (g_gate / g13)[:, None, None])
+            s13[:, inter:], up_rows, up_zeroed = rescale_block_scales(s13[:, inter:], (g_up / g13)[:, None, None])
             logger.warning("fp4moe: %s: %d experts had different %s for %s and %s (experts %s); used their max and "
-                           "rescaled the other's block scales (re-rounded to E4M3)", module_name, int(differ.sum()),
-                           names["global"], leaves[0], leaves[1], differ.nonzero().flatten()[:8].tolist())
+                           "rescaled the other's block scales (re-rounded to E4M3): %d rows changed, %d rows "
+                           "zeroed (every block scale flushed to 0: those output features lost their weights)",
+                           module_name, int(differ.sum()), names["global"], leaves[0], leaves[1],
+                           differ.nonzero().flatten()[:8].tolist(), gate_rows + up_rows, gate_zeroed + up_zeroed)
         out = dict(zip(CANONICAL_BUFFERS, (w13, s13, g13, w2, s2, g2)))
         if plan.input_scales:
             out[INPUT_SCALE_BUFFERS[0]] = torch.maximum(fc1_gate, fc1_up)

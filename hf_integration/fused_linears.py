@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fp4moe_ops.moe_weights import rescale_block_scales
+
 from .experts import NVFP4Linear
 
 # shards of one serving-engine GEMM, by the checkpoint's leaf names
@@ -30,24 +32,27 @@ def shared_scale_groups(leaves: list[str]) -> list[list[str]]:
     return groups + [[leaf] for leaf in leaves if leaf not in grouped]
 
 
-def tie_global_scales(linears: list) -> bool:
+def tie_global_scales(linears: list) -> tuple[int, int] | None:
     """Give NVFP4 linears (:class:`~hf_integration.experts.NVFP4Linear`, one tensor scheme) one global
     scale, the largest, as the ModelOpt export of the same weights would have: the others' block
     scales are rescaled by ``own / largest`` and re-rounded to E4M3 (the linear with the largest is
     unchanged, byte for byte). Input scales likewise become their max (what serving engines use for
-    the fused GEMM). Returns whether anything changed."""
+    the fused GEMM). Returns None if nothing changed, else ``(rows changed, rows zeroed)`` of the
+    rescaled block scales (:func:`~fp4moe_ops.moe_weights.rescale_block_scales`)."""
     schemes = {m.scheme for m in linears}
     if len(schemes) != 1:
         raise ValueError(f"linears of one fused GEMM hold different tensor formats: {sorted(s.packed for s in schemes)}")
     s = schemes.pop()
-    changed = False
+    changed, rows, zeroed = False, 0, 0
     multipliers = [m.scale_multipliers()[0] for m in linears]
     top = max(range(len(linears)), key=lambda i: float(multipliers[i]))
     for m, g in zip(linears, multipliers):
         if m is linears[top] or torch.equal(m._buffers[s.global_scale], linears[top]._buffers[s.global_scale]):
             continue
         block = m._buffers[s.block_scale]
-        block.copy_((block.float() * (g / multipliers[top])).to(block.dtype))
+        rescaled, changed_rows, zeroed_rows = rescale_block_scales(block, g / multipliers[top])
+        block.copy_(rescaled.to(block.dtype))
+        rows, zeroed = rows + changed_rows, zeroed + zeroed_rows
         m._buffers[s.global_scale].copy_(linears[top]._buffers[s.global_scale])
         changed = True
     if all(s.input_scale in m._buffers for m in linears):
@@ -57,18 +62,19 @@ def tie_global_scales(linears: list) -> bool:
             if not torch.equal(m._buffers[s.input_scale], largest):
                 m._buffers[s.input_scale].copy_(largest)
                 changed = True
-    return changed
+    return (rows, zeroed) if changed else None
 
 
 def tie_fused_linears(model: nn.Module) -> list[str]:
     """:func:`tie_global_scales` on every fused set of NVFP4 linears in ``model``; returns the sets
-    that changed (``"<module>.{q_proj,k_proj,v_proj}"``)."""
+    that changed (``"<module>.{q_proj,k_proj,v_proj} (R rows changed, Z zeroed)"``)."""
     changed = []
     for name, m in model.named_modules():
         linears = {leaf: child for leaf, child in m.named_children() if isinstance(child, NVFP4Linear)}
         for group in shared_scale_groups(list(linears)):
-            if len(group) > 1 and tie_global_scales([linears[leaf] for leaf in group]):
-                changed.append(f"{name}.{{{','.join(group)}}}")
+            tied = tie_global_scales([linears[leaf] for leaf in group]) if len(group) > 1 else None
+            if tied is not None:
+                changed.append(f"{name}.{{{','.join(group)}}} ({tied[0]} rows changed, {tied[1]} zeroed)")
     return changed
 
 

@@ -37,9 +37,9 @@ from torch import nn
 from fp4moe_ops.backends import resolve_gpt_oss_backend
 from fp4moe_ops.backends.base import check_nvfp4_gpt_oss_tensors
 from fp4moe_ops.mxfp4 import dequantize_gpt_oss, gpt_oss_shapes
-from fp4moe_ops.gpt_oss_op import MXFP4_EXPERT_TENSORS, check_mxfp4_experts
+from fp4moe_ops.gpt_oss_op import _FLOAT_DTYPES, MXFP4_EXPERT_TENSORS, check_mxfp4_experts
 from fp4moe_ops.nvfp4 import dequantize_nvfp4
-from fp4moe_ops.prepared import QuantizedBuffers
+from fp4moe_ops.prepared import QuantizedBuffers, TensorSpec
 
 # gpt-oss as fp4moe reads it (``swiglu_alpha`` / ``swiglu_limit`` in its config, the experts' math
 # checked against Transformers' own GptOssMLP) is Transformers 5.24's and 5.25's; 5.17's differs
@@ -70,9 +70,16 @@ def modelopt_gpt_oss_specs(proj: str, experts: int, n: int, k: int, input_scales
     return specs
 
 
-class _GptOssExperts(nn.Module):
-    """What both formats share: the call, the switch to and from the Triton kernels' layout, and a
-    state dict and loads that go through the checkpoint's tensors in either layout. A subclass names
+# ModelOpt's gpt-oss tensor suffixes -> their role in a TensorSpec
+_MODELOPT_ROLES = {"": "packed", "_weight_scale": "block_scale", "_weight_scale_2": "global_scale",
+                   "_input_scale": "input_scale"}
+
+
+class _GptOssExperts(QuantizedBuffers):
+    """What both formats share: the call, the switch to and from the Triton kernels' layout, a
+    state dict and loads that go through the checkpoint's tensors in either layout, and the
+    contract of :class:`~fp4moe_ops.prepared.QuantizedBuffers` (checked loads, casts that keep the
+    quantized tensors) from the tensors a subclass declares (:meth:`tensor_specs`). A subclass names
     the held tensors the kernels' layout replaces (``QUANTIZED``), the kernels' buffers
     (``KERNEL_BUFFERS``) and where the biases sit in the op's tensors (``BIASES``), and moves the
     op's tensors in and out of its held ones (:meth:`_held_op_tensors`, :meth:`_checkpoint_form`)."""
@@ -80,6 +87,7 @@ class _GptOssExperts(nn.Module):
     QUANTIZED: tuple[str, ...] = ()
     KERNEL_BUFFERS: tuple[str, ...] = ()
     BIASES: tuple[int, int] = (0, 0)
+    COMPUTE_DTYPES = _FLOAT_DTYPES  # fp4moe::gpt_oss_moe's activations
 
     def _setup(self, config) -> None:
         self.num_experts = config.num_local_experts
@@ -101,6 +109,17 @@ class _GptOssExperts(nn.Module):
     def _checkpoint_form(self, op_tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The :data:`QUANTIZED` tensors of the op's tensors ``op_tensors``, in the checkpoint's form."""
         raise NotImplementedError
+
+    def _bias_specs(self) -> list[TensorSpec]:
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        return [TensorSpec(f"{proj}_bias", getattr(self, f"{proj}_bias").dtype, (e, n), "bias")
+                for proj, n in (("gate_up_proj", 2 * i), ("down_proj", h))]
+
+    def checkpoint_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers under the checkpoint's names, whichever layout holds them (what a partial
+        ``load_state_dict`` is checked against: a new global scale with the held block scales)."""
+        held = {name: t for name, t in self._buffers.items() if t is not None}
+        return held | (self._checkpoint_form(self.op_tensors()) if self.kernel_layout else {})
 
     @property
     def kernel_layout(self) -> bool:
@@ -217,6 +236,15 @@ class MXFP4GptOssExperts(_GptOssExperts):
         check_mxfp4_experts(self.op_tensors(), h)  # dimensions that are no multiple of 32 fail here
         self._register_layout_hooks()
 
+    def tensor_specs(self) -> list[TensorSpec]:
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        specs = []
+        for proj, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            blocks, scales = gpt_oss_shapes(rows, cols, e)
+            specs += [TensorSpec(f"{proj}_blocks", torch.uint8, blocks, "packed"),
+                      TensorSpec(f"{proj}_scales", torch.uint8, scales, "block_scale")]
+        return specs + self._bias_specs()
+
     def checkpoint_tensors(self) -> list[torch.Tensor]:
         """The six tensors of :data:`MXFP4_EXPERT_TENSORS`, as the checkpoint holds them."""
         return self.op_tensors()
@@ -233,7 +261,7 @@ class MXFP4GptOssExperts(_GptOssExperts):
                 for proj in ("gate_up_proj", "down_proj")]
 
 
-class NVFP4GptOssExperts(QuantizedBuffers, _GptOssExperts):
+class NVFP4GptOssExperts(_GptOssExperts):
     """One gpt-oss layer's experts in NVFP4 as ModelOpt exports them (see the module docstring), run
     by ``fp4moe::gpt_oss_moe``. ``input_scales``: the checkpoint has calibrated input scales (held
     for saving; the activations stay 16-bit). ``per_expert_scales``: one global scale per expert
@@ -258,27 +286,18 @@ class NVFP4GptOssExperts(QuantizedBuffers, _GptOssExperts):
         check_nvfp4_gpt_oss_tensors(self._held_op_tensors(), h)  # sizes that are no multiple of 16 fail here
         self._register_layout_hooks()
 
-    def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
-        """The checkpoint's quantized tensors, whichever layout holds them now (a load goes through them)."""
+    def tensor_specs(self) -> list[TensorSpec]:
+        """The checkpoint's tensors, whichever layout holds them now (a load goes through them)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         has_input = "gate_up_proj_input_scale" in self._buffers
-        return {**modelopt_gpt_oss_specs("gate_up_proj", e, 2 * i, h, has_input, self.per_expert_scales),
-                **modelopt_gpt_oss_specs("down_proj", e, h, i, has_input, self.per_expert_scales)}
-
-    def scale_checks(self) -> list[tuple[str, str]]:
-        checks = [(f"{proj}_{name}", kind) for proj in ("gate_up_proj", "down_proj")
-                  for name, kind in (("weight_scale_2", "global"), ("weight_scale", "block"))]
-        return checks + [(name, "input") for name in ("gate_up_proj_input_scale", "down_proj_input_scale")
-                         if name in self._buffers]
+        specs = []
+        for proj, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            for name, (dtype, shape) in modelopt_gpt_oss_specs(proj, e, n, k, has_input, self.per_expert_scales).items():
+                specs.append(TensorSpec(name, dtype, shape, _MODELOPT_ROLES[name[len(proj):]]))
+        return specs + self._bias_specs()
 
     def weight_ranges(self):
         return [(f"{proj}_weight_scale", f"{proj}_weight_scale_2", None) for proj in ("gate_up_proj", "down_proj")]
-
-    def checkpoint_buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers under the checkpoint's names, whichever layout holds them (what a partial
-        ``load_state_dict`` is checked against: a new global scale with the held block scales)."""
-        held = {name: t for name, t in self._buffers.items() if t is not None}
-        return held | (self._checkpoint_form(self.op_tensors()) if self.kernel_layout else {})
 
     def _held_op_tensors(self) -> list[torch.Tensor]:
         e = self.num_experts

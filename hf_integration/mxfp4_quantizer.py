@@ -14,44 +14,50 @@ Which quantizer wins for ``"mxfp4"``: once :mod:`hf_integration` is imported, fp
 * ``quantization_config=Mxfp4Config(dequantize=True)``: Transformers' own quantizer, which
   dequantizes the experts to BF16 (what was asked for);
 * the environment variable ``FP4MOE_MXFP4=transformers`` (read at each load): Transformers' own
-  quantizer for every MXFP4 checkpoint (its Hub ``kernels`` on a GPU; on the CPU it dequantizes).
+  quantizer for every MXFP4 checkpoint (its Hub ``kernels`` on a GPU; on the CPU it dequantizes);
+  ``FP4MOE_MXFP4=fp4moe`` or unset: fp4moe's; any other value is refused, naming it.
 
-Before loading, every checkpoint tensor of the experts is checked from the safetensors headers
-(presence, dtype, shape: a :class:`~hf_integration.checkpoint_format.CheckpointError` naming the
-tensor and its file); after loading, every scale byte (0xFF, E8M0's NaN, is refused, naming the
-tensor).
+Before loading, every checkpoint tensor of the experts (biases included) is checked from the
+safetensors headers (presence, dtype, shape: a
+:class:`~hf_integration.checkpoint_format.CheckpointError` naming the tensor and its file); after
+loading, every scale byte by the experts module's own rules (E8M0's NaN 0xFF, and bytes whose
+weights decode past bfloat16's range, are refused, naming the tensor). A layer that
+``modules_to_not_convert`` names while the checkpoint holds it in MXFP4 is refused (Transformers
+would leave it randomly initialised). The loaded model gets fp4moe's model-wide guards
+(:func:`hf_integration.quantizer.attach_guards`: checked ``load_state_dict``, refused casts, atomic
+saves).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from transformers.quantizers import HfQuantizer
 from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils import logging
 
-from fp4moe_ops.mxfp4 import E8M0_NAN, gpt_oss_shapes
+from fp4moe_ops.env import env_choice
+from fp4moe_ops.moe_weights import check_scale_values
+from fp4moe_ops.mxfp4 import BIAS_DTYPES
 
 from .checkpoint_format import CheckpointError
 from .gpt_oss import MIN_TRANSFORMERS, MXFP4GptOssExperts, is_gpt_oss_experts, supported
-from .quantizer import CheckpointScan, refuse_meta_device
+from .quantizer import CheckpointScan, CurrentDtypeDequantize, attach_guards, refuse_meta_device
 from .surgery import replace_module
 
 logger = logging.get_logger("transformers.fp4moe")
 
 QUANT_METHOD = "mxfp4"
-ENV_VAR = "FP4MOE_MXFP4"  # "transformers": Transformers' own quantizer for MXFP4 checkpoints
+ENV_VAR = "FP4MOE_MXFP4"  # "transformers": Transformers' own quantizer for MXFP4 checkpoints; "fp4moe" (default)
 
 
 def wants_transformers_quantizer(quantization_config) -> bool:
     """Transformers' own quantizer handles this load: ``dequantize=True`` was asked for, or
     ``FP4MOE_MXFP4=transformers``."""
     return bool(getattr(quantization_config, "dequantize", False)) or \
-        os.environ.get(ENV_VAR, "").strip().lower() == "transformers"
+        env_choice(ENV_VAR, ("fp4moe", "transformers"), "fp4moe") == "transformers"
 
 
-class MXFP4Quantizer(HfQuantizer):
+class MXFP4Quantizer(CurrentDtypeDequantize, HfQuantizer):
     """Loads gpt-oss MXFP4 checkpoints with the experts kept in MXFP4 (see the module docstring)."""
 
     requires_calibration = False
@@ -81,19 +87,29 @@ class MXFP4Quantizer(HfQuantizer):
         config = model.config.get_text_config()
         prefix = getattr(model, "base_model_prefix", "model")
         for name, m in list(model.named_modules()):
-            if not is_gpt_oss_experts(m) or not should_convert_module(name, skip):
+            if not is_gpt_oss_experts(m):
                 continue
-            keys = {}
-            for proj, rows, cols in (("gate_up_proj", 2 * m.intermediate_size, m.hidden_size),
-                                     ("down_proj", m.hidden_size, m.intermediate_size)):
-                for suffix, shape in zip(("_blocks", "_scales"), gpt_oss_shapes(rows, cols, m.num_experts)):
-                    key = _checkpoint_key(scan, f"{name}.{proj}{suffix}", prefix)
-                    scan.check(key, shape, torch.uint8, f" (gpt-oss MXFP4 experts of {name!r})")
-                    keys[f"{proj}{suffix}"] = key
-                    self.files[key] = scan.tensors[key][0]
-            parent, _, attr = name.rpartition(".")
             with torch.device("meta"):
                 new = MXFP4GptOssExperts(config, dtype=m.gate_up_proj_bias.dtype)
+            specs = new.tensor_specs()
+            if not should_convert_module(name, skip):
+                quantized = [k for k in (_checkpoint_key(scan, f"{name}.{s.name}", prefix) for s in specs
+                                         if s.role != "bias") if k in scan.tensors]
+                if quantized:  # Transformers' GptOssExperts would not read them, and keep random weights
+                    raise CheckpointError(
+                        f"modules_to_not_convert names {name!r}, but the checkpoint holds its experts in MXFP4 "
+                        f"({quantized[0]!r} in {scan.tensors[quantized[0]][0]}): loaded as 16-bit experts they "
+                        "would keep randomly initialised weights; leave it out of modules_to_not_convert (kept "
+                        "in MXFP4) or load with Mxfp4Config(dequantize=True) for 16-bit experts")
+                continue  # the checkpoint holds this layer's experts in 16 bits: Transformers loads them
+            keys = {}
+            for spec in specs:  # the experts module's own declaration: every tensor, the biases too
+                key = _checkpoint_key(scan, f"{name}.{spec.name}", prefix)
+                dtypes = BIAS_DTYPES if spec.role == "bias" else spec.dtype  # (a bias is cast to the model's)
+                scan.check(key, spec.shape, dtypes, f" (gpt-oss MXFP4 experts of {name!r})")
+                keys[spec.name] = key
+                self.files[key] = scan.tensors[key][0]
+            parent, _, attr = name.rpartition(".")
             replace_module(model.get_submodule(parent), attr, new)
             self.experts[name] = keys
         if not self.experts:
@@ -103,22 +119,33 @@ class MXFP4Quantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        for name, keys in self.experts.items():
+        for name, keys in self.experts.items():  # every layer checked before any is prepared
             m = model.get_submodule(name)
-            for tensor, key in keys.items():
+            for tensor in keys:
                 t = getattr(m, tensor)
                 if t.is_meta or not getattr(t, "_is_hf_initialized", True):
                     raise CheckpointError(f"{name}.{tensor} was not filled from the checkpoint")
-                if tensor.endswith("_scales") and bool((t == E8M0_NAN).any()):
-                    raise CheckpointError(f"checkpoint tensor {key!r} in {self.files[key]}: E8M0 scale byte 0xFF "
-                                          "(NaN) would make its 32 weights NaN")
+            for tensor, kind in m.scale_checks():
+                key = keys[tensor]
+                try:
+                    check_scale_values(getattr(m, tensor), kind, lambda e, key=key: f"checkpoint tensor {key!r} "
+                                       f"in {self.files[key]} (expert {e})")
+                except ValueError as exc:
+                    raise CheckpointError(str(exc)) from None
+        for name in self.experts:
+            m = model.get_submodule(name)
             try:
                 m.set_backend(getattr(self.quantization_config, "backend", "auto"))
             except ValueError as exc:  # (e.g. a scale the Triton kernels cannot decode): name the layer
                 raise ValueError(f"{name}: {exc}") from exc
         logger.info("fp4moe: %d gpt-oss experts layers kept in MXFP4, backend %r", len(self.experts),
                     next(iter(model.get_submodule(n).backend for n in self.experts)))
+        attach_guards(model)
         return model
+
+    def saved_quantization_config(self, model):
+        """What ``save_pretrained`` writes: the checkpoint's own config (the tensors are its format)."""
+        return self.quantization_config
 
     def _dequantize(self, model, dtype=None):
         """``model.dequantize()``: every MXFP4 experts module becomes Transformers' ``GptOssExperts``

@@ -38,7 +38,6 @@ from transformers.quantizers import HfQuantizer
 from transformers.utils import logging
 
 from fp4moe_ops.moe_weights import check_scale_values, check_weight_range
-from fp4moe_ops.op import _HIDDEN_DTYPES
 from fp4moe_ops.prepared import CANONICAL_BUFFERS, PreparedExperts, check_incoming_tensors
 
 from .experts import FP8Linear, NVFP4Experts, NVFP4Linear
@@ -65,7 +64,21 @@ logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_ve
 # --- the quantizer ------------------------------------------------------------------------------
 
 
-class ModelOptQuantizer(HfQuantizer):
+class CurrentDtypeDequantize:
+    """``model.dequantize(dtype)`` for fp4moe's quantizers: decoded into ``dtype``, by default the
+    dtype the model holds now (Transformers' default, the dtype it was loaded in, is stale after
+    ``model.to(torch.float16)`` and would leave decoded weights of one dtype beside activations of
+    another). A quantizer supplies ``_dequantize(model, dtype)``."""
+
+    def dequantize(self, model, dtype=None):
+        dtype = dtype if dtype is not None else model.dtype
+        model = self._dequantize(model, dtype=dtype)
+        self.remove_quantization_config(model)
+        model.config.dtype = dtype
+        return model
+
+
+class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
     """Loads ModelOpt NVFP4 checkpoints with NVFP4 routed experts; see the module docstring."""
 
     requires_calibration = False
@@ -291,15 +304,11 @@ class ModelOptQuantizer(HfQuantizer):
     def is_serializable(self, *args, **kwargs):
         return True
 
-    def dequantize(self, model, dtype=None):
-        """``model.dequantize(dtype)``: decoded into ``dtype``, by default the dtype the model holds now
-        (Transformers' default, the dtype it was loaded in, is stale after ``model.to(torch.float16)``
-        and would leave decoded weights of one dtype beside activations of another)."""
-        dtype = dtype if dtype is not None else model.dtype
-        model = self._dequantize(model, dtype=dtype)
-        self.remove_quantization_config(model)
-        model.config.dtype = dtype
-        return model
+    def saved_quantization_config(self, model) -> ModelOptConfig:
+        """The quantization config ``save_pretrained`` writes (also as ``hf_quant_config.json``)."""
+        from .saving import saved_config
+
+        return saved_config(model, self.quantization_config)
 
     def _dequantize(self, model, dtype=None):
         """``model.dequantize()``: :func:`hf_integration.dequantize.dequantize_model`."""
@@ -338,8 +347,6 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
       instead of returning empty outputs;
     * ``save_pretrained`` writes a ModelOpt checkpoint atomically (:mod:`hf_integration.saving`).
     """
-    from .saving import atomic_save_pretrained
-
     model.hf_quantizer = quantizer
     model.is_quantized = True
     model.quantization_method = QUANT_METHOD
@@ -353,12 +360,30 @@ def attach(model: nn.Module, quantizer: ModelOptQuantizer) -> None:
     if uses_mla(model.config) and not paged_cache_holds_mla() and hasattr(type(model), "init_continuous_batching"):
         # generate_batch and `transformers serve --continuous-batching` start here
         model.init_continuous_batching = types.MethodType(_refuse_continuous_batching, model)
-    model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
     model.num_parameters = types.MethodType(_num_parameters, model)
+    attach_guards(model)
+
+
+def attach_guards(model: nn.Module) -> None:
+    """The guards every model holding fp4moe's quantized modules gets, whatever their format (the
+    modules' own contract, :class:`~fp4moe_ops.prepared.QuantizedBuffers`, made model-wide):
+
+    * ``model.to(dtype)`` / ``.double()`` to a dtype one of its quantized modules does not run
+      (``COMPUTE_DTYPES``) raise at the call, leaving the model as it was; a ``to`` already on the
+      model (accelerate's guard of a dispatched model) still runs after;
+    * ``load_state_dict`` checks every incoming tensor of every quantized module before any module
+      changes (each module also checks its own, as it loads, which alone would leave the earlier
+      modules loaded), and with ``strict=True`` refuses a missing declared tensor first;
+    * ``save_pretrained`` is atomic and replaces the whole checkpoint of the folder it saves into
+      (:func:`hf_integration.saving.atomic_save_pretrained`)."""
+    from .saving import atomic_save_pretrained
+
+    model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
     if getattr(model.__dict__.get("to"), "__func__", None) is not _guarded_to:  # (attached once)
         model._fp4moe_next_to = model.__dict__.get("to")  # accelerate's, on a dispatched model
         model.to = types.MethodType(_guarded_to, model)
         model.double = types.MethodType(_guarded_double, model)
+        model.load_state_dict = types.MethodType(_guarded_load_state_dict, model)
         model._register_load_state_dict_pre_hook(_check_model_scales, with_module=True)
 
 
@@ -381,13 +406,18 @@ def register_experts_implementation() -> None:
 
 
 def _guarded_to(model, *args, **kwargs):
-    """``model.to(...)``: any device, and the dtypes fp4moe's experts op runs (bfloat16, float16);
-    another dtype in a model with NVFP4 experts is refused before anything moves."""
+    """``model.to(...)``: any device, and the dtypes every quantized module's op runs (its
+    ``COMPUTE_DTYPES``: NVFP4 experts bfloat16 and float16, gpt-oss's experts float32 too); another
+    dtype is refused before anything moves."""
     dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
-    if dtype is not None and dtype not in _HIDDEN_DTYPES and any(isinstance(m, PreparedExperts) for m in model.modules()):
-        raise ValueError(f"model.to({dtype}): this model's NVFP4 experts run bfloat16 or float16 activations only, so "
-                         "its 16-bit parts must stay in one of those (model.to(torch.float16) works); "
-                         "the model is left as it was")
+    if dtype is not None:
+        for name, m in model.named_modules():
+            runs = getattr(m, "COMPUTE_DTYPES", None)
+            if runs is not None and dtype not in runs:
+                names = " or ".join(str(d).removeprefix("torch.") for d in runs)
+                raise ValueError(f"model.to({dtype}): {name} ({type(m).__name__}) runs {names} activations only, so "
+                                 "the model's float parts must stay in one of those (model.to(torch.float16) works); "
+                                 "the model is left as it was")
     inner = model.__dict__.get("_fp4moe_next_to")
     return inner(*args, **kwargs) if inner is not None else type(model).to(model, *args, **kwargs)
 
@@ -407,9 +437,19 @@ def _num_parameters(model, only_trainable: bool = False, exclude_embeddings: boo
 
 
 def _check_model_scales(model, state_dict, prefix, *args):
-    """The model's own pre-hook runs before any module loads: a bad tensor anywhere is refused with
-    the model untouched (the modules' hooks alone would leave the earlier modules loaded)."""
+    """The model's own pre-hook runs before any module loads: a bad tensor of a quantized module
+    anywhere is refused with the model untouched (the modules' hooks alone would leave the earlier
+    modules loaded)."""
     check_incoming_tensors(model, state_dict, prefix)
+
+
+def _guarded_load_state_dict(model, state_dict, strict: bool = True, assign: bool = False):
+    """``model.load_state_dict``: with ``strict=True``, a tensor a quantized module declares that is
+    missing is refused before anything changes (torch loads the others first and reports it at the
+    end; its hooks are told strict=True whatever the call says, so the check is made here)."""
+    if strict:
+        check_incoming_tensors(model, state_dict, "", strict=True)
+    return type(model).load_state_dict(model, state_dict, strict=strict, assign=assign)
 
 
 def _guarded_double(model):
@@ -522,4 +562,4 @@ class _NVFP4CompressedTensorsQuantizers:
         return self.transformers_quantizer(quantization_config, **kwargs)
 
 
-__all__ = ["ModelOptQuantizer", "attach", "paged_cache_holds_mla", "quantizer_for", "register", "uses_mla"]
+__all__ = ["CurrentDtypeDequantize", "ModelOptQuantizer", "attach", "attach_guards", "paged_cache_holds_mla", "quantizer_for", "register", "uses_mla"]

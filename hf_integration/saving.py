@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fp4moe_ops import PreparedExperts
 from fp4moe_ops.prepared import INPUT_SCALE_BUFFERS
 
 from .experts import NVFP4Experts, NVFP4Linear
@@ -207,16 +206,17 @@ def atomic_save_pretrained(model: nn.Module, save_directory, *args, push_to_hub:
     try:
         if quantizer is None:  # a dequantized model: Transformers' own files, nothing of the old checkpoint
             cls_save(model, staging, *args, **kwargs)
-        else:
-            config = saved_config(model, previous)
+        else:  # the config the quantizer saves (ModelOpt's: the modules kept in 16 bits listed)
+            config = quantizer.saved_quantization_config(model)
             quantizer.quantization_config = config
             model.config.quantization_config = config
             with ExitStack() as stack:  # packed weights read in the canonical layout, in place (no copy)
                 for m in model.modules():
-                    if isinstance(m, (PreparedExperts, NVFP4Linear)):
+                    if callable(getattr(m, "canonical_layout", None)):
                         stack.enter_context(m.canonical_layout())
                 cls_save(model, staging, *args, **kwargs)
-            (staging / "hf_quant_config.json").write_text(json.dumps(config.hf_quant_config(), indent=2) + "\n")
+            if callable(getattr(config, "hf_quant_config", None)):  # ModelOpt's second copy of its config
+                (staging / "hf_quant_config.json").write_text(json.dumps(config.hf_quant_config(), indent=2) + "\n")
         add_serving_config_fields(staging / "config.json")  # (a dequantized DeepSeek too: vLLM reads them in BF16)
         if target.is_dir():
             for f in target.iterdir():
@@ -290,6 +290,9 @@ def _staging_folder(target: Path) -> Path:
 
 
 def _copy(src: Path, dst: Path) -> None:
+    if src.is_symlink():  # a link stays a link (to a folder, say: never a copy of what it points at)
+        os.symlink(os.readlink(src), dst)
+        return
     if src.is_dir():
         shutil.copytree(src, dst)
         return

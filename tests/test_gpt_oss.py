@@ -209,7 +209,7 @@ KEY = "model.layers.1.mlp.experts.down_proj_scales"
     (lambda t: t.pop(KEY, None), rf"checkpoint tensor '{KEY}' is missing \(gpt-oss MXFP4 experts of "
                                  r"'model.layers.1.mlp.experts'\)"),
     (lambda t: t[KEY].view(-1)[5].fill_(0xFF) if KEY in t else None,
-     rf"checkpoint tensor '{KEY}' in model-0000\d-of-00002.safetensors: E8M0 scale byte 0xFF \(NaN\)"),
+     rf"checkpoint tensor '{KEY}' in model-0000\d-of-00002.safetensors \(expert \d\) holds E8M0 scale byte 0xFF \(NaN\)"),
 ])
 def test_bad_checkpoints_name_the_tensor(checkpoint, tmp_path, change, error):
     path, _ = checkpoint

@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from ..env import check_backend_environment
 from ..moe_weights import NVFP4MoEWeights
 from ..mxfp4 import check_gpt_oss_biases, check_mxfp4_experts
 from ..nvfp4 import BLOCK_SIZE
@@ -236,8 +237,10 @@ def resolve_backend(
     """Turn ``"auto"`` or a backend name into a backend that can run on ``device``.
 
     ``auto`` skips backends that need calibrated activation scales when there are none.
-    Raises ValueError naming the backends that can run here.
+    Raises ValueError naming the backends that can run here (or a backend environment variable it
+    does not understand, :func:`fp4moe_ops.env.check_backend_environment`).
     """
+    check_backend_environment()
     device = torch.device(device)
     if name == "auto":
         for candidate in AUTO_ORDER:
@@ -270,6 +273,7 @@ def resolve_gpt_oss_backend(name: str, device: torch.device | str) -> Backend:
     :data:`AUTO_ORDER` that runs them here, with a warning (logger ``fp4moe``) naming any faster one
     that can run on the device but refuses gpt-oss's experts, and why; a named backend that refuses raises
     ValueError with its reason."""
+    check_backend_environment()
     device = torch.device(device)
     if name == "auto":
         passed_over = []
