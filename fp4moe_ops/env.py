@@ -42,21 +42,18 @@ def env_choice(name: str, choices: tuple[str, ...], default: str | None = None) 
     return value
 
 
-# What the Triton backend's kernel launcher reads (fp4moe_ops/backends/triton_moe/launch.py), which
-# understands exactly these values: FP4MOE_GLUON 0 (never the Gluon kernels) or 1 (also on an
-# untested Triton), FP4MOE_COMPILE_AHEAD 0 (compile each bucket's kernels when first reached)
-TRITON_SWITCHES = {"FP4MOE_GLUON": ("0", "1"), "FP4MOE_COMPILE_AHEAD": ("0", "1")}
+# The Triton backend's switches (read by fp4moe_ops/backends/triton_moe/launch.py): FP4MOE_GLUON off
+# (never the Gluon kernels) or on (also on an untested Triton; unset: on where tested),
+# FP4MOE_COMPILE_AHEAD off (compile each bucket's kernels when first reached; unset: on)
+BACKEND_SWITCHES = ("FP4MOE_GLUON", "FP4MOE_COMPILE_AHEAD")
 
 
 def check_backend_environment() -> None:
-    """Raise ValueError naming any of :data:`TRITON_SWITCHES` set to a value the launcher does not
-    understand (``FP4MOE_GLUON=false`` or ``=2`` would otherwise be read as unset); called wherever a
-    backend is resolved, before any kernel runs."""
-    for name, choices in TRITON_SWITCHES.items():
-        raw = os.environ.get(name, "")
-        if raw and raw not in choices:
-            raise ValueError(f"environment variable {name}={raw!r} is not understood: it takes "
-                             f"{' or '.join(choices)}, or unset for the default")
+    """Raise ValueError naming any of :data:`BACKEND_SWITCHES` set to a value :func:`env_switch`
+    does not understand; called wherever a backend is resolved, before any kernel runs (the
+    launcher itself reads them where a failure would be far from the user's call)."""
+    for name in BACKEND_SWITCHES:
+        env_switch(name)
 
 
-__all__ = ["OFF_WORDS", "ON_WORDS", "TRITON_SWITCHES", "check_backend_environment", "env_choice", "env_switch"]
+__all__ = ["OFF_WORDS", "ON_WORDS", "BACKEND_SWITCHES", "check_backend_environment", "env_choice", "env_switch"]

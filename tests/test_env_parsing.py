@@ -41,20 +41,31 @@ def test_the_start_up_hook_reads_the_same_words(monkeypatch):
     assert fp4moe_autoload.enabled()
 
 
-@pytest.mark.parametrize("name,raw", [("FP4MOE_GLUON", "false"), ("FP4MOE_GLUON", "2"),
-                                      ("FP4MOE_COMPILE_AHEAD", "off")])
-def test_backend_switches_the_launcher_does_not_understand_are_refused(monkeypatch, name, raw):
+@pytest.mark.parametrize("name,raw", [("FP4MOE_GLUON", "2"), ("FP4MOE_GLUON", "ture"),
+                                      ("FP4MOE_COMPILE_AHEAD", "maybe")])
+def test_backend_switches_not_understood_are_refused(monkeypatch, name, raw):
     from fp4moe_ops import prepare_experts, quantize_moe_weights, resolve_gpt_oss_backend
     import torch
 
     weights = quantize_moe_weights(torch.randn(2, 64, 32), torch.randn(2, 32, 32))
     monkeypatch.setenv(name, raw)
-    with pytest.raises(ValueError, match=rf"{name}={raw!r} is not understood: it takes 0 or 1"):
+    with pytest.raises(ValueError, match=rf"{name}={raw!r} is not understood: it takes 1/true/yes/on or "):
         prepare_experts(weights, "reference")
     with pytest.raises(ValueError, match=rf"{name}={raw!r} is not understood"):
         resolve_gpt_oss_backend("auto", "cpu")
-    monkeypatch.setenv(name, "0")
-    assert prepare_experts(weights, "reference").backend == "reference"
+    for word in ("0", "false", "Off", "1", "yes"):
+        monkeypatch.setenv(name, word)
+        assert prepare_experts(weights, "reference").backend == "reference"
+
+
+@pytest.mark.parametrize("raw", ["0", "false", "OFF"])
+def test_gluon_switch_takes_the_same_words(monkeypatch, raw):
+    """FP4MOE_GLUON's off words all turn the Gluon kernels off, naming the setting as the user wrote it."""
+    import torch
+    from fp4moe_ops.backends.triton_moe import launch
+
+    monkeypatch.setenv("FP4MOE_GLUON", raw)
+    assert launch._gluon_check(torch.empty(1, 8, dtype=torch.bfloat16)) == f"FP4MOE_GLUON={raw}"
 
 
 def test_fp4moe_mxfp4_typo_is_refused(monkeypatch):

@@ -14,6 +14,7 @@ import torch
 
 from .compile_ahead import async_compile_active, compile_all, compiling_ahead, launch_or_compile, planned_slots
 from .layout import GptOssTerms, fits_tma, fragment_order
+from ...env import env_switch
 
 try:
     import triton
@@ -50,7 +51,14 @@ ROUTE_CHUNK = 64  # slots each routing program places
 # A layer's (an NVFP4 linear's) first call compiles every kernel variant its shape can launch, together
 # (compile_layer_once, compile_linear_once); FP4MOE_COMPILE_AHEAD=0: each bucket's kernels compile
 # when a call first reaches it
-COMPILE_AHEAD = os.environ.get("FP4MOE_COMPILE_AHEAD", "1") != "0"
+def _compile_ahead() -> bool:
+    try:
+        return env_switch("FP4MOE_COMPILE_AHEAD", True)
+    except ValueError:  # refused, named, where a backend is resolved (check_backend_environment)
+        return True
+
+
+COMPILE_AHEAD = _compile_ahead()
 
 
 def _round4(n: int) -> int:
@@ -414,15 +422,15 @@ def gluon_unavailable(x: torch.Tensor) -> str | None:
 
 
 def _gluon_check(x: torch.Tensor) -> str | None:
-    choice = os.environ.get("FP4MOE_GLUON", "")
-    if choice == "0":
-        return "FP4MOE_GLUON=0"
+    choice = env_switch("FP4MOE_GLUON")
+    if choice is False:
+        return f"FP4MOE_GLUON={os.environ['FP4MOE_GLUON']}"
     major, minor = torch.cuda.get_device_capability(x.device)
     if major != 9:
         return f"compute capability {major}.{minor} (the Gluon kernels are Hopper's, 9.x)"
     if x.dtype != torch.bfloat16:
         return f"{x.dtype} activations (the Gluon kernels take bfloat16)"
-    if not gluon_triton_supported(triton.__version__) and choice != "1":
+    if not gluon_triton_supported(triton.__version__) and choice is not True:
         return (f"Triton {triton.__version__} (the Gluon kernels are tested on Triton {', '.join(GLUON_TRITON)}; "
                 "FP4MOE_GLUON=1 tries them)")
     try:
