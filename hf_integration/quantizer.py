@@ -28,6 +28,7 @@ Which quantizer wins if Transformers ever ships its own ``"modelopt"``: fp4moe's
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import types
@@ -144,6 +145,14 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
         scan = CheckpointScan(files)
         scan.check_index(files)
         self.plan = plan_load(model, scan, self.quantization_config, shard_of)
+        if not (self.plan.experts or self.plan.gpt_oss or self.plan.linears):
+            # a 16-bit checkpoint given a quantization config: loading it would mark the model
+            # quantized while every weight stays 16-bit
+            raise CheckpointError(
+                f"{os.path.dirname(files[0]) or '.'} holds no quantized tensors fp4moe loads: fp4moe does not "
+                "quantize while loading. Load the 16-bit model without quantization_config, then "
+                "hf_integration.patch_moe(model) quantizes its experts (save_pretrained then writes a ModelOpt "
+                "NVFP4 checkpoint)")
         check_float_tensors(model, scan, self.plan)
         self._refuse_nvfp4_on_disk(kwargs.get("device_map"))
         if self.plan.gpt_oss and self.quantization_config.expert_parallel:

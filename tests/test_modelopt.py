@@ -183,6 +183,21 @@ def test_patched_bf16_model_saves_as_modelopt_and_loads_bit_identical(tmp_path):
     assert torch.equal(logits(again, ids), logits(model, ids))
 
 
+@pytest.mark.parametrize("config", ["modelopt", "compressed-tensors"])
+def test_a_16_bit_checkpoint_with_a_quantization_config_is_refused(tmp_path, config):
+    """fp4moe does not quantize while loading: a 16-bit folder given an NVFP4 quantization config
+    is refused, naming the folder and what to do, instead of loading as a "quantized" model whose
+    experts all stay 16-bit."""
+    from hf_integration import CompressedTensorsNVFP4Config
+
+    tiny_deepseek_v3().save_pretrained(tmp_path / "bf16")
+    qc = ModelOptConfig() if config == "modelopt" else CompressedTensorsNVFP4Config()
+    with pytest.raises(CheckpointError, match=r"bf16 holds no quantized tensors fp4moe loads: .*patch_moe\(model\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16, quantization_config=qc)
+    # the same folder loads as the 16-bit model it is
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").model.layers[1].mlp.experts).__name__ != "NVFP4Experts"
+
+
 def test_sharded_save_has_an_index_and_loads(checkpoint, tmp_path):
     model = load_modelopt_nvfp4(checkpoint[0])
     model.save_pretrained(tmp_path / "out", max_shard_size="100KB")
