@@ -3,7 +3,7 @@ torch 2.11 to 2.15 pin), resolved once here so that each Gluon kernel has one so
 
 Gluon is Triton's experimental low-level language; its API is renamed from release to release.
 The kernels (``decode_v3.py``, ``prefill_rs.py``) import these names instead of Gluon's, and
-``tests/test_triton_releases.py``, the sm_90 compile check CI runs (``benchmarks/compile_ahead_cpu.py``
+``tests/test_triton_releases.py``, the sm_90 compile check CI runs (``tools/compile_ahead_cpu.py``
 on the oldest and newest supported Triton) catch a release that moves one more.
 
 | name here | Triton 3.6 | 3.7 | 3.8 | 3.9 |
