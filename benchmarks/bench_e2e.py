@@ -54,7 +54,9 @@ def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[f
     from transformers import CompileConfig
 
     # the same prompt for every variant at a batch size (the routing, hence the work, follows the tokens)
-    prompt = torch.randint(1, 1000, (batch, 16), generator=torch.Generator().manual_seed(batch)).cuda()
+    high = min(1000, model.config.vocab_size)
+    prompt = torch.randint(1, high, (batch, 16), generator=torch.Generator().manual_seed(batch)).to(model.device)
+    sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
     kw = dict(do_sample=False)
     if compiled:
         kw.update(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
@@ -69,10 +71,10 @@ def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[f
     for n in (1, 1 + new_tokens):
         times = []
         for _ in range(5):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             out = run(n)
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t0)
         seconds[n] = statistics.median(times)
     decode = batch * new_tokens / (seconds[1 + new_tokens] - seconds[1])

@@ -2,7 +2,8 @@
 top-8; random weights in the real shapes), HF BF16 and fp4moe side by side in one process.
 
     python benchmarks/bench_model.py [--layers 48] [--batches 1,32] [--prompts 4096,16384]
-        [--variants bf16,fp4moe,fp4moe-attn] [--out benchmarks/out]
+        [--variants bf16,fp4moe,fp4moe-attn] [--requests 16,64] [--checkpoint DIR] [--out benchmarks/out]
+    python benchmarks/bench_model.py --tiny --layers 2     # the same code path on a CPU, small shapes
 
 Variants, in this order on the same weights (each on top of the last):
 
@@ -22,10 +23,16 @@ Per variant:
   step, so the host's work is not hidden behind the GPU's;
 * time to first token for each prompt length: ``generate(max_new_tokens=1)`` at batch 1 (the
   prefill runs eagerly, as ``generate()`` runs it), median of 3 after a warm-up;
+* ``generate_batch`` tokens/s with each of ``--requests`` concurrent requests
+  (:func:`bench_generate_batch.time_generate_batch`: 128-token prompts, 128 new tokens);
 * peak GPU memory (``max_memory_allocated``) over the variant's runs.
 
+``--checkpoint DIR``: after the first fp4moe variant, ``save_pretrained(DIR)`` (a ModelOpt NVFP4
+checkpoint) and ``from_pretrained(DIR)`` as a user loads it: save and load seconds, the memory the
+loaded model takes, and whether its greedy tokens equal the patched model's (1 or 0).
+
 Writes ``model.json`` and ``model.md`` to ``--out`` after every measurement. Not measured here:
-loading a checkpoint from disk, ``generate_batch`` and ``transformers serve`` (see RESULTS.md).
+``transformers serve``, gpt-oss, and loading HF BF16 from its own checkpoint (61 GB at full depth).
 """
 
 from __future__ import annotations
@@ -43,22 +50,55 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decoder_layer import forward_step_ms  # noqa: E402
 from bench_e2e import time_generate  # noqa: E402
-from bench_generate_batch import QWEN3_30B_A3B, qwen3_moe  # noqa: E402
+from bench_generate_batch import QWEN3_30B_A3B, TINY, qwen3_moe, time_generate_batch  # noqa: E402
 from hf_integration import patch_moe, quantize_linears  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def time_to_first_token_ms(model, tokens: int, repeats: int = 3) -> float:
     """Median wall time of ``generate(max_new_tokens=1)`` over one ``tokens``-long prompt."""
-    prompt = torch.randint(1, 1000, (1, tokens), generator=torch.Generator().manual_seed(tokens)).cuda()
+    prompt = torch.randint(1, min(1000, model.config.vocab_size), (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    prompt = prompt.to(model.device)
     times = []
     for run in range(repeats + 1):  # the first warms up
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         model.generate(prompt, max_new_tokens=1, do_sample=False)
-        torch.cuda.synchronize()
+        sync()
         if run:
             times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+
+def greedy(model, new_tokens: int = 8) -> torch.Tensor:
+    prompt = torch.randint(1, min(1000, model.config.vocab_size), (2, 12), generator=torch.Generator().manual_seed(7))
+    prompt = prompt.to(model.device)
+    return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+
+def save_and_load(model, folder: Path, record) -> None:
+    """``--checkpoint``: save ``model`` as a ModelOpt checkpoint and load it back as a user would."""
+    from transformers import AutoModelForCausalLM
+
+    sync()
+    t0 = time.perf_counter()
+    model.save_pretrained(folder)
+    record("save_pretrained (s)", time.perf_counter() - t0)
+    cuda = model.device.type == "cuda"
+    before = torch.cuda.memory_allocated() if cuda else 0
+    sync()
+    t0 = time.perf_counter()
+    again = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=str(model.device))
+    sync()
+    record("from_pretrained of the saved checkpoint (s)", time.perf_counter() - t0)
+    if cuda:
+        record("loaded model's GPU memory (GB)", (torch.cuda.memory_allocated() - before) / 1e9)
+    record("loaded model's greedy tokens equal the patched model's", float(torch.equal(greedy(again), greedy(model))))
+    del again
 
 
 def main() -> None:
@@ -68,22 +108,34 @@ def main() -> None:
     ap.add_argument("--prompts", default="4096,16384", help="prompt lengths for the time to first token")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--variants", default="bf16,fp4moe,fp4moe-attn")
+    ap.add_argument("--requests", default="", help="concurrent generate_batch requests, e.g. 16,64")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="save the fp4moe model here and load it back")
+    ap.add_argument("--tiny", action="store_true", help="small dimensions on the CPU, uncompiled (a smoke test)")
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args()
     import transformers
-    import triton
+
+    try:
+        import triton
+    except ImportError:  # a CPU install without Triton (--tiny)
+        triton = None
+    if not args.tiny and not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (or --tiny for a CPU smoke test)")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
     prompts = [int(p) for p in args.prompts.split(",") if p]
-    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "layers": args.layers,
-              "versions": f"torch {torch.__version__}, Triton {triton.__version__}, "
+    requests = [int(r) for r in args.requests.split(",") if r]
+    dims = TINY if args.tiny else QWEN3_30B_A3B
+    result = {"device": "CPU" if args.tiny else torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+              "layers": args.layers, "shapes": "tiny" if args.tiny else "Qwen3-30B-A3B",
+              "versions": f"torch {torch.__version__}, Triton {getattr(triton, '__version__', 'absent')}, "
                           f"Transformers {transformers.__version__}", "rows": []}
 
     def save():
         (out / "model.json").write_text(json.dumps(result, indent=1))
-        lines = [f"{result['device']}, {result['date']}: Qwen3-30B-A3B shapes, {args.layers} layers, random "
+        lines = [f"{result['device']}, {result['date']}: {result['shapes']} shapes, {args.layers} layers, random "
                  f"weights; {result['versions']}", "",
                  "| variant | what | value |", "|---|---|---|"]
         lines += [f"| {r['variant']} | {r['what']} | {r['value']:.2f} |" for r in result["rows"]]
@@ -95,23 +147,36 @@ def main() -> None:
         save()
 
     start = time.time()
-    model = qwen3_moe(args.layers, QWEN3_30B_A3B, "cuda")
+    torch.manual_seed(0)
+    model = qwen3_moe(args.layers, dims, "cpu" if args.tiny else "cuda")
     print(f"built in {time.time() - start:.0f} s; {result['versions']}", flush=True)
+    cuda = not args.tiny
+    saved = False
     for variant in args.variants.split(","):
         if variant == "fp4moe" or (variant == "fp4moe-attn" and "fp4moe" not in args.variants.split(",")):
             patch_moe(model, verbose=False)
         if variant == "fp4moe-attn":
             quantize_linears(model, dense_mlps=False, attention=True)
         torch._dynamo.reset()
-        torch.cuda.reset_peak_memory_stats()
-        for b in batches:
-            tps, _, _ = time_generate(model, b, args.new_tokens, compiled=True)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        for b in batches:  # (the CPU smoke test runs uncompiled: Inductor on a CPU takes minutes)
+            tps, _, _ = time_generate(model, b, args.new_tokens, compiled=cuda)
             record(variant, f"decode tokens/s, batch {b}", tps)
-        torch._dynamo.reset()
-        record(variant, "decode step alone, batch 1 (ms)", forward_step_ms(model, 1))
+        if cuda:
+            torch._dynamo.reset()
+            record(variant, "decode step alone, batch 1 (ms)", forward_step_ms(model, 1))
         for p in prompts:
             record(variant, f"time to first token, {p} tokens (ms)", time_to_first_token_ms(model, p))
-        record(variant, "peak GPU memory (GB)", torch.cuda.max_memory_allocated() / 1e9)
+        for n in requests:
+            row = time_generate_batch(model, n, 128, 128, 1 if args.tiny else 3, dims["vocab_size"],
+                                      small_cache=args.tiny)
+            record(variant, f"generate_batch tokens/s, {n} requests", row["tokens_per_s"])
+        if cuda:
+            record(variant, "peak GPU memory (GB)", torch.cuda.max_memory_allocated() / 1e9)
+        if args.checkpoint and variant.startswith("fp4moe") and not saved:
+            save_and_load(model, args.checkpoint, lambda what, value: record(variant, what, value))
+            saved = True
     print((out / "model.md").read_text())
 
 

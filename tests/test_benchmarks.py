@@ -22,6 +22,22 @@ def test_bench_moe_runs_on_cpu(tmp_path):
     assert "| tokens |" in (tmp_path / "results_small.md").read_text()
 
 
+def test_bench_model_runs_on_cpu(tmp_path):
+    """bench_model.py's whole path at tiny shapes: every measurement of both variants, and the
+    saved fp4moe checkpoint loads back with the patched model's greedy tokens."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--tiny", "--layers", "2",
+                    "--batches", "1", "--prompts", "16", "--requests", "2", "--variants", "bf16,fp4moe",
+                    "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path)],
+                   check=True, capture_output=True, timeout=600)
+    rows = {(r["variant"], r["what"]): r["value"] for r in json.loads((tmp_path / "model.json").read_text())["rows"]}
+    for variant in ("bf16", "fp4moe"):
+        for what in ("decode tokens/s, batch 1", "time to first token, 16 tokens (ms)",
+                     "generate_batch tokens/s, 2 requests"):
+            assert rows[(variant, what)] > 0, (variant, what)
+    assert rows[("fp4moe", "loaded model's greedy tokens equal the patched model's")] == 1.0
+    assert (tmp_path / "ckpt" / "hf_quant_config.json").exists()
+
+
 def test_error_vs_reference_checks_an_all_zero_reference_exactly():
     from bench_moe import error_vs_reference
 
