@@ -172,8 +172,8 @@ def _(router_logits, correction_bias, n_group, topk_group, top_k, renormalize, s
 #     ids    = the top_k largest probs (ties: the lower expert id)
 #     weight = prob of each chosen expert, / (sum of the k probs) if renormalize
 #
-# Transformers runs a softmax, torch.topk (a radix select and a sort: ~9 us of GPU time per layer
-# at one token on an H100, more than the router's GEMV) and the division as separate kernels.
+# Transformers runs a softmax, torch.topk (a radix select and a sort, even for 128 experts) and the
+# division as separate kernels; benchmarks/NOTES.md ("Router") says what they cost.
 
 
 def _check_softmax(router_logits, top_k):
