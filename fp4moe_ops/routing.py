@@ -7,7 +7,7 @@ more GPU time than the router's GEMV).
 * ``torch.ops.fp4moe.softmax_topk``: softmax over all experts, the top k, optionally renormalized
   (Qwen2/3-MoE, Qwen3-Next, OLMoE, Mixtral, MiniMax), at the end of this module.
 
-Group-limited top-k, per token, per token, from logits ``[E]`` over ``E`` experts in ``G`` groups of
+Group-limited top-k, per token, from logits ``[E]`` over ``E`` experts in ``G`` groups of
 ``E/G``::
 
     score  = sigmoid(logit)                       # the routing weight source
@@ -187,7 +187,8 @@ def _check_softmax(router_logits, top_k):
 def softmax_topk_torch(router_logits, top_k, renormalize):
     """The router's definition in the torch calls Transformers' Qwen3-MoE router makes, in its
     order (bitwise its results; the op's path off CUDA). Returns ``(weights [T, k] float32,
-    ids [T, k] int64)``."""
+    ids [T, k] int64)``. Between exactly equal probabilities ``torch.topk``'s choice is unspecified;
+    the kernel takes the lower expert id."""
     probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fp4moe_ops  # noqa: F401  (registers torch.ops.fp4moe.grouped_topk)
+import fp4moe_ops  # noqa: F401  (registers torch.ops.fp4moe.grouped_topk and softmax_topk)
 
 from .surgery import children_where, replace_module
 
@@ -35,7 +35,7 @@ class GroupedTopkRouter(nn.Module):
     logits' summation order differs, so a near-tied token may pick another expert."""
 
     def __init__(self, router: nn.Module):
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): in a fused_class the next class is Transformers' router
         self.weight = router.weight
         persistent = "e_score_correction_bias" not in router._non_persistent_buffers_set
         self.register_buffer("e_score_correction_bias", router.e_score_correction_bias, persistent=persistent)
@@ -84,7 +84,7 @@ class SoftmaxTopkRouter(nn.Module):
     near-tied token may pick another expert."""
 
     def __init__(self, router: nn.Module):
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): in a fused_class the next class is Transformers' router
         renormalize, self.cast_weights = SOFTMAX_TOPK_ROUTERS[type(router).__name__]
         self.renormalize = bool(renormalize if renormalize is True else getattr(router, renormalize))
         self.weight = router.weight
@@ -104,6 +104,24 @@ ROUTERS = {**dict.fromkeys(GROUPED_TOPK_ROUTERS, GroupedTopkRouter),
            **dict.fromkeys(SOFTMAX_TOPK_ROUTERS, SoftmaxTopkRouter)}
 
 
+_FUSED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def fused_class(router_class: type) -> type:
+    """fp4moe's router for ``router_class`` (a class named in :data:`ROUTERS`), as a subclass of both:
+    Transformers finds routers by class (``output_router_logits`` hooks every instance of the
+    model's router class to collect the logits its auxiliary loss needs), so the replacement must
+    still be one. fp4moe's ``__init__`` and ``forward`` come first; one class per router class."""
+    base = ROUTERS[router_class.__name__]
+    key = (base, router_class)
+    if key not in _FUSED_CLASSES:
+        name = f"{base.__name__}_{router_class.__name__}"
+        cls = type(name, (base, router_class), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = cls  # pickle finds a class by module and name
+        _FUSED_CLASSES[key] = cls
+    return _FUSED_CLASSES[key]
+
+
 def grouped_topk_routers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, attribute, router) of the routers :class:`GroupedTopkRouter` replaces."""
     return children_where(model, lambda m: type(m).__name__ in GROUPED_TOPK_ROUTERS)
@@ -115,13 +133,13 @@ def fusable_routers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 
 
 def fuse_routers(model: nn.Module) -> int:
-    """Swap every router fp4moe runs as one op (:data:`ROUTERS`) for fp4moe's module; returns how
-    many."""
+    """Swap every router fp4moe runs as one op (:data:`ROUTERS`) for fp4moe's module, made an
+    instance of the replaced router's class too (:func:`fused_class`); returns how many."""
     routers = fusable_routers(model)
     for parent, attr, m in routers:
-        replace_module(parent, attr, ROUTERS[type(m).__name__](m))
+        replace_module(parent, attr, fused_class(type(m))(m))
     return len(routers)
 
 
 __all__ = ["GROUPED_TOPK_ROUTERS", "GroupedTopkRouter", "ROUTERS", "SOFTMAX_TOPK_ROUTERS", "SoftmaxTopkRouter",
-           "fusable_routers", "fuse_routers", "grouped_topk_routers"]
+           "fusable_routers", "fuse_routers", "fused_class", "grouped_topk_routers"]

@@ -114,9 +114,10 @@ def test_router_swapped_for_one_op_with_same_keys_and_results(make):
     keys = hf_routed.state_dict().keys()
     hf_routers = [type(m).__name__ for m in hf_routed.modules() if type(m).__name__ in ROUTERS]
     patch_moe(model)
-    routers = [m for m in model.modules() if type(m) in set(ROUTERS.values())]
+    routers = [m for m in model.modules() if isinstance(m, tuple(ROUTERS.values()))]
     assert len(routers) == len(hf_routers) > 0
-    assert {type(m) for m in routers} == {ROUTERS[n] for n in hf_routers}
+    assert {type(m).__bases__ for m in routers} == {(ROUTERS[n], type(h)) for h in hf_routed.modules()
+                                                     if (n := type(h).__name__) in ROUTERS}
     assert model.state_dict().keys() == keys
     for k, v in hf_routed.state_dict().items():
         if ".gate." in k:
@@ -126,15 +127,36 @@ def test_router_swapped_for_one_op_with_same_keys_and_results(make):
         assert torch.equal(model(ids).logits, hf_routed(ids).logits)
 
 
+@pytest.mark.parametrize("make", [tiny_qwen3_moe, tiny_mixtral])
+def test_swapped_router_keeps_router_logits_and_aux_loss(make):
+    """output_router_logits: Transformers hooks every instance of the model's router class to
+    collect the logits; the swapped router is still one, so the logits and the auxiliary loss are
+    those of Transformers' router (bitwise on CPU, where the op runs Transformers' calls)."""
+    model = make()
+    model.config.output_router_logits = True
+    hf_routed = patch_moe(copy.deepcopy(model), fuse_router=False)
+    patch_moe(model)
+    ids = torch.randint(1, 256, (2, 9))
+    with torch.no_grad():
+        got, want = model(ids, labels=ids), hf_routed(ids, labels=ids)
+    assert len(got.router_logits) == len(want.router_logits) == model.config.num_hidden_layers
+    for a, b in zip(got.router_logits, want.router_logits):
+        assert torch.equal(a, b)
+    assert want.aux_loss > 0 and torch.equal(got.aux_loss, want.aux_loss)
+    assert torch.equal(got.loss, want.loss)
+
+
 def test_swapped_router_keeps_accelerate_hook():
     """A router that accelerate's dispatch gave a hook (device_map) keeps it after the swap."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from hf_integration.router import GroupedTopkRouter
 
     model = tiny_deepseek_v3()
     add_hook_to_module(model.model.layers[1].mlp.gate, AlignDevicesHook(execution_device="cpu", io_same_device=True))
     patch_deepseek(model)
     router = model.model.layers[1].mlp.gate
-    assert type(router).__name__ == "GroupedTopkRouter" and isinstance(router._hf_hook, AlignDevicesHook)
+    assert isinstance(router, GroupedTopkRouter) and isinstance(router._hf_hook, AlignDevicesHook)
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(1, 256, (1, 5))).logits).all()
 
