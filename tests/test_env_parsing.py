@@ -58,6 +58,21 @@ def test_backend_switches_not_understood_are_refused(monkeypatch, name, raw):
         assert prepare_experts(weights, "reference").backend == "reference"
 
 
+@pytest.mark.parametrize("raw,want", [("off", False), ("0", False), ("yes", True), ("", True)])
+def test_compile_ahead_switch_read_at_the_first_launch(monkeypatch, raw, want):
+    """FP4MOE_COMPILE_AHEAD is read when the kernels first launch, with the same words as every
+    switch (unset or empty: on); a value not understood is refused there too, not taken as on."""
+    from fp4moe_ops.backends.triton_moe import launch
+
+    monkeypatch.setattr(launch, "COMPILE_AHEAD", None)
+    monkeypatch.setenv("FP4MOE_COMPILE_AHEAD", raw)
+    assert launch._compile_ahead() is want
+    monkeypatch.setattr(launch, "COMPILE_AHEAD", None)
+    monkeypatch.setenv("FP4MOE_COMPILE_AHEAD", "of")
+    with pytest.raises(ValueError, match="FP4MOE_COMPILE_AHEAD='of' is not understood"):
+        launch._compile_ahead()
+
+
 @pytest.mark.parametrize("raw", ["0", "false", "OFF"])
 def test_gluon_switch_takes_the_same_words(monkeypatch, raw):
     """FP4MOE_GLUON's off words all turn the Gluon kernels off, naming the setting as the user wrote it."""

@@ -50,15 +50,16 @@ GLUON_TRITON = ("3.6", "3.7", "3.8", "3.9")
 ROUTE_CHUNK = 64  # slots each routing program places
 # A layer's (an NVFP4 linear's) first call compiles every kernel variant its shape can launch, together
 # (compile_layer_once, compile_linear_once); FP4MOE_COMPILE_AHEAD=0: each bucket's kernels compile
-# when a call first reaches it
+# when a call first reaches it. None: the variable decides, read at the first launch (not at import,
+# so a value it does not understand is refused, naming it, whichever way the kernels are reached).
+COMPILE_AHEAD: bool | None = None
+
+
 def _compile_ahead() -> bool:
-    try:
-        return env_switch("FP4MOE_COMPILE_AHEAD", True)
-    except ValueError:  # refused, named, where a backend is resolved (check_backend_environment)
-        return True
-
-
-COMPILE_AHEAD = _compile_ahead()
+    global COMPILE_AHEAD
+    if COMPILE_AHEAD is None:
+        COMPILE_AHEAD = env_switch("FP4MOE_COMPILE_AHEAD", True)
+    return COMPILE_AHEAD
 
 
 def _round4(n: int) -> int:
@@ -232,7 +233,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     top_k = topk_ids.shape[1]
     num_experts, inter = s13.shape[0], s13.shape[1] // 2
     num_slots = num_tokens * top_k
-    if config is None and COMPILE_AHEAD:
+    if config is None and _compile_ahead():
         compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts, gpt_oss)
     cfg = config or kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
     paired = w13.dtype == torch.int32
@@ -690,7 +691,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if tokens == 0:
         return x.new_empty(*x.shape[:-1], n)
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()  # the kernels assume dense rows
-    if config is None and COMPILE_AHEAD:
+    if config is None and _compile_ahead():
         compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias, counters)
     cfg = config or linear_config(tokens, n, k, paired, paired and _gluon_runs(x2))
     fast = not interpreting()
