@@ -18,14 +18,16 @@ Per variant:
 * decode tokens/s at each batch: :func:`bench_e2e.time_generate` (1 + D new tokens minus 1, so
   prefill and setup cancel; median of 5 after a warm-up that compiles);
 * the decode step's GPU time alone at batch 1: the compiled model called back to back, timed
-  with CUDA events (:func:`bench_decoder_layer.forward_step_ms`). The difference to the
-  ``generate()`` step is the time ``generate()``'s loop adds on the host: it synchronizes every
-  step, so the host's work is not hidden behind the GPU's;
+  with CUDA events (:func:`bench_decoder_layer.forward_step_ms`), the experts as ``generate()``
+  decodes with them (``batched_mm`` for BF16). The difference to the ``generate()`` step is the
+  time ``generate()``'s loop adds on the host: it synchronizes every step, so the host's work is
+  not hidden behind the GPU's;
 * time to first token for each prompt length: ``generate(max_new_tokens=1)`` at batch 1 (the
   prefill runs eagerly, as ``generate()`` runs it), median of 3 after a warm-up;
 * ``generate_batch`` tokens/s with each of ``--requests`` concurrent requests
   (:func:`bench_generate_batch.time_generate_batch`: 128-token prompts, 128 new tokens);
-* peak GPU memory (``max_memory_allocated``) over the variant's runs.
+* peak GPU memory (``max_memory_allocated``) over the variant's decoding, and over all its runs
+  (the longest prompt's prefill included).
 
 ``--checkpoint DIR``: after the first fp4moe variant, ``save_pretrained(DIR)`` (a ModelOpt NVFP4
 checkpoint) and ``from_pretrained(DIR)`` as a user loads it: save and load seconds, the memory the
@@ -38,6 +40,7 @@ Writes ``model.json`` and ``model.md`` to ``--out`` after every measurement. Not
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -99,6 +102,9 @@ def save_and_load(model, folder: Path, record) -> None:
         record("loaded model's GPU memory (GB)", (torch.cuda.memory_allocated() - before) / 1e9)
     record("loaded model's greedy tokens equal the patched model's", float(torch.equal(greedy(again), greedy(model))))
     del again
+    gc.collect()  # fp4moe's guards hold the model in reference cycles: freed only by the collector
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -164,8 +170,14 @@ def main() -> None:
             tps, _, _ = time_generate(model, b, args.new_tokens, compiled=cuda)
             record(variant, f"decode tokens/s, batch {b}", tps)
         if cuda:
+            record(variant, "peak GPU memory, decoding (GB)", torch.cuda.max_memory_allocated() / 1e9)
             torch._dynamo.reset()
-            record(variant, "decode step alone, batch 1 (ms)", forward_step_ms(model, 1))
+            experts = "batched_mm" if variant == "bf16" else None  # as generate() decodes
+            try:
+                record(variant, "decode step alone, batch 1 (ms)", forward_step_ms(model, 1, decode_experts=experts))
+            finally:
+                if experts:
+                    model.set_experts_implementation("grouped_mm")
         for p in prompts:
             record(variant, f"time to first token, {p} tokens (ms)", time_to_first_token_ms(model, p))
         for n in requests:
@@ -173,7 +185,7 @@ def main() -> None:
                                       small_cache=args.tiny)
             record(variant, f"generate_batch tokens/s, {n} requests", row["tokens_per_s"])
         if cuda:
-            record(variant, "peak GPU memory (GB)", torch.cuda.max_memory_allocated() / 1e9)
+            record(variant, "peak GPU memory, all runs (GB)", torch.cuda.max_memory_allocated() / 1e9)
         if args.checkpoint and variant.startswith("fp4moe") and not saved:
             save_and_load(model, args.checkpoint, lambda what, value: record(variant, what, value))
             saved = True

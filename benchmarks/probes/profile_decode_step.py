@@ -66,7 +66,7 @@ def kernels(prof, name_chars: int = 90) -> dict[str, list[float]]:
 def profile_prefill(model, tokens: int) -> None:
     """Wall time of one eager forward over ``tokens`` prompt tokens (median of 3, no cache) and its
     GPU kernels by group."""
-    prompt = torch.randint(1, 1000, (1, tokens), device="cuda")
+    prompt = torch.randint(1, 1000, (1, tokens), generator=torch.Generator().manual_seed(tokens)).cuda()
     with torch.no_grad():
         model(prompt, use_cache=False)
         times = []
@@ -90,7 +90,7 @@ def profile_prefill(model, tokens: int) -> None:
 def profile_decode(model, batch: int, decode_steps: int, host_profile: bool = False) -> dict:
     from transformers import CompileConfig
 
-    prompt = torch.randint(1, 1000, (batch, 16), device="cuda")
+    prompt = torch.randint(1, 1000, (batch, 16), generator=torch.Generator().manual_seed(batch)).cuda()
 
     def generate(new_tokens):
         return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -150,13 +150,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--variants", default="bf16,fp4moe-hf-router,fp4moe")
-    ap.add_argument("--host-profile", action="store_true", help="cProfile one generate() of each fp4moe variant")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile one generate() of each variant (BF16 included)")
     ap.add_argument("--model", choices=("deepseek-v3", "qwen3-30b"), default="deepseek-v3")
     ap.add_argument("--forward-step", action="store_true",
                     help="also time the compiled model's decode step alone (bench_decoder_layer's forward timing)")
     ap.add_argument("--prefill", type=int, default=0, help="also profile one eager forward over this many tokens")
     args = ap.parse_args()
     variants = args.variants.split(",")
+    known = {"bf16", "fp4moe-hf-router", "fp4moe", "fp4moe-attn"} | (
+        {"fp4moe-dense", "fp4moe-shared"} if args.model == "deepseek-v3" else set())
+    if set(variants) - known:  # Qwen3-MoE has no shared expert or dense MLP layers
+        ap.error(f"--model {args.model} takes variants {sorted(known)}, not {sorted(set(variants) - known)}")
     import transformers
 
     if args.model == "qwen3-30b":
