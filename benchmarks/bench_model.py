@@ -34,7 +34,7 @@ checkpoint) and ``from_pretrained(DIR)`` as a user loads it: save and load secon
 loaded model takes, and whether its greedy tokens equal the patched model's (1 or 0).
 
 Writes ``model.json`` and ``model.md`` to ``--out`` after every measurement. Not measured here:
-``transformers serve``, gpt-oss, and loading HF BF16 from its own checkpoint (61 GB at full depth).
+``transformers serve`` (``bench_serve.py``), gpt-oss, and loading HF BF16 from its own checkpoint (61 GB at full depth).
 """
 
 from __future__ import annotations

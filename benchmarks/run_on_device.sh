@@ -1,7 +1,7 @@
 #!/bin/bash
 # One run on a CUDA machine, from the repository root with fp4moe installed: GPU tests, benchmarks,
 # probes. Logs and results go to $OUT (default benchmarks/out). CONTRIBUTING.md lists the steps.
-#   bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e model
+#   bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e model serve
 #   route firstpass firstpass_noahead probecompile probev3 probestream linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill
 #   densebound backward gptoss gptoss_tests generate_batch)
 set -o pipefail
@@ -27,6 +27,7 @@ for step in "$@"; do
     modelopt) timeout ${MODELOPT_TIMEOUT:-420} python3 benchmarks/bench_modelopt_gpu.py --out "$OUT" ${MODELOPT_ARGS:-} 2>&1 | tee "$OUT/modelopt.log" | grep -v -i warn ;;
     e2e) timeout ${E2E_TIMEOUT:-330} python3 benchmarks/bench_e2e.py --out "$OUT" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | grep -v -i warn ;;
     model) timeout ${MODEL_TIMEOUT:-580} python3 benchmarks/bench_model.py --out "$OUT" ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model.log" | grep -v -i warn ;;
+    serve) timeout ${SERVE_TIMEOUT:-580} python3 benchmarks/bench_serve.py --out "$OUT" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve.log" | grep -v -i warn ;;
     profile_decode) timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/probes/profile_decode_step.py ${PROFILE_DECODE_ARGS:-} 2>&1 | tee "$OUT/profile_decode.log" | grep -v -i warn ;;
     decoder_layer) timeout ${LAYER_TIMEOUT:-400} python3 benchmarks/bench_decoder_layer.py --out "$OUT" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/decoder_layer.log" | grep -v -i "warn\|attention mask" ;;
     route) TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 benchmarks/probes/probe_route.py 2>&1 | tee "$OUT/route.log" ;;

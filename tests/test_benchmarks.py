@@ -1,10 +1,13 @@
 """The benchmark's code path on CPU (reference backend, small shape), as CI runs it."""
 
+import importlib.util
 import json
+import site
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +39,24 @@ def test_bench_model_runs_on_cpu(tmp_path):
             assert rows[(variant, what)] > 0, (variant, what)
     assert rows[("fp4moe", "loaded model's greedy tokens equal the patched model's")] == 1.0
     assert (tmp_path / "ckpt" / "hf_quant_config.json").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None,
+                    reason="transformers serve needs its serving extra: pip install 'transformers[serving]'")
+@pytest.mark.skipif(not any((Path(p) / "fp4moe-autoload.pth").exists() for p in site.getsitepackages()),
+                    reason="the server loads fp4moe's checkpoint through its start-up hook: pip install -e .")
+def test_bench_serve_runs_on_cpu(tmp_path):
+    """bench_serve.py's whole path at tiny shapes: both servers answer every request, and their
+    answers are greedy generate()'s of their own checkpoint, which differ between the variants
+    (so the server really ran fp4moe's NVFP4 experts, not a BF16 model)."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--tiny", "--layers", "2",
+                    "--requests", "3", "--prompt", "8", "--new", "6", "--check", "3", "--folder", str(tmp_path / "ckpt"),
+                    "--out", str(tmp_path)], check=True, capture_output=True, timeout=600)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "serve.json").read_text())["rows"]}
+    for variant in ("bf16", "fp4moe"):
+        assert rows[variant]["tokens_per_s"] > 0 and rows[variant]["tokens"] == 3 * 6
+        assert rows[variant]["equal_to_generate"] == 3, rows[variant]
+    assert rows["bf16"]["checked_answers"] != rows["fp4moe"]["checked_answers"]
 
 
 def test_error_vs_reference_checks_an_all_zero_reference_exactly():
