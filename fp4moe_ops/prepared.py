@@ -18,6 +18,7 @@ own (FlashInfer) gets them as non-persistent ``prepared_<i>`` buffers beside the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -107,6 +108,10 @@ class QuantizedBuffers(nn.Module):
     the model to another is refused before anything changes; None: any)."""
 
     COMPUTE_DTYPES: tuple[torch.dtype, ...] | None = None
+    # whether it runs on a backend of its choosing (``check_backend`` / ``set_backend(backend,
+    # act_scale_mode)``), and whether the loader's converter checks its scale values as they arrive
+    takes_backend = False
+    converter_checks_values = False
 
     def __init__(self):
         super().__init__()
@@ -128,6 +133,16 @@ class QuantizedBuffers(nn.Module):
         decoded value is checked (:func:`fp4moe_ops.moe_weights.check_weight_range`);
         ``to_multiplier`` turns a stored global scale into the multiplying one (None: it is)."""
         return []
+
+    def holds_input_scales(self) -> bool:
+        """Whether it holds calibrated input scales (NVFP4 activations), by default a declared one."""
+        return any(s.role == "input_scale" and s.name in self._buffers for s in self.tensor_specs())
+
+    def packed_weight_count(self) -> int:
+        """The weights its packed tensors hold (two E2M1 codes a byte, one FP8 code an element): the
+        model's parameter count includes them. By default the declared ones, whatever layout holds them."""
+        return sum(math.prod(s.shape) * (2 if s.dtype == torch.uint8 else 1) for s in self.tensor_specs()
+                   if s.role == "packed")
 
     def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
         """``{state dict name: (dtype, shape)}`` of the quantized tensors a load must give exactly as
@@ -214,6 +229,12 @@ class PreparedExperts(QuantizedBuffers):
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         return super().incoming_layout() | {_PACKED[0]: (torch.uint8, (e, 2 * i, h // 2)),
                                             _PACKED[1]: (torch.uint8, (e, h, i // 2))}
+
+    def holds_input_scales(self) -> bool:
+        return INPUT_SCALE_BUFFERS[0] in self._buffers
+
+    def packed_weight_count(self) -> int:
+        return sum(2 * self._buffers[n].numel() * self._buffers[n].element_size() for n in _PACKED)
 
     def incoming_expert_counts(self) -> tuple[int, ...]:
         """The expert counts a state dict may give this module's tensors (see ``incoming_layout``)."""
