@@ -21,8 +21,7 @@ import types
 import torch
 from torch import nn
 
-from .kinds import is_quantized
-from .router import GroupedTopkRouter, SoftmaxTopkRouter
+from .kinds import SWAPPED_IN
 from .saving import atomic_save_pretrained
 from .surgery import replace_module
 
@@ -43,15 +42,12 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
     for name, m in model.named_modules():
         if any(name.startswith(p + ".") for p in inside):
             continue
-        if is_quantized(m):
-            try:
-                state = m.dequantized_state(dtype, config)
-            except NotImplementedError as exc:
-                raise NotImplementedError(f"dequantize(): {name} {exc}") from None
-        elif isinstance(m, (GroupedTopkRouter, SoftmaxTopkRouter)):  # fused routers: their own tensors
-            state = m.state_dict()
-        else:
+        if not isinstance(m, SWAPPED_IN):
             continue
+        try:
+            state = m.dequantized_state(dtype, config)
+        except NotImplementedError as exc:
+            raise NotImplementedError(f"dequantize(): {name} {exc}") from None
         inside.add(name)
         original = skeleton.get_submodule(name)
         original.load_state_dict(state, strict=True, assign=True)

@@ -29,13 +29,17 @@ from torch import nn
 
 from .experts import FP8Linear, NVFP4Experts, NVFP4Linear
 from .gpt_oss import MXFP4GptOssExperts, NVFP4GptOssExperts
-from .llama4 import NVFP4Llama4Experts
+from .llama4 import NVFP4Llama4Experts, NVFP4Llama4TextMoe
+from .router import GroupedTopkRouter, SoftmaxTopkRouter
 from .shared_experts import SharedExpertMoE
 
 # (a subclass is its parent's kind for isinstance, so the fused shared expert's ExpertsWithShared
 # needs no entry; Llama-4's experts have one: they answer differently)
 KINDS: tuple[type[nn.Module], ...] = (NVFP4Experts, NVFP4Llama4Experts, SharedExpertMoE, NVFP4Linear, FP8Linear,
                                       MXFP4GptOssExperts, NVFP4GptOssExperts)
+# every module fp4moe swaps into a Transformers model: the kinds, and those holding no checkpoint
+# bytes of their own (fused routers, Llama-4's MoE block), which answer ``dequantized_state`` too
+SWAPPED_IN: tuple[type[nn.Module], ...] = (*KINDS, GroupedTopkRouter, SoftmaxTopkRouter, NVFP4Llama4TextMoe)
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -55,4 +59,4 @@ def quantized_modules(model: nn.Module, outermost: bool = False) -> list[tuple[s
     return found
 
 
-__all__ = ["KINDS", "is_quantized", "quantized_modules"]
+__all__ = ["KINDS", "SWAPPED_IN", "is_quantized", "quantized_modules"]

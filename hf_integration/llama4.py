@@ -125,6 +125,9 @@ class NVFP4Llama4TextMoe(nn.Module):
         self.shared_expert = moe.shared_expert
         self.experts = experts
 
+    def dequantized_state(self, dtype: torch.dtype, config=None):
+        return self.experts.dequantized_state(dtype, config)  # (refused: named as this block)
+
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, self.hidden_dim)
         logits = nn.functional.linear(x, self.router.weight, self.router.bias)
