@@ -21,7 +21,7 @@ from torch import nn
 
 from fp4moe_ops import PreparedExperts, nvfp4
 from fp4moe_ops.backends.base import CANONICAL, convert_packed
-from fp4moe_ops.linear import split_counters
+from fp4moe_ops.linear import LINEAR_X_DTYPES, split_counters
 from fp4moe_ops.moe_weights import expert_chunks
 from fp4moe_ops.prepared import QuantizedBuffers, TensorSpec
 
@@ -119,6 +119,7 @@ class NVFP4Linear(QuantizedBuffers):
     (``cpu_offload``, ``dispatch_model``), ``set_layout("canonical")`` its NVFP4 linears first."""
 
     backend = "auto"  # fp4moe::nvfp4_linear: Triton where it runs, else the reference ("flashinfer": set it)
+    COMPUTE_DTYPES = LINEAR_X_DTYPES  # the op's activations: a float64 model would fail at the first call
     layout = CANONICAL  # of the packed weight buffer; "paired" on Hopper (set_layout)
 
     def __init__(self, linear: nn.Linear, scheme, input_scale: bool, device: torch.device | None = None):
