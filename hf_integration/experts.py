@@ -172,9 +172,15 @@ class NVFP4Linear(QuantizedBuffers):
         s = self.scheme
         return [(s.block_scale, s.global_scale, s.multiplier)]
 
-    def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
-        # the packed weight as the state dict gives it (the checkpoint's bytes), whatever the layout held
-        return super().incoming_layout() | {self.scheme.packed: (torch.uint8, (self.out_features, self.in_features // 2))}
+    def tensor_specs(self) -> list[TensorSpec]:
+        """The file's tensors (the packed weight as the checkpoint holds it, whatever layout is held)."""
+        s, n, k = self.scheme, self.out_features, self.in_features
+        specs = [TensorSpec(s.packed, torch.uint8, (n, k // 2), "packed"),
+                 TensorSpec(s.block_scale, torch.float8_e4m3fn, (n, k // nvfp4.BLOCK_SIZE), "block_scale"),
+                 TensorSpec(s.global_scale, torch.float32, s.scalar_shape, "global_scale")]
+        if s.input_scale in self._buffers:
+            specs.append(TensorSpec(s.input_scale, torch.float32, s.scalar_shape, "input_scale"))
+        return specs + ([] if self.bias is None else [TensorSpec("bias", self.bias.dtype, (n,), "bias")])
 
     def packed(self) -> torch.Tensor:
         """The packed weight as the checkpoint holds it, ``[N, K/2]`` uint8 (converted from the
@@ -267,13 +273,6 @@ class NVFP4Linear(QuantizedBuffers):
         packed, block_scale, scale, _ = self.linear_tensors()
         weight = nvfp4.dequantize_nvfp4(packed, block_scale, scale, dtype)
         return {"weight": weight} | ({} if self.bias is None else {"bias": self.bias.to(dtype)})
-
-    def holds_input_scales(self) -> bool:
-        return self.scheme.input_scale in self._buffers
-
-    def packed_weight_count(self) -> int:
-        t = self._buffers[self.scheme.packed]
-        return 2 * t.numel() * t.element_size()  # (bytes: the paired layout holds them as int32)
 
     def after_loading(self, config) -> nn.Module:
         """Kept in 4 bits (``nvfp4_linears="nvfp4"``), else an ``nn.Linear`` of the decoded weight."""
