@@ -226,13 +226,15 @@ def assert_same_bytes(a: dict, b: dict) -> None:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(as_bytes(a[k]), as_bytes(b[k])), k
 
 
-def refused(model: nn.Module, state: dict, key: str) -> None:
-    """``load_state_dict(state)`` raises naming ``key`` (or the key tied to it), the model unchanged."""
+def refused(model: nn.Module, state: dict, key: str, reason: str = "") -> None:
+    """``load_state_dict(state)`` raises naming ``key`` (or the key tied to it) and matching
+    ``reason``, the model unchanged."""
     before = snapshot(model)
     partner = TIED.get(key.removeprefix("second."))
     names = [key] + ([f"second.{partner}"] if partner else [])
-    with pytest.raises((TypeError, ValueError), match="|".join(re.escape(n) for n in names)):
+    with pytest.raises((TypeError, ValueError), match="|".join(re.escape(n) for n in names)) as raised:
         model.load_state_dict(state)
+    assert re.search(reason, str(raised.value)), raised.value
     assert_unchanged(model, before)
 
 
@@ -273,7 +275,8 @@ def test_a_bad_scale_is_refused_naming_the_key_and_nothing_changes(kind, bad):
             partner = f"second.{TIED[key.removeprefix('second.')]}"
             state[partner] = t.clone()
         state[key] = t
-        refused(model, state, key)
+        # (a non-finite value refused as such: an E8M0 0xFF byte is past the range too)
+        refused(model, state, key, "finite|NaN" if bad == "not_finite" else "")
 
 
 def test_a_module_refuses_on_its_own_too(kind):
