@@ -142,8 +142,9 @@ class SharedExpertMoE(QuantizedBuffers):
                     "patched or loaded with fuse_shared_experts=False)")
         for tensor in (s.global_scale, s.input_scale):
             gate, up = given.get(f"gate_proj.{tensor}"), given.get(f"up_proj.{tensor}")
-            if isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor) and not torch.equal(
-                    gate.reshape(-1), up.reshape(-1)) and not (gate.is_meta or up.is_meta):
+            # (NaNs compare equal: one scale, refused as not finite by the value checks)
+            if isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor) and not (gate.is_meta or up.is_meta) \
+                    and not _same_values(gate, up):
                 return (f"load_state_dict: {shared}up_proj.{tensor} ({up.reshape(-1).tolist()}) differs from "
                         f"gate_proj.{tensor} ({gate.reshape(-1).tolist()}): the fused shared expert runs gate and up "
                         "on one scale; load into a model patched or loaded with fuse_shared_experts=False")
@@ -180,6 +181,11 @@ class SharedExpertMoE(QuantizedBuffers):
 
     def extra_repr(self) -> str:
         return f"num_routed={self.num_routed}, shared_experts=1 (inside the routed call)"
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.reshape(-1).double(), b.reshape(-1).double()
+    return a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def _scalar_buffer(key: str) -> str:

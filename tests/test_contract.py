@@ -276,7 +276,7 @@ def test_a_bad_scale_is_refused_naming_the_key_and_nothing_changes(kind, bad):
             state[partner] = t.clone()
         state[key] = t
         # (a non-finite value refused as such: an E8M0 0xFF byte is past the range too)
-        refused(model, state, key, "finite|NaN" if bad == "not_finite" else "")
+        refused(model, state, key, "must be finite|NaN" if bad == "not_finite" else "")
 
 
 def test_a_module_refuses_on_its_own_too(kind):
