@@ -401,11 +401,12 @@ def register_experts_implementation() -> None:
 
 def _guarded_to(model, *args, **kwargs):
     """``model.to(...)``: any device, and the dtypes every quantized module's op runs (its
-    ``COMPUTE_DTYPES``: NVFP4 experts bfloat16 and float16, gpt-oss's experts float32 too); another
-    dtype is refused before anything moves."""
+    ``COMPUTE_DTYPES``: NVFP4 experts bfloat16 and float16, gpt-oss's experts and NVFP4 linears
+    float32 too); another dtype is refused before anything moves, naming the experts first (they
+    set the dtypes a model runs)."""
     dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
     if dtype is not None:
-        for name, m in model.named_modules():
+        for name, m in sorted(model.named_modules(), key=lambda item: not getattr(item[1], "takes_backend", False)):
             runs = getattr(m, "COMPUTE_DTYPES", None)
             if runs is not None and dtype not in runs:
                 names = " or ".join(str(d).removeprefix("torch.") for d in runs)
