@@ -59,7 +59,7 @@ from .nvfp4 import BLOCK_SIZE, dequantize_nvfp4
 
 LINEAR_BACKENDS = ("auto", "reference", "triton", "flashinfer")
 SPLIT_COUNTERS = 1024  # tiles of a split-K Triton call one counter table serves (it needs < 264)
-_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LINEAR_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def split_counters(device) -> torch.Tensor:
@@ -75,7 +75,7 @@ def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counte
     """Metadata checks shared by the real and the fake implementation; each error names the tensor."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"unknown nvfp4_linear backend {backend!r}; available: {', '.join(LINEAR_BACKENDS)}")
-    if x.dim() < 1 or x.dtype not in _X_DTYPES:
+    if x.dim() < 1 or x.dtype not in LINEAR_X_DTYPES:
         raise TypeError(f"x must be [..., K] bfloat16/float16/float32, got {x.dtype} {list(x.shape)}")
     k = x.shape[-1]
     if weight.dtype not in (torch.uint8, torch.int32) or weight.dim() != 2:
@@ -248,5 +248,5 @@ def _(x, weight, weight_scale, weight_scale_2, bias=None, backend="auto", counte
     return x.new_empty(*x.shape[:-1], weight_scale.shape[0])
 
 
-__all__ = ["LINEAR_BACKENDS", "SPLIT_COUNTERS", "decoded_weight", "flashinfer_linear_arguments", "nvfp4_linear",
+__all__ = ["LINEAR_BACKENDS", "LINEAR_X_DTYPES", "SPLIT_COUNTERS", "decoded_weight", "flashinfer_linear_arguments", "nvfp4_linear",
            "split_counters"]

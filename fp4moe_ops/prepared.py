@@ -18,6 +18,7 @@ own (FlashInfer) gets them as non-persistent ``prepared_<i>`` buffers beside the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -37,9 +38,6 @@ CANONICAL_BUFFERS = ("gate_up_proj_packed", "gate_up_proj_scale", "gate_up_proj_
 INPUT_SCALE_BUFFERS = ("fc1_input_scale", "fc2_input_scale")
 ACT_SCALE_MODES = ("per_expert", "global_max")
 _PACKED = (CANONICAL_BUFFERS[0], CANONICAL_BUFFERS[3])
-# buffer -> the rule of moe_weights.SCALE_CHECKS its values follow
-_SCALE_KINDS = {CANONICAL_BUFFERS[1]: "block", CANONICAL_BUFFERS[2]: "global", CANONICAL_BUFFERS[4]: "block",
-                CANONICAL_BUFFERS[5]: "global", INPUT_SCALE_BUFFERS[0]: "input", INPUT_SCALE_BUFFERS[1]: "input"}
 
 
 def activation_scales(fc1_input_scale: torch.Tensor | None, fc2_input_scale: torch.Tensor | None,
@@ -107,6 +105,10 @@ class QuantizedBuffers(nn.Module):
     the model to another is refused before anything changes; None: any)."""
 
     COMPUTE_DTYPES: tuple[torch.dtype, ...] | None = None
+    # whether it runs on a backend of its choosing (``check_backend`` / ``set_backend(backend,
+    # act_scale_mode)``), and whether the loader's converter checks its scale values as they arrive
+    takes_backend = False
+    converter_checks_values = False
 
     def __init__(self):
         super().__init__()
@@ -128,6 +130,16 @@ class QuantizedBuffers(nn.Module):
         decoded value is checked (:func:`fp4moe_ops.moe_weights.check_weight_range`);
         ``to_multiplier`` turns a stored global scale into the multiplying one (None: it is)."""
         return []
+
+    def holds_input_scales(self) -> bool:
+        """Whether it holds calibrated input scales (NVFP4 activations), by default a declared one."""
+        return any(s.role == "input_scale" and s.name in self._buffers for s in self.tensor_specs())
+
+    def packed_weight_count(self) -> int:
+        """The weights its packed tensors hold (two E2M1 codes a byte, one FP8 code an element): the
+        model's parameter count includes them. By default the declared ones, whatever layout holds them."""
+        return sum(math.prod(s.shape) * (2 if s.dtype == torch.uint8 else 1) for s in self.tensor_specs()
+                   if s.role == "packed")
 
     def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
         """``{state dict name: (dtype, shape)}`` of the quantized tensors a load must give exactly as
@@ -203,17 +215,19 @@ class PreparedExperts(QuantizedBuffers):
         self._register_load_state_dict_pre_hook(_load_into_layout, with_module=True)
         self.register_load_state_dict_post_hook(_reprepare_after_load)
 
-    def scale_checks(self) -> list[tuple[str, str]]:
-        return [(name, kind) for name, kind in _SCALE_KINDS.items() if name in self._buffers]
+    def tensor_specs(self) -> list[TensorSpec]:
+        """The canonical tensors (the state dict's, whatever layout the backend holds)."""
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        specs = []
+        for proj, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            specs += [TensorSpec(f"{proj}_packed", torch.uint8, (e, n, k // 2), "packed"),
+                      TensorSpec(f"{proj}_scale", torch.float8_e4m3fn, (e, n, k // BLOCK_SIZE), "block_scale"),
+                      TensorSpec(f"{proj}_global_scale", torch.float32, (e,), "global_scale")]
+        return specs + [TensorSpec(name, torch.float32, (e,), "input_scale") for name in INPUT_SCALE_BUFFERS
+                        if name in self._buffers]
 
     def weight_ranges(self) -> list[tuple[str, str, Callable | None]]:
         return [(CANONICAL_BUFFERS[1], CANONICAL_BUFFERS[2], None), (CANONICAL_BUFFERS[4], CANONICAL_BUFFERS[5], None)]
-
-    def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
-        # the packed weights as the state dict gives them (canonical), whatever layout the backend holds
-        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        return super().incoming_layout() | {_PACKED[0]: (torch.uint8, (e, 2 * i, h // 2)),
-                                            _PACKED[1]: (torch.uint8, (e, h, i // 2))}
 
     def incoming_expert_counts(self) -> tuple[int, ...]:
         """The expert counts a state dict may give this module's tensors (see ``incoming_layout``)."""

@@ -21,44 +21,9 @@ import types
 import torch
 from torch import nn
 
-from fp4moe_ops.nvfp4 import dequantize_nvfp4
-
-from .expert_parallel import ExpertShard
-from .experts import NVFP4Experts, NVFP4Linear
-from .gpt_oss import NVFP4GptOssExperts
-from .llama4 import NVFP4Llama4TextMoe
-from .router import GroupedTopkRouter, SoftmaxTopkRouter
+from .kinds import SWAPPED_IN
 from .saving import atomic_save_pretrained
-from .shared_experts import SharedExpertMoE
 from .surgery import replace_module
-
-
-def _experts_state(m: NVFP4Experts, dtype: torch.dtype, num_experts: int | None = None) -> dict[str, torch.Tensor]:
-    """Transformers' fused experts tensors (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) of the
-    first ``num_experts`` experts of ``m``."""
-    w = m.canonical()
-    e = w.num_experts if num_experts is None else num_experts
-    return {"gate_up_proj": dequantize_nvfp4(w.w13[:e], w.w13_scale[:e], w.w13_global[:e], dtype),
-            "down_proj": dequantize_nvfp4(w.w2[:e], w.w2_scale[:e], w.w2_global[:e], dtype)}
-
-
-def _linear_state(m: NVFP4Linear, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    packed, block_scale, scale, _ = m.linear_tensors()
-    weight = dequantize_nvfp4(packed, block_scale, scale, dtype)
-    return {"weight": weight} | ({} if m.bias is None else {"bias": m.bias.to(dtype)})
-
-
-def _shared_block_state(m: SharedExpertMoE, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The unfused block's tensors: its router, routed experts and the shared expert's three linears."""
-    state = {f"gate.{k}": v for k, v in m.gate.state_dict().items()}
-    state |= {f"experts.{k}": v for k, v in _experts_state(m.experts, dtype, m.num_routed).items()}
-    shared = m.split()[1]
-    inter = shared.intermediate_size
-    w13 = dequantize_nvfp4(shared.w13[0], shared.w13_scale[0], shared.w13_global[0], dtype)
-    state |= {"shared_experts.gate_proj.weight": w13[:inter], "shared_experts.up_proj.weight": w13[inter:],
-              "shared_experts.down_proj.weight": dequantize_nvfp4(shared.w2[0], shared.w2_scale[0],
-                                                                  shared.w2_global[0], dtype)}
-    return state
 
 
 def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
@@ -67,13 +32,6 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
     dtype = dtype or model.dtype
     if isinstance(dtype, str):  # config.dtype after a save_pretrained: "bfloat16"
         dtype = getattr(torch, dtype.removeprefix("torch."))
-    for name, m in model.named_modules():
-        if isinstance(m, NVFP4Llama4TextMoe):
-            raise NotImplementedError(f"dequantize(): {name} is Llama-4's fused NVFP4 experts block, which fp4moe "
-                                      "cannot turn back into Transformers' module; load the BF16 checkpoint instead")
-        if isinstance(m, NVFP4Experts) and isinstance(m.dispatch, ExpertShard):
-            raise NotImplementedError(f"dequantize(): {name} holds only this rank's experts (expert parallelism); "
-                                      "dequantize an unsharded model")
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -84,18 +42,12 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
     for name, m in model.named_modules():
         if any(name.startswith(p + ".") for p in inside):
             continue
-        if isinstance(m, SharedExpertMoE):
-            state = _shared_block_state(m, dtype)
-        elif isinstance(m, NVFP4Experts):
-            state = _experts_state(m, dtype)
-        elif isinstance(m, NVFP4Linear):
-            state = _linear_state(m, dtype)
-        elif isinstance(m, (GroupedTopkRouter, SoftmaxTopkRouter)):
-            state = m.state_dict()
-        elif isinstance(m, NVFP4GptOssExperts):
-            state = m.dequantized(config.get_text_config(), dtype).state_dict()
-        else:
+        if not isinstance(m, SWAPPED_IN):
             continue
+        try:
+            state = m.dequantized_state(dtype, config)
+        except NotImplementedError as exc:
+            raise NotImplementedError(f"dequantize(): {name} {exc}") from None
         inside.add(name)
         original = skeleton.get_submodule(name)
         original.load_state_dict(state, strict=True, assign=True)

@@ -21,11 +21,11 @@ from torch import nn
 
 from fp4moe_ops import PreparedExperts, nvfp4
 from fp4moe_ops.backends.base import CANONICAL, convert_packed
-from fp4moe_ops.linear import split_counters
+from fp4moe_ops.linear import LINEAR_X_DTYPES, split_counters
 from fp4moe_ops.moe_weights import expert_chunks
-from fp4moe_ops.prepared import QuantizedBuffers
+from fp4moe_ops.prepared import QuantizedBuffers, TensorSpec
 
-from .checkpoint_format import MODELOPT, linear_tensors
+from .checkpoint_format import MODELOPT, expert_leaves, expert_tensors, linear_tensors
 
 
 class LocalExperts:
@@ -47,8 +47,12 @@ class NVFP4Experts(PreparedExperts):
     """A layer's routed experts in NVFP4, in place of a Transformers fused-experts module.
 
     ``dispatch`` prepares the router's ids for this module's experts and finalizes the output
-    (:class:`LocalExperts`, or an expert-parallel shard).
+    (:class:`LocalExperts`, or an expert-parallel shard). What the generic code asks of a quantized
+    kind (:mod:`hf_integration.kinds`) is answered below the call.
     """
+
+    takes_backend = True
+    converter_checks_values = True  # the converter that stacks the file's per-expert tensors checks them
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -58,6 +62,36 @@ class NVFP4Experts(PreparedExperts):
         ids = self.dispatch.prepare(top_k_index)
         out = super().forward(hidden_states, ids, top_k_weights.float())
         return self.dispatch.finalize(out)
+
+    def after_loading(self, config) -> nn.Module:
+        self.set_backend(config.backend, config.act_scale_mode)
+        return self
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this module holds only this rank's experts (expert parallelism)."""
+        return not isinstance(self.dispatch, LocalExperts)  # (deepcopy copies LOCAL: not an identity test)
+
+    def dequantized_state(self, dtype: torch.dtype, config=None, num_experts: int | None = None) -> dict[str, torch.Tensor]:
+        """Transformers' fused experts tensors (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)
+        of the first ``num_experts`` experts (default: all)."""
+        if self.sharded:
+            raise NotImplementedError("holds only this rank's experts (expert parallelism); dequantize an unsharded "
+                                      "model")
+        w = self.canonical()
+        e = w.num_experts if num_experts is None else num_experts
+        return {"gate_up_proj": nvfp4.dequantize_nvfp4(w.w13[:e], w.w13_scale[:e], w.w13_global[:e], dtype),
+                "down_proj": nvfp4.dequantize_nvfp4(w.w2[:e], w.w2_scale[:e], w.w2_global[:e], dtype)}
+
+    def save_refusal(self) -> str | None:
+        if self.sharded:
+            return "an expert-parallel model holds only this rank's experts; save the unsharded model"
+        return None
+
+    def modelopt_tensors(self, name: str, converters=()) -> dict[str, torch.Tensor]:
+        """ModelOpt's per-expert tensors ``<name>.<e>.<leaf>.*``, the leaves named as the model's
+        own expert ``converters`` name them."""
+        return expert_tensors(name, self.canonical(), expert_leaves(name, converters))
 
 
 class NVFP4Linear(QuantizedBuffers):
@@ -85,6 +119,7 @@ class NVFP4Linear(QuantizedBuffers):
     (``cpu_offload``, ``dispatch_model``), ``set_layout("canonical")`` its NVFP4 linears first."""
 
     backend = "auto"  # fp4moe::nvfp4_linear: Triton where it runs, else the reference ("flashinfer": set it)
+    COMPUTE_DTYPES = LINEAR_X_DTYPES  # the op's activations: a float64 model would fail at the first call
     layout = CANONICAL  # of the packed weight buffer; "paired" on Hopper (set_layout)
 
     def __init__(self, linear: nn.Linear, scheme, input_scale: bool, device: torch.device | None = None):
@@ -137,9 +172,15 @@ class NVFP4Linear(QuantizedBuffers):
         s = self.scheme
         return [(s.block_scale, s.global_scale, s.multiplier)]
 
-    def incoming_layout(self) -> dict[str, tuple[torch.dtype, tuple]]:
-        # the packed weight as the state dict gives it (the checkpoint's bytes), whatever the layout held
-        return super().incoming_layout() | {self.scheme.packed: (torch.uint8, (self.out_features, self.in_features // 2))}
+    def tensor_specs(self) -> list[TensorSpec]:
+        """The file's tensors (the packed weight as the checkpoint holds it, whatever layout is held)."""
+        s, n, k = self.scheme, self.out_features, self.in_features
+        specs = [TensorSpec(s.packed, torch.uint8, (n, k // 2), "packed"),
+                 TensorSpec(s.block_scale, torch.float8_e4m3fn, (n, k // nvfp4.BLOCK_SIZE), "block_scale"),
+                 TensorSpec(s.global_scale, torch.float32, s.scalar_shape, "global_scale")]
+        if s.input_scale in self._buffers:
+            specs.append(TensorSpec(s.input_scale, torch.float32, s.scalar_shape, "input_scale"))
+        return specs + ([] if self.bias is None else [TensorSpec("bias", self.bias.dtype, (n,), "bias")])
 
     def packed(self) -> torch.Tensor:
         """The packed weight as the checkpoint holds it, ``[N, K/2]`` uint8 (converted from the
@@ -219,11 +260,26 @@ class NVFP4Linear(QuantizedBuffers):
         the scales as ModelOpt's that multiply (compressed-tensors' dividing ones as reciprocals)."""
         return (self.packed(), self._buffers[self.scheme.block_scale], *self.scale_multipliers())
 
-    def modelopt_tensors(self, name: str) -> dict[str, torch.Tensor]:
+    def modelopt_tensors(self, name: str, converters=()) -> dict[str, torch.Tensor]:
         """This linear's tensors under ModelOpt's names (``{name}.weight`` ...): the file's own
         bytes for a ModelOpt checkpoint; compressed-tensors' dividing scales as their reciprocals."""
         out = linear_tensors(name, *self.linear_tensors())
         return out if self.bias is None else out | {f"{name}.bias": self.bias}
+
+    def save_refusal(self) -> str | None:
+        return None
+
+    def dequantized_state(self, dtype: torch.dtype, config=None) -> dict[str, torch.Tensor]:
+        packed, block_scale, scale, _ = self.linear_tensors()
+        weight = nvfp4.dequantize_nvfp4(packed, block_scale, scale, dtype)
+        return {"weight": weight} | ({} if self.bias is None else {"bias": self.bias.to(dtype)})
+
+    def after_loading(self, config) -> nn.Module:
+        """Kept in 4 bits (``nvfp4_linears="nvfp4"``), else an ``nn.Linear`` of the decoded weight."""
+        if config.nvfp4_linears != "nvfp4":
+            return self.dequantized()
+        self.reset_counters()
+        return self
 
     def reset_counters(self) -> None:
         """A zeroed counter table on the weight's device (after loading, which leaves a
@@ -248,7 +304,7 @@ class NVFP4Linear(QuantizedBuffers):
                                              self.bias, self.backend, counters)
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(QuantizedBuffers):
     """An FP8 linear of a ModelOpt ``MIXED_PRECISION`` export (``weight [N, K] float8_e4m3fn``,
     ``weight_scale [] float32`` that multiplies, ``input_scale``), held until the loader dequantizes it
     to the model dtype: fp4moe runs FP8 layers in 16 bits."""
@@ -263,14 +319,33 @@ class FP8Linear(nn.Module):
         self.bias = linear.bias
         self.dtype = linear.weight.dtype
 
-    def scale_checks(self) -> list[tuple[str, str]]:
-        return [("weight_scale", "global")] + ([("input_scale", "input")] if "input_scale" in self._buffers else [])
+    def tensor_specs(self) -> list[TensorSpec]:
+        n, k = self.out_features, self.in_features
+        specs = [TensorSpec("weight", torch.float8_e4m3fn, (n, k), "packed"),
+                 TensorSpec("weight_scale", torch.float32, (), "global_scale")]
+        if "input_scale" in self._buffers:
+            specs.append(TensorSpec("input_scale", torch.float32, (), "input_scale"))
+        return specs + ([] if self.bias is None else [TensorSpec("bias", self.bias.dtype, (n,), "bias")])
 
     def weight_value(self) -> torch.Tensor:
         return (self.weight.float() * self.weight_scale).to(self.dtype)
 
     def dequantized(self) -> nn.Linear:
         return _linear_like(self, self.weight_value())
+
+    def dequantized_state(self, dtype: torch.dtype, config=None) -> dict[str, torch.Tensor]:
+        weight = (self.weight.float() * self.weight_scale).to(dtype)
+        return {"weight": weight} | ({} if self.bias is None else {"bias": self.bias.to(dtype)})
+
+    def modelopt_tensors(self, name: str, converters=()) -> dict[str, torch.Tensor]:
+        """The file's own FP8 tensors (ModelOpt's ``MIXED_PRECISION`` names)."""
+        return {f"{name}.{key}": t for key, t in self.state_dict().items()}
+
+    def save_refusal(self) -> str | None:
+        return None
+
+    def after_loading(self, config) -> nn.Module:
+        return self.dequantized()  # fp4moe runs FP8 layers in 16 bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # only before the loader has swapped it
         return nn.functional.linear(x, self.weight_value().to(x.dtype), self.bias)

@@ -146,12 +146,21 @@ class _GptOssExperts(QuantizedBuffers):
             return [self._buffers[name] for name in self.KERNEL_BUFFERS]
         return self._held_op_tensors()
 
-    def set_backend(self, backend: str = "auto") -> str:
+    takes_backend = True
+
+    def check_backend(self, backend: str = "auto", act_scale_mode: str | None = None):
+        """The backend :meth:`set_backend` would run, without changing the module; raises ValueError
+        otherwise (gpt-oss's experts keep activations in 16 bits: no ``act_scale_mode``)."""
+        if act_scale_mode is not None:
+            raise ValueError(f"act_scale_mode={act_scale_mode!r}: gpt-oss's experts keep activations in 16 bits in "
+                             "fp4moe: act_scale_mode must be None")
+        return resolve_gpt_oss_backend(backend, self.gate_up_proj_bias.device)
+
+    def set_backend(self, backend: str = "auto", act_scale_mode: str | None = None) -> str:
         """Resolve ``backend`` for the device the experts are on (``auto``: the fastest that runs
         gpt-oss's experts there, with a warning naming any faster one that does not) and hold the
         tensors in its layout; returns its name. Nothing changes when it raises."""
-        device = self.gate_up_proj_bias.device
-        name = resolve_gpt_oss_backend(backend, device).name
+        name = self.check_backend(backend, act_scale_mode).name
         if name == "triton" and not self.kernel_layout:
             self._to_kernel_layout()
         elif name != "triton" and self.kernel_layout:
@@ -211,6 +220,13 @@ class _GptOssExperts(QuantizedBuffers):
             getattr(bf16, f"{proj}_bias").copy_(getattr(self, f"{proj}_bias"))
         return bf16
 
+    def dequantized_state(self, dtype: torch.dtype, config) -> dict[str, torch.Tensor]:
+        return self.dequantized(config.get_text_config(), dtype).state_dict()
+
+    def after_loading(self, config) -> nn.Module:
+        self.set_backend(config.backend, config.act_scale_mode)
+        return self
+
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
                 f"{self.FORMAT}, backend={self.backend!r}")
@@ -244,6 +260,12 @@ class MXFP4GptOssExperts(_GptOssExperts):
             specs += [TensorSpec(f"{proj}_blocks", torch.uint8, blocks, "packed"),
                       TensorSpec(f"{proj}_scales", torch.uint8, scales, "block_scale")]
         return specs + self._bias_specs()
+
+    def save_refusal(self) -> str | None:
+        return "gpt-oss's MXFP4 experts are saved in their own format (the mxfp4 quantizer's), not as ModelOpt NVFP4"
+
+    def modelopt_tensors(self, name: str, converters=()) -> dict[str, torch.Tensor]:
+        raise ValueError(f"{name}: {self.save_refusal()}")
 
     def checkpoint_tensors(self) -> list[torch.Tensor]:
         """The six tensors of :data:`MXFP4_EXPERT_TENSORS`, as the checkpoint holds them."""
@@ -299,6 +321,22 @@ class NVFP4GptOssExperts(_GptOssExperts):
     def weight_ranges(self):
         return [(f"{proj}_weight_scale", f"{proj}_weight_scale_2", None) for proj in ("gate_up_proj", "down_proj")]
 
+    @property
+    def converter_checks_values(self) -> bool:
+        return self.per_expert_scales  # llm-compressor's per-expert files are checked as they are stacked
+
+    def save_refusal(self) -> str | None:
+        if self.per_expert_scales:
+            return ("these gpt-oss experts have one global scale per expert (llm-compressor's export), and "
+                    "ModelOpt's gpt-oss format, which fp4moe saves, holds one per projection: they cannot be saved "
+                    "without re-quantizing; keep the checkpoint you loaded them from, or call model.dequantize() "
+                    "first to save 16-bit experts")
+        return None
+
+    def modelopt_tensors(self, name: str, converters=()) -> dict[str, torch.Tensor]:
+        """The state dict: ModelOpt's gpt-oss tensors already."""
+        return {f"{name}.{key}": t for key, t in self.state_dict().items()}
+
     def _held_op_tensors(self) -> list[torch.Tensor]:
         e = self.num_experts
         tensors = []
@@ -340,14 +378,10 @@ def _back_to_kernel_layout(module: _GptOssExperts, incompatible_keys) -> None:
         module._to_kernel_layout()
 
 
-# fp4moe's gpt-oss experts modules, either format
-GPT_OSS_EXPERTS = (MXFP4GptOssExperts, NVFP4GptOssExperts)
-
-
 def is_gpt_oss_experts(module: nn.Module) -> bool:
     """Transformers' BF16 ``GptOssExperts`` (by class name: no import of the model's module needed)."""
     return type(module).__name__ == "GptOssExperts"
 
 
-__all__ = ["GPT_OSS_EXPERTS", "MIN_TRANSFORMERS", "MXFP4GptOssExperts", "NVFP4GptOssExperts", "is_gpt_oss_experts", "modelopt_gpt_oss_specs",
+__all__ = ["MIN_TRANSFORMERS", "MXFP4GptOssExperts", "NVFP4GptOssExperts", "is_gpt_oss_experts", "modelopt_gpt_oss_specs",
            "supported"]

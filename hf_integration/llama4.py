@@ -101,17 +101,32 @@ def fused_from_canonical(prefix: str, weights: NVFP4MoEWeights) -> dict[str, tor
     return out
 
 
+class NVFP4Llama4Experts(NVFP4Experts):
+    """The routed experts of :class:`NVFP4Llama4TextMoe`: saved in ModelOpt's fused layout, and not
+    turned back into Transformers' module (Llama-4's routes differently from the others)."""
+
+    def dequantized_state(self, dtype: torch.dtype, config=None, num_experts: int | None = None):
+        raise NotImplementedError("is Llama-4's fused NVFP4 experts, which fp4moe cannot turn back into "
+                                  "Transformers' module; load the BF16 checkpoint instead")
+
+    def modelopt_tensors(self, name: str, converters=()) -> dict[str, torch.Tensor]:
+        return fused_from_canonical(name, self.canonical())
+
+
 class NVFP4Llama4TextMoe(nn.Module):
     """``Llama4TextMoe`` with NVFP4 routed experts: ``forward(x [..., H]) -> (out [T, H], router_logits
     [T, E])`` as Transformers' block. Keeps its ``router`` and ``shared_expert`` modules (and their
-    state-dict keys); ``experts`` is an :class:`NVFP4Experts`."""
+    state-dict keys); ``experts`` is an :class:`NVFP4Llama4Experts`."""
 
-    def __init__(self, moe: nn.Module, experts: NVFP4Experts):
+    def __init__(self, moe: nn.Module, experts: NVFP4Llama4Experts):
         super().__init__()
         self.top_k, self.hidden_dim, self.num_experts = moe.top_k, moe.hidden_dim, moe.num_experts
         self.router = moe.router
         self.shared_expert = moe.shared_expert
         self.experts = experts
+
+    def dequantized_state(self, dtype: torch.dtype, config=None):
+        return self.experts.dequantized_state(dtype, config)  # (refused: named as this block)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, self.hidden_dim)
@@ -128,5 +143,5 @@ class NVFP4Llama4TextMoe(nn.Module):
         return out + routed.sum(dim=1).to(out.dtype), logits
 
 
-__all__ = ["FUSED_LEAVES", "NVFP4Llama4TextMoe", "canonical_from_fused", "fused_from_canonical", "fused_key",
+__all__ = ["FUSED_LEAVES", "NVFP4Llama4Experts", "NVFP4Llama4TextMoe", "canonical_from_fused", "fused_from_canonical", "fused_key",
            "fused_specs", "is_llama4_experts"]

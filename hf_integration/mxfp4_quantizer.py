@@ -149,14 +149,11 @@ class MXFP4Quantizer(CurrentDtypeDequantize, HfQuantizer):
 
     def _dequantize(self, model, dtype=None):
         """``model.dequantize()``: every MXFP4 experts module becomes Transformers' ``GptOssExperts``
-        decoded to ``dtype`` (by default the dtype the model holds now), one layer at a time."""
-        dtype = dtype if dtype is not None else model.dtype
-        config = model.config.get_text_config()
-        for name, m in list(model.named_modules()):
-            if isinstance(m, MXFP4GptOssExperts):
-                parent, _, attr = name.rpartition(".")
-                replace_module(model.get_submodule(parent), attr, m.dequantized(config, dtype))
-        return model
+        decoded to ``dtype`` (by default the dtype the model holds now), as for every fp4moe model
+        (:func:`hf_integration.dequantize.dequantize_model`)."""
+        from .dequantize import dequantize_model
+
+        return dequantize_model(model, dtype)
 
     def is_serializable(self, *args, **kwargs):
         return True  # the modules hold the checkpoint's tensors under its names: state_dict is the format

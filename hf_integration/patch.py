@@ -23,20 +23,21 @@ from torch import nn
 from transformers.utils import logging
 
 from fp4moe_ops import nvfp4
-from fp4moe_ops.backends import resolve_backend, resolve_gpt_oss_backend
+from fp4moe_ops.backends import resolve_backend
 from fp4moe_ops.moe_weights import NVFP4MoEWeights, expert_chunks, quantize_expert_stack
 
+from .activation_modes import log_activation_modes
 from .experts import NVFP4Experts, NVFP4Linear, weight_amax
-from .gpt_oss import GPT_OSS_EXPERTS
 from .checkpoint_format import ModelOptConfig
 from .fused_linears import shared_scale_groups
+from .kinds import quantized_modules
 from .llama4 import is_llama4_experts
 from .quantizer import ModelOptQuantizer, attach, quantizer_for
 from .saving import refuse_unpatched_save
 from .router import fuse_routers
 from .shared_experts import fuse_shared_experts as fuse_shared
 from .surgery import experts_form_problem, find_experts_modules, is_dense_gated_mlp, is_transformers_experts, \
-    log_activation_modes, nvfp4_experts, replace_module
+    nvfp4_experts, replace_module
 
 logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
 
@@ -333,22 +334,11 @@ def patch_deepseek(model: nn.Module, *, backend: str = "auto", act_scale_mode: s
 
 
 def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = None) -> nn.Module:
-    """Switch a model's NVFP4 experts to another backend, and to NVFP4 activations with
-    ``act_scale_mode`` (see :meth:`fp4moe_ops.PreparedExperts.set_backend`); or a gpt-oss model's
-    experts (:mod:`hf_integration.gpt_oss`). Every layer is checked before any changes."""
-    gpt_oss = [m for m in model.modules() if isinstance(m, GPT_OSS_EXPERTS)]
-    if gpt_oss:  # gpt-oss's experts: W4A16 only
-        if act_scale_mode is not None:
-            raise ValueError("gpt-oss's experts keep activations in 16 bits: act_scale_mode must be None")
-        for m in gpt_oss:  # validate every layer first
-            resolve_gpt_oss_backend(backend, m.gate_up_proj_bias.device)
-        for m in gpt_oss:
-            m.set_backend(backend)
-        config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
-        if isinstance(config, ModelOptConfig):  # (NVFP4 gpt-oss: a save writes the loading options)
-            config.backend = backend
-        return model
-    modules = [m for _, m in nvfp4_experts(model)]
+    """Switch a model's experts (NVFP4 experts, gpt-oss's: every quantized kind that takes a backend)
+    to another backend, and to NVFP4 activations with ``act_scale_mode`` (see
+    :meth:`fp4moe_ops.PreparedExperts.set_backend`; gpt-oss's experts refuse it). Every layer is
+    checked before any changes."""
+    modules = [m for _, m in quantized_modules(model) if m.takes_backend]
     if not modules:
         raise ValueError("model has no fp4moe NVFP4 experts (nor gpt-oss ones); call patch_moe / patch_deepseek "
                          "or load an NVFP4 or gpt-oss MXFP4 checkpoint first")
@@ -357,9 +347,10 @@ def set_backend(model: nn.Module, backend: str, act_scale_mode: str | None = Non
     for m in modules:
         m.set_backend(backend, act_scale_mode)
     log_activation_modes(model)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.quantization_config.backend = backend
-        model.hf_quantizer.quantization_config.act_scale_mode = act_scale_mode
+    config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
+    if isinstance(config, ModelOptConfig):  # a save writes the loading options (an MXFP4 checkpoint's are its own)
+        config.backend = backend
+        config.act_scale_mode = act_scale_mode
     return model
 
 

@@ -39,7 +39,7 @@ from transformers.quantizers import HfQuantizer
 from transformers.utils import logging
 
 from fp4moe_ops.moe_weights import check_scale_values, check_weight_range
-from fp4moe_ops.prepared import CANONICAL_BUFFERS, PreparedExperts, check_incoming_tensors
+from fp4moe_ops.prepared import check_incoming_tensors
 
 from .experts import FP8Linear, NVFP4Experts, NVFP4Linear
 from .checkpoint_format import (
@@ -51,13 +51,15 @@ from .checkpoint_format import (
     expert_converter_targets,
 )
 from .expert_conversion import converters_for, is_ours
+from .activation_modes import log_activation_modes
 from .fused_linears import tie_fused_linears
 from .gpt_oss import NVFP4GptOssExperts
 from .load_plan import CheckpointScan, LoadPlan, check_float_tensors, plan_load, read_kv_cache_scales, refuse_meta_device
-from .llama4 import NVFP4Llama4TextMoe
+from .kinds import quantized_modules
+from .llama4 import NVFP4Llama4Experts, NVFP4Llama4TextMoe
 from .router import fuse_routers
 from .shared_experts import fuse_shared_experts
-from .surgery import log_activation_modes, replace_module
+from .surgery import replace_module
 
 logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
 
@@ -170,8 +172,9 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
                 replace_module(model.get_submodule(parent_name), attr, new)
             elif name in self.plan.experts:
                 p = self.plan.experts[name]
-                new = NVFP4Experts(None, None, num_experts=len(p.ids), hidden_size=p.hidden, intermediate_size=p.inter,
-                                   input_scales=p.input_scales)
+                kind = NVFP4Llama4Experts if p.fused else NVFP4Experts
+                new = kind(None, None, num_experts=len(p.ids), hidden_size=p.hidden, intermediate_size=p.inter,
+                           input_scales=p.input_scales)
                 if shard_of is not None:
                     from .expert_parallel import use_shard
 
@@ -220,11 +223,12 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
         if self.load_errors:
             raise self.load_errors[0]
         self._check_all_loaded(model)
-        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, (NVFP4Linear, FP8Linear))]
-        gpt_oss = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4GptOssExperts)]
-        # every value checked before any module changes (llm-compressor's gpt-oss experts: by the
-        # converter already, under the file's per-expert keys)
-        for name, m in linears + [(n, m) for n, m in gpt_oss if not m.per_expert_scales]:
+        loaded = quantized_modules(model)
+        # every value checked before any module changes (those a converter filled: as they arrived,
+        # under the file's per-expert keys)
+        for name, m in loaded:
+            if m.converter_checks_values:
+                continue
             for tensor, kind in m.scale_checks():
                 key = self._checkpoint_key(name, tensor)
                 values = m._buffers[tensor]
@@ -234,7 +238,7 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
                                        lambda e, key=key: f"checkpoint tensor {key!r} in {self.plan.files.get(key)}")
                 except ValueError as exc:
                     raise CheckpointError(str(exc)) from None
-            for block, scale, to_multiplier in getattr(m, "weight_ranges", list)():  # valid: in range?
+            for block, scale, to_multiplier in m.weight_ranges():  # valid: in range?
                 key = self._checkpoint_key(name, scale)
                 values, multiplier = m._buffers[block], m._buffers[scale]
                 multiplier = (to_multiplier(multiplier) if to_multiplier is not None else multiplier).reshape(1)
@@ -251,17 +255,14 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
                 logger.warning("fp4moe: %d sets of linears that vLLM and SGLang run as one GEMM had different "
                                "weight_scale_2 or input_scale (%s); used their max and rescaled the others' block "
                                "scales (re-rounded to E4M3)", len(tied), ", ".join(tied[:3]) + (" ..." if len(tied) > 3 else ""))
-        for name, m in linears:
-            if isinstance(m, NVFP4Linear) and config.nvfp4_linears == "nvfp4":
-                m.reset_counters()
-                continue  # kept in 4 bits: NVFP4Linear computes through fp4moe::nvfp4_linear
-            parent, _, attr = name.rpartition(".")
-            replace_module(model.get_submodule(parent), attr, m.dequantized())
-        for m in model.modules():
-            if not isinstance(m, NVFP4Experts):
-                continue
-            m.set_backend(config.backend, config.act_scale_mode)
-        self._prepare_gpt_oss(gpt_oss)
+        for name, m in loaded:  # prepared for the backend, kept, or replaced by its decoded plain module
+            try:
+                ready = m.after_loading(config)
+            except ValueError as exc:  # (a backend that cannot run them, say): name the layer
+                raise ValueError(f"{name}: {exc}") from exc
+            if ready is not m:
+                parent, _, attr = name.rpartition(".")
+                replace_module(model.get_submodule(parent), attr, ready)
         if config.fuse_router:
             fuse_routers(model)
         if config.fuse_shared_experts and config.nvfp4_linears == "nvfp4":
@@ -281,29 +282,13 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
         p = self.plan.gpt_oss.get(name)
         return f"{p.checkpoint_prefix}.{tensor}" if p is not None else f"{name}.{tensor}"
 
-    def _prepare_gpt_oss(self, modules) -> None:
-        """gpt-oss's NVFP4 experts on the configured backend, with 16-bit activations
-        (:func:`~hf_integration.surgery.log_activation_modes` says so where input scales are held)."""
-        config = self.quantization_config
-        if not modules:
-            return
-        if config.act_scale_mode is not None:
-            raise ValueError(f"act_scale_mode={config.act_scale_mode!r}: gpt-oss's NVFP4 experts keep activations in "
-                             "16 bits in fp4moe; load without it")
-        for name, m in modules:
-            try:
-                m.set_backend(config.backend)
-            except ValueError as exc:  # (a backend that cannot run them): name the layer
-                raise ValueError(f"{name}: {exc}") from exc
-
     def _check_all_loaded(self, model) -> None:
         """Every NVFP4 tensor was filled from the checkpoint (Transformers marks what it loads):
         none is left as uninitialized memory."""
-        for name, m in model.named_modules():
-            if isinstance(m, (NVFP4Experts, NVFP4Linear, FP8Linear, NVFP4GptOssExperts)):
-                for buf_name, buf in m.named_buffers(recurse=False):
-                    if buf_name not in m._non_persistent_buffers_set and not getattr(buf, "_is_hf_initialized", False):
-                        raise CheckpointError(f"{name}.{buf_name} was not filled from the checkpoint")
+        for name, m in quantized_modules(model):
+            for buf_name, buf in m.named_buffers(recurse=False):
+                if buf_name not in m._non_persistent_buffers_set and not getattr(buf, "_is_hf_initialized", False):
+                    raise CheckpointError(f"{name}.{buf_name} was not filled from the checkpoint")
 
     def get_state_dict_and_metadata(self, model):
         from .saving import modelopt_state_dict
@@ -416,11 +401,12 @@ def register_experts_implementation() -> None:
 
 def _guarded_to(model, *args, **kwargs):
     """``model.to(...)``: any device, and the dtypes every quantized module's op runs (its
-    ``COMPUTE_DTYPES``: NVFP4 experts bfloat16 and float16, gpt-oss's experts float32 too); another
-    dtype is refused before anything moves."""
+    ``COMPUTE_DTYPES``: NVFP4 experts bfloat16 and float16, gpt-oss's experts and NVFP4 linears
+    float32 too); another dtype is refused before anything moves, naming the experts first (they
+    set the dtypes a model runs)."""
     dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
     if dtype is not None:
-        for name, m in model.named_modules():
+        for name, m in sorted(model.named_modules(), key=lambda item: not getattr(item[1], "takes_backend", False)):
             runs = getattr(m, "COMPUTE_DTYPES", None)
             if runs is not None and dtype not in runs:
                 names = " or ".join(str(d).removeprefix("torch.") for d in runs)
@@ -438,11 +424,7 @@ def _num_parameters(model, only_trainable: bool = False, exclude_embeddings: boo
     total = type(model).num_parameters(model, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
     if only_trainable:
         return total
-    for m in model.modules():
-        packed = ([CANONICAL_BUFFERS[0], CANONICAL_BUFFERS[3]] if isinstance(m, PreparedExperts)
-                  else [m.scheme.packed] if isinstance(m, NVFP4Linear) else [])
-        total += sum(2 * m._buffers[name].numel() * m._buffers[name].element_size() for name in packed)
-    return total
+    return total + sum(m.packed_weight_count() for _, m in quantized_modules(model))
 
 
 def _check_model_scales(model, state_dict, prefix, *args):

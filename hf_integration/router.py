@@ -34,6 +34,10 @@ class GroupedTopkRouter(nn.Module):
     ``fp4moe::grouped_topk`` op. Off CUDA the results are bitwise Transformers'; on CUDA the
     logits' summation order differs, so a near-tied token may pick another expert."""
 
+    def dequantized_state(self, dtype: torch.dtype, config=None) -> dict[str, torch.Tensor]:
+        """The router's own tensors: it replaced Transformers' with the same ones."""
+        return self.state_dict()
+
     def __init__(self, router: nn.Module):
         nn.Module.__init__(self)  # not super(): in a fused_class the next class is Transformers' router
         self.weight = router.weight
@@ -82,6 +86,10 @@ class SoftmaxTopkRouter(nn.Module):
     renormalization run as one ``fp4moe::softmax_topk`` op. Off CUDA the results are bitwise
     Transformers'; on CUDA the softmax's exponent and sums are computed in another order, so a
     near-tied token may pick another expert."""
+
+    def dequantized_state(self, dtype: torch.dtype, config=None) -> dict[str, torch.Tensor]:
+        """The router's own tensors: it replaced Transformers' with the same ones."""
+        return self.state_dict()
 
     def __init__(self, router: nn.Module):
         nn.Module.__init__(self)  # not super(): in a fused_class the next class is Transformers' router

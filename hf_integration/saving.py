@@ -28,15 +28,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fp4moe_ops.prepared import INPUT_SCALE_BUFFERS
-
-from .experts import NVFP4Experts, NVFP4Linear
-from .expert_parallel import ExpertShard
-from .checkpoint_format import ModelOptConfig, dense_mlp_tensors, expert_leaves, expert_tensors, model_conversions
+from .checkpoint_format import ModelOptConfig, model_conversions
+from .experts import NVFP4Linear
 from .fused_linears import check_fused_scales
-from .gpt_oss import NVFP4GptOssExperts
-from .llama4 import NVFP4Llama4TextMoe, fused_from_canonical
-from .shared_experts import SharedExpertMoE
+from .kinds import quantized_modules
 
 # what a save replaces in the folder it saves into: the configs and every weights file or index of
 # an earlier save, ``variant=`` ones included (``model.fp16-00001-of-00002.safetensors``,
@@ -48,36 +43,21 @@ _REPLACED = re.compile(r"^(config\.json|generation_config\.json|hf_quant_config\
 
 
 def modelopt_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict in ModelOpt's layout: NVFP4 experts, shared experts run inside the
-    routed call and NVFP4 linears (dense MLPs, attention) as per-expert / per-linear ModelOpt tensors
-    (canonical bytes, as views where the layout allows), the rest as the model holds it; the FP8
-    KV-cache scales of the checkpoint it was loaded from, as they were (fp4moe does not use them)."""
-    shared = nvfp4_modules(model, SharedExpertMoE)
-    inside = {f"{n}.experts" for n, _ in shared}
-    experts = [(n, m) for n, m in nvfp4_modules(model, NVFP4Experts) if n not in inside]
-    linears = nvfp4_modules(model, NVFP4Linear)
-    if not experts and not shared and not nvfp4_modules(model, NVFP4GptOssExperts):
+    """The model's state dict in ModelOpt's layout: every quantized module (NVFP4 experts, shared
+    experts run inside the routed call, NVFP4 linears, gpt-oss's experts) as its own ModelOpt
+    tensors (per expert / per linear, canonical bytes, as views where the layout allows), the rest
+    as the model holds it; the FP8 KV-cache scales of the checkpoint it was loaded from, as they
+    were (fp4moe does not use them)."""
+    written = quantized_modules(model, outermost=True)
+    if not _routed_experts(model):  # (NVFP4 linears alone: quantize_linears, which no format holds)
         raise ValueError("the model holds no fp4moe NVFP4 modules: nothing to save as a ModelOpt NVFP4 checkpoint")
-    if any(isinstance(m.dispatch, ExpertShard) for _, m in experts):  # (never fused with a shared expert)
-        raise ValueError("an expert-parallel model holds only this rank's experts; save the unsharded model")
-    _refuse_per_expert_gpt_oss(model)
+    _refuse_unsaveable(written)
     _, converters = model_conversions(model)
     state = {}
-    fused = {f"{n}.experts" for n, _ in nvfp4_modules(model, NVFP4Llama4TextMoe)}
-    for name, m in experts:
-        if name in fused:  # Llama-4: ModelOpt's fused 3-D layout, as the checkpoints have it
-            state |= fused_from_canonical(name, m.canonical())
-        else:
-            state |= expert_tensors(name, m.canonical(), expert_leaves(name, converters))
-    for name, m in shared:  # the checkpoint's layout: routed experts, then the shared expert's linears
-        routed, one = m.split()
-        state |= expert_tensors(f"{name}.experts", routed, expert_leaves(f"{name}.experts", converters))
-        state |= dense_mlp_tensors(f"{name}.shared_experts", one)
-    for name, m in linears:
-        state |= m.modelopt_tensors(name)
-    nvfp4_names = [n for n, _ in experts + linears] + [f"{n}.{c}experts" for n, _ in shared for c in ("", "shared_")]
+    for name, m in written:
+        state |= m.modelopt_tensors(name, converters)
     for key, t in model.state_dict().items():
-        if not any(key.startswith(f"{n}.") for n in nvfp4_names):
+        if not any(key.startswith(f"{n}.") for n, _ in written):
             state[key] = t
     state |= kv_cache_scales(model)
     check_fused_scales(state)
@@ -123,19 +103,17 @@ def kv_cache_scales(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(getattr(getattr(model, "hf_quantizer", None), "kv_cache_scales", None) or {})
 
 
-def _refuse_per_expert_gpt_oss(model: nn.Module) -> None:
-    for name, m in nvfp4_modules(model, NVFP4GptOssExperts):
-        if m.per_expert_scales:
-            raise ValueError(f"{name}: these gpt-oss experts have one global scale per expert (llm-compressor's "
-                             "export), and ModelOpt's gpt-oss format, which fp4moe saves, holds one per projection: "
-                             "they cannot be saved without re-quantizing; keep the checkpoint you loaded them from, "
-                             "or call model.dequantize() first to save 16-bit experts")
+def _refuse_unsaveable(modules: list[tuple[str, nn.Module]]) -> None:
+    for name, m in modules:
+        refusal = m.save_refusal()
+        if refusal:
+            raise ValueError(f"{name}: {refusal}")
 
 
 def saved_config(model: nn.Module, config: ModelOptConfig) -> ModelOptConfig:
     """The quantization config a save writes: every module kept in 16 bits (attention, dequantized
     linears, routers, LM head) listed in ``exclude_modules``, so vLLM and SGLang read them as such."""
-    _refuse_per_expert_gpt_oss(model)  # (first: before any other reason the save might stop)
+    _refuse_unsaveable(quantized_modules(model, outermost=True))  # (first: before any other reason the save might stop)
     kept = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) or (
         not isinstance(m, nn.Embedding) and isinstance(m._parameters.get("weight"), torch.Tensor)
         and m._parameters["weight"].dim() == 2))
@@ -151,12 +129,10 @@ def _has_input_scales(model: nn.Module) -> bool:
     """Whether the saved checkpoint is ``NVFP4`` (every NVFP4 tensor with an input scale) or
     ``W4A16_NVFP4``; kept NVFP4 linears must agree with the experts, since readers of a ModelOpt
     checkpoint take ``quant_algo`` to say which linears carry an ``input_scale``."""
-    experts = nvfp4_modules(model, NVFP4Experts)
-    gpt_oss = nvfp4_modules(model, NVFP4GptOssExperts)  # (their state dict is ModelOpt's already)
-    with_input = bool(experts or gpt_oss) and all(INPUT_SCALE_BUFFERS[0] in m._buffers for _, m in experts) and \
-        all("gate_up_proj_input_scale" in m._buffers for _, m in gpt_oss)
+    experts = _routed_experts(model)
+    with_input = bool(experts) and all(m.holds_input_scales() for m in experts)
     for name, m in nvfp4_modules(model, NVFP4Linear):
-        if (m.scheme.input_scale in m._buffers) != with_input:
+        if m.holds_input_scales() != with_input:
             if with_input:  # calibrated experts (calibration covers only them), or a mixed checkpoint
                 why = (f"NVFP4 linear {name} has no input scale while the experts have them (calibration gives "
                        "them only to the routed experts); load with nvfp4_linears='dequantize', or patch "
@@ -166,6 +142,11 @@ def _has_input_scales(model: nn.Module) -> bool:
                        "nvfp4_linears='dequantize'")
             raise ValueError(f"cannot save as one ModelOpt quant_algo: {why}, to save this model")
     return with_input
+
+
+def _routed_experts(model: nn.Module) -> list[nn.Module]:
+    """The quantized modules that run routed experts (those that take a backend)."""
+    return [m for _, m in quantized_modules(model) if m.takes_backend]
 
 
 def nvfp4_modules(model: nn.Module, kind) -> list[tuple[str, nn.Module]]:

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from fp4moe_ops import NVFP4MoEWeights
-from fp4moe_ops.nvfp4 import BLOCK_SIZE
+from fp4moe_ops.nvfp4 import BLOCK_SIZE, dequantize_nvfp4
 from fp4moe_ops.prepared import CANONICAL_BUFFERS, INPUT_SCALE_BUFFERS, QuantizedBuffers
 
+from .checkpoint_format import dense_mlp_tensors, expert_leaves, expert_tensors
 from .experts import LocalExperts, NVFP4Experts, NVFP4Linear
 from .surgery import replace_module
 
@@ -141,8 +142,9 @@ class SharedExpertMoE(QuantizedBuffers):
                     "patched or loaded with fuse_shared_experts=False)")
         for tensor in (s.global_scale, s.input_scale):
             gate, up = given.get(f"gate_proj.{tensor}"), given.get(f"up_proj.{tensor}")
-            if isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor) and not torch.equal(
-                    gate.reshape(-1), up.reshape(-1)) and not (gate.is_meta or up.is_meta):
+            # (NaNs compare equal: one scale, refused as not finite by the value checks)
+            if isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor) and not (gate.is_meta or up.is_meta) \
+                    and not _same_values(gate, up):
                 return (f"load_state_dict: {shared}up_proj.{tensor} ({up.reshape(-1).tolist()}) differs from "
                         f"gate_proj.{tensor} ({gate.reshape(-1).tolist()}): the fused shared expert runs gate and up "
                         "on one scale; load into a model patched or loaded with fuse_shared_experts=False")
@@ -154,8 +156,36 @@ class SharedExpertMoE(QuantizedBuffers):
         w = self.experts.canonical()
         return _split_weights(w, self.num_routed)
 
+    def dequantized_state(self, dtype: torch.dtype, config=None) -> dict[str, torch.Tensor]:
+        """The unfused block's tensors: its router, routed experts and the shared expert's three linears."""
+        state = {f"gate.{k}": v for k, v in self.gate.state_dict().items()}
+        state |= {f"experts.{k}": v for k, v in self.experts.dequantized_state(dtype, num_experts=self.num_routed).items()}
+        shared = self.split()[1]
+        inter = shared.intermediate_size
+        w13 = dequantize_nvfp4(shared.w13[0], shared.w13_scale[0], shared.w13_global[0], dtype)
+        state |= {"shared_experts.gate_proj.weight": w13[:inter], "shared_experts.up_proj.weight": w13[inter:],
+                  "shared_experts.down_proj.weight": dequantize_nvfp4(shared.w2[0], shared.w2_scale[0],
+                                                                      shared.w2_global[0], dtype)}
+        return state
+
+    def save_refusal(self) -> str | None:
+        return None  # (never sharded: expert parallelism is refused for these blocks)
+
+    def modelopt_tensors(self, name: str, converters=()) -> dict[str, torch.Tensor]:
+        """The checkpoint's layout: the router, the routed experts per expert, then the shared
+        expert's three linears."""
+        routed, one = self.split()
+        state = {f"{name}.gate.{k}": v for k, v in self.gate.state_dict().items()}
+        state |= expert_tensors(f"{name}.experts", routed, expert_leaves(f"{name}.experts", converters))
+        return state | dense_mlp_tensors(f"{name}.shared_experts", one)
+
     def extra_repr(self) -> str:
         return f"num_routed={self.num_routed}, shared_experts=1 (inside the routed call)"
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.reshape(-1).double(), b.reshape(-1).double()
+    return a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def _scalar_buffer(key: str) -> str:

@@ -1,18 +1,12 @@
 """Module surgery: finding the modules of a Transformers model that fp4moe replaces, and swapping
-them in place (an accelerate hook that device_map dispatch put on the old module moves over); what
-the swapped-in modules' activations run, logged."""
+them in place (an accelerate hook that device_map dispatch put on the old module moves over)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from transformers.utils import logging
-
-from .gpt_oss import NVFP4GptOssExperts
-from .experts import NVFP4Experts, NVFP4Linear
-
-logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
+from .experts import NVFP4Experts
 
 SILU_NAMES = ("SiLUActivation", "SiLU")
 
@@ -71,31 +65,5 @@ def is_dense_gated_mlp(m: nn.Module) -> bool:
     return all(isinstance(x, nn.Linear) and x.bias is None for x in lin) and is_silu(getattr(m, "act_fn", None))
 
 
-def log_activation_modes(model: nn.Module) -> None:
-    """Say where the model's activations are not what its NVFP4 tensors declare: calibrated input
-    scales held but unused (16-bit activations), or NVFP4 activations for the routed experts only.
-    Reads the modes the experts run (a backend may choose one: ``flashinfer_nvfp4``)."""
-    experts = [m for m in model.modules() if isinstance(m, NVFP4Experts)]
-    modes = {m.act_scale_mode for m in experts} - {None}
-    held = [m for m in model.modules()
-            if (isinstance(m, NVFP4Experts) and getattr(m, "fc1_input_scale", None) is not None)
-            or (isinstance(m, NVFP4Linear) and m.scheme.input_scale in m._buffers)
-            or (isinstance(m, NVFP4GptOssExperts) and "gate_up_proj_input_scale" in m._buffers)]
-    linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
-    if not modes and held:
-        fused = any(type(m).__name__ == "ExpertsWithShared" for m in experts)
-        how = ("a model whose shared experts run inside the routed call cannot run them (load or patch with "
-               "fuse_shared_experts=False for NVFP4 activations)" if fused else
-               "fp4moe runs gpt-oss's NVFP4 layers with 16-bit activations only" if not experts else
-               "act_scale_mode='per_expert' or 'global_max' (set_backend, or the loading config) runs the routed "
-               "experts' activations in NVFP4")
-        logger.warning("fp4moe: %d modules hold calibrated input scales (NVFP4 activations, W4A4), kept for "
-                       "save_pretrained; activations stay 16-bit (W4A16); %s", len(held), how)
-    elif modes and linears:
-        logger.warning("fp4moe: act_scale_mode=%s quantizes the routed experts' activations only; the model's %d "
-                       "NVFP4 linears outside them (attention, dense MLPs, shared experts) keep 16-bit activations",
-                       "/".join(sorted(modes)), len(linears))
-
-
 __all__ = ["children_where", "find_experts_modules", "is_dense_gated_mlp", "is_silu", "is_transformers_experts",
-           "log_activation_modes", "nvfp4_experts", "replace_module"]
+           "nvfp4_experts", "replace_module"]
