@@ -16,6 +16,8 @@ turns it off). Modules, one concept each:
 * ``experts``: the modules that hold NVFP4 weights in a model;
 * ``gpt_oss``, ``mxfp4_quantizer``: gpt-oss's experts modules (MXFP4, and NVFP4 as ModelOpt exports it) and the MXFP4 quantizer (which one wins
   for ``"mxfp4"``, and how to choose Transformers' own, is in ``mxfp4_quantizer``'s docstring);
+* ``mxfp4_layers``, ``compressed_mxfp4``: the MXFP4 experts and linears of llm-compressor's MXFP4
+  checkpoints of ordinary MoE families, and their loader (which also saves them back);
 * ``llama4``: Llama-4's fused 3-D NVFP4 experts and the MoE block that runs them;
 * ``router``: the fused DeepSeek-V3-style router;
 * ``shared_experts``: a shared expert run inside the routed experts' op call;
@@ -38,12 +40,13 @@ from .checkpoint_format import CheckpointError, CompressedTensorsNVFP4Config, Mo
 from .patch import patch_deepseek, patch_moe, quantize_linears, set_backend
 from .quantizer import ModelOptQuantizer, register
 from .gpt_oss import MXFP4GptOssExperts, NVFP4GptOssExperts
-from . import mxfp4_quantizer
+from . import compressed_mxfp4, mxfp4_quantizer
 from .router import GroupedTopkRouter, SoftmaxTopkRouter, fuse_routers
 from .shared_experts import SharedExpertMoE, fuse_shared_experts
 from .surgery import find_experts_modules
 
 register()
+compressed_mxfp4.register()
 mxfp4_quantizer.register()
 architectures.register()
 

@@ -30,13 +30,14 @@ from torch import nn
 from .experts import FP8Linear, NVFP4Experts, NVFP4Linear
 from .gpt_oss import MXFP4GptOssExperts, NVFP4GptOssExperts
 from .llama4 import NVFP4Llama4Experts, NVFP4Llama4TextMoe
+from .mxfp4_layers import MXFP4Experts, MXFP4Linear
 from .router import GroupedTopkRouter, SoftmaxTopkRouter
 from .shared_experts import SharedExpertMoE
 
 # (a subclass is its parent's kind for isinstance, so the fused shared expert's ExpertsWithShared
 # needs no entry; Llama-4's experts have one: they answer differently)
 KINDS: tuple[type[nn.Module], ...] = (NVFP4Experts, NVFP4Llama4Experts, SharedExpertMoE, NVFP4Linear, FP8Linear,
-                                      MXFP4GptOssExperts, NVFP4GptOssExperts)
+                                      MXFP4GptOssExperts, NVFP4GptOssExperts, MXFP4Experts, MXFP4Linear)
 # every module fp4moe swaps into a Transformers model: the kinds, and those holding no checkpoint
 # bytes of their own (fused routers, Llama-4's MoE block), which answer ``dequantized_state`` too
 SWAPPED_IN: tuple[type[nn.Module], ...] = (*KINDS, GroupedTopkRouter, SoftmaxTopkRouter, NVFP4Llama4TextMoe)

@@ -526,10 +526,16 @@ def register() -> None:
         auto.AUTO_QUANTIZER_MAPPING[ct] = _NVFP4CompressedTensorsQuantizers(auto.AUTO_QUANTIZER_MAPPING.get(ct))
 
 
+# The other compressed-tensors formats fp4moe reads, each ``(is_format(config dict), config class,
+# quantizer class)``, added by its module's ``register()`` (MXFP4: hf_integration.compressed_mxfp4)
+COMPRESSED_TENSORS_FORMATS: list[tuple] = []
+
+
 class _NVFP4CompressedTensorsConfigs:
     """Transformers' ``"compressed-tensors"`` config entry: NVFP4 configs (every group
-    ``nvfp4-pack-quantized``) become fp4moe's :class:`CompressedTensorsNVFP4Config`, any other goes
-    to Transformers' own class (as without fp4moe: dense and non-NVFP4 checkpoints are untouched)."""
+    ``nvfp4-pack-quantized``) become fp4moe's :class:`CompressedTensorsNVFP4Config`, those of a format
+    in :data:`COMPRESSED_TENSORS_FORMATS` its config class, any other goes to Transformers' own class
+    (as without fp4moe: dense and other quantized checkpoints are untouched)."""
 
     def __init__(self, transformers_config):
         self.transformers_config = transformers_config
@@ -537,12 +543,16 @@ class _NVFP4CompressedTensorsConfigs:
     def from_dict(self, config_dict, **kwargs):
         if CompressedTensorsNVFP4Config.is_nvfp4(config_dict):
             return CompressedTensorsNVFP4Config.from_dict(config_dict, **kwargs)
+        for is_format, config_class, _ in COMPRESSED_TENSORS_FORMATS:
+            if is_format(config_dict):
+                return config_class.from_dict(config_dict, **kwargs)
         return self.transformers_config.from_dict(config_dict, **kwargs)
 
 
 class _NVFP4CompressedTensorsQuantizers:
     """Transformers' ``"compressed-tensors"`` quantizer entry: fp4moe's loader for
-    :class:`CompressedTensorsNVFP4Config`, Transformers' own quantizer for anything else."""
+    :class:`CompressedTensorsNVFP4Config` and the formats of :data:`COMPRESSED_TENSORS_FORMATS`,
+    Transformers' own quantizer for anything else."""
 
     def __init__(self, transformers_quantizer):
         self.transformers_quantizer = transformers_quantizer
@@ -550,7 +560,10 @@ class _NVFP4CompressedTensorsQuantizers:
     def __call__(self, quantization_config, **kwargs):
         if isinstance(quantization_config, CompressedTensorsNVFP4Config):
             return ModelOptQuantizer(quantization_config, **kwargs)
+        for _, config_class, quantizer_class in COMPRESSED_TENSORS_FORMATS:
+            if isinstance(quantization_config, config_class):
+                return quantizer_class(quantization_config, **kwargs)
         return self.transformers_quantizer(quantization_config, **kwargs)
 
 
-__all__ = ["CurrentDtypeDequantize", "ModelOptQuantizer", "attach", "attach_guards", "paged_cache_holds_mla", "quantizer_for", "register", "uses_mla"]
+__all__ = ["COMPRESSED_TENSORS_FORMATS", "CurrentDtypeDequantize", "ModelOptQuantizer", "attach", "attach_guards", "paged_cache_holds_mla", "quantizer_for", "register", "uses_mla"]

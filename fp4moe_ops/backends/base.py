@@ -34,7 +34,9 @@ def check_canonical_tensors(expert_tensors: list[torch.Tensor], hidden_size: int
     """Check the canonical tensors ``[w13, w13_scale, w13_global, w2, w2_scale, w2_global]``; return E.
 
     Block scales travel through the op as their raw E4M3 bytes (uint8): torch has no CPU
-    arithmetic for float8, which ``torch.library.opcheck``'s schema check needs.
+    arithmetic for float8, which ``torch.library.opcheck``'s schema check needs. MXFP4 experts pass
+    their E8M0 scale bytes as int8 instead, each written for both 16-value halves of its 32-value
+    block, with global scales of 1 (the dtype is how every backend tells the two formats apart).
     """
     specs = canonical_specs(expert_tensors, hidden_size)
     check_specs(specs, hidden_size)
@@ -52,12 +54,13 @@ def canonical_specs(expert_tensors: list[torch.Tensor], hidden_size: int) -> dic
         raise ValueError(f"w13_scale: expected [E, 2I, H/16], got {list(s13.shape)}")
     e, two_i = s13.shape[:2]
     i = two_i // 2
+    scale = torch.int8 if s13.dtype == torch.int8 else torch.uint8  # E8M0 (MXFP4) or E4M3 (NVFP4) bytes
     return {
         "w13": (w13, (e, two_i, hidden_size // 2), torch.uint8),
-        "w13_scale": (s13, (e, two_i, hidden_size // BLOCK_SIZE), torch.uint8),
+        "w13_scale": (s13, (e, two_i, hidden_size // BLOCK_SIZE), scale),
         "w13_global": (g13, (e,), torch.float32),
         "w2": (w2, (e, hidden_size, i // 2), torch.uint8),
-        "w2_scale": (s2, (e, hidden_size, i // BLOCK_SIZE), torch.uint8),
+        "w2_scale": (s2, (e, hidden_size, i // BLOCK_SIZE), scale),
         "w2_global": (g2, (e,), torch.float32),
     }
 
@@ -82,6 +85,8 @@ def check_nvfp4_gpt_oss_tensors(expert_tensors: list[torch.Tensor], hidden_size:
         if size % BLOCK_SIZE:
             raise ValueError(f"gpt-oss NVFP4 experts need a {name} that is a multiple of {BLOCK_SIZE}, got {size}")
     specs = canonical_specs([w13, s13, g13, w2, s2, g2], hidden_size)
+    for name in ("w13_scale", "w2_scale"):  # E4M3 bytes only: gpt-oss's MXFP4 experts come as its six tensors
+        specs[name] = (*specs[name][:2], torch.uint8)
     check_specs(specs, hidden_size)
     e = s13.shape[0]
     check_gpt_oss_biases(("b1", b1), ("b2", b2), e, s13.shape[1] // 2, hidden_size)

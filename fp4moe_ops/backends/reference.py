@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from ..moe_math import clamped_swiglu, expert_scale, gated_silu, routed_moe
-from ..mxfp4 import dequantize_gpt_oss
-from ..nvfp4 import dequantize_nvfp4, quantize_activation_nvfp4
+from ..mxfp4 import dequantize_gpt_oss, e8m0_decode
+from ..nvfp4 import BLOCK_SIZE, dequantize_nvfp4, e2m1_decode, quantize_activation_nvfp4, unpack_e2m1
 from .base import Backend, register_backend
 
 
@@ -33,17 +33,26 @@ def _fake_quantize(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     return quantize_activation_nvfp4(x, 1.0 / input_scale) * input_scale
 
 
+def _dequantize(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """One expert's matrix in float32 from the op's canonical tensors: NVFP4 (E4M3 block scales as
+    uint8 bytes or float8, times the global scale) or MXFP4 (E8M0 bytes as int8, one per 16 values:
+    ``2^(byte - 127)``, the global scale unused, as in the Triton kernels)."""
+    if block_scale.dtype != torch.int8:
+        return dequantize_nvfp4(packed, block_scale.view(torch.float8_e4m3fn), global_scale)
+    values = e2m1_decode(unpack_e2m1(packed)).unflatten(-1, (-1, BLOCK_SIZE))
+    return (values * e8m0_decode(block_scale.view(torch.uint8))[..., None]).flatten(-2)
+
+
 def reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale=None, fc2_act_scale=None, *,
                   cutlass_rounding: bool = False, observe=None) -> torch.Tensor:
-    """The MoE layer on canonical tensors ``[w13, w13_scale (uint8 bytes or float8), w13_global,
-    w2, w2_scale, w2_global]``; ``[T, H]`` in ``hidden_states.dtype``.
+    """The MoE layer on canonical tensors ``[w13, w13_scale (E4M3 as uint8 bytes or float8, or
+    MXFP4's E8M0 as int8), w13_global, w2, w2_scale, w2_global]``; ``[T, H]`` in ``hidden_states.dtype``.
 
     ``cutlass_rounding``: round GEMM1's and GEMM2's outputs to the activation dtype, as
     FlashInfer's CUTLASS kernel does (its BF16 stores), instead of keeping them in float32.
     ``observe(e, gemm1_input, gemm2_input)``: called with each expert's inputs (calibration).
     """
     w13, s13, g13, w2, s2, g2 = expert_tensors
-    s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
     dtype = hidden_states.dtype
 
     def rounded(t: torch.Tensor) -> torch.Tensor:
@@ -52,11 +61,11 @@ def reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         fc1_scale, fc2_scale = expert_scale(fc1_act_scale, e), expert_scale(fc2_act_scale, e)
         a1 = rows.float() if fc1_scale is None else _fake_quantize(rows, fc1_scale)
-        act = gated_silu(rounded(a1 @ dequantize_nvfp4(w13[e], s13[e], g13[e]).T), dtype)
+        act = gated_silu(rounded(a1 @ _dequantize(w13[e], s13[e], g13[e]).T), dtype)
         if observe is not None:
             observe(e, rows, act)
         a2 = act.float() if fc2_scale is None else _fake_quantize(act, fc2_scale)
-        return rounded(a2 @ dequantize_nvfp4(w2[e], s2[e], g2[e]).T)
+        return rounded(a2 @ _dequantize(w2[e], s2[e], g2[e]).T)
 
     return routed_moe(hidden_states, topk_ids, topk_weights, w13.shape[0], expert).to(dtype)
 
