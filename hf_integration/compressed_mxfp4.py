@@ -138,6 +138,7 @@ class CompressedTensorsMXFP4Quantizer(CurrentDtypeDequantize, HfQuantizer):
         self.experts: dict[str, tuple] = {}  # module name -> (checkpoint prefix, ExpertLeaves, expert count)
         self.linears: dict[str, str] = {}    # module name -> checkpoint name
         self.files: dict[str, str] = {}      # checkpoint key -> its file
+        self.file_dtypes: dict[str, torch.dtype] = {}  # model key -> the dtype the file holds it in
 
     def validate_environment(self, *args, device_map=None, **kwargs):
         refuse_meta_device(device_map)
@@ -165,6 +166,7 @@ class CompressedTensorsMXFP4Quantizer(CurrentDtypeDequantize, HfQuantizer):
             for renaming in renamings:
                 renamed, _ = renaming.rename_source_key(renamed)
             in_model[renamed] = key
+        self.file_dtypes = {k: scan.tensors[v][1] for k, v in in_model.items()}
         claimed: set[str] = set()
         for name, m in list(model.named_modules()):
             if is_transformers_experts(m):
@@ -277,15 +279,22 @@ class CompressedTensorsMXFP4Quantizer(CurrentDtypeDequantize, HfQuantizer):
             raise CheckpointError(str(exc)) from None
 
     def get_state_dict_and_metadata(self, model):
-        """The checkpoint's tensors: every MXFP4 module as the file holds it, the rest as the model does."""
+        """The checkpoint's tensors: every MXFP4 module as the file holds it, the rest as the model
+        does, in the file's dtype where it holds the same values there (Transformers keeps some
+        tensors in float32 whatever the file has: DeepSeek-V3's router weight, BF16 in the file)."""
         _, converters = model_conversions(model)
         written = quantized_modules(model)
         state = {}
         for name, m in written:
             state |= m.checkpoint_tensors(name, expert_leaves(name, converters))
         for key, t in model.state_dict().items():
-            if not any(key.startswith(f"{n}.") for n, _ in written):
-                state[key] = t
+            if any(key.startswith(f"{n}.") for n, _ in written):
+                continue
+            dtype = self.file_dtypes.get(key, t.dtype)
+            if dtype != t.dtype and t.is_floating_point() and isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                narrowed = t.to(dtype)
+                t = narrowed if torch.equal(narrowed.to(t.dtype), t) else t
+            state[key] = t
         return state, {}
 
     def saved_quantization_config(self, model) -> CompressedTensorsMXFP4Config:
