@@ -62,6 +62,8 @@ def fused_moe_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, topk
     _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend)
     _refuse_own_tensors(backend)
     w13, s13, g13, w2, s2, g2 = expert_tensors
+    if s13.dtype == torch.int8:  # (decoded below as E4M3, they would give wrong gradients)
+        raise NotImplementedError("fp4moe: no backward through MXFP4 experts (E8M0 block scales) yet")
     s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
     num_experts, k = g13.shape[0], topk_ids.shape[1]
     grad_x = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)

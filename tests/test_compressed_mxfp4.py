@@ -319,3 +319,16 @@ def test_the_experts_module_refuses_what_its_backends_cannot_run():
     with pytest.raises(RuntimeError, match="not prepared for a backend"):
         m(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1))
     assert m.set_backend("auto") == ("triton" if torch.cuda.is_available() else "reference")
+
+
+def test_the_op_refuses_mixed_scale_formats_and_a_backward_through_e8m0_scales():
+    tensors, _ = mxfp4_layer(2, 64, 32, torch.Generator().manual_seed(2))
+    x, ids, rw = torch.randn(3, 64, dtype=torch.bfloat16), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    mixed = list(tensors)
+    mixed[4] = mixed[4].view(torch.uint8)
+    with pytest.raises(ValueError, match=r"w2_scale: expected torch.int8"):
+        torch.ops.fp4moe.fused_moe(x, ids, rw, mixed, None, None, "reference", 0)
+    x.requires_grad_(True)
+    out = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, "reference", 0)
+    with pytest.raises(NotImplementedError, match="no backward through MXFP4 experts"):
+        out.sum().backward()

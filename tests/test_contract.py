@@ -22,6 +22,7 @@ from hf_integration.experts import FP8Linear, NVFP4Experts, NVFP4Linear
 from hf_integration.gpt_oss import MXFP4GptOssExperts, NVFP4GptOssExperts
 from hf_integration.kinds import KINDS
 from hf_integration.llama4 import NVFP4Llama4Experts
+from hf_integration.mxfp4_layers import MXFP4Experts, MXFP4Linear
 from hf_integration.quantizer import attach_guards
 from hf_integration.shared_experts import ExpertsWithShared, SharedExpertMoE
 
@@ -119,6 +120,8 @@ FACTORIES = {
     FP8Linear: lambda seed: linear(FP8Linear, seed),
     MXFP4GptOssExperts: lambda seed: loaded(MXFP4GptOssExperts(gpt_oss_config()), seed),
     NVFP4GptOssExperts: lambda seed: loaded(NVFP4GptOssExperts(gpt_oss_config(), input_scales=True), seed),
+    MXFP4Experts: lambda seed: loaded(MXFP4Experts(E, H, I), seed),
+    MXFP4Linear: lambda seed: loaded(MXFP4Linear(nn.Linear(H, I, dtype=torch.bfloat16)), seed),
 }
 
 
@@ -179,10 +182,23 @@ def nvfp4_gpt_oss64(state):
     return out
 
 
+def mxfp4_rows64(packed, scales):
+    """``[..., N, K/2]`` / ``[..., N, K/32]`` E8M0 -> ``[..., N, K]`` float64 (the blocks as gpt-oss's)."""
+    return dequant_mx64(packed.unflatten(-1, (-1, 16)), scales)
+
+
+def mxfp4_experts64(state):
+    return {proj: mxfp4_rows64(state[f"{proj}_packed"], state[f"{proj}_scale"]) for proj in ("gate_up_proj", "down_proj")}
+
+
+def mxfp4_linear64(state):
+    return {"weight": mxfp4_rows64(state["weight_packed"], state["weight_scale"]), "bias": state["bias"].double()}
+
+
 # None: the kind refuses to dequantize (Llama-4's experts: fp4moe cannot give Transformers' module back)
 DECODE64 = {NVFP4Experts: experts64, NVFP4Llama4Experts: None, SharedExpertMoE: shared_block64,
             NVFP4Linear: linear64, FP8Linear: fp8_linear64, MXFP4GptOssExperts: mxfp4_gpt_oss64,
-            NVFP4GptOssExperts: nvfp4_gpt_oss64}
+            NVFP4GptOssExperts: nvfp4_gpt_oss64, MXFP4Experts: mxfp4_experts64, MXFP4Linear: mxfp4_linear64}
 # keys that must change together (the fused shared expert runs up on gate's scales): a bad value in
 # one is refused naming either
 TIED = {f"shared_experts.{a}_proj.{t}": f"shared_experts.{b}_proj.{t}" for t in ("weight_scale_2", "input_scale")

@@ -314,23 +314,3 @@ def test_other_compressed_tensors_configs_still_go_to_transformers(monkeypatch):
     int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "weights": {"num_bits": 4, "type": "int", "group_size": 128}, "targets": ["Linear"]}}}
     assert entry.from_dict(int4) == "transformers' config" and seen == [int4]
-
-
-@pytest.mark.parametrize("name", ["qwen3_moe_mxfp4a16", "deepseek_v3_mxfp4a16", "qwen3_moe_mxfp4"])
-def test_llmcompressor_mxfp4_exports_are_left_to_transformers(name):
-    """llm-compressor's MXFP4 exports (``mxfp4-pack-quantized``: E8M0 scales per 32, no global
-    scale) are not NVFP4: their configs go to Transformers' own compressed-tensors classes, never
-    to fp4moe's NVFP4 loader, which would read their uint8 scales as E4M3."""
-    import transformers.quantizers.auto as auto
-
-    from hf_integration.checkpoint_format import CompressedTensorsNVFP4Config
-
-    config = json.loads((FIXTURES / "llmcompressor" / name / "config.json").read_text())["quantization_config"]
-    assert {g["format"] for g in config["config_groups"].values()} | {config.get("format")} >= {"mxfp4-pack-quantized"}
-    assert not CompressedTensorsNVFP4Config.is_nvfp4(config)
-    try:
-        made = auto.AUTO_QUANTIZATION_CONFIG_MAPPING["compressed-tensors"].from_dict(config)
-    except ImportError as exc:  # Transformers' own class, which needs compressed-tensors installed
-        assert "compressed-tensors" in str(exc)
-    else:
-        assert not isinstance(made, CompressedTensorsNVFP4Config), type(made)
