@@ -9,8 +9,8 @@ puts a stand-in under the registry's ``"modelopt"``, ``"compressed-tensors"`` an
 (gpt-oss) config entries.
 Only when Transformers reads such a checkpoint's ``quantization_config`` does the stand-in put the
 registry back as it was and import :mod:`hf_integration`, which registers fp4moe's quantizer
-(:func:`hf_integration.quantizer.register`: ModelOpt and NVFP4 compressed-tensors checkpoints go to
-fp4moe, every other compressed-tensors checkpoint to Transformers' own quantizer; gpt-oss's MXFP4
+(:func:`hf_integration.quantizer.register`: ModelOpt, NVFP4 and MXFP4 compressed-tensors checkpoints go
+to fp4moe, every other compressed-tensors checkpoint to Transformers' own quantizer; gpt-oss's MXFP4
 ones as :mod:`hf_integration.mxfp4_quantizer` says); the config is
 then read by whatever the registry now holds. Programs that load no such checkpoint never import
 fp4moe; a program that imports :mod:`hf_integration` itself registers it at once (the stand-ins give

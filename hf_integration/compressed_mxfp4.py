@@ -318,10 +318,16 @@ class CompressedTensorsMXFP4Quantizer(CurrentDtypeDequantize, HfQuantizer):
 
 
 def register() -> None:
-    """Route MXFP4 compressed-tensors configs to :class:`CompressedTensorsMXFP4Quantizer` (idempotent)."""
+    """Route MXFP4 compressed-tensors configs to :class:`CompressedTensorsMXFP4Quantizer` (idempotent);
+    ``from_pretrained(..., quantization_config=CompressedTensorsMXFP4Config(backend=...))`` overrides
+    the checkpoint's loading options, as for Transformers' own configs."""
+    from transformers.quantizers import auto
+
     entry = (CompressedTensorsMXFP4Config.is_mxfp4, CompressedTensorsMXFP4Config, CompressedTensorsMXFP4Quantizer)
     if entry not in COMPRESSED_TENSORS_FORMATS:
         COMPRESSED_TENSORS_FORMATS.append(entry)
+    if CompressedTensorsMXFP4Config not in auto.LOADING_ATTRIBUTES_CONFIG_TYPES:
+        auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*auto.LOADING_ATTRIBUTES_CONFIG_TYPES, CompressedTensorsMXFP4Config)
 
 
 __all__ = ["CompressedTensorsMXFP4Config", "CompressedTensorsMXFP4Quantizer", "StackMXFP4Experts", "register"]

@@ -500,8 +500,8 @@ def quantizer_for(config: ModelOptConfig) -> ModelOptQuantizer:
 
 
 def register() -> None:
-    """Register ``"modelopt"`` with Transformers, and route NVFP4 compressed-tensors checkpoints to
-    fp4moe (idempotent). If Transformers ships its own ``"modelopt"`` quantizer, fp4moe's replaces
+    """Register ``"modelopt"`` with Transformers, and route NVFP4 compressed-tensors checkpoints (and
+    those of :data:`COMPRESSED_TENSORS_FORMATS`) to fp4moe (idempotent). If Transformers ships its own ``"modelopt"`` quantizer, fp4moe's replaces
     it (logged once); every other compressed-tensors checkpoint still goes to Transformers' own
     compressed-tensors quantizer."""
     from transformers.quantizers import auto

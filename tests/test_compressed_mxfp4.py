@@ -140,6 +140,9 @@ def test_the_configs_come_to_fp4moe_and_others_do_not():
         config = json.loads((FIXTURES / name / "config.json").read_text())["quantization_config"]
         made = entry.from_dict(config)
         assert isinstance(made, CompressedTensorsMXFP4Config) and made.to_dict() == config
+    if not torch.cuda.is_available():  # the loading option overrides the checkpoint's ("auto")
+        with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: .*'triton'"):
+            load(FIXTURES / NAMES[0], quantization_config=CompressedTensorsMXFP4Config(backend="triton"))
     nvfp4 = json.loads((FIXTURES / "qwen3_moe_nvfp4a16" / "config.json").read_text())["quantization_config"]
     assert not CompressedTensorsMXFP4Config.is_mxfp4(nvfp4)
 

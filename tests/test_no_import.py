@@ -129,6 +129,16 @@ def test_from_pretrained_with_no_import_keeps_gpt_oss_mxfp4_experts_4_bit(tmp_pa
     torch.testing.assert_close(torch.load(out), logits_with_import(path), rtol=0, atol=0)
 
 
+def test_from_pretrained_with_no_import_keeps_llmcompressor_mxfp4_experts_4_bit(tmp_path):
+    # an MXFP4 compressed-tensors config comes through the same stand-in as an NVFP4 one
+    path = FIXTURES / "llmcompressor" / "qwen3_moe_mxfp4a16"
+    out = tmp_path / "logits.pt"
+    code = LOAD.format(path=str(path), ids=PROMPT_IDS, out=str(out)).replace('"NVFP4Experts"', '"MXFP4Experts"')
+    report = json.loads(run_python(code, cwd=REPO, hook=True).stdout.strip().splitlines()[-1])
+    assert report == {"imported_before_load": False, "imported_after_load": True, "nvfp4_experts": 2}
+    torch.testing.assert_close(torch.load(out), logits_with_import(path), rtol=0, atol=0)
+
+
 def test_a_checkpoint_fp4moe_does_not_read_never_imports_it(tmp_path):
     from hf_integration.tiny_models import tiny_qwen3_moe
 
