@@ -153,11 +153,7 @@ class CompressedTensorsMXFP4Quantizer(CurrentDtypeDequantize, HfQuantizer):
         return dtype
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
-            raise CheckpointError(f"fp4moe loads MXFP4 checkpoints from .safetensors files, got {checkpoint_files}")
-        files = [str(f) for f in checkpoint_files]
-        scan = CheckpointScan(files)
-        scan.check_index(files)
+        scan = CheckpointScan.of_files_to_load(checkpoint_files, "MXFP4")
         self.files = {k: v[0] for k, v in scan.tensors.items()}
         renamings, converters = model_conversions(model)
         in_model = {}  # the checkpoint's keys by the model's names (Transformers' renamings applied)
@@ -188,7 +184,7 @@ class CompressedTensorsMXFP4Quantizer(CurrentDtypeDequantize, HfQuantizer):
             raise CheckpointError(f"checkpoint tensor {stray[0]!r} in {self.files[stray[0]]} is quantized, but no MXFP4 "
                                   f"linear or experts module of {type(model).__name__} takes it")
         if not (self.experts or self.linears):
-            raise CheckpointError(f"{files[0]} holds no MXFP4 tensors (weight_packed / weight_scale) fp4moe loads")
+            raise CheckpointError(f"{checkpoint_files[0]} holds no MXFP4 tensors (weight_packed / weight_scale) fp4moe loads")
         return model
 
     def _plan_experts(self, model, name: str, m: nn.Module, scan: CheckpointScan, in_model: dict, leaves,

@@ -62,6 +62,17 @@ class CheckpointScan:
             except Exception as exc:  # safetensors' SafetensorError, OSError: a truncated or malformed file
                 raise CheckpointError(f"{f}: not a valid safetensors file ({exc})") from exc
 
+    @classmethod
+    def of_files_to_load(cls, checkpoint_files, format_name: str) -> "CheckpointScan":
+        """The scan of the files Transformers is about to load (a quantizer's ``checkpoint_files``),
+        their index checked; anything but ``.safetensors`` files is refused, naming the format."""
+        if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
+            raise CheckpointError(f"fp4moe loads {format_name} checkpoints from .safetensors files, got {checkpoint_files}")
+        files = [str(f) for f in checkpoint_files]
+        scan = cls(files)
+        scan.check_index(files)
+        return scan
+
     def check_index(self, files: list[str]) -> None:
         """The shards agree with their index: every key is in the file the index names, and no
         other ``.safetensors`` file in the folder holds a tensor of this checkpoint (a stale shard

@@ -77,11 +77,7 @@ class MXFP4Quantizer(CurrentDtypeDequantize, HfQuantizer):
                              "on a GPU or the CPU")
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
-            raise CheckpointError(f"fp4moe loads MXFP4 checkpoints from .safetensors files, got {checkpoint_files}")
-        files = [str(f) for f in checkpoint_files]
-        scan = CheckpointScan(files)
-        scan.check_index(files)
+        scan = CheckpointScan.of_files_to_load(checkpoint_files, "MXFP4")
         skip = self.get_modules_to_not_convert(model, self.quantization_config.modules_to_not_convert,
                                                model._keep_in_fp32_modules)
         config = model.config.get_text_config()
