@@ -80,12 +80,19 @@ def test_patched_save_has_one_global_scale_per_fused_gemm_and_serving_config_fie
 def test_loaded_checkpoint_with_separate_scales_is_saved_with_one(arch, tmp_path, hf_logs):
     # a checkpoint (not ModelOpt's) whose gate/up have their own weight_scale_2: loaded kept NVFP4, the
     # fused sets are reconciled (logged), so the model computes what a re-save serves
-    write_modelopt_checkpoint(ARCHITECTURES[arch](), tmp_path / "src", equal_gate_up_scales=False)
+    model = ARCHITECTURES[arch]()
+    with torch.no_grad():  # every dense MLP's up apart from its gate in range: Transformers 5.17's
+        for name, p in model.named_parameters():  # truncated init can give both the same largest weight
+            if name.endswith("up_proj.weight") and ".experts." not in name:
+                p.mul_(1.5)
+    write_modelopt_checkpoint(model, tmp_path / "src", equal_gate_up_scales=False)
     source = load_file(tmp_path / "src" / "model-00001-of-00002.safetensors") | load_file(
         tmp_path / "src" / "model-00002-of-00002.safetensors")
     untied = [s for s in fused_sets(source) if not torch.equal(source[f"{s[0]}.weight_scale_2"],
                                                                 source[f"{s[1]}.weight_scale_2"])]
     assert untied  # the premise
+    if arch == "deepseek_v3":  # (its dense and shared MLPs are NVFP4 linears)
+        assert any(".experts." not in s[0] for s in untied)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16,
                                                  quantization_config=ModelOptConfig(fuse_shared_experts=False))
     if arch == "deepseek_v3":
