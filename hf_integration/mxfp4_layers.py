@@ -30,8 +30,6 @@ from fp4moe_ops.mxfp4 import MX_BLOCK_SIZE, dequantize_mxfp4
 from fp4moe_ops.op import _HIDDEN_DTYPES
 from fp4moe_ops.prepared import QuantizedBuffers, TensorSpec
 
-# the backends whose kernels read E8M0 block scales
-MXFP4_BACKENDS = ("triton", "reference")
 SAVE_REFUSAL = ("MXFP4 weights cannot be written as a ModelOpt NVFP4 checkpoint; a model loaded from an "
                 "llm-compressor MXFP4 checkpoint saves back to that format")
 
@@ -80,9 +78,8 @@ class MXFP4Experts(QuantizedBuffers):
         if act_scale_mode is not None:
             raise ValueError(f"act_scale_mode={act_scale_mode!r}: MXFP4 experts run with 16-bit activations only")
         b = resolve_backend(backend, self._buffers["gate_up_proj_scale"].device)
-        if b.name not in MXFP4_BACKENDS:
-            raise ValueError(f"backend {b.name!r} runs NVFP4 experts only; MXFP4 experts run on "
-                             f"{' or '.join(map(repr, MXFP4_BACKENDS))}")
+        if not b.reads_e8m0_scales:
+            raise ValueError(f"backend {b.name!r} runs NVFP4 experts only, not MXFP4's E8M0 block scales")
         if b.name == "triton":
             from fp4moe_ops.backends.triton_moe.layout import GPT_OSS_MAX_SCALE_BYTE
 
@@ -155,7 +152,6 @@ class MXFP4Linear(QuantizedBuffers):
         self.bias = linear.bias
         for spec in self.tensor_specs()[:2]:
             self.register_buffer(spec.name, torch.empty(spec.shape, dtype=spec.dtype))
-        self.dtype = linear.weight.dtype
 
     def tensor_specs(self) -> list[TensorSpec]:
         n, k = self.out_features, self.in_features
@@ -180,4 +176,4 @@ class MXFP4Linear(QuantizedBuffers):
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=MXFP4"
 
 
-__all__ = ["MXFP4Experts", "MXFP4Linear", "MXFP4_BACKENDS"]
+__all__ = ["MXFP4Experts", "MXFP4Linear"]

@@ -331,6 +331,12 @@ def test_the_op_refuses_mixed_scale_formats_and_a_backward_through_e8m0_scales()
     mixed[4] = mixed[4].view(torch.uint8)
     with pytest.raises(ValueError, match=r"w2_scale: expected torch.int8"):
         torch.ops.fp4moe.fused_moe(x, ids, rw, mixed, None, None, "reference", 0)
+    # a backend on the canonical tensors whose kernels read only E4M3 scales refuses E8M0 ones
+    from fp4moe_ops.backends.reference import ReferenceBackend
+
+    nvfp4_only = type("NVFP4Only", (ReferenceBackend,), {"name": "nvfp4_only", "reads_e8m0_scales": False})()
+    with pytest.raises(ValueError, match="'nvfp4_only' reads NVFP4 \\(E4M3\\) block scales only"):
+        nvfp4_only.check_expert_tensors(tensors, 64)
     x.requires_grad_(True)
     out = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, "reference", 0)
     with pytest.raises(NotImplementedError, match="no backward through MXFP4 experts"):

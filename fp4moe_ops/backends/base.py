@@ -121,6 +121,9 @@ class Backend:
     name: str = ""
     activation_scales: str = "optional"
     tensors: str = "canonical"
+    # whether its kernels read MXFP4 experts: canonical tensors whose block scales are E8M0 bytes
+    # as int8 (check_canonical_tensors); a backend that does not is refused them, never misreads them
+    reads_e8m0_scales: bool = False
 
     def packed_layout(self, hidden_size: int, intermediate_size: int) -> str:
         """The layout this backend wants the packed weights in (a :data:`PACKED_LAYOUTS` name)."""
@@ -150,7 +153,11 @@ class Backend:
 
     def check_expert_tensors(self, expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
         """Validate the prepared tensors' shapes/dtypes (fake tensors too); return E."""
-        return check_canonical_tensors(expert_tensors, hidden_size)
+        num_experts = check_canonical_tensors(expert_tensors, hidden_size)
+        if expert_tensors[1].dtype == torch.int8 and not self.reads_e8m0_scales:
+            raise ValueError(f"backend {self.name!r} reads NVFP4 (E4M3) block scales only, not MXFP4's E8M0 "
+                             "scales (int8)")
+        return num_experts
 
     # gpt-oss's experts (``fp4moe::gpt_oss_moe``): a backend runs them only if it overrides both
 

@@ -99,6 +99,7 @@ class ReferenceBackend(Backend):
     """Pure PyTorch, any device; float32 math on dequantized weights (slow)."""
 
     name = "reference"
+    reads_e8m0_scales = True
     activation_scales = "optional"
 
     def unavailable_reason(self, device: torch.device) -> str | None:

@@ -17,6 +17,7 @@ class TritonBackend(Backend):
 
     name = "triton"
     activation_scales = "forbidden"
+    reads_e8m0_scales = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if triton is None:
