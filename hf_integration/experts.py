@@ -241,9 +241,11 @@ class NVFP4Linear(QuantizedBuffers):
             self._buffers[name] = convert_packed(self._buffers[name][None], CANONICAL, layout, in_place=True)[0]
             self.layout = layout
 
-    def weight_value(self) -> torch.Tensor:
+    def weight_value(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The decoded weight in ``dtype`` (default: the replaced linear's)."""
         b, s = self._buffers, self.scheme
-        return nvfp4.dequantize_nvfp4(self.packed(), b[s.block_scale], s.multiplier(b[s.global_scale]), self.dtype)
+        return nvfp4.dequantize_nvfp4(self.packed(), b[s.block_scale], s.multiplier(b[s.global_scale]),
+                                      dtype or self.dtype)
 
     def dequantized(self) -> nn.Linear:
         """An ``nn.Linear`` of the original dtype holding ``e2m1 * block scale * global scale``
@@ -270,9 +272,7 @@ class NVFP4Linear(QuantizedBuffers):
         return None
 
     def dequantized_state(self, dtype: torch.dtype, config=None) -> dict[str, torch.Tensor]:
-        packed, block_scale, scale, _ = self.linear_tensors()
-        weight = nvfp4.dequantize_nvfp4(packed, block_scale, scale, dtype)
-        return {"weight": weight} | ({} if self.bias is None else {"bias": self.bias.to(dtype)})
+        return linear_state(self.weight_value(dtype), self.bias, dtype)
 
     def after_loading(self, config) -> nn.Module:
         """Kept in 4 bits (``nvfp4_linears="nvfp4"``), else an ``nn.Linear`` of the decoded weight."""
@@ -327,15 +327,15 @@ class FP8Linear(QuantizedBuffers):
             specs.append(TensorSpec("input_scale", torch.float32, (), "input_scale"))
         return specs + ([] if self.bias is None else [TensorSpec("bias", self.bias.dtype, (n,), "bias")])
 
-    def weight_value(self) -> torch.Tensor:
-        return (self.weight.float() * self.weight_scale).to(self.dtype)
+    def weight_value(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The decoded weight in ``dtype`` (default: the replaced linear's)."""
+        return (self.weight.float() * self.weight_scale).to(dtype or self.dtype)
 
     def dequantized(self) -> nn.Linear:
         return _linear_like(self, self.weight_value())
 
     def dequantized_state(self, dtype: torch.dtype, config=None) -> dict[str, torch.Tensor]:
-        weight = (self.weight.float() * self.weight_scale).to(dtype)
-        return {"weight": weight} | ({} if self.bias is None else {"bias": self.bias.to(dtype)})
+        return linear_state(self.weight_value(dtype), self.bias, dtype)
 
     def modelopt_tensors(self, name: str, converters=()) -> dict[str, torch.Tensor]:
         """The file's own FP8 tensors (ModelOpt's ``MIXED_PRECISION`` names)."""
@@ -371,6 +371,11 @@ def weight_amax(w: torch.Tensor) -> torch.Tensor:
     return torch.stack([w[r0:r1].abs().amax().float() for r0, r1 in expert_chunks(w)]).amax()
 
 
+def linear_state(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A quantized linear's ``dequantized_state``: the ``nn.Linear`` tensors of its decoded weight."""
+    return {"weight": weight} | ({} if bias is None else {"bias": bias.to(dtype)})
+
+
 def _linear_like(m: nn.Module, weight: torch.Tensor) -> nn.Linear:
     linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
@@ -379,4 +384,4 @@ def _linear_like(m: nn.Module, weight: torch.Tensor) -> nn.Linear:
     return linear
 
 
-__all__ = ["FP8Linear", "LOCAL", "LocalExperts", "NVFP4Experts", "NVFP4Linear", "weight_amax"]
+__all__ = ["FP8Linear", "LOCAL", "LocalExperts", "NVFP4Experts", "NVFP4Linear", "linear_state", "weight_amax"]

@@ -30,6 +30,8 @@ from fp4moe_ops.mxfp4 import MX_BLOCK_SIZE, dequantize_mxfp4
 from fp4moe_ops.op import _HIDDEN_DTYPES
 from fp4moe_ops.prepared import QuantizedBuffers, TensorSpec
 
+from .experts import linear_state
+
 SAVE_REFUSAL = ("MXFP4 weights cannot be written as a ModelOpt NVFP4 checkpoint; a model loaded from an "
                 "llm-compressor MXFP4 checkpoint saves back to that format")
 
@@ -163,8 +165,7 @@ class MXFP4Linear(QuantizedBuffers):
         return F.linear(x, dequantize_mxfp4(self.weight_packed, self.weight_scale, x.dtype), self.bias)
 
     def dequantized_state(self, dtype: torch.dtype, config=None) -> dict[str, torch.Tensor]:
-        weight = dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype)
-        return {"weight": weight} | ({} if self.bias is None else {"bias": self.bias.to(dtype)})
+        return linear_state(dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype), self.bias, dtype)
 
     def save_refusal(self) -> str | None:
         return SAVE_REFUSAL
