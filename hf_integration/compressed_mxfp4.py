@@ -36,7 +36,7 @@ from .checkpoint_format import CheckpointError, expert_converter_targets, expert
 from .kinds import quantized_modules
 from .load_plan import CheckpointScan, refuse_meta_device
 from .mxfp4_layers import MXFP4Experts, MXFP4Linear
-from .quantizer import COMPRESSED_TENSORS_FORMATS, CurrentDtypeDequantize, attach_guards
+from .quantizer import COMPRESSED_TENSORS_FORMATS, CurrentDtypeDequantize, attach_guards, check_all_filled
 from .surgery import experts_form_problem, is_transformers_experts, replace_module
 
 logger = logging.get_logger("transformers.fp4moe")
@@ -235,11 +235,7 @@ class CompressedTensorsMXFP4Quantizer(CurrentDtypeDequantize, HfQuantizer):
         return ours + kept
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        for name, m in quantized_modules(model):  # all filled and valid before any is prepared
-            for buf_name in m.incoming_layout():
-                buf = m._buffers[buf_name]
-                if buf.is_meta or not getattr(buf, "_is_hf_initialized", False):
-                    raise CheckpointError(f"{name}.{buf_name} was not filled from the checkpoint")
+        check_all_filled(model)  # all filled and valid before any is prepared
         for name, (prefix, leaves, count) in self.experts.items():
             m, inter = model.get_submodule(name), model.get_submodule(name).intermediate_size
             for leaf, proj, rows in ((leaves.gate, "gate_up_proj", slice(0, inter)),

@@ -222,7 +222,7 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.load_errors:
             raise self.load_errors[0]
-        self._check_all_loaded(model)
+        check_all_filled(model)
         loaded = quantized_modules(model)
         # every value checked before any module changes (those a converter filled: as they arrived,
         # under the file's per-expert keys)
@@ -281,14 +281,6 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
         """The checkpoint's key of a gpt-oss experts module's tensor, else the module path's."""
         p = self.plan.gpt_oss.get(name)
         return f"{p.checkpoint_prefix}.{tensor}" if p is not None else f"{name}.{tensor}"
-
-    def _check_all_loaded(self, model) -> None:
-        """Every NVFP4 tensor was filled from the checkpoint (Transformers marks what it loads):
-        none is left as uninitialized memory."""
-        for name, m in quantized_modules(model):
-            for buf_name, buf in m.named_buffers(recurse=False):
-                if buf_name not in m._non_persistent_buffers_set and not getattr(buf, "_is_hf_initialized", False):
-                    raise CheckpointError(f"{name}.{buf_name} was not filled from the checkpoint")
 
     def get_state_dict_and_metadata(self, model):
         from .saving import modelopt_state_dict
@@ -397,6 +389,17 @@ def register_experts_implementation() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, _bf16_experts_forward)
+
+
+def check_all_filled(model: nn.Module) -> None:
+    """Every quantized module's tensors were filled from the checkpoint (Transformers marks what it
+    loads): none is left as uninitialized memory. Checked before any module is prepared."""
+    for name, m in quantized_modules(model):
+        for buf_name, buf in m.named_buffers(recurse=False):
+            if buf_name in m._non_persistent_buffers_set:
+                continue
+            if buf.is_meta or not getattr(buf, "_is_hf_initialized", False):
+                raise CheckpointError(f"{name}.{buf_name} was not filled from the checkpoint")
 
 
 def _guarded_to(model, *args, **kwargs):
@@ -566,4 +569,4 @@ class _NVFP4CompressedTensorsQuantizers:
         return self.transformers_quantizer(quantization_config, **kwargs)
 
 
-__all__ = ["COMPRESSED_TENSORS_FORMATS", "CurrentDtypeDequantize", "ModelOptQuantizer", "attach", "attach_guards", "paged_cache_holds_mla", "quantizer_for", "register", "uses_mla"]
+__all__ = ["COMPRESSED_TENSORS_FORMATS", "CurrentDtypeDequantize", "ModelOptQuantizer", "attach", "attach_guards", "check_all_filled", "paged_cache_holds_mla", "quantizer_for", "register", "uses_mla"]
