@@ -529,23 +529,23 @@ def register() -> None:
         auto.AUTO_QUANTIZER_MAPPING[ct] = _NVFP4CompressedTensorsQuantizers(auto.AUTO_QUANTIZER_MAPPING.get(ct))
 
 
-# The other compressed-tensors formats fp4moe reads, each ``(is_format(config dict), config class,
-# quantizer class)``, added by its module's ``register()`` (MXFP4: hf_integration.compressed_mxfp4)
-COMPRESSED_TENSORS_FORMATS: list[tuple] = []
+# The compressed-tensors formats fp4moe reads, each ``(is_format(config dict), config class,
+# quantizer class)``: NVFP4 here, the others added by their module's ``register()`` (MXFP4:
+# hf_integration.compressed_mxfp4)
+COMPRESSED_TENSORS_FORMATS: list[tuple] = [
+    (CompressedTensorsNVFP4Config.is_nvfp4, CompressedTensorsNVFP4Config, ModelOptQuantizer)]
 
 
 class _NVFP4CompressedTensorsConfigs:
-    """Transformers' ``"compressed-tensors"`` config entry: NVFP4 configs (every group
-    ``nvfp4-pack-quantized``) become fp4moe's :class:`CompressedTensorsNVFP4Config`, those of a format
-    in :data:`COMPRESSED_TENSORS_FORMATS` its config class, any other goes to Transformers' own class
-    (as without fp4moe: dense and other quantized checkpoints are untouched)."""
+    """Transformers' ``"compressed-tensors"`` config entry: a config of a format in
+    :data:`COMPRESSED_TENSORS_FORMATS` (NVFP4: every group ``nvfp4-pack-quantized``) becomes that
+    format's config class, any other goes to Transformers' own class (as without fp4moe: dense and
+    other quantized checkpoints are untouched)."""
 
     def __init__(self, transformers_config):
         self.transformers_config = transformers_config
 
     def from_dict(self, config_dict, **kwargs):
-        if CompressedTensorsNVFP4Config.is_nvfp4(config_dict):
-            return CompressedTensorsNVFP4Config.from_dict(config_dict, **kwargs)
         for is_format, config_class, _ in COMPRESSED_TENSORS_FORMATS:
             if is_format(config_dict):
                 return config_class.from_dict(config_dict, **kwargs)
@@ -553,16 +553,13 @@ class _NVFP4CompressedTensorsConfigs:
 
 
 class _NVFP4CompressedTensorsQuantizers:
-    """Transformers' ``"compressed-tensors"`` quantizer entry: fp4moe's loader for
-    :class:`CompressedTensorsNVFP4Config` and the formats of :data:`COMPRESSED_TENSORS_FORMATS`,
-    Transformers' own quantizer for anything else."""
+    """Transformers' ``"compressed-tensors"`` quantizer entry: fp4moe's loader for the formats of
+    :data:`COMPRESSED_TENSORS_FORMATS`, Transformers' own quantizer for anything else."""
 
     def __init__(self, transformers_quantizer):
         self.transformers_quantizer = transformers_quantizer
 
     def __call__(self, quantization_config, **kwargs):
-        if isinstance(quantization_config, CompressedTensorsNVFP4Config):
-            return ModelOptQuantizer(quantization_config, **kwargs)
         for _, config_class, quantizer_class in COMPRESSED_TENSORS_FORMATS:
             if isinstance(quantization_config, config_class):
                 return quantizer_class(quantization_config, **kwargs)
