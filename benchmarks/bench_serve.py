@@ -34,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -184,7 +185,7 @@ def main() -> None:
     ap.add_argument("--variants", default="bf16,fp4moe")
     ap.add_argument("--check", type=int, default=8, help="answers compared with generate() per variant")
     ap.add_argument("--serve-args", default="", help="more `transformers serve` options, e.g. --cb-use-cuda-graph")
-    ap.add_argument("--folder", type=Path, default=Path("/tmp/fp4moe-bench-serve"), help="where the checkpoints go")
+    ap.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "fp4moe-bench-serve", help="where the checkpoints go")
     ap.add_argument("--timeout", type=float, default=900, help="seconds for the server to come up, and per request")
     ap.add_argument("--tiny", action="store_true", help="small dimensions on the CPU (a smoke test)")
     ap.add_argument("--out", default="benchmarks/out")
