@@ -1,0 +1,186 @@
+"""Where ``generate()``'s time per token goes beyond the compiled decode step, on a whole
+Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1:
+
+* the decode step's GPU time alone (graph replays back to back, CUDA events);
+* the host's time per compiled call (the same loop timed on the host, no sync inside);
+* ``generate()``'s decode time per token as Transformers runs it, which waits for the GPU every
+  step (``StopCheck``: ``bool(unfinished.max() == 0)``);
+* the same with Transformers' own ``DeferredStopCheck`` (reads the stop flag one step late, so the
+  host queues the next step while the GPU runs this one). Transformers enables it only on ``mps``;
+  here it is switched on for CUDA by replacing ``DeferredStopCheck.is_supported`` in this process
+  only, to measure what the per-step wait costs. The greedy tokens of both must be equal;
+* where the host's time per step goes inside ``generate()`` (the compiled call, preparing inputs,
+  updating kwargs, logits processing, stopping criteria, the stop check with its wait), in both
+  loops: the parts are timed with ``time.perf_counter`` around Transformers' own methods;
+* ``--host-profile``: cProfile of one ``generate()`` by own time.
+
+    python3 benchmarks/probes/probe_generate_loop.py [--layers 48] [--new-tokens 32] [--host-profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+from bench_decoder_layer import forward_step_ms  # noqa: E402
+from bench_e2e import time_generate  # noqa: E402
+from bench_generate_batch import QWEN3_30B_A3B, qwen3_moe  # noqa: E402
+from hf_integration import patch_moe, quantize_linears  # noqa: E402
+
+
+def host_ms_per_call(model, steps: int = 32) -> float:
+    """Host time per compiled decode call, the loop never waiting for the GPU (the GPU's queue
+    absorbs the launches as long as the host is the slower one)."""
+    from transformers import StaticCache
+
+    prompt = torch.randint(1, 1000, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    total = 16 + 4 + steps
+    cache = StaticCache(config=model.config, max_cache_len=total)
+    positions = torch.arange(total, device="cuda")
+    step = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        token = model(prompt, past_key_values=cache, cache_position=positions[:16]).logits[:, -1:].argmax(-1)
+        for i in range(4 + steps):
+            if i == 4:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            p = 16 + i
+            token = step(input_ids=token, past_key_values=cache, cache_position=positions[p:p + 1]).logits[:, -1:].argmax(-1)
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    return host * 1e3 / steps
+
+
+class HostTimer:
+    """Accumulates host seconds spent in named methods while active (wrapping them in place)."""
+
+    def __init__(self, model):
+        from transformers.generation import logits_process, stopping_criteria
+        from transformers.generation import utils as gen_utils
+
+        self.seconds: dict[str, float] = {}
+        self.targets = [
+            (model, "prepare_inputs_for_generation", "prepare_inputs_for_generation"),
+            (model, "_update_model_kwargs_for_generation", "_update_model_kwargs_for_generation"),
+            (logits_process.LogitsProcessorList, "__call__", "logits processors"),
+            (stopping_criteria.StoppingCriteriaList, "__call__", "stopping criteria"),
+            (gen_utils.StopCheck, "__call__", "stop check (waits for the GPU)"),
+            (gen_utils.DeferredStopCheck, "__call__", "stop check (waits for the GPU)"),
+        ]
+        self.model = model
+
+    def _wrap(self, fn, label):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def __enter__(self):
+        self.saved = []
+        for owner, attr, label in self.targets:
+            self.saved.append((owner, attr, owner.__dict__.get(attr)))
+            setattr(owner, attr, self._wrap(getattr(owner, attr), label))
+        get_compiled = self.model.get_compiled_call
+        self.model.get_compiled_call = lambda *a, **k: self._wrap(get_compiled(*a, **k), "compiled model call")
+        return self
+
+    def __exit__(self, *exc):
+        for owner, attr, old in self.saved:
+            if old is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, old)
+        del self.model.get_compiled_call
+
+
+def host_breakdown(model, new_tokens: int) -> dict[str, float]:
+    """Host ms per decode step by part (generate(1 + N) minus generate(1), over N), and the step's wall."""
+    from transformers import CompileConfig
+
+    prompt = torch.randint(1, 1000, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def run(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with HostTimer(model) as timer:
+            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                           compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, timer.seconds
+
+    run(1 + new_tokens), run(1)
+    wall_long, long = run(1 + new_tokens)
+    wall_short, short = run(1)
+    parts = {k: (long[k] - short.get(k, 0.0)) * 1e3 / new_tokens for k in long}
+    parts["wall a step"] = (wall_long - wall_short) * 1e3 / new_tokens
+    parts["rest of the loop"] = parts["wall a step"] - sum(v for k, v in parts.items() if k != "wall a step")
+    return parts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--attention", action="store_true", help="also quantize the attention projections")
+    ap.add_argument("--host-profile", action="store_true")
+    args = ap.parse_args()
+    import transformers
+    from transformers.generation import utils as gen_utils
+
+    model = qwen3_moe(args.layers, QWEN3_30B_A3B, "cuda")
+    patch_moe(model, verbose=False)
+    if args.attention:
+        quantize_linears(model, dense_mlps=False, attention=True)
+    print(f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}: Qwen3-30B-A3B shapes, {args.layers} layers, "
+          f"fp4moe{' + NVFP4 attention' if args.attention else ''}, batch 1; torch {torch.__version__}, "
+          f"transformers {transformers.__version__}", flush=True)
+
+    step_gpu = forward_step_ms(model, 1)
+    step_host = host_ms_per_call(model)
+    print(f"decode step alone: GPU {step_gpu:.3f} ms; host per compiled call {step_host:.3f} ms", flush=True)
+
+    tok_s, _, out_sync = time_generate(model, 1, args.new_tokens, compiled=True)
+    print(f"generate(), Transformers' loop (waits every step): {tok_s:.1f} tokens/s = {1e3 / tok_s:.3f} ms a token",
+          flush=True)
+    if args.host_profile:
+        from transformers import CompileConfig
+
+        prompt = torch.randint(1, 1000, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
+        with cProfile.Profile() as host:
+            model.generate(prompt, max_new_tokens=1 + args.new_tokens, min_new_tokens=1 + args.new_tokens,
+                           do_sample=False, cache_implementation="static",
+                           compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+            torch.cuda.synchronize()
+        pstats.Stats(host).sort_stats("tottime").print_stats(30)
+
+    for label, ms in host_breakdown(model, args.new_tokens).items():
+        print(f"    {ms:7.3f} ms  {label}", flush=True)
+
+    supported = gen_utils.DeferredStopCheck.is_supported
+    gen_utils.DeferredStopCheck.is_supported = staticmethod(
+        lambda device, cache, cache_is_returned, is_assistant: not is_assistant and (
+            cache is None or cache.is_croppable or not cache_is_returned))
+    try:
+        tok_s2, _, out_deferred = time_generate(model, 1, args.new_tokens, compiled=True)
+        same = torch.equal(out_sync, out_deferred)
+        print(f"generate(), DeferredStopCheck on CUDA (no wait per step): {tok_s2:.1f} tokens/s = "
+              f"{1e3 / tok_s2:.3f} ms a token; tokens equal to the default loop's: {same}", flush=True)
+        for label, ms in host_breakdown(model, args.new_tokens).items():
+            print(f"    {ms:7.3f} ms  {label}", flush=True)
+    finally:
+        gen_utils.DeferredStopCheck.is_supported = supported
+
+
+if __name__ == "__main__":
+    main()
