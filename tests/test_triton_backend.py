@@ -62,10 +62,11 @@ def test_route_matches_python_grouping():
 
 
 @pytest.mark.parametrize("num_experts,block_m,slots", [(256, 16, 8), (256, 16, 1000), (256, 16, 4096),
-                                                       (3, 64, 130), (5, 4, 1)])
+                                                       (3, 64, 130), (5, 4, 1), (5, 4, 4097), (128, 128, 33000)])
 def test_route_matches_python_grouping_across_chunks(num_experts, block_m, slots):
     # the routing program places 64 slots per step: several steps, a partial last one, more
-    # blocks than expert bins (the -1 fill loops), one slot, and the largest batch the kernel routes
+    # blocks than expert bins (the -1 fill loops), one slot, the largest batch one launch routes,
+    # and past it the two-launch path (per-chunk counts, chunks of several steps, a partial last chunk)
     ids = torch.randint(-1, num_experts + 1, (slots,))
     sorted_slot, block_expert, start, end = route(ids.to(DEVICE), num_experts, block_m)
     got = [(int(e), sorted_slot[int(a):int(b)].tolist()) for e, a, b in zip(block_expert, start, end) if e >= 0]
@@ -80,7 +81,7 @@ def test_route_drops_int64_ids_that_would_alias_a_valid_expert_in_32_bits():
     sorted_slot, block_expert, start, end = route(ids.to(DEVICE), 4, 16)
     got = [(int(e), sorted_slot[int(a):int(b)].tolist()) for e, a, b in zip(block_expert, start, end) if e >= 0]
     assert got == [(0, [5]), (1, [1]), (3, [3])]
-    sorted_slot, block_expert, start, end = route(ids.repeat(700, 1).to(DEVICE), 4, 16)  # > 4096 slots: torch
+    sorted_slot, block_expert, start, end = route(ids.repeat(700, 1).to(DEVICE), 4, 16)  # > 4096 slots: two launches
     covered = [s for e, a, b in zip(block_expert, start, end) if e >= 0 for s in sorted_slot[int(a):int(b)].tolist()]
     assert sorted(covered) == [s for s in range(6 * 700) if s % 6 in (1, 3, 5)]
 
@@ -403,7 +404,7 @@ def test_kernel_config_divides_dims():
             assert h % cfg["BN2"] == 0 and i % cfg["BK2"] == 0
 
 
-@pytest.mark.parametrize("slots_per_token,tokens", [(3, 37), (8, 64)])
+@pytest.mark.parametrize("slots_per_token,tokens", [(3, 37), (8, 64), (8, 700)])  # 5600 slots: two launches
 def test_fast_and_torch_routing_agree(slots_per_token, tokens):
     from fp4moe_ops.backends import triton_moe
 
@@ -542,7 +543,7 @@ def test_paired_layout_round_trip_and_checks():
         triton_fused_moe(x, ids, rw, prepared, kernel_config(2, 3, 256, 256) | {"TMA": False})
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 700])  # 700 x 8 slots: the torch routing path
+@pytest.mark.parametrize("tokens", [1, 5, 700])  # 700 x 8 slots: the two-launch routing path
 def test_route_also_permutes_activations_into_fragment_order(tokens):
     from fp4moe_ops.backends import triton_moe
     from fp4moe_ops.backends.triton_moe import fragment_order
@@ -697,10 +698,35 @@ def test_gluon_prefill_gemms_refuse_ring_depths_and_shapes_they_cannot_run():
         prefill_rs.check_config(7168, 2048, block_m, stages, tails)
 
 
+@pytest.mark.parametrize("tokens", [1, 37, 600, 2048])  # 2048 x 8 slots: the two-launch routing path
+def test_route_splits_off_the_tail_level_as_split_blocks_does(tokens):
+    # route(tail=64), the Gluon prefill's one tail level made by the routing kernel itself, against
+    # split_blocks' torch ops over the plain block table (checked by the test below): the same
+    # blocks in each launch, the same slot order
+    from collections import Counter
+
+    from fp4moe_ops.backends.triton_moe import prefill_rs
+
+    e, k = 256, 8
+    ids = torch.randint(0, e, (tokens, k))
+    ids[0, 0], ids[-1, -1] = -1, e  # dropped
+    sorted_slot, *tables = route(ids.to(DEVICE), e, 128, tail=64)
+    plain_slot, *plain = route(ids.to(DEVICE), e, 128)
+    assert torch.equal(sorted_slot, plain_slot)
+    assert tables[3].numel() == e  # the tail table is indexed by expert
+
+    def blocks(launches):
+        return Counter((m, int(a), int(b), int(c)) for m, *t in launches for a, b, c in zip(*t) if a >= 0)
+
+    want = blocks(prefill_rs.split_blocks(*plain, e, 128, (64,)))
+    assert blocks([(128, *tables[:3]), (64, *tables[3:])]) == want
+    assert sum(n for (m, *_), n in want.items() if m == 64) > 0  # the tail level is used
+
+
 @pytest.mark.parametrize("tails", [(64,), (64, 32), (64, 32, 16, 8)])
 def test_gluon_tail_levels_take_every_block_once(tails):
-    # the launches of prefill_gemms over 128-row blocks as routing makes them (torch ops, prefill's
-    # path past 4096 slots): every used block in exactly one launch, the one of the smallest size
+    # the launches of prefill_gemms over 128-row blocks as routing makes them: every used block in
+    # exactly one launch, the one of the smallest size
     # holding its rows; tail levels on grids of min(E, blocks) programs. Unused blocks' rows are
     # garbage, as the routing kernel leaves them.
     from collections import Counter

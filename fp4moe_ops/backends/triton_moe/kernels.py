@@ -458,23 +458,30 @@ def _gemm2_kernel(
         y = acc * g * route[None, :]
         tl.store(out_ptr + slots[None, :] * H + cols[:, None], y, mask=row_mask[None, :])
 
-@triton.jit(do_not_specialize=["S", "NUM_BLOCKS", "X_NUMEL", "H"])
+@triton.jit(do_not_specialize=["S", "NUM_BLOCKS", "X_NUMEL", "H", "CHUNK_SLOTS"])
 def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                  S, E, NUM_BLOCKS, x_ptr, x_fragment_ptr, X_NUMEL, H,
+                  S, E, NUM_BLOCKS, x_ptr, x_fragment_ptr, X_NUMEL, H, chunk_counts_ptr, CHUNK_SLOTS,
+                  tail_expert_ptr, tail_row_start_ptr, tail_row_end_ptr,
                   BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-                  CHUNK: tl.constexpr, X_BLOCK: tl.constexpr, ROUTE: tl.constexpr = True, PDL: tl.constexpr = False):
-    """:func:`route` (decode-sized S) in the first ``ceil(S / R_CHUNK)`` programs: one launch instead
-    of ~12 torch ops. The other programs (if any) copy ``x [T, H]`` into :func:`fragment_order`
-    with ``CHUNK``-wide chunks, which saves the permute's own launch. ROUTE=False: only the copy
-    (prefill, where torch ops route).
+                  CHUNK: tl.constexpr, X_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                  CHUNKS: tl.constexpr = 0, TAIL: tl.constexpr = 0):
+    """:func:`route` in the first programs: one launch instead of ~12 torch ops. Decode-sized S
+    (``CHUNKS == 0``): ``ceil(S / R_CHUNK)`` programs, each counting every slot itself. Prefill
+    (``CHUNKS`` > 0): ``CHUNKS`` programs of ``CHUNK_SLOTS`` slots each, reading the per-chunk
+    counts :func:`_route_count_kernel` wrote (``chunk_counts [CHUNKS, E_PAD]``). The other
+    programs (if any) copy ``x [T, H]`` into :func:`fragment_order` with ``CHUNK``-wide chunks,
+    which saves the permute's own launch. ``TAIL`` > 0: an expert's
+    last block of at most ``TAIL`` rows goes to the tail table (indexed by expert, -1 where none)
+    instead of the block table (see :func:`_route_program`).
 
-    No size is a constexpr and S, NUM_BLOCKS, X_NUMEL and H are not specialized: one compiled
-    variant serves every token count (a tl.sort over a power-of-two padded S compiled a variant
-    per power of two, up to 15 s each on the CPU machine, paid on the first call of every new
-    size class)."""
+    No size is a constexpr and S, NUM_BLOCKS, X_NUMEL, H and CHUNK_SLOTS are not specialized: one
+    compiled variant serves every token count of a path (a tl.sort over a power-of-two padded S
+    compiled a variant per power of two, up to 15 s each on the CPU machine, paid on the first
+    call of every new size class)."""
     _await_previous_kernel(PDL)
-    route_programs = 0
-    if ROUTE:
+    if CHUNKS > 0:
+        route_programs = CHUNKS
+    else:
         route_programs = tl.cdiv(S, R_CHUNK)
     p = tl.program_id(0)
     if p >= route_programs:
@@ -485,7 +492,22 @@ def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_pt
         tl.store(x_fragment_ptr + idx, tl.load(x_ptr + idx - c + natural, mask=mask), mask=mask)
     else:
         _route_program(p, ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                       S, E, NUM_BLOCKS, BM, E_PAD, R_CHUNK, COUNT_BLOCK)
+                       S, E, NUM_BLOCKS, chunk_counts_ptr, CHUNK_SLOTS, tail_expert_ptr, tail_row_start_ptr,
+                       tail_row_end_ptr, BM, E_PAD, R_CHUNK, COUNT_BLOCK, CHUNKS, TAIL)
+
+@triton.jit(do_not_specialize=["S", "CHUNK_SLOTS"])
+def _route_count_kernel(ids_ptr, chunk_counts_ptr, S, E, CHUNK_SLOTS, E_PAD: tl.constexpr,
+                        COUNT_BLOCK: tl.constexpr):
+    """Prefill routing's first launch: program ``c`` writes the slots per bin of slots ``c
+    CHUNK_SLOTS .. (c + 1) CHUNK_SLOTS`` to ``chunk_counts [c, :]`` (each slot read once, where a
+    program counting all slots itself would read S slots per program)."""
+    c0 = tl.program_id(0) * CHUNK_SLOTS
+    end = tl.minimum(c0 + CHUNK_SLOTS, S)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(c0, end, COUNT_BLOCK):
+        _, key = _expert_keys(ids_ptr, start, end, E, COUNT_BLOCK)
+        counts += tl.histogram(key, E_PAD)
+    tl.store(chunk_counts_ptr + tl.program_id(0) * E_PAD + tl.arange(0, E_PAD), counts)
 
 @triton.jit
 def _expert_keys(ids_ptr, start, end, E, BLOCK: tl.constexpr):
@@ -506,26 +528,54 @@ def _count(ids_ptr, end, E, E_PAD: tl.constexpr, COUNT_BLOCK: tl.constexpr):
     return counts
 
 @triton.jit
-def _route_program(p, ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                   S, E, NUM_BLOCKS,
-                   BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr, COUNT_BLOCK: tl.constexpr):
-    """A stable counting sort of the slots by expert; program ``p`` places slots ``p R_CHUNK ..
-    (p + 1) R_CHUNK``: a slot's row is its expert's first row + the expert's slots before this
-    chunk + its rank among the chunk's slots of that expert. Every program counts all slots and
-    those before its chunk itself (S <= 4096 ids, a few COUNT_BLOCK steps), so the programs need
-    nothing from each other. Bin E collects invalid ids: those slots land after every valid one.
-    Program 0 also writes the block table."""
+def _chunk_counts(chunk_counts_ptr, p, CHUNKS: tl.constexpr, E_PAD: tl.constexpr):
+    """From :func:`_route_count_kernel`'s table: slots per bin in all chunks, and in chunks before ``p``."""
     bins = tl.arange(0, E_PAD)
-    counts = _count(ids_ptr, S, E, E_PAD, COUNT_BLOCK)
+    total = tl.zeros((E_PAD,), dtype=tl.int32)
+    before = tl.zeros((E_PAD,), dtype=tl.int32)
+    for r0 in tl.static_range(0, CHUNKS, 16):  # 16 chunks' rows at a time: a [CHUNKS, E_PAD] tile is too many registers
+        rows = r0 + tl.arange(0, 16)
+        table = tl.load(chunk_counts_ptr + rows[:, None] * E_PAD + bins[None, :], mask=rows[:, None] < CHUNKS, other=0)
+        total += tl.sum(table, axis=0)
+        before += tl.sum(tl.where(rows[:, None] < p, table, 0), axis=0)
+    return total, before
+
+@triton.jit
+def _route_program(p, ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
+                   S, E, NUM_BLOCKS, chunk_counts_ptr, CHUNK_SLOTS, tail_expert_ptr, tail_row_start_ptr,
+                   tail_row_end_ptr, BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr,
+                   COUNT_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, TAIL: tl.constexpr):
+    """A stable counting sort of the slots by expert; program ``p`` places the slots of its chunk
+    (``R_CHUNK`` slots, or ``CHUNK_SLOTS`` with ``CHUNKS`` in ``R_CHUNK`` steps): a slot's row is its
+    expert's first row + the expert's slots before this step + its rank among the step's slots of
+    that expert. Decode-sized S: every program counts all slots and those before its chunk itself
+    (S <= 4096 ids, a few COUNT_BLOCK steps), so the programs need nothing from each other; with
+    ``CHUNKS``, the counts come from the per-chunk table. Bin E collects invalid ids: those slots
+    land after every valid one. Program 0 also writes the block table, and with ``TAIL`` the tail
+    table: expert ``e``'s last block goes there (the block table's entry -1) when it holds at most
+    ``TAIL`` rows."""
+    bins = tl.arange(0, E_PAD)
+    if CHUNKS > 0:
+        counts, before = _chunk_counts(chunk_counts_ptr, p, CHUNKS, E_PAD)
+        c0 = p * CHUNK_SLOTS
+        c_end = tl.minimum(c0 + CHUNK_SLOTS, S)
+        steps_end = c_end
+    else:
+        counts = _count(ids_ptr, S, E, E_PAD, COUNT_BLOCK)
+        c0 = p * R_CHUNK
+        before = _count(ids_ptr, c0, E, E_PAD, COUNT_BLOCK)
+        c_end = S
+        steps_end = c0 + 1  # one step
     row_start = tl.cumsum(counts, 0) - counts
-    c0 = p * R_CHUNK
-    base = row_start + _count(ids_ptr, c0, E, E_PAD, COUNT_BLOCK)
-    offs, key = _expert_keys(ids_ptr, c0, S, E, R_CHUNK)
+    base = row_start + before
     lane = tl.arange(0, R_CHUNK)
-    before = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
-    rank = tl.sum(before.to(tl.int32), axis=1)  # earlier slots of this chunk with the same key
-    row = tl.gather(base, key, 0) + rank
-    tl.store(sorted_slot_ptr + row, offs, mask=offs < S)
+    for step in range(c0, steps_end, R_CHUNK):
+        offs, key = _expert_keys(ids_ptr, step, c_end, E, R_CHUNK)
+        earlier = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)  # earlier slots of this step with the same key
+        row = tl.gather(base, key, 0) + rank
+        tl.store(sorted_slot_ptr + row, offs, mask=offs < c_end)
+        base += tl.histogram(key, E_PAD)
 
     if p == 0:
         counts = tl.where(bins < E, counts, 0)
@@ -535,12 +585,20 @@ def _route_program(p, ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_star
             b = b0 + bins
             tl.store(block_expert_ptr + b, tl.full((E_PAD,), -1, tl.int32), mask=b < NUM_BLOCKS)
         tl.debug_barrier()  # the -1 fill lands before the real entries below
+        last_rows = counts - (blocks - 1) * BM  # rows of each expert's last block
+        to_tail = (blocks > 0) & (last_rows <= TAIL)
         for j in range(0, tl.max(blocks, 0)):
-            used = j < blocks
+            used = (j < blocks) & ~(to_tail & (j == blocks - 1))
             r0 = row_start + j * BM
             tl.store(block_expert_ptr + block_start + j, bins, mask=used)
             tl.store(block_row_start_ptr + block_start + j, r0, mask=used)
             tl.store(block_row_end_ptr + block_start + j, tl.minimum(r0 + BM, row_start + counts), mask=used)
+        if TAIL > 0:
+            r0 = row_start + (blocks - 1) * BM
+            mine = bins < E
+            tl.store(tail_expert_ptr + bins, tl.where(to_tail, bins, -1), mask=mine)
+            tl.store(tail_row_start_ptr + bins, r0, mask=mine)
+            tl.store(tail_row_end_ptr + bins, row_start + counts, mask=mine)
 
 @triton.jit
 def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False,

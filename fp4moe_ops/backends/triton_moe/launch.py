@@ -20,7 +20,7 @@ try:
     import triton
 
     from .kernels import _dequant_kernel, _gemm1_swiglu_kernel, _gemm2_kernel, _linear_kernel, _linear_parts_kernel, \
-        _route_kernel, _sum_topk_kernel
+        _route_count_kernel, _route_kernel, _sum_topk_kernel
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
@@ -32,7 +32,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-FAST_ROUTE_MAX_SLOTS = 4096  # the routing kernel up to here; torch ops beyond (prefill)
+# Up to here the routing kernel's programs each count every slot themselves (one launch); beyond
+# (prefill), a first launch counts the slots of ROUTE_CHUNKS chunks and the placing launch reads
+# those counts: two launches, where torch ops took ~15 and the tail split ~10 more
+FAST_ROUTE_MAX_SLOTS = 4096
+ROUTE_CHUNKS = 64
 # From this many rows per expert on, the Gluon prefill kernels (prefill_rs.py) on Hopper, with an
 # expert's last block in 64-token tiles when it holds 64 rows or fewer (GLUON_PREFILL_TAILS): faster
 # than the single-role kernels from 64 rows, not at 32; a second, 32-row tail level gained nothing
@@ -67,52 +71,64 @@ def _round4(n: int) -> int:
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: torch.Tensor | None = None,
-          fragment_chunk: int = 0, pdl: bool = False):
+          fragment_chunk: int = 0, pdl: bool = False, tail: int = 0):
     """Group slots by expert and cut them into ``block_m``-row blocks, on the device.
 
     Returns ``(sorted_slot [S] int32, block_expert [B] int32 (-1 unused), block_row_start [B],
     block_row_end [B])`` with ``B = min(S, E) + S // block_m`` (a bound on the blocks needed:
-    each expert hit adds at most one partial block). Invalid ids are dropped. With
+    each expert hit adds at most one partial block). Invalid ids are dropped. ``tail`` > 0 (the
+    routing kernel only: CUDA or the interpreter): an expert's last block of at most ``tail`` rows
+    is left out of the block table (-1) and put in a tail table, returned next: ``(tail_expert
+    [E] (-1: none), tail_row_start [E], tail_row_end [E])``, indexed by expert. With
     ``activations [T, H]`` and ``fragment_chunk``, also returns them in :func:`fragment_order`
-    (in the same launch as the routing kernel). ``pdl``: launch the routing kernel with programmatic
-    dependent launch (see :func:`kernel_config`).
+    (in the same launch as the routing kernel), last. ``pdl``: launch the routing kernel with
+    programmatic dependent launch (see :func:`kernel_config`).
     """
     flat = topk_ids.reshape(-1)
     num_slots = flat.numel()
     num_blocks = min(num_slots, num_experts) + num_slots // block_m
     on_triton = triton is not None and (flat.is_cuda or interpreting())
+    if tail and not on_triton:
+        raise ValueError("route(tail=...) needs the routing kernel (a CUDA tensor, or TRITON_INTERPRET=1)")
     decide_slots = planned_slots(num_slots)  # (compile_ahead: the representative count)
-    fast = decide_slots <= FAST_ROUTE_MAX_SLOTS and on_triton
+    chunked = decide_slots > FAST_ROUTE_MAX_SLOTS
     copy = activations is not None and on_triton  # the permute runs in _route_kernel's last programs
-    e_pad = triton.next_power_of_2(num_experts + 2) if on_triton else 0  # + bins for invalid ids, padding
-    route_programs = triton.cdiv(num_slots, ROUTE_CHUNK) if fast else 0
-    if fast:
-        # one allocation, each part starting on a 16-byte boundary: the kernels reading these
-        # pointers are specialized on alignment, which must not change with the token count
-        sizes = [num_slots] + [num_blocks] * 3
-        # (zeros while compiling ahead: nothing writes them, and torch ops may index with them)
-        out = (torch.zeros if compiling_ahead() else torch.empty)(sum(_round4(n) for n in sizes), dtype=torch.int32,
-                                                                  device=flat.device)
-        routed = tuple(p[:n] for p, n in zip(out.split([_round4(n) for n in sizes]), sizes))
-    else:
+    if not on_triton:
         routed = _route_torch(flat, num_experts, block_m, num_blocks)
-    if fast or copy:
-        x = activations.contiguous() if copy else routed[0]  # (unused without the copy)
-        x_fragment = torch.empty_like(x) if copy else x
-        x_block = 1024
-        grid = route_programs + (triton.cdiv(x.numel(), x_block) if copy else 0)
-        if grid:
-            launch_or_compile(
-                _route_kernel, (grid,), flat, *routed, num_slots, num_experts, num_blocks, x, x_fragment,
-                x.numel() if copy else 0, x.shape[-1] if copy else 1, BM=block_m, E_PAD=e_pad, R_CHUNK=ROUTE_CHUNK,
-                COUNT_BLOCK=_count_block(decide_slots), CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block, ROUTE=fast,
-                num_warps=4, **_pdl_args(pdl),
-            )
-    if activations is None:
-        return routed
-    if not copy:
-        x_fragment = fragment_order(activations.contiguous(), fragment_chunk)
-    return (*routed, x_fragment)
+        if activations is None:
+            return routed
+        return (*routed, fragment_order(activations.contiguous(), fragment_chunk))
+    e_pad = triton.next_power_of_2(num_experts + 2)  # + bins for invalid ids, padding
+    # one allocation, each part starting on a 16-byte boundary: the kernels reading these pointers
+    # are specialized on alignment, which must not change with the token count
+    sizes = [num_slots] + [num_blocks] * 3 + [num_experts] * (3 if tail else 0)
+    # (zeros while compiling ahead: nothing writes them, and torch ops may index with them)
+    alloc = torch.zeros if compiling_ahead() else torch.empty
+    out = alloc(sum(_round4(n) for n in sizes), dtype=torch.int32, device=flat.device)
+    routed = tuple(p[:n] for p, n in zip(out.split([_round4(n) for n in sizes]), sizes))
+    count_block = _count_block(decide_slots)
+    if chunked:
+        chunk_slots = triton.cdiv(triton.cdiv(num_slots, ROUTE_CHUNKS), ROUTE_CHUNK) * ROUTE_CHUNK
+        chunk_counts = alloc(ROUTE_CHUNKS * e_pad, dtype=torch.int32, device=flat.device)
+        launch_or_compile(_route_count_kernel, (ROUTE_CHUNKS,), flat, chunk_counts, num_slots, num_experts,
+                          chunk_slots, E_PAD=e_pad, COUNT_BLOCK=count_block, num_warps=4)
+        route_programs = ROUTE_CHUNKS
+    else:
+        chunk_slots, chunk_counts = ROUTE_CHUNK, routed[0]  # (unused)
+        route_programs = triton.cdiv(num_slots, ROUTE_CHUNK)
+    x = activations.contiguous() if copy else routed[0]  # (unused without the copy)
+    x_fragment = torch.empty_like(x) if copy else x
+    x_block = 1024
+    grid = route_programs + (triton.cdiv(x.numel(), x_block) if copy else 0)
+    if grid:
+        launch_or_compile(
+            _route_kernel, (grid,), flat, *routed[:4], num_slots, num_experts, num_blocks, x, x_fragment,
+            x.numel() if copy else 0, x.shape[-1] if copy else 1, chunk_counts, chunk_slots,
+            *(routed[4:] if tail else routed[:1] * 3), BM=block_m, E_PAD=e_pad, R_CHUNK=ROUTE_CHUNK,
+            COUNT_BLOCK=count_block, CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block,
+            CHUNKS=ROUTE_CHUNKS if chunked else 0, TAIL=tail, num_warps=4, **_pdl_args(pdl),
+        )
+    return (*routed, x_fragment) if activations is not None else routed
 
 
 def _pdl_args(pdl: bool) -> dict:
@@ -502,11 +518,14 @@ def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int =
 
     w13, s13, g13, w2, s2, g2 = expert_tensors
     num_experts = s13.shape[0]
-    sorted_slot, block_expert, row_start, row_end, x_fragment = route(topk_ids, num_experts, block_m, x, BK.value)
+    # one tail level: the routing kernel splits it off itself (else split_blocks' torch ops; also
+    # where the kernel does not run: CPU tensors compiled for sm_90 by tools/compile_ahead_cpu.py)
+    tail = tails[0] if len(tails) == 1 and (x.is_cuda or interpreting()) else 0
+    sorted_slot, *tables, x_fragment = route(topk_ids, num_experts, block_m, x, BK.value, tail=tail)
+    launches = [(block_m, *tables[:3]), (tail, *tables[3:])] if tail else None
     x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
-    y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, block_expert,
-                      row_start, row_end, block_m=block_m, tails=tails,
-                      gpt_oss=gpt_oss, **options)
+    y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, *tables[:3],
+                      block_m=block_m, tails=tails, gpt_oss=gpt_oss, launches=launches, **options)
     return _sum_topk(y, topk_ids, x, num_experts, bias=_down_bias(gpt_oss, topk_weights))
 
 

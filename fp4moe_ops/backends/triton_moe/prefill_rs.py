@@ -438,7 +438,7 @@ def split_blocks(block_expert, row_start, row_end, num_experts: int, block_m: in
 
 def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
                   row_end, block_m: int = 128, stages: int = 4, regs: int = 248, diag: int = 0, tails=(),
-                  gpt_oss=None):
+                  gpt_oss=None, launches=None):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order, each 64-wide
     piece of K in :func:`.layout.fragment_order`) -> ``y [S, H]`` float32 by slot (the top-k sum
     is the caller's). Weights in the paired layout (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``),
@@ -449,7 +449,9 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     MMA, 3 runs both unlinked (the MMA on a constant operand). ``tails``: smaller sizes of
     :data:`BLOCK_MS`, decreasing: a block of at most ``tails[j]`` rows (an expert's last, or all
     its rows) runs in a launch of its own with ``tails[j]``-token tiles, the MMA work of its
-    padding cut (each launch skips the others' blocks). H and I multiples of 256. MXFP4 (gpt-oss):
+    padding cut (each launch skips the others' blocks). ``launches``: that split as
+    :func:`split_blocks` returns it, made elsewhere (the routing kernel makes a one-tail split
+    itself); None: :func:`split_blocks` makes it. H and I multiples of 256. MXFP4 (gpt-oss):
     int8 E8M0 scales (``g13``, ``g2`` unused) and ``gpt_oss`` (:class:`.layout.GptOssTerms`) for GEMM1's
     activation."""
     num_slots, hidden = x_sorted.shape
@@ -458,7 +460,8 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     check_config(hidden, inter, block_m, stages, tails)
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
-    launches = split_blocks(block_expert, row_start, row_end, num_experts, block_m, tails)
+    if launches is None:
+        launches = split_blocks(block_expert, row_start, row_end, num_experts, block_m, tails)
     w13_bytes = w13.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
     w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
     w_box = [2, 2, PAIRS.value // 2, BK.value]
