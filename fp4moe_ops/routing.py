@@ -199,14 +199,12 @@ def softmax_topk_torch(router_logits, top_k, renormalize):
 if triton is not None:
 
     @triton.jit
-    def _softmax_topk_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, NUM_EXPERTS: tl.constexpr,
-                             EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
-                             RENORMALIZE: tl.constexpr):
-        """One token per program: its E logits in registers, the top k by k passes of max."""
-        t = tl.program_id(0).to(tl.int64)
+    def _softmax_topk_row(logit, weights_ptr, ids_ptr, t, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr,
+                          TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr):
+        """One token's softmax top-k from its ``[EXPERTS_P2]`` float32 logits (padding -inf): the
+        top k by k passes of max, stored at row ``t``."""
         expert = tl.arange(0, EXPERTS_P2)
         valid = expert < NUM_EXPERTS
-        logit = tl.load(logits_ptr + t * stride_t + expert, mask=valid, other=float("-inf")).to(tl.float32)
         e = tl.where(valid, tl.exp(logit - tl.max(logit, axis=0)), 0.0)
         prob = e / tl.sum(e, axis=0)
         choice = tl.where(valid, prob, float("-inf"))  # padding is never chosen
@@ -225,6 +223,47 @@ if triton is not None:
         out = t * TOP_K + slot
         tl.store(weights_ptr + out, weights, mask=slot < TOP_K)
         tl.store(ids_ptr + out, ids.to(tl.int64), mask=slot < TOP_K)
+
+    @triton.jit
+    def _softmax_topk_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, NUM_EXPERTS: tl.constexpr,
+                             EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
+                             RENORMALIZE: tl.constexpr):
+        """One token per program: its E logits in registers, :func:`_softmax_topk_row`."""
+        t = tl.program_id(0).to(tl.int64)
+        expert = tl.arange(0, EXPERTS_P2)
+        logit = tl.load(logits_ptr + t * stride_t + expert, mask=expert < NUM_EXPERTS,
+                        other=float("-inf")).to(tl.float32)
+        _softmax_topk_row(logit, weights_ptr, ids_ptr, t, NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE)
+
+    @triton.jit
+    def _router_softmax_topk_kernel(x_ptr, w_ptr, logits_ptr, weights_ptr, ids_ptr, count_ptr, H,
+                                    NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, BE: tl.constexpr,
+                                    BH: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
+                                    RENORMALIZE: tl.constexpr):
+        """Program ``(p, t)``: the logits of experts ``p BE .. (p + 1) BE`` for token ``t``, float32
+        sums of the exact 16-bit products rounded to the logits' dtype, as ``F.linear``'s output is;
+        the last of the token's programs to arrive (``count [t]``, zero between calls: that program
+        sets it back) reads all its logits from L2 and runs :func:`_softmax_topk_row`."""
+        p = tl.program_id(0)
+        t = tl.program_id(1).to(tl.int64)
+        experts = p * BE + tl.arange(0, BE)
+        acc = tl.zeros((BE, BH), dtype=tl.float32)
+        for h0 in range(0, H, BH):
+            h = h0 + tl.arange(0, BH)
+            x = tl.load(x_ptr + t * H + h, mask=h < H, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + experts[:, None].to(tl.int64) * H + h[None, :],
+                        mask=(experts[:, None] < NUM_EXPERTS) & (h[None, :] < H), other=0.0).to(tl.float32)
+            acc += w * x[None, :]
+        logit = tl.sum(acc, axis=1).to(logits_ptr.dtype.element_ty)
+        tl.store(logits_ptr + t * NUM_EXPERTS + experts, logit, mask=experts < NUM_EXPERTS)
+        tl.debug_barrier()  # this program's logits are stored before it counts itself
+        arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            expert = tl.arange(0, EXPERTS_P2)
+            row = tl.load(logits_ptr + t * NUM_EXPERTS + expert, mask=expert < NUM_EXPERTS, other=float("-inf"),
+                          cache_modifier=".cg").to(tl.float32)  # from L2, where the other programs' stores are
+            _softmax_topk_row(row, weights_ptr, ids_ptr, t, NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE)
+            tl.atomic_xchg(count_ptr + t, 0)  # ready for the next call (and a graph's next replay)
 
 
 def softmax_topk_triton(router_logits, top_k, renormalize):
@@ -266,3 +305,90 @@ def _(router_logits, top_k, renormalize):
     t = router_logits.shape[0]
     return (router_logits.new_empty(t, top_k, dtype=torch.float32),
             router_logits.new_empty(t, top_k, dtype=torch.int64))
+
+
+# The router's GEMV and softmax top-k in one launch ----------------------------------------------
+#
+#     logits = hidden @ weight.T   in hidden's dtype (float32 sums of the exact 16-bit products)
+#     (weights, ids) = softmax_topk(logits, top_k, renormalize)
+#
+# At decode the router's GEMV (E x H, 0.5 MB for Qwen3-30B-A3B) is a cuBLAS launch of ~5 us on an
+# H100 and softmax_topk another ~2 us; one launch does both for up to ROUTER_FUSED_MAX_TOKENS tokens
+# (each token's programs re-read the weight, from L2 after the first), cuBLAS and softmax_topk's
+# kernel beyond.
+
+ROUTER_FUSED_MAX_TOKENS = 16
+ROUTER_COUNTERS = ROUTER_FUSED_MAX_TOKENS  # one arrival counter per token of a fused launch
+
+
+def router_counters(device) -> torch.Tensor:
+    """A zeroed ``[ROUTER_COUNTERS] int32`` table for :func:`router_softmax_topk` (zero between
+    calls; calls sharing one must not run at the same time, on two streams)."""
+    return torch.zeros(ROUTER_COUNTERS, dtype=torch.int32, device=device)
+
+
+def _check_router(hidden, weight, counters, top_k):
+    if hidden.dim() != 2 or hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"hidden must be [T, H] bfloat16/float16/float32, got {hidden.dtype} {list(hidden.shape)}")
+    if weight.dim() != 2 or weight.dtype != hidden.dtype or weight.shape[1] != hidden.shape[1]:
+        raise TypeError(f"weight must be [E, H={hidden.shape[1]}] {hidden.dtype} like hidden, got {weight.dtype} "
+                        f"{list(weight.shape)}")
+    if counters.dtype != torch.int32 or counters.shape != (ROUTER_COUNTERS,):
+        raise TypeError(f"counters must be router_counters(): [{ROUTER_COUNTERS}] int32, got {counters.dtype} "
+                        f"{list(counters.shape)}")
+    for name, t in (("weight", weight), ("counters", counters)):
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if not 1 <= top_k <= weight.shape[0]:
+        raise ValueError(f"top_k={top_k} must be in [1, {weight.shape[0]}] (the experts)")
+
+
+def router_softmax_topk_triton(hidden, weight, counters, top_k, renormalize):
+    """The fused launch (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``), for at most
+    :data:`ROUTER_FUSED_MAX_TOKENS` tokens; same contract as :func:`router_softmax_topk`."""
+    t, h = hidden.shape
+    e = weight.shape[0]
+    logits = torch.empty(t, e, dtype=hidden.dtype, device=hidden.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=hidden.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=hidden.device)
+    if t:
+        bh = min(triton.next_power_of_2(h), 4096)
+        be = max(1, min(triton.next_power_of_2(e), 8192 // bh))
+        _router_softmax_topk_kernel[(triton.cdiv(e, be), t)](
+            hidden.contiguous(), weight.contiguous(), logits, weights, ids, counters, h, NUM_EXPERTS=e,
+            EXPERTS_P2=triton.next_power_of_2(e), BE=be, BH=bh, TOP_K=top_k,
+            TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, num_warps=4)
+    return logits, weights, ids
+
+
+# ``counters`` is written during a call but left as it was found (all zero): no mutation to declare,
+# so the op stays functional (as fp4moe::nvfp4_linear's split-K counters)
+@torch.library.custom_op("fp4moe::router_softmax_topk", mutates_args=())
+def router_softmax_topk(hidden: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor, top_k: int,
+                        renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A softmax top-k router whole: its GEMV, then :func:`softmax_topk` (see the comment above).
+
+    Args:
+        hidden: ``[T, H]`` 16-bit or float32 activations.
+        weight: ``[E, H]`` the router's weight, in hidden's dtype.
+        counters: :func:`router_counters` (the fused launch's arrival counters).
+        top_k, renormalize: as :func:`softmax_topk`.
+
+    Returns:
+        ``(logits [T, E] in hidden's dtype, weights [T, k] float32, ids [T, k] int64)``. Off CUDA,
+        ``F.linear`` then :func:`softmax_topk`: bitwise Transformers' router. On CUDA the logits'
+        summation order differs from cuBLAS's, so a logit may differ in its last bit.
+    """
+    _check_router(hidden, weight, counters, top_k)
+    if hidden.is_cuda and triton is not None and hidden.shape[0] <= ROUTER_FUSED_MAX_TOKENS:
+        return router_softmax_topk_triton(hidden, weight, counters, top_k, renormalize)
+    logits = torch.nn.functional.linear(hidden, weight)
+    return (logits, *softmax_topk(logits, top_k, renormalize))
+
+
+@router_softmax_topk.register_fake
+def _(hidden, weight, counters, top_k, renormalize):
+    _check_router(hidden, weight, counters, top_k)
+    t, e = hidden.shape[0], weight.shape[0]
+    return (hidden.new_empty(t, e), hidden.new_empty(t, top_k, dtype=torch.float32),
+            hidden.new_empty(t, top_k, dtype=torch.int64))

@@ -5,7 +5,7 @@ instead of Transformers' several small kernels):
 * :class:`GroupedTopkRouter` for DeepSeek-V3-style group-limited top-k routers (DeepSeek-V3/R1,
   Kimi-K2, GLM4-MoE): ``torch.ops.fp4moe.grouped_topk``;
 * :class:`SoftmaxTopkRouter` for softmax top-k routers (Qwen2/3-MoE, Qwen3-Next, OLMoE, Mixtral,
-  MiniMax): ``torch.ops.fp4moe.softmax_topk``.
+  MiniMax): ``torch.ops.fp4moe.router_softmax_topk``, the router's GEMM included.
 
 Which Transformers classes compute exactly an op's definition is listed by name below; the tests
 compare every listed class that the installed Transformers has against its replacement.
@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fp4moe_ops  # noqa: F401  (registers torch.ops.fp4moe.grouped_topk and softmax_topk)
+import fp4moe_ops  # noqa: F401  (registers torch.ops.fp4moe.grouped_topk, softmax_topk, router_softmax_topk)
+from fp4moe_ops.routing import router_counters
 
 from .surgery import children_where, replace_module
 
@@ -82,10 +83,14 @@ SOFTMAX_TOPK_ROUTERS = {
 class SoftmaxTopkRouter(nn.Module):
     """Drop-in for a softmax top-k router (:data:`SOFTMAX_TOPK_ROUTERS`): the same ``weight [E, H]``
     parameter, so the same state-dict keys, and the same outputs ``(logits [T, E], weights [T, k],
-    ids [T, k] int64)`` in the same dtypes; after the router's GEMM the softmax, top-k and
-    renormalization run as one ``fp4moe::softmax_topk`` op. Off CUDA the results are bitwise
+    ids [T, k] int64)`` in the same dtypes. Without gradients the whole router is one
+    ``fp4moe::router_softmax_topk`` op (on CUDA one launch up to 16 tokens: its GEMV, softmax,
+    top-k and renormalization; its arrival counters are the non-persistent ``counters`` buffer, so
+    one router must not run on two streams at once); with them, ``F.linear`` then
+    ``fp4moe::softmax_topk``, which has a backward. Off CUDA the results are bitwise
     Transformers'; on CUDA the softmax's exponent and sums are computed in another order, so a
-    near-tied token may pick another expert."""
+    near-tied token may pick another expert, and up to 16 tokens the logits' sums too, so a logit
+    may differ in its last bit."""
 
     def dequantized_state(self, dtype: torch.dtype, config=None) -> dict[str, torch.Tensor]:
         """The router's own tensors: it replaced Transformers' with the same ones."""
@@ -97,15 +102,22 @@ class SoftmaxTopkRouter(nn.Module):
         self.renormalize = bool(renormalize if renormalize is True else getattr(router, renormalize))
         self.weight = router.weight
         self.top_k, self.num_experts, self.hidden_dim = router.top_k, router.num_experts, router.hidden_dim
+        self.register_buffer("counters", router_counters(router.weight.device), persistent=False)
 
     def forward(self, hidden_states: torch.Tensor):
-        logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        weights, ids = torch.ops.fp4moe.softmax_topk(logits, self.top_k, self.renormalize)
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        trains = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if trains or x.dtype != self.weight.dtype:  # (mixed dtypes: Transformers' F.linear says what it says)
+            logits = F.linear(x, self.weight)
+            weights, ids = torch.ops.fp4moe.softmax_topk(logits, self.top_k, self.renormalize)
+        else:
+            logits, weights, ids = torch.ops.fp4moe.router_softmax_topk(x, self.weight, self.counters, self.top_k,
+                                                                        self.renormalize)
         return logits, weights.to(logits.dtype) if self.cast_weights else weights, ids
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}, "
-                f"op=fp4moe::softmax_topk")
+                f"op=fp4moe::router_softmax_topk")
 
 
 ROUTERS = {**dict.fromkeys(GROUPED_TOPK_ROUTERS, GroupedTopkRouter),

@@ -169,7 +169,7 @@ def test_softmax_router_module_matches_transformers(name, norm):
     for dtype in (torch.bfloat16, torch.float32):
         hf = transformers_softmax_router(name, norm_topk_prob=norm).to(dtype)
         ours = SoftmaxTopkRouter(hf)
-        assert ours.weight is hf.weight and "op=fp4moe::softmax_topk" in repr(ours)
+        assert ours.weight is hf.weight and "op=fp4moe::router_softmax_topk" in repr(ours)
         x = torch.randn(2, 19, 96, dtype=dtype)
         with torch.no_grad():
             want, got = hf(x), ours(x)
@@ -212,6 +212,122 @@ def test_softmax_topk_kernel_ties_and_strided_rows():
     (got_w, got_ids), (want_w, want_ids) = by_id(w.cpu().double(), ids.cpu()), by_id(ref_w, ref_ids)
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_w, want_w, rtol=4e-6, atol=0)  # as in the test above
+
+
+ROUTER_OP = torch.ops.fp4moe.router_softmax_topk
+
+
+def logits64(x, w):
+    return x.double() @ w.double().t()
+
+
+@pytest.mark.parametrize("tokens,e,h,k,renorm", [(1, 128, 2048, 8, True), (16, 60, 96, 4, False),
+                                                 (3, 8, 4104, 2, True), (5, 5, 32, 5, False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_router_kernel_against_float64(tokens, e, h, k, renorm, dtype):
+    """The one-launch router (Triton's interpreter on a CPU): each logit within float32
+    summation's bound of its float64 dot product, then one unit in the last place of the dtype
+    (the cast); the experts and weights are the float64
+    softmax top-k of those logits (equal logits to the lower id), within softmax_topk's bound.
+    Shapes: Qwen3-30B-A3B's
+    router; E and H not powers of two; H past one 4096-wide step; k = E. The counters are zero
+    after every call (the next call and a graph's next replay need them so)."""
+    from fp4moe_ops.routing import router_counters, router_softmax_topk_triton
+
+    gen = torch.Generator().manual_seed(tokens * e + h)
+    x = torch.randn(tokens, h, generator=gen).to(dtype)
+    w = (torch.randn(e, h, generator=gen) * 2 * h**-0.5).to(dtype)
+    counters = router_counters(DEVICE)
+    for _ in range(2):
+        logits, weights, ids = router_softmax_topk_triton(x.to(DEVICE), w.to(DEVICE), counters, k, renorm)
+        assert not counters.any()
+    want = logits64(x, w)
+    # float32 sums: each lane adds ceil(H / 4096) products, then a tree of log2(4096) levels, each
+    # addition within 2^-24 of the running sum, itself at most sum |x_i w_i|; float32 products add
+    # one more rounding. Then the cast to the dtype: one unit in its last place.
+    sum_err = (-(-h // 4096) + 12 + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
+    ulp = want.abs() * torch.finfo(dtype).eps
+    assert logits.dtype == dtype
+    assert ((logits.cpu().double() - want).abs() <= sum_err + ulp).all()
+    # the softmax top-k of the fused logits in float64, equal logits (frequent in bf16) to the lower id
+    probs = torch.softmax(logits.cpu().double(), dim=-1)
+    want_ids = probs.neg().argsort(dim=-1, stable=True)[:, :k]
+    want_w = probs.gather(1, want_ids)
+    if renorm:
+        want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+    (got_w, got_ids), (want_w, want_ids) = by_id(weights.cpu().double(), ids.cpu()), by_id(want_w, want_ids)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=4e-6, atol=0)  # as test_softmax_topk_kernel_against_float64
+
+
+def test_fused_router_op_opcheck_compile_and_errors():
+    """Off CUDA the op is F.linear then softmax_topk: bitwise. Its fake shares the checks; it
+    compiles without a graph break at any token count."""
+    from fp4moe_ops.routing import router_counters
+
+    x, w = torch.randn(9, 64, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
+    counters = router_counters("cpu")
+    logits, weights, ids = ROUTER_OP(x, w, counters, 4, True)
+    assert torch.equal(logits, torch.nn.functional.linear(x, w))
+    want = SOFTMAX_OP(logits, 4, True)
+    assert torch.equal(weights, want[0]) and torch.equal(ids, want[1])
+    torch.library.opcheck(ROUTER_OP, (x, w, counters, 4, True))
+    compiled = torch.compile(lambda a: ROUTER_OP(a, w, counters, 4, False), fullgraph=True, dynamic=True)
+    for t in (9, 3):
+        assert all(torch.equal(a, b) for a, b in zip(compiled(x[:t]), ROUTER_OP(x[:t], w, counters, 4, False)))
+    with pytest.raises(TypeError, match=r"weight must be \[E, H=64\] torch.bfloat16"):
+        ROUTER_OP(x, w.float(), counters, 4, True)
+    with pytest.raises(TypeError, match="counters must be router_counters"):
+        ROUTER_OP(x, w, torch.zeros(3, dtype=torch.int32), 4, True)
+    with pytest.raises(ValueError, match=r"top_k=17 must be in \[1, 16\]"):
+        ROUTER_OP(x, w, counters, 17, True)
+
+
+def test_router_module_takes_the_differentiable_path_with_gradients():
+    """With gradients on (a router being trained), the module runs F.linear and softmax_topk, which
+    have a backward: the router's weight gets a gradient; without, the one-op router."""
+    from hf_integration.router import SoftmaxTopkRouter
+
+    ours = SoftmaxTopkRouter(transformers_softmax_router("Qwen3MoeTopKRouter", norm_topk_prob=True))
+    x = torch.randn(5, 96)
+    logits, weights, ids = ours(x)
+    weights.sum().backward()
+    assert ours.weight.grad is not None and ours.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        again = ours(x)
+    assert all(torch.equal(a, b) for a, b in zip(again, (logits.detach(), weights.detach(), ids)))
+
+
+@pytest.mark.gpu
+def test_fused_router_matches_cublas_and_softmax_topk_on_gpu():
+    """On CUDA at Qwen3-30B-A3B's router (128 experts, top 8, H=2048, bf16), 1-16 tokens (the fused
+    launch): logits within one bf16 unit in the last place of cuBLAS's (another summation order)
+    and mostly equal; experts and weights as softmax_topk's on the fused logits; the counters zero
+    after calls inside a CUDA graph's replays too."""
+    from fp4moe_ops.routing import router_counters
+
+    w = (torch.randn(128, 2048, device="cuda") * 2 * 2048**-0.5).bfloat16()
+    counters = router_counters("cuda")
+    for t in (1, 2, 7, 16):
+        x = torch.randn(t, 2048, device="cuda").bfloat16()
+        logits, weights, ids = ROUTER_OP(x, w, counters, 8, True)
+        ref = torch.nn.functional.linear(x, w)
+        ulp = ref.float().abs() * torch.finfo(torch.bfloat16).eps
+        assert ((logits.float() - ref.float()).abs() <= ulp).all()
+        assert (logits == ref).float().mean() > 0.9
+        want_w, want_ids = by_id(*SOFTMAX_OP(logits, 8, True))
+        got_w, got_ids = by_id(weights, ids)
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w, rtol=4e-6, atol=0)
+    x = torch.randn(4, 2048, device="cuda").bfloat16()
+    graph = torch.cuda.CUDAGraph()
+    eager = ROUTER_OP(x, w, counters, 8, True)
+    with torch.cuda.graph(graph):
+        out = ROUTER_OP(x, w, counters, 8, True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, eager)) and not counters.any()
 
 
 @pytest.mark.gpu

@@ -12,7 +12,9 @@ Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1
 * where the host's time per step goes inside ``generate()`` (the compiled call, preparing inputs,
   updating kwargs, logits processing, stopping criteria, the stop check with its wait), in both
   loops: the parts are timed with ``time.perf_counter`` around Transformers' own methods;
-* ``--host-profile``: cProfile of one ``generate()`` by own time.
+* ``--host-profile``: cProfile of one ``generate()`` by own time;
+* ``--prefill N``: one eager forward over N prompt tokens (no cache, as ``generate()`` runs its
+  prefill eagerly), wall time, median of 3, for HF BF16 before the patch and fp4moe after.
 
     python3 benchmarks/probes/probe_generate_loop.py [--layers 48] [--new-tokens 32] [--host-profile]
 """
@@ -57,6 +59,19 @@ def host_ms_per_call(model, steps: int = 32) -> float:
         host = time.perf_counter() - t0
         torch.cuda.synchronize()
     return host * 1e3 / steps
+
+
+def prefill_ms(model, tokens: int) -> float:
+    prompt = torch.randint(1, 1000, (1, tokens), generator=torch.Generator().manual_seed(tokens)).cuda()
+    times = []
+    with torch.no_grad():
+        for _ in range(4):  # the first warms up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(prompt, use_cache=False)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[1] * 1e3
 
 
 class HostTimer:
@@ -134,11 +149,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--attention", action="store_true", help="also quantize the attention projections")
     ap.add_argument("--host-profile", action="store_true")
+    ap.add_argument("--prefill", type=int, default=0)
     args = ap.parse_args()
     import transformers
     from transformers.generation import utils as gen_utils
 
     model = qwen3_moe(args.layers, QWEN3_30B_A3B, "cuda")
+    bf16_prefill = prefill_ms(model, args.prefill) if args.prefill else None
     patch_moe(model, verbose=False)
     if args.attention:
         quantize_linears(model, dense_mlps=False, attention=True)
@@ -146,6 +163,10 @@ def main() -> None:
           f"fp4moe{' + NVFP4 attention' if args.attention else ''}, batch 1; torch {torch.__version__}, "
           f"transformers {transformers.__version__}", flush=True)
 
+    if args.prefill:
+        ours = prefill_ms(model, args.prefill)
+        print(f"prefill {args.prefill} tokens, eager forward: HF BF16 {bf16_prefill:.2f} ms, fp4moe {ours:.2f} ms "
+              f"({bf16_prefill / ours:.2f}x)", flush=True)
     step_gpu = forward_step_ms(model, 1)
     step_host = host_ms_per_call(model)
     print(f"decode step alone: GPU {step_gpu:.3f} ms; host per compiled call {step_host:.3f} ms", flush=True)
