@@ -3,6 +3,7 @@ token) with fp4moe on every family: token-equal to greedy ``generate`` where Tra
 runs it; on MLA models (DeepSeek-V2/V3, Kimi-K2) with a Transformers whose paged cache cannot hold
 their latent attention (before 5.25), refused at the call instead of returning empty outputs."""
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,47 @@ def test_patching_keeps_one_config_for_the_whole_model():
     assert all(m.config is patched.config for m in holders)
     patched.set_attn_implementation("eager")
     assert patched.model.layers[0].self_attn.config._attn_implementation == "eager"
+
+
+def compiled_batch(model) -> tuple[list[list[int]], Counter, int]:
+    """``generate_batch`` under Transformers' compile (``default_compile_level=1``): the tokens, the
+    graph breaks by reason (addresses removed) and the number of recompiles."""
+    import logging
+    import re
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    guards = logging.getLogger("torch._dynamo.guards")  # where "Recompiling function ..." goes
+    torch._logging.set_logs(recompiles=True)
+    guards.addHandler(handler)
+    try:
+        cache = ContinuousBatchingConfig(num_blocks=len(PROMPTS) + 1, max_batch_tokens=256, default_compile_level=1)
+        out = model.generate_batch(inputs=PROMPTS, generation_config=config(), continuous_batching_config=cache,
+                                   progress_bar=False)
+    finally:
+        guards.removeHandler(handler)
+        torch._logging.set_logs()
+    assert counters["stats"]["unique_graphs"] > 0  # it did compile
+    breaks = Counter({re.sub(r" at 0x[0-9a-f]+", "", k): v for k, v in counters["graph_break"].items()})
+    torch._dynamo.reset()
+    return ([out[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))], breaks,
+            sum("Recompiling function" in m for m in records))
+
+
+def test_generate_batch_compiled_is_greedy_generate_and_fp4moe_breaks_no_graph():
+    """Transformers' compiled continuous batching (``default_compile_level=1``: its varlen and decode
+    paths under torch.compile, dynamic shapes) runs fp4moe's ops: the same tokens as greedy
+    ``generate``, and no graph break or recompile beyond those of Transformers' own model (its paged
+    cache update is compiler-disabled, a graph break of its own; it recompiles per layer index)."""
+    _, bf16_breaks, bf16_recompiles = compiled_batch(ARCHITECTURES["qwen3_moe"]())
+    model = fp4moe_model("qwen3_moe")
+    got, breaks, recompiles = compiled_batch(model)
+    assert_same_up_to_near_ties(model, got, greedy(model))
+    assert breaks - bf16_breaks == Counter(), breaks - bf16_breaks
+    assert recompiles <= bf16_recompiles
