@@ -12,6 +12,9 @@ Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1
 * where the host's time per step goes inside ``generate()`` (the compiled call, preparing inputs,
   updating kwargs, logits processing, stopping criteria, the stop check with its wait), in both
   loops: the parts are timed with ``time.perf_counter`` around Transformers' own methods;
+* ``generate()``'s time for 1, 17 and 65 new tokens (median of 3): the slope over 16 -> 64 is the
+  cost of a decode step, the rest what each call pays once (its prefill, its cache, recording the
+  step's CUDA graph for the new cache's addresses);
 * ``--host-profile``: cProfile of one ``generate()`` by own time;
 * ``--prefill N``: one eager forward over N prompt tokens (no cache, as ``generate()`` runs its
   prefill eagerly), wall time, median of 3, for HF BF16 before the patch and fp4moe after.
@@ -59,6 +62,27 @@ def host_ms_per_call(model, steps: int = 32) -> float:
         host = time.perf_counter() - t0
         torch.cuda.synchronize()
     return host * 1e3 / steps
+
+
+def generate_lengths(model) -> str:
+    """``generate()`` wall ms for 1, 17 and 65 new tokens and the per-step slope between the last two."""
+    from transformers import CompileConfig
+
+    prompt = torch.randint(1, 1000, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    ms = {}
+    for n in (1, 17, 65):
+        times = []
+        for _ in range(4):  # the first warms up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                           compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        ms[n] = sorted(times[1:])[1] * 1e3
+    slope = (ms[65] - ms[17]) / 48
+    return (f"generate() of 1 / 17 / 65 new tokens: {ms[1]:.1f} / {ms[17]:.1f} / {ms[65]:.1f} ms; a step "
+            f"(17 -> 65) {slope:.3f} ms = {1e3 / slope:.1f} tokens/s; once per call {ms[17] - 16 * slope:.1f} ms")
 
 
 def prefill_ms(model, tokens: int) -> float:
@@ -187,6 +211,7 @@ def main() -> None:
 
     for label, ms in host_breakdown(model, args.new_tokens).items():
         print(f"    {ms:7.3f} ms  {label}", flush=True)
+    print(generate_lengths(model), flush=True)
 
     supported = gen_utils.DeferredStopCheck.is_supported
     gen_utils.DeferredStopCheck.is_supported = staticmethod(
@@ -199,6 +224,7 @@ def main() -> None:
               f"{1e3 / tok_s2:.3f} ms a token; tokens equal to the default loop's: {same}", flush=True)
         for label, ms in host_breakdown(model, args.new_tokens).items():
             print(f"    {ms:7.3f} ms  {label}", flush=True)
+        print(generate_lengths(model), flush=True)
     finally:
         gen_utils.DeferredStopCheck.is_supported = supported
 
