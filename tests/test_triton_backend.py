@@ -763,11 +763,13 @@ def test_gluon_tail_levels_take_every_block_once(tails):
 @pytest.mark.parametrize("h,i", [(512, 256),  # K shorter than the ring (2 and 4 pair steps, 4 slots)
                                  # the ring wraps (16 and 8 pair steps)
                                  (2048, 1024)])
-def test_gluon_prefill_matches_float64(monkeypatch, h, i):
+@pytest.mark.parametrize("t", [1100, 2600])  # 2200 slots: one routing launch; 5200: two (per-chunk counts)
+def test_gluon_prefill_matches_float64(monkeypatch, h, i, t):
     # 8 experts, top-2, 1100 tokens: ~275 rows per expert (the Gluon prefill bucket), loads
-    # skewed so that experts get 1 to 4 row blocks of 128 with partial last blocks; sentinels
+    # skewed so that experts get 1 to 4 row blocks of 128 (2600: up to 10) with partial last
+    # blocks, and the lightest a last block of at most 64 rows (the tail launch); sentinels
     # (-1, E) dropped
-    e, t, k = 8, 1100, 2
+    e, k = 8, 2
     w = layer(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
     p = torch.tensor([0.30, 0.25, 0.15, 0.1, 0.08, 0.06, 0.05, 0.01])
