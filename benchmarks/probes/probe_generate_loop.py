@@ -25,6 +25,7 @@ Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import sys
@@ -62,6 +63,21 @@ def host_ms_per_call(model, steps: int = 32) -> float:
         host = time.perf_counter() - t0
         torch.cuda.synchronize()
     return host * 1e3 / steps
+
+
+@contextlib.contextmanager
+def deferred_stop_on_cuda():
+    """Transformers' ``DeferredStopCheck`` allowed on CUDA too, in this process, while active."""
+    from transformers.generation import utils as gen_utils
+
+    supported = gen_utils.DeferredStopCheck.is_supported
+    gen_utils.DeferredStopCheck.is_supported = staticmethod(
+        lambda device, cache, cache_is_returned, is_assistant: not is_assistant and (
+            cache is None or cache.is_croppable or not cache_is_returned))
+    try:
+        yield
+    finally:
+        gen_utils.DeferredStopCheck.is_supported = supported
 
 
 def generate_lengths(model) -> str:
@@ -174,9 +190,10 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true", help="also quantize the attention projections")
     ap.add_argument("--host-profile", action="store_true")
     ap.add_argument("--prefill", type=int, default=0)
+    ap.add_argument("--lengths-only", action="store_true",
+                    help="only generate()'s time for 1, 17 and 65 new tokens, both loops")
     args = ap.parse_args()
     import transformers
-    from transformers.generation import utils as gen_utils
 
     model = qwen3_moe(args.layers, QWEN3_30B_A3B, "cuda")
     bf16_prefill = prefill_ms(model, args.prefill) if args.prefill else None
@@ -187,6 +204,11 @@ def main() -> None:
           f"fp4moe{' + NVFP4 attention' if args.attention else ''}, batch 1; torch {torch.__version__}, "
           f"transformers {transformers.__version__}", flush=True)
 
+    if args.lengths_only:
+        print("Transformers' loop:", generate_lengths(model), flush=True)
+        with deferred_stop_on_cuda():
+            print("DeferredStopCheck on CUDA:", generate_lengths(model), flush=True)
+        return
     if args.prefill:
         ours = prefill_ms(model, args.prefill)
         print(f"prefill {args.prefill} tokens, eager forward: HF BF16 {bf16_prefill:.2f} ms, fp4moe {ours:.2f} ms "
@@ -213,11 +235,7 @@ def main() -> None:
         print(f"    {ms:7.3f} ms  {label}", flush=True)
     print(generate_lengths(model), flush=True)
 
-    supported = gen_utils.DeferredStopCheck.is_supported
-    gen_utils.DeferredStopCheck.is_supported = staticmethod(
-        lambda device, cache, cache_is_returned, is_assistant: not is_assistant and (
-            cache is None or cache.is_croppable or not cache_is_returned))
-    try:
+    with deferred_stop_on_cuda():
         tok_s2, _, out_deferred = time_generate(model, 1, args.new_tokens, compiled=True)
         same = torch.equal(out_sync, out_deferred)
         print(f"generate(), DeferredStopCheck on CUDA (no wait per step): {tok_s2:.1f} tokens/s = "
@@ -225,8 +243,6 @@ def main() -> None:
         for label, ms in host_breakdown(model, args.new_tokens).items():
             print(f"    {ms:7.3f} ms  {label}", flush=True)
         print(generate_lengths(model), flush=True)
-    finally:
-        gen_utils.DeferredStopCheck.is_supported = supported
 
 
 if __name__ == "__main__":
