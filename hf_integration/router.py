@@ -107,7 +107,9 @@ class SoftmaxTopkRouter(nn.Module):
     def forward(self, hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, self.hidden_dim)
         trains = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if trains or x.dtype != self.weight.dtype:  # (mixed dtypes: Transformers' F.linear says what it says)
+        # mixed dtypes: Transformers' F.linear says what it says; counters elsewhere than the
+        # activations (a router made on the meta device for offloading, which never fills them): as well
+        if trains or x.dtype != self.weight.dtype or self.counters.device != x.device:
             logits = F.linear(x, self.weight)
             weights, ids = torch.ops.fp4moe.softmax_topk(logits, self.top_k, self.renormalize)
         else:
