@@ -348,6 +348,8 @@ def router_softmax_topk_triton(hidden, weight, counters, top_k, renormalize):
     :data:`ROUTER_FUSED_MAX_TOKENS` tokens; same contract as :func:`router_softmax_topk`."""
     t, h = hidden.shape
     e = weight.shape[0]
+    if t > ROUTER_FUSED_MAX_TOKENS:  # one arrival counter per token
+        raise ValueError(f"the fused router launch takes at most {ROUTER_FUSED_MAX_TOKENS} tokens, got {t}")
     logits = torch.empty(t, e, dtype=hidden.dtype, device=hidden.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=hidden.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=hidden.device)

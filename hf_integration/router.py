@@ -104,6 +104,14 @@ class SoftmaxTopkRouter(nn.Module):
         self.top_k, self.num_experts, self.hidden_dim = router.top_k, router.num_experts, router.hidden_dim
         self.register_buffer("counters", router_counters(router.weight.device), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # a move or to_empty() must not carry a non-zero (or uninitialized) counter along: a token
+        # whose counter never reaches its last program would keep garbage experts on every call
+        super()._apply(fn, recurse)
+        if self.counters.device.type != "meta":
+            self.counters.zero_()
+        return self
+
     def forward(self, hidden_states: torch.Tensor):
         x = hidden_states.reshape(-1, self.hidden_dim)
         trains = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)

@@ -242,10 +242,14 @@ def test_fused_router_kernel_against_float64(tokens, e, h, k, renorm, dtype):
         logits, weights, ids = router_softmax_topk_triton(x.to(DEVICE), w.to(DEVICE), counters, k, renorm)
         assert not counters.any()
     want = logits64(x, w)
-    # float32 sums: each lane adds ceil(H / 4096) products, then a tree of log2(4096) levels, each
-    # addition within 2^-24 of the running sum, itself at most sum |x_i w_i|; float32 products add
-    # one more rounding. Then the cast to the dtype: one unit in its last place.
-    sum_err = (-(-h // 4096) + 12 + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
+    # float32 sums: each addition within 2^-24 of its result, itself at most sum |x_i w_i|, so any
+    # summation order of depth D errs by at most D 2^-24 sum |x_i w_i| (to first order). Depth here:
+    # ceil(H / 4096) chunk additions per element, then tl.sum over a [4, 4096]-element tile held by
+    # 128 threads, at most 64 elements each added in sequence, 5 shuffle levels and 2 across warps
+    # (the interpreter's numpy sums are shallower); float32 products add one rounding. Then the cast
+    # to the dtype: one unit in its last place.
+    depth = -(-h // 4096) + 64 + 5 + 2 + 1
+    sum_err = depth * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
     ulp = want.abs() * torch.finfo(dtype).eps
     assert logits.dtype == dtype
     assert ((logits.cpu().double() - want).abs() <= sum_err + ulp).all()
@@ -258,6 +262,14 @@ def test_fused_router_kernel_against_float64(tokens, e, h, k, renorm, dtype):
     (got_w, got_ids), (want_w, want_ids) = by_id(weights.cpu().double(), ids.cpu()), by_id(want_w, want_ids)
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_w, want_w, rtol=4e-6, atol=0)  # as test_softmax_topk_kernel_against_float64
+
+
+def test_fused_router_launch_refuses_more_tokens_than_counters():
+    from fp4moe_ops.routing import ROUTER_FUSED_MAX_TOKENS, router_counters, router_softmax_topk_triton
+
+    x, w = torch.randn(ROUTER_FUSED_MAX_TOKENS + 1, 64), torch.randn(8, 64)
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        router_softmax_topk_triton(x.to(DEVICE), w.to(DEVICE), router_counters(DEVICE), 2, True)
 
 
 def test_fused_router_op_opcheck_compile_and_errors():
@@ -289,16 +301,40 @@ def test_router_module_takes_the_differentiable_path_with_gradients():
     counters are not where the activations are (offloading)."""
     from hf_integration.router import SoftmaxTopkRouter
 
+    from torch.profiler import ProfilerActivity, profile
+
+    def ops_run(fn):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = fn()
+        return out, {e.name for e in prof.events() if e.name.startswith("fp4moe::")}
+
     ours = SoftmaxTopkRouter(transformers_softmax_router("Qwen3MoeTopKRouter", norm_topk_prob=True))
     x = torch.randn(5, 96)
-    logits, weights, ids = ours(x)
+    (logits, weights, ids), ran = ops_run(lambda: ours(x))
+    assert ran == {"fp4moe::softmax_topk"}
     weights.sum().backward()
     assert ours.weight.grad is not None and ours.weight.grad.abs().sum() > 0
     with torch.no_grad():
-        again = ours(x)
+        again, ran = ops_run(lambda: ours(x))
+        assert "fp4moe::router_softmax_topk" in ran
         assert all(torch.equal(a, b) for a, b in zip(again, (logits.detach(), weights.detach(), ids)))
         ours.counters = ours.counters.to("meta")  # as a router made for offloading keeps them: not used
-        assert all(torch.equal(a, b) for a, b in zip(ours(x), again))
+        out, ran = ops_run(lambda: ours(x))
+        assert ran == {"fp4moe::softmax_topk"} and all(torch.equal(a, b) for a, b in zip(out, again))
+
+
+def test_router_counters_are_zero_after_a_move_or_to_empty():
+    """A move or ``to_empty()`` zeroes the fused router's arrival counters (uninitialized memory
+    there would leave a token's experts unset on every later call)."""
+    from hf_integration.router import SoftmaxTopkRouter
+
+    ours = SoftmaxTopkRouter(transformers_softmax_router("Qwen3MoeTopKRouter", norm_topk_prob=True))
+    ours.counters.fill_(3)
+    ours.to_empty(device="cpu")
+    assert not ours.counters.any()
+    ours.counters.fill_(3)
+    ours.to(torch.float32)
+    assert not ours.counters.any() and ours.counters.dtype == torch.int32
 
 
 @pytest.mark.gpu
@@ -317,7 +353,7 @@ def test_fused_router_matches_cublas_and_softmax_topk_on_gpu():
         x = torch.randn(t, 2048, device="cuda").bfloat16()
         logits, weights, ids = ROUTER_OP(x, w, counters, 8, True)
         want = logits64(x, w)
-        sum_err = (1 + 12 + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().t())  # as in the float64 test
+        sum_err = (1 + 64 + 5 + 2 + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().t())  # as in the float64 test
         assert ((logits.double() - want).abs() <= sum_err + want.abs() * torch.finfo(torch.bfloat16).eps).all()
         assert (logits == torch.nn.functional.linear(x, w)).float().mean() > 0.9
         want_w, want_ids = by_id(*SOFTMAX_OP(logits, 8, True))

@@ -723,6 +723,12 @@ def test_route_splits_off_the_tail_level_as_split_blocks_does(tokens):
     assert sum(n for (m, *_), n in want.items() if m == 64) > 0  # the tail level is used
 
 
+def test_route_with_no_slots_has_no_tail_blocks():
+    sorted_slot, *tables = route(torch.empty(0, 8, dtype=torch.int64, device=DEVICE), 16, 128, tail=64)
+    assert sorted_slot.numel() == 0 and tables[0].numel() == 0
+    assert tables[3].tolist() == [-1] * 16
+
+
 @pytest.mark.parametrize("tails", [(64,), (64, 32), (64, 32, 16, 8)])
 def test_gluon_tail_levels_take_every_block_once(tails):
     # the launches of prefill_gemms over 128-row blocks as routing makes them: every used block in

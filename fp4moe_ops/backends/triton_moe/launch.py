@@ -128,6 +128,8 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
             COUNT_BLOCK=count_block, CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block,
             CHUNKS=ROUTE_CHUNKS if chunked else 0, TAIL=tail, num_warps=4, **_pdl_args(pdl),
         )
+    elif tail:  # no slots, no launch: no expert has a tail block
+        routed[4].fill_(-1)
     return (*routed, x_fragment) if activations is not None else routed
 
 
