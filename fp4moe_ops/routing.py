@@ -348,8 +348,8 @@ def router_softmax_topk_triton(hidden, weight, counters, top_k, renormalize):
     :data:`ROUTER_FUSED_MAX_TOKENS` tokens; same contract as :func:`router_softmax_topk`."""
     t, h = hidden.shape
     e = weight.shape[0]
-    if t > ROUTER_FUSED_MAX_TOKENS:  # one arrival counter per token
-        raise ValueError(f"the fused router launch takes at most {ROUTER_FUSED_MAX_TOKENS} tokens, got {t}")
+    if t > ROUTER_COUNTERS:  # one arrival counter per token
+        raise ValueError(f"the fused router launch takes at most {ROUTER_COUNTERS} tokens, got {t}")
     logits = torch.empty(t, e, dtype=hidden.dtype, device=hidden.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=hidden.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=hidden.device)
@@ -379,7 +379,8 @@ def router_softmax_topk(hidden: torch.Tensor, weight: torch.Tensor, counters: to
     Returns:
         ``(logits [T, E] in hidden's dtype, weights [T, k] float32, ids [T, k] int64)``. Off CUDA,
         ``F.linear`` then :func:`softmax_topk`: bitwise Transformers' router. On CUDA the logits'
-        summation order differs from cuBLAS's, so a logit may differ in its last bit.
+        summation order differs from cuBLAS's: a logit may round to a neighbouring value (further
+        apart, relative to its size, where the sum cancels to near zero).
     """
     _check_router(hidden, weight, counters, top_k)
     if hidden.is_cuda and triton is not None and hidden.shape[0] <= ROUTER_FUSED_MAX_TOKENS:

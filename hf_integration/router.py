@@ -90,7 +90,7 @@ class SoftmaxTopkRouter(nn.Module):
     ``fp4moe::softmax_topk``, which has a backward. Off CUDA the results are bitwise
     Transformers'; on CUDA the softmax's exponent and sums are computed in another order, so a
     near-tied token may pick another expert, and up to 16 tokens the logits' sums too, so a logit
-    may differ in its last bit."""
+    may round to a neighbouring value."""
 
     def dequantized_state(self, dtype: torch.dtype, config=None) -> dict[str, torch.Tensor]:
         """The router's own tensors: it replaced Transformers' with the same ones."""

@@ -92,7 +92,6 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
         raise ValueError("route(tail=...) needs the routing kernel (a CUDA tensor, or TRITON_INTERPRET=1)")
     decide_slots = planned_slots(num_slots)  # (compile_ahead: the representative count)
     chunked = decide_slots > FAST_ROUTE_MAX_SLOTS
-    copy = activations is not None and on_triton  # the permute runs in _route_kernel's last programs
     if not on_triton:
         routed = _route_torch(flat, num_experts, block_m, num_blocks)
         if activations is None:
@@ -107,6 +106,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
     out = alloc(sum(_round4(n) for n in sizes), dtype=torch.int32, device=flat.device)
     routed = tuple(p[:n] for p, n in zip(out.split([_round4(n) for n in sizes]), sizes))
     count_block = _count_block(decide_slots)
+    copy = activations is not None  # the permute runs in _route_kernel's last programs
     if chunked:
         chunk_slots = triton.cdiv(triton.cdiv(num_slots, ROUTE_CHUNKS), ROUTE_CHUNK) * ROUTE_CHUNK
         chunk_counts = alloc(ROUTE_CHUNKS * e_pad, dtype=torch.int32, device=flat.device)
