@@ -15,6 +15,10 @@ Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1
 * ``generate()``'s time for 1, 17 and 65 new tokens (median of 3): the slope over 16 -> 64 is the
   cost of a decode step, the rest what each call pays once (its prefill, its cache, recording the
   step's CUDA graph for the new cache's addresses);
+* ``--calls N``: N ``generate()`` calls of 33 new tokens in a row, each timed: as Transformers
+  runs it (a new ``StaticCache`` per call, whose new addresses make the compiled step record a new
+  CUDA graph) and with one ``StaticCache`` made once and reset between calls (passed as the cache
+  argument), with the number of CUDA-graph recordings each made;
 * ``--host-profile``: cProfile of one ``generate()`` by own time;
 * ``--prefill N``: one eager forward over N prompt tokens (no cache, as ``generate()`` runs its
   prefill eagerly), wall time, median of 3, for HF BF16 before the patch and fp4moe after.
@@ -99,6 +103,52 @@ def generate_lengths(model) -> str:
     slope = (ms[65] - ms[17]) / 48
     return (f"generate() of 1 / 17 / 65 new tokens: {ms[1]:.1f} / {ms[17]:.1f} / {ms[65]:.1f} ms; a step "
             f"(17 -> 65) {slope:.3f} ms = {1e3 / slope:.1f} tokens/s; once per call {ms[17] - 16 * slope:.1f} ms")
+
+
+def cache_kwarg(model) -> str:
+    """The name ``generate()`` takes a cache under (``cache`` in newer Transformers)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def generate_calls(model, calls: int, reuse_cache: bool) -> str:
+    """Wall ms of ``calls`` ``generate()`` calls of 33 new tokens in a row, and the CUDA-graph
+    recordings they made (counted by wrapping cudagraph trees' ``record_function``)."""
+    from torch._inductor import cudagraph_trees
+    from transformers import CompileConfig, StaticCache
+
+    prompt = torch.randint(1, 1000, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    kw = dict(max_new_tokens=33, min_new_tokens=33, do_sample=False,
+              compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    cache = None
+    if reuse_cache:
+        cache = StaticCache(config=model.config, max_cache_len=16 + 33 + 1)
+    else:
+        kw["cache_implementation"] = "static"
+    recorded = [0]
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def counting(self, *a, **k):
+        recorded[0] += 1
+        return record(self, *a, **k)
+
+    cudagraph_trees.CUDAGraphTreeManager.record_function = counting
+    walls = []
+    try:
+        for _ in range(calls):
+            if cache is not None:
+                cache.reset()
+                kw[cache_kwarg(model)] = cache
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(prompt, **kw)
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        cudagraph_trees.CUDAGraphTreeManager.record_function = record
+    shown = " ".join(f"{w:.0f}" for w in walls)
+    return f"{calls} calls: {shown} ms; CUDA-graph recordings {recorded[0]}"
 
 
 def prefill_ms(model, tokens: int) -> float:
@@ -190,6 +240,8 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true", help="also quantize the attention projections")
     ap.add_argument("--host-profile", action="store_true")
     ap.add_argument("--prefill", type=int, default=0)
+    ap.add_argument("--calls", type=int, default=0,
+                    help="only N generate() calls in a row, a new cache each vs one cache reused")
     ap.add_argument("--lengths-only", action="store_true",
                     help="only generate()'s time for 1, 17 and 65 new tokens, both loops")
     args = ap.parse_args()
@@ -204,6 +256,12 @@ def main() -> None:
           f"fp4moe{' + NVFP4 attention' if args.attention else ''}, batch 1; torch {torch.__version__}, "
           f"transformers {transformers.__version__}", flush=True)
 
+    if args.calls:
+        print("a new StaticCache per call (Transformers' default):", generate_calls(model, args.calls, False), flush=True)
+        print("one StaticCache reset between calls:", generate_calls(model, args.calls, True), flush=True)
+        print("a new StaticCache per call again:", generate_calls(model, 4, False), flush=True)
+        if not args.lengths_only:
+            return
     if args.lengths_only:
         print("Transformers' loop:", generate_lengths(model), flush=True)
         with deferred_stop_on_cuda():
