@@ -17,8 +17,9 @@ Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1
   step's CUDA graph for the new cache's addresses);
 * ``--calls N``: N ``generate()`` calls of 33 new tokens in a row, each timed: as Transformers
   runs it (a new ``StaticCache`` per call, whose new addresses make the compiled step record a new
-  CUDA graph) and with one ``StaticCache`` made once and reset between calls (passed as the cache
-  argument), with the number of CUDA-graph recordings each made;
+  CUDA graph; torch before 2.13 counts those toward ``cudagraph_unexpected_rerecord_limit``, 128,
+  and then runs the step without graphs) and with one ``StaticCache`` made once and reset between
+  calls (passed as the cache argument), with the number of CUDA-graph recordings each made;
 * ``--host-profile``: cProfile of one ``generate()`` by own time;
 * ``--prefill N``: one eager forward over N prompt tokens (no cache, as ``generate()`` runs its
   prefill eagerly), wall time, median of 3, for HF BF16 before the patch and fp4moe after.
@@ -147,8 +148,11 @@ def generate_calls(model, calls: int, reuse_cache: bool) -> str:
             walls.append((time.perf_counter() - t0) * 1e3)
     finally:
         cudagraph_trees.CUDAGraphTreeManager.record_function = record
-    shown = " ".join(f"{w:.0f}" for w in walls)
-    return f"{calls} calls: {shown} ms; CUDA-graph recordings {recorded[0]}"
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    groups = [(i, min(i + 10, calls)) for i in range(0, calls, 10)]
+    shown = ", ".join(f"{a + 1}-{b}: {sorted(walls[a:b])[(b - a) // 2]:.0f}" for a, b in groups)
+    return (f"{calls} calls of 33 new tokens, median ms by calls {shown}; CUDA-graph recordings {recorded[0]}; "
+            f"cudagraph skips so far in the process {skips}")
 
 
 def prefill_ms(model, tokens: int) -> float:
