@@ -18,8 +18,8 @@ Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1
 * ``--calls N``: N ``generate()`` calls of 33 new tokens in a row, each timed: as Transformers
   runs it (a new ``StaticCache`` per call, whose new addresses make the compiled step record a new
   CUDA graph; torch before 2.13 counts those toward ``cudagraph_unexpected_rerecord_limit``, 128,
-  and then runs the step without graphs) and with one ``StaticCache`` made once and reset between
-  calls (passed as the cache argument), with the number of CUDA-graph recordings each made;
+  and then runs the step without graphs) and with fp4moe's static cache kept between calls
+  (``hf_integration.static_cache``), with the number of CUDA-graph recordings each made;
 * ``--host-profile``: cProfile of one ``generate()`` by own time;
 * ``--prefill N``: one eager forward over N prompt tokens (no cache, as ``generate()`` runs its
   prefill eagerly), wall time, median of 3, for HF BF16 before the patch and fp4moe after.
@@ -106,27 +106,21 @@ def generate_lengths(model) -> str:
             f"(17 -> 65) {slope:.3f} ms = {1e3 / slope:.1f} tokens/s; once per call {ms[17] - 16 * slope:.1f} ms")
 
 
-def cache_kwarg(model) -> str:
-    """The name ``generate()`` takes a cache under (``cache`` in newer Transformers)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def generate_calls(model, calls: int, reuse_cache: bool) -> str:
+def generate_calls(model, calls: int, keep: bool) -> str:
     """Wall ms of ``calls`` ``generate()`` calls of 33 new tokens in a row, and the CUDA-graph
-    recordings they made (counted by wrapping cudagraph trees' ``record_function``)."""
+    recordings they made (counted by wrapping cudagraph trees' ``record_function``). ``keep``:
+    fp4moe's static cache kept between calls (``hf_integration.static_cache``), else Transformers'
+    own behaviour, a new cache per call."""
     from torch._inductor import cudagraph_trees
-    from transformers import CompileConfig, StaticCache
+    from transformers import CompileConfig
+
+    from hf_integration import static_cache
 
     prompt = torch.randint(1, 1000, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
-    kw = dict(max_new_tokens=33, min_new_tokens=33, do_sample=False,
+    kw = dict(max_new_tokens=33, min_new_tokens=33, do_sample=False, cache_implementation="static",
               compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
-    cache = None
-    if reuse_cache:
-        cache = StaticCache(config=model.config, max_cache_len=16 + 33 + 1)
-    else:
-        kw["cache_implementation"] = "static"
+    static_cache.release_static_cache(model)
+    saved, static_cache.DEVICE_TYPES = static_cache.DEVICE_TYPES, (static_cache.DEVICE_TYPES if keep else ())
     recorded = [0]
     record = cudagraph_trees.CUDAGraphTreeManager.record_function
 
@@ -138,9 +132,6 @@ def generate_calls(model, calls: int, reuse_cache: bool) -> str:
     walls = []
     try:
         for _ in range(calls):
-            if cache is not None:
-                cache.reset()
-                kw[cache_kwarg(model)] = cache
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             model.generate(prompt, **kw)
@@ -148,6 +139,7 @@ def generate_calls(model, calls: int, reuse_cache: bool) -> str:
             walls.append((time.perf_counter() - t0) * 1e3)
     finally:
         cudagraph_trees.CUDAGraphTreeManager.record_function = record
+        static_cache.DEVICE_TYPES = saved
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     groups = [(i, min(i + 10, calls)) for i in range(0, calls, 10)]
     shown = ", ".join(f"{a + 1}-{b}: {sorted(walls[a:b])[(b - a) // 2]:.0f}" for a, b in groups)
@@ -261,9 +253,9 @@ def main() -> None:
           f"transformers {transformers.__version__}", flush=True)
 
     if args.calls:
-        print("a new StaticCache per call (Transformers' default):", generate_calls(model, args.calls, False), flush=True)
-        print("one StaticCache reset between calls:", generate_calls(model, args.calls, True), flush=True)
-        print("a new StaticCache per call again:", generate_calls(model, 4, False), flush=True)
+        print("fp4moe's static cache kept between calls:", generate_calls(model, 24, True), flush=True)
+        print("a new StaticCache per call (Transformers' own):", generate_calls(model, args.calls, False), flush=True)
+        print("fp4moe's static cache kept between calls, after those:", generate_calls(model, 24, True), flush=True)
         if not args.lengths_only:
             return
     if args.lengths_only:
