@@ -10,14 +10,18 @@ decoder layers, random weights) on one GPU, side by side in one process:
 Decode tokens/s = batch * new tokens / decode time, where decode time is the time of generate()
 with 1 + new tokens minus that with 1 (prompt of 16 tokens; so prefill and setup cancel), each the
 median of 5 timed runs after a warm-up (which compiles). generate() tokens/s with the prefill
-included is recorded too. Peak memory: torch.cuda max allocated.
+included is recorded too. Peak memory: torch.cuda max allocated. fp4moe's models generate with
+Transformers' deferred stop check on CUDA (``hf_integration.deferred_stop``), HF BF16 with
+Transformers' loop, each as a user runs it.
 Writes ``e2e.json`` and ``e2e.md`` to ``--out`` after every measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -43,6 +47,35 @@ def deepseek_v3_layers(num_layers: int):
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     return model.eval()
+
+
+@contextlib.contextmanager
+def transformers_loop():
+    """fp4moe's models generate with Transformers' own stop check (waits every step) while active."""
+    saved = os.environ.get("FP4MOE_DEFERRED_STOP")
+    os.environ["FP4MOE_DEFERRED_STOP"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["FP4MOE_DEFERRED_STOP"]
+        else:
+            os.environ["FP4MOE_DEFERRED_STOP"] = saved
+
+
+@contextlib.contextmanager
+def deferred_stop_on_cuda():
+    """Transformers' ``DeferredStopCheck`` allowed on CUDA for every model (HF BF16's too), in this
+    process, while active."""
+    from transformers.generation import utils as gen_utils
+
+    supported = gen_utils.DeferredStopCheck.is_supported
+    gen_utils.DeferredStopCheck.is_supported = staticmethod(  # Transformers' answer for mps, where it defers
+        lambda device, *args: supported(torch.device("mps") if torch.device(device).type == "cuda" else device, *args))
+    try:
+        yield
+    finally:
+        gen_utils.DeferredStopCheck.is_supported = supported
 
 
 def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[float, float, torch.Tensor]:

@@ -16,7 +16,11 @@ Variants, in this order on the same weights (each on top of the last):
 Per variant:
 
 * decode tokens/s at each batch: :func:`bench_e2e.time_generate` (1 + D new tokens minus 1, so
-  prefill and setup cancel; median of 5 after a warm-up that compiles);
+  prefill and setup cancel; median of 5 after a warm-up that compiles), as a user's ``generate()``
+  runs: fp4moe's models read the stop flag one step late on CUDA (Transformers'
+  ``DeferredStopCheck``, :mod:`hf_integration.deferred_stop`), HF BF16 waits for the GPU every step.
+  At batch 1 also with the other loop (BF16 deferred, fp4moe waiting), so that the loop's share
+  and the kernels' share of the difference are both on the table;
 * the decode step's GPU time alone at batch 1: the compiled model called back to back, timed
   with CUDA events (:func:`bench_decoder_layer.forward_step_ms`), the experts as ``generate()``
   decodes with them (``batched_mm`` for BF16). The difference to the ``generate()`` step is the
@@ -52,7 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decoder_layer import forward_step_ms  # noqa: E402
-from bench_e2e import time_generate  # noqa: E402
+from bench_e2e import deferred_stop_on_cuda, time_generate, transformers_loop  # noqa: E402
 from bench_generate_batch import QWEN3_30B_A3B, TINY, qwen3_moe, time_generate_batch  # noqa: E402
 from hf_integration import patch_moe, quantize_linears  # noqa: E402
 
@@ -169,6 +173,12 @@ def main() -> None:
         for b in batches:  # (the CPU smoke test runs uncompiled: Inductor on a CPU takes minutes)
             tps, _, _ = time_generate(model, b, args.new_tokens, compiled=cuda)
             record(variant, f"decode tokens/s, batch {b}", tps)
+            if b == 1 and cuda:  # the other stop check: what the loop costs, apart from the kernels
+                other = deferred_stop_on_cuda() if variant == "bf16" else transformers_loop()
+                with other:
+                    tps, _, _ = time_generate(model, b, args.new_tokens, compiled=cuda)
+                label = "deferred stop check" if variant == "bf16" else "Transformers' stop check"
+                record(variant, f"decode tokens/s, batch 1, {label}", tps)
         if cuda:
             record(variant, "peak GPU memory, decoding (GB)", torch.cuda.max_memory_allocated() / 1e9)
             torch._dynamo.reset()

@@ -43,7 +43,6 @@ from .gpt_oss import MXFP4GptOssExperts, NVFP4GptOssExperts
 from . import compressed_mxfp4, mxfp4_quantizer
 from .router import GroupedTopkRouter, SoftmaxTopkRouter, fuse_routers
 from .shared_experts import SharedExpertMoE, fuse_shared_experts
-from .static_cache import release_static_cache
 from .surgery import find_experts_modules
 
 register()
@@ -57,5 +56,5 @@ __all__ = [
     "ModelOptQuantizer",
     "NVFP4Experts", "NVFP4Linear", "SharedExpertMoE",
     "calibrate_activation_scales", "find_experts_modules", "fuse_routers", "fuse_shared_experts", "load_modelopt_nvfp4", "patch_deepseek",
-    "patch_moe", "quantize_linears", "release_static_cache", "save_modelopt_nvfp4", "set_backend", "shard_experts",
+    "patch_moe", "quantize_linears", "save_modelopt_nvfp4", "set_backend", "shard_experts",
 ]

@@ -362,13 +362,13 @@ def attach_guards(model: nn.Module) -> None:
       modules loaded), and with ``strict=True`` refuses a missing declared tensor first;
     * ``save_pretrained`` is atomic and replaces the whole checkpoint of the folder it saves into
       (:func:`hf_integration.saving.atomic_save_pretrained`);
-    * on a GPU, ``generate()``'s static cache is kept between calls, so that the compiled decode
-      step replays its CUDA graph (:mod:`hf_integration.static_cache`)."""
+    * on CUDA, ``generate()`` reads its stop flag one step late instead of waiting for the GPU at
+      every step (:mod:`hf_integration.deferred_stop`)."""
+    from .deferred_stop import defer_stop_checks
     from .saving import atomic_save_pretrained
-    from .static_cache import keep_static_cache
 
     model.save_pretrained = types.MethodType(atomic_save_pretrained, model)
-    keep_static_cache(model)
+    defer_stop_checks(model)
     if getattr(model.__dict__.get("to"), "__func__", None) is not _guarded_to:  # (attached once)
         model._fp4moe_next_to = model.__dict__.get("to")  # accelerate's, on a dispatched model
         model.to = types.MethodType(_guarded_to, model)

@@ -4,22 +4,24 @@ Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1
 * the decode step's GPU time alone (graph replays back to back, CUDA events);
 * the host's time per compiled call (the same loop timed on the host, no sync inside);
 * ``generate()``'s decode time per token as Transformers runs it, which waits for the GPU every
-  step (``StopCheck``: ``bool(unfinished.max() == 0)``);
-* the same with Transformers' own ``DeferredStopCheck`` (reads the stop flag one step late, so the
-  host queues the next step while the GPU runs this one). Transformers enables it only on ``mps``;
-  here it is switched on for CUDA by replacing ``DeferredStopCheck.is_supported`` in this process
-  only, to measure what the per-step wait costs. The greedy tokens of both must be equal;
+  step (``StopCheck``: ``bool(unfinished.max() == 0)``; ``FP4MOE_DEFERRED_STOP=0``);
+* the same as fp4moe runs it (:mod:`hf_integration.deferred_stop`: Transformers' own
+  ``DeferredStopCheck``, which reads the stop flag one step late, so the host queues the next step
+  while the GPU runs this one; Transformers enables it only on ``mps``). The greedy tokens of both
+  must be equal;
 * where the host's time per step goes inside ``generate()`` (the compiled call, preparing inputs,
   updating kwargs, logits processing, stopping criteria, the stop check with its wait), in both
   loops: the parts are timed with ``time.perf_counter`` around Transformers' own methods;
-* ``generate()``'s time for 1, 17 and 65 new tokens (median of 3): the slope over 16 -> 64 is the
-  cost of a decode step, the rest what each call pays once (its prefill, its cache, recording the
-  step's CUDA graph for the new cache's addresses);
-* ``--calls N``: N ``generate()`` calls of 33 new tokens in a row, each timed: as Transformers
-  runs it (a new ``StaticCache`` per call, whose new addresses make the compiled step record a new
-  CUDA graph; torch before 2.13 counts those toward ``cudagraph_unexpected_rerecord_limit``, 128,
-  and then runs the step without graphs) and with fp4moe's static cache kept between calls
-  (``hf_integration.static_cache``), with the number of CUDA-graph recordings each made;
+* ``generate()``'s time for 1, 17 and 65 new tokens (median of 3), in both loops: the slope over
+  16 -> 64 is the cost of a decode step, the rest what each call pays once (its eager prefill, its
+  cache); ``--lengths-only`` measures only these, for HF BF16 before the patch too (its deferred
+  loop switched on by replacing ``DeferredStopCheck.is_supported`` in this process, as fp4moe does
+  for its own models only);
+* ``--calls N``: N ``generate()`` calls of 33 new tokens in a row, each timed, with the CUDA-graph
+  recordings they made: Transformers makes a new ``StaticCache`` per call, and new addresses would
+  make the compiled step record a new CUDA graph (torch before 2.13 counts those toward
+  ``cudagraph_unexpected_rerecord_limit``, 128, and then runs the step without graphs); the
+  caching allocator hands the freed cache's memory to the next one, so they record none;
 * ``--host-profile``: cProfile of one ``generate()`` by own time;
 * ``--prefill N``: one eager forward over N prompt tokens (no cache, as ``generate()`` runs its
   prefill eagerly), wall time, median of 3, for HF BF16 before the patch and fp4moe after.
@@ -30,7 +32,6 @@ Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import pstats
 import sys
@@ -42,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from bench_decoder_layer import forward_step_ms  # noqa: E402
-from bench_e2e import time_generate  # noqa: E402
+from bench_e2e import deferred_stop_on_cuda, time_generate, transformers_loop  # noqa: E402
 from bench_generate_batch import QWEN3_30B_A3B, qwen3_moe  # noqa: E402
 from hf_integration import patch_moe, quantize_linears  # noqa: E402
 
@@ -70,21 +71,6 @@ def host_ms_per_call(model, steps: int = 32) -> float:
     return host * 1e3 / steps
 
 
-@contextlib.contextmanager
-def deferred_stop_on_cuda():
-    """Transformers' ``DeferredStopCheck`` allowed on CUDA too, in this process, while active."""
-    from transformers.generation import utils as gen_utils
-
-    supported = gen_utils.DeferredStopCheck.is_supported
-    gen_utils.DeferredStopCheck.is_supported = staticmethod(
-        lambda device, cache, cache_is_returned, is_assistant: not is_assistant and (
-            cache is None or cache.is_croppable or not cache_is_returned))
-    try:
-        yield
-    finally:
-        gen_utils.DeferredStopCheck.is_supported = supported
-
-
 def generate_lengths(model) -> str:
     """``generate()`` wall ms for 1, 17 and 65 new tokens and the per-step slope between the last two."""
     from transformers import CompileConfig
@@ -106,21 +92,15 @@ def generate_lengths(model) -> str:
             f"(17 -> 65) {slope:.3f} ms = {1e3 / slope:.1f} tokens/s; once per call {ms[17] - 16 * slope:.1f} ms")
 
 
-def generate_calls(model, calls: int, keep: bool) -> str:
+def generate_calls(model, calls: int) -> str:
     """Wall ms of ``calls`` ``generate()`` calls of 33 new tokens in a row, and the CUDA-graph
-    recordings they made (counted by wrapping cudagraph trees' ``record_function``). ``keep``:
-    fp4moe's static cache kept between calls (``hf_integration.static_cache``), else Transformers'
-    own behaviour, a new cache per call."""
+    recordings they made (counted by wrapping cudagraph trees' ``record_function``)."""
     from torch._inductor import cudagraph_trees
     from transformers import CompileConfig
-
-    from hf_integration import static_cache
 
     prompt = torch.randint(1, 1000, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
     kw = dict(max_new_tokens=33, min_new_tokens=33, do_sample=False, cache_implementation="static",
               compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
-    static_cache.release_static_cache(model)
-    saved, static_cache.DEVICE_TYPES = static_cache.DEVICE_TYPES, (static_cache.DEVICE_TYPES if keep else ())
     recorded = [0]
     record = cudagraph_trees.CUDAGraphTreeManager.record_function
 
@@ -139,7 +119,6 @@ def generate_calls(model, calls: int, keep: bool) -> str:
             walls.append((time.perf_counter() - t0) * 1e3)
     finally:
         cudagraph_trees.CUDAGraphTreeManager.record_function = record
-        static_cache.DEVICE_TYPES = saved
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     groups = [(i, min(i + 10, calls)) for i in range(0, calls, 10)]
     shown = ", ".join(f"{a + 1}-{b}: {sorted(walls[a:b])[(b - a) // 2]:.0f}" for a, b in groups)
@@ -244,6 +223,11 @@ def main() -> None:
     import transformers
 
     model = qwen3_moe(args.layers, QWEN3_30B_A3B, "cuda")
+    if args.lengths_only:
+        print("HF BF16, Transformers' loop:", generate_lengths(model), flush=True)
+        with deferred_stop_on_cuda():
+            print("HF BF16, DeferredStopCheck on CUDA:", generate_lengths(model), flush=True)
+        torch._dynamo.reset()
     bf16_prefill = prefill_ms(model, args.prefill) if args.prefill else None
     patch_moe(model, verbose=False)
     if args.attention:
@@ -253,15 +237,13 @@ def main() -> None:
           f"transformers {transformers.__version__}", flush=True)
 
     if args.calls:
-        print("fp4moe's static cache kept between calls:", generate_calls(model, 24, True), flush=True)
-        print("a new StaticCache per call (Transformers' own):", generate_calls(model, args.calls, False), flush=True)
-        print("fp4moe's static cache kept between calls, after those:", generate_calls(model, 24, True), flush=True)
+        print("a new StaticCache per call (Transformers' own):", generate_calls(model, args.calls), flush=True)
         if not args.lengths_only:
             return
     if args.lengths_only:
-        print("Transformers' loop:", generate_lengths(model), flush=True)
-        with deferred_stop_on_cuda():
-            print("DeferredStopCheck on CUDA:", generate_lengths(model), flush=True)
+        with transformers_loop():
+            print("fp4moe, Transformers' loop:", generate_lengths(model), flush=True)
+        print("fp4moe (deferred stop check):", generate_lengths(model), flush=True)
         return
     if args.prefill:
         ours = prefill_ms(model, args.prefill)
@@ -271,7 +253,8 @@ def main() -> None:
     step_host = host_ms_per_call(model)
     print(f"decode step alone: GPU {step_gpu:.3f} ms; host per compiled call {step_host:.3f} ms", flush=True)
 
-    tok_s, _, out_sync = time_generate(model, 1, args.new_tokens, compiled=True)
+    with transformers_loop():
+        tok_s, _, out_sync = time_generate(model, 1, args.new_tokens, compiled=True)
     print(f"generate(), Transformers' loop (waits every step): {tok_s:.1f} tokens/s = {1e3 / tok_s:.3f} ms a token",
           flush=True)
     if args.host_profile:
@@ -285,18 +268,18 @@ def main() -> None:
             torch.cuda.synchronize()
         pstats.Stats(host).sort_stats("tottime").print_stats(30)
 
-    for label, ms in host_breakdown(model, args.new_tokens).items():
-        print(f"    {ms:7.3f} ms  {label}", flush=True)
-    print(generate_lengths(model), flush=True)
-
-    with deferred_stop_on_cuda():
-        tok_s2, _, out_deferred = time_generate(model, 1, args.new_tokens, compiled=True)
-        same = torch.equal(out_sync, out_deferred)
-        print(f"generate(), DeferredStopCheck on CUDA (no wait per step): {tok_s2:.1f} tokens/s = "
-              f"{1e3 / tok_s2:.3f} ms a token; tokens equal to the default loop's: {same}", flush=True)
+    with transformers_loop():
         for label, ms in host_breakdown(model, args.new_tokens).items():
             print(f"    {ms:7.3f} ms  {label}", flush=True)
         print(generate_lengths(model), flush=True)
+
+    tok_s2, _, out_deferred = time_generate(model, 1, args.new_tokens, compiled=True)
+    same = torch.equal(out_sync, out_deferred)
+    print(f"generate() as fp4moe runs it (DeferredStopCheck, no wait per step): {tok_s2:.1f} tokens/s = "
+          f"{1e3 / tok_s2:.3f} ms a token; tokens equal to Transformers' loop's: {same}", flush=True)
+    for label, ms in host_breakdown(model, args.new_tokens).items():
+        print(f"    {ms:7.3f} ms  {label}", flush=True)
+    print(generate_lengths(model), flush=True)
 
 
 if __name__ == "__main__":
