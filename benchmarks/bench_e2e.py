@@ -71,7 +71,8 @@ def deferred_stop_on_cuda():
 
     supported = gen_utils.DeferredStopCheck.is_supported
     gen_utils.DeferredStopCheck.is_supported = staticmethod(  # Transformers' answer for mps, where it defers
-        lambda device, *args: supported(torch.device("mps") if torch.device(device).type == "cuda" else device, *args))
+        lambda device, *args, **kwargs: supported(torch.device("mps") if torch.device(device).type == "cuda" else device,
+                                                  *args, **kwargs))
     try:
         yield
     finally:
