@@ -89,8 +89,8 @@ def main() -> None:
         rows.append((label, err(simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs))))
     ref = fp4moe_ops.prepare_experts(w, "reference")  # act_scale_mode None: W4A16
     rows.append(("W4A16 NVFP4 (exact weights; fp4moe triton/reference)", err(ref(x, ids, rw))))
-    mx13 = mxfp4.dequantize_mxfp4(*mxfp4.nvfp4_to_mxfp4(nvfp4.NVFP4Tensor(w.w13, w.w13_scale, w.w13_global)))
-    mx2 = mxfp4.dequantize_mxfp4(*mxfp4.nvfp4_to_mxfp4(nvfp4.NVFP4Tensor(w.w2, w.w2_scale, w.w2_global)))
+    mx13 = mxfp4.dequantize_mxfp4(*mxfp4.nvfp4_to_mxfp4(nvfp4.NVFP4Tensor(w.gate_up, w.gate_up_scale, w.gate_up_global_scale)))
+    mx2 = mxfp4.dequantize_mxfp4(*mxfp4.nvfp4_to_mxfp4(nvfp4.NVFP4Tensor(w.down, w.down_scale, w.down_global_scale)))
     rows.append(("W4A16 MXFP4 (re-quantized; FlashInfer SM90 W4A16)", err(moe_dense(x, ids, rw, mx13, mx2, torch.float32, True))))
     rows.append(("BF16 of the NVFP4 weights (FlashInfer BF16)",
                  err(moe_dense(x, ids, rw, w13q.bfloat16(), w2q.bfloat16(), torch.float32, True))))
@@ -108,7 +108,7 @@ def main() -> None:
             except Exception as exc:  # report and go on
                 rows.append((f"{label}: not run ({type(exc).__name__}: {str(exc)[:80]})", float("nan")))
 
-    mx_err = mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w13, w.w13_scale, w.w13_global))
+    mx_err = mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.gate_up, w.gate_up_scale, w.gate_up_global_scale))
     print(f"E={E} H={H} I={I} top-{K}; GEMM2-input amax across experts: {amax2.min():.3g} .. {amax2.max():.3g} "
           f"({(amax2.max() / amax2.min()).item():.0f}x); MXFP4 re-quantization weight error {mx_err:.3f}")
     print("| path | MoE output rel. error vs float64 unquantized |\n|---|---|")

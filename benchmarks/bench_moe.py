@@ -57,8 +57,7 @@ def random_weights(e: int, h: int, i: int, device) -> fp4moe_ops.NVFP4MoEWeights
         gate_up = torch.randn(n, 2 * i, h, device=device) / h**0.5
         down = torch.randn(n, h, i, device=device) / i**0.5
         parts.append(fp4moe_ops.quantize_moe_weights(gate_up, down))
-    cat = lambda name: torch.cat([getattr(p, name) for p in parts])
-    return fp4moe_ops.NVFP4MoEWeights(*(cat(n) for n in ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")))
+    return fp4moe_ops.NVFP4MoEWeights(*(torch.cat([p.tensors()[n] for p in parts]) for n in range(6)))
 
 
 def bf16_weights(w: fp4moe_ops.NVFP4MoEWeights):
@@ -66,8 +65,8 @@ def bf16_weights(w: fp4moe_ops.NVFP4MoEWeights):
     w13 = torch.empty(w.num_experts, 2 * w.intermediate_size, w.hidden_size, dtype=torch.bfloat16, device=w.device)
     w2 = torch.empty(w.num_experts, w.hidden_size, w.intermediate_size, dtype=torch.bfloat16, device=w.device)
     for e in range(w.num_experts):
-        w13[e] = nvfp4.dequantize_nvfp4(w.w13[e], w.w13_scale[e], w.w13_global[e], torch.bfloat16)
-        w2[e] = nvfp4.dequantize_nvfp4(w.w2[e], w.w2_scale[e], w.w2_global[e], torch.bfloat16)
+        w13[e] = nvfp4.dequantize_nvfp4(w.gate_up[e], w.gate_up_scale[e], w.gate_up_global_scale[e], torch.bfloat16)
+        w2[e] = nvfp4.dequantize_nvfp4(w.down[e], w.down_scale[e], w.down_global_scale[e], torch.bfloat16)
     return w13, w2
 
 
@@ -247,7 +246,7 @@ def main() -> None:
             impls["grouped_mm"] = lambda x, ids, rw: grouped_mm_moe(x, ids, rw, w13_t, w2_t, e)
         if "flashinfer_mxfp4" in impls:
             log(f"MXFP4 re-quantization weight error (w13): "
-                f"{mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w13[:8], w.w13_scale[:8], w.w13_global[:8])):.3e}")
+                f"{mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.gate_up[:8], w.gate_up_scale[:8], w.gate_up_global_scale[:8])):.3e}")
     bytes_per_expert = 3 * h * i * (0.5 + 1 / 16)
 
     rows = []

@@ -74,8 +74,8 @@ def gpt_oss_moe(
             [E, 2I, H/32, 16]`` and ``_scales [E, 2I, H/32]`` uint8, ``gate_up_proj_bias [E, 2I]``,
             ``down_proj_blocks [E, H, I/32, 16]`` and ``_scales [E, H, I/32]`` uint8,
             ``down_proj_bias [E, H]``; or NVFP4 weights, :data:`NVFP4_GPT_OSS_TENSORS` (``w13 [E, 2I,
-            H/2]`` uint8, ``w13_scale [E, 2I, H/16]`` uint8 E4M3 bytes, ``w13_global [E]`` float32, ``b1
-            [E, 2I]``, then ``w2``, ``w2_scale``, ``w2_global``, ``b2 [E, H]``; any strides); for the
+            H/2]`` uint8, ``gate_up_scale [E, 2I, H/16]`` uint8 E4M3 bytes, ``gate_up_global_scale [E]`` float32, ``b1
+            [E, 2I]``, then ``w2``, ``down_scale``, ``down_global_scale``, ``b2 [E, H]``; any strides); for the
             ``triton`` backend either in its layout
             (:func:`fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors`).
         alpha, limit: gpt-oss's ``swiglu_alpha`` (1.702) and ``swiglu_limit`` (7.0).

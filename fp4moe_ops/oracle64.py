@@ -32,8 +32,8 @@ def dequant_mx64(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def gpt_oss_moe64(x, ids, weights, tensors, alpha: float, limit: float) -> torch.Tensor:
     """gpt-oss's experts in float64, token by token: ``tensors`` are MXFP4 ``[gate_up_blocks,
-    gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias]`` or NVFP4 ``[w13, w13_scale
-    (E4M3 bytes), w13_global, b1, w2, w2_scale, w2_global, b2]``; gate/up interleaved (gate even);
+    gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias]`` or NVFP4 ``[w13, gate_up_scale
+    (E4M3 bytes), gate_up_global_scale, b1, w2, down_scale, down_global_scale, b2]``; gate/up interleaved (gate even);
     ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``, ``g = min(gate, limit)``. The
     intermediate is rounded to x's dtype, as kernels store it."""
     if len(tensors) == 8:

@@ -126,9 +126,10 @@ def dense_mlp_tensors(prefix: str, weights) -> dict[str, torch.Tensor]:
     fc2 = None if weights.fc2_input_scale is None else weights.fc2_input_scale[0]
     out = {}
     for leaf, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
-        out |= linear_tensors(f"{prefix}.{leaf}", weights.w13[0, rows], weights.w13_scale[0, rows],
-                              weights.w13_global[0], fc1)
-    return out | linear_tensors(f"{prefix}.down_proj", weights.w2[0], weights.w2_scale[0], weights.w2_global[0], fc2)
+        out |= linear_tensors(f"{prefix}.{leaf}", weights.gate_up[0, rows], weights.gate_up_scale[0, rows],
+                              weights.gate_up_global_scale[0], fc1)
+    return out | linear_tensors(f"{prefix}.down_proj", weights.down[0], weights.down_scale[0],
+                                weights.down_global_scale[0], fc2)
 
 
 def expert_tensors(prefix: str, weights, leaves: ExpertLeaves = ExpertLeaves()) -> dict[str, torch.Tensor]:
@@ -141,10 +142,10 @@ def expert_tensors(prefix: str, weights, leaves: ExpertLeaves = ExpertLeaves()) 
         fc1_in = None if weights.fc1_input_scale is None else weights.fc1_input_scale[e]
         fc2_in = None if weights.fc2_input_scale is None else weights.fc2_input_scale[e]
         for leaf, rows in ((leaves.gate, slice(0, inter)), (leaves.up, slice(inter, 2 * inter))):
-            out |= linear_tensors(f"{prefix}.{e}.{leaf}", weights.w13[e, rows], weights.w13_scale[e, rows],
-                                  weights.w13_global[e], fc1_in)
-        out |= linear_tensors(f"{prefix}.{e}.{leaves.down}", weights.w2[e], weights.w2_scale[e], weights.w2_global[e],
-                              fc2_in)
+            out |= linear_tensors(f"{prefix}.{e}.{leaf}", weights.gate_up[e, rows], weights.gate_up_scale[e, rows],
+                                  weights.gate_up_global_scale[e], fc1_in)
+        out |= linear_tensors(f"{prefix}.{e}.{leaves.down}", weights.down[e], weights.down_scale[e],
+                              weights.down_global_scale[e], fc2_in)
     return out
 
 

@@ -210,11 +210,11 @@ class UnfuseNVFP4Experts(StackNVFP4Experts):
                 self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
         weights = canonical_from_fused(got, plan.ids)
         if len(self.hf_quantizer.load_errors) == errors_before:  # valid values: do they decode in range?
-            for leaf, w in zip(FUSED_LEAVES, ("w13", "w2")):
+            for leaf, proj in zip(FUSED_LEAVES, ("gate_up", "down")):
                 key = fused_key(plan.checkpoint_prefix, leaf, "global")
                 where = f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(key)}"
                 try:
-                    check_weight_range(getattr(weights, f"{w}_scale"), getattr(weights, f"{w}_global"),
+                    check_weight_range(getattr(weights, f"{proj}_scale"), getattr(weights, f"{proj}_global_scale"),
                                        lambda e, where=where: f"{where} (expert {e})")
                 except ValueError as exc:
                     self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))

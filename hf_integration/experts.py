@@ -80,8 +80,9 @@ class NVFP4Experts(PreparedExperts):
                                       "model")
         w = self.canonical()
         e = w.num_experts if num_experts is None else num_experts
-        return {"gate_up_proj": nvfp4.dequantize_nvfp4(w.w13[:e], w.w13_scale[:e], w.w13_global[:e], dtype),
-                "down_proj": nvfp4.dequantize_nvfp4(w.w2[:e], w.w2_scale[:e], w.w2_global[:e], dtype)}
+        return {"gate_up_proj": nvfp4.dequantize_nvfp4(w.gate_up[:e], w.gate_up_scale[:e], w.gate_up_global_scale[:e],
+                                                       dtype),
+                "down_proj": nvfp4.dequantize_nvfp4(w.down[:e], w.down_scale[:e], w.down_global_scale[:e], dtype)}
 
     def save_refusal(self) -> str | None:
         if self.sharded:

@@ -162,10 +162,10 @@ class SharedExpertMoE(QuantizedBuffers):
         state |= {f"experts.{k}": v for k, v in self.experts.dequantized_state(dtype, num_experts=self.num_routed).items()}
         shared = self.split()[1]
         inter = shared.intermediate_size
-        w13 = dequantize_nvfp4(shared.w13[0], shared.w13_scale[0], shared.w13_global[0], dtype)
+        w13 = dequantize_nvfp4(shared.gate_up[0], shared.gate_up_scale[0], shared.gate_up_global_scale[0], dtype)
         state |= {"shared_experts.gate_proj.weight": w13[:inter], "shared_experts.up_proj.weight": w13[inter:],
-                  "shared_experts.down_proj.weight": dequantize_nvfp4(shared.w2[0], shared.w2_scale[0],
-                                                                      shared.w2_global[0], dtype)}
+                  "shared_experts.down_proj.weight": dequantize_nvfp4(shared.down[0], shared.down_scale[0],
+                                                                      shared.down_global_scale[0], dtype)}
         return state
 
     def save_refusal(self) -> str | None:
@@ -203,9 +203,9 @@ def _linear_state(module: SharedExpertMoE, one: NVFP4MoEWeights) -> dict[str, to
     after loading or patching (no file scalar, or one it made stale) come from ``one``, in the
     scheme's units."""
     s, i = module.shared_scheme, one.intermediate_size
-    rows = {"gate_proj": (one.w13[0, :i], one.w13_scale[0, :i], one.fc1_input_scale),
-            "up_proj": (one.w13[0, i:], one.w13_scale[0, i:], one.fc1_input_scale),
-            "down_proj": (one.w2[0], one.w2_scale[0], one.fc2_input_scale)}
+    rows = {"gate_proj": (one.gate_up[0, :i], one.gate_up_scale[0, :i], one.fc1_input_scale),
+            "up_proj": (one.gate_up[0, i:], one.gate_up_scale[0, i:], one.fc1_input_scale),
+            "down_proj": (one.down[0], one.down_scale[0], one.fc2_input_scale)}
     out = {}
     for leaf, (packed, block, calibrated) in rows.items():
         out[f"{leaf}.{s.packed}"], out[f"{leaf}.{s.block_scale}"] = packed, block

@@ -329,7 +329,7 @@ def test_the_op_refuses_mixed_scale_formats_and_a_backward_through_e8m0_scales()
     x, ids, rw = torch.randn(3, 64, dtype=torch.bfloat16), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
     mixed = list(tensors)
     mixed[4] = mixed[4].view(torch.uint8)
-    with pytest.raises(ValueError, match=r"w2_scale: expected torch.int8"):
+    with pytest.raises(ValueError, match=r"down_scale: expected torch.int8"):
         torch.ops.fp4moe.fused_moe(x, ids, rw, mixed, None, None, "reference", 0)
     # a backend on the canonical tensors whose kernels read only E4M3 scales refuses E8M0 ones
     from fp4moe_ops.backends.reference import ReferenceBackend

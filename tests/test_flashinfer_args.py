@@ -41,10 +41,10 @@ def test_prepared_weights_deswizzle_to_reference():
             for c in range(cols):
                 sf[r, c] = flat[((r // 128) * 2 + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4]
         got = dequant64(fc1[e].view(torch.uint8), sf.view(torch.float8_e4m3fn), fc1_g[e])
-        ref = dequant64(w.w13[e], w.w13_scale[e], w.w13_global[e])
+        ref = dequant64(w.gate_up[e], w.gate_up_scale[e], w.gate_up_global_scale[e])
         gate, up = ref.chunk(2)
         assert torch.equal(got, torch.cat([up, gate]))  # FlashInfer order [up; gate]
-        assert torch.equal(up_gate_order(up_gate_order(w.w13))[e], w.w13[e])
+        assert torch.equal(up_gate_order(up_gate_order(w.gate_up))[e], w.gate_up[e])
 
 
 @pytest.mark.parametrize("mode", ["per_expert", "global_max"])
@@ -197,8 +197,8 @@ def test_nvfp4_call_contract_with_a_recording_flashinfer(monkeypatch):
     qs = kw["quant_scales"]
     assert qs[1] is args[1] and qs[4] is args[4]  # swizzled block scales, int32
     torch.testing.assert_close(qs[0], 1 / w.fc1_input_scale)
-    torch.testing.assert_close(qs[2], w.w13_global * w.fc1_input_scale)
-    torch.testing.assert_close(qs[5], w.w2_global * w.fc2_input_scale)
+    torch.testing.assert_close(qs[2], w.gate_up_global_scale * w.fc1_input_scale)
+    torch.testing.assert_close(qs[5], w.down_global_scale * w.fc2_input_scale)
     assert kw["use_fused_finalize"] is False and kw["workspace_buffer"].numel() == 1024
     # the activation recipe is ours, not FLASHINFER_NVFP4_4OVER6* from the environment
     assert "nvfp4_4over6" in kw and kw["nvfp4_4over6"] is None

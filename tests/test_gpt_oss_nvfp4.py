@@ -15,7 +15,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def experts(e, h, i, bias_dtype=torch.bfloat16):
-    """Random NVFP4 gpt-oss tensors ``[w13, w13_scale, w13_global, b1, w2, w2_scale, w2_global, b2]``:
+    """Random NVFP4 gpt-oss tensors ``[w13, gate_up_scale, gate_up_global_scale, b1, w2, down_scale, down_global_scale, b2]``:
     random bytes (every E2M1 code), E4M3 block scales 0.5 .. 4 times per-expert global scales (GEMM1
     outputs of a few units, so limit 7 clamps some), random biases; rows interleave gate and up."""
     def matrix(n, k, scale):
@@ -78,7 +78,7 @@ def test_op_checks_name_the_tensor():
         torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, bad, ALPHA, 7.0, "reference")
     bad = list(tensors)
     bad[2] = bad[2].double()
-    with pytest.raises(ValueError, match=r"w13_global: expected torch.float32"):
+    with pytest.raises(ValueError, match=r"gate_up_global_scale: expected torch.float32"):
         torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, bad, ALPHA, 7.0, "reference")
 
 

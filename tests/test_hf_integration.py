@@ -402,17 +402,17 @@ def test_backend_layout_is_held_once_and_state_dict_stays_canonical(monkeypatch)
     owned = fp4moe_ops.NVFP4MoEWeights(*(t.clone() for t in w.tensors()))
     m = fp4moe_ops.PreparedExperts(owned, "triton", owns_weights=True)
     assert m.layout == "paired" and m._buffers["gate_up_proj_packed"].dtype == torch.int32
-    assert m._buffers["gate_up_proj_packed"].data_ptr() == owned.w13.data_ptr()  # re-laid out in place
+    assert m._buffers["gate_up_proj_packed"].data_ptr() == owned.gate_up.data_ptr()  # re-laid out in place
     assert not any(n.startswith("prepared_") for n in m._buffers)
     held = sum(b.numel() * b.element_size() for b in m.buffers())
     assert held == sum(t.numel() * t.element_size() for t in w.tensors())  # not twice
     sd = m.state_dict()
-    assert torch.equal(sd["gate_up_proj_packed"], w.w13) and torch.equal(sd["down_proj_packed"], w.w2)
-    assert torch.equal(m.canonical().w13, w.w13) and torch.equal(m.canonical().w2, w.w2)
+    assert torch.equal(sd["gate_up_proj_packed"], w.gate_up) and torch.equal(sd["down_proj_packed"], w.down)
+    assert torch.equal(m.canonical().gate_up, w.gate_up) and torch.equal(m.canonical().down, w.down)
     assert "num_experts=3, hidden=256, intermediate=256" in repr(m) and "layout='paired'" in repr(m)
     with m.canonical_layout():  # for a save: canonical bytes in place, then back
-        assert m.layout == "canonical" and torch.equal(m.gate_up_proj_packed, w.w13)
-    assert m.layout == "paired" and torch.equal(m.state_dict()["gate_up_proj_packed"], w.w13)
+        assert m.layout == "canonical" and torch.equal(m.gate_up_proj_packed, w.gate_up)
+    assert m.layout == "paired" and torch.equal(m.state_dict()["gate_up_proj_packed"], w.gate_up)
 
     before = m._buffers["gate_up_proj_packed"].clone()
     m._buffers["gate_up_proj_packed"].zero_()
@@ -421,10 +421,10 @@ def test_backend_layout_is_held_once_and_state_dict_stays_canonical(monkeypatch)
 
     m.set_backend("reference")
     assert m.layout == "canonical" and m._buffers["gate_up_proj_packed"].dtype == torch.uint8
-    assert torch.equal(m._buffers["gate_up_proj_packed"], w.w13)
+    assert torch.equal(m._buffers["gate_up_proj_packed"], w.gate_up)
 
     user = fp4moe_ops.prepare_experts(w, "triton")  # the caller's weights are not touched
-    assert user.layout == "paired" and w.w13.dtype == torch.uint8 and torch.equal(user.canonical().w13, w.w13)
+    assert user.layout == "paired" and w.gate_up.dtype == torch.uint8 and torch.equal(user.canonical().gate_up, w.gate_up)
 
 
 def test_set_weights_never_re_lays_out_the_callers_tensors(monkeypatch):
@@ -440,8 +440,8 @@ def test_set_weights_never_re_lays_out_the_callers_tensors(monkeypatch):
     callers = fp4moe_ops.NVFP4MoEWeights(*(t.clone() for t in w.tensors()))
     m.set_weights(callers)
     m.set_backend("triton")
-    assert m.layout == "paired" and callers.w13.dtype == torch.uint8 and torch.equal(callers.w13, w.w13)
-    assert torch.equal(m.canonical().w13, w.w13)
+    assert m.layout == "paired" and callers.gate_up.dtype == torch.uint8 and torch.equal(callers.gate_up, w.gate_up)
+    assert torch.equal(m.canonical().gate_up, w.gate_up)
 
 
 def test_global_max_activation_scale_follows_a_loaded_state_dict():
@@ -500,7 +500,7 @@ def _decoded_twin(bf16_model, patched):
             routed = patched.get_submodule(block).num_routed if isinstance(patched.get_submodule(block), SharedExpertMoE) \
                 else w.num_experts
             for e in range(w.num_experts):
-                w13, w2 = dequant64(w.w13[e], w.w13_scale[e], w.w13_global[e]), dequant64(w.w2[e], w.w2_scale[e], w.w2_global[e])
+                w13, w2 = dequant64(w.gate_up[e], w.gate_up_scale[e], w.gate_up_global_scale[e]), dequant64(w.down[e], w.down_scale[e], w.down_global_scale[e])
                 if e < routed:
                     with torch.no_grad():
                         twin.get_submodule(name).gate_up_proj[e] = w13.to(torch.bfloat16)

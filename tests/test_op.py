@@ -140,10 +140,10 @@ def test_bad_inputs_have_clear_errors():
 
 def test_bad_weights_have_clear_errors():
     w = make_layer()
-    with pytest.raises(TypeError, match="w13_scale must be torch.float8_e4m3fn"):
-        fp4moe_ops.NVFP4MoEWeights(w.w13, w.w13_scale.view(torch.uint8), w.w13_global, w.w2, w.w2_scale, w.w2_global)
-    with pytest.raises(ValueError, match=r"w2 must have shape \[6, 64, 16\]"):
-        fp4moe_ops.NVFP4MoEWeights(w.w13, w.w13_scale, w.w13_global, w.w2[:, :, :8], w.w2_scale, w.w2_global)
+    with pytest.raises(TypeError, match="gate_up_scale must be torch.float8_e4m3fn"):
+        fp4moe_ops.NVFP4MoEWeights(w.gate_up, w.gate_up_scale.view(torch.uint8), w.gate_up_global_scale, w.down, w.down_scale, w.down_global_scale)
+    with pytest.raises(ValueError, match=r"down must have shape \[6, 64, 16\]"):
+        fp4moe_ops.NVFP4MoEWeights(w.gate_up, w.gate_up_scale, w.gate_up_global_scale, w.down[:, :, :8], w.down_scale, w.down_global_scale)
     with pytest.raises(ValueError, match="multiple of 16"):
         fp4moe_ops.quantize_moe_weights(torch.randn(2, 16, 40), torch.randn(2, 40, 8))
     with pytest.raises(ValueError, match="down must be"):
@@ -189,8 +189,8 @@ def test_a_nan_expert_never_reaches_tokens_not_routed_to_it():
     other tokens, expert-parallel sentinels included, and makes its own tokens NaN."""
     w = make_layer()
     bad = fp4moe_ops.NVFP4MoEWeights(*(t.clone() for t in w.tensors()))
-    bad.w13_global[2] = float("nan")
-    bad.w2_global[2] = float("inf")
+    bad.gate_up_global_scale[2] = float("nan")
+    bad.down_global_scale[2] = float("inf")
     x = torch.randn(10, 64, dtype=torch.bfloat16)
     ids, rw = routing(10, 6, 2)
     ids = torch.where(ids == 2, 4, ids)

@@ -14,7 +14,7 @@ from bad_input_helpers import layer
 # --- NVFP4MoEWeights and quantize_moe_weights ---------------------------------------------------
 
 
-FIELDS = ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")
+FIELDS = ("gate_up", "gate_up_scale", "gate_up_global_scale", "down", "down_scale", "down_global_scale")
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -30,7 +30,7 @@ def test_moe_weights_wrong_dtype_names_the_tensor(field):
 def test_moe_weights_raw_scale_bytes_get_a_hint():
     w = layer()
     with pytest.raises(TypeError, match=r"raw E4M3 bytes\? pass t.view\(torch.float8_e4m3fn\)"):
-        NVFP4MoEWeights(w.w13, w.w13_scale.view(torch.uint8), w.w13_global, w.w2, w.w2_scale, w.w2_global)
+        NVFP4MoEWeights(w.gate_up, w.gate_up_scale.view(torch.uint8), w.gate_up_global_scale, w.down, w.down_scale, w.down_global_scale)
 
 
 @pytest.mark.parametrize("field", FIELDS[1:])
@@ -42,7 +42,7 @@ def test_moe_weights_wrong_shape_names_the_tensor(field):
         NVFP4MoEWeights(**tensors)
 
 
-@pytest.mark.parametrize("field", ["w2", "w13_global"])
+@pytest.mark.parametrize("field", ["down", "gate_up_global_scale"])
 def test_moe_weights_on_another_device(field):
     w = layer()
     tensors = dict(zip(FIELDS, w.tensors()))
@@ -68,12 +68,12 @@ def test_empty_expert_stacks(which):
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("w13_global", float("nan"), r"w13_global\[2\] must be finite and > 0 \(got nan\)"),
-    ("w13_global", float("inf"), r"w13_global\[2\] must be finite and > 0 \(got inf\)"),
-    ("w13_global", 0.0, r"w13_global\[2\] must be finite and > 0 \(got 0.0\)"),
-    ("w13_global", -1e-3, r"w13_global\[2\] must be finite and > 0"),
-    ("w2_global", float("nan"), r"w2_global\[2\] must be finite and > 0"),
-    ("w2_global", 0.0, r"w2_global\[2\] must be finite and > 0"),
+    ("gate_up_global_scale", float("nan"), r"gate_up_global_scale\[2\] must be finite and > 0 \(got nan\)"),
+    ("gate_up_global_scale", float("inf"), r"gate_up_global_scale\[2\] must be finite and > 0 \(got inf\)"),
+    ("gate_up_global_scale", 0.0, r"gate_up_global_scale\[2\] must be finite and > 0 \(got 0.0\)"),
+    ("gate_up_global_scale", -1e-3, r"gate_up_global_scale\[2\] must be finite and > 0"),
+    ("down_global_scale", float("nan"), r"down_global_scale\[2\] must be finite and > 0"),
+    ("down_global_scale", 0.0, r"down_global_scale\[2\] must be finite and > 0"),
     ("fc1_input_scale", float("nan"), r"fc1_input_scale\[2\] must be finite and >= 0"),
     ("fc2_input_scale", float("inf"), r"fc2_input_scale\[2\] must be finite and >= 0"),
     ("fc2_input_scale", -1.0, r"fc2_input_scale\[2\] must be finite and >= 0"),
@@ -99,10 +99,10 @@ def test_largest_weights_reduce_the_block_scale_bytes_as_their_float_values():
     assert torch.equal(largest_weights(scale, g), want)
 
 
-@pytest.mark.parametrize("field", ["w13_global", "w2_global"])
+@pytest.mark.parametrize("field", ["gate_up_global_scale", "down_global_scale"])
 def test_global_scales_whose_weights_decode_past_bfloat16(field):
     w = layer()
-    scale = getattr(w, field.replace("global", "scale"))
+    scale = getattr(w, field.replace("_global_scale", "_scale"))
     fits = torch.finfo(torch.bfloat16).max / (6 * scale[2].float().max().item())
     getattr(w, field)[2] = fits * 0.99
     w.check_values()  # large but representable
@@ -113,7 +113,7 @@ def test_global_scales_whose_weights_decode_past_bfloat16(field):
         fp4moe_ops.prepare_experts(w, "reference")
 
 
-@pytest.mark.parametrize("field", ["w13_scale", "w2_scale"])
+@pytest.mark.parametrize("field", ["gate_up_scale", "down_scale"])
 @pytest.mark.parametrize("byte", [0x7F, 0xFF, 0x81, 0xC0])
 def test_e4m3_nan_bytes_and_negative_block_scales(field, byte):
     w = layer()
@@ -125,7 +125,7 @@ def test_e4m3_nan_bytes_and_negative_block_scales(field, byte):
 def test_zero_input_scales_and_negative_zero_block_scales_are_valid():
     w = layer(scales=True)
     w.fc1_input_scale[1] = 0.0  # an expert calibration never reached
-    w.w13_scale.view(torch.uint8)[0, 0, 0] = 0x80  # -0
+    w.gate_up_scale.view(torch.uint8)[0, 0, 0] = 0x80  # -0
     w.check_values()
 
 

@@ -229,8 +229,8 @@ def test_loading_with_kept_nvfp4_linears_fuses_and_matches_the_unfused_load(tmp_
     shared = moe_layers[0].shared_experts
     fused_block = blocks(fused, SharedExpertMoE)[0]
     w = fused_block.split()[1]
-    assert torch.equal(w.w13[0], torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))  # the file's bytes
-    assert torch.equal(w.w2_global[0], shared.down_proj.weight_scale_2)
+    assert torch.equal(w.gate_up[0], torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))  # the file's bytes
+    assert torch.equal(w.down_global_scale[0], shared.down_proj.weight_scale_2)
     ids = torch.randint(1, 200, (1, 8))
     # three NVFP4 linears (weight rounded to bf16 after the global scale) vs the expert kernel's
     # arithmetic (exact decode, global scale on the float32 sum) on the same bytes. In our saved tiny

@@ -531,10 +531,10 @@ def test_paired_layout_round_trip_and_checks():
     w = layer(3, 256, 256)
     prepared = kernel_tensors(w)
     assert prepared[0].dtype == torch.int32 and prepared[0].shape == (3, 256, 64)
-    assert torch.equal(canonical_from_paired(prepared[0]), w.w13) and torch.equal(canonical_from_paired(prepared[3]), w.w2)
-    assert not torch.equal(prepared[0].view(torch.uint8).reshape(w.w13.shape), w.w13)  # really permuted
+    assert torch.equal(canonical_from_paired(prepared[0]), w.gate_up) and torch.equal(canonical_from_paired(prepared[3]), w.down)
+    assert not torch.equal(prepared[0].view(torch.uint8).reshape(w.gate_up.shape), w.gate_up)  # really permuted
     assert BACKENDS["triton"].check_expert_tensors(prepared, 256) == 3
-    with pytest.raises(ValueError, match="w2 \\(paired\\)"):
+    with pytest.raises(ValueError, match="down \\(paired\\)"):
         BACKENDS["triton"].check_expert_tensors(prepared[:3] + [prepared[3][:, :64]] + prepared[4:], 256)
     with pytest.raises(ValueError, match="N % 16"):
         paired_weight_layout(torch.zeros(1, 8, 4, dtype=torch.uint8))
@@ -848,8 +848,8 @@ def test_gluon_prefill_keeps_a_nan_expert_to_its_own_tokens(monkeypatch):
     e, h, i, t, k = 8, 512, 256, 1100, 2
     w = layer(e, h, i)
     bad = fp4moe_ops.NVFP4MoEWeights(*(a.clone() for a in w.tensors()))
-    bad.w13_global[3] = float("nan")
-    bad.w2_global[3] = float("nan")
+    bad.gate_up_global_scale[3] = float("nan")
+    bad.down_global_scale[3] = float("nan")
     x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     ids = torch.where(ids == 3, 5, ids)

@@ -51,8 +51,8 @@ def pad_intermediate(w: NVFP4MoEWeights, multiple: int = 128) -> NVFP4MoEWeights
     def cols(t: torch.Tensor, per_byte: int) -> torch.Tensor:  # [E, H, I/per_byte] -> padded along I
         return F.pad(t.view(torch.uint8), (0, pad // per_byte)).view(t.dtype)
 
-    return NVFP4MoEWeights(rows(w.w13), rows(w.w13_scale), w.w13_global, cols(w.w2, 2), cols(w.w2_scale, BLOCK_SIZE),
-                           w.w2_global, w.fc1_input_scale, w.fc2_input_scale)
+    return NVFP4MoEWeights(rows(w.gate_up), rows(w.gate_up_scale), w.gate_up_global_scale,
+                           cols(w.down, 2), cols(w.down_scale, BLOCK_SIZE), w.down_global_scale, w.fc1_input_scale, w.fc2_input_scale)
 
 
 def up_gate_order(w: torch.Tensor) -> torch.Tensor:
@@ -75,12 +75,12 @@ def nvfp4_weight_arguments(w: NVFP4MoEWeights) -> list[torch.Tensor]:
         return swizzle_block_scale(s.view(torch.uint8)).contiguous().view(torch.int32)
 
     return [
-        up_gate_order(w.w13).view(torch.int64),
-        scales(up_gate_order(w.w13_scale)),
-        w.w13_global,
-        w.w2.contiguous().view(torch.int64),
-        scales(w.w2_scale),
-        w.w2_global,
+        up_gate_order(w.gate_up).view(torch.int64),
+        scales(up_gate_order(w.gate_up_scale)),
+        w.gate_up_global_scale,
+        w.down.contiguous().view(torch.int64),
+        scales(w.down_scale),
+        w.down_global_scale,
     ]
 
 
@@ -246,8 +246,8 @@ class FlashInferMXFP4Backend(_FlashInferBackend):
                      for e in range(0, packed.shape[0], 16)]
             return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
-        w13 = to_mxfp4(weights.w13, weights.w13_scale, weights.w13_global)
-        w2 = to_mxfp4(weights.w2, weights.w2_scale, weights.w2_global)
+        w13 = to_mxfp4(weights.gate_up, weights.gate_up_scale, weights.gate_up_global_scale)
+        w2 = to_mxfp4(weights.down, weights.down_scale, weights.down_global_scale)
         return [
             interleave_weights(up_gate_order(w13[0]), "fp4"), interleave_weights(w2[0].contiguous(), "fp4"),
             interleave_scales(up_gate_order(w13[1]), 32), interleave_scales(w2[1].contiguous(), 32),

@@ -45,8 +45,8 @@ def _dequantize(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: t
 
 def reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale=None, fc2_act_scale=None, *,
                   cutlass_rounding: bool = False, observe=None) -> torch.Tensor:
-    """The MoE layer on canonical tensors ``[w13, w13_scale (E4M3 as uint8 bytes or float8, or
-    MXFP4's E8M0 as int8), w13_global, w2, w2_scale, w2_global]``; ``[T, H]`` in ``hidden_states.dtype``.
+    """The MoE layer on canonical tensors ``[w13, gate_up_scale (E4M3 as uint8 bytes or float8, or
+    MXFP4's E8M0 as int8), gate_up_global_scale, w2, down_scale, down_global_scale]``; ``[T, H]`` in ``hidden_states.dtype``.
 
     ``cutlass_rounding``: round GEMM1's and GEMM2's outputs to the activation dtype, as
     FlashInfer's CUTLASS kernel does (its BF16 stores), instead of keeping them in float32.
@@ -73,8 +73,8 @@ def reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
 def reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
                           limit: float) -> torch.Tensor:
     """gpt-oss's MoE experts on its MXFP4 checkpoint tensors ``[gate_up_blocks, gate_up_scales,
-    gate_up_bias, down_blocks, down_scales, down_bias]`` or on NVFP4 ones ``[w13, w13_scale,
-    w13_global, b1, w2, w2_scale, w2_global, b2]`` (rows interleaving gate and up: see
+    gate_up_bias, down_blocks, down_scales, down_bias]`` or on NVFP4 ones ``[w13, gate_up_scale,
+    gate_up_global_scale, b1, w2, down_scale, down_global_scale, b2]`` (rows interleaving gate and up: see
     ``fp4moe::gpt_oss_moe``); ``[T, H]`` in ``hidden_states.dtype``."""
     if len(expert_tensors) == 8:
         w13, s13, g13, b1, w2, s2, g2, b2 = expert_tensors

@@ -34,16 +34,16 @@ class TritonBackend(Backend):
 
     def check_expert_tensors(self, expert_tensors, hidden_size):
         """The canonical layout, or (H and I multiples of 256) packed weights in the paired layout,
-        ``w13 [E, I, H/4]`` and ``w2 [E, H/2, I/4]`` int32."""
+        ``gate_up [E, I, H/4]`` and ``down [E, H/2, I/4]`` int32."""
         if len(expert_tensors) != 6 or expert_tensors[0].dtype != torch.int32:
             return check_canonical_tensors(expert_tensors, hidden_size)
         specs = canonical_specs(expert_tensors, hidden_size)
-        e, inter = specs["w13_global"][1][0], specs["w2"][1][2] * 2
+        e, inter = specs["gate_up_global_scale"][1][0], specs["down"][1][2] * 2
         if not fits_tma(hidden_size, inter):
             raise ValueError(f"the paired weight layout needs H and I multiples of 256, got H={hidden_size}, I={inter}")
-        specs["w13"] = (expert_tensors[0], (e, inter, hidden_size // 4), torch.int32)
-        specs["w2"] = (expert_tensors[3], (e, hidden_size // 2, inter // 4), torch.int32)
-        check_specs({f"{n} (paired)" if n in ("w13", "w2") else n: v for n, v in specs.items()}, hidden_size)
+        specs["gate_up"] = (expert_tensors[0], (e, inter, hidden_size // 4), torch.int32)
+        specs["down"] = (expert_tensors[3], (e, hidden_size // 2, inter // 4), torch.int32)
+        check_specs({f"{n} (paired)" if n in ("gate_up", "down") else n: v for n, v in specs.items()}, hidden_size)
         return e
 
     def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,

@@ -186,7 +186,7 @@ def gpt_oss_kernel_tensors(expert_tensors: list[torch.Tensor]) -> list[torch.Ten
       Ip, Hp/4] int32 (paired), s13 [E, 2Ip, Hp/16] int8 (E8M0), b1 [E, 2Ip] float32, w2 [E, Hp/2,
       Ip/4] int32, s2 [E, Hp, Ip/16] int8, b2 [E, Hp] float32]``; ValueError naming the tensor for a
       scale the kernels cannot decode exactly;
-    * NVFP4, the eight tensors ``[w13, w13_scale, w13_global, b1, w2, w2_scale, w2_global, b2]`` ->
+    * NVFP4, the eight tensors ``[w13, gate_up_scale, gate_up_global_scale, b1, w2, down_scale, down_global_scale, b2]`` ->
       the same with uint8 (E4M3) scales and the float32 global scales ``[E]`` after each scale:
       ``[w13, s13, g13, b1, w2, s2, g2, b2]``."""
     if len(expert_tensors) == 8:
