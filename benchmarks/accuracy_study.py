@@ -70,8 +70,8 @@ def main() -> None:
         h = xc[rows].float() @ w13q[e].T
         amax1[e] = xc[rows].float().abs().max()
         amax2[e] = (F.silu(h[:, :I]) * h[:, I:]).bfloat16().float().abs().max()
-    w.fc1_input_scale = amax1 / (6 * 448)
-    w.fc2_input_scale = amax2 / (6 * 448)
+    w.gate_up_input_scale = amax1 / (6 * 448)
+    w.down_input_scale = amax2 / (6 * 448)
 
     x, ids, rw = tokens(256, outliers)
     exact = moe_dense(x, ids, rw, gate_up.double(), down.double(), torch.float64, False)
@@ -84,7 +84,7 @@ def main() -> None:
     for label, mode, bug in [("NVFP4 x NVFP4, per-expert scales (seed)", "per_expert", False),
                              ("NVFP4 x NVFP4, global-max scale (vLLM/SGLang/TRT-LLM)", "global_max", False),
                              ("NVFP4 x NVFP4, pre-seed bug (min scale, per-expert alpha)", "per_expert", True)]:
-        fc1, fc2 = fp4moe_ops.activation_scales(w.fc1_input_scale, w.fc2_input_scale, mode)
+        fc1, fc2 = fp4moe_ops.activation_scales(w.gate_up_input_scale, w.down_input_scale, mode)
         qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1, fc2, preseed_fc2_bug=bug)
         rows.append((label, err(simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs))))
     ref = fp4moe_ops.prepare_experts(w, "reference")  # act_scale_mode None: W4A16

@@ -39,9 +39,9 @@ class NVFP4MoEWeights:
     * ``down``                  ``[E, H, I/2]   uint8``
     * ``down_scale``            ``[E, H, I/16]  float8_e4m3fn``
     * ``down_global_scale``     ``[E] float32``
-    * ``fc1_input_scale``, ``fc2_input_scale``: ``[E] float32`` or None. Calibrated activation
-      scales ``amax / (6*448)`` of each expert's GEMM1 / GEMM2 input (ModelOpt ``input_scale``);
-      only the NVFP4 x NVFP4 path needs them.
+    * ``gate_up_input_scale``, ``down_input_scale``: ``[E] float32`` or None. Calibrated activation
+      scales ``amax / (6*448)`` of each expert's gate_up / down GEMM input (ModelOpt's
+      ``input_scale``); only the NVFP4 x NVFP4 path needs them.
     """
 
     gate_up: torch.Tensor
@@ -50,8 +50,8 @@ class NVFP4MoEWeights:
     down: torch.Tensor
     down_scale: torch.Tensor
     down_global_scale: torch.Tensor
-    fc1_input_scale: torch.Tensor | None = None
-    fc2_input_scale: torch.Tensor | None = None
+    gate_up_input_scale: torch.Tensor | None = None
+    down_input_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         validate_moe_weights(self)
@@ -102,7 +102,7 @@ class NVFP4MoEWeights:
         """
         for name, kind in (("gate_up_global_scale", "global"), ("down_global_scale", "global"),
                            ("gate_up_scale", "block"), ("down_scale", "block"),
-                           ("fc1_input_scale", "input"), ("fc2_input_scale", "input")):
+                           ("gate_up_input_scale", "input"), ("down_input_scale", "input")):
             t = getattr(self, name)
             if t is not None:
                 check_scale_values(t, kind, lambda e, name=name: f"{name}[{e}]")
@@ -279,7 +279,7 @@ def validate_moe_weights(w: NVFP4MoEWeights) -> None:
     _expect("down", w.down, (e, h, i // 2), torch.uint8, dev)
     _expect("down_scale", w.down_scale, (e, h, i // BLOCK_SIZE), torch.float8_e4m3fn, dev)
     _expect("down_global_scale", w.down_global_scale, (e,), torch.float32, dev)
-    for name in ("fc1_input_scale", "fc2_input_scale"):
+    for name in ("gate_up_input_scale", "down_input_scale"):
         s = getattr(w, name)
         if s is not None:
             _expect(name, s, (e,), torch.float32, dev)

@@ -187,7 +187,7 @@ def _check(row, experts, w, x, ids, rw, device, answers) -> None:
     out = experts(x, ids, rw)
     row["kernels"] = _kernels(experts, x, ids)
     row["ms"] = timed(lambda: experts(x, ids, rw), device)
-    fc1, fc2 = activation_scales(w.fc1_input_scale, w.fc2_input_scale, mode) if mode else (None, None)
+    fc1, fc2 = activation_scales(w.gate_up_input_scale, w.down_input_scale, mode) if mode else (None, None)
     if backend == "reference":  # against float64, on a few tokens (the oracle loops in Python)
         sub = slice(0, min(t, 64))
         quant = (lambda v, s: nvfp4.quantize_activation_nvfp4(v, 1.0 / s) * s) if mode else None

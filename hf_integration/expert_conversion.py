@@ -221,8 +221,8 @@ class UnfuseNVFP4Experts(StackNVFP4Experts):
         base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
         out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, weights.tensors())}
         if plan.input_scales:
-            out[base + INPUT_SCALE_BUFFERS[0]] = weights.fc1_input_scale
-            out[base + INPUT_SCALE_BUFFERS[1]] = weights.fc2_input_scale
+            out[base + INPUT_SCALE_BUFFERS[0]] = weights.gate_up_input_scale
+            out[base + INPUT_SCALE_BUFFERS[1]] = weights.down_input_scale
         return out
 
 

@@ -21,8 +21,8 @@ def calibrated_layer(e=8, h=128, i=128, x=None):
     w13, _ = w.dequantize()
     hgu = x.float() @ w13.transpose(1, 2)  # [E, T, 2I]
     act = (torch.nn.functional.silu(hgu[..., :i]) * hgu[..., i:]).bfloat16().float()
-    w.fc1_input_scale = torch.full((e,), x.float().abs().max().item() / (6 * 448))
-    w.fc2_input_scale = act.abs().amax(dim=(1, 2)) / (6 * 448)
+    w.gate_up_input_scale = torch.full((e,), x.float().abs().max().item() / (6 * 448))
+    w.down_input_scale = act.abs().amax(dim=(1, 2)) / (6 * 448)
     return w
 
 
@@ -54,7 +54,7 @@ def test_simulation_of_prepared_args_matches_reference_backend(mode):
     w = calibrated_layer(x=x)
     ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)])
     rw = torch.rand(t, k)
-    fc1_s, fc2_s = fp4moe_ops.activation_scales(w.fc1_input_scale, w.fc2_input_scale, mode)
+    fc1_s, fc2_s = fp4moe_ops.activation_scales(w.gate_up_input_scale, w.down_input_scale, mode)
     assert fc1_s.numel() == (8 if mode == "per_expert" else 1)
     args = nvfp4_weight_arguments(w)
     qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s)
@@ -82,7 +82,7 @@ def test_preseed_bug_shrinks_each_expert_by_its_scale_ratio():
     x = torch.randn(16, 128).bfloat16()
     w = calibrated_layer(x=x)
     args = nvfp4_weight_arguments(w)
-    fc1_s, fc2_s = w.fc1_input_scale, w.fc2_input_scale
+    fc1_s, fc2_s = w.gate_up_input_scale, w.down_input_scale
     consistent = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s.max())
     buggy = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s, preseed_fc2_bug=True)
     for e in (0, 3, 7):
@@ -112,9 +112,9 @@ def test_intermediate_size_not_a_multiple_of_128_is_padded(inter):
     assert args[0].shape == (4, 2 * padded, h // 16) and args[3].shape == (4, h, padded // 16)
     ids = torch.stack([torch.randperm(4)[:k] for _ in range(t)])
     rw = torch.rand(t, k)
-    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], w.fc1_input_scale, w.fc2_input_scale)
+    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], w.gate_up_input_scale, w.down_input_scale)
     sim = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs)
-    ref = reference_moe(x, ids, rw, w.tensors(), w.fc1_input_scale, w.fc2_input_scale, cutlass_rounding=True).float()
+    ref = reference_moe(x, ids, rw, w.tensors(), w.gate_up_input_scale, w.down_input_scale, cutlass_rounding=True).float()
     per_token = (sim - ref).norm(dim=1) / ref.norm(dim=1)
     # the same tolerance as the unpadded comparison above (FP4 rounding flips of single tokens)
     assert per_token.median() < 5e-3 and (per_token > 2e-2).float().mean() < 0.25, per_token
@@ -134,9 +134,9 @@ def test_flashinfer_bad_input_errors_on_cpu():
     x = torch.randn(4, 128).bfloat16()
     ids, rw = torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)
     with pytest.raises(ValueError, match="needs both fc1_act_scale and fc2_act_scale"):
-        torch.ops.fp4moe.fused_moe(x, ids, rw, args, w.fc1_input_scale, None, "flashinfer_nvfp4")
+        torch.ops.fp4moe.fused_moe(x, ids, rw, args, w.gate_up_input_scale, None, "flashinfer_nvfp4")
     with pytest.raises(ValueError, match="int64"):
-        torch.ops.fp4moe.fused_moe(x, ids, rw, w.tensors(), w.fc1_input_scale, w.fc2_input_scale, "flashinfer_nvfp4")
+        torch.ops.fp4moe.fused_moe(x, ids, rw, w.tensors(), w.gate_up_input_scale, w.down_input_scale, "flashinfer_nvfp4")
 
 
 def test_flashinfer_import_errors_are_clear(monkeypatch):
@@ -184,7 +184,7 @@ def test_nvfp4_call_contract_with_a_recording_flashinfer(monkeypatch):
     rw = torch.rand(3, 2)
     fc.set_deterministic(True)
     try:
-        backend.run(x, ids, rw, args, w.fc1_input_scale, w.fc2_input_scale)
+        backend.run(x, ids, rw, args, w.gate_up_input_scale, w.down_input_scale)
     finally:
         fc.set_deterministic(None)
     (pos, kw), = calls
@@ -196,9 +196,9 @@ def test_nvfp4_call_contract_with_a_recording_flashinfer(monkeypatch):
     assert pos[3] is args[0] and pos[4] is args[3] and pos[3].dtype == torch.int64
     qs = kw["quant_scales"]
     assert qs[1] is args[1] and qs[4] is args[4]  # swizzled block scales, int32
-    torch.testing.assert_close(qs[0], 1 / w.fc1_input_scale)
-    torch.testing.assert_close(qs[2], w.gate_up_global_scale * w.fc1_input_scale)
-    torch.testing.assert_close(qs[5], w.down_global_scale * w.fc2_input_scale)
+    torch.testing.assert_close(qs[0], 1 / w.gate_up_input_scale)
+    torch.testing.assert_close(qs[2], w.gate_up_global_scale * w.gate_up_input_scale)
+    torch.testing.assert_close(qs[5], w.down_global_scale * w.down_input_scale)
     assert kw["use_fused_finalize"] is False and kw["workspace_buffer"].numel() == 1024
     # the activation recipe is ours, not FLASHINFER_NVFP4_4OVER6* from the environment
     assert "nvfp4_4over6" in kw and kw["nvfp4_4over6"] is None
@@ -217,10 +217,10 @@ def test_kernel_faithful_reference_is_what_the_cutlass_kernel_computes():
     ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)])
     rw = torch.rand(t, k)
     args = nvfp4_weight_arguments(w)
-    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], w.fc1_input_scale, w.fc2_input_scale)
+    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], w.gate_up_input_scale, w.down_input_scale)
     sim = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs)
     tensors = fp4moe_ops.prepare_experts(w, "reference").op_tensors()
-    faithful = reference_moe(x, ids, rw, tensors, w.fc1_input_scale, w.fc2_input_scale, cutlass_rounding=True).float()
-    fp32 = reference_moe(x, ids, rw, tensors, w.fc1_input_scale, w.fc2_input_scale).float()
+    faithful = reference_moe(x, ids, rw, tensors, w.gate_up_input_scale, w.down_input_scale, cutlass_rounding=True).float()
+    fp32 = reference_moe(x, ids, rw, tensors, w.gate_up_input_scale, w.down_input_scale).float()
     err = lambda ref: ((sim - ref).norm(dim=1) / ref.norm(dim=1)).median().item()  # noqa: E731
     assert err(faithful) < 0.6 * err(fp32), (err(faithful), err(fp32))

@@ -228,8 +228,8 @@ def test_flashinfer_sm90_backends_vs_reference(backend, e, h, i, k, t):
 
 def test_flashinfer_nvfp4_refuses_sm90_clearly():
     w = layer(4, 256, 128)
-    w.fc1_input_scale = torch.full((4,), 0.001, device="cuda")
-    w.fc2_input_scale = torch.full((4,), 0.001, device="cuda")
+    w.gate_up_input_scale = torch.full((4,), 0.001, device="cuda")
+    w.down_input_scale = torch.full((4,), 0.001, device="cuda")
     with pytest.raises(ValueError, match=r"cannot run on cuda.*capability"):
         fp4moe_ops.prepare_experts(w, "flashinfer_nvfp4")
     assert fp4moe_ops.prepare_experts(w, "auto").backend == "triton"

@@ -250,7 +250,7 @@ def test_calibration_enables_nvfp4_activations():
     calibrate_activation_scales(model, [torch.randint(1, 256, (2, 16)) for _ in range(3)] + [ids])
     experts = [m for _, m in find_experts_modules(model)]
     for m in experts:
-        s1 = m.fc1_input_scale
+        s1 = m.gate_up_proj_input_scale
         assert s1.shape == (8,) and (s1 > 0).all()
     with pytest.raises(ValueError, match="cannot run on cpu"):
         set_backend(model, "flashinfer_nvfp4")
@@ -267,7 +267,7 @@ def test_calibration_enables_nvfp4_activations():
     assert 0.01 < rel(cap["out"], w4a16_layer) < 0.35
     # the calibrated scales cover the calibration data: no GEMM1 input exceeds 6*448*scale
     x = x.float()
-    assert x.abs().max() <= experts[0].fc1_input_scale.max() * nvfp4.E2M1_MAX * nvfp4.E4M3_MAX * (1 + 1e-6)
+    assert x.abs().max() <= experts[0].gate_up_proj_input_scale.max() * nvfp4.E2M1_MAX * nvfp4.E4M3_MAX * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("mode", ["global_max", "per_expert"])
@@ -287,8 +287,8 @@ def test_recalibrating_a_model_running_nvfp4_activations_runs_the_new_scales(mod
         want = model(ids).logits
     assert torch.equal(got, want)
     for _, m in find_experts_modules(model):
-        assert torch.equal(m.activation_scales()[0], m.fc1_input_scale.max().reshape(()) if mode == "global_max"
-                           else m.fc1_input_scale)
+        assert torch.equal(m.activation_scales()[0], m.gate_up_proj_input_scale.max().reshape(())
+                           if mode == "global_max" else m.gate_up_proj_input_scale)
 
 
 def test_nvfp4_backend_without_calibration_says_how(monkeypatch):
@@ -453,12 +453,92 @@ def test_global_max_activation_scale_follows_a_loaded_state_dict():
     w = fp4moe_ops.NVFP4MoEWeights(*w.tensors(), torch.full((4,), 0.01), torch.full((4,), 0.02))
     m = fp4moe_ops.PreparedExperts(w, "reference", "global_max")
     sd = m.state_dict()
-    sd["fc1_input_scale"] = torch.tensor([0.01, 0.5, 0.01, 0.01])
+    sd["gate_up_proj_input_scale"] = torch.tensor([0.01, 0.5, 0.01, 0.01])
     m.load_state_dict(sd)
     assert m.activation_scales()[0].item() == 0.5
-    sd["fc2_input_scale"] = torch.tensor([float("nan"), 0.02, 0.02, 0.02])
-    with pytest.raises(ValueError, match="fc2_input_scale"):
+    sd["down_proj_input_scale"] = torch.tensor([float("nan"), 0.02, 0.02, 0.02])
+    with pytest.raises(ValueError, match="down_proj_input_scale"):
         m.load_state_dict(sd)
+
+
+def saved_with_old_input_scale_names(state: dict, tmp_path) -> dict:
+    """``state`` as torch saved it when the experts' input-scale buffers were named ``fc1_input_scale``
+    / ``fc2_input_scale`` (read back from the file)."""
+    from fp4moe_ops.prepared import OLD_INPUT_SCALE_BUFFERS
+
+    old_name = {new: old for old, new in OLD_INPUT_SCALE_BUFFERS.items()}
+
+    def renamed(key: str) -> str:
+        head, dot, leaf = key.rpartition(".")
+        return head + dot + old_name.get(leaf, leaf)
+
+    old = {renamed(k): t for k, t in state.items()}
+    assert {k.rpartition(".")[2] for k in old} >= set(OLD_INPUT_SCALE_BUFFERS)
+    torch.save(old, tmp_path / "old_names.pt")
+    return torch.load(tmp_path / "old_names.pt")
+
+
+def same_state(got: dict, want: dict) -> bool:
+    as_bytes = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731  (no float8 equal on CPU)
+    return set(got) == set(want) and all(torch.equal(as_bytes(t), as_bytes(want[k])) for k, t in got.items())
+
+
+def test_a_state_dict_with_the_old_input_scale_names_loads_with_one_warning(tmp_path, monkeypatch):
+    import warnings
+
+    import fp4moe_ops
+    from fp4moe_ops import prepared
+
+    monkeypatch.setattr(prepared, "_warned_old_names", False)
+    w = fp4moe_ops.quantize_moe_weights(torch.randn(4, 64, 64), torch.randn(4, 64, 32))
+    saved = fp4moe_ops.PreparedExperts(fp4moe_ops.NVFP4MoEWeights(*w.tensors(), torch.full((4,), 0.01),
+                                                                  torch.full((4,), 0.02)), "reference", "global_max")
+    m = fp4moe_ops.PreparedExperts(fp4moe_ops.NVFP4MoEWeights(*w.tensors(), torch.full((4,), 0.03),
+                                                              torch.full((4,), 0.04)), "reference", "global_max")
+    old = saved_with_old_input_scale_names(saved.state_dict(), tmp_path)
+    with pytest.warns(FutureWarning, match="deprecated input-scale names"):
+        m.load_state_dict(old)
+    assert same_state(m.state_dict(), saved.state_dict())
+    assert torch.equal(torch.stack(m.activation_scales()), torch.tensor([0.01, 0.02]))  # global_max's, re-derived
+    assert "fc1_input_scale" in old  # the caller's state dict keeps its keys
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.load_state_dict(old)  # warned once
+
+
+@pytest.mark.parametrize("loaded", [False, True])
+def test_a_model_state_dict_with_the_old_input_scale_names_loads(tmp_path, loaded):
+    # a calibrated model with fused shared experts (a module whose own load hook reads its experts'
+    # keys), patched, or loaded from a checkpoint (whose model-wide guards check every key before
+    # any module loads, strict=True)
+    from hf_integration import SharedExpertMoE
+    from hf_integration.tiny_models import write_modelopt_checkpoint
+
+    if loaded:
+        from hf_integration import ModelOptConfig
+        from transformers import AutoModelForCausalLM
+
+        write_modelopt_checkpoint(tiny_deepseek_v3(seed=0), tmp_path / "ckpt")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16,
+                                                     quantization_config=ModelOptConfig(fuse_shared_experts=True))
+    else:
+        model = patch_deepseek(tiny_deepseek_v3(seed=0), quantize_dense_mlps=True, fuse_shared_experts=True)
+        calibrate_activation_scales(model, [torch.randint(1, 256, (2, 12))])
+    assert any(isinstance(m, SharedExpertMoE) for m in model.modules())
+    want = {k: t.clone() for k, t in model.state_dict().items()}
+    old = saved_with_old_input_scale_names(want, tmp_path)
+    for _, m in find_experts_modules(model):
+        m.gate_up_proj_input_scale.mul_(2)
+        m.down_proj_input_scale.mul_(3)
+    model.load_state_dict(old)
+    assert same_state(model.state_dict(), want)
+    assert any(k.endswith(".fc1_input_scale") for k in old)  # the caller's state dict keeps its keys
+    block = next(m for m in model.modules() if isinstance(m, SharedExpertMoE))  # its own load, unguarded
+    block_want = {k: t.clone() for k, t in block.state_dict().items()}
+    block_old = saved_with_old_input_scale_names(block_want, tmp_path)
+    block.experts.gate_up_proj_input_scale.mul_(2)
+    block.load_state_dict(block_old)
+    assert same_state(block.state_dict(), block_want)
 
 
 @pytest.mark.parametrize("export", ["modelopt/qwen3_moe_nvfp4_default", "llmcompressor/qwen3_moe_nvfp4",

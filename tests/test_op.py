@@ -15,8 +15,8 @@ def make_layer(e=6, h=64, i=32, scale_spread=True, with_act_scales=False):
         gate_up *= torch.logspace(-1, 1, e)[:, None, None]
     w = fp4moe_ops.quantize_moe_weights(gate_up, down)
     if with_act_scales:
-        w.fc1_input_scale = torch.rand(e) * 0.002 + 0.0005
-        w.fc2_input_scale = torch.rand(e) * 0.002 + 0.0005
+        w.gate_up_input_scale = torch.rand(e) * 0.002 + 0.0005
+        w.down_input_scale = torch.rand(e) * 0.002 + 0.0005
     return w
 
 
@@ -50,7 +50,7 @@ def test_reference_nvfp4_activations_per_expert_and_global():
     # the activation quantizer's definition is tested in test_nvfp4_format
     quant = lambda v, s: nvfp4.quantize_activation_nvfp4(v, 1.0 / s) * s
     for mode in fp4moe_ops.ACT_SCALE_MODES:
-        fc1, fc2 = fp4moe_ops.activation_scales(w.fc1_input_scale, w.fc2_input_scale, mode)
+        fc1, fc2 = fp4moe_ops.activation_scales(w.gate_up_input_scale, w.down_input_scale, mode)
         out = torch.ops.fp4moe.fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "reference").op_tensors(),
                                          fc1, fc2, "reference")
         ref = moe64(x, ids, rw, *w.tensors(), fc1_scale=fc1, fc2_scale=fc2, quant=quant)
@@ -60,7 +60,7 @@ def test_reference_nvfp4_activations_per_expert_and_global():
     assert fp4moe_ops.prepare_experts(w, "reference").activation_scales() == (None, None)
     fc1, fc2 = fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="global_max").activation_scales()
     assert fc1.shape == fc2.shape == ()
-    w.fc2_input_scale = None
+    w.down_input_scale = None
     with pytest.raises(ValueError, match="calibrate_activation_scales"):
         fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="per_expert")
 
@@ -85,7 +85,7 @@ def test_opcheck():
     ids, rw = routing(4, 6, 2)
     op = torch.ops.fp4moe.fused_moe.default
     torch.library.opcheck(op, (x, ids, rw, p.op_tensors(), None, None, "reference"))
-    torch.library.opcheck(op, (x, ids, rw, p.op_tensors(), w.fc1_input_scale, w.fc2_input_scale, "reference"))
+    torch.library.opcheck(op, (x, ids, rw, p.op_tensors(), w.gate_up_input_scale, w.down_input_scale, "reference"))
 
 
 def test_compile_fullgraph_dynamic_tokens_no_recompile():

@@ -74,9 +74,9 @@ def test_empty_expert_stacks(which):
     ("gate_up_global_scale", -1e-3, r"gate_up_global_scale\[2\] must be finite and > 0"),
     ("down_global_scale", float("nan"), r"down_global_scale\[2\] must be finite and > 0"),
     ("down_global_scale", 0.0, r"down_global_scale\[2\] must be finite and > 0"),
-    ("fc1_input_scale", float("nan"), r"fc1_input_scale\[2\] must be finite and >= 0"),
-    ("fc2_input_scale", float("inf"), r"fc2_input_scale\[2\] must be finite and >= 0"),
-    ("fc2_input_scale", -1.0, r"fc2_input_scale\[2\] must be finite and >= 0"),
+    ("gate_up_input_scale", float("nan"), r"gate_up_input_scale\[2\] must be finite and >= 0"),
+    ("down_input_scale", float("inf"), r"down_input_scale\[2\] must be finite and >= 0"),
+    ("down_input_scale", -1.0, r"down_input_scale\[2\] must be finite and >= 0"),
 ])
 def test_scale_values_are_checked_before_use(field, value, match):
     w = layer(scales=True)
@@ -124,7 +124,7 @@ def test_e4m3_nan_bytes_and_negative_block_scales(field, byte):
 
 def test_zero_input_scales_and_negative_zero_block_scales_are_valid():
     w = layer(scales=True)
-    w.fc1_input_scale[1] = 0.0  # an expert calibration never reached
+    w.gate_up_input_scale[1] = 0.0  # an expert calibration never reached
     w.gate_up_scale.view(torch.uint8)[0, 0, 0] = 0x80  # -0
     w.check_values()
 
@@ -193,7 +193,7 @@ def test_op_metadata_errors(case, error, match):
     elif case == "scale_len":
         fc1, fc2 = torch.ones(5), torch.ones(4)
     elif case == "one_scale":  # the reference takes scales optionally: one without the other is allowed
-        out = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, w.fc1_input_scale, None, backend)
+        out = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, w.gate_up_input_scale, None, backend)
         assert torch.isfinite(out).all()
         return
     elif case == "backend":
@@ -214,7 +214,7 @@ def test_op_refuses_activation_scales_on_a_16_bit_backend(monkeypatch):
     monkeypatch.setattr(type(BACKENDS["triton"]), "unavailable_reason", lambda self, device: None)
     w, p, x, ids, rw = op_args()
     with pytest.raises(ValueError, match="keeps activations in 16 bits"):
-        torch.ops.fp4moe.fused_moe(x, ids, rw, p.op_tensors(), w.fc1_input_scale, w.fc2_input_scale, "triton")
+        torch.ops.fp4moe.fused_moe(x, ids, rw, p.op_tensors(), w.gate_up_input_scale, w.down_input_scale, "triton")
 
 
 # --- activation-scale modes and backends ---------------------------------------------------------
@@ -222,16 +222,16 @@ def test_op_refuses_activation_scales_on_a_16_bit_backend(monkeypatch):
 
 def test_per_expert_mode_refuses_zero_scales_naming_the_experts():
     w = layer(scales=True)
-    w.fc2_input_scale[[1, 3]] = 0.0
-    with pytest.raises(ValueError, match=r"fc2_input_scale is 0 for experts \[1, 3\].*global_max"):
+    w.down_input_scale[[1, 3]] = 0.0
+    with pytest.raises(ValueError, match=r"down_input_scale is 0 for experts \[1, 3\].*global_max"):
         fp4moe_ops.prepare_experts(w, "reference", "per_expert")
     fc1, fc2 = fp4moe_ops.prepare_experts(w, "reference", "global_max").activation_scales()  # the documented way out
-    assert fc2 == w.fc2_input_scale.max()
+    assert fc2 == w.down_input_scale.max()
 
 
 def test_global_max_with_every_scale_zero():
     w = layer(scales=True)
-    w.fc1_input_scale.zero_()
+    w.gate_up_input_scale.zero_()
     with pytest.raises(ValueError, match="every calibrated input scale is 0"):
         fp4moe_ops.prepare_experts(w, "reference", "global_max")
 
@@ -257,7 +257,7 @@ def test_a_failed_set_backend_leaves_the_experts_as_they_were():
     p = fp4moe_ops.prepare_experts(w, "reference")
     x, ids, rw = torch.randn(3, 64, dtype=torch.bfloat16), torch.randint(0, 4, (3, 2)), torch.rand(3, 2)
     before = p(x, ids, rw)
-    w.fc1_input_scale.zero_()  # the module holds these tensors
-    with pytest.raises(ValueError, match="fc1_input_scale is 0"):
+    w.gate_up_input_scale.zero_()  # the module holds these tensors
+    with pytest.raises(ValueError, match="gate_up_input_scale is 0"):
         p.set_backend("reference", "per_expert")
     assert p.backend == "reference" and p.act_scale_mode is None and torch.equal(p(x, ids, rw), before)

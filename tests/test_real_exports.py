@@ -281,7 +281,7 @@ def test_compressed_tensors_global_scales_divide():
     prefix = "model.layers.1.mlp.experts"
     for e in range(8):
         assert w.down_global_scale[e] == 1.0 / tensors[f"{prefix}.{e}.down_proj.weight_global_scale"][0]
-        assert w.fc2_input_scale[e] == 1.0 / tensors[f"{prefix}.{e}.down_proj.input_global_scale"][0]
+        assert w.down_input_scale[e] == 1.0 / tensors[f"{prefix}.{e}.down_proj.input_global_scale"][0]
         assert torch.equal(w.down[e], tensors[f"{prefix}.{e}.down_proj.weight_packed"])
     # the other convention would make the weights off by ~(2688/amax)^2: the logits above pass only one way
 

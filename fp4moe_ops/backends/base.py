@@ -277,7 +277,7 @@ def resolve_backend(
     if backend.activation_scales == "required" and not have_activation_scales:
         raise ValueError(
             f"fp4moe backend {name!r} quantizes activations to NVFP4 and needs calibrated "
-            "activation scales (fc1_input_scale / fc2_input_scale); calibrate with "
+            "activation scales (gate_up_proj_input_scale / down_proj_input_scale); calibrate with "
             "hf_integration.calibrate_activation_scales, or use a W4A16 backend "
             f"(available here: {available_backends(device)})"
         )

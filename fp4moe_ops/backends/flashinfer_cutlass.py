@@ -52,7 +52,8 @@ def pad_intermediate(w: NVFP4MoEWeights, multiple: int = 128) -> NVFP4MoEWeights
         return F.pad(t.view(torch.uint8), (0, pad // per_byte)).view(t.dtype)
 
     return NVFP4MoEWeights(rows(w.gate_up), rows(w.gate_up_scale), w.gate_up_global_scale,
-                           cols(w.down, 2), cols(w.down_scale, BLOCK_SIZE), w.down_global_scale, w.fc1_input_scale, w.fc2_input_scale)
+                           cols(w.down, 2), cols(w.down_scale, BLOCK_SIZE), w.down_global_scale,
+                           w.gate_up_input_scale, w.down_input_scale)
 
 
 def up_gate_order(w: torch.Tensor) -> torch.Tensor:
