@@ -84,8 +84,8 @@ def main() -> None:
     for label, mode, bug in [("NVFP4 x NVFP4, per-expert scales (seed)", "per_expert", False),
                              ("NVFP4 x NVFP4, global-max scale (vLLM/SGLang/TRT-LLM)", "global_max", False),
                              ("NVFP4 x NVFP4, pre-seed bug (min scale, per-expert alpha)", "per_expert", True)]:
-        fc1, fc2 = fp4moe_ops.activation_scales(w.gate_up_input_scale, w.down_input_scale, mode)
-        qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1, fc2, preseed_fc2_bug=bug)
+        gate_up_in, down_in = fp4moe_ops.activation_scales(w.gate_up_input_scale, w.down_input_scale, mode)
+        qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], gate_up_in, down_in, preseed_fc2_bug=bug)
         rows.append((label, err(simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs))))
     ref = fp4moe_ops.prepare_experts(w, "reference")  # act_scale_mode None: W4A16
     rows.append(("W4A16 NVFP4 (exact weights; fp4moe triton/reference)", err(ref(x, ids, rw))))

@@ -60,26 +60,28 @@ def linear64(x, packed, scale_e4m3, global_scale, bias=None) -> torch.Tensor:
     return y if bias is None else y + bias.double()
 
 
-def moe64(x, ids, weights, w13, s13, g13, w2, s2, g2, fc1_scale=None, fc2_scale=None, quant=None):
+def moe64(x, ids, weights, gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale,
+          gate_up_input_scale=None, down_input_scale=None, quant=None):
     """out[t] = sum_j weights[t,j] * down(silu(gate x) * up x), float64, gate rows first.
 
     ``quant(v, s)`` (if scales are given) rounds a GEMM input through NVFP4 with scale s; the
     intermediate is rounded to x's dtype first, as kernels store it.
     """
     t_count, h = x.shape
-    num_experts, two_i = w13.shape[0], w13.shape[1]
+    num_experts, two_i = gate_up.shape[0], gate_up.shape[1]
     i = two_i // 2
     out = torch.zeros(t_count, h, dtype=torch.float64)
     # expert by expert, each decoded once (not once per token), one expert's matrices in memory at a time
     for e in sorted(set(ids[(ids >= 0) & (ids < num_experts)].tolist())):
-        w13_e, w2_e = dequant64(w13[e], s13[e], g13[e]), dequant64(w2[e], s2[e], g2[e])
+        gate_up_e = dequant64(gate_up[e], gate_up_scale[e], gate_up_global_scale[e])
+        down_e = dequant64(down[e], down_scale[e], down_global_scale[e])
         for t, j in (ids == e).nonzero().tolist():
             a = x[t:t + 1]
-            if fc1_scale is not None:
-                a = quant(a, fc1_scale.reshape(-1)[e if fc1_scale.numel() > 1 else 0])
-            hgu = a.double() @ w13_e.T
+            if gate_up_input_scale is not None:
+                a = quant(a, gate_up_input_scale.reshape(-1)[e if gate_up_input_scale.numel() > 1 else 0])
+            hgu = a.double() @ gate_up_e.T
             act = (F.silu(hgu[:, :i]) * hgu[:, i:]).to(x.dtype)
-            if fc2_scale is not None:
-                act = quant(act, fc2_scale.reshape(-1)[e if fc2_scale.numel() > 1 else 0])
-            out[t] += float(weights[t, j]) * (act.double() @ w2_e.T)[0]
+            if down_input_scale is not None:
+                act = quant(act, down_input_scale.reshape(-1)[e if down_input_scale.numel() > 1 else 0])
+            out[t] += float(weights[t, j]) * (act.double() @ down_e.T)[0]
     return out

@@ -39,6 +39,8 @@ from .op import _HIDDEN_DTYPES
 CANONICAL_BUFFERS = ("gate_up_proj_packed", "gate_up_proj_scale", "gate_up_proj_global_scale",
                      "down_proj_packed", "down_proj_scale", "down_proj_global_scale")
 INPUT_SCALE_BUFFERS = ("gate_up_proj_input_scale", "down_proj_input_scale")
+# global_max's one scale per projection, reduced from the input scales once (non-persistent)
+PREPARED_INPUT_SCALE_BUFFERS = ("prepared_gate_up_input_scale", "prepared_down_input_scale")
 # The input scales' buffer names before they took their projections' names: a state dict saved with
 # them still loads, renamed by :func:`rename_old_input_scales` (with a warning)
 OLD_INPUT_SCALE_BUFFERS = dict(zip(("fc1_input_scale", "fc2_input_scale"), INPUT_SCALE_BUFFERS))
@@ -326,29 +328,29 @@ class PreparedExperts(QuantizedBuffers):
             self.register_buffer(f"prepared_{i}", t, persistent=False)
         self._own_tensors = len(own)
         if mode == "global_max":
-            self.register_buffer("fc1_act_scale", act[0], persistent=False)
-            self.register_buffer("fc2_act_scale", act[1], persistent=False)
+            for name, t in zip(PREPARED_INPUT_SCALE_BUFFERS, act):
+                self.register_buffer(name, t, persistent=False)
         self.backend, self.layout, self.act_scale_mode = b.name, layout, mode
 
     def check_backend(self, backend: str = "auto", act_scale_mode: str | None = None):
         """Everything :meth:`set_backend` checks, without changing the module: ``(backend object,
-        activation mode, (fc1, fc2) activation scales or Nones)``; raises ValueError otherwise."""
-        fc1, fc2 = self._buffers.get(INPUT_SCALE_BUFFERS[0]), self._buffers.get(INPUT_SCALE_BUFFERS[1])
+        activation mode, (gate_up, down) input scales for the op or Nones)``; raises ValueError otherwise."""
+        gate_up, down = self._buffers.get(INPUT_SCALE_BUFFERS[0]), self._buffers.get(INPUT_SCALE_BUFFERS[1])
         b = resolve_backend(backend, self._buffers[CANONICAL_BUFFERS[1]].device,
-                            have_activation_scales=fc1 is not None and fc2 is not None)
+                            have_activation_scales=gate_up is not None and down is not None)
         mode = act_scale_mode or ("per_expert" if b.activation_scales == "required" else None)
         if mode is None:
             return b, None, (None, None)
         if b.activation_scales == "forbidden":
             raise ValueError(f"backend {b.name!r} keeps activations in 16 bits; act_scale_mode={mode!r} needs "
                              "'flashinfer_nvfp4' (Blackwell) or 'reference'")
-        return b, mode, activation_scales(fc1, fc2, mode)
+        return b, mode, activation_scales(gate_up, down, mode)
 
     def _drop_prepared(self) -> None:
         for i in range(self._own_tensors):
             self._buffers.pop(f"prepared_{i}", None)
         self._own_tensors = 0
-        for name in ("fc1_act_scale", "fc2_act_scale"):
+        for name in PREPARED_INPUT_SCALE_BUFFERS:
             self._buffers.pop(name, None)
 
     # --- the call ---------------------------------------------------------------------------
@@ -360,19 +362,19 @@ class PreparedExperts(QuantizedBuffers):
         return op_layout([self._buffers[n] for n in CANONICAL_BUFFERS])
 
     def activation_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The op's ``(fc1_act_scale, fc2_act_scale)``: None in 16-bit activation mode."""
+        """The op's ``(gate_up_input_scale, down_input_scale)``: None in 16-bit activation mode."""
         if self.act_scale_mode is None:
             return None, None
         if self.act_scale_mode == "per_expert":
             return self._buffers[INPUT_SCALE_BUFFERS[0]], self._buffers[INPUT_SCALE_BUFFERS[1]]
-        return self._buffers["fc1_act_scale"], self._buffers["fc2_act_scale"]
+        return self._buffers[PREPARED_INPUT_SCALE_BUFFERS[0]], self._buffers[PREPARED_INPUT_SCALE_BUFFERS[1]]
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` bf16/fp16, ``[T, k]`` ids, ``[T, k]`` float32 weights -> ``[T, H]``."""
         if self.backend is None:
             raise RuntimeError("these experts are not prepared for a backend yet: call set_backend(...)")
-        fc1, fc2 = self.activation_scales()
-        return torch.ops.fp4moe.fused_moe(hidden_states, topk_ids, topk_weights, self.op_tensors(), fc1, fc2,
+        gate_up, down = self.activation_scales()
+        return torch.ops.fp4moe.fused_moe(hidden_states, topk_ids, topk_weights, self.op_tensors(), gate_up, down,
                                           self.backend, self.routed_experts)
 
     # --- module behaviour -------------------------------------------------------------------

@@ -54,14 +54,14 @@ def test_simulation_of_prepared_args_matches_reference_backend(mode):
     w = calibrated_layer(x=x)
     ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)])
     rw = torch.rand(t, k)
-    fc1_s, fc2_s = fp4moe_ops.activation_scales(w.gate_up_input_scale, w.down_input_scale, mode)
-    assert fc1_s.numel() == (8 if mode == "per_expert" else 1)
+    gate_up_in, down_in = fp4moe_ops.activation_scales(w.gate_up_input_scale, w.down_input_scale, mode)
+    assert gate_up_in.numel() == (8 if mode == "per_expert" else 1)
     args = nvfp4_weight_arguments(w)
-    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s)
+    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], gate_up_in, down_in)
     sim = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs)
     tensors = fp4moe_ops.prepare_experts(w, "reference").op_tensors()
     # the kernel-faithful reference: GEMM outputs rounded to bf16 where the CUTLASS kernel stores them
-    ref = reference_moe(x, ids, rw, tensors, fc1_s, fc2_s, cutlass_rounding=True).float()
+    ref = reference_moe(x, ids, rw, tensors, gate_up_in, down_in, cutlass_rounding=True).float()
     w4a16 = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, "reference").float()
     # FP4 rounding is discontinuous: FlashInfer's formulation (x * g / sf) and ours
     # (x / (sf * s)) differ in the last fp32 bit, which now and then flips an E4M3 block scale
@@ -82,14 +82,14 @@ def test_preseed_bug_shrinks_each_expert_by_its_scale_ratio():
     x = torch.randn(16, 128).bfloat16()
     w = calibrated_layer(x=x)
     args = nvfp4_weight_arguments(w)
-    fc1_s, fc2_s = w.gate_up_input_scale, w.down_input_scale
-    consistent = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s.max())
-    buggy = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s, preseed_fc2_bug=True)
+    gate_up_in, down_in = w.gate_up_input_scale, w.down_input_scale
+    consistent = nvfp4_quant_scales(args[2], args[1], args[5], args[4], gate_up_in, down_in.max())
+    buggy = nvfp4_quant_scales(args[2], args[1], args[5], args[4], gate_up_in, down_in, preseed_fc2_bug=True)
     for e in (0, 3, 7):
         ids, rw = torch.full((16, 1), e), torch.ones(16, 1)
         good = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], consistent)
         bad = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], buggy)
-        expected = (fc2_s[e] / fc2_s.max()).item()
+        expected = (down_in[e] / down_in.max()).item()
         # exact up to the kernel's bf16 store of each GEMM2 output: each side is rounded once, by up to
         # half a bf16 ulp (2^-8 relative), in either direction
         torch.testing.assert_close(bad, good * expected, rtol=2**-7, atol=1e-6 * good.abs().max().item())
@@ -133,7 +133,7 @@ def test_flashinfer_bad_input_errors_on_cpu():
     args = nvfp4_weight_arguments(w)
     x = torch.randn(4, 128).bfloat16()
     ids, rw = torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)
-    with pytest.raises(ValueError, match="needs both fc1_act_scale and fc2_act_scale"):
+    with pytest.raises(ValueError, match="needs both gate_up_input_scale and down_input_scale"):
         torch.ops.fp4moe.fused_moe(x, ids, rw, args, w.gate_up_input_scale, None, "flashinfer_nvfp4")
     with pytest.raises(ValueError, match="int64"):
         torch.ops.fp4moe.fused_moe(x, ids, rw, w.tensors(), w.gate_up_input_scale, w.down_input_scale, "flashinfer_nvfp4")

@@ -50,16 +50,16 @@ def test_reference_nvfp4_activations_per_expert_and_global():
     # the activation quantizer's definition is tested in test_nvfp4_format
     quant = lambda v, s: nvfp4.quantize_activation_nvfp4(v, 1.0 / s) * s
     for mode in fp4moe_ops.ACT_SCALE_MODES:
-        fc1, fc2 = fp4moe_ops.activation_scales(w.gate_up_input_scale, w.down_input_scale, mode)
+        gate_up_in, down_in = fp4moe_ops.activation_scales(w.gate_up_input_scale, w.down_input_scale, mode)
         out = torch.ops.fp4moe.fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "reference").op_tensors(),
-                                         fc1, fc2, "reference")
-        ref = moe64(x, ids, rw, *w.tensors(), fc1_scale=fc1, fc2_scale=fc2, quant=quant)
+                                         gate_up_in, down_in, "reference")
+        ref = moe64(x, ids, rw, *w.tensors(), gate_up_input_scale=gate_up_in, down_input_scale=down_in, quant=quant)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel < 4e-3, (mode, rel)
     # prepare_experts: W4A16 unless asked; asked on a 16-bit-activation backend, a clear error
     assert fp4moe_ops.prepare_experts(w, "reference").activation_scales() == (None, None)
-    fc1, fc2 = fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="global_max").activation_scales()
-    assert fc1.shape == fc2.shape == ()
+    gate_up_in, down_in = fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="global_max").activation_scales()
+    assert gate_up_in.shape == down_in.shape == ()
     w.down_input_scale = None
     with pytest.raises(ValueError, match="calibrate_activation_scales"):
         fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="per_expert")

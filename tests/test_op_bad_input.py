@@ -169,7 +169,7 @@ def op_args():
 ])
 def test_op_metadata_errors(case, error, match):
     w, p, x, ids, rw = op_args()
-    tensors, fc1, fc2, backend, routed = p.op_tensors(), None, None, "reference", 0
+    tensors, gate_up_in, down_in, backend, routed = p.op_tensors(), None, None, "reference", 0
     if case == "hidden_fp32":
         x = x.float()
     elif case == "hidden_3d":
@@ -187,11 +187,11 @@ def test_op_metadata_errors(case, error, match):
     elif case == "device":
         rw = rw.to("meta")
     elif case == "scale_shape1":
-        fc1, fc2 = torch.ones(1), torch.ones(1)
+        gate_up_in, down_in = torch.ones(1), torch.ones(1)
     elif case == "scale_dtype":
-        fc1, fc2 = torch.ones((), dtype=torch.float16), torch.ones(())
+        gate_up_in, down_in = torch.ones((), dtype=torch.float16), torch.ones(())
     elif case == "scale_len":
-        fc1, fc2 = torch.ones(5), torch.ones(4)
+        gate_up_in, down_in = torch.ones(5), torch.ones(4)
     elif case == "one_scale":  # the reference takes scales optionally: one without the other is allowed
         out = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, w.gate_up_input_scale, None, backend)
         assert torch.isfinite(out).all()
@@ -205,7 +205,7 @@ def test_op_metadata_errors(case, error, match):
     elif case == "routed_negative":
         routed = -1
     with pytest.raises(error, match=match):
-        torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, fc1, fc2, backend, routed)
+        torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, gate_up_in, down_in, backend, routed)
 
 
 def test_op_refuses_activation_scales_on_a_16_bit_backend(monkeypatch):
@@ -225,8 +225,8 @@ def test_per_expert_mode_refuses_zero_scales_naming_the_experts():
     w.down_input_scale[[1, 3]] = 0.0
     with pytest.raises(ValueError, match=r"down_input_scale is 0 for experts \[1, 3\].*global_max"):
         fp4moe_ops.prepare_experts(w, "reference", "per_expert")
-    fc1, fc2 = fp4moe_ops.prepare_experts(w, "reference", "global_max").activation_scales()  # the documented way out
-    assert fc2 == w.down_input_scale.max()
+    gate_up_in, down_in = fp4moe_ops.prepare_experts(w, "reference", "global_max").activation_scales()  # the documented way out
+    assert down_in == w.down_input_scale.max()
 
 
 def test_global_max_with_every_scale_zero():

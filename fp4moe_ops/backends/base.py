@@ -147,8 +147,8 @@ class Backend:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         expert_tensors: list[torch.Tensor],
-        fc1_act_scale: torch.Tensor | None,
-        fc2_act_scale: torch.Tensor | None,
+        gate_up_input_scale: torch.Tensor | None,
+        down_input_scale: torch.Tensor | None,
         routed_experts: int = 0,
     ) -> torch.Tensor:
         """Compute ``[T, H]`` in ``hidden_states.dtype``; inputs are already validated.

@@ -46,7 +46,7 @@ class TritonBackend(Backend):
         check_specs({f"{n} (paired)" if n in ("gate_up", "down") else n: v for n, v in specs.items()}, hidden_size)
         return e
 
-    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale,
             routed_experts=0):
         # Triton launches on the current device: make it the experts' (device_map spreads layers)
         with torch.cuda.device(hidden_states.device):
