@@ -2,7 +2,7 @@
 
     python benchmarks/accuracy_study.py          # CPU, ~10 s; on a GPU also the GPU kernels
 
-Synthetic but realistic layer: experts whose GEMM2-input ranges differ ~1000x (gate/up scaled
+Synthetic but realistic layer: experts whose down GEMM input ranges differ ~1000x (gate/up scaled
 per expert), hidden states with a few outlier channels (x20), top-4 routing. Activation scales
 are calibrated (per-expert amax, as ModelOpt does) on a separate calibration set, then the
 layer is evaluated on fresh tokens. Paths:
@@ -32,16 +32,16 @@ from fp4moe_ops.flashinfer_sim import simulate_cutlass_nvfp4_moe  # noqa: E402
 E, H, I, K = 16, 512, 256, 4
 
 
-def moe_dense(x, ids, rw, w13, w2, dtype, round_intermediate):
-    """Plain MoE math in ``dtype`` with float weights ``w13 [E,2I,H]`` ([gate; up]), ``w2``."""
+def moe_dense(x, ids, rw, gate_up, down, dtype, round_intermediate):
+    """Plain MoE math in ``dtype`` with float weights ``gate_up [E,2I,H]`` ([gate; up]), ``down``."""
     out = torch.zeros(x.shape, dtype=dtype)
     for e in range(E):
         route = (rw.to(dtype) * (ids == e)).sum(-1)
-        h = x.to(dtype) @ w13[e].to(dtype).T
+        h = x.to(dtype) @ gate_up[e].to(dtype).T
         act = F.silu(h[:, :I]) * h[:, I:]
         if round_intermediate:
             act = act.bfloat16()
-        out += route[:, None] * (act.to(dtype) @ w2[e].to(dtype).T)
+        out += route[:, None] * (act.to(dtype) @ down[e].to(dtype).T)
     return out
 
 
@@ -55,7 +55,7 @@ def tokens(t, outliers):
 
 def main() -> None:
     torch.manual_seed(0)
-    spread = torch.logspace(0, 1.5, E)  # GEMM2 inputs scale ~ spread^2: 1x .. 1000x
+    spread = torch.logspace(0, 1.5, E)  # down GEMM inputs scale ~ spread^2: 1x .. 1000x
     gate_up = torch.randn(E, 2 * I, H) / H**0.5 * spread[:, None, None]
     down = torch.randn(E, H, I) / I**0.5 / spread[:, None, None] ** 2
     outliers = torch.randperm(H)[:8]
@@ -109,7 +109,7 @@ def main() -> None:
                 rows.append((f"{label}: not run ({type(exc).__name__}: {str(exc)[:80]})", float("nan")))
 
     mx_err = mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.gate_up, w.gate_up_scale, w.gate_up_global_scale))
-    print(f"E={E} H={H} I={I} top-{K}; GEMM2-input amax across experts: {amax2.min():.3g} .. {amax2.max():.3g} "
+    print(f"E={E} H={H} I={I} top-{K}; down GEMM input amax across experts: {amax2.min():.3g} .. {amax2.max():.3g} "
           f"({(amax2.max() / amax2.min()).item():.0f}x); MXFP4 re-quantization weight error {mx_err:.3f}")
     print("| path | MoE output rel. error vs float64 unquantized |\n|---|---|")
     for label, e_ in rows:

@@ -1,6 +1,6 @@
 """``torch.ops.fp4moe.gpt_oss_moe``: gpt-oss's routed experts as one graph node, with MXFP4 or NVFP4 weights.
 
-    out[t] = sum_j  w[t, j] * (down_e(clamped_swiglu(gate_up_e(x_t) + b1_e)) + b2_e),   e = ids[t, j]
+    out[t] = sum_j  w[t, j] * (down_e(clamped_swiglu(gate_up_e(x_t) + gate_up_bias_e)) + down_bias_e),   e = ids[t, j]
 
 ``gate_up``'s rows interleave gate and up (row ``2j`` gate's ``j``, as gpt-oss holds them), and
 ``clamped_swiglu`` (:func:`fp4moe_ops.moe_math.clamped_swiglu`) is ``(clamp(up, -limit, limit) + 1) *
@@ -73,9 +73,9 @@ def gpt_oss_moe(
         expert_tensors: :data:`MXFP4_EXPERT_TENSORS`, as in the checkpoint: ``gate_up_proj_blocks
             [E, 2I, H/32, 16]`` and ``_scales [E, 2I, H/32]`` uint8, ``gate_up_proj_bias [E, 2I]``,
             ``down_proj_blocks [E, H, I/32, 16]`` and ``_scales [E, H, I/32]`` uint8,
-            ``down_proj_bias [E, H]``; or NVFP4 weights, :data:`NVFP4_GPT_OSS_TENSORS` (``w13 [E, 2I,
-            H/2]`` uint8, ``gate_up_scale [E, 2I, H/16]`` uint8 E4M3 bytes, ``gate_up_global_scale [E]`` float32, ``b1
-            [E, 2I]``, then ``w2``, ``down_scale``, ``down_global_scale``, ``b2 [E, H]``; any strides); for the
+            ``down_proj_bias [E, H]``; or NVFP4 weights, :data:`NVFP4_GPT_OSS_TENSORS` (``gate_up [E, 2I,
+            H/2]`` uint8, ``gate_up_scale [E, 2I, H/16]`` uint8 E4M3 bytes, ``gate_up_global_scale [E]`` float32, ``gate_up_bias
+            [E, 2I]``, then ``down``, ``down_scale``, ``down_global_scale``, ``down_bias [E, H]``; any strides); for the
             ``triton`` backend either in its layout
             (:func:`fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors`).
         alpha, limit: gpt-oss's ``swiglu_alpha`` (1.702) and ``swiglu_limit`` (7.0).

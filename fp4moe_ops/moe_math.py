@@ -64,7 +64,7 @@ def expert_scale(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
 
 
 def gated_silu(h: torch.Tensor, dtype: torch.dtype, *, up_first: bool = False) -> torch.Tensor:
-    """``silu(gate) * up`` of a fused GEMM1 output ``h [n, 2I]`` (rows ``[gate; up]``, or
+    """``silu(gate) * up`` of a fused gate_up GEMM output ``h [n, 2I]`` (rows ``[gate; up]``, or
     ``[up; gate]`` with ``up_first`` as FlashInfer lays them out), rounded to ``dtype`` as a
     kernel stores its intermediate."""
     first, second = h.chunk(2, dim=-1)
@@ -73,7 +73,7 @@ def gated_silu(h: torch.Tensor, dtype: torch.dtype, *, up_first: bool = False) -
 
 
 def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's activation of a fused GEMM1 output ``h [n, 2I]`` (bias added) whose columns
+    """gpt-oss's activation of a fused gate_up GEMM output ``h [n, 2I]`` (bias added) whose columns
     interleave gate (even) and up (odd): ``gate = min(gate, limit)``, ``up = clamp(up, -limit,
     limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``; ``[n, I]`` in ``h``'s dtype."""
     gate, up = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(min=-limit, max=limit)

@@ -216,9 +216,9 @@ def _kernels(experts, x, ids) -> str:
         return experts.backend
     from .backends.triton_moe.launch import kernel_family
 
-    w13 = experts.op_tensors()[0]
+    gate_up = experts.op_tensors()[0]
     return kernel_family(x, ids.numel(), experts.num_experts, experts.hidden_size, experts.intermediate_size,
-                         experts.routed_experts, paired=w13.dtype == torch.int32)
+                         experts.routed_experts, paired=gate_up.dtype == torch.int32)
 
 
 def _format(row: dict) -> str:

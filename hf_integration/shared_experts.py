@@ -162,8 +162,8 @@ class SharedExpertMoE(QuantizedBuffers):
         state |= {f"experts.{k}": v for k, v in self.experts.dequantized_state(dtype, num_experts=self.num_routed).items()}
         shared = self.split()[1]
         inter = shared.intermediate_size
-        w13 = dequantize_nvfp4(shared.gate_up[0], shared.gate_up_scale[0], shared.gate_up_global_scale[0], dtype)
-        state |= {"shared_experts.gate_proj.weight": w13[:inter], "shared_experts.up_proj.weight": w13[inter:],
+        gate_up = dequantize_nvfp4(shared.gate_up[0], shared.gate_up_scale[0], shared.gate_up_global_scale[0], dtype)
+        state |= {"shared_experts.gate_proj.weight": gate_up[:inter], "shared_experts.up_proj.weight": gate_up[inter:],
                   "shared_experts.down_proj.weight": dequantize_nvfp4(shared.down[0], shared.down_scale[0],
                                                                       shared.down_global_scale[0], dtype)}
         return state

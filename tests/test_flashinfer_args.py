@@ -13,13 +13,13 @@ from fp4moe_ops.oracle64 import dequant64
 
 
 def calibrated_layer(e=8, h=128, i=128, x=None):
-    """Experts whose GEMM2-input ranges differ ~100x, with input scales calibrated on ``x``
+    """Experts whose down GEMM input ranges differ ~100x, with input scales calibrated on ``x``
     (as ModelOpt does: amax / (6*448) of what each expert sees)."""
     gate_up = torch.randn(e, 2 * i, h) / h**0.5 * torch.logspace(-0.5, 0.5, e)[:, None, None]
     w = fp4moe_ops.quantize_moe_weights(gate_up, torch.randn(e, h, i) / i**0.5)
     x = torch.randn(64, h).bfloat16() if x is None else x
-    w13, _ = w.dequantize()
-    hgu = x.float() @ w13.transpose(1, 2)  # [E, T, 2I]
+    decoded_gate_up, _ = w.dequantize()
+    hgu = x.float() @ decoded_gate_up.transpose(1, 2)  # [E, T, 2I]
     act = (torch.nn.functional.silu(hgu[..., :i]) * hgu[..., i:]).bfloat16().float()
     w.gate_up_input_scale = torch.full((e,), x.float().abs().max().item() / (6 * 448))
     w.down_input_scale = act.abs().amax(dim=(1, 2)) / (6 * 448)
@@ -65,7 +65,7 @@ def test_simulation_of_prepared_args_matches_reference_backend(mode):
     w4a16 = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, "reference").float()
     # FP4 rounding is discontinuous: FlashInfer's formulation (x * g / sf) and ours
     # (x / (sf * s)) differ in the last fp32 bit, which now and then flips an E4M3 block scale
-    # or an E2M1 code of some token (the bf16 intermediate feeds the GEMM2 quantizer too).
+    # or an E2M1 code of some token (the bf16 intermediate feeds the down GEMM quantizer too).
     # So: most tokens must agree to bf16 output rounding, a few may differ by a flip, and a
     # wrong argument (gate/up order, alpha, swizzle) would make every token wrong.
     per_token = ((sim - ref).norm(dim=1) / ref.norm(dim=1))
@@ -76,9 +76,10 @@ def test_simulation_of_prepared_args_matches_reference_backend(mode):
 
 
 def test_preseed_bug_shrinks_each_expert_by_its_scale_ratio():
-    """Pre-seed FlashInfer quantized GEMM2 inputs with 1/max(s2) but dequantized with per-expert
-    alphas. Against a consistent GEMM2 at that same scale (identical quantization grid), expert
-    e's output is exactly s2[e] / max(s2) times too small."""
+    """Pre-seed FlashInfer quantized the down GEMM's inputs with 1/max(down_input_scale) but
+    dequantized with per-expert alphas. Against a consistent down GEMM at that same scale (identical
+    quantization grid), expert e's output is exactly down_input_scale[e] / max(down_input_scale) times
+    too small."""
     x = torch.randn(16, 128).bfloat16()
     w = calibrated_layer(x=x)
     args = nvfp4_weight_arguments(w)
@@ -90,7 +91,7 @@ def test_preseed_bug_shrinks_each_expert_by_its_scale_ratio():
         good = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], consistent)
         bad = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], buggy)
         expected = (down_in[e] / down_in.max()).item()
-        # exact up to the kernel's bf16 store of each GEMM2 output: each side is rounded once, by up to
+        # exact up to the kernel's bf16 store of each down GEMM output: each side is rounded once, by up to
         # half a bf16 ulp (2^-8 relative), in either direction
         torch.testing.assert_close(bad, good * expected, rtol=2**-7, atol=1e-6 * good.abs().max().item())
         if e < 7:
@@ -205,7 +206,7 @@ def test_nvfp4_call_contract_with_a_recording_flashinfer(monkeypatch):
 
 
 def test_kernel_faithful_reference_is_what_the_cutlass_kernel_computes():
-    """The CUTLASS kernel stores GEMM1's and GEMM2's outputs in BF16; the reference in its
+    """The CUTLASS kernel stores the gate_up and the down GEMM's outputs in BF16; the reference in its
     kernel-faithful mode does the same, and is then measurably closer to the simulated kernel than
     the float32 reference (which a tight hardware comparison would wrongly fail).
 

@@ -15,18 +15,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def experts(e, h, i, bias_dtype=torch.bfloat16):
-    """Random NVFP4 gpt-oss tensors ``[w13, gate_up_scale, gate_up_global_scale, b1, w2, down_scale, down_global_scale, b2]``:
-    random bytes (every E2M1 code), E4M3 block scales 0.5 .. 4 times per-expert global scales (GEMM1
-    outputs of a few units, so limit 7 clamps some), random biases; rows interleave gate and up."""
+    """Random NVFP4 gpt-oss tensors ``[gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, down,
+    down_scale, down_global_scale, down_bias]``: random bytes (every E2M1 code), E4M3 block scales 0.5 .. 4
+    times per-expert global scales (gate_up GEMM outputs of a few units, so limit 7 clamps some), random
+    biases; rows interleave gate and up."""
     def matrix(n, k, scale):
         block = (torch.rand(e, n, k // 16) * 3.5 + 0.5).to(torch.float8_e4m3fn)
         return torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8), block.view(torch.uint8), \
             torch.rand(e) * scale + scale / 2
 
     bias = lambda shape: (torch.randn(shape) * 0.5).to(bias_dtype)  # noqa: E731
-    w13, s13, g13 = matrix(2 * i, h, 0.6 / h**0.5)
-    w2, s2, g2 = matrix(h, i, 0.6 / i**0.5)
-    return [w13, s13, g13, bias((e, 2 * i)), w2, s2, g2, bias((e, h))]
+    gate_up, gate_up_scale, gate_up_global_scale = matrix(2 * i, h, 0.6 / h**0.5)
+    down, down_scale, down_global_scale = matrix(h, i, 0.6 / i**0.5)
+    return [gate_up, gate_up_scale, gate_up_global_scale, bias((e, 2 * i)),
+            down, down_scale, down_global_scale, bias((e, h))]
 
 
 def routing(t, e, k):
@@ -57,14 +59,17 @@ def test_reference_backend_matches_float64(limit):
 def test_strided_views_run_as_their_values():
     # the ModelOpt module passes its transposed tensors as views and a shared global scale expanded
     e, h, i = 3, 32, 32
-    w13, s13, g13, b1, w2, s2, g2, b2 = experts(e, h, i)
-    views = [w13.transpose(1, 2).contiguous().transpose(1, 2), s13.transpose(1, 2).contiguous().transpose(1, 2),
-             g13[:1].expand(e), b1, w2.transpose(1, 2).contiguous().transpose(1, 2), s2, g2[:1].expand(e), b2]
+    gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, down, down_scale, down_global_scale, down_bias = \
+        experts(e, h, i)
+    transposed = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
+    views = [transposed(gate_up), transposed(gate_up_scale), gate_up_global_scale[:1].expand(e), gate_up_bias,
+             transposed(down), down_scale, down_global_scale[:1].expand(e), down_bias]
     assert not views[0].is_contiguous()
     x = torch.randn(5, h, dtype=torch.bfloat16)
     ids, rw = routing(5, e, 2)
     out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, views, ALPHA, 7.0, "reference")
-    same = [w13, s13, g13[:1].repeat(e), b1, w2, s2, g2[:1].repeat(e), b2]
+    same = [gate_up, gate_up_scale, gate_up_global_scale[:1].repeat(e), gate_up_bias,
+            down, down_scale, down_global_scale[:1].repeat(e), down_bias]
     assert torch.equal(out, torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, same, ALPHA, 7.0, "reference"))
 
 
@@ -74,7 +79,7 @@ def test_op_checks_name_the_tensor():
     ids, rw = routing(3, 2, 2)
     bad = list(tensors)
     bad[3] = bad[3][:, :-2]
-    with pytest.raises(ValueError, match=r"b1: expected .*\[2, 64\]"):
+    with pytest.raises(ValueError, match=r"gate_up_bias: expected .*\[2, 64\]"):
         torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, bad, ALPHA, 7.0, "reference")
     bad = list(tensors)
     bad[2] = bad[2].double()
@@ -367,18 +372,18 @@ def test_module_in_the_kernel_layout_keeps_the_checkpoint_state_dict(export):
     before = {k: v.clone() for k, v in m.state_dict().items()}
     m._to_kernel_layout()
     m.backend = "triton"
-    assert m.kernel_layout and m._buffers["gate_up_proj"] is None and m.kernel_s13.dtype == torch.uint8
+    assert m.kernel_layout and m._buffers["gate_up_proj"] is None and m.kernel_gate_up_scale.dtype == torch.uint8
     after = m.state_dict()
     assert set(after) == set(before) and all(same_bytes(after[k], before[k]) for k in before)
     other = {k: v.clone() for k, v in model.model.layers[1].mlp.experts.state_dict().items()}
     m.load_state_dict(other)
     assert m.kernel_layout  # what the state dict said, in the kernels' layout again
     assert all(same_bytes(m.state_dict()[k], other[k]) for k in other)
-    assert torch.equal(m.kernel_g2, other["down_proj_weight_scale_2"].expand(4))
+    assert torch.equal(m.kernel_down_global_scale, other["down_proj_weight_scale_2"].expand(4))
     m.to(torch.float16)  # the biases cast as Transformers casts them; scales and the kernels' biases stay float32
-    assert m.gate_up_proj_bias.dtype == torch.float16 and m.kernel_b1.dtype == torch.float32
-    assert m.gate_up_proj_weight_scale_2.dtype == torch.float32 and m.kernel_g13.dtype == torch.float32
-    assert torch.equal(m.kernel_b2[:, :64], m.down_proj_bias.float())
+    assert m.gate_up_proj_bias.dtype == torch.float16 and m.kernel_gate_up_bias.dtype == torch.float32
+    assert m.gate_up_proj_weight_scale_2.dtype == torch.float32 and m.kernel_gate_up_global_scale.dtype == torch.float32
+    assert torch.equal(m.kernel_down_bias[:, :64], m.down_proj_bias.float())
     m._to_checkpoint_layout()
     assert not m.kernel_layout and same_bytes(m.gate_up_proj, other["gate_up_proj"])
 

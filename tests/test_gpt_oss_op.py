@@ -19,7 +19,7 @@ ALPHA = 1.702  # gpt-oss's swiglu_alpha
 
 def make_experts(e=5, h=64, i=96, seed=0, bias_dtype=torch.bfloat16):
     """Random gpt-oss expert tensors in the checkpoint layout: random bytes (every code), E8M0 scales
-    2^-6..2^-2 (GEMM1 outputs of a few units, so a small ``limit`` clamps some), random biases."""
+    2^-6..2^-2 (gate_up GEMM outputs of a few units, so a small ``limit`` clamps some), random biases."""
     g = torch.Generator().manual_seed(seed)
     (gub, gus), (db, ds) = mxfp4.gpt_oss_shapes(2 * i, h, e), mxfp4.gpt_oss_shapes(h, i, e)
     byte = lambda shape: torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
@@ -48,7 +48,7 @@ def test_reference_matches_float64_oracle(dtype, limit):
     if limit == 1.0:
         assert (h[:, ::2] > limit).any() and (h[:, 1::2] < -limit).any()
     # float32: only accumulation order differs (~1e-6); 16-bit: the intermediate rounded to dtype on both
-    # sides (rare 1-ulp flips where float32 and float64 GEMM1s round differently) and the output cast
+    # sides (rare 1-ulp flips where float32 and float64 gate_up GEMMs round differently) and the output cast
     # (bf16 2^-8, fp16 2^-11 relative per element)
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert rel < {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype], rel
@@ -175,7 +175,7 @@ def test_triton_takes_its_own_layout_only():
         BACKENDS["triton"].check_gpt_oss_tensors(tensors, 64)
     kernel = gpt_oss_kernel_tensors(tensors)
     assert BACKENDS["triton"].check_gpt_oss_tensors(kernel, 64) == 3
-    with pytest.raises(ValueError, match=r"kernel tensor b2: expected torch.float32"):
+    with pytest.raises(ValueError, match=r"kernel tensor down_bias: expected torch.float32"):
         BACKENDS["triton"].check_gpt_oss_tensors(kernel[:5] + [kernel[5].bfloat16()], 64)
 
 

@@ -148,10 +148,10 @@ def test_compile_ahead_inside_a_compiled_graph(monkeypatch):
     monkeypatch.setattr(launch, "COMPILE_AHEAD", True)
     w = layer(16, 1024, 768)  # a shape no other test uses
 
-    from fp4moe_ops.backends.triton_moe.decode_v3 import _gemm1_v3_kernel
+    from fp4moe_ops.backends.triton_moe.decode_v3 import _gate_up_v3_kernel
 
-    def gemm_variants():  # (GEMM1's: the wgmma kernel's, and decode_v3's up to 6 rows per expert)
-        fns = (kernels._gemm1_swiglu_kernel, _gemm1_v3_kernel)
+    def gemm_variants():  # (the gate_up GEMM's: the wgmma kernel's, and decode_v3's up to 6 rows per expert)
+        fns = (kernels._gate_up_swiglu_kernel, _gate_up_v3_kernel)
         return sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
 
     p = fp4moe_ops.prepare_experts(w, "triton")

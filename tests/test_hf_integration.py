@@ -36,9 +36,9 @@ def dequantized_copy(patched, original):
     ref = copy.deepcopy(original)
     pairs = zip([m for _, m in find_experts_modules(patched)], [m for _, m in find_experts_modules(ref)])
     for p, r in pairs:
-        w13, w2 = p.canonical().dequantize(torch.float32)
-        r.gate_up_proj.data.copy_(w13)
-        r.down_proj.data.copy_(w2)
+        gate_up, down = p.canonical().dequantize(torch.float32)
+        r.gate_up_proj.data.copy_(gate_up)
+        r.down_proj.data.copy_(down)
     return ref
 
 
@@ -265,7 +265,7 @@ def test_calibration_enables_nvfp4_activations():
     # the layer's activations now go through NVFP4 too: NVFP4 noise on both GEMM inputs
     # (~10% each on Gaussian-like data), so a different but close answer
     assert 0.01 < rel(cap["out"], w4a16_layer) < 0.35
-    # the calibrated scales cover the calibration data: no GEMM1 input exceeds 6*448*scale
+    # the calibrated scales cover the calibration data: no gate_up GEMM input exceeds 6*448*scale
     x = x.float()
     assert x.abs().max() <= experts[0].gate_up_proj_input_scale.max() * nvfp4.E2M1_MAX * nvfp4.E4M3_MAX * (1 + 1e-6)
 
@@ -580,16 +580,17 @@ def _decoded_twin(bf16_model, patched):
             routed = patched.get_submodule(block).num_routed if isinstance(patched.get_submodule(block), SharedExpertMoE) \
                 else w.num_experts
             for e in range(w.num_experts):
-                w13, w2 = dequant64(w.gate_up[e], w.gate_up_scale[e], w.gate_up_global_scale[e]), dequant64(w.down[e], w.down_scale[e], w.down_global_scale[e])
+                gate_up = dequant64(w.gate_up[e], w.gate_up_scale[e], w.gate_up_global_scale[e])
+                down = dequant64(w.down[e], w.down_scale[e], w.down_global_scale[e])
                 if e < routed:
                     with torch.no_grad():
-                        twin.get_submodule(name).gate_up_proj[e] = w13.to(torch.bfloat16)
-                        twin.get_submodule(name).down_proj[e] = w2.to(torch.bfloat16)
+                        twin.get_submodule(name).gate_up_proj[e] = gate_up.to(torch.bfloat16)
+                        twin.get_submodule(name).down_proj[e] = down.to(torch.bfloat16)
                 else:  # the shared expert inside the routed call
-                    inter = w13.shape[0] // 2
-                    put(f"{block}.shared_experts.gate_proj.weight", w13[:inter])
-                    put(f"{block}.shared_experts.up_proj.weight", w13[inter:])
-                    put(f"{block}.shared_experts.down_proj.weight", w2)
+                    inter = gate_up.shape[0] // 2
+                    put(f"{block}.shared_experts.gate_proj.weight", gate_up[:inter])
+                    put(f"{block}.shared_experts.up_proj.weight", gate_up[inter:])
+                    put(f"{block}.shared_experts.down_proj.weight", down)
         elif isinstance(m, NVFP4Linear):
             packed, block_scale, scale, _ = m.linear_tensors()
             put(f"{name}.weight", dequant64(packed, block_scale, scale))

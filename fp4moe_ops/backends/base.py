@@ -69,19 +69,20 @@ def canonical_specs(expert_tensors: list[torch.Tensor], hidden_size: int) -> dic
 
 # gpt-oss's experts with NVFP4 weights, as fp4moe::gpt_oss_moe takes them (its MXFP4 ones:
 # fp4moe_ops.mxfp4.MXFP4_EXPERT_TENSORS)
-NVFP4_GPT_OSS_TENSORS = ("gate_up", "gate_up_scale", "gate_up_global_scale", "b1",
-                         "down", "down_scale", "down_global_scale", "b2")
+NVFP4_GPT_OSS_TENSORS = ("gate_up", "gate_up_scale", "gate_up_global_scale", "gate_up_bias",
+                         "down", "down_scale", "down_global_scale", "down_bias")
 
 
 def check_nvfp4_gpt_oss_tensors(expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
     """Check gpt-oss's experts with NVFP4 weights (:data:`NVFP4_GPT_OSS_TENSORS`): the canonical
     NVFP4 tensors with gate's and up's rows interleaved as gpt-oss's (``gate_up [E, 2I, H/2]``, row
-    ``2j`` gate's ``j``), any strides, and the biases ``b1 [E, 2I]`` (interleaved alike) and ``b2
+    ``2j`` gate's ``j``), any strides, and the biases ``gate_up_bias [E, 2I]`` (interleaved alike) and ``down_bias
     [E, H]``; return E. Metadata only."""
     if len(expert_tensors) != len(NVFP4_GPT_OSS_TENSORS):
         raise ValueError(f"expected {len(NVFP4_GPT_OSS_TENSORS)} tensors {list(NVFP4_GPT_OSS_TENSORS)} for gpt-oss's "
                          f"NVFP4 experts, got {len(expert_tensors)}")
-    gate_up, gate_up_scale, gate_up_global_scale, b1, down, down_scale, down_global_scale, b2 = expert_tensors
+    (gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias,
+     down, down_scale, down_global_scale, down_bias) = expert_tensors
     if gate_up_scale.dim() != 3 or gate_up_scale.shape[1] % 2:
         raise ValueError(f"gate_up_scale: expected [E, 2I, H/16], got {list(gate_up_scale.shape)}")
     for name, size in (("hidden size", hidden_size), ("intermediate size", gate_up_scale.shape[1] // 2)):
@@ -93,7 +94,8 @@ def check_nvfp4_gpt_oss_tensors(expert_tensors: list[torch.Tensor], hidden_size:
         specs[name] = (*specs[name][:2], torch.uint8)
     check_specs(specs, hidden_size)
     e = gate_up_scale.shape[0]
-    check_gpt_oss_biases(("b1", b1), ("b2", b2), e, gate_up_scale.shape[1] // 2, hidden_size)
+    check_gpt_oss_biases(("gate_up_bias", gate_up_bias), ("down_bias", down_bias), e, gate_up_scale.shape[1] // 2,
+                         hidden_size)
     return e
 
 

@@ -248,11 +248,11 @@ class FlashInferMXFP4Backend(_FlashInferBackend):
                      for e in range(0, packed.shape[0], 16)]
             return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
-        w13 = to_mxfp4(weights.gate_up, weights.gate_up_scale, weights.gate_up_global_scale)
-        w2 = to_mxfp4(weights.down, weights.down_scale, weights.down_global_scale)
+        gate_up = to_mxfp4(weights.gate_up, weights.gate_up_scale, weights.gate_up_global_scale)
+        down = to_mxfp4(weights.down, weights.down_scale, weights.down_global_scale)
         return [
-            interleave_weights(up_gate_order(w13[0]), "fp4"), interleave_weights(w2[0].contiguous(), "fp4"),
-            interleave_scales(up_gate_order(w13[1]), 32), interleave_scales(w2[1].contiguous(), 32),
+            interleave_weights(up_gate_order(gate_up[0]), "fp4"), interleave_weights(down[0].contiguous(), "fp4"),
+            interleave_scales(up_gate_order(gate_up[1]), 32), interleave_scales(down[1].contiguous(), 32),
         ]
 
     def quant_scales(self, expert_tensors, gate_up_input_scale, down_input_scale):

@@ -75,26 +75,26 @@ def reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors,
                           limit: float) -> torch.Tensor:
     """gpt-oss's MoE experts on its MXFP4 checkpoint tensors ``[gate_up_blocks, gate_up_scales,
     gate_up_bias, down_blocks, down_scales, down_bias]`` or on NVFP4 ones ``[gate_up, gate_up_scale,
-    gate_up_global_scale, b1, down, down_scale, down_global_scale, b2]`` (rows interleaving gate and
-    up: see ``fp4moe::gpt_oss_moe``); ``[T, H]`` in ``hidden_states.dtype``."""
+    gate_up_global_scale, gate_up_bias, down, down_scale, down_global_scale, down_bias]`` (rows
+    interleaving gate and up: see ``fp4moe::gpt_oss_moe``); ``[T, H]`` in ``hidden_states.dtype``."""
     if len(expert_tensors) == 8:
-        gate_up_packed, gate_up_scale, gate_up_global_scale, b1, down_packed, down_scale, down_global_scale, b2 = \
-            expert_tensors
+        (gate_up_packed, gate_up_scale, gate_up_global_scale, gate_up_bias,
+         down_packed, down_scale, down_global_scale, down_bias) = expert_tensors
         gate_up_scale, down_scale = gate_up_scale.view(torch.float8_e4m3fn), down_scale.view(torch.float8_e4m3fn)
         gate_up = lambda e: dequantize_nvfp4(gate_up_packed[e], gate_up_scale[e], gate_up_global_scale[e])  # noqa: E731
         down = lambda e: dequantize_nvfp4(down_packed[e], down_scale[e], down_global_scale[e])  # noqa: E731
     else:
-        gate_up_blocks, gate_up_scales, b1, down_blocks, down_scales, b2 = expert_tensors
+        gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = expert_tensors
         gate_up = lambda e: dequantize_gpt_oss(gate_up_blocks[e], gate_up_scales[e])  # noqa: E731
         down = lambda e: dequantize_gpt_oss(down_blocks[e], down_scales[e])  # noqa: E731
     dtype = hidden_states.dtype
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        h = rows.float() @ gate_up(e).T + b1[e].float()
+        h = rows.float() @ gate_up(e).T + gate_up_bias[e].float()
         act = clamped_swiglu(h, alpha, limit).to(dtype)  # the intermediate a kernel stores
-        return act.float() @ down(e).T + b2[e].float()
+        return act.float() @ down(e).T + down_bias[e].float()
 
-    return routed_moe(hidden_states, topk_ids, topk_weights, b1.shape[0], expert).to(dtype)
+    return routed_moe(hidden_states, topk_ids, topk_weights, gate_up_bias.shape[0], expert).to(dtype)
 
 
 class ReferenceBackend(Backend):
