@@ -4,7 +4,7 @@
 
 ``gate_up``'s rows interleave gate and up (row ``2j`` gate's ``j``, as gpt-oss holds them), and
 ``clamped_swiglu`` (:func:`fp4moe_ops.moe_math.clamped_swiglu`) is ``(clamp(up, -limit, limit) + 1) *
-g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``. The routing weights are applied as given
+g * sigmoid(swiglu_alpha * g)`` with ``g = min(gate, limit)``. The routing weights are applied as given
 (gpt-oss's router takes the softmax over its top-k logits). Activations stay 16-bit (W4A16).
 
 The weights come in one of two formats, told apart by the number of tensors:
@@ -37,7 +37,7 @@ from .op import check_routing
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the activations'
 
 
-def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit, backend):
+def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha, limit, backend):
     """Metadata checks shared by the real and the fake implementation."""
     b = get_backend(backend)
     reason = b.gpt_oss_refusal(hidden_states.device)
@@ -48,8 +48,8 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, 
                         f"{list(hidden_states.shape)}")
     if not (limit > 0):  # also refuses NaN
         raise ValueError(f"limit (swiglu_limit) must be > 0, got {limit}")
-    if alpha != alpha:
-        raise ValueError("alpha (swiglu_alpha) is NaN")
+    if swiglu_alpha != swiglu_alpha:
+        raise ValueError("swiglu_alpha is NaN")
     check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, backend=backend)
     b.check_gpt_oss_tensors(expert_tensors, hidden_states.shape[1])
 
@@ -60,7 +60,7 @@ def gpt_oss_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     expert_tensors: list[torch.Tensor],
-    alpha: float,
+    swiglu_alpha: float,
     limit: float,
     backend: str,
 ) -> torch.Tensor:
@@ -78,21 +78,22 @@ def gpt_oss_moe(
             [E, 2I]``, then ``down``, ``down_scale``, ``down_global_scale``, ``down_bias [E, H]``; any strides); for the
             ``triton`` backend either in its layout
             (:func:`fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors`).
-        alpha, limit: gpt-oss's ``swiglu_alpha`` (1.702) and ``swiglu_limit`` (7.0).
+        swiglu_alpha, limit: gpt-oss's ``swiglu_alpha`` (1.702) and ``swiglu_limit`` (7.0).
         backend: a concrete backend that runs gpt-oss's experts (:func:`resolve_gpt_oss_backend`).
 
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``.
     """
-    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit, backend)
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha, limit, backend)
     if hidden_states.shape[0] == 0:
         return torch.empty_like(hidden_states)
-    return get_backend(backend).run_gpt_oss(hidden_states, topk_ids, topk_weights, list(expert_tensors), alpha, limit)
+    return get_backend(backend).run_gpt_oss(hidden_states, topk_ids, topk_weights, list(expert_tensors), swiglu_alpha,
+                                            limit)
 
 
 @gpt_oss_moe.register_fake
-def _(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit, backend):
-    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit, backend)
+def _(hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha, limit, backend):
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha, limit, backend)
     return torch.empty_like(hidden_states)
 
 

@@ -30,12 +30,12 @@ def dequant_mx64(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (e2m1_64(blocks) * s[..., None]).flatten(-2)
 
 
-def gpt_oss_moe64(x, ids, weights, tensors, alpha: float, limit: float) -> torch.Tensor:
+def gpt_oss_moe64(x, ids, weights, tensors, swiglu_alpha: float, limit: float) -> torch.Tensor:
     """gpt-oss's experts in float64, token by token: ``tensors`` are MXFP4 ``[gate_up_blocks,
     gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias]`` or NVFP4 ``[gate_up, gate_up_scale
     (E4M3 bytes), gate_up_global_scale, gate_up_bias, down, down_scale, down_global_scale, down_bias]``;
     gate/up interleaved (gate even);
-    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``, ``g = min(gate, limit)``. The
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha g)``, ``g = min(gate, limit)``. The
     intermediate is rounded to x's dtype, as kernels store it."""
     if len(tensors) == 8:
         gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, down, down_scale, down_global_scale, down_bias = tensors
@@ -52,7 +52,7 @@ def gpt_oss_moe64(x, ids, weights, tensors, alpha: float, limit: float) -> torch
         for t, j in (ids == e).nonzero().tolist():
             h = x[t].double() @ gate_up_e.T + gate_up_bias[e].double()
             gate, up = h[0::2].clamp(max=limit), h[1::2].clamp(-limit, limit)
-            act = ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(x.dtype).double()
+            act = ((up + 1) * gate * torch.sigmoid(swiglu_alpha * gate)).to(x.dtype).double()
             out[t] += float(weights[t, j]) * (act @ down_e.T + down_bias[e].double())
     return out
 

@@ -93,7 +93,7 @@ class _GptOssExperts(QuantizedBuffers):
         self.num_experts = config.num_local_experts
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
-        self.alpha = float(config.swiglu_alpha)
+        self.swiglu_alpha = float(config.swiglu_alpha)
         self.limit = float(config.swiglu_limit)
         self.backend = "reference"
 
@@ -201,7 +201,7 @@ class _GptOssExperts(QuantizedBuffers):
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
         return torch.ops.fp4moe.gpt_oss_moe(hidden_states, router_indices, routing_weights.float(),
-                                            self.expert_tensors(), self.alpha, self.limit, self.backend)
+                                            self.expert_tensors(), self.swiglu_alpha, self.limit, self.backend)
 
     def _decoded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``gate_up [E, 2I, H]`` and ``down [E, H, I]`` decoded to ``dtype`` (rows: output features)."""

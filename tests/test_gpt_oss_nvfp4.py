@@ -10,7 +10,7 @@ import torch
 from fp4moe_ops import nvfp4
 from fp4moe_ops.oracle64 import gpt_oss_moe64
 
-ALPHA = 1.702  # gpt-oss's swiglu_alpha
+SWIGLU_ALPHA = 1.702  # gpt-oss's swiglu_alpha
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -52,8 +52,8 @@ def test_reference_backend_matches_float64(limit):
     tensors = experts(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
     ids, rw = routing(t, e, k)
-    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, ALPHA, limit, "reference")
-    check(out, gpt_oss_moe64(x, ids, rw, tensors, ALPHA, limit))
+    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, SWIGLU_ALPHA, limit, "reference")
+    check(out, gpt_oss_moe64(x, ids, rw, tensors, SWIGLU_ALPHA, limit))
 
 
 def test_strided_views_run_as_their_values():
@@ -67,10 +67,10 @@ def test_strided_views_run_as_their_values():
     assert not views[0].is_contiguous()
     x = torch.randn(5, h, dtype=torch.bfloat16)
     ids, rw = routing(5, e, 2)
-    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, views, ALPHA, 7.0, "reference")
+    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, views, SWIGLU_ALPHA, 7.0, "reference")
     same = [gate_up, gate_up_scale, gate_up_global_scale[:1].repeat(e), gate_up_bias,
             down, down_scale, down_global_scale[:1].repeat(e), down_bias]
-    assert torch.equal(out, torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, same, ALPHA, 7.0, "reference"))
+    assert torch.equal(out, torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, same, SWIGLU_ALPHA, 7.0, "reference"))
 
 
 def test_op_checks_name_the_tensor():
@@ -80,11 +80,11 @@ def test_op_checks_name_the_tensor():
     bad = list(tensors)
     bad[3] = bad[3][:, :-2]
     with pytest.raises(ValueError, match=r"gate_up_bias: expected .*\[2, 64\]"):
-        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, bad, ALPHA, 7.0, "reference")
+        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, bad, SWIGLU_ALPHA, 7.0, "reference")
     bad = list(tensors)
     bad[2] = bad[2].double()
     with pytest.raises(ValueError, match=r"gate_up_global_scale: expected torch.float32"):
-        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, bad, ALPHA, 7.0, "reference")
+        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, bad, SWIGLU_ALPHA, 7.0, "reference")
 
 
 @pytest.mark.parametrize("h,i", [(320, 320), (96, 160)])
@@ -119,8 +119,8 @@ def test_triton_single_role_kernels_match_float64(t, k, limit):
     ids, rw = routing(t, e, k)
     cfg = triton_moe.kernel_config(t * k, e, 512, 512) | {"GLUON_PREFILL": False, "DECODE_V3": False}
     kernel = [a.to(DEVICE) for a in triton_moe.gpt_oss_kernel_tensors(tensors)]
-    out = triton_moe.triton_gpt_oss_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, ALPHA, limit, cfg).cpu()
-    check(out, gpt_oss_moe64(x, ids, rw, tensors, ALPHA, limit))
+    out = triton_moe.triton_gpt_oss_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, SWIGLU_ALPHA, limit, cfg).cpu()
+    check(out, gpt_oss_moe64(x, ids, rw, tensors, SWIGLU_ALPHA, limit))
 
 
 # --- ModelOpt's export of a tiny gpt-oss (tests/fixtures/gpt_oss_nvfp4/modelopt) ---------------------
@@ -474,7 +474,7 @@ def test_sizes_the_format_cannot_hold_are_refused_by_name(h, i):
 
     from hf_integration import NVFP4GptOssExperts
 
-    config = SimpleNamespace(num_local_experts=2, hidden_size=h, intermediate_size=i, swiglu_alpha=ALPHA,
+    config = SimpleNamespace(num_local_experts=2, hidden_size=h, intermediate_size=i, swiglu_alpha=SWIGLU_ALPHA,
                              swiglu_limit=7.0)
     with pytest.raises(ValueError, match=rf"a (hidden|intermediate) size that is a multiple of 16, got {40 if h == 40 else 24}"):
         NVFP4GptOssExperts(config)
@@ -482,7 +482,7 @@ def test_sizes_the_format_cannot_hold_are_refused_by_name(h, i):
     x = torch.randn(3, 40, dtype=torch.bfloat16)
     ids, rw = routing(3, 2, 2)
     with pytest.raises(ValueError, match="multiple of 16"):
-        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, ALPHA, 7.0, "reference")
+        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, SWIGLU_ALPHA, 7.0, "reference")
 
 
 # --- llm-compressor's export of the same tiny gpt-oss (tests/fixtures/gpt_oss_nvfp4/llmcompressor) ---------

@@ -14,7 +14,7 @@ triton_moe = pytest.importorskip("fp4moe_ops.backends.triton_moe")
 from fp4moe_ops.backends.triton_moe import (gpt_oss_checkpoint_tensors, gpt_oss_kernel_tensors,  # noqa: E402
                                             kernel_config, triton_gpt_oss_moe)
 
-ALPHA = 1.702  # gpt-oss's swiglu_alpha
+SWIGLU_ALPHA = 1.702  # gpt-oss's swiglu_alpha
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -71,11 +71,11 @@ def test_scales_the_kernels_cannot_decode_are_refused_by_name(byte):
 
 def run(tensors, x, ids, rw, limit, config=None):
     kernel = [t.to(DEVICE) for t in gpt_oss_kernel_tensors(tensors)]
-    return triton_gpt_oss_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, ALPHA, limit, config).cpu()
+    return triton_gpt_oss_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, SWIGLU_ALPHA, limit, config).cpu()
 
 
 def check(out, x, ids, rw, tensors, limit):
-    ref = gpt_oss_moe64(x, ids, rw, tensors, ALPHA, limit)
+    ref = gpt_oss_moe64(x, ids, rw, tensors, SWIGLU_ALPHA, limit)
     assert out.shape == x.shape and torch.isfinite(out).all()
     # h stored in bf16 and the output rounded to bf16: a few bf16 ulps (2^-8) of the row scale, as
     # the NVFP4 layer tests; over the whole output about one ulp on the GPU (round to nearest), two
@@ -151,8 +151,8 @@ def test_op_and_module_run_triton_on_the_gpu():
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).cuda()
     rw = torch.softmax(torch.randn(t, k), -1).cuda()
     kernel = [a.cuda() for a in gpt_oss_kernel_tensors(tensors)]
-    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, kernel, ALPHA, 7.0, "triton")
-    ref = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, [a.cuda() for a in tensors], ALPHA, 7.0, "reference")
+    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, kernel, SWIGLU_ALPHA, 7.0, "triton")
+    ref = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, [a.cuda() for a in tensors], SWIGLU_ALPHA, 7.0, "reference")
     torch.testing.assert_close(out.double(), ref.double(), rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
 
@@ -161,7 +161,7 @@ def module(e=3, h=96, i=160):
 
     from hf_integration import MXFP4GptOssExperts
 
-    config = SimpleNamespace(num_local_experts=e, hidden_size=h, intermediate_size=i, swiglu_alpha=ALPHA,
+    config = SimpleNamespace(num_local_experts=e, hidden_size=h, intermediate_size=i, swiglu_alpha=SWIGLU_ALPHA,
                              swiglu_limit=7.0)
     m = MXFP4GptOssExperts(config)
     m.load_state_dict(dict(zip(MXFP4_EXPERT_TENSORS, experts(e, h, i))))

@@ -101,7 +101,7 @@ def main():
     if args.gate_up:
         constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, GPT_OSS=False, gate_up_bias_ptr=None)  # (SiLU: NVFP4's)
         kernel, sig = kernels._gate_up_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32",
-                                                     "alpha": "fp32", "limit": "fp32"}
+                                                     "swiglu_alpha": "fp32", "limit": "fp32"}
     else:
         kernel, sig = kernels._down_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
                                               "out_ptr": "*fp32"}

@@ -183,7 +183,7 @@ class Backend:
             return check_nvfp4_gpt_oss_tensors(expert_tensors, hidden_size)
         return check_mxfp4_experts(expert_tensors, hidden_size)[0]
 
-    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
+    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha: float,
                   limit: float) -> torch.Tensor:
         """``fp4moe::gpt_oss_moe``'s ``[T, H]`` in ``hidden_states.dtype``; inputs are already validated."""
         raise NotImplementedError(f"backend {self.name!r}: {self.gpt_oss_refusal(torch.device('cpu'))}")

@@ -71,7 +71,7 @@ def reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, gate_up
     return routed_moe(hidden_states, topk_ids, topk_weights, gate_up.shape[0], expert).to(dtype)
 
 
-def reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
+def reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha: float,
                           limit: float) -> torch.Tensor:
     """gpt-oss's MoE experts on its MXFP4 checkpoint tensors ``[gate_up_blocks, gate_up_scales,
     gate_up_bias, down_blocks, down_scales, down_bias]`` or on NVFP4 ones ``[gate_up, gate_up_scale,
@@ -91,7 +91,7 @@ def reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors,
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         h = rows.float() @ gate_up(e).T + gate_up_bias[e].float()
-        act = clamped_swiglu(h, alpha, limit).to(dtype)  # the intermediate a kernel stores
+        act = clamped_swiglu(h, swiglu_alpha, limit).to(dtype)  # the intermediate a kernel stores
         return act.float() @ down(e).T + down_bias[e].float()
 
     return routed_moe(hidden_states, topk_ids, topk_weights, gate_up_bias.shape[0], expert).to(dtype)
@@ -115,8 +115,8 @@ class ReferenceBackend(Backend):
     def gpt_oss_refusal(self, device: torch.device) -> str | None:
         return None
 
-    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit):
-        return reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit)
+    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha, limit):
+        return reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha, limit)
 
 
 register_backend(ReferenceBackend())

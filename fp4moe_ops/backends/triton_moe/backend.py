@@ -94,9 +94,9 @@ class TritonBackend(Backend):
                                  f"{list(t.shape)}")
         return e
 
-    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit):
+    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha, limit):
         with torch.cuda.device(hidden_states.device):
-            return triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit)
+            return triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha, limit)
 
 
 register_packed_layout(PAIRED, paired_weight_layout, canonical_from_paired)

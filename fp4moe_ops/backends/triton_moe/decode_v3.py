@@ -393,7 +393,7 @@ def down_v3(h, down, down_scale, down_global_scale, topk_weights, y, sorted_slot
 def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block_expert_ptr, row_start_ptr,
                      row_end_ptr, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, BM: gl.constexpr,
                      SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr, E8M0: gl.constexpr = False,
-                     gate_up_bias_ptr=None, alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False):
+                     gate_up_bias_ptr=None, swiglu_alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False):
     """Program (row block ``b``, tile ``n``): ``h[slot, i] = silu(gate_i . x) * (up_i . x)`` (GPT_OSS:
     gpt-oss's clamped SwiGLU with the biases ``gate_up_bias [E, 2I]``; E8M0: MXFP4 scales) for
     ``i = 32 n ..`` (rows 0-31 of the tile gate rows, 32-63 the same up rows), stored with K's
@@ -478,7 +478,7 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
             gate_up_bias_e = gate_up_bias_ptr + e.to(gl.int64) * (2 * I) + n * 32 + rr
             gate = gl.minimum(gate + gl.expand_dims(gl.load(gate_up_bias_e), 1), limit)
             up = gl.minimum(gl.maximum(up + gl.expand_dims(gl.load(gate_up_bias_e + I), 1), -limit), limit)
-            hv = gate / (1.0 + gl.exp(-alpha * gate)) * (up + 1.0)
+            hv = gate / (1.0 + gl.exp(-swiglu_alpha * gate)) * (up + 1.0)
         else:
             hv = gate / (1.0 + gl.exp(-gate)) * up
         slots, valid = _rows_in(b, mo, r0, r1, sorted_slot_ptr, SLOT_BLOCKS)

@@ -359,12 +359,12 @@ def _global_scale(g_ptr, s_ptr, e):
     return tl.load(g_ptr + e)
 
 @triton.jit
-def _gpt_oss_glu(gate, up, alpha, limit):
+def _gpt_oss_glu(gate, up, swiglu_alpha, limit):
     """gpt-oss's clamped SwiGLU of the biased projections (float32), as
     :func:`fp4moe_ops.moe_math.clamped_swiglu` defines it."""
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
-    return gate * tl.sigmoid(gate * alpha) * (up + 1.0)
+    return gate * tl.sigmoid(gate * swiglu_alpha) * (up + 1.0)
 
 @triton.jit
 def _gate_up_swiglu_kernel(
@@ -376,7 +376,7 @@ def _gate_up_swiglu_kernel(
     PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
     MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
     DIAG: tl.constexpr = 0, SLOT_BLOCKS: tl.constexpr = False, E: tl.constexpr = 0,
-    gate_up_bias_ptr=None, alpha=1.0, limit=1.0, GPT_OSS: tl.constexpr = False,
+    gate_up_bias_ptr=None, swiglu_alpha=1.0, limit=1.0, GPT_OSS: tl.constexpr = False,
 ):
     """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]`` (GPT_OSS:
     gpt-oss's clamped SwiGLU with the biases ``gate_up_bias [E, 2I]`` float32, :func:`_gpt_oss_glu`). With
@@ -420,7 +420,7 @@ def _gate_up_swiglu_kernel(
         if GPT_OSS:
             gate_up_bias_e = gate_up_bias_ptr + e64 * (2 * I)
             h = _gpt_oss_glu(gate + tl.load(gate_up_bias_e + cols)[:, None], up + tl.load(gate_up_bias_e + I + cols)[:, None],
-                             alpha, limit)
+                             swiglu_alpha, limit)
         else:
             h = gate * tl.sigmoid(gate) * up
         if FRAGMENT_ORDER:  # the down GEMM reads its K axis (our columns) in fragment order

@@ -334,7 +334,7 @@ def _down_bias(gpt_oss, topk_weights):
     return None if gpt_oss is None else (gpt_oss.down_bias, topk_weights.contiguous())
 
 
-def triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, alpha: float, limit: float,
+def triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, swiglu_alpha: float, limit: float,
                        config: dict | None = None):
     """gpt-oss's experts on the Triton kernels: ``kernel_tensors`` as
     :func:`.layout.gpt_oss_kernel_tensors` makes them (H and I padded to multiples of 256; six for
@@ -352,7 +352,7 @@ def triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, al
     x = hidden_states if padded == hidden else torch.nn.functional.pad(hidden_states, (0, padded - hidden))
     out = triton_fused_moe(x, topk_ids, topk_weights,
                            [gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale], config,
-                           gpt_oss=GptOssTerms(gate_up_bias, down_bias, alpha, limit))
+                           gpt_oss=GptOssTerms(gate_up_bias, down_bias, swiglu_alpha, limit))
     return out if padded == hidden else out[:, :hidden].contiguous()
 
 

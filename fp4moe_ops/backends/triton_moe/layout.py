@@ -136,17 +136,18 @@ GPT_OSS_MAX_SCALE_BYTE = 127 + 23  # E8M0 byte of 2^23: the largest the kernels 
 
 class GptOssTerms(NamedTuple):
     """What gpt-oss's experts add to the kernels' math: ``gate_up_bias [E, 2Ip]`` float32 (gate's, then
-    up's) before the clamped SwiGLU of ``alpha`` and ``limit`` (the gate_up GEMM's epilogue),
+    up's) before the clamped SwiGLU of ``swiglu_alpha`` and ``limit`` (the gate_up GEMM's epilogue),
     ``down_bias [E, Hp]`` float32 times the routing weight (the top-k sum)."""
 
     gate_up_bias: torch.Tensor
     down_bias: torch.Tensor
-    alpha: float
+    swiglu_alpha: float
     limit: float
 
     def gate_up_args(self) -> dict:
         """A gate_up GEMM kernel's keyword arguments for this activation."""
-        return dict(gate_up_bias_ptr=self.gate_up_bias, alpha=float(self.alpha), limit=float(self.limit), GPT_OSS=True)
+        return dict(gate_up_bias_ptr=self.gate_up_bias, swiglu_alpha=float(self.swiglu_alpha), limit=float(self.limit),
+                    GPT_OSS=True)
 
 
 def _pad_to(n: int, multiple: int = 256) -> int:

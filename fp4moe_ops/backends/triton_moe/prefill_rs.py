@@ -165,7 +165,7 @@ def _issue_w(w_desc, w_smem, w_ready, base, wbox, wpair, i, n2):
 @gluon.jit
 def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_ptr, g_ptr, out_ptr, topk_w_ptr,
                sorted_slot_ptr, e, row0, nrows, t, WG, N_OUT, K,
-               EXPERT_PAIR_ROWS, GATE_UP, DIAG, gate_up_bias_ptr, alpha, limit, GPT_OSS):
+               EXPERT_PAIR_ROWS, GATE_UP, DIAG, gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS):
     """One warpgroup's half of the program: 128 weight rows (the gate_up GEMM: 64 gate rows and the same up
     rows; the down GEMM: 128 consecutive rows) x BLOCK_M tokens. Its weight ring is its own; the activation
     ring is shared: warpgroup 0 refills it once both have retired a slot (``x_empty``). A ring slot
@@ -233,7 +233,7 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     if DIAG >= 2:
         acc += gl.sum(gl.sum(a_odd.to(gl.float32), axis=1), axis=0)
     _epilogue(acc, out_ptr, s_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GATE_UP,
-              gate_up_bias_ptr, alpha, limit, GPT_OSS)
+              gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS)
 
 
 @gluon.jit
@@ -267,7 +267,7 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
                          block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
                          N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, GATE_UP: gl.constexpr,
                          BLOCK_M: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr, DIAG: gl.constexpr = 0,
-                         gate_up_bias_ptr=None, alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False):
+                         gate_up_bias_ptr=None, swiglu_alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False):
     """Program (weight tile ``t``, row block ``b`` of up to ``BLOCK_M`` tokens). The gate_up GEMM: tile ``t``
     is gate rows ``128 t ..`` and the same up rows; the down GEMM: weight rows ``256 t ..``.
     ``EXPERT_PAIR_ROWS``: pair rows per expert. ``DIAG`` (diagnostics, wrong results): 1 no decode
@@ -296,16 +296,16 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
         gl.warp_specialize([
             (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
                           sorted_slot_ptr, e, row0, nrows, t, 0, N_OUT, K, EXPERT_PAIR_ROWS, GATE_UP, DIAG,
-                          gate_up_bias_ptr, alpha, limit, GPT_OSS)),
+                          gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS)),
             (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
                           sorted_slot_ptr, e, row0, nrows, t, 1, N_OUT, K, EXPERT_PAIR_ROWS, GATE_UP, DIAG,
-                          gate_up_bias_ptr, alpha, limit, GPT_OSS)),
+                          gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS)),
         ], [4], [REGS])
 
 
 @gluon.jit
 def _epilogue(acc, out_ptr, s_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GATE_UP,
-              gate_up_bias_ptr, alpha, limit, GPT_OSS):
+              gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS):
     """``acc [128 weight rows, BLOCK_M tokens]`` times the global scale (none for MXFP4's int8 E8M0
     scales): the gate_up GEMM's SwiGLU (GPT_OSS: gpt-oss's, see :func:`_store_swiglu`) into ``h`` (sorted rows, K
     of the down GEMM in fragment order), the down GEMM's times the routing weight into ``y`` (by slot)."""
@@ -314,13 +314,14 @@ def _epilogue(acc, out_ptr, s_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, 
     else:
         g = gl.load(g_ptr + e) * 4194304.0
     if GATE_UP:  # (a run-time branch in the worker partition: see BK)
-        _store_swiglu(acc * g, out_ptr, row0, nrows, col0, N_OUT, e, gate_up_bias_ptr, alpha, limit, GPT_OSS)
+        _store_swiglu(acc * g, out_ptr, row0, nrows, col0, N_OUT, e, gate_up_bias_ptr, swiglu_alpha, limit,
+                      GPT_OSS)
     else:
         _store_routed(acc * g, out_ptr, topk_w_ptr, sorted_slot_ptr, row0, nrows, col0, N_OUT)
 
 
 @gluon.jit
-def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT, e, gate_up_bias_ptr, alpha, limit, GPT_OSS):
+def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT, e, gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS):
     """Rows 0..63 gate rows i, 64..127 the same up rows: both in one thread. With GPT_OSS (a
     run-time value in the worker partition) gpt-oss's clamped SwiGLU of the projections plus
     ``gate_up_bias[e]`` (``[2 N_OUT]``: gate's, then up's)."""
@@ -337,7 +338,7 @@ def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT, e, gate_up_bias_ptr, alp
         gate_up_bias_e = gate_up_bias_ptr + e.to(gl.int64) * (2 * N_OUT) + col0 + c
         gate = gl.minimum(gate + gl.load(gate_up_bias_e), limit)
         up = gl.minimum(gl.maximum(up + gl.load(gate_up_bias_e + N_OUT), -limit), limit)
-        h = gate / (1.0 + gl.exp(-alpha * gate)) * (up + 1.0)
+        h = gate / (1.0 + gl.exp(-swiglu_alpha * gate)) * (up + 1.0)
     else:
         h = gate / (1.0 + gl.exp(-gate)) * up
     offs = (row0 + tok).to(gl.int64) * N_OUT + _fragment_column(col0 + c, 64)
@@ -470,7 +471,7 @@ def prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, 
     # the gate_up GEMM's activation: gpt-oss's, or SiLU (a float32 tensor stands in for gate_up_bias: a worker partition
     # compiles both branches, and the down GEMM's the gate_up GEMM's epilogue too)
     act = gpt_oss.gate_up_args() if gpt_oss is not None else \
-        dict(gate_up_bias_ptr=gate_up_global_scale, alpha=1.0, limit=1.0, GPT_OSS=False)
+        dict(gate_up_bias_ptr=gate_up_global_scale, swiglu_alpha=1.0, limit=1.0, GPT_OSS=False)
     calls = []  # (grid, arguments, constexprs): the gate_up GEMM at each level, then the down GEMM
     for bm, experts, starts, ends in launches:
         calls.append(((inter // 128, experts.numel()),
