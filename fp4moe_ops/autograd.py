@@ -114,27 +114,27 @@ def _moe_backward(ctx, grad_out):
 
 @torch.library.custom_op("fp4moe::nvfp4_linear_grad_input", mutates_args=())
 def nvfp4_linear_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                            weight_scale_2: torch.Tensor) -> torch.Tensor:
+                            global_scale: torch.Tensor) -> torch.Tensor:
     """``d x [..., K] = d y [..., N] . W`` with W decoded to d y's dtype, as the reference
     forward decodes it (an op of its own, so that a compiled backward does not trace the decode)."""
-    grad_x = as_matrix(grad_y) @ decoded_weight(weight, weight_scale, weight_scale_2, grad_y.dtype)
+    grad_x = as_matrix(grad_y) @ decoded_weight(weight, weight_scale, global_scale, grad_y.dtype)
     return grad_x.reshape(*grad_y.shape[:-1], grad_x.shape[-1])
 
 
 @nvfp4_linear_grad_input.register_fake
-def _(grad_y, weight, weight_scale, weight_scale_2):
+def _(grad_y, weight, weight_scale, global_scale):
     return grad_y.new_empty(*grad_y.shape[:-1], weight_scale.shape[1] * 16)  # (either weight layout)
 
 
 def _linear_setup(ctx, inputs, output):
-    x, weight, weight_scale, weight_scale_2, bias, _, _ = inputs
-    ctx.save_for_backward(weight, weight_scale, weight_scale_2)
+    x, weight, weight_scale, global_scale, bias, _, _ = inputs
+    ctx.save_for_backward(weight, weight_scale, global_scale)
     ctx.bias_shape = None if bias is None else bias.shape
 
 
 def _linear_backward(ctx, grad_y):
-    weight, weight_scale, weight_scale_2 = ctx.saved_tensors
-    grad_x = torch.ops.fp4moe.nvfp4_linear_grad_input(grad_y, weight, weight_scale, weight_scale_2)
+    weight, weight_scale, global_scale = ctx.saved_tensors
+    grad_x = torch.ops.fp4moe.nvfp4_linear_grad_input(grad_y, weight, weight_scale, global_scale)
     grad_bias = None if ctx.bias_shape is None else grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
     return (grad_x, None, None, None, grad_bias, None, None)[:len(ctx.needs_input_grad)]
 

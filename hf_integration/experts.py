@@ -153,11 +153,12 @@ class NVFP4Linear(QuantizedBuffers):
         if global_scale is None:
             global_scale = nvfp4.global_scale_from_amax(weight_amax(w))
         q = cls(linear, MODELOPT, input_scale=False, device=w.device)
+        held = q._buffers  # under the scheme's (ModelOpt's) names
         with torch.no_grad():
             for r0, r1 in expert_chunks(w):
                 part = nvfp4.quantize_nvfp4(w[r0:r1], global_scale)
-                q.weight[r0:r1], q.weight_scale[r0:r1] = part.packed, part.block_scale
-            q.weight_scale_2.copy_(global_scale.reshape(()))
+                held[MODELOPT.packed][r0:r1], held[MODELOPT.block_scale][r0:r1] = part.packed, part.block_scale
+            held[MODELOPT.global_scale].copy_(global_scale.reshape(()))
         q.set_layout(q.kernel_layout())
         return q
 

@@ -249,6 +249,6 @@ def test_a_device_mismatch_names_the_argument_and_the_backend():
                                          r"'reference'\)"):
         fp4moe_ops.fused_moe(x, ids, rw.to("meta"), tensors, None, None, "reference")
     q = nvfp4.quantize_nvfp4(torch.randn(32, 64))
-    with pytest.raises(ValueError, match=r"weight_scale_2 is on meta but x is on cpu \(nvfp4_linear backend "
+    with pytest.raises(ValueError, match=r"global_scale is on meta but x is on cpu \(nvfp4_linear backend "
                                          r"'reference'\)"):
         fp4moe_ops.nvfp4_linear(x, q.packed, q.block_scale, q.global_scale.reshape(()).to("meta"), backend="reference")

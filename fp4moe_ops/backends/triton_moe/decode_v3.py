@@ -564,11 +564,11 @@ def _linear_v3_store(y, bias_ptr, out_ptr, cols, offs, mask, HAS_BIAS: gl.conste
     gl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def linear_v3(x2, words, weight_scale, weight_scale_2, bias, out, partials, counters, bm: int, parts: int,
+def linear_v3(x2, words, weight_scale, global_scale, bias, out, partials, counters, bm: int, parts: int,
               stages: int = 2):
     """``out [T, N] = x2 [T, K] @ W^T (+ bias)`` (:func:`_linear_v3_kernel`) for paired weights
     ``words [N/2, K/4]`` int32 (:func:`.layout.paired_weight_layout`), block scales ``[N, K/16]``
-    E4M3, ``weight_scale_2 []`` float32 that multiplies; bf16 ``x2``. ``parts`` splits K's ring
+    E4M3, ``global_scale []`` float32 that multiplies; bf16 ``x2``. ``parts`` splits K's ring
     slots (it must divide them): ``partials [parts, T, N]`` float32 receives the parts' sums,
     added by the last part of each tile where ``counters`` (a zeroed int32 table of at least
     ``N/64 * ceil(T/bm)`` entries) is given; else the caller adds them."""
@@ -581,7 +581,7 @@ def linear_v3(x2, words, weight_scale, weight_scale_2, bias, out, partials, coun
     tokens = x2.shape[0]
     grid = (n // 64, -(-tokens // bm), parts)
     launch_or_compile(_linear_v3_kernel, grid, x2, _descriptor(weight_view(words[None], sps), [sps, 4, 1, 32, 64]),
-                      _descriptor(scale_view(weight_scale[None], sps), [sps, 1, 64, 4]), weight_scale_2,
+                      _descriptor(scale_view(weight_scale[None], sps), [sps, 1, 64, 4]), global_scale,
                       out if bias is None else bias, out, partials, out if counters is None else counters, tokens,
                       n, k, BM=bm, PART_SLOTS=slots // parts, STAGES=stages, SPS=sps, HAS_BIAS=bias is not None,
                       SPLIT=parts > 1, SERIAL=counters is not None, num_warps=4)

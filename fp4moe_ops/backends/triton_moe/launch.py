@@ -703,7 +703,7 @@ def linear_config(tokens: int, n: int, k: int, paired: bool = False, v3: bool = 
 
 
 def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                        weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None,
+                        global_scale: torch.Tensor, bias: torch.Tensor | None = None,
                         config: dict | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K]`` (bf16/fp16) x NVFP4 ``weight`` (``[N, K/2]`` uint8, or ``[N/2, K/4]`` int32 in
     the paired layout) -> ``[..., N]``; see :func:`linear_supported` for what runs. No host syncs;
@@ -717,7 +717,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         return x.new_empty(*x.shape[:-1], n)
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()  # the kernels assume dense rows
     if config is None and _compile_ahead():
-        compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias, counters)
+        compile_linear_once(x2, weight, weight_scale, global_scale, bias, counters)
     cfg = config or linear_config(tokens, n, k, paired, paired and _gluon_runs(x2))
     fast = not interpreting()
     has_bias = bias is not None
@@ -725,7 +725,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         w = x.new_empty(16) if compiling_ahead() else torch.empty(n, k, dtype=x.dtype, device=x.device)
         w_desc = _weight_descriptor(weight, cfg["BN"], cfg["BK"]) if paired else None
         launch_or_compile(_dequant_kernel, (n // cfg["BN"], k // cfg["BK"]), weight, weight_scale.view(torch.uint8),
-                          weight_scale_2, w, k, w_desc, BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast, PAIRED=paired)
+                          global_scale, w, k, w_desc, BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast, PAIRED=paired)
         if compiling_ahead():  # only the kernel's compile: no n x k buffer, no GEMM on garbage
             return x.new_empty(*x.shape[:-1], n)
         # on x2, not x (fp4moe_ops.linear.as_matrix says why)
@@ -738,7 +738,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
 
         tiles = (n // 64) * triton.cdiv(tokens, cfg["BM"])
         serial = counters if parts > 1 and counters is not None and tiles <= counters.numel() else None
-        linear_v3(x2, weight, weight_scale, weight_scale_2, bias, out, partials, serial, cfg["BM"], parts,
+        linear_v3(x2, weight, weight_scale, global_scale, bias, out, partials, serial, cfg["BM"], parts,
                   cfg["STAGES"])
     else:
         bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
@@ -752,7 +752,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         serial = counters if parts > 1 and cfg["SERIAL"] and counters is not None and \
             grid[0] * grid[1] <= counters.numel() else None
         launch_or_compile(
-            _linear_kernel, grid, x2, weight, weight_scale.view(torch.uint8), weight_scale_2,
+            _linear_kernel, grid, x2, weight, weight_scale.view(torch.uint8), global_scale,
             bias if has_bias else out, out, partials, out if serial is None else serial, tokens, n, k,
             triton.cdiv(k // bk, parts) * bk, w_desc, s_desc, x_desc if x_tma else None, BM=bm, BN=bn, BK=bk,
             FAST_DECODE=fast, INTERPRET=interpreting(), HAS_BIAS=has_bias, SPLIT=parts > 1, SERIAL=serial is not None,
@@ -765,7 +765,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     return out.reshape(*x.shape[:-1], n)
 
 
-def linear_plans(x2, weight, weight_scale, weight_scale_2, bias=None, counters=None):
+def linear_plans(x2, weight, weight_scale, global_scale, bias=None, counters=None):
     """:func:`.compile_ahead.compile_all`'s plans for an NVFP4 linear (a call's arguments, ``x2 [T,
     K]``): the launch sequence of every token count up to the first past the GEMV path, on a fresh
     input of that many tokens (made when the plan runs). Every count, not one per kernel set: which
@@ -776,13 +776,13 @@ def linear_plans(x2, weight, weight_scale, weight_scale_2, bias=None, counters=N
     k = linear_shape(weight)[1]
 
     def plan(t):
-        return triton_nvfp4_linear(x2.new_empty(t, k), weight, weight_scale, weight_scale_2, bias, counters=counters)
+        return triton_nvfp4_linear(x2.new_empty(t, k), weight, weight_scale, global_scale, bias, counters=counters)
 
     last = max(LINEAR_GEMV_MAX_TOKENS, LINEAR_V3_MAX_TOKENS if weight.dtype == torch.int32 else 0) + 1
     return [(t, partial(plan, t)) for t in range(1, last + 1)]
 
 
-def compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias=None, counters=None):
+def compile_linear_once(x2, weight, weight_scale, global_scale, bias=None, counters=None):
     """At the first call of a linear shape in this process, compile every kernel variant it can
     launch (:func:`linear_plans`), together (see :func:`_compile_once`). A variant's code depends on
     N and K only through their divisibility, so later shapes find most of theirs compiled; which
@@ -790,4 +790,4 @@ def compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias=None, cou
     covers its tiles)."""
     key = ("linear", x2.device, x2.dtype, weight.dtype, tuple(weight.shape), bias is not None,
            None if counters is None else counters.numel())
-    _compile_once(key, x2, lambda: linear_plans(x2, weight, weight_scale, weight_scale_2, bias, counters), "linear")
+    _compile_once(key, x2, lambda: linear_plans(x2, weight, weight_scale, global_scale, bias, counters), "linear")
