@@ -174,7 +174,7 @@ def rescale_block_scales(block_scale: torch.Tensor, ratio: torch.Tensor) -> tupl
 
 def largest_weights(block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """``[E] float64``: the largest ``|W|`` each expert's scales allow, ``6 x`` its largest block
-    scale ``x`` its global scale (the multiplier: ModelOpt's ``weight_scale_2``). ``block_scale``
+    scale ``x`` its global scale (the multiplying one). ``block_scale``
     ``[E, N, K/16]`` E4M3 with no NaN or negative bytes (:func:`check_scale_values` first);
     ``global_scale`` ``[E]``. Reduced on the bytes, without a copy of the block scales (DeepSeek-V3:
     470 MB a layer): non-negative E4M3 bytes order as their values, and as int8 the one sign-bit
