@@ -69,10 +69,10 @@ def activation_scales(gate_up_input_scale: torch.Tensor | None, down_input_scale
         if bad:
             raise ValueError(f"{name} is NaN, Inf or negative for experts {bad[:8]}")
     if mode == "global_max":
-        gate_up, down = gate_up_input_scale.max().reshape(()), down_input_scale.max().reshape(())
-        if not bool((gate_up > 0) & (down > 0)):
+        gate_up_max, down_max = gate_up_input_scale.max().reshape(()), down_input_scale.max().reshape(())
+        if not bool((gate_up_max > 0) & (down_max > 0)):
             raise ValueError("act_scale_mode='global_max': every calibrated input scale is 0; calibrate first")
-        return gate_up, down
+        return gate_up_max, down_max
     for name, s in named:
         zero = (s <= 0).nonzero().flatten().tolist()
         if zero:
@@ -335,16 +335,16 @@ class PreparedExperts(QuantizedBuffers):
     def check_backend(self, backend: str = "auto", act_scale_mode: str | None = None):
         """Everything :meth:`set_backend` checks, without changing the module: ``(backend object,
         activation mode, (gate_up, down) input scales for the op or Nones)``; raises ValueError otherwise."""
-        gate_up, down = self._buffers.get(INPUT_SCALE_BUFFERS[0]), self._buffers.get(INPUT_SCALE_BUFFERS[1])
+        gate_up_input_scale, down_input_scale = (self._buffers.get(name) for name in INPUT_SCALE_BUFFERS)
         b = resolve_backend(backend, self._buffers[CANONICAL_BUFFERS[1]].device,
-                            have_activation_scales=gate_up is not None and down is not None)
+                            have_activation_scales=gate_up_input_scale is not None and down_input_scale is not None)
         mode = act_scale_mode or ("per_expert" if b.activation_scales == "required" else None)
         if mode is None:
             return b, None, (None, None)
         if b.activation_scales == "forbidden":
             raise ValueError(f"backend {b.name!r} keeps activations in 16 bits; act_scale_mode={mode!r} needs "
                              "'flashinfer_nvfp4' (Blackwell) or 'reference'")
-        return b, mode, activation_scales(gate_up, down, mode)
+        return b, mode, activation_scales(gate_up_input_scale, down_input_scale, mode)
 
     def _drop_prepared(self) -> None:
         for i in range(self._own_tensors):
@@ -373,9 +373,9 @@ class PreparedExperts(QuantizedBuffers):
         """``[T, H]`` bf16/fp16, ``[T, k]`` ids, ``[T, k]`` float32 weights -> ``[T, H]``."""
         if self.backend is None:
             raise RuntimeError("these experts are not prepared for a backend yet: call set_backend(...)")
-        gate_up, down = self.activation_scales()
-        return torch.ops.fp4moe.fused_moe(hidden_states, topk_ids, topk_weights, self.op_tensors(), gate_up, down,
-                                          self.backend, self.routed_experts)
+        gate_up_input_scale, down_input_scale = self.activation_scales()
+        return torch.ops.fp4moe.fused_moe(hidden_states, topk_ids, topk_weights, self.op_tensors(), gate_up_input_scale,
+                                          down_input_scale, self.backend, self.routed_experts)
 
     # --- module behaviour -------------------------------------------------------------------
 

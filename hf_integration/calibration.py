@@ -90,10 +90,10 @@ def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Modul
             if backend is not None:
                 m.set_backend(backend, mode)
     scales = [_input_scales(name, m, obs, n) for (name, m), obs in zip(modules, observers)]
-    for (name, _), (_, mode), (gate_up, down) in zip(modules, backends, scales):
+    for (name, _), (_, mode), (gate_up_input_scale, down_input_scale) in zip(modules, backends, scales):
         if mode is not None:  # a mode the new scales cannot run is refused before anything changes
             try:
-                activation_scales(gate_up, down, mode)
+                activation_scales(gate_up_input_scale, down_input_scale, mode)
             except ValueError as exc:
                 raise ValueError(f"calibration: {name}: {exc}") from None
     unseen = 0
