@@ -2,7 +2,7 @@
 
     python benchmarks/accuracy_study.py          # CPU, ~10 s; on a GPU also the GPU kernels
 
-Synthetic but realistic layer: experts whose GEMM2-input ranges differ ~1000x (gate/up scaled
+Synthetic but realistic layer: experts whose down GEMM input ranges differ ~1000x (gate/up scaled
 per expert), hidden states with a few outlier channels (x20), top-4 routing. Activation scales
 are calibrated (per-expert amax, as ModelOpt does) on a separate calibration set, then the
 layer is evaluated on fresh tokens. Paths:
@@ -32,16 +32,16 @@ from fp4moe_ops.flashinfer_sim import simulate_cutlass_nvfp4_moe  # noqa: E402
 E, H, I, K = 16, 512, 256, 4
 
 
-def moe_dense(x, ids, rw, w13, w2, dtype, round_intermediate):
-    """Plain MoE math in ``dtype`` with float weights ``w13 [E,2I,H]`` ([gate; up]), ``w2``."""
+def moe_dense(x, ids, rw, gate_up, down, dtype, round_intermediate):
+    """Plain MoE math in ``dtype`` with float weights ``gate_up [E,2I,H]`` ([gate; up]), ``down``."""
     out = torch.zeros(x.shape, dtype=dtype)
     for e in range(E):
         route = (rw.to(dtype) * (ids == e)).sum(-1)
-        h = x.to(dtype) @ w13[e].to(dtype).T
+        h = x.to(dtype) @ gate_up[e].to(dtype).T
         act = F.silu(h[:, :I]) * h[:, I:]
         if round_intermediate:
             act = act.bfloat16()
-        out += route[:, None] * (act.to(dtype) @ w2[e].to(dtype).T)
+        out += route[:, None] * (act.to(dtype) @ down[e].to(dtype).T)
     return out
 
 
@@ -55,7 +55,7 @@ def tokens(t, outliers):
 
 def main() -> None:
     torch.manual_seed(0)
-    spread = torch.logspace(0, 1.5, E)  # GEMM2 inputs scale ~ spread^2: 1x .. 1000x
+    spread = torch.logspace(0, 1.5, E)  # down GEMM inputs scale ~ spread^2: 1x .. 1000x
     gate_up = torch.randn(E, 2 * I, H) / H**0.5 * spread[:, None, None]
     down = torch.randn(E, H, I) / I**0.5 / spread[:, None, None] ** 2
     outliers = torch.randperm(H)[:8]
@@ -70,8 +70,8 @@ def main() -> None:
         h = xc[rows].float() @ w13q[e].T
         amax1[e] = xc[rows].float().abs().max()
         amax2[e] = (F.silu(h[:, :I]) * h[:, I:]).bfloat16().float().abs().max()
-    w.fc1_input_scale = amax1 / (6 * 448)
-    w.fc2_input_scale = amax2 / (6 * 448)
+    w.gate_up_input_scale = amax1 / (6 * 448)
+    w.down_input_scale = amax2 / (6 * 448)
 
     x, ids, rw = tokens(256, outliers)
     exact = moe_dense(x, ids, rw, gate_up.double(), down.double(), torch.float64, False)
@@ -84,13 +84,13 @@ def main() -> None:
     for label, mode, bug in [("NVFP4 x NVFP4, per-expert scales (seed)", "per_expert", False),
                              ("NVFP4 x NVFP4, global-max scale (vLLM/SGLang/TRT-LLM)", "global_max", False),
                              ("NVFP4 x NVFP4, pre-seed bug (min scale, per-expert alpha)", "per_expert", True)]:
-        fc1, fc2 = fp4moe_ops.activation_scales(w.fc1_input_scale, w.fc2_input_scale, mode)
-        qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1, fc2, preseed_fc2_bug=bug)
+        gate_up_in, down_in = fp4moe_ops.activation_scales(w.gate_up_input_scale, w.down_input_scale, mode)
+        qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], gate_up_in, down_in, preseed_fc2_bug=bug)
         rows.append((label, err(simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs))))
     ref = fp4moe_ops.prepare_experts(w, "reference")  # act_scale_mode None: W4A16
     rows.append(("W4A16 NVFP4 (exact weights; fp4moe triton/reference)", err(ref(x, ids, rw))))
-    mx13 = mxfp4.dequantize_mxfp4(*mxfp4.nvfp4_to_mxfp4(nvfp4.NVFP4Tensor(w.w13, w.w13_scale, w.w13_global)))
-    mx2 = mxfp4.dequantize_mxfp4(*mxfp4.nvfp4_to_mxfp4(nvfp4.NVFP4Tensor(w.w2, w.w2_scale, w.w2_global)))
+    mx13 = mxfp4.dequantize_mxfp4(*mxfp4.nvfp4_to_mxfp4(nvfp4.NVFP4Tensor(w.gate_up, w.gate_up_scale, w.gate_up_global_scale)))
+    mx2 = mxfp4.dequantize_mxfp4(*mxfp4.nvfp4_to_mxfp4(nvfp4.NVFP4Tensor(w.down, w.down_scale, w.down_global_scale)))
     rows.append(("W4A16 MXFP4 (re-quantized; FlashInfer SM90 W4A16)", err(moe_dense(x, ids, rw, mx13, mx2, torch.float32, True))))
     rows.append(("BF16 of the NVFP4 weights (FlashInfer BF16)",
                  err(moe_dense(x, ids, rw, w13q.bfloat16(), w2q.bfloat16(), torch.float32, True))))
@@ -108,8 +108,8 @@ def main() -> None:
             except Exception as exc:  # report and go on
                 rows.append((f"{label}: not run ({type(exc).__name__}: {str(exc)[:80]})", float("nan")))
 
-    mx_err = mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w13, w.w13_scale, w.w13_global))
-    print(f"E={E} H={H} I={I} top-{K}; GEMM2-input amax across experts: {amax2.min():.3g} .. {amax2.max():.3g} "
+    mx_err = mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.gate_up, w.gate_up_scale, w.gate_up_global_scale))
+    print(f"E={E} H={H} I={I} top-{K}; down GEMM input amax across experts: {amax2.min():.3g} .. {amax2.max():.3g} "
           f"({(amax2.max() / amax2.min()).item():.0f}x); MXFP4 re-quantization weight error {mx_err:.3f}")
     print("| path | MoE output rel. error vs float64 unquantized |\n|---|---|")
     for label, e_ in rows:

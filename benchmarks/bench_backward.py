@@ -6,7 +6,7 @@ forward on the Triton backend against ``fp4moe::fused_moe_backward``, DeepSeek-V
 The backward is eager torch (each expert's GEMMs recomputed in float32 on weights decoded one
 expert at a time, one host sync per call), so it is timed eagerly, not in a CUDA graph: CUDA events
 around whole calls after a warm-up, median of ``--calls``, rotating routings. For scale, the
-backward's FLOPs (twice the forward's: GEMM1 recomputed, GEMM2 for the routing-weight gradient,
+backward's FLOPs (twice the forward's: the gate_up GEMM recomputed, the down GEMM for the routing-weight gradient,
 the two activation-gradient GEMMs) over its time.
 """
 
@@ -61,7 +61,7 @@ def main():
             fn(0)
         torch.cuda.synchronize()
         fwd, bwd = timed(forward, args.calls), timed(backward, args.calls)
-        # per (token, expert) pair: GEMM1 again (4HI), GEMM2 for the weights' gradient (2HI), and the
+        # per (token, expert) pair: the gate_up GEMM again (4HI), the down GEMM for the weights' gradient (2HI), and the
         # two activation-gradient GEMMs (2HI + 4HI): twice the forward's 6HI
         flops = 12 * t * k * h * i
         print(f"T={t}: forward {fwd:.3f} ms, backward {bwd:.3f} ms ({bwd / fwd:.1f}x; "

@@ -83,7 +83,7 @@ except ImportError as exc:
     gpt_oss_kernel_tensors = None
     LAYOUT_MISSING = f"fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors is missing ({exc})"
 
-ALPHA, LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha, swiglu_limit
+SWIGLU_ALPHA, LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha, swiglu_limit
 LAYERS = {"gpt-oss-120b": (128, 2880, 2880, 4), "gpt-oss-20b": (32, 2880, 2880, 4)}  # E, H, I, top-k
 TINY_LAYERS = {"tiny": (8, 64, 96, 4)}
 TOKENS = (1, 8, 64, 512, 2048, 8192)
@@ -160,7 +160,7 @@ def gpt_oss_config(dims: dict, layers: int, experts_implementation: str = "group
     and keeps them as plain attributes, which fp4moe's module reads."""
     from transformers import GptOssConfig
 
-    return GptOssConfig(num_hidden_layers=layers, swiglu_alpha=ALPHA, swiglu_limit=LIMIT,
+    return GptOssConfig(num_hidden_layers=layers, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=LIMIT,
                         experts_implementation=experts_implementation, **dims)
 
 
@@ -227,7 +227,7 @@ def time_ms(fn, inputs, cuda: bool) -> tuple[float, str]:
 def fp4moe_layer_fn(tensors, device, tiny: bool):
     """``(fn(x, ids, weights), None)`` running fp4moe on this layer, or ``(None, reason)``."""
     if tiny:  # the CPU smoke test: the reference backend on the checkpoint tensors
-        return (lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, ALPHA, LIMIT, "reference")), None
+        return (lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, SWIGLU_ALPHA, LIMIT, "reference")), None
     if gpt_oss_kernel_tensors is None:
         return None, LAYOUT_MISSING
     refusal = get_backend("triton").gpt_oss_refusal(device)
@@ -240,7 +240,7 @@ def fp4moe_layer_fn(tensors, device, tiny: bool):
     e = tensors[0].shape[0]
     log(f"  fp4moe's kernel layout: {bytes_per_expert(kernel, e) / 1e6:.2f} MB per expert (checkpoint "
         f"{bytes_per_expert(tensors, e) / 1e6:.2f} MB)")
-    return (lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, kernel, ALPHA, LIMIT, "triton")), None
+    return (lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, kernel, SWIGLU_ALPHA, LIMIT, "triton")), None
 
 
 @torch.no_grad()
@@ -284,7 +284,7 @@ def layer_part(args, result: dict, save) -> None:
                 row["fp4moe"] = {"error": f"unavailable: {reason}"}
             # the check runs the kernels T selects; the slow reference only on the first tokens
             first = slice(0, CHECK_TOKENS)
-            ref = torch.ops.fp4moe.gpt_oss_moe(*(a[first] for a in inputs[0]), tensors, ALPHA, LIMIT, "reference")
+            ref = torch.ops.fp4moe.gpt_oss_moe(*(a[first] for a in inputs[0]), tensors, SWIGLU_ALPHA, LIMIT, "reference")
             ref = ref.double()
             for impl, fn in impls.items():
                 try:

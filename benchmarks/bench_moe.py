@@ -57,23 +57,22 @@ def random_weights(e: int, h: int, i: int, device) -> fp4moe_ops.NVFP4MoEWeights
         gate_up = torch.randn(n, 2 * i, h, device=device) / h**0.5
         down = torch.randn(n, h, i, device=device) / i**0.5
         parts.append(fp4moe_ops.quantize_moe_weights(gate_up, down))
-    cat = lambda name: torch.cat([getattr(p, name) for p in parts])
-    return fp4moe_ops.NVFP4MoEWeights(*(cat(n) for n in ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")))
+    return fp4moe_ops.NVFP4MoEWeights(*(torch.cat([p.tensors()[n] for p in parts]) for n in range(6)))
 
 
 def bf16_weights(w: fp4moe_ops.NVFP4MoEWeights):
     """Dequantize expert by expert to bf16 ([gate; up] order), bounded scratch."""
-    w13 = torch.empty(w.num_experts, 2 * w.intermediate_size, w.hidden_size, dtype=torch.bfloat16, device=w.device)
-    w2 = torch.empty(w.num_experts, w.hidden_size, w.intermediate_size, dtype=torch.bfloat16, device=w.device)
+    gate_up = torch.empty(w.num_experts, 2 * w.intermediate_size, w.hidden_size, dtype=torch.bfloat16, device=w.device)
+    down = torch.empty(w.num_experts, w.hidden_size, w.intermediate_size, dtype=torch.bfloat16, device=w.device)
     for e in range(w.num_experts):
-        w13[e] = nvfp4.dequantize_nvfp4(w.w13[e], w.w13_scale[e], w.w13_global[e], torch.bfloat16)
-        w2[e] = nvfp4.dequantize_nvfp4(w.w2[e], w.w2_scale[e], w.w2_global[e], torch.bfloat16)
-    return w13, w2
+        gate_up[e] = nvfp4.dequantize_nvfp4(w.gate_up[e], w.gate_up_scale[e], w.gate_up_global_scale[e], torch.bfloat16)
+        down[e] = nvfp4.dequantize_nvfp4(w.down[e], w.down_scale[e], w.down_global_scale[e], torch.bfloat16)
+    return gate_up, down
 
 
-def grouped_mm_moe(x, ids, rw, w13_t, w2_t, num_experts):
-    """torch._grouped_mm BF16 MoE (what Transformers' grouped_mm experts do). ``w13_t`` is
-    ``[E, H, 2I]`` ([gate; up] columns), ``w2_t`` ``[E, I, H]``."""
+def grouped_mm_moe(x, ids, rw, gate_up_t, down_t, num_experts):
+    """torch._grouped_mm BF16 MoE (what Transformers' grouped_mm experts do). ``gate_up_t`` is
+    ``[E, H, 2I]`` ([gate; up] columns), ``down_t`` ``[E, I, H]``."""
     k = ids.shape[1]
     flat = ids.reshape(-1)
     valid = (flat >= 0) & (flat < num_experts)
@@ -82,9 +81,9 @@ def grouped_mm_moe(x, ids, rw, w13_t, w2_t, num_experts):
     counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device).scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
     offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)
     tok = order // k
-    h = torch._grouped_mm(x[tok], w13_t, offs=offs)
+    h = torch._grouped_mm(x[tok], gate_up_t, offs=offs)
     gate, up = h.chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2_t, offs=offs)
+    y = torch._grouped_mm(F.silu(gate) * up, down_t, offs=offs)
     weight = torch.where(valid, rw.reshape(-1), 0.0)[order]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     return out.index_add_(0, tok, y.float() * weight[:, None]).to(x.dtype)
@@ -242,12 +241,12 @@ def main() -> None:
         if "triton_single_role" in wanted and "triton" in impls:
             impls["triton_single_role"] = without_gluon(impls["triton"])
         if "grouped_mm" in wanted:
-            w13, w2 = bf16_weights(w)
-            w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
-            impls["grouped_mm"] = lambda x, ids, rw: grouped_mm_moe(x, ids, rw, w13_t, w2_t, e)
+            gate_up, down = bf16_weights(w)
+            gate_up_t, down_t = gate_up.transpose(1, 2), down.transpose(1, 2)
+            impls["grouped_mm"] = lambda x, ids, rw: grouped_mm_moe(x, ids, rw, gate_up_t, down_t, e)
         if "flashinfer_mxfp4" in impls:
-            log(f"MXFP4 re-quantization weight error (w13): "
-                f"{mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w13[:8], w.w13_scale[:8], w.w13_global[:8])):.3e}")
+            first = nvfp4.NVFP4Tensor(w.gate_up[:8], w.gate_up_scale[:8], w.gate_up_global_scale[:8])
+            log(f"MXFP4 re-quantization weight error (gate_up): {mxfp4.mxfp4_requant_error(first):.3e}")
     bytes_per_expert = 3 * h * i * (0.5 + 1 / 16)
 
     rows = []

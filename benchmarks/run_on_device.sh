@@ -16,7 +16,7 @@ for step in "$@"; do
     sweep) timeout 300 python3 benchmarks/probes/sweep_triton.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" ;;
     gluonprefill) timeout 300 python3 benchmarks/probes/probe_gluon_prefill.py ${GLUON_PREFILL_ARGS:-} 2>&1 | tee "$OUT/gluon_prefill.log" ;;
     pipeline) timeout 300 python3 benchmarks/probes/sweep_pipeline.py --out "$OUT" ${PIPELINE_ARGS:-} 2>&1 | tee "$OUT/sweep_pipeline.log" ;;
-    ncu) timeout 200 ncu --clock-control none --kernel-name regex:_gemm --launch-skip 2 --launch-count 2 \
+    ncu) timeout 200 ncu --clock-control none --kernel-name "regex:_gate_up_|_down_|_prefill_gemm" --launch-skip 2 --launch-count 2 \
            --section SpeedOfLight --section WarpStateStats --section Occupancy \
            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
            python3 benchmarks/probes/ncu_layer.py ${NCU_ARGS:---tokens 1024} > "$OUT/ncu.txt" 2>&1; tail -5 "$OUT/ncu.txt" ;;

@@ -55,83 +55,86 @@ def _refuse_own_tensors(backend: str) -> None:
 @torch.library.custom_op("fp4moe::fused_moe_backward", mutates_args=())
 def fused_moe_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, expert_tensors: list[torch.Tensor],
-                       fc1_act_scale: torch.Tensor | None, fc2_act_scale: torch.Tensor | None,
+                       gate_up_input_scale: torch.Tensor | None, down_input_scale: torch.Tensor | None,
                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d hidden_states [T, H] in its dtype, d topk_weights [T, k] float32)`` of
     :func:`fp4moe_ops.op.fused_moe` for ``grad_out [T, H]`` (see the module docstring)."""
-    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend)
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale,
+                  backend)
     _refuse_own_tensors(backend)
-    w13, s13, g13, w2, s2, g2 = expert_tensors
-    if s13.dtype == torch.int8:  # (decoded below as E4M3, they would give wrong gradients)
+    gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale = expert_tensors
+    if gate_up_scale.dtype == torch.int8:  # (decoded below as E4M3, they would give wrong gradients)
         raise NotImplementedError("fp4moe: no backward through MXFP4 experts (E8M0 block scales) yet")
-    s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
-    num_experts, k = g13.shape[0], topk_ids.shape[1]
+    gate_up_scale, down_scale = gate_up_scale.view(torch.float8_e4m3fn), down_scale.view(torch.float8_e4m3fn)
+    num_experts, k = gate_up_global_scale.shape[0], topk_ids.shape[1]
     grad_x = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     grad_w = torch.zeros(topk_weights.shape, dtype=torch.float32, device=hidden_states.device)
     for e, routed in expert_groups(topk_ids, num_experts):
         token = routed // k
         x = hidden_states[token].float()
-        fc1, fc2 = expert_scale(fc1_act_scale, e), expert_scale(fc2_act_scale, e)
-        if fc1 is not None:  # the values the forward multiplied; the gradient passes straight through
-            x = quantize_activation_nvfp4(x, 1.0 / fc1) * fc1
-        gate_up = dequantize_nvfp4(_packed_expert(w13, e), s13[e], g13[e])  # [2I, H] float32
-        gate, up = (x @ gate_up.T).chunk(2, dim=-1)
+        gate_up_in, down_in = expert_scale(gate_up_input_scale, e), expert_scale(down_input_scale, e)
+        if gate_up_in is not None:  # the values the forward multiplied; the gradient passes straight through
+            x = quantize_activation_nvfp4(x, 1.0 / gate_up_in) * gate_up_in
+        gate_up_w = dequantize_nvfp4(_packed_expert(gate_up, e), gate_up_scale[e], gate_up_global_scale[e])  # [2I, H]
+        gate, up = (x @ gate_up_w.T).chunk(2, dim=-1)
         act = F.silu(gate) * up
-        a2 = act if fc2 is None else quantize_activation_nvfp4(act, 1.0 / fc2) * fc2
-        down = dequantize_nvfp4(_packed_expert(w2, e), s2[e], g2[e])  # [H, I] float32
+        down_x = act if down_in is None else quantize_activation_nvfp4(act, 1.0 / down_in) * down_in
+        down_w = dequantize_nvfp4(_packed_expert(down, e), down_scale[e], down_global_scale[e])  # [H, I] float32
         g = grad_out[token].float()
-        grad_w.view(-1)[routed] = (g * (a2 @ down.T)).sum(-1)
-        d_act = (g * topk_weights.reshape(-1)[routed, None]) @ down
+        grad_w.view(-1)[routed] = (g * (down_x @ down_w.T)).sum(-1)
+        d_act = (g * topk_weights.reshape(-1)[routed, None]) @ down_w
         sig = torch.sigmoid(gate)
         d_gate = d_act * up * sig * (1 + gate * (1 - sig))
         d_up = d_act * gate * sig
-        grad_x.index_add_(0, token, torch.cat([d_gate, d_up], dim=-1) @ gate_up)
+        grad_x.index_add_(0, token, torch.cat([d_gate, d_up], dim=-1) @ gate_up_w)
     return grad_x.to(hidden_states.dtype), grad_w
 
 
 @fused_moe_backward.register_fake
-def _(grad_out, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend):
-    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend)
+def _(grad_out, hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale, backend):
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale,
+                  backend)
     return torch.empty_like(hidden_states), torch.empty_like(topk_weights)
 
 
 def _moe_setup(ctx, inputs, output):
-    hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend, _ = inputs
-    ctx.save_for_backward(hidden_states, topk_ids, topk_weights, fc1_act_scale, fc2_act_scale, *expert_tensors)
+    hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale, backend, _ = inputs
+    ctx.save_for_backward(hidden_states, topk_ids, topk_weights, gate_up_input_scale, down_input_scale, *expert_tensors)
     ctx.backend = backend
 
 
 def _moe_backward(ctx, grad_out):
-    hidden_states, topk_ids, topk_weights, fc1_act_scale, fc2_act_scale, *expert_tensors = ctx.saved_tensors
+    hidden_states, topk_ids, topk_weights, gate_up_input_scale, down_input_scale, *expert_tensors = ctx.saved_tensors
     grad_x, grad_w = torch.ops.fp4moe.fused_moe_backward(grad_out.contiguous(), hidden_states, topk_ids, topk_weights,
-                                                         expert_tensors, fc1_act_scale, fc2_act_scale, ctx.backend)
+                                                         expert_tensors, gate_up_input_scale, down_input_scale,
+                                                         ctx.backend)
     grads = (grad_x, None, grad_w, [None] * len(expert_tensors), None, None, None, None)
     return grads[:len(ctx.needs_input_grad)]  # one per argument the caller passed (a default left out: none)
 
 
 @torch.library.custom_op("fp4moe::nvfp4_linear_grad_input", mutates_args=())
 def nvfp4_linear_grad_input(grad_y: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                            weight_scale_2: torch.Tensor) -> torch.Tensor:
+                            global_scale: torch.Tensor) -> torch.Tensor:
     """``d x [..., K] = d y [..., N] . W`` with W decoded to d y's dtype, as the reference
     forward decodes it (an op of its own, so that a compiled backward does not trace the decode)."""
-    grad_x = as_matrix(grad_y) @ decoded_weight(weight, weight_scale, weight_scale_2, grad_y.dtype)
+    grad_x = as_matrix(grad_y) @ decoded_weight(weight, weight_scale, global_scale, grad_y.dtype)
     return grad_x.reshape(*grad_y.shape[:-1], grad_x.shape[-1])
 
 
 @nvfp4_linear_grad_input.register_fake
-def _(grad_y, weight, weight_scale, weight_scale_2):
+def _(grad_y, weight, weight_scale, global_scale):
     return grad_y.new_empty(*grad_y.shape[:-1], weight_scale.shape[1] * 16)  # (either weight layout)
 
 
 def _linear_setup(ctx, inputs, output):
-    x, weight, weight_scale, weight_scale_2, bias, _, _ = inputs
-    ctx.save_for_backward(weight, weight_scale, weight_scale_2)
+    x, weight, weight_scale, global_scale, bias, _, _ = inputs
+    ctx.save_for_backward(weight, weight_scale, global_scale)
     ctx.bias_shape = None if bias is None else bias.shape
 
 
 def _linear_backward(ctx, grad_y):
-    weight, weight_scale, weight_scale_2 = ctx.saved_tensors
-    grad_x = torch.ops.fp4moe.nvfp4_linear_grad_input(grad_y, weight, weight_scale, weight_scale_2)
+    weight, weight_scale, global_scale = ctx.saved_tensors
+    grad_x = torch.ops.fp4moe.nvfp4_linear_grad_input(grad_y, weight, weight_scale, global_scale)
     grad_bias = None if ctx.bias_shape is None else grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
     return (grad_x, None, None, None, grad_bias, None, None)[:len(ctx.needs_input_grad)]
 

@@ -2,11 +2,11 @@
 for the NVFP4 tensors of a checkpoint outside the routed experts (attention, shared experts,
 dense MLPs), kept in 4 bits instead of dequantized at load.
 
-Weights as a ModelOpt checkpoint holds them::
+Weights as a ModelOpt checkpoint holds them (the last one is its ``weight_scale_2``)::
 
     weight        [N, K/2]  uint8          two E2M1 codes per byte, low nibble first
     weight_scale  [N, K/16] float8_e4m3fn  one scale per 16 weights along K
-    weight_scale_2 []       float32        the per-tensor scale that multiplies
+    global_scale  []        float32        the per-tensor scale that multiplies
 
 or the packed weight in the Triton backend's paired layout, ``[N/2, K/4] int32``
 (:func:`fp4moe_ops.backends.triton_moe.layout.paired_weight_layout`: the same bytes, rows ``r`` and
@@ -35,7 +35,7 @@ Backends:
   9.23.1): FlashInfer's W4A16 GEMM ``mm_bf16_fp4(..., backend="cudnn")``, which computes
   ``(x @ (e2m1 * block scale)^T) * alpha`` from exactly the checkpoint's tensors: the packed
   weight, the linear ``[N, K/16]`` E4M3 block scales (what ``prepare_bf16_fp4_weights(...,
-  backend="cudnn")`` makes of the 128x4-swizzled ones) and ``alpha = weight_scale_2``. **Never run
+  backend="cudnn")`` makes of the 128x4-swizzled ones) and ``alpha = global_scale``. **Never run
   on Blackwell hardware** (we have none): the arguments are checked on CPU against the float64
   oracle through a simulation of that definition, and on the H200 against FlashInfer's own
   preparation (``tests/test_linear.py``).
@@ -71,7 +71,7 @@ def split_counters(device) -> torch.Tensor:
     return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
 
 
-def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counters=None) -> None:
+def _check_linear(x, weight, weight_scale, global_scale, bias, backend, counters=None) -> None:
     """Metadata checks shared by the real and the fake implementation; each error names the tensor."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"unknown nvfp4_linear backend {backend!r}; available: {', '.join(LINEAR_BACKENDS)}")
@@ -93,15 +93,15 @@ def _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counte
     if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (n, k // BLOCK_SIZE):
         raise TypeError(f"weight_scale must be [N={n}, K/16={k // BLOCK_SIZE}] float8_e4m3fn, got "
                         f"{weight_scale.dtype} {list(weight_scale.shape)}")
-    if weight_scale_2.dtype != torch.float32 or weight_scale_2.dim() != 0:
-        raise TypeError(f"weight_scale_2 must be a 0-dim float32 (the multiplying per-tensor scale), got "
-                        f"{weight_scale_2.dtype} {list(weight_scale_2.shape)}")
+    if global_scale.dtype != torch.float32 or global_scale.dim() != 0:
+        raise TypeError(f"global_scale must be a 0-dim float32 (the multiplying per-tensor scale), got "
+                        f"{global_scale.dtype} {list(global_scale.shape)}")
     if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
         raise TypeError(f"bias must be [N={n}] {x.dtype} like x, got {bias.dtype} {list(bias.shape)}")
     if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous()):
         raise TypeError(f"counters must be a contiguous 1-D int32 table (split_counters()), got {counters.dtype} "
                         f"{list(counters.shape)} with strides {list(counters.stride())}")
-    for name, t in (("weight", weight), ("weight_scale", weight_scale), ("weight_scale_2", weight_scale_2),
+    for name, t in (("weight", weight), ("weight_scale", weight_scale), ("global_scale", global_scale),
                     ("bias", bias), ("counters", counters)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device} (nvfp4_linear backend {backend!r})")
@@ -179,22 +179,22 @@ def _announce_once(x: torch.Tensor, refusal: str | None) -> None:
 
 
 def flashinfer_linear_arguments(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                                weight_scale_2: torch.Tensor) -> dict:
+                                global_scale: torch.Tensor) -> dict:
     """The arguments of ``flashinfer.mm_bf16_fp4(a, b, b_descale, alpha, backend="cudnn")`` for this
     linear: ``a [M, K]`` bf16 (x flattened), ``b`` the packed weight as stored (low nibble first, as
     FlashInfer's ``nvfp4_quantize`` packs), ``b_descale`` the ``[N, K/16]`` E4M3 block scales in
     the linear (non-swizzled) layout the cuDNN path consumes, ``alpha [1]`` float32 the multiplying
     per-tensor scale. All views: nothing is copied or prepared."""
     return dict(a=x.reshape(-1, x.shape[-1]), b=weight, b_descale=weight_scale,
-                alpha=weight_scale_2.reshape(1), backend="cudnn", out_dtype=x.dtype)
+                alpha=global_scale.reshape(1), backend="cudnn", out_dtype=x.dtype)
 
 
-def _flashinfer_linear(x, weight, weight_scale, weight_scale_2, bias):
+def _flashinfer_linear(x, weight, weight_scale, global_scale, bias):
     from flashinfer import mm_bf16_fp4
 
     if x.numel() == 0:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
-    args = flashinfer_linear_arguments(x.contiguous(), weight, weight_scale, weight_scale_2)
+    args = flashinfer_linear_arguments(x.contiguous(), weight, weight_scale, global_scale)
     out = mm_bf16_fp4(**args)
     if bias is not None:
         out = out + bias
@@ -204,22 +204,22 @@ def _flashinfer_linear(x, weight, weight_scale, weight_scale_2, bias):
 # ``counters`` is written during a call but left as it was found (all zero): no mutation to declare,
 # which would have functionalization copy it around every call
 @torch.library.custom_op("fp4moe::nvfp4_linear", mutates_args=())
-def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor,
                  bias: torch.Tensor | None = None, backend: str = "auto",
                  counters: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = x (e2m1 * weight_scale * weight_scale_2)^T + bias``: ``x [..., K]`` -> ``[..., N]``
+    """``y = x (e2m1 * weight_scale * global_scale)^T + bias``: ``x [..., K]`` -> ``[..., N]``
     in x's dtype (tensors as in the module docstring). ``counters``: an optional
     :func:`split_counters` table, zero before and after the call, that saves the Triton GEMV path
     a second launch."""
-    _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counters)
+    _check_linear(x, weight, weight_scale, global_scale, bias, backend, counters)
     resolved = _resolve(backend, x, weight)
     if resolved == "flashinfer":
-        return _flashinfer_linear(x, weight, weight_scale, weight_scale_2, bias)
+        return _flashinfer_linear(x, weight, weight_scale, global_scale, bias)
     if resolved == "triton":
         from .backends.triton_moe.launch import triton_nvfp4_linear
 
-        return triton_nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias, counters=counters)
-    y = F.linear(as_matrix(x), decoded_weight(weight, weight_scale, weight_scale_2, x.dtype), bias)
+        return triton_nvfp4_linear(x, weight, weight_scale, global_scale, bias, counters=counters)
+    y = F.linear(as_matrix(x), decoded_weight(weight, weight_scale, global_scale, x.dtype), bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -231,7 +231,7 @@ def as_matrix(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[:-1].numel(), t.shape[-1])
 
 
-def decoded_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+def decoded_weight(weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor,
                    dtype: torch.dtype) -> torch.Tensor:
     """The reference's weight ``[N, K]``: ``e2m1 * block scale * per-tensor scale`` in float32 rounded
     once to ``dtype``, from the packed weight in either layout."""
@@ -239,12 +239,12 @@ def decoded_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scal
         from .backends.triton_moe.layout import canonical_from_paired
 
         weight = canonical_from_paired(weight)
-    return dequantize_nvfp4(weight, weight_scale, weight_scale_2, dtype)
+    return dequantize_nvfp4(weight, weight_scale, global_scale, dtype)
 
 
 @nvfp4_linear.register_fake
-def _(x, weight, weight_scale, weight_scale_2, bias=None, backend="auto", counters=None):
-    _check_linear(x, weight, weight_scale, weight_scale_2, bias, backend, counters)
+def _(x, weight, weight_scale, global_scale, bias=None, backend="auto", counters=None):
+    _check_linear(x, weight, weight_scale, global_scale, bias, backend, counters)
     return x.new_empty(*x.shape[:-1], weight_scale.shape[0])
 
 

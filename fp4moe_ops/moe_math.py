@@ -4,7 +4,7 @@ simulator and calibration.
     out[t] = sum_j  w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),   e = ids[t, j]
 
 and gpt-oss's variant (:func:`clamped_swiglu`): biases on both GEMMs, gate and up interleaved, and
-``(clamp(up) + 1) * gate * sigmoid(alpha * gate)`` with gate clamped from above.
+``(clamp(up) + 1) * gate * sigmoid(swiglu_alpha * gate)`` with gate clamped from above.
 
 computed for the routed (token, expert) pairs only. A token never meets the weights of an
 expert it was not routed to, so a bad expert (NaN or Inf in its weights or scales) cannot reach
@@ -64,7 +64,7 @@ def expert_scale(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
 
 
 def gated_silu(h: torch.Tensor, dtype: torch.dtype, *, up_first: bool = False) -> torch.Tensor:
-    """``silu(gate) * up`` of a fused GEMM1 output ``h [n, 2I]`` (rows ``[gate; up]``, or
+    """``silu(gate) * up`` of a fused gate_up GEMM output ``h [n, 2I]`` (rows ``[gate; up]``, or
     ``[up; gate]`` with ``up_first`` as FlashInfer lays them out), rounded to ``dtype`` as a
     kernel stores its intermediate."""
     first, second = h.chunk(2, dim=-1)
@@ -72,12 +72,12 @@ def gated_silu(h: torch.Tensor, dtype: torch.dtype, *, up_first: bool = False) -
     return (F.silu(gate) * up).to(dtype)
 
 
-def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's activation of a fused GEMM1 output ``h [n, 2I]`` (bias added) whose columns
+def clamped_swiglu(h: torch.Tensor, swiglu_alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of a fused gate_up GEMM output ``h [n, 2I]`` (bias added) whose columns
     interleave gate (even) and up (odd): ``gate = min(gate, limit)``, ``up = clamp(up, -limit,
-    limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``; ``[n, I]`` in ``h``'s dtype."""
+    limit)``, ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``; ``[n, I]`` in ``h``'s dtype."""
     gate, up = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
 
 
 __all__ = ["clamped_swiglu", "expert_groups", "expert_scale", "gated_silu", "routed_moe"]

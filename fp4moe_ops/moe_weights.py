@@ -33,54 +33,56 @@ class NVFP4MoEWeights:
 
     Shapes (E experts, hidden size H, intermediate size I):
 
-    * ``w13``         ``[E, 2I, H/2]  uint8``          rows ``[gate; up]`` (Transformers' order)
-    * ``w13_scale``   ``[E, 2I, H/16] float8_e4m3fn``  linear layout
-    * ``w13_global``  ``[E] float32``                  one global scale for gate and up
-    * ``w2``          ``[E, H, I/2]   uint8``
-    * ``w2_scale``    ``[E, H, I/16]  float8_e4m3fn``
-    * ``w2_global``   ``[E] float32``
-    * ``fc1_input_scale``, ``fc2_input_scale``: ``[E] float32`` or None. Calibrated activation
-      scales ``amax / (6*448)`` of each expert's GEMM1 / GEMM2 input (ModelOpt ``input_scale``);
-      only the NVFP4 x NVFP4 path needs them.
+    * ``gate_up``               ``[E, 2I, H/2]  uint8``          rows ``[gate; up]`` (Transformers' order)
+    * ``gate_up_scale``         ``[E, 2I, H/16] float8_e4m3fn``  block scales, linear layout
+    * ``gate_up_global_scale``  ``[E] float32``                  one global scale for gate and up
+    * ``down``                  ``[E, H, I/2]   uint8``
+    * ``down_scale``            ``[E, H, I/16]  float8_e4m3fn``
+    * ``down_global_scale``     ``[E] float32``
+    * ``gate_up_input_scale``, ``down_input_scale``: ``[E] float32`` or None. Calibrated activation
+      scales ``amax / (6*448)`` of each expert's gate_up / down GEMM input (ModelOpt's
+      ``input_scale``); only the NVFP4 x NVFP4 path needs them.
     """
 
-    w13: torch.Tensor
-    w13_scale: torch.Tensor
-    w13_global: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-    w2_global: torch.Tensor
-    fc1_input_scale: torch.Tensor | None = None
-    fc2_input_scale: torch.Tensor | None = None
+    gate_up: torch.Tensor
+    gate_up_scale: torch.Tensor
+    gate_up_global_scale: torch.Tensor
+    down: torch.Tensor
+    down_scale: torch.Tensor
+    down_global_scale: torch.Tensor
+    gate_up_input_scale: torch.Tensor | None = None
+    down_input_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         validate_moe_weights(self)
 
     @property
     def num_experts(self) -> int:
-        return self.w13.shape[0]
+        return self.gate_up.shape[0]
 
     @property
     def hidden_size(self) -> int:
-        return self.w2.shape[1]
+        return self.down.shape[1]
 
     @property
     def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
+        return self.gate_up.shape[1] // 2
 
     @property
     def device(self) -> torch.device:
-        return self.w13.device
+        return self.gate_up.device
 
     def tensors(self) -> list[torch.Tensor]:
-        """The six weight tensors ``[w13, w13_scale, w13_global, w2, w2_scale, w2_global]``."""
-        return [self.w13, self.w13_scale, self.w13_global, self.w2, self.w2_scale, self.w2_global]
+        """The six weight tensors ``[gate_up, gate_up_scale, gate_up_global_scale, down, down_scale,
+        down_global_scale]``."""
+        return [self.gate_up, self.gate_up_scale, self.gate_up_global_scale,
+                self.down, self.down_scale, self.down_global_scale]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w13 [E, 2I, H], w2 [E, H, I])`` in ``dtype``. Memory heavy: tests and setup only."""
+        """``(gate_up [E, 2I, H], down [E, H, I])`` in ``dtype``. Memory heavy: tests and setup only."""
         return (
-            dequantize_nvfp4(self.w13, self.w13_scale, self.w13_global, dtype),
-            dequantize_nvfp4(self.w2, self.w2_scale, self.w2_global, dtype),
+            dequantize_nvfp4(self.gate_up, self.gate_up_scale, self.gate_up_global_scale, dtype),
+            dequantize_nvfp4(self.down, self.down_scale, self.down_global_scale, dtype),
         )
 
     def nbytes(self) -> int:
@@ -95,17 +97,18 @@ class NVFP4MoEWeights:
         :func:`fp4moe_ops.activation_scales`), or scales whose largest weight is past bfloat16's range
         (:func:`check_weight_range`).
 
-        The message names the tensor and expert (``"w13_global[3]"``). One host sync per tensor:
+        The message names the tensor and expert (``"gate_up_global_scale[3]"``). One host sync per tensor:
         for load time, not per call.
         """
-        for name, kind in (("w13_global", "global"), ("w2_global", "global"), ("w13_scale", "block"),
-                           ("w2_scale", "block"), ("fc1_input_scale", "input"), ("fc2_input_scale", "input")):
+        for name, kind in (("gate_up_global_scale", "global"), ("down_global_scale", "global"),
+                           ("gate_up_scale", "block"), ("down_scale", "block"),
+                           ("gate_up_input_scale", "input"), ("down_input_scale", "input")):
             t = getattr(self, name)
             if t is not None:
                 check_scale_values(t, kind, lambda e, name=name: f"{name}[{e}]")
-        for w in ("w13", "w2"):
-            check_weight_range(getattr(self, f"{w}_scale"), getattr(self, f"{w}_global"),
-                               lambda e, w=w: f"{w}_global[{e}]")
+        for proj in ("gate_up", "down"):
+            check_weight_range(getattr(self, f"{proj}_scale"), getattr(self, f"{proj}_global_scale"),
+                               lambda e, proj=proj: f"{proj}_global_scale[{e}]")
 
 
 def _bad_global(t):
@@ -171,7 +174,7 @@ def rescale_block_scales(block_scale: torch.Tensor, ratio: torch.Tensor) -> tupl
 
 def largest_weights(block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """``[E] float64``: the largest ``|W|`` each expert's scales allow, ``6 x`` its largest block
-    scale ``x`` its global scale (the multiplier: ModelOpt's ``weight_scale_2``). ``block_scale``
+    scale ``x`` its global scale (the multiplying one). ``block_scale``
     ``[E, N, K/16]`` E4M3 with no NaN or negative bytes (:func:`check_scale_values` first);
     ``global_scale`` ``[E]``. Reduced on the bytes, without a copy of the block scales (DeepSeek-V3:
     470 MB a layer): non-negative E4M3 bytes order as their values, and as int8 the one sign-bit
@@ -255,28 +258,28 @@ def _expect(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} like w13")
+        raise ValueError(f"{name} is on {t.device}, expected {device} like gate_up")
 
 
 def validate_moe_weights(w: NVFP4MoEWeights) -> None:
     """Raise a clear error if any tensor has the wrong shape, dtype or device."""
-    if not isinstance(w.w13, torch.Tensor) or w.w13.dim() != 3:
-        raise ValueError("w13 must be [E, 2I, H/2] uint8")
-    e, two_i, h_half = w.w13.shape
-    if 0 in w.w13.shape:
-        raise ValueError(f"w13 {list(w.w13.shape)} is empty: E, 2I and H must be > 0")
+    if not isinstance(w.gate_up, torch.Tensor) or w.gate_up.dim() != 3:
+        raise ValueError("gate_up must be [E, 2I, H/2] uint8")
+    e, two_i, h_half = w.gate_up.shape
+    if 0 in w.gate_up.shape:
+        raise ValueError(f"gate_up {list(w.gate_up.shape)} is empty: E, 2I and H must be > 0")
     if two_i % 2 or two_i // 2 % BLOCK_SIZE:
-        raise ValueError(f"w13 rows 2I={two_i}: I must be a multiple of {BLOCK_SIZE}")
-    h, i, dev = h_half * 2, two_i // 2, w.w13.device
+        raise ValueError(f"gate_up rows 2I={two_i}: I must be a multiple of {BLOCK_SIZE}")
+    h, i, dev = h_half * 2, two_i // 2, w.gate_up.device
     if h % BLOCK_SIZE:
-        raise ValueError(f"w13 {tuple(w.w13.shape)}: H={h} must be a multiple of {BLOCK_SIZE}")
-    _expect("w13", w.w13, (e, 2 * i, h // 2), torch.uint8, dev)
-    _expect("w13_scale", w.w13_scale, (e, 2 * i, h // BLOCK_SIZE), torch.float8_e4m3fn, dev)
-    _expect("w13_global", w.w13_global, (e,), torch.float32, dev)
-    _expect("w2", w.w2, (e, h, i // 2), torch.uint8, dev)
-    _expect("w2_scale", w.w2_scale, (e, h, i // BLOCK_SIZE), torch.float8_e4m3fn, dev)
-    _expect("w2_global", w.w2_global, (e,), torch.float32, dev)
-    for name in ("fc1_input_scale", "fc2_input_scale"):
+        raise ValueError(f"gate_up {tuple(w.gate_up.shape)}: H={h} must be a multiple of {BLOCK_SIZE}")
+    _expect("gate_up", w.gate_up, (e, 2 * i, h // 2), torch.uint8, dev)
+    _expect("gate_up_scale", w.gate_up_scale, (e, 2 * i, h // BLOCK_SIZE), torch.float8_e4m3fn, dev)
+    _expect("gate_up_global_scale", w.gate_up_global_scale, (e,), torch.float32, dev)
+    _expect("down", w.down, (e, h, i // 2), torch.uint8, dev)
+    _expect("down_scale", w.down_scale, (e, h, i // BLOCK_SIZE), torch.float8_e4m3fn, dev)
+    _expect("down_global_scale", w.down_global_scale, (e,), torch.float32, dev)
+    for name in ("gate_up_input_scale", "down_input_scale"):
         s = getattr(w, name)
         if s is not None:
             _expect(name, s, (e,), torch.float32, dev)

@@ -136,11 +136,11 @@ def check_mxfp4_experts(expert_tensors: list[torch.Tensor], hidden_size: int) ->
     return experts, inter
 
 
-def check_gpt_oss_biases(b1: tuple[str, torch.Tensor], b2: tuple[str, torch.Tensor], experts: int, inter: int,
-                         hidden_size: int) -> None:
-    """Raise ValueError naming the bias unless ``(name, b1)`` is ``[E, 2I]`` and ``(name, b2)`` ``[E, H]``,
-    both of :data:`BIAS_DTYPES`. Metadata only."""
-    for (name, bias), shape in ((b1, (experts, 2 * inter)), (b2, (experts, hidden_size))):
+def check_gpt_oss_biases(gate_up_bias: tuple[str, torch.Tensor], down_bias: tuple[str, torch.Tensor], experts: int,
+                         inter: int, hidden_size: int) -> None:
+    """Raise ValueError naming the bias unless ``(name, gate_up_bias)`` is ``[E, 2I]`` and ``(name, down_bias)``
+    ``[E, H]``, both of :data:`BIAS_DTYPES`. Metadata only."""
+    for (name, bias), shape in ((gate_up_bias, (experts, 2 * inter)), (down_bias, (experts, hidden_size))):
         if bias.dtype not in BIAS_DTYPES or tuple(bias.shape) != shape:
             raise ValueError(f"{name}: expected bfloat16/float16/float32 {list(shape)}, got {bias.dtype} "
                              f"{list(bias.shape)}")

@@ -6,7 +6,7 @@ NVFP4 (as written by NVIDIA ModelOpt, e.g. ``nvidia/DeepSeek-R1-FP4``) stores a 
 
 * ``packed``      ``[N, K/2]  uint8``          two E2M1 codes per byte, **low nibble = even k**.
 * ``block_scale`` ``[N, K/16] float8_e4m3fn``  one scale per 16 consecutive elements along K.
-* ``global_scale``scalar ``float32``           ("weight_scale_2"), one per tensor / expert.
+* ``global_scale`` scalar ``float32``          one per tensor / expert, multiplying.
 
 and ``W[n, k] = e2m1(packed)[n, k] * float(block_scale[n, k // 16]) * global_scale``.
 

@@ -15,8 +15,8 @@ from .backends import get_backend
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
-                  routed_experts=0):
+def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale,
+                  backend, routed_experts=0):
     """Metadata checks shared by the real and the fake implementation."""
     b = get_backend(backend)
     if routed_experts < 0:
@@ -31,7 +31,8 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
             f"hidden_states must be [T, H] bfloat16/float16, got {hidden_states.dtype} "
             f"{list(hidden_states.shape)}{hint}"
         )
-    scales = [(n, s) for n, s in (("fc1_act_scale", fc1_act_scale), ("fc2_act_scale", fc2_act_scale)) if s is not None]
+    scales = [(n, s) for n, s in (("gate_up_input_scale", gate_up_input_scale), ("down_input_scale", down_input_scale))
+              if s is not None]
     check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, scales, backend)
     num_experts = b.check_expert_tensors(expert_tensors, hidden_states.shape[1])
     scales = [s for _, s in scales]
@@ -41,7 +42,7 @@ def _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act
             "activation scales; pass none, or use backend 'flashinfer_nvfp4' / 'reference'"
         )
     if b.activation_scales == "required" and len(scales) != 2:
-        raise ValueError(f"backend {backend!r} needs both fc1_act_scale and fc2_act_scale")
+        raise ValueError(f"backend {backend!r} needs both gate_up_input_scale and down_input_scale")
     for s in scales:
         # a [1]-shaped scale is refused too: FlashInfer reads every 1-D scale as per-expert [E]
         if s.dtype != torch.float32 or not (s.dim() == 0 or tuple(s.shape) == (num_experts,)):
@@ -95,8 +96,8 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     expert_tensors: list[torch.Tensor],
-    fc1_act_scale: torch.Tensor | None,
-    fc2_act_scale: torch.Tensor | None,
+    gate_up_input_scale: torch.Tensor | None,
+    down_input_scale: torch.Tensor | None,
     backend: str,
     routed_experts: int = 0,
 ) -> torch.Tensor:
@@ -107,8 +108,9 @@ def fused_moe(
         topk_ids: ``[T, k]`` int32/int64; ids outside ``[0, E)`` contribute nothing.
         topk_weights: ``[T, k]`` float32 routing weights (applied as given).
         expert_tensors: the backend's prepared tensors (:func:`prepare_experts`).
-        fc1_act_scale, fc2_act_scale: activation global scales ``amax / (6*448)`` as float32
-            scalars or ``[E]``, for NVFP4 x NVFP4; None for W4A16 backends.
+        gate_up_input_scale, down_input_scale: the input scales ``amax / (6*448)`` of the gate_up and
+            the down GEMM's activations, float32 scalars or ``[E]``, for NVFP4 x NVFP4; None for
+            W4A16 backends.
         backend: a concrete backend name (``"auto"`` is resolved in :func:`prepare_experts`).
         routed_experts: how many experts the router chooses among, when this call holds only a
             shard of them (expert parallelism: ``E * world_size``); 0 means all ``E`` are here.
@@ -120,21 +122,21 @@ def fused_moe(
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``.
     """
-    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale, backend,
                   routed_experts)
     _check_device(hidden_states, backend)
     if hidden_states.shape[0] == 0:
         return torch.empty_like(hidden_states)
     return get_backend(backend).run(
-        hidden_states, topk_ids, topk_weights, list(expert_tensors), fc1_act_scale, fc2_act_scale,
+        hidden_states, topk_ids, topk_weights, list(expert_tensors), gate_up_input_scale, down_input_scale,
         routed_experts=routed_experts,
     )
 
 
 @fused_moe.register_fake
-def _(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
+def _(hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale, backend,
       routed_experts=0):
-    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale, backend,
+    _check_inputs(hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale, backend,
                   routed_experts)
     _check_device(hidden_states, backend)
     return torch.empty_like(hidden_states)

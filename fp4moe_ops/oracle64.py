@@ -30,27 +30,30 @@ def dequant_mx64(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (e2m1_64(blocks) * s[..., None]).flatten(-2)
 
 
-def gpt_oss_moe64(x, ids, weights, tensors, alpha: float, limit: float) -> torch.Tensor:
+def gpt_oss_moe64(x, ids, weights, tensors, swiglu_alpha: float, limit: float) -> torch.Tensor:
     """gpt-oss's experts in float64, token by token: ``tensors`` are MXFP4 ``[gate_up_blocks,
-    gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias]`` or NVFP4 ``[w13, w13_scale
-    (E4M3 bytes), w13_global, b1, w2, w2_scale, w2_global, b2]``; gate/up interleaved (gate even);
-    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``, ``g = min(gate, limit)``. The
+    gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias]`` or NVFP4 ``[gate_up, gate_up_scale
+    (E4M3 bytes), gate_up_global_scale, gate_up_bias, down, down_scale, down_global_scale, down_bias]``;
+    gate/up interleaved (gate even);
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha g)``, ``g = min(gate, limit)``. The
     intermediate is rounded to x's dtype, as kernels store it."""
     if len(tensors) == 8:
-        w13, s13, g13, gu_bias, w2_, s2, g2, d_bias = tensors
-        s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
-        matrices = lambda e: (dequant64(w13[e], s13[e], g13[e]), dequant64(w2_[e], s2[e], g2[e]))  # noqa: E731
+        gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, down, down_scale, down_global_scale, down_bias = tensors
+        gate_up_scale, down_scale = gate_up_scale.view(torch.float8_e4m3fn), down_scale.view(torch.float8_e4m3fn)
+        matrices = lambda e: (dequant64(gate_up[e], gate_up_scale[e], gate_up_global_scale[e]),  # noqa: E731
+                              dequant64(down[e], down_scale[e], down_global_scale[e]))
     else:
-        gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = tensors
-        matrices = lambda e: (dequant_mx64(gu_blocks[e], gu_scales[e]), dequant_mx64(d_blocks[e], d_scales[e]))  # noqa: E731
+        gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = tensors
+        matrices = lambda e: (dequant_mx64(gate_up_blocks[e], gate_up_scales[e]),  # noqa: E731
+                              dequant_mx64(down_blocks[e], down_scales[e]))
     out = torch.zeros(x.shape, dtype=torch.float64)
-    for e in sorted(set(ids[(ids >= 0) & (ids < gu_bias.shape[0])].tolist())):
-        w1, w2 = matrices(e)
+    for e in sorted(set(ids[(ids >= 0) & (ids < gate_up_bias.shape[0])].tolist())):
+        gate_up_e, down_e = matrices(e)
         for t, j in (ids == e).nonzero().tolist():
-            h = x[t].double() @ w1.T + gu_bias[e].double()
+            h = x[t].double() @ gate_up_e.T + gate_up_bias[e].double()
             gate, up = h[0::2].clamp(max=limit), h[1::2].clamp(-limit, limit)
-            act = ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(x.dtype).double()
-            out[t] += float(weights[t, j]) * (act @ w2.T + d_bias[e].double())
+            act = ((up + 1) * gate * torch.sigmoid(swiglu_alpha * gate)).to(x.dtype).double()
+            out[t] += float(weights[t, j]) * (act @ down_e.T + down_bias[e].double())
     return out
 
 
@@ -60,26 +63,28 @@ def linear64(x, packed, scale_e4m3, global_scale, bias=None) -> torch.Tensor:
     return y if bias is None else y + bias.double()
 
 
-def moe64(x, ids, weights, w13, s13, g13, w2, s2, g2, fc1_scale=None, fc2_scale=None, quant=None):
+def moe64(x, ids, weights, gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale,
+          gate_up_input_scale=None, down_input_scale=None, quant=None):
     """out[t] = sum_j weights[t,j] * down(silu(gate x) * up x), float64, gate rows first.
 
     ``quant(v, s)`` (if scales are given) rounds a GEMM input through NVFP4 with scale s; the
     intermediate is rounded to x's dtype first, as kernels store it.
     """
     t_count, h = x.shape
-    num_experts, two_i = w13.shape[0], w13.shape[1]
+    num_experts, two_i = gate_up.shape[0], gate_up.shape[1]
     i = two_i // 2
     out = torch.zeros(t_count, h, dtype=torch.float64)
     # expert by expert, each decoded once (not once per token), one expert's matrices in memory at a time
     for e in sorted(set(ids[(ids >= 0) & (ids < num_experts)].tolist())):
-        w13_e, w2_e = dequant64(w13[e], s13[e], g13[e]), dequant64(w2[e], s2[e], g2[e])
+        gate_up_e = dequant64(gate_up[e], gate_up_scale[e], gate_up_global_scale[e])
+        down_e = dequant64(down[e], down_scale[e], down_global_scale[e])
         for t, j in (ids == e).nonzero().tolist():
             a = x[t:t + 1]
-            if fc1_scale is not None:
-                a = quant(a, fc1_scale.reshape(-1)[e if fc1_scale.numel() > 1 else 0])
-            hgu = a.double() @ w13_e.T
+            if gate_up_input_scale is not None:
+                a = quant(a, gate_up_input_scale.reshape(-1)[e if gate_up_input_scale.numel() > 1 else 0])
+            hgu = a.double() @ gate_up_e.T
             act = (F.silu(hgu[:, :i]) * hgu[:, i:]).to(x.dtype)
-            if fc2_scale is not None:
-                act = quant(act, fc2_scale.reshape(-1)[e if fc2_scale.numel() > 1 else 0])
-            out[t] += float(weights[t, j]) * (act.double() @ w2_e.T)[0]
+            if down_input_scale is not None:
+                act = quant(act, down_input_scale.reshape(-1)[e if down_input_scale.numel() > 1 else 0])
+            out[t] += float(weights[t, j]) * (act.double() @ down_e.T)[0]
     return out

@@ -9,16 +9,19 @@ is always the canonical, checkpoint-like layout whatever the backend keeps in me
     gate_up_proj_scale         [E, 2I, H/16] float8_e4m3fn  block scales
     gate_up_proj_global_scale  [E]           float32
     down_proj_packed / down_proj_scale / down_proj_global_scale   (the same for [E, H, I])
-    fc1_input_scale, fc2_input_scale  [E] float32   calibrated activation scales, if any
+    gate_up_proj_input_scale, down_proj_input_scale  [E] float32   calibrated activation scales, if any
 
 In memory the ``*_packed`` buffers are in the backend's packed layout (``layout``, e.g. the
 Triton backend's ``"paired"`` words: the weights are held once). A backend with tensors of its
 own (FlashInfer) gets them as non-persistent ``prepared_<i>`` buffers beside the canonical ones.
+State dicts saved when the input scales' buffers were named ``fc1_input_scale`` / ``fc2_input_scale``
+still load (:func:`rename_old_input_scales`).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -35,12 +38,17 @@ from .op import _HIDDEN_DTYPES
 
 CANONICAL_BUFFERS = ("gate_up_proj_packed", "gate_up_proj_scale", "gate_up_proj_global_scale",
                      "down_proj_packed", "down_proj_scale", "down_proj_global_scale")
-INPUT_SCALE_BUFFERS = ("fc1_input_scale", "fc2_input_scale")
+INPUT_SCALE_BUFFERS = ("gate_up_proj_input_scale", "down_proj_input_scale")
+# global_max's one scale per projection, reduced from the input scales once (non-persistent)
+PREPARED_INPUT_SCALE_BUFFERS = ("prepared_gate_up_input_scale", "prepared_down_input_scale")
+# The input scales' buffer names before they took their projections' names: a state dict saved with
+# them still loads, renamed by :func:`rename_old_input_scales` (with a warning)
+OLD_INPUT_SCALE_BUFFERS = dict(zip(("fc1_input_scale", "fc2_input_scale"), INPUT_SCALE_BUFFERS))
 ACT_SCALE_MODES = ("per_expert", "global_max")
 _PACKED = (CANONICAL_BUFFERS[0], CANONICAL_BUFFERS[3])
 
 
-def activation_scales(fc1_input_scale: torch.Tensor | None, fc2_input_scale: torch.Tensor | None,
+def activation_scales(gate_up_input_scale: torch.Tensor | None, down_input_scale: torch.Tensor | None,
                       mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's activation scales from calibrated per-expert input scales ``[E]``.
 
@@ -52,25 +60,26 @@ def activation_scales(fc1_input_scale: torch.Tensor | None, fc2_input_scale: tor
     """
     if mode not in ACT_SCALE_MODES:
         raise ValueError(f"act_scale_mode must be one of {ACT_SCALE_MODES}, got {mode!r}")
-    if fc1_input_scale is None or fc2_input_scale is None:
-        raise ValueError("activation scales need calibrated fc1_input_scale and fc2_input_scale: run "
+    if gate_up_input_scale is None or down_input_scale is None:
+        raise ValueError("activation scales need calibrated gate_up_input_scale and down_input_scale: run "
                          "hf_integration.calibrate_activation_scales first")
-    for name, s in (("fc1_input_scale", fc1_input_scale), ("fc2_input_scale", fc2_input_scale)):
+    named = (("gate_up_input_scale", gate_up_input_scale), ("down_input_scale", down_input_scale))
+    for name, s in named:
         bad = (~torch.isfinite(s) | (s < 0)).nonzero().flatten().tolist()
         if bad:
             raise ValueError(f"{name} is NaN, Inf or negative for experts {bad[:8]}")
     if mode == "global_max":
-        fc1, fc2 = fc1_input_scale.max().reshape(()), fc2_input_scale.max().reshape(())
-        if not bool((fc1 > 0) & (fc2 > 0)):
+        gate_up_max, down_max = gate_up_input_scale.max().reshape(()), down_input_scale.max().reshape(())
+        if not bool((gate_up_max > 0) & (down_max > 0)):
             raise ValueError("act_scale_mode='global_max': every calibrated input scale is 0; calibrate first")
-        return fc1, fc2
-    for name, s in (("fc1_input_scale", fc1_input_scale), ("fc2_input_scale", fc2_input_scale)):
+        return gate_up_max, down_max
+    for name, s in named:
         zero = (s <= 0).nonzero().flatten().tolist()
         if zero:
             raise ValueError(f"act_scale_mode='per_expert': {name} is 0 for experts {zero[:8]} (never calibrated), "
                              "which would zero their inputs; use act_scale_mode='global_max' or calibrate "
                              "with data that reaches them")
-    return fc1_input_scale, fc2_input_scale
+    return gate_up_input_scale, down_input_scale
 
 
 class TensorSpec(NamedTuple):
@@ -112,6 +121,8 @@ class QuantizedBuffers(nn.Module):
 
     def __init__(self):
         super().__init__()
+        # (first: the checks, and a parent's hooks, read the keys under their current names)
+        self._register_load_state_dict_pre_hook(_rename_old_keys, with_module=True)
         self._register_load_state_dict_pre_hook(_check_incoming_scales, with_module=True)
 
     def tensor_specs(self) -> list[TensorSpec]:
@@ -240,8 +251,7 @@ class PreparedExperts(QuantizedBuffers):
         ``owns_weights``: as in the constructor (else a later backend keeps its layout in a copy)."""
         for name, t in zip(CANONICAL_BUFFERS, weights.tensors()):
             self.register_buffer(name, t)
-        for name in INPUT_SCALE_BUFFERS:
-            t = getattr(weights, name)
+        for name, t in zip(INPUT_SCALE_BUFFERS, (weights.gate_up_input_scale, weights.down_input_scale)):
             if t is not None:
                 self.register_buffer(name, t)
             else:
@@ -303,7 +313,7 @@ class PreparedExperts(QuantizedBuffers):
             act_scale_mode: None keeps activations in 16 bits (W4A16), except on a backend that
                 always quantizes them (``flashinfer_nvfp4``), which then uses ``"per_expert"``.
                 ``"per_expert"`` / ``"global_max"``: NVFP4 activations with the calibrated scales
-                (``fc1_input_scale`` / ``fc2_input_scale``, see :func:`activation_scales`);
+                (``gate_up_proj_input_scale`` / ``down_proj_input_scale``, see :func:`activation_scales`);
                 backends ``flashinfer_nvfp4`` and ``reference`` only.
         """
         b, mode, act = self.check_backend(backend, act_scale_mode)
@@ -318,29 +328,29 @@ class PreparedExperts(QuantizedBuffers):
             self.register_buffer(f"prepared_{i}", t, persistent=False)
         self._own_tensors = len(own)
         if mode == "global_max":
-            self.register_buffer("fc1_act_scale", act[0], persistent=False)
-            self.register_buffer("fc2_act_scale", act[1], persistent=False)
+            for name, t in zip(PREPARED_INPUT_SCALE_BUFFERS, act):
+                self.register_buffer(name, t, persistent=False)
         self.backend, self.layout, self.act_scale_mode = b.name, layout, mode
 
     def check_backend(self, backend: str = "auto", act_scale_mode: str | None = None):
         """Everything :meth:`set_backend` checks, without changing the module: ``(backend object,
-        activation mode, (fc1, fc2) activation scales or Nones)``; raises ValueError otherwise."""
-        fc1, fc2 = self._buffers.get(INPUT_SCALE_BUFFERS[0]), self._buffers.get(INPUT_SCALE_BUFFERS[1])
+        activation mode, (gate_up, down) input scales for the op or Nones)``; raises ValueError otherwise."""
+        gate_up_input_scale, down_input_scale = (self._buffers.get(name) for name in INPUT_SCALE_BUFFERS)
         b = resolve_backend(backend, self._buffers[CANONICAL_BUFFERS[1]].device,
-                            have_activation_scales=fc1 is not None and fc2 is not None)
+                            have_activation_scales=gate_up_input_scale is not None and down_input_scale is not None)
         mode = act_scale_mode or ("per_expert" if b.activation_scales == "required" else None)
         if mode is None:
             return b, None, (None, None)
         if b.activation_scales == "forbidden":
             raise ValueError(f"backend {b.name!r} keeps activations in 16 bits; act_scale_mode={mode!r} needs "
                              "'flashinfer_nvfp4' (Blackwell) or 'reference'")
-        return b, mode, activation_scales(fc1, fc2, mode)
+        return b, mode, activation_scales(gate_up_input_scale, down_input_scale, mode)
 
     def _drop_prepared(self) -> None:
         for i in range(self._own_tensors):
             self._buffers.pop(f"prepared_{i}", None)
         self._own_tensors = 0
-        for name in ("fc1_act_scale", "fc2_act_scale"):
+        for name in PREPARED_INPUT_SCALE_BUFFERS:
             self._buffers.pop(name, None)
 
     # --- the call ---------------------------------------------------------------------------
@@ -352,20 +362,20 @@ class PreparedExperts(QuantizedBuffers):
         return op_layout([self._buffers[n] for n in CANONICAL_BUFFERS])
 
     def activation_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The op's ``(fc1_act_scale, fc2_act_scale)``: None in 16-bit activation mode."""
+        """The op's ``(gate_up_input_scale, down_input_scale)``: None in 16-bit activation mode."""
         if self.act_scale_mode is None:
             return None, None
         if self.act_scale_mode == "per_expert":
-            return self._buffers["fc1_input_scale"], self._buffers["fc2_input_scale"]
-        return self._buffers["fc1_act_scale"], self._buffers["fc2_act_scale"]
+            return self._buffers[INPUT_SCALE_BUFFERS[0]], self._buffers[INPUT_SCALE_BUFFERS[1]]
+        return self._buffers[PREPARED_INPUT_SCALE_BUFFERS[0]], self._buffers[PREPARED_INPUT_SCALE_BUFFERS[1]]
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` bf16/fp16, ``[T, k]`` ids, ``[T, k]`` float32 weights -> ``[T, H]``."""
         if self.backend is None:
             raise RuntimeError("these experts are not prepared for a backend yet: call set_backend(...)")
-        fc1, fc2 = self.activation_scales()
-        return torch.ops.fp4moe.fused_moe(hidden_states, topk_ids, topk_weights, self.op_tensors(), fc1, fc2,
-                                          self.backend, self.routed_experts)
+        gate_up_input_scale, down_input_scale = self.activation_scales()
+        return torch.ops.fp4moe.fused_moe(hidden_states, topk_ids, topk_weights, self.op_tensors(), gate_up_input_scale,
+                                          down_input_scale, self.backend, self.routed_experts)
 
     # --- module behaviour -------------------------------------------------------------------
 
@@ -522,6 +532,35 @@ def _check_incoming_plain(key: str, t, held: torch.Tensor | None) -> None:
         raise ValueError(f"load_state_dict: {key} must have shape {list(held.shape)}, got {list(t.shape)}")
 
 
+_warned_old_names = False
+
+
+def rename_old_input_scales(root: nn.Module, state_dict: dict, prefix: str = "") -> None:
+    """Rename in place the keys of ``state_dict`` that give an experts module in ``root`` (``root``
+    included) its input scales under their old names (:data:`OLD_INPUT_SCALE_BUFFERS`), where the
+    new name is not given too; the first time, warn that the old names are deprecated."""
+    global _warned_old_names
+    renamed = []
+    for name, m in root.named_modules():
+        if not isinstance(m, PreparedExperts):
+            continue
+        at = f"{prefix}{name}." if name else prefix
+        for old, new in OLD_INPUT_SCALE_BUFFERS.items():
+            if at + old in state_dict and at + new not in state_dict:
+                state_dict[at + new] = state_dict.pop(at + old)
+                renamed.append(at + old)
+    if renamed and not _warned_old_names:
+        _warned_old_names = True
+        warnings.warn(f"fp4moe: state dict keys {renamed[:2]}{' ...' if len(renamed) > 2 else ''} use the "
+                      f"deprecated input-scale names {list(OLD_INPUT_SCALE_BUFFERS)}; loaded as "
+                      f"{list(INPUT_SCALE_BUFFERS)} (save the model again to write the new names)",
+                      FutureWarning, stacklevel=2)
+
+
+def _rename_old_keys(module: QuantizedBuffers, state_dict, prefix, *args):
+    rename_old_input_scales(module, state_dict, prefix)
+
+
 def _check_incoming_scales(module: QuantizedBuffers, state_dict, prefix, *args):
     # (torch passes strict=True to every hook, whatever the call's: a missing tensor is checked by
     # the model's load_state_dict, hf_integration.quantizer.attach_guards)
@@ -552,4 +591,4 @@ def prepare_experts(weights: NVFP4MoEWeights, backend: str = "auto", act_scale_m
 
 
 __all__ = ["ACT_SCALE_MODES", "CANONICAL_BUFFERS", "INPUT_SCALE_BUFFERS", "PreparedExperts", "QuantizedBuffers",
-           "TensorSpec", "activation_scales", "prepare_experts"]
+           "TensorSpec", "activation_scales", "prepare_experts", "rename_old_input_scales"]

@@ -187,16 +187,17 @@ def _check(row, experts, w, x, ids, rw, device, answers) -> None:
     out = experts(x, ids, rw)
     row["kernels"] = _kernels(experts, x, ids)
     row["ms"] = timed(lambda: experts(x, ids, rw), device)
-    fc1, fc2 = activation_scales(w.fc1_input_scale, w.fc2_input_scale, mode) if mode else (None, None)
+    gate_up_in, down_in = activation_scales(w.gate_up_input_scale, w.down_input_scale, mode) if mode else (None, None)
     if backend == "reference":  # against float64, on a few tokens (the oracle loops in Python)
         sub = slice(0, min(t, 64))
         quant = (lambda v, s: nvfp4.quantize_activation_nvfp4(v, 1.0 / s) * s) if mode else None
         want = moe64(x[sub].cpu(), ids[sub].cpu(), rw[sub].cpu(), *(p.cpu() for p in w.tensors()),
-                     fc1_scale=None if fc1 is None else fc1.cpu(), fc2_scale=None if fc2 is None else fc2.cpu(), quant=quant)
+                     gate_up_input_scale=None if gate_up_in is None else gate_up_in.cpu(),
+                     down_input_scale=None if down_in is None else down_in.cpu(), quant=quant)
         row["error"], row["tolerance"] = rel(out[sub].cpu(), want), TOLERANCE["reference"]
         row["pass"] = row["error"] < row["tolerance"]
     elif backend == "flashinfer_nvfp4":
-        want = reference_moe(x, ids, rw, w.tensors(), fc1, fc2, cutlass_rounding=True)
+        want = reference_moe(x, ids, rw, w.tensors(), gate_up_in, down_in, cutlass_rounding=True)
         per_token = (out.double() - want.double()).norm(dim=1) / want.double().norm(dim=1).clamp_min(1e-30)
         row["error"], row["tolerance"] = per_token.median().item(), NVFP4_MEDIAN
         row["pass"] = row["error"] < NVFP4_MEDIAN and (per_token > NVFP4_FLIP).float().mean().item() < NVFP4_FLIP_SHARE
@@ -215,9 +216,9 @@ def _kernels(experts, x, ids) -> str:
         return experts.backend
     from .backends.triton_moe.launch import kernel_family
 
-    w13 = experts.op_tensors()[0]
+    gate_up = experts.op_tensors()[0]
     return kernel_family(x, ids.numel(), experts.num_experts, experts.hidden_size, experts.intermediate_size,
-                         experts.routed_experts, paired=w13.dtype == torch.int32)
+                         experts.routed_experts, paired=gate_up.dtype == torch.int32)
 
 
 def _format(row: dict) -> str:

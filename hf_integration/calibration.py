@@ -1,5 +1,5 @@
 """Calibrating activation scales for NVFP4 x NVFP4 (Blackwell's ``flashinfer_nvfp4``): each routed
-expert's GEMM1 and GEMM2 input amax is observed while the model runs on calibration data through
+expert's gate_up and down GEMM input amax is observed while the model runs on calibration data through
 the reference MoE math, then stored as ModelOpt's ``input_scale = amax / (6*448)``."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from transformers.utils import logging
 
 from fp4moe_ops import activation_scales, nvfp4
 from fp4moe_ops.backends.reference import reference_moe
+from fp4moe_ops.prepared import INPUT_SCALE_BUFFERS
 
 from .expert_parallel import ExpertShard
 from .surgery import nvfp4_experts
@@ -26,12 +27,12 @@ class _Observer:
 
     def __init__(self, name: str, num_experts: int, device):
         self.name = name
-        self.amax1 = torch.zeros(num_experts, device=device)
-        self.amax2 = torch.zeros(num_experts, device=device)
+        self.gate_up_amax = torch.zeros(num_experts, device=device)
+        self.down_amax = torch.zeros(num_experts, device=device)
 
-    def __call__(self, e: int, gemm1_input: torch.Tensor, gemm2_input: torch.Tensor) -> None:
-        self.amax1[e] = torch.maximum(self.amax1[e], gemm1_input.float().abs().max())
-        self.amax2[e] = torch.maximum(self.amax2[e], gemm2_input.float().abs().max())
+    def __call__(self, e: int, gate_up_input: torch.Tensor, down_input: torch.Tensor) -> None:
+        self.gate_up_amax[e] = torch.maximum(self.gate_up_amax[e], gate_up_input.float().abs().max())
+        self.down_amax[e] = torch.maximum(self.down_amax[e], down_input.float().abs().max())
 
 
 def _observed_forward(module, hidden_states, top_k_index, top_k_weights):
@@ -43,8 +44,9 @@ def _observed_forward(module, hidden_states, top_k_index, top_k_weights):
 
 @torch.no_grad()
 def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Module:
-    """Record per-expert activation amax for GEMM1 and GEMM2 inputs over ``batches`` and store
-    ModelOpt's ``input_scale = amax / (6*448)`` as ``fc1_input_scale`` / ``fc2_input_scale``.
+    """Record per-expert activation amax of the gate_up and down GEMMs' inputs over ``batches`` and
+    store ModelOpt's ``input_scale = amax / (6*448)`` as the experts' ``gate_up_proj_input_scale`` /
+    ``down_proj_input_scale``.
 
     ``batches``: dicts of model kwargs (e.g. tokenizer output) or ``input_ids`` tensors. Every
     token of a batch counts toward the amax, padding included (``attention_mask`` reaches only the
@@ -79,7 +81,7 @@ def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Modul
         if n == 0:
             raise ValueError("calibrate_activation_scales got no batches")
         for obs in observers:
-            if not bool(torch.isfinite(obs.amax1).all() & torch.isfinite(obs.amax2).all()):
+            if not bool(torch.isfinite(obs.gate_up_amax).all() & torch.isfinite(obs.down_amax).all()):
                 raise ValueError(f"calibration: {obs.name} saw NaN or Inf activations; check the calibration batches")
     finally:
         for (_, m), (backend, mode) in zip(modules, backends):
@@ -88,17 +90,17 @@ def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Modul
             if backend is not None:
                 m.set_backend(backend, mode)
     scales = [_input_scales(name, m, obs, n) for (name, m), obs in zip(modules, observers)]
-    for (name, _), (_, mode), (fc1, fc2) in zip(modules, backends, scales):
+    for (name, _), (_, mode), (gate_up_input_scale, down_input_scale) in zip(modules, backends, scales):
         if mode is not None:  # a mode the new scales cannot run is refused before anything changes
             try:
-                activation_scales(fc1, fc2, mode)
+                activation_scales(gate_up_input_scale, down_input_scale, mode)
             except ValueError as exc:
                 raise ValueError(f"calibration: {name}: {exc}") from None
     unseen = 0
-    for (_, m), obs, (backend, mode), (fc1, fc2) in zip(modules, observers, backends, scales):
-        unseen += int((obs.amax1 == 0).sum())
-        m.register_buffer("fc1_input_scale", fc1)
-        m.register_buffer("fc2_input_scale", fc2)
+    for (_, m), obs, (backend, mode), scale_pair in zip(modules, observers, backends, scales):
+        unseen += int((obs.gate_up_amax == 0).sum())
+        for name, t in zip(INPUT_SCALE_BUFFERS, scale_pair):
+            m.register_buffer(name, t)
         if mode is not None:  # the mode's scales are derived from these buffers: derive them again
             m.set_backend(backend, mode)
     if unseen:
@@ -107,11 +109,11 @@ def calibrate_activation_scales(model: nn.Module, batches: Iterable) -> nn.Modul
 
 
 def _input_scales(name: str, m: nn.Module, obs: _Observer, batches: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fc1, fc2)`` input scales of one layer's experts; an expert that saw no token gets the layer's
+    """``(gate_up, down)`` input scales of one layer's experts; an expert that saw no token gets the layer's
     largest scale, over every rank's experts under expert parallelism (one collective per layer:
     every rank calibrates). A layer none of whose experts saw a token is refused, naming it:
     a scale for it would be made up."""
-    largest = torch.stack([obs.amax1.max(), obs.amax2.max()])
+    largest = torch.stack([obs.gate_up_amax.max(), obs.down_amax.max()])
     if isinstance(m.dispatch, ExpertShard):
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=m.dispatch.group)
     if not bool((largest > 0).all()):
@@ -119,7 +121,7 @@ def _input_scales(name: str, m: nn.Module, obs: _Observer, batches: int) -> tupl
                          "activation amax to give them an input scale; calibrate with batches that reach this layer "
                          "(the model is left as it was)")
     return tuple(nvfp4.global_scale_from_amax(torch.where(amax > 0, amax, top)) for amax, top in
-                 zip((obs.amax1, obs.amax2), largest))
+                 zip((obs.gate_up_amax, obs.down_amax), largest))
 
 
 __all__ = ["calibrate_activation_scales"]

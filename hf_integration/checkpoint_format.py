@@ -122,29 +122,30 @@ def dense_mlp_tensors(prefix: str, weights) -> dict[str, torch.Tensor]:
     """A one-expert :class:`fp4moe_ops.NVFP4MoEWeights` (a dense MLP, a shared expert) as the
     checkpoint's ``<prefix>.gate_proj`` / ``up_proj`` / ``down_proj`` NVFP4 linears."""
     inter = weights.intermediate_size
-    fc1 = None if weights.fc1_input_scale is None else weights.fc1_input_scale[0]
-    fc2 = None if weights.fc2_input_scale is None else weights.fc2_input_scale[0]
+    gate_up_in = None if weights.gate_up_input_scale is None else weights.gate_up_input_scale[0]
+    down_in = None if weights.down_input_scale is None else weights.down_input_scale[0]
     out = {}
     for leaf, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
-        out |= linear_tensors(f"{prefix}.{leaf}", weights.w13[0, rows], weights.w13_scale[0, rows],
-                              weights.w13_global[0], fc1)
-    return out | linear_tensors(f"{prefix}.down_proj", weights.w2[0], weights.w2_scale[0], weights.w2_global[0], fc2)
+        out |= linear_tensors(f"{prefix}.{leaf}", weights.gate_up[0, rows], weights.gate_up_scale[0, rows],
+                              weights.gate_up_global_scale[0], gate_up_in)
+    return out | linear_tensors(f"{prefix}.down_proj", weights.down[0], weights.down_scale[0],
+                                weights.down_global_scale[0], down_in)
 
 
 def expert_tensors(prefix: str, weights, leaves: ExpertLeaves = ExpertLeaves()) -> dict[str, torch.Tensor]:
     """A layer's experts (:class:`fp4moe_ops.NVFP4MoEWeights`, canonical) as ModelOpt's per-expert
-    tensors ``<prefix>.<e>.<leaf>.*``: gate and up rows of ``w13`` share its global scale and
-    ``fc1_input_scale``; down gets ``w2``'s and ``fc2_input_scale``."""
+    tensors ``<prefix>.<e>.<leaf>.*``: gate and up rows of ``gate_up`` share its global scale and
+    ``gate_up_input_scale``; down gets ``down``'s and ``down_input_scale``."""
     inter = weights.intermediate_size
     out = {}
     for e in range(weights.num_experts):
-        fc1_in = None if weights.fc1_input_scale is None else weights.fc1_input_scale[e]
-        fc2_in = None if weights.fc2_input_scale is None else weights.fc2_input_scale[e]
+        gate_up_in = None if weights.gate_up_input_scale is None else weights.gate_up_input_scale[e]
+        down_in = None if weights.down_input_scale is None else weights.down_input_scale[e]
         for leaf, rows in ((leaves.gate, slice(0, inter)), (leaves.up, slice(inter, 2 * inter))):
-            out |= linear_tensors(f"{prefix}.{e}.{leaf}", weights.w13[e, rows], weights.w13_scale[e, rows],
-                                  weights.w13_global[e], fc1_in)
-        out |= linear_tensors(f"{prefix}.{e}.{leaves.down}", weights.w2[e], weights.w2_scale[e], weights.w2_global[e],
-                              fc2_in)
+            out |= linear_tensors(f"{prefix}.{e}.{leaf}", weights.gate_up[e, rows], weights.gate_up_scale[e, rows],
+                                  weights.gate_up_global_scale[e], gate_up_in)
+        out |= linear_tensors(f"{prefix}.{e}.{leaves.down}", weights.down[e], weights.down_scale[e],
+                              weights.down_global_scale[e], down_in)
     return out
 
 

@@ -115,47 +115,54 @@ class StackNVFP4Experts(ConversionOps):
         def stack(parts):
             return self._stack(got, parts)
 
-        g_gate, g_up = stack([(0, "global")]), stack([(1, "global")])
-        fc1_gate = stack([(0, "input")]) if plan.input_scales else None
-        fc1_up = stack([(1, "input")]) if plan.input_scales else None
-        w13 = stack([(0, "packed"), (1, "packed")])
-        s13 = stack([(0, "block"), (1, "block")])
-        w2, s2, g2 = stack([(2, "packed")]), stack([(2, "block")]), stack([(2, "global")])
-        fc2_in = stack([(2, "input")]) if plan.input_scales else None
+        gate_global, up_global = stack([(0, "global")]), stack([(1, "global")])
+        gate_in = stack([(0, "input")]) if plan.input_scales else None
+        up_in = stack([(1, "input")]) if plan.input_scales else None
+        gate_up = stack([(0, "packed"), (1, "packed")])
+        gate_up_scale = stack([(0, "block"), (1, "block")])
+        down, down_scale = stack([(2, "packed")]), stack([(2, "block")])
+        down_global_scale = stack([(2, "global")])
+        down_in = stack([(2, "input")]) if plan.input_scales else None
         # values as the file has them: ModelOpt's input scales may be 0 (never calibrated), a
         # compressed-tensors input global scale (it divides) may not
         input_kind = "global" if scheme.reciprocal else "input"
         errors_before = len(self.hf_quantizer.load_errors)
-        for leaf, role, kind, values in ((0, "global", "global", g_gate), (1, "global", "global", g_up),
-                                         (2, "global", "global", g2), (0, "block", "block", s13[:, :inter]),
-                                         (1, "block", "block", s13[:, inter:]), (2, "block", "block", s2),
-                                         (0, "input", input_kind, fc1_gate), (1, "input", input_kind, fc1_up),
-                                         (2, "input", input_kind, fc2_in)):
+        for leaf, role, kind, values in ((0, "global", "global", gate_global), (1, "global", "global", up_global),
+                                         (2, "global", "global", down_global_scale),
+                                         (0, "block", "block", gate_up_scale[:, :inter]),
+                                         (1, "block", "block", gate_up_scale[:, inter:]), (2, "block", "block", down_scale),
+                                         (0, "input", input_kind, gate_in), (1, "input", input_kind, up_in),
+                                         (2, "input", input_kind, down_in)):
             if values is not None:
                 self._check(lambda d, v=values, k=kind: check_scale_values(v, k, d), plan, leaves[leaf], names[role])
-        g_gate, g_up, g2 = scheme.multiplier(g_gate), scheme.multiplier(g_up), scheme.multiplier(g2)
+        gate_global, up_global = scheme.multiplier(gate_global), scheme.multiplier(up_global)
+        down_global_scale = scheme.multiplier(down_global_scale)
         if len(self.hf_quantizer.load_errors) == errors_before:  # valid values: do they decode in range?
-            for leaf, block, multiplier in ((0, s13[:, :inter], g_gate), (1, s13[:, inter:], g_up), (2, s2, g2)):
+            for leaf, block, multiplier in ((0, gate_up_scale[:, :inter], gate_global),
+                                            (1, gate_up_scale[:, inter:], up_global), (2, down_scale, down_global_scale)):
                 self._check(lambda d, b=block, m=multiplier: check_weight_range(b, m, d), plan, leaves[leaf],
                             names["global"])
         if plan.input_scales:
-            fc1_gate, fc1_up, fc2_in = scheme.multiplier(fc1_gate), scheme.multiplier(fc1_up), scheme.multiplier(fc2_in)
+            gate_in, up_in, down_in = scheme.multiplier(gate_in), scheme.multiplier(up_in), scheme.multiplier(down_in)
 
-        g13 = torch.maximum(g_gate, g_up)
-        differ = g_gate != g_up
+        gate_up_global_scale = torch.maximum(gate_global, up_global)
+        differ = gate_global != up_global
         if bool(differ.any()):
             # one global scale for [gate; up]: rescale the smaller side's block scales (re-rounded)
-            s13[:, :inter], gate_rows, gate_zeroed = rescale_block_scales(s13[:, :inter], (g_gate / g13)[:, None, None])
-            s13[:, inter:], up_rows, up_zeroed = rescale_block_scales(s13[:, inter:], (g_up / g13)[:, None, None])
+            gate_up_scale[:, :inter], gate_rows, gate_zeroed = rescale_block_scales(
+                gate_up_scale[:, :inter], (gate_global / gate_up_global_scale)[:, None, None])
+            gate_up_scale[:, inter:], up_rows, up_zeroed = rescale_block_scales(
+                gate_up_scale[:, inter:], (up_global / gate_up_global_scale)[:, None, None])
             logger.warning("fp4moe: %s: %d experts had different %s for %s and %s (experts %s); used their max and "
                            "rescaled the other's block scales (re-rounded to E4M3): %d rows changed, %d rows "
                            "zeroed (every block scale flushed to 0: those output features lost their weights)",
                            module_name, int(differ.sum()), names["global"], leaves[0], leaves[1],
                            differ.nonzero().flatten()[:8].tolist(), gate_rows + up_rows, gate_zeroed + up_zeroed)
-        out = dict(zip(CANONICAL_BUFFERS, (w13, s13, g13, w2, s2, g2)))
+        out = dict(zip(CANONICAL_BUFFERS,
+                       (gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale)))
         if plan.input_scales:
-            out[INPUT_SCALE_BUFFERS[0]] = torch.maximum(fc1_gate, fc1_up)
-            out[INPUT_SCALE_BUFFERS[1]] = fc2_in
+            out[INPUT_SCALE_BUFFERS[0]] = torch.maximum(gate_in, up_in)
+            out[INPUT_SCALE_BUFFERS[1]] = down_in
         return out
 
     def _check(self, check, plan: ExpertsPlan, leaf: str, tensor: str) -> None:
@@ -210,19 +217,19 @@ class UnfuseNVFP4Experts(StackNVFP4Experts):
                 self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
         weights = canonical_from_fused(got, plan.ids)
         if len(self.hf_quantizer.load_errors) == errors_before:  # valid values: do they decode in range?
-            for leaf, w in zip(FUSED_LEAVES, ("w13", "w2")):
+            for leaf, proj in zip(FUSED_LEAVES, ("gate_up", "down")):
                 key = fused_key(plan.checkpoint_prefix, leaf, "global")
                 where = f"checkpoint tensor {key!r} in {self.hf_quantizer.plan.files.get(key)}"
                 try:
-                    check_weight_range(getattr(weights, f"{w}_scale"), getattr(weights, f"{w}_global"),
+                    check_weight_range(getattr(weights, f"{proj}_scale"), getattr(weights, f"{proj}_global_scale"),
                                        lambda e, where=where: f"{where} (expert {e})")
                 except ValueError as exc:
                     self.hf_quantizer.load_errors.append(CheckpointError(str(exc)))
         base = target_patterns[0][:-len(CANONICAL_BUFFERS[0])]
         out = {base + name: t for name, t in zip(CANONICAL_BUFFERS, weights.tensors())}
         if plan.input_scales:
-            out[base + INPUT_SCALE_BUFFERS[0]] = weights.fc1_input_scale
-            out[base + INPUT_SCALE_BUFFERS[1]] = weights.fc2_input_scale
+            out[base + INPUT_SCALE_BUFFERS[0]] = weights.gate_up_input_scale
+            out[base + INPUT_SCALE_BUFFERS[1]] = weights.down_input_scale
         return out
 
 
@@ -259,13 +266,13 @@ class StackGptOssExperts(StackNVFP4Experts):
                 out.copy_(t.transpose(1, 2))
             return out
 
-        bias13 = torch.stack(biases[:2], dim=2).flatten(1, 2)  # [E, 2I]: gate 0, up 0, gate 1, ...
+        gate_up_bias = torch.stack(biases[:2], dim=2).flatten(1, 2)  # [E, 2I]: gate 0, up 0, gate 1, ...
         base = target_patterns[0][:-len("gate_up_proj")]
-        w13, s13, g13, w2, s2, g2 = CANONICAL_BUFFERS
-        return {f"{base}gate_up_proj": fused(w13), f"{base}gate_up_proj_weight_scale": fused(s13),
-                f"{base}gate_up_proj_weight_scale_2": canonical[g13], f"{base}gate_up_proj_bias": bias13,
-                f"{base}down_proj": fused(w2, False), f"{base}down_proj_weight_scale": fused(s2, False),
-                f"{base}down_proj_weight_scale_2": canonical[g2], f"{base}down_proj_bias": biases[2]}
+        gate_up_key, gate_up_scale_key, gate_up_global_key, down_key, down_scale_key, down_global_key = CANONICAL_BUFFERS
+        return {f"{base}gate_up_proj": fused(gate_up_key), f"{base}gate_up_proj_weight_scale": fused(gate_up_scale_key),
+                f"{base}gate_up_proj_weight_scale_2": canonical[gate_up_global_key], f"{base}gate_up_proj_bias": gate_up_bias,
+                f"{base}down_proj": fused(down_key, False), f"{base}down_proj_weight_scale": fused(down_scale_key, False),
+                f"{base}down_proj_weight_scale_2": canonical[down_global_key], f"{base}down_proj_bias": biases[2]}
 
 
 def converters_for(plan: LoadPlan, quantizer: HfQuantizer) -> list:

@@ -101,8 +101,8 @@ def shard_weights(weights: NVFP4MoEWeights, shard: ExpertShard) -> NVFP4MoEWeigh
     """This rank's experts (copies, so the full stacks can be freed)."""
     sl = slice(shard.offset, shard.offset + shard.count)
     pick = lambda t: None if t is None else t[sl].clone()  # noqa: E731
-    return NVFP4MoEWeights(*(pick(t) for t in weights.tensors()), pick(weights.fc1_input_scale),
-                           pick(weights.fc2_input_scale))
+    return NVFP4MoEWeights(*(pick(t) for t in weights.tensors()), pick(weights.gate_up_input_scale),
+                           pick(weights.down_input_scale))
 
 
 def shard_experts(model: nn.Module, group=None) -> nn.Module:

@@ -80,8 +80,9 @@ class NVFP4Experts(PreparedExperts):
                                       "model")
         w = self.canonical()
         e = w.num_experts if num_experts is None else num_experts
-        return {"gate_up_proj": nvfp4.dequantize_nvfp4(w.w13[:e], w.w13_scale[:e], w.w13_global[:e], dtype),
-                "down_proj": nvfp4.dequantize_nvfp4(w.w2[:e], w.w2_scale[:e], w.w2_global[:e], dtype)}
+        return {"gate_up_proj": nvfp4.dequantize_nvfp4(w.gate_up[:e], w.gate_up_scale[:e], w.gate_up_global_scale[:e],
+                                                       dtype),
+                "down_proj": nvfp4.dequantize_nvfp4(w.down[:e], w.down_scale[:e], w.down_global_scale[:e], dtype)}
 
     def save_refusal(self) -> str | None:
         if self.sharded:
@@ -152,11 +153,12 @@ class NVFP4Linear(QuantizedBuffers):
         if global_scale is None:
             global_scale = nvfp4.global_scale_from_amax(weight_amax(w))
         q = cls(linear, MODELOPT, input_scale=False, device=w.device)
+        held = q._buffers  # under the scheme's (ModelOpt's) names
         with torch.no_grad():
             for r0, r1 in expert_chunks(w):
                 part = nvfp4.quantize_nvfp4(w[r0:r1], global_scale)
-                q.weight[r0:r1], q.weight_scale[r0:r1] = part.packed, part.block_scale
-            q.weight_scale_2.copy_(global_scale.reshape(()))
+                held[MODELOPT.packed][r0:r1], held[MODELOPT.block_scale][r0:r1] = part.packed, part.block_scale
+            held[MODELOPT.global_scale].copy_(global_scale.reshape(()))
         q.set_layout(q.kernel_layout())
         return q
 

@@ -93,7 +93,7 @@ class _GptOssExperts(QuantizedBuffers):
         self.num_experts = config.num_local_experts
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
-        self.alpha = float(config.swiglu_alpha)
+        self.swiglu_alpha = float(config.swiglu_alpha)
         self.limit = float(config.swiglu_limit)
         self.backend = "reference"
 
@@ -136,8 +136,8 @@ class _GptOssExperts(QuantizedBuffers):
 
         tensors = gpt_oss_checkpoint_tensors(self.expert_tensors(), self.hidden_size, self.intermediate_size,
                                              self.gate_up_proj_bias.dtype)
-        b1, b2 = self.BIASES
-        tensors[b1], tensors[b2] = self.gate_up_proj_bias, self.down_proj_bias  # (the held ones, exactly)
+        gate_up_bias, down_bias = self.BIASES
+        tensors[gate_up_bias], tensors[down_bias] = self.gate_up_proj_bias, self.down_proj_bias  # (the held ones, exactly)
         return tensors
 
     def expert_tensors(self) -> list[torch.Tensor]:
@@ -191,17 +191,17 @@ class _GptOssExperts(QuantizedBuffers):
         if self.kernel_layout:
             from fp4moe_ops.backends.triton_moe.layout import gpt_oss_kernel_biases
 
-            s13, s2 = self._buffers["kernel_s13"], self._buffers["kernel_s2"]
+            gate_up_scale, down_scale = self._buffers["kernel_gate_up_scale"], self._buffers["kernel_down_scale"]
             with torch.no_grad():
-                self.kernel_b1, self.kernel_b2 = gpt_oss_kernel_biases(
-                    self.gate_up_proj_bias.to(s13.device), self.down_proj_bias.to(s2.device), s13.shape[1] // 2,
-                    s2.shape[1])
+                self.kernel_gate_up_bias, self.kernel_down_bias = gpt_oss_kernel_biases(
+                    self.gate_up_proj_bias.to(gate_up_scale.device), self.down_proj_bias.to(down_scale.device),
+                    gate_up_scale.shape[1] // 2, down_scale.shape[1])
         return self
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
         return torch.ops.fp4moe.gpt_oss_moe(hidden_states, router_indices, routing_weights.float(),
-                                            self.expert_tensors(), self.alpha, self.limit, self.backend)
+                                            self.expert_tensors(), self.swiglu_alpha, self.limit, self.backend)
 
     def _decoded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``gate_up [E, 2I, H]`` and ``down [E, H, I]`` decoded to ``dtype`` (rows: output features)."""
@@ -237,7 +237,8 @@ class MXFP4GptOssExperts(_GptOssExperts):
 
     FORMAT = "MXFP4"
     QUANTIZED = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
-    KERNEL_BUFFERS = ("kernel_w13", "kernel_s13", "kernel_b1", "kernel_w2", "kernel_s2", "kernel_b2")
+    KERNEL_BUFFERS = ("kernel_gate_up", "kernel_gate_up_scale", "kernel_gate_up_bias",
+                      "kernel_down", "kernel_down_scale", "kernel_down_bias")
     BIASES = (2, 5)
 
     def __init__(self, config, dtype: torch.dtype = torch.bfloat16):
@@ -291,8 +292,8 @@ class NVFP4GptOssExperts(_GptOssExperts):
 
     FORMAT = "NVFP4"
     QUANTIZED = ("gate_up_proj", "gate_up_proj_weight_scale", "down_proj", "down_proj_weight_scale")
-    KERNEL_BUFFERS = ("kernel_w13", "kernel_s13", "kernel_g13", "kernel_b1", "kernel_w2", "kernel_s2", "kernel_g2",
-                      "kernel_b2")
+    KERNEL_BUFFERS = ("kernel_gate_up", "kernel_gate_up_scale", "kernel_gate_up_global_scale", "kernel_gate_up_bias",
+                      "kernel_down", "kernel_down_scale", "kernel_down_global_scale", "kernel_down_bias")
     BIASES = (3, 7)
 
     def __init__(self, config, dtype: torch.dtype = torch.bfloat16, input_scales: bool = False,
@@ -347,16 +348,17 @@ class NVFP4GptOssExperts(_GptOssExperts):
         return tensors
 
     def _checkpoint_form(self, op_tensors):
-        w13, s13, _, _, w2, s2, _, _ = op_tensors
+        gate_up, gate_up_scale, _, _, down, down_scale, _, _ = op_tensors
         held = {}
-        for proj, w, s in (("gate_up_proj", w13, s13), ("down_proj", w2, s2)):
+        for proj, w, s in (("gate_up_proj", gate_up, gate_up_scale), ("down_proj", down, down_scale)):
             held[proj] = w.transpose(1, 2).contiguous()
             held[f"{proj}_weight_scale"] = s.transpose(1, 2).contiguous().view(torch.float8_e4m3fn)
         return held
 
     def _decoded(self, dtype):
-        w13, s13, g13, _, w2, s2, g2, _ = self.op_tensors()
-        return [dequantize_nvfp4(w, s.view(torch.float8_e4m3fn), g, dtype) for w, s, g in ((w13, s13, g13), (w2, s2, g2))]
+        gate_up, gate_up_scale, gate_up_global_scale, _, down, down_scale, down_global_scale, _ = self.op_tensors()
+        return [dequantize_nvfp4(w, s.view(torch.float8_e4m3fn), g, dtype)
+                for w, s, g in ((gate_up, gate_up_scale, gate_up_global_scale), (down, down_scale, down_global_scale))]
 
 
 def _checkpoint_state_dict(module: _GptOssExperts, state_dict, prefix, local_metadata):

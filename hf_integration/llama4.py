@@ -88,8 +88,9 @@ def fused_from_canonical(prefix: str, weights: NVFP4MoEWeights) -> dict[str, tor
     scales (per-expert calibration) are written as their max, ModelOpt's own amax over all experts."""
     out = {}
     for leaf, packed, block, global_, input_ in (
-            ("gate_up_proj", weights.w13, weights.w13_scale, weights.w13_global, weights.fc1_input_scale),
-            ("down_proj", weights.w2, weights.w2_scale, weights.w2_global, weights.fc2_input_scale)):
+            ("gate_up_proj", weights.gate_up, weights.gate_up_scale, weights.gate_up_global_scale,
+             weights.gate_up_input_scale),
+            ("down_proj", weights.down, weights.down_scale, weights.down_global_scale, weights.down_input_scale)):
         if not bool((global_ == global_[0]).all()):
             raise ValueError(f"{prefix}.{leaf}: the experts have different global scales, but Llama-4's fused "
                              "checkpoint layout stores one per layer; cannot save without re-quantizing")

@@ -118,18 +118,18 @@ def _quantize_experts(m: nn.Module, stage: _HostStage | None) -> NVFP4MoEWeights
     ``down_proj`` (not plus the whole layer's NVFP4 bytes). If this fails, ``down_proj`` comes
     back as it was; after it returns, the caller restores it (``stage.restore()``) if what follows
     fails, and releases it once the layer is replaced."""
-    w2 = quantize_expert_stack(m.down_proj.data)
+    down = quantize_expert_stack(m.down_proj.data)
     if stage is None:
-        return NVFP4MoEWeights(*quantize_expert_stack(m.gate_up_proj.data), *w2)
+        return NVFP4MoEWeights(*quantize_expert_stack(m.gate_up_proj.data), *down)
     stage.hold(m.down_proj)
     try:
-        w13 = quantize_expert_stack(m.gate_up_proj.data)
+        gate_up = quantize_expert_stack(m.gate_up_proj.data)
     except BaseException as e:  # out of memory, most likely: free what this layer made before restoring
         traceback.clear_frames(e.__traceback__)
-        del w2
+        del down
         stage.restore()
         raise
-    return NVFP4MoEWeights(*w13, *w2)
+    return NVFP4MoEWeights(*gate_up, *down)
 
 
 def is_attention(m: nn.Module) -> bool:

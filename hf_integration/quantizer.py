@@ -32,6 +32,7 @@ import os
 import re
 import sys
 import types
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -39,7 +40,7 @@ from transformers.quantizers import HfQuantizer
 from transformers.utils import logging
 
 from fp4moe_ops.moe_weights import check_scale_values, check_weight_range
-from fp4moe_ops.prepared import check_incoming_tensors
+from fp4moe_ops.prepared import check_incoming_tensors, rename_old_input_scales
 
 from .experts import FP8Linear, NVFP4Experts, NVFP4Linear
 from .checkpoint_format import (
@@ -438,6 +439,7 @@ def _check_model_scales(model, state_dict, prefix, *args):
     """The model's own pre-hook runs before any module loads: a bad tensor of a quantized module
     anywhere is refused with the model untouched (the modules' hooks alone would leave the earlier
     modules loaded)."""
+    rename_old_input_scales(model, state_dict, prefix)  # (torch's copy of the caller's state dict)
     check_incoming_tensors(model, state_dict, prefix)
 
 
@@ -446,6 +448,11 @@ def _guarded_load_state_dict(model, state_dict, strict: bool = True, assign: boo
     missing is refused before anything changes (torch loads the others first and reports it at the
     end; its hooks are told strict=True whatever the call says, so the check is made here)."""
     if strict:
+        metadata = getattr(state_dict, "_metadata", None)
+        state_dict = OrderedDict(state_dict)  # (a copy, as torch's load makes: the caller's keeps its keys)
+        if metadata is not None:
+            state_dict._metadata = metadata
+        rename_old_input_scales(model, state_dict)
         check_incoming_tensors(model, state_dict, "", strict=True)
     return type(model).load_state_dict(model, state_dict, strict=strict, assign=assign)
 

@@ -162,10 +162,10 @@ class SharedExpertMoE(QuantizedBuffers):
         state |= {f"experts.{k}": v for k, v in self.experts.dequantized_state(dtype, num_experts=self.num_routed).items()}
         shared = self.split()[1]
         inter = shared.intermediate_size
-        w13 = dequantize_nvfp4(shared.w13[0], shared.w13_scale[0], shared.w13_global[0], dtype)
-        state |= {"shared_experts.gate_proj.weight": w13[:inter], "shared_experts.up_proj.weight": w13[inter:],
-                  "shared_experts.down_proj.weight": dequantize_nvfp4(shared.w2[0], shared.w2_scale[0],
-                                                                      shared.w2_global[0], dtype)}
+        gate_up = dequantize_nvfp4(shared.gate_up[0], shared.gate_up_scale[0], shared.gate_up_global_scale[0], dtype)
+        state |= {"shared_experts.gate_proj.weight": gate_up[:inter], "shared_experts.up_proj.weight": gate_up[inter:],
+                  "shared_experts.down_proj.weight": dequantize_nvfp4(shared.down[0], shared.down_scale[0],
+                                                                      shared.down_global_scale[0], dtype)}
         return state
 
     def save_refusal(self) -> str | None:
@@ -193,7 +193,8 @@ def _scalar_buffer(key: str) -> str:
 
 
 def _split_weights(w: NVFP4MoEWeights, e: int) -> tuple[NVFP4MoEWeights, NVFP4MoEWeights]:
-    parts = [t if t is None else (t[:e], t[e:]) for t in (*w.tensors(), w.fc1_input_scale, w.fc2_input_scale)]
+    parts = [t if t is None else (t[:e], t[e:])
+             for t in (*w.tensors(), w.gate_up_input_scale, w.down_input_scale)]
     return tuple(NVFP4MoEWeights(*(None if p is None else p[i] for p in parts)) for i in (0, 1))
 
 
@@ -203,9 +204,9 @@ def _linear_state(module: SharedExpertMoE, one: NVFP4MoEWeights) -> dict[str, to
     after loading or patching (no file scalar, or one it made stale) come from ``one``, in the
     scheme's units."""
     s, i = module.shared_scheme, one.intermediate_size
-    rows = {"gate_proj": (one.w13[0, :i], one.w13_scale[0, :i], one.fc1_input_scale),
-            "up_proj": (one.w13[0, i:], one.w13_scale[0, i:], one.fc1_input_scale),
-            "down_proj": (one.w2[0], one.w2_scale[0], one.fc2_input_scale)}
+    rows = {"gate_proj": (one.gate_up[0, :i], one.gate_up_scale[0, :i], one.gate_up_input_scale),
+            "up_proj": (one.gate_up[0, i:], one.gate_up_scale[0, i:], one.gate_up_input_scale),
+            "down_proj": (one.down[0], one.down_scale[0], one.down_input_scale)}
     out = {}
     for leaf, (packed, block, calibrated) in rows.items():
         out[f"{leaf}.{s.packed}"], out[f"{leaf}.{s.block_scale}"] = packed, block
@@ -256,8 +257,8 @@ def _join_state_dict(module: SharedExpertMoE, state_dict, prefix, *args):
             "down_proj_global_scale": mult(get[f"down_proj.{s.global_scale}"]).reshape(1),
         }
         if f"gate_proj.{s.input_scale}" in get:
-            parts["fc1_input_scale"] = mult(get[f"gate_proj.{s.input_scale}"]).reshape(1)
-            parts["fc2_input_scale"] = mult(get[f"down_proj.{s.input_scale}"]).reshape(1)
+            parts[INPUT_SCALE_BUFFERS[0]] = mult(get[f"gate_proj.{s.input_scale}"]).reshape(1)
+            parts[INPUT_SCALE_BUFFERS[1]] = mult(get[f"down_proj.{s.input_scale}"]).reshape(1)
     for name, key in routed.items():
         if key not in state_dict and name not in parts:
             continue
@@ -273,7 +274,8 @@ def _join_state_dict(module: SharedExpertMoE, state_dict, prefix, *args):
 
 def _canonical_tensors(experts: ExpertsWithShared) -> dict[str, torch.Tensor]:
     w = experts.canonical()
-    return dict(zip(CANONICAL_BUFFERS + INPUT_SCALE_BUFFERS, (*w.tensors(), w.fc1_input_scale, w.fc2_input_scale)))
+    return dict(zip(CANONICAL_BUFFERS + INPUT_SCALE_BUFFERS,
+                    (*w.tensors(), w.gate_up_input_scale, w.down_input_scale)))
 
 
 def shared_expert_weights(shared: nn.Module):
@@ -316,7 +318,7 @@ def _fusable(block: nn.Module):
         return None
     if (shared.hidden_size, shared.intermediate_size) != (experts.hidden_size, experts.intermediate_size):
         return None
-    if (shared.fc1_input_scale is None) != (INPUT_SCALE_BUFFERS[0] not in experts._buffers):
+    if (shared.gate_up_input_scale is None) != (INPUT_SCALE_BUFFERS[0] not in experts._buffers):
         return None
     return found
 
@@ -350,8 +352,8 @@ def fuse_shared_experts(model: nn.Module) -> int:
         with routed.canonical_layout():  # views of the routed bytes: the concatenation is the one copy
             w = routed.canonical()
             joined = [None if a is None else torch.cat([a, b.to(a.device)])
-                      for a, b in zip((*w.tensors(), w.fc1_input_scale, w.fc2_input_scale),
-                                      (*shared.tensors(), shared.fc1_input_scale, shared.fc2_input_scale))]
+                      for a, b in zip((*w.tensors(), w.gate_up_input_scale, w.down_input_scale),
+                                      (*shared.tensors(), shared.gate_up_input_scale, shared.down_input_scale))]
         fused = ExpertsWithShared(NVFP4MoEWeights(*joined), routed.backend, owns_weights=True)
         if hasattr(routed, "_hf_hook"):  # a device_map hook placed on the experts themselves
             from accelerate.hooks import add_hook_to_module

@@ -11,7 +11,7 @@ E3 = "model.layers.1.mlp.experts.3"
 def layer(e=4, h=64, i=32, scales=False):
     w = fp4moe_ops.quantize_moe_weights(torch.randn(e, 2 * i, h) / h**0.5, torch.randn(e, h, i) / i**0.5)
     if scales:
-        w.fc1_input_scale, w.fc2_input_scale = torch.rand(e) * 1e-3 + 1e-4, torch.rand(e) * 1e-3 + 1e-4
+        w.gate_up_input_scale, w.down_input_scale = torch.rand(e) * 1e-3 + 1e-4, torch.rand(e) * 1e-3 + 1e-4
     return w
 
 

@@ -28,13 +28,13 @@ def layer(seed=0, h=H, i=I):
 def moe64_autograd(w, x, ids, rw):
     """The layer in float64 torch ops on dequant64 weights, for torch's own autograd."""
     out = torch.zeros(x.shape, dtype=torch.float64)
-    i = w.w2.shape[2] * 2
+    i = w.down.shape[2] * 2
     for e in range(E):
         rows, slots = (ids == e).nonzero(as_tuple=True)
         if rows.numel():
-            h = x[rows] @ dequant64(w.w13[e], w.w13_scale[e], w.w13_global[e]).T
+            h = x[rows] @ dequant64(w.gate_up[e], w.gate_up_scale[e], w.gate_up_global_scale[e]).T
             act = F.silu(h[:, :i]) * h[:, i:]
-            y = act @ dequant64(w.w2[e], w.w2_scale[e], w.w2_global[e]).T
+            y = act @ dequant64(w.down[e], w.down_scale[e], w.down_global_scale[e]).T
             out = out.index_add(0, rows, rw[rows, slots, None] * y)
     return out
 
@@ -79,7 +79,7 @@ def test_fused_moe_backward_through_autograd_and_nan_isolation():
     # a NaN global scale in expert 4 (value checks skipped to build it): the gradients of tokens not
     # routed there stay finite, as their outputs do
     w = layer(2)
-    w.w2_global[4] = float("nan")
+    w.down_global_scale[4] = float("nan")
     experts = fp4moe_ops.PreparedExperts(w, "reference", check_values=False)
     torch.manual_seed(3)
     x = torch.randn(T, H).bfloat16().requires_grad_()
@@ -146,8 +146,8 @@ def reference_model(bf16_model, patched):
             target = ref.get_submodule(name)
             with torch.no_grad():
                 for e in range(c.num_experts):
-                    target.gate_up_proj[e] = dequant64(c.w13[e], c.w13_scale[e], c.w13_global[e])
-                    target.down_proj[e] = dequant64(c.w2[e], c.w2_scale[e], c.w2_global[e])
+                    target.gate_up_proj[e] = dequant64(c.gate_up[e], c.gate_up_scale[e], c.gate_up_global_scale[e])
+                    target.down_proj[e] = dequant64(c.down[e], c.down_scale[e], c.down_global_scale[e])
         elif isinstance(m, NVFP4Linear):
             packed, block, scale, _ = m.linear_tensors()
             with torch.no_grad():

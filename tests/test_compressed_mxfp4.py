@@ -260,16 +260,16 @@ def mxfp4_layer(e, h, i, gen):
     return tensors, [decode64(p, s) for p, s in zip(packed, scales)]
 
 
-def moe64(x, ids, weights, w13, w2):
+def moe64(x, ids, weights, gate_up, down):
     """SiLU-gated experts in float64 on float64 matrices, the intermediate rounded to x's dtype."""
     out = torch.zeros(x.shape, dtype=torch.float64)
-    inter = w13.shape[1] // 2
+    inter = gate_up.shape[1] // 2
     for t, j in ((t, j) for t in range(ids.shape[0]) for j in range(ids.shape[1])):
         e = int(ids[t, j])
-        if 0 <= e < w13.shape[0]:
-            h = x[t].double() @ w13[e].T
+        if 0 <= e < gate_up.shape[0]:
+            h = x[t].double() @ gate_up[e].T
             act = (torch.nn.functional.silu(h[:inter]) * h[inter:]).to(x.dtype).double()
-            out[t] += float(weights[t, j]) * (act @ w2[e].T)
+            out[t] += float(weights[t, j]) * (act @ down[e].T)
     return out
 
 
@@ -296,7 +296,7 @@ def test_the_op_runs_e8m0_block_scales_as_the_float64_decode(backend, h, i):
         pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(5)
     e, t, k = 4, 6, 2
-    tensors, (w13, w2) = mxfp4_layer(e, h, i, gen)
+    tensors, (gate_up, down) = mxfp4_layer(e, h, i, gen)
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
     ids[-1, -1] = -1
@@ -305,7 +305,7 @@ def test_the_op_runs_e8m0_block_scales_as_the_float64_decode(backend, h, i):
         out = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, backend, 0)
     else:
         out = run_triton(x, ids, rw, tensors, h, i)
-    ref = moe64(x, ids, rw, w13, w2)
+    ref = moe64(x, ids, rw, gate_up, down)
     # the output rounded to bf16, float32 sums in another order: a few bf16 ulps (2^-8) of the row
     # scale (Triton's interpreter truncates float32 -> bf16), as the NVFP4 layer tests allow
     torch.testing.assert_close(out.double(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
@@ -329,7 +329,7 @@ def test_the_op_refuses_mixed_scale_formats_and_a_backward_through_e8m0_scales()
     x, ids, rw = torch.randn(3, 64, dtype=torch.bfloat16), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
     mixed = list(tensors)
     mixed[4] = mixed[4].view(torch.uint8)
-    with pytest.raises(ValueError, match=r"w2_scale: expected torch.int8"):
+    with pytest.raises(ValueError, match=r"down_scale: expected torch.int8"):
         torch.ops.fp4moe.fused_moe(x, ids, rw, mixed, None, None, "reference", 0)
     # a backend on the canonical tensors whose kernels read only E4M3 scales refuses E8M0 ones
     from fp4moe_ops.backends.reference import ReferenceBackend

@@ -141,7 +141,7 @@ def calibrating_worker(rank, world, port, ids, out_dir):
         model = shard_experts(patch_deepseek(tiny_deepseek_v3(seed=0, num_hidden_layers=2), verbose=False))
         calibrate_activation_scales(model, [ids])
         experts = model.model.layers[-1].mlp.experts
-        torch.save({"fc1": experts.fc1_input_scale, "fc2": experts.fc2_input_scale,
+        torch.save({"gate_up": experts.gate_up_proj_input_scale, "down": experts.down_proj_input_scale,
                     "offset": experts.dispatch.offset}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.barrier()
@@ -159,8 +159,8 @@ def test_a_rank_whose_experts_see_no_token_calibrates_to_the_layers_largest_scal
     single = calibrate_activation_scales(patch_deepseek(tiny_deepseek_v3(seed=0, num_hidden_layers=2), verbose=False),
                                          [ids])
     experts = single.model.layers[-1].mlp.experts
-    for name in ("fc1", "fc2"):
-        want = getattr(experts, f"{name}_input_scale")
+    for name in ("gate_up", "down"):
+        want = getattr(experts, f"{name}_proj_input_scale")
         # the case this test is about: one rank's shard saw nothing (all four at the layer's largest)
         assert any(bool((want[o:o + 4] == want.max()).all()) for o in (0, 4))
         for r in results:  # the same inputs through the same reference math: exactly the one-process scales

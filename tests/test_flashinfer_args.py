@@ -13,16 +13,16 @@ from fp4moe_ops.oracle64 import dequant64
 
 
 def calibrated_layer(e=8, h=128, i=128, x=None):
-    """Experts whose GEMM2-input ranges differ ~100x, with input scales calibrated on ``x``
+    """Experts whose down GEMM input ranges differ ~100x, with input scales calibrated on ``x``
     (as ModelOpt does: amax / (6*448) of what each expert sees)."""
     gate_up = torch.randn(e, 2 * i, h) / h**0.5 * torch.logspace(-0.5, 0.5, e)[:, None, None]
     w = fp4moe_ops.quantize_moe_weights(gate_up, torch.randn(e, h, i) / i**0.5)
     x = torch.randn(64, h).bfloat16() if x is None else x
-    w13, _ = w.dequantize()
-    hgu = x.float() @ w13.transpose(1, 2)  # [E, T, 2I]
+    decoded_gate_up, _ = w.dequantize()
+    hgu = x.float() @ decoded_gate_up.transpose(1, 2)  # [E, T, 2I]
     act = (torch.nn.functional.silu(hgu[..., :i]) * hgu[..., i:]).bfloat16().float()
-    w.fc1_input_scale = torch.full((e,), x.float().abs().max().item() / (6 * 448))
-    w.fc2_input_scale = act.abs().amax(dim=(1, 2)) / (6 * 448)
+    w.gate_up_input_scale = torch.full((e,), x.float().abs().max().item() / (6 * 448))
+    w.down_input_scale = act.abs().amax(dim=(1, 2)) / (6 * 448)
     return w
 
 
@@ -41,10 +41,10 @@ def test_prepared_weights_deswizzle_to_reference():
             for c in range(cols):
                 sf[r, c] = flat[((r // 128) * 2 + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4]
         got = dequant64(fc1[e].view(torch.uint8), sf.view(torch.float8_e4m3fn), fc1_g[e])
-        ref = dequant64(w.w13[e], w.w13_scale[e], w.w13_global[e])
+        ref = dequant64(w.gate_up[e], w.gate_up_scale[e], w.gate_up_global_scale[e])
         gate, up = ref.chunk(2)
         assert torch.equal(got, torch.cat([up, gate]))  # FlashInfer order [up; gate]
-        assert torch.equal(up_gate_order(up_gate_order(w.w13))[e], w.w13[e])
+        assert torch.equal(up_gate_order(up_gate_order(w.gate_up))[e], w.gate_up[e])
 
 
 @pytest.mark.parametrize("mode", ["per_expert", "global_max"])
@@ -54,18 +54,18 @@ def test_simulation_of_prepared_args_matches_reference_backend(mode):
     w = calibrated_layer(x=x)
     ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)])
     rw = torch.rand(t, k)
-    fc1_s, fc2_s = fp4moe_ops.activation_scales(w.fc1_input_scale, w.fc2_input_scale, mode)
-    assert fc1_s.numel() == (8 if mode == "per_expert" else 1)
+    gate_up_in, down_in = fp4moe_ops.activation_scales(w.gate_up_input_scale, w.down_input_scale, mode)
+    assert gate_up_in.numel() == (8 if mode == "per_expert" else 1)
     args = nvfp4_weight_arguments(w)
-    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s)
+    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], gate_up_in, down_in)
     sim = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs)
     tensors = fp4moe_ops.prepare_experts(w, "reference").op_tensors()
     # the kernel-faithful reference: GEMM outputs rounded to bf16 where the CUTLASS kernel stores them
-    ref = reference_moe(x, ids, rw, tensors, fc1_s, fc2_s, cutlass_rounding=True).float()
+    ref = reference_moe(x, ids, rw, tensors, gate_up_in, down_in, cutlass_rounding=True).float()
     w4a16 = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, None, None, "reference").float()
     # FP4 rounding is discontinuous: FlashInfer's formulation (x * g / sf) and ours
     # (x / (sf * s)) differ in the last fp32 bit, which now and then flips an E4M3 block scale
-    # or an E2M1 code of some token (the bf16 intermediate feeds the GEMM2 quantizer too).
+    # or an E2M1 code of some token (the bf16 intermediate feeds the down GEMM quantizer too).
     # So: most tokens must agree to bf16 output rounding, a few may differ by a flip, and a
     # wrong argument (gate/up order, alpha, swizzle) would make every token wrong.
     per_token = ((sim - ref).norm(dim=1) / ref.norm(dim=1))
@@ -76,21 +76,22 @@ def test_simulation_of_prepared_args_matches_reference_backend(mode):
 
 
 def test_preseed_bug_shrinks_each_expert_by_its_scale_ratio():
-    """Pre-seed FlashInfer quantized GEMM2 inputs with 1/max(s2) but dequantized with per-expert
-    alphas. Against a consistent GEMM2 at that same scale (identical quantization grid), expert
-    e's output is exactly s2[e] / max(s2) times too small."""
+    """Pre-seed FlashInfer quantized the down GEMM's inputs with 1/max(down_input_scale) but
+    dequantized with per-expert alphas. Against a consistent down GEMM at that same scale (identical
+    quantization grid), expert e's output is exactly down_input_scale[e] / max(down_input_scale) times
+    too small."""
     x = torch.randn(16, 128).bfloat16()
     w = calibrated_layer(x=x)
     args = nvfp4_weight_arguments(w)
-    fc1_s, fc2_s = w.fc1_input_scale, w.fc2_input_scale
-    consistent = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s.max())
-    buggy = nvfp4_quant_scales(args[2], args[1], args[5], args[4], fc1_s, fc2_s, preseed_fc2_bug=True)
+    gate_up_in, down_in = w.gate_up_input_scale, w.down_input_scale
+    consistent = nvfp4_quant_scales(args[2], args[1], args[5], args[4], gate_up_in, down_in.max())
+    buggy = nvfp4_quant_scales(args[2], args[1], args[5], args[4], gate_up_in, down_in, preseed_fc2_bug=True)
     for e in (0, 3, 7):
         ids, rw = torch.full((16, 1), e), torch.ones(16, 1)
         good = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], consistent)
         bad = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], buggy)
-        expected = (fc2_s[e] / fc2_s.max()).item()
-        # exact up to the kernel's bf16 store of each GEMM2 output: each side is rounded once, by up to
+        expected = (down_in[e] / down_in.max()).item()
+        # exact up to the kernel's bf16 store of each down GEMM output: each side is rounded once, by up to
         # half a bf16 ulp (2^-8 relative), in either direction
         torch.testing.assert_close(bad, good * expected, rtol=2**-7, atol=1e-6 * good.abs().max().item())
         if e < 7:
@@ -112,9 +113,9 @@ def test_intermediate_size_not_a_multiple_of_128_is_padded(inter):
     assert args[0].shape == (4, 2 * padded, h // 16) and args[3].shape == (4, h, padded // 16)
     ids = torch.stack([torch.randperm(4)[:k] for _ in range(t)])
     rw = torch.rand(t, k)
-    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], w.fc1_input_scale, w.fc2_input_scale)
+    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], w.gate_up_input_scale, w.down_input_scale)
     sim = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs)
-    ref = reference_moe(x, ids, rw, w.tensors(), w.fc1_input_scale, w.fc2_input_scale, cutlass_rounding=True).float()
+    ref = reference_moe(x, ids, rw, w.tensors(), w.gate_up_input_scale, w.down_input_scale, cutlass_rounding=True).float()
     per_token = (sim - ref).norm(dim=1) / ref.norm(dim=1)
     # the same tolerance as the unpadded comparison above (FP4 rounding flips of single tokens)
     assert per_token.median() < 5e-3 and (per_token > 2e-2).float().mean() < 0.25, per_token
@@ -133,10 +134,10 @@ def test_flashinfer_bad_input_errors_on_cpu():
     args = nvfp4_weight_arguments(w)
     x = torch.randn(4, 128).bfloat16()
     ids, rw = torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)
-    with pytest.raises(ValueError, match="needs both fc1_act_scale and fc2_act_scale"):
-        torch.ops.fp4moe.fused_moe(x, ids, rw, args, w.fc1_input_scale, None, "flashinfer_nvfp4")
+    with pytest.raises(ValueError, match="needs both gate_up_input_scale and down_input_scale"):
+        torch.ops.fp4moe.fused_moe(x, ids, rw, args, w.gate_up_input_scale, None, "flashinfer_nvfp4")
     with pytest.raises(ValueError, match="int64"):
-        torch.ops.fp4moe.fused_moe(x, ids, rw, w.tensors(), w.fc1_input_scale, w.fc2_input_scale, "flashinfer_nvfp4")
+        torch.ops.fp4moe.fused_moe(x, ids, rw, w.tensors(), w.gate_up_input_scale, w.down_input_scale, "flashinfer_nvfp4")
 
 
 def test_flashinfer_import_errors_are_clear(monkeypatch):
@@ -184,7 +185,7 @@ def test_nvfp4_call_contract_with_a_recording_flashinfer(monkeypatch):
     rw = torch.rand(3, 2)
     fc.set_deterministic(True)
     try:
-        backend.run(x, ids, rw, args, w.fc1_input_scale, w.fc2_input_scale)
+        backend.run(x, ids, rw, args, w.gate_up_input_scale, w.down_input_scale)
     finally:
         fc.set_deterministic(None)
     (pos, kw), = calls
@@ -196,16 +197,16 @@ def test_nvfp4_call_contract_with_a_recording_flashinfer(monkeypatch):
     assert pos[3] is args[0] and pos[4] is args[3] and pos[3].dtype == torch.int64
     qs = kw["quant_scales"]
     assert qs[1] is args[1] and qs[4] is args[4]  # swizzled block scales, int32
-    torch.testing.assert_close(qs[0], 1 / w.fc1_input_scale)
-    torch.testing.assert_close(qs[2], w.w13_global * w.fc1_input_scale)
-    torch.testing.assert_close(qs[5], w.w2_global * w.fc2_input_scale)
+    torch.testing.assert_close(qs[0], 1 / w.gate_up_input_scale)
+    torch.testing.assert_close(qs[2], w.gate_up_global_scale * w.gate_up_input_scale)
+    torch.testing.assert_close(qs[5], w.down_global_scale * w.down_input_scale)
     assert kw["use_fused_finalize"] is False and kw["workspace_buffer"].numel() == 1024
     # the activation recipe is ours, not FLASHINFER_NVFP4_4OVER6* from the environment
     assert "nvfp4_4over6" in kw and kw["nvfp4_4over6"] is None
 
 
 def test_kernel_faithful_reference_is_what_the_cutlass_kernel_computes():
-    """The CUTLASS kernel stores GEMM1's and GEMM2's outputs in BF16; the reference in its
+    """The CUTLASS kernel stores the gate_up and the down GEMM's outputs in BF16; the reference in its
     kernel-faithful mode does the same, and is then measurably closer to the simulated kernel than
     the float32 reference (which a tight hardware comparison would wrongly fail).
 
@@ -217,10 +218,10 @@ def test_kernel_faithful_reference_is_what_the_cutlass_kernel_computes():
     ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)])
     rw = torch.rand(t, k)
     args = nvfp4_weight_arguments(w)
-    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], w.fc1_input_scale, w.fc2_input_scale)
+    qs = nvfp4_quant_scales(args[2], args[1], args[5], args[4], w.gate_up_input_scale, w.down_input_scale)
     sim = simulate_cutlass_nvfp4_moe(x, ids, rw, args[0], args[3], qs)
     tensors = fp4moe_ops.prepare_experts(w, "reference").op_tensors()
-    faithful = reference_moe(x, ids, rw, tensors, w.fc1_input_scale, w.fc2_input_scale, cutlass_rounding=True).float()
-    fp32 = reference_moe(x, ids, rw, tensors, w.fc1_input_scale, w.fc2_input_scale).float()
+    faithful = reference_moe(x, ids, rw, tensors, w.gate_up_input_scale, w.down_input_scale, cutlass_rounding=True).float()
+    fp32 = reference_moe(x, ids, rw, tensors, w.gate_up_input_scale, w.down_input_scale).float()
     err = lambda ref: ((sim - ref).norm(dim=1) / ref.norm(dim=1)).median().item()  # noqa: E731
     assert err(faithful) < 0.6 * err(fp32), (err(faithful), err(fp32))

@@ -10,23 +10,25 @@ import torch
 from fp4moe_ops import nvfp4
 from fp4moe_ops.oracle64 import gpt_oss_moe64
 
-ALPHA = 1.702  # gpt-oss's swiglu_alpha
+SWIGLU_ALPHA = 1.702  # gpt-oss's swiglu_alpha
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def experts(e, h, i, bias_dtype=torch.bfloat16):
-    """Random NVFP4 gpt-oss tensors ``[w13, w13_scale, w13_global, b1, w2, w2_scale, w2_global, b2]``:
-    random bytes (every E2M1 code), E4M3 block scales 0.5 .. 4 times per-expert global scales (GEMM1
-    outputs of a few units, so limit 7 clamps some), random biases; rows interleave gate and up."""
+    """Random NVFP4 gpt-oss tensors ``[gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, down,
+    down_scale, down_global_scale, down_bias]``: random bytes (every E2M1 code), E4M3 block scales 0.5 .. 4
+    times per-expert global scales (gate_up GEMM outputs of a few units, so limit 7 clamps some), random
+    biases; rows interleave gate and up."""
     def matrix(n, k, scale):
         block = (torch.rand(e, n, k // 16) * 3.5 + 0.5).to(torch.float8_e4m3fn)
         return torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8), block.view(torch.uint8), \
             torch.rand(e) * scale + scale / 2
 
     bias = lambda shape: (torch.randn(shape) * 0.5).to(bias_dtype)  # noqa: E731
-    w13, s13, g13 = matrix(2 * i, h, 0.6 / h**0.5)
-    w2, s2, g2 = matrix(h, i, 0.6 / i**0.5)
-    return [w13, s13, g13, bias((e, 2 * i)), w2, s2, g2, bias((e, h))]
+    gate_up, gate_up_scale, gate_up_global_scale = matrix(2 * i, h, 0.6 / h**0.5)
+    down, down_scale, down_global_scale = matrix(h, i, 0.6 / i**0.5)
+    return [gate_up, gate_up_scale, gate_up_global_scale, bias((e, 2 * i)),
+            down, down_scale, down_global_scale, bias((e, h))]
 
 
 def routing(t, e, k):
@@ -50,22 +52,25 @@ def test_reference_backend_matches_float64(limit):
     tensors = experts(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
     ids, rw = routing(t, e, k)
-    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, ALPHA, limit, "reference")
-    check(out, gpt_oss_moe64(x, ids, rw, tensors, ALPHA, limit))
+    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, SWIGLU_ALPHA, limit, "reference")
+    check(out, gpt_oss_moe64(x, ids, rw, tensors, SWIGLU_ALPHA, limit))
 
 
 def test_strided_views_run_as_their_values():
     # the ModelOpt module passes its transposed tensors as views and a shared global scale expanded
     e, h, i = 3, 32, 32
-    w13, s13, g13, b1, w2, s2, g2, b2 = experts(e, h, i)
-    views = [w13.transpose(1, 2).contiguous().transpose(1, 2), s13.transpose(1, 2).contiguous().transpose(1, 2),
-             g13[:1].expand(e), b1, w2.transpose(1, 2).contiguous().transpose(1, 2), s2, g2[:1].expand(e), b2]
+    gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, down, down_scale, down_global_scale, down_bias = \
+        experts(e, h, i)
+    transposed = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
+    views = [transposed(gate_up), transposed(gate_up_scale), gate_up_global_scale[:1].expand(e), gate_up_bias,
+             transposed(down), down_scale, down_global_scale[:1].expand(e), down_bias]
     assert not views[0].is_contiguous()
     x = torch.randn(5, h, dtype=torch.bfloat16)
     ids, rw = routing(5, e, 2)
-    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, views, ALPHA, 7.0, "reference")
-    same = [w13, s13, g13[:1].repeat(e), b1, w2, s2, g2[:1].repeat(e), b2]
-    assert torch.equal(out, torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, same, ALPHA, 7.0, "reference"))
+    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, views, SWIGLU_ALPHA, 7.0, "reference")
+    same = [gate_up, gate_up_scale, gate_up_global_scale[:1].repeat(e), gate_up_bias,
+            down, down_scale, down_global_scale[:1].repeat(e), down_bias]
+    assert torch.equal(out, torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, same, SWIGLU_ALPHA, 7.0, "reference"))
 
 
 def test_op_checks_name_the_tensor():
@@ -74,12 +79,12 @@ def test_op_checks_name_the_tensor():
     ids, rw = routing(3, 2, 2)
     bad = list(tensors)
     bad[3] = bad[3][:, :-2]
-    with pytest.raises(ValueError, match=r"b1: expected .*\[2, 64\]"):
-        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, bad, ALPHA, 7.0, "reference")
+    with pytest.raises(ValueError, match=r"gate_up_bias: expected .*\[2, 64\]"):
+        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, bad, SWIGLU_ALPHA, 7.0, "reference")
     bad = list(tensors)
     bad[2] = bad[2].double()
-    with pytest.raises(ValueError, match=r"w13_global: expected torch.float32"):
-        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, bad, ALPHA, 7.0, "reference")
+    with pytest.raises(ValueError, match=r"gate_up_global_scale: expected torch.float32"):
+        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, bad, SWIGLU_ALPHA, 7.0, "reference")
 
 
 @pytest.mark.parametrize("h,i", [(320, 320), (96, 160)])
@@ -114,8 +119,8 @@ def test_triton_single_role_kernels_match_float64(t, k, limit):
     ids, rw = routing(t, e, k)
     cfg = triton_moe.kernel_config(t * k, e, 512, 512) | {"GLUON_PREFILL": False, "DECODE_V3": False}
     kernel = [a.to(DEVICE) for a in triton_moe.gpt_oss_kernel_tensors(tensors)]
-    out = triton_moe.triton_gpt_oss_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, ALPHA, limit, cfg).cpu()
-    check(out, gpt_oss_moe64(x, ids, rw, tensors, ALPHA, limit))
+    out = triton_moe.triton_gpt_oss_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, SWIGLU_ALPHA, limit, cfg).cpu()
+    check(out, gpt_oss_moe64(x, ids, rw, tensors, SWIGLU_ALPHA, limit))
 
 
 # --- ModelOpt's export of a tiny gpt-oss (tests/fixtures/gpt_oss_nvfp4/modelopt) ---------------------
@@ -367,18 +372,18 @@ def test_module_in_the_kernel_layout_keeps_the_checkpoint_state_dict(export):
     before = {k: v.clone() for k, v in m.state_dict().items()}
     m._to_kernel_layout()
     m.backend = "triton"
-    assert m.kernel_layout and m._buffers["gate_up_proj"] is None and m.kernel_s13.dtype == torch.uint8
+    assert m.kernel_layout and m._buffers["gate_up_proj"] is None and m.kernel_gate_up_scale.dtype == torch.uint8
     after = m.state_dict()
     assert set(after) == set(before) and all(same_bytes(after[k], before[k]) for k in before)
     other = {k: v.clone() for k, v in model.model.layers[1].mlp.experts.state_dict().items()}
     m.load_state_dict(other)
     assert m.kernel_layout  # what the state dict said, in the kernels' layout again
     assert all(same_bytes(m.state_dict()[k], other[k]) for k in other)
-    assert torch.equal(m.kernel_g2, other["down_proj_weight_scale_2"].expand(4))
+    assert torch.equal(m.kernel_down_global_scale, other["down_proj_weight_scale_2"].expand(4))
     m.to(torch.float16)  # the biases cast as Transformers casts them; scales and the kernels' biases stay float32
-    assert m.gate_up_proj_bias.dtype == torch.float16 and m.kernel_b1.dtype == torch.float32
-    assert m.gate_up_proj_weight_scale_2.dtype == torch.float32 and m.kernel_g13.dtype == torch.float32
-    assert torch.equal(m.kernel_b2[:, :64], m.down_proj_bias.float())
+    assert m.gate_up_proj_bias.dtype == torch.float16 and m.kernel_gate_up_bias.dtype == torch.float32
+    assert m.gate_up_proj_weight_scale_2.dtype == torch.float32 and m.kernel_gate_up_global_scale.dtype == torch.float32
+    assert torch.equal(m.kernel_down_bias[:, :64], m.down_proj_bias.float())
     m._to_checkpoint_layout()
     assert not m.kernel_layout and same_bytes(m.gate_up_proj, other["gate_up_proj"])
 
@@ -469,7 +474,7 @@ def test_sizes_the_format_cannot_hold_are_refused_by_name(h, i):
 
     from hf_integration import NVFP4GptOssExperts
 
-    config = SimpleNamespace(num_local_experts=2, hidden_size=h, intermediate_size=i, swiglu_alpha=ALPHA,
+    config = SimpleNamespace(num_local_experts=2, hidden_size=h, intermediate_size=i, swiglu_alpha=SWIGLU_ALPHA,
                              swiglu_limit=7.0)
     with pytest.raises(ValueError, match=rf"a (hidden|intermediate) size that is a multiple of 16, got {40 if h == 40 else 24}"):
         NVFP4GptOssExperts(config)
@@ -477,7 +482,7 @@ def test_sizes_the_format_cannot_hold_are_refused_by_name(h, i):
     x = torch.randn(3, 40, dtype=torch.bfloat16)
     ids, rw = routing(3, 2, 2)
     with pytest.raises(ValueError, match="multiple of 16"):
-        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, ALPHA, 7.0, "reference")
+        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, SWIGLU_ALPHA, 7.0, "reference")
 
 
 # --- llm-compressor's export of the same tiny gpt-oss (tests/fixtures/gpt_oss_nvfp4/llmcompressor) ---------

@@ -14,12 +14,12 @@ from fp4moe_ops.backends import BACKENDS
 from fp4moe_ops.gpt_oss_op import MXFP4_EXPERT_TENSORS
 from fp4moe_ops.oracle64 import gpt_oss_moe64
 
-ALPHA = 1.702  # gpt-oss's swiglu_alpha
+SWIGLU_ALPHA = 1.702  # gpt-oss's swiglu_alpha
 
 
 def make_experts(e=5, h=64, i=96, seed=0, bias_dtype=torch.bfloat16):
     """Random gpt-oss expert tensors in the checkpoint layout: random bytes (every code), E8M0 scales
-    2^-6..2^-2 (GEMM1 outputs of a few units, so a small ``limit`` clamps some), random biases."""
+    2^-6..2^-2 (gate_up GEMM outputs of a few units, so a small ``limit`` clamps some), random biases."""
     g = torch.Generator().manual_seed(seed)
     (gub, gus), (db, ds) = mxfp4.gpt_oss_shapes(2 * i, h, e), mxfp4.gpt_oss_shapes(h, i, e)
     byte = lambda shape: torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
@@ -40,15 +40,15 @@ def test_reference_matches_float64_oracle(dtype, limit):
     tensors = make_experts()
     x = torch.randn(11, 64).to(dtype)
     ids, rw = routing(11, 5, 2)
-    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, ALPHA, limit, "reference")
+    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, SWIGLU_ALPHA, limit, "reference")
     assert out.dtype == dtype and out.shape == x.shape
-    ref = gpt_oss_moe64(x, ids, rw, tensors, ALPHA, limit)
+    ref = gpt_oss_moe64(x, ids, rw, tensors, SWIGLU_ALPHA, limit)
     # the clamps bite: some gate outputs are above limit and some up outputs outside +-limit
     h = x.double() @ mxfp4.dequantize_gpt_oss(tensors[0], tensors[1], torch.float64)[0].T
     if limit == 1.0:
         assert (h[:, ::2] > limit).any() and (h[:, 1::2] < -limit).any()
     # float32: only accumulation order differs (~1e-6); 16-bit: the intermediate rounded to dtype on both
-    # sides (rare 1-ulp flips where float32 and float64 GEMM1s round differently) and the output cast
+    # sides (rare 1-ulp flips where float32 and float64 gate_up GEMMs round differently) and the output cast
     # (bf16 2^-8, fp16 2^-11 relative per element)
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert rel < {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype], rel
@@ -85,7 +85,7 @@ def test_matches_transformers_gpt_oss_mlp(dtype):
     with torch.no_grad():
         expected, _ = mlp(x)
         _, scores, ids = mlp.router(x.reshape(-1, h))  # Transformers' router: softmax over the top-k logits
-        ours = torch.ops.fp4moe.gpt_oss_moe(x.reshape(-1, h), ids, scores.float(), tensors, ALPHA, 1.0, "reference")
+        ours = torch.ops.fp4moe.gpt_oss_moe(x.reshape(-1, h), ids, scores.float(), tensors, SWIGLU_ALPHA, 1.0, "reference")
     rel = ((ours.double() - expected.reshape(-1, h).double()).norm() / expected.double().norm()).item()
     # float32: the same math, accumulation order only. bfloat16: Transformers rounds every step to bf16
     # (GEMM outputs, bias adds, the activation, each weighted expert output, the sum), fp4moe only the
@@ -100,16 +100,16 @@ def test_out_of_range_ids_contribute_nothing_and_no_tokens():
     sentinel = ids.clone()
     sentinel[:, 1] = torch.tensor([-1, 5, 100, -7, 5])
     op = torch.ops.fp4moe.gpt_oss_moe
-    torch.testing.assert_close(op(x, sentinel, rw, tensors, ALPHA, 7.0, "reference"),
-                               op(x, ids[:, :1], rw[:, :1], tensors, ALPHA, 7.0, "reference"), rtol=0, atol=0)
-    assert op(x[:0], ids[:0], rw[:0], tensors, ALPHA, 7.0, "reference").shape == (0, 64)
+    torch.testing.assert_close(op(x, sentinel, rw, tensors, SWIGLU_ALPHA, 7.0, "reference"),
+                               op(x, ids[:, :1], rw[:, :1], tensors, SWIGLU_ALPHA, 7.0, "reference"), rtol=0, atol=0)
+    assert op(x[:0], ids[:0], rw[:0], tensors, SWIGLU_ALPHA, 7.0, "reference").shape == (0, 64)
 
 
 def test_opcheck():
     tensors = make_experts(e=3, h=32, i=32)
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     ids, rw = routing(4, 3, 2)
-    torch.library.opcheck(torch.ops.fp4moe.gpt_oss_moe.default, (x, ids, rw, tensors, ALPHA, 7.0, "reference"))
+    torch.library.opcheck(torch.ops.fp4moe.gpt_oss_moe.default, (x, ids, rw, tensors, SWIGLU_ALPHA, 7.0, "reference"))
 
 
 def test_compile_fullgraph_dynamic_tokens_no_recompile():
@@ -119,7 +119,7 @@ def test_compile_fullgraph_dynamic_tokens_no_recompile():
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
 
     def layer(x, ids, rw):
-        return torch.ops.fp4moe.gpt_oss_moe(x * 2, ids, rw, tensors, ALPHA, 7.0, "reference") + 1
+        return torch.ops.fp4moe.gpt_oss_moe(x * 2, ids, rw, tensors, SWIGLU_ALPHA, 7.0, "reference") + 1
 
     compiled = torch.compile(layer, fullgraph=True, backend=counter)
     torch._dynamo.reset()
@@ -140,7 +140,7 @@ def test_triton_refuses_with_its_reason_and_auto_falls_to_reference(monkeypatch,
     x = torch.randn(2, 32, dtype=torch.bfloat16)
     ids, rw = routing(2, 3, 2)
     with pytest.raises(ValueError, match=r"backend 'triton' cannot run gpt-oss's experts"):
-        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, ALPHA, 7.0, "triton")
+        torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, SWIGLU_ALPHA, 7.0, "triton")
     # as on an Ampere GPU (triton runs NVFP4 there, FlashInfer is not installed): triton refuses these
     # experts (its MXFP4 path is the TMA kernels'), saying why, and auto says so
     for name, backend in BACKENDS.items():
@@ -175,7 +175,7 @@ def test_triton_takes_its_own_layout_only():
         BACKENDS["triton"].check_gpt_oss_tensors(tensors, 64)
     kernel = gpt_oss_kernel_tensors(tensors)
     assert BACKENDS["triton"].check_gpt_oss_tensors(kernel, 64) == 3
-    with pytest.raises(ValueError, match=r"kernel tensor b2: expected torch.float32"):
+    with pytest.raises(ValueError, match=r"kernel tensor down_bias: expected torch.float32"):
         BACKENDS["triton"].check_gpt_oss_tensors(kernel[:5] + [kernel[5].bfloat16()], 64)
 
 
@@ -185,20 +185,20 @@ def test_bad_inputs_name_the_culprit():
     ids, rw = routing(4, 3, 2)
     op = torch.ops.fp4moe.gpt_oss_moe
     with pytest.raises(TypeError, match="hidden_states must be"):
-        op(x.double(), ids, rw, tensors, ALPHA, 7.0, "reference")
+        op(x.double(), ids, rw, tensors, SWIGLU_ALPHA, 7.0, "reference")
     with pytest.raises(TypeError, match="topk_weights must be float32"):
-        op(x, ids, rw.bfloat16(), tensors, ALPHA, 7.0, "reference")
+        op(x, ids, rw.bfloat16(), tensors, SWIGLU_ALPHA, 7.0, "reference")
     with pytest.raises(ValueError, match=r"gate_up_proj_blocks: expected uint8 \[3, 64, 1, 16\]"):
-        op(x[:, :32], ids, rw, tensors, ALPHA, 7.0, "reference")
+        op(x[:, :32], ids, rw, tensors, SWIGLU_ALPHA, 7.0, "reference")
     with pytest.raises(ValueError, match=r"down_proj_bias: expected bfloat16/float16/float32 \[3, 64\]"):
-        op(x, ids, rw, tensors[:5] + [tensors[5][:, :8]], ALPHA, 7.0, "reference")
+        op(x, ids, rw, tensors[:5] + [tensors[5][:, :8]], SWIGLU_ALPHA, 7.0, "reference")
     with pytest.raises(ValueError, match=r"down_proj_scales: expected uint8"):
-        op(x, ids, rw, tensors[:4] + [tensors[4].view(torch.int8), tensors[5]], ALPHA, 7.0, "reference")
+        op(x, ids, rw, tensors[:4] + [tensors[4].view(torch.int8), tensors[5]], SWIGLU_ALPHA, 7.0, "reference")
     with pytest.raises(ValueError, match=re.escape(f"expected 6 expert tensors {list(MXFP4_EXPERT_TENSORS)}, got 5")):
-        op(x, ids, rw, tensors[:5], ALPHA, 7.0, "reference")
+        op(x, ids, rw, tensors[:5], SWIGLU_ALPHA, 7.0, "reference")
     with pytest.raises(ValueError, match="limit"):
-        op(x, ids, rw, tensors, ALPHA, float("nan"), "reference")
+        op(x, ids, rw, tensors, SWIGLU_ALPHA, float("nan"), "reference")
     with pytest.raises(ValueError, match="is on meta"):
-        op(x, ids.to("meta"), rw, tensors, ALPHA, 7.0, "reference")
+        op(x, ids.to("meta"), rw, tensors, SWIGLU_ALPHA, 7.0, "reference")
     with pytest.raises(ValueError, match="unknown fp4moe backend"):
-        op(x, ids, rw, tensors, ALPHA, 7.0, "nope")
+        op(x, ids, rw, tensors, SWIGLU_ALPHA, 7.0, "nope")

@@ -21,8 +21,7 @@ def layer(e, h, i, device="cuda"):
         n = min(16, e - e0)
         gate_up = torch.randn(n, 2 * i, h, device=device) / h**0.5 * spread[e0:e0 + n, None, None]
         parts.append(fp4moe_ops.quantize_moe_weights(gate_up, torch.randn(n, h, i, device=device) / i**0.5))
-    return fp4moe_ops.NVFP4MoEWeights(*(torch.cat([getattr(p, f) for p in parts]) for f in
-                                        ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")))
+    return fp4moe_ops.NVFP4MoEWeights(*(torch.cat([p.tensors()[n] for p in parts]) for n in range(6)))
 
 
 def routing(t, e, k, device="cuda"):
@@ -149,10 +148,10 @@ def test_compile_ahead_inside_a_compiled_graph(monkeypatch):
     monkeypatch.setattr(launch, "COMPILE_AHEAD", True)
     w = layer(16, 1024, 768)  # a shape no other test uses
 
-    from fp4moe_ops.backends.triton_moe.decode_v3 import _gemm1_v3_kernel
+    from fp4moe_ops.backends.triton_moe.decode_v3 import _gate_up_v3_kernel
 
-    def gemm_variants():  # (GEMM1's: the wgmma kernel's, and decode_v3's up to 6 rows per expert)
-        fns = (kernels._gemm1_swiglu_kernel, _gemm1_v3_kernel)
+    def gemm_variants():  # (the gate_up GEMM's: the wgmma kernel's, and decode_v3's up to 6 rows per expert)
+        fns = (kernels._gate_up_swiglu_kernel, _gate_up_v3_kernel)
         return sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
 
     p = fp4moe_ops.prepare_experts(w, "triton")
@@ -220,8 +219,8 @@ def test_flashinfer_sm90_backends_vs_reference(backend, e, h, i, k, t):
     out = fp4moe_ops.prepare_experts(w, backend)(x, ids, rw)
     ref = fp4moe_ops.prepare_experts(w, "reference")(x, ids, rw)
     err = rel_err(out, ref)
-    weight_err = mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.w2[:4], w.w2_scale[:4], w.w2_global[:4]))
-    print(f"{backend} vs reference E={e} H={h} I={i} T={t}: rel err {err:.2e} (w2 MXFP4 weight err {weight_err:.2e})")
+    weight_err = mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.down[:4], w.down_scale[:4], w.down_global_scale[:4]))
+    print(f"{backend} vs reference E={e} H={h} I={i} T={t}: rel err {err:.2e} (down MXFP4 weight err {weight_err:.2e})")
     # bf16: weights rounded to bf16 once (2^-9) + bf16 intermediate. MXFP4: each weight
     # matrix re-quantized with ~12% error (printed), compounded over two GEMMs: < 30%.
     assert err < (1e-2 if backend == "flashinfer_bf16" else 0.3)
@@ -229,8 +228,8 @@ def test_flashinfer_sm90_backends_vs_reference(backend, e, h, i, k, t):
 
 def test_flashinfer_nvfp4_refuses_sm90_clearly():
     w = layer(4, 256, 128)
-    w.fc1_input_scale = torch.full((4,), 0.001, device="cuda")
-    w.fc2_input_scale = torch.full((4,), 0.001, device="cuda")
+    w.gate_up_input_scale = torch.full((4,), 0.001, device="cuda")
+    w.down_input_scale = torch.full((4,), 0.001, device="cuda")
     with pytest.raises(ValueError, match=r"cannot run on cuda.*capability"):
         fp4moe_ops.prepare_experts(w, "flashinfer_nvfp4")
     assert fp4moe_ops.prepare_experts(w, "auto").backend == "triton"
@@ -306,8 +305,8 @@ def test_a_nan_expert_never_reaches_tokens_not_routed_to_it(backend, t):
     kernels; at 8: 2 rows, decode_v3 on Hopper.)"""
     w = layer(8, 512, 256)
     bad = fp4moe_ops.NVFP4MoEWeights(*(a.clone() for a in w.tensors()))
-    bad.w13_global[3] = float("nan")
-    bad.w2_global[3] = float("nan")
+    bad.gate_up_global_scale[3] = float("nan")
+    bad.down_global_scale[3] = float("nan")
     x = torch.randn(t, 512, device="cuda", dtype=torch.bfloat16)
     ids, rw = routing(t, 8, 2)
     ids = torch.where(ids == 3, 5, ids)

@@ -36,9 +36,9 @@ def dequantized_copy(patched, original):
     ref = copy.deepcopy(original)
     pairs = zip([m for _, m in find_experts_modules(patched)], [m for _, m in find_experts_modules(ref)])
     for p, r in pairs:
-        w13, w2 = p.canonical().dequantize(torch.float32)
-        r.gate_up_proj.data.copy_(w13)
-        r.down_proj.data.copy_(w2)
+        gate_up, down = p.canonical().dequantize(torch.float32)
+        r.gate_up_proj.data.copy_(gate_up)
+        r.down_proj.data.copy_(down)
     return ref
 
 
@@ -250,7 +250,7 @@ def test_calibration_enables_nvfp4_activations():
     calibrate_activation_scales(model, [torch.randint(1, 256, (2, 16)) for _ in range(3)] + [ids])
     experts = [m for _, m in find_experts_modules(model)]
     for m in experts:
-        s1 = m.fc1_input_scale
+        s1 = m.gate_up_proj_input_scale
         assert s1.shape == (8,) and (s1 > 0).all()
     with pytest.raises(ValueError, match="cannot run on cpu"):
         set_backend(model, "flashinfer_nvfp4")
@@ -265,9 +265,9 @@ def test_calibration_enables_nvfp4_activations():
     # the layer's activations now go through NVFP4 too: NVFP4 noise on both GEMM inputs
     # (~10% each on Gaussian-like data), so a different but close answer
     assert 0.01 < rel(cap["out"], w4a16_layer) < 0.35
-    # the calibrated scales cover the calibration data: no GEMM1 input exceeds 6*448*scale
+    # the calibrated scales cover the calibration data: no gate_up GEMM input exceeds 6*448*scale
     x = x.float()
-    assert x.abs().max() <= experts[0].fc1_input_scale.max() * nvfp4.E2M1_MAX * nvfp4.E4M3_MAX * (1 + 1e-6)
+    assert x.abs().max() <= experts[0].gate_up_proj_input_scale.max() * nvfp4.E2M1_MAX * nvfp4.E4M3_MAX * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("mode", ["global_max", "per_expert"])
@@ -287,8 +287,8 @@ def test_recalibrating_a_model_running_nvfp4_activations_runs_the_new_scales(mod
         want = model(ids).logits
     assert torch.equal(got, want)
     for _, m in find_experts_modules(model):
-        assert torch.equal(m.activation_scales()[0], m.fc1_input_scale.max().reshape(()) if mode == "global_max"
-                           else m.fc1_input_scale)
+        assert torch.equal(m.activation_scales()[0], m.gate_up_proj_input_scale.max().reshape(())
+                           if mode == "global_max" else m.gate_up_proj_input_scale)
 
 
 def test_nvfp4_backend_without_calibration_says_how(monkeypatch):
@@ -402,17 +402,17 @@ def test_backend_layout_is_held_once_and_state_dict_stays_canonical(monkeypatch)
     owned = fp4moe_ops.NVFP4MoEWeights(*(t.clone() for t in w.tensors()))
     m = fp4moe_ops.PreparedExperts(owned, "triton", owns_weights=True)
     assert m.layout == "paired" and m._buffers["gate_up_proj_packed"].dtype == torch.int32
-    assert m._buffers["gate_up_proj_packed"].data_ptr() == owned.w13.data_ptr()  # re-laid out in place
+    assert m._buffers["gate_up_proj_packed"].data_ptr() == owned.gate_up.data_ptr()  # re-laid out in place
     assert not any(n.startswith("prepared_") for n in m._buffers)
     held = sum(b.numel() * b.element_size() for b in m.buffers())
     assert held == sum(t.numel() * t.element_size() for t in w.tensors())  # not twice
     sd = m.state_dict()
-    assert torch.equal(sd["gate_up_proj_packed"], w.w13) and torch.equal(sd["down_proj_packed"], w.w2)
-    assert torch.equal(m.canonical().w13, w.w13) and torch.equal(m.canonical().w2, w.w2)
+    assert torch.equal(sd["gate_up_proj_packed"], w.gate_up) and torch.equal(sd["down_proj_packed"], w.down)
+    assert torch.equal(m.canonical().gate_up, w.gate_up) and torch.equal(m.canonical().down, w.down)
     assert "num_experts=3, hidden=256, intermediate=256" in repr(m) and "layout='paired'" in repr(m)
     with m.canonical_layout():  # for a save: canonical bytes in place, then back
-        assert m.layout == "canonical" and torch.equal(m.gate_up_proj_packed, w.w13)
-    assert m.layout == "paired" and torch.equal(m.state_dict()["gate_up_proj_packed"], w.w13)
+        assert m.layout == "canonical" and torch.equal(m.gate_up_proj_packed, w.gate_up)
+    assert m.layout == "paired" and torch.equal(m.state_dict()["gate_up_proj_packed"], w.gate_up)
 
     before = m._buffers["gate_up_proj_packed"].clone()
     m._buffers["gate_up_proj_packed"].zero_()
@@ -421,10 +421,10 @@ def test_backend_layout_is_held_once_and_state_dict_stays_canonical(monkeypatch)
 
     m.set_backend("reference")
     assert m.layout == "canonical" and m._buffers["gate_up_proj_packed"].dtype == torch.uint8
-    assert torch.equal(m._buffers["gate_up_proj_packed"], w.w13)
+    assert torch.equal(m._buffers["gate_up_proj_packed"], w.gate_up)
 
     user = fp4moe_ops.prepare_experts(w, "triton")  # the caller's weights are not touched
-    assert user.layout == "paired" and w.w13.dtype == torch.uint8 and torch.equal(user.canonical().w13, w.w13)
+    assert user.layout == "paired" and w.gate_up.dtype == torch.uint8 and torch.equal(user.canonical().gate_up, w.gate_up)
 
 
 def test_set_weights_never_re_lays_out_the_callers_tensors(monkeypatch):
@@ -440,8 +440,8 @@ def test_set_weights_never_re_lays_out_the_callers_tensors(monkeypatch):
     callers = fp4moe_ops.NVFP4MoEWeights(*(t.clone() for t in w.tensors()))
     m.set_weights(callers)
     m.set_backend("triton")
-    assert m.layout == "paired" and callers.w13.dtype == torch.uint8 and torch.equal(callers.w13, w.w13)
-    assert torch.equal(m.canonical().w13, w.w13)
+    assert m.layout == "paired" and callers.gate_up.dtype == torch.uint8 and torch.equal(callers.gate_up, w.gate_up)
+    assert torch.equal(m.canonical().gate_up, w.gate_up)
 
 
 def test_global_max_activation_scale_follows_a_loaded_state_dict():
@@ -453,12 +453,92 @@ def test_global_max_activation_scale_follows_a_loaded_state_dict():
     w = fp4moe_ops.NVFP4MoEWeights(*w.tensors(), torch.full((4,), 0.01), torch.full((4,), 0.02))
     m = fp4moe_ops.PreparedExperts(w, "reference", "global_max")
     sd = m.state_dict()
-    sd["fc1_input_scale"] = torch.tensor([0.01, 0.5, 0.01, 0.01])
+    sd["gate_up_proj_input_scale"] = torch.tensor([0.01, 0.5, 0.01, 0.01])
     m.load_state_dict(sd)
     assert m.activation_scales()[0].item() == 0.5
-    sd["fc2_input_scale"] = torch.tensor([float("nan"), 0.02, 0.02, 0.02])
-    with pytest.raises(ValueError, match="fc2_input_scale"):
+    sd["down_proj_input_scale"] = torch.tensor([float("nan"), 0.02, 0.02, 0.02])
+    with pytest.raises(ValueError, match="down_proj_input_scale"):
         m.load_state_dict(sd)
+
+
+def saved_with_old_input_scale_names(state: dict, tmp_path) -> dict:
+    """``state`` as torch saved it when the experts' input-scale buffers were named ``fc1_input_scale``
+    / ``fc2_input_scale`` (read back from the file)."""
+    from fp4moe_ops.prepared import OLD_INPUT_SCALE_BUFFERS
+
+    old_name = {new: old for old, new in OLD_INPUT_SCALE_BUFFERS.items()}
+
+    def renamed(key: str) -> str:
+        head, dot, leaf = key.rpartition(".")
+        return head + dot + old_name.get(leaf, leaf)
+
+    old = {renamed(k): t for k, t in state.items()}
+    assert {k.rpartition(".")[2] for k in old} >= set(OLD_INPUT_SCALE_BUFFERS)
+    torch.save(old, tmp_path / "old_names.pt")
+    return torch.load(tmp_path / "old_names.pt")
+
+
+def same_state(got: dict, want: dict) -> bool:
+    as_bytes = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731  (no float8 equal on CPU)
+    return set(got) == set(want) and all(torch.equal(as_bytes(t), as_bytes(want[k])) for k, t in got.items())
+
+
+def test_a_state_dict_with_the_old_input_scale_names_loads_with_one_warning(tmp_path, monkeypatch):
+    import warnings
+
+    import fp4moe_ops
+    from fp4moe_ops import prepared
+
+    monkeypatch.setattr(prepared, "_warned_old_names", False)
+    w = fp4moe_ops.quantize_moe_weights(torch.randn(4, 64, 64), torch.randn(4, 64, 32))
+    saved = fp4moe_ops.PreparedExperts(fp4moe_ops.NVFP4MoEWeights(*w.tensors(), torch.full((4,), 0.01),
+                                                                  torch.full((4,), 0.02)), "reference", "global_max")
+    m = fp4moe_ops.PreparedExperts(fp4moe_ops.NVFP4MoEWeights(*w.tensors(), torch.full((4,), 0.03),
+                                                              torch.full((4,), 0.04)), "reference", "global_max")
+    old = saved_with_old_input_scale_names(saved.state_dict(), tmp_path)
+    with pytest.warns(FutureWarning, match="deprecated input-scale names"):
+        m.load_state_dict(old)
+    assert same_state(m.state_dict(), saved.state_dict())
+    assert torch.equal(torch.stack(m.activation_scales()), torch.tensor([0.01, 0.02]))  # global_max's, re-derived
+    assert "fc1_input_scale" in old  # the caller's state dict keeps its keys
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.load_state_dict(old)  # warned once
+
+
+@pytest.mark.parametrize("loaded", [False, True])
+def test_a_model_state_dict_with_the_old_input_scale_names_loads(tmp_path, loaded):
+    # a calibrated model with fused shared experts (a module whose own load hook reads its experts'
+    # keys), patched, or loaded from a checkpoint (whose model-wide guards check every key before
+    # any module loads, strict=True)
+    from hf_integration import SharedExpertMoE
+    from hf_integration.tiny_models import write_modelopt_checkpoint
+
+    if loaded:
+        from hf_integration import ModelOptConfig
+        from transformers import AutoModelForCausalLM
+
+        write_modelopt_checkpoint(tiny_deepseek_v3(seed=0), tmp_path / "ckpt")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16,
+                                                     quantization_config=ModelOptConfig(fuse_shared_experts=True))
+    else:
+        model = patch_deepseek(tiny_deepseek_v3(seed=0), quantize_dense_mlps=True, fuse_shared_experts=True)
+        calibrate_activation_scales(model, [torch.randint(1, 256, (2, 12))])
+    assert any(isinstance(m, SharedExpertMoE) for m in model.modules())
+    want = {k: t.clone() for k, t in model.state_dict().items()}
+    old = saved_with_old_input_scale_names(want, tmp_path)
+    for _, m in find_experts_modules(model):
+        m.gate_up_proj_input_scale.mul_(2)
+        m.down_proj_input_scale.mul_(3)
+    model.load_state_dict(old)
+    assert same_state(model.state_dict(), want)
+    assert any(k.endswith(".fc1_input_scale") for k in old)  # the caller's state dict keeps its keys
+    block = next(m for m in model.modules() if isinstance(m, SharedExpertMoE))  # its own load, unguarded
+    block_want = {k: t.clone() for k, t in block.state_dict().items()}
+    block_old = saved_with_old_input_scale_names(block_want, tmp_path)
+    block.experts.gate_up_proj_input_scale.mul_(2)
+    block.load_state_dict(block_old)
+    assert same_state(block.state_dict(), block_want)
 
 
 @pytest.mark.parametrize("export", ["modelopt/qwen3_moe_nvfp4_default", "llmcompressor/qwen3_moe_nvfp4",
@@ -500,16 +580,17 @@ def _decoded_twin(bf16_model, patched):
             routed = patched.get_submodule(block).num_routed if isinstance(patched.get_submodule(block), SharedExpertMoE) \
                 else w.num_experts
             for e in range(w.num_experts):
-                w13, w2 = dequant64(w.w13[e], w.w13_scale[e], w.w13_global[e]), dequant64(w.w2[e], w.w2_scale[e], w.w2_global[e])
+                gate_up = dequant64(w.gate_up[e], w.gate_up_scale[e], w.gate_up_global_scale[e])
+                down = dequant64(w.down[e], w.down_scale[e], w.down_global_scale[e])
                 if e < routed:
                     with torch.no_grad():
-                        twin.get_submodule(name).gate_up_proj[e] = w13.to(torch.bfloat16)
-                        twin.get_submodule(name).down_proj[e] = w2.to(torch.bfloat16)
+                        twin.get_submodule(name).gate_up_proj[e] = gate_up.to(torch.bfloat16)
+                        twin.get_submodule(name).down_proj[e] = down.to(torch.bfloat16)
                 else:  # the shared expert inside the routed call
-                    inter = w13.shape[0] // 2
-                    put(f"{block}.shared_experts.gate_proj.weight", w13[:inter])
-                    put(f"{block}.shared_experts.up_proj.weight", w13[inter:])
-                    put(f"{block}.shared_experts.down_proj.weight", w2)
+                    inter = gate_up.shape[0] // 2
+                    put(f"{block}.shared_experts.gate_proj.weight", gate_up[:inter])
+                    put(f"{block}.shared_experts.up_proj.weight", gate_up[inter:])
+                    put(f"{block}.shared_experts.down_proj.weight", down)
         elif isinstance(m, NVFP4Linear):
             packed, block_scale, scale, _ = m.linear_tensors()
             put(f"{name}.weight", dequant64(packed, block_scale, scale))

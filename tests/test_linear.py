@@ -63,8 +63,8 @@ def test_nvfp4_linear_compiles_without_graph_breaks_and_dynamic_tokens():
     (dict(weight=lambda w: w[:, :-1]), ValueError, "does not match x's K=64"),
     (dict(weight_scale=lambda s: s.view(torch.uint8)), TypeError, "weight_scale must be"),
     (dict(weight_scale=lambda s: s[:-1]), TypeError, "weight_scale must be"),
-    (dict(weight_scale_2=lambda g: g.reshape(1)), TypeError, "weight_scale_2 must be a 0-dim"),
-    (dict(weight_scale_2=lambda g: g.double()), TypeError, "weight_scale_2"),
+    (dict(global_scale=lambda g: g.reshape(1)), TypeError, "global_scale must be a 0-dim"),
+    (dict(global_scale=lambda g: g.double()), TypeError, "global_scale"),
     (dict(x=lambda x: x.double()), TypeError, "x must be"),
     (dict(bias=lambda b: torch.zeros(31, dtype=torch.bfloat16)), TypeError, "bias must be"),
     (dict(bias=lambda b: torch.zeros(32)), TypeError, "bias must be"),
@@ -72,7 +72,7 @@ def test_nvfp4_linear_compiles_without_graph_breaks_and_dynamic_tokens():
 ])
 def test_nvfp4_linear_refuses_bad_inputs_by_name(change, error, words):
     packed, scale, g = nvfp4_weight(32, 64)
-    args = dict(x=torch.randn(4, 64, dtype=torch.bfloat16), weight=packed, weight_scale=scale, weight_scale_2=g,
+    args = dict(x=torch.randn(4, 64, dtype=torch.bfloat16), weight=packed, weight_scale=scale, global_scale=g,
                 bias=None, backend="reference")
     (name, fn), = change.items()
     args[name] = fn(args[name])

@@ -72,14 +72,14 @@ def test_from_pretrained_loads_experts_straight_from_the_file_bytes(checkpoint, 
     w = experts.canonical()
     prefix = "model.layers.1.mlp.experts"
     for e in range(8):
-        assert torch.equal(w.w13[e, :32], tensors[f"{prefix}.{e}.gate_proj.weight"])
-        assert torch.equal(w.w13[e, 32:], tensors[f"{prefix}.{e}.up_proj.weight"])
-        assert torch.equal(bytes_of(w.w13_scale[e, 32:]), bytes_of(tensors[f"{prefix}.{e}.up_proj.weight_scale"]))
-        assert torch.equal(w.w2[e], tensors[f"{prefix}.{e}.down_proj.weight"])
-        assert torch.equal(bytes_of(w.w2_scale[e]), bytes_of(tensors[f"{prefix}.{e}.down_proj.weight_scale"]))
-        assert w.w13_global[e] == tensors[f"{prefix}.{e}.gate_proj.weight_scale_2"]
-        assert w.w2_global[e] == tensors[f"{prefix}.{e}.down_proj.weight_scale_2"]
-        assert w.fc2_input_scale[e] == tensors[f"{prefix}.{e}.down_proj.input_scale"]
+        assert torch.equal(w.gate_up[e, :32], tensors[f"{prefix}.{e}.gate_proj.weight"])
+        assert torch.equal(w.gate_up[e, 32:], tensors[f"{prefix}.{e}.up_proj.weight"])
+        assert torch.equal(bytes_of(w.gate_up_scale[e, 32:]), bytes_of(tensors[f"{prefix}.{e}.up_proj.weight_scale"]))
+        assert torch.equal(w.down[e], tensors[f"{prefix}.{e}.down_proj.weight"])
+        assert torch.equal(bytes_of(w.down_scale[e]), bytes_of(tensors[f"{prefix}.{e}.down_proj.weight_scale"]))
+        assert w.gate_up_global_scale[e] == tensors[f"{prefix}.{e}.gate_proj.weight_scale_2"]
+        assert w.down_global_scale[e] == tensors[f"{prefix}.{e}.down_proj.weight_scale_2"]
+        assert w.down_input_scale[e] == tensors[f"{prefix}.{e}.down_proj.input_scale"]
     # excluded modules (attention, router, lm_head) are loaded as they are
     assert torch.equal(model.model.layers[1].self_attn.o_proj.weight, tensors["model.layers.1.self_attn.o_proj.weight"])
     assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
@@ -297,7 +297,7 @@ def test_weights_only_export_loads_and_refuses_nvfp4_activations(tmp_path):
     write_modelopt_checkpoint(tiny_deepseek_v3(num_hidden_layers=2), tmp_path, input_scales=False)
     assert read_quant_config(tmp_path).weights_only
     model = load_modelopt_nvfp4(tmp_path)
-    assert "fc1_input_scale" not in model.model.layers[1].mlp.experts._buffers
+    assert "gate_up_proj_input_scale" not in model.model.layers[1].mlp.experts._buffers
     with pytest.raises(ValueError, match="calibrate"):
         load_modelopt_nvfp4(tmp_path, act_scale_mode="global_max")
 

@@ -14,14 +14,14 @@ triton_moe = pytest.importorskip("fp4moe_ops.backends.triton_moe")
 from fp4moe_ops.backends.triton_moe import (gpt_oss_checkpoint_tensors, gpt_oss_kernel_tensors,  # noqa: E402
                                             kernel_config, triton_gpt_oss_moe)
 
-ALPHA = 1.702  # gpt-oss's swiglu_alpha
+SWIGLU_ALPHA = 1.702  # gpt-oss's swiglu_alpha
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def experts(e, h, i, low=119, high=126, bias_dtype=torch.bfloat16):
     """Random gpt-oss checkpoint tensors: random bytes (every E2M1 code), E8M0 scales 2^(low-127) ..
-    2^(high-128) (GEMM1 outputs of a few units, so limit 7 clamps some), random biases."""
+    2^(high-128) (gate_up GEMM outputs of a few units, so limit 7 clamps some), random biases."""
     (gub, gus), (db, ds) = mxfp4.gpt_oss_shapes(2 * i, h, e), mxfp4.gpt_oss_shapes(h, i, e)
     byte = lambda shape: torch.randint(0, 256, shape, dtype=torch.uint8)
     scale = lambda shape: torch.randint(low, high, shape, dtype=torch.uint8)
@@ -50,15 +50,15 @@ def test_kernel_layout_holds_the_same_values():
 
     e, h, i = 2, 96, 160
     tensors = experts(e, h, i)
-    w13, s13, b1, w2, s2, b2 = gpt_oss_kernel_tensors(tensors)
-    packed = canonical_from_paired(w13)
-    values = mxfp4.dequantize_mxfp4(packed, s13.view(torch.uint8)[..., ::2], torch.float64)  # [E, 2Ip, Hp]
-    assert torch.equal(s13.view(torch.uint8)[..., ::2], s13.view(torch.uint8)[..., 1::2])
+    gate_up, gate_up_scale, gate_up_bias, down, down_scale, down_bias = gpt_oss_kernel_tensors(tensors)
+    packed = canonical_from_paired(gate_up)
+    values = mxfp4.dequantize_mxfp4(packed, gate_up_scale.view(torch.uint8)[..., ::2], torch.float64)  # [E, 2Ip, Hp]
+    assert torch.equal(gate_up_scale.view(torch.uint8)[..., ::2], gate_up_scale.view(torch.uint8)[..., 1::2])
     dense = mxfp4.dequantize_gpt_oss(tensors[0], tensors[1], torch.float64)  # [E, 2I, H], interleaved
     assert torch.equal(values[:, :i, :h], dense[:, 0::2]) and torch.equal(values[:, 256:256 + i, :h], dense[:, 1::2])
     assert not values[:, i:256].any() and not values[:, :, h:].any()
-    assert torch.equal(b1[:, :i], tensors[2][:, 0::2].float()) and not b1[:, i:256].any()
-    assert torch.equal(b2[:, :h], tensors[5].float()) and not b2[:, h:].any()
+    assert torch.equal(gate_up_bias[:, :i], tensors[2][:, 0::2].float()) and not gate_up_bias[:, i:256].any()
+    assert torch.equal(down_bias[:, :h], tensors[5].float()) and not down_bias[:, h:].any()
 
 
 @pytest.mark.parametrize("byte", [151, 255])
@@ -71,11 +71,11 @@ def test_scales_the_kernels_cannot_decode_are_refused_by_name(byte):
 
 def run(tensors, x, ids, rw, limit, config=None):
     kernel = [t.to(DEVICE) for t in gpt_oss_kernel_tensors(tensors)]
-    return triton_gpt_oss_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, ALPHA, limit, config).cpu()
+    return triton_gpt_oss_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, SWIGLU_ALPHA, limit, config).cpu()
 
 
 def check(out, x, ids, rw, tensors, limit):
-    ref = gpt_oss_moe64(x, ids, rw, tensors, ALPHA, limit)
+    ref = gpt_oss_moe64(x, ids, rw, tensors, SWIGLU_ALPHA, limit)
     assert out.shape == x.shape and torch.isfinite(out).all()
     # h stored in bf16 and the output rounded to bf16: a few bf16 ulps (2^-8) of the row scale, as
     # the NVFP4 layer tests; over the whole output about one ulp on the GPU (round to nearest), two
@@ -151,8 +151,8 @@ def test_op_and_module_run_triton_on_the_gpu():
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).cuda()
     rw = torch.softmax(torch.randn(t, k), -1).cuda()
     kernel = [a.cuda() for a in gpt_oss_kernel_tensors(tensors)]
-    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, kernel, ALPHA, 7.0, "triton")
-    ref = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, [a.cuda() for a in tensors], ALPHA, 7.0, "reference")
+    out = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, kernel, SWIGLU_ALPHA, 7.0, "triton")
+    ref = torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, [a.cuda() for a in tensors], SWIGLU_ALPHA, 7.0, "reference")
     torch.testing.assert_close(out.double(), ref.double(), rtol=2**-6, atol=2**-6 * ref.abs().max().item())
 
 
@@ -161,7 +161,7 @@ def module(e=3, h=96, i=160):
 
     from hf_integration import MXFP4GptOssExperts
 
-    config = SimpleNamespace(num_local_experts=e, hidden_size=h, intermediate_size=i, swiglu_alpha=ALPHA,
+    config = SimpleNamespace(num_local_experts=e, hidden_size=h, intermediate_size=i, swiglu_alpha=SWIGLU_ALPHA,
                              swiglu_limit=7.0)
     m = MXFP4GptOssExperts(config)
     m.load_state_dict(dict(zip(MXFP4_EXPERT_TENSORS, experts(e, h, i))))
@@ -183,10 +183,10 @@ def test_module_in_the_kernel_layout_keeps_the_checkpoint_state_dict():
     m.load_state_dict(other)
     assert m.kernel_layout  # what the state dict said, in the kernels' layout again
     assert all(torch.equal(m.state_dict()[k], other[k]) for k in other)
-    torch.testing.assert_close(m.kernel_b1[:, :160], other["gate_up_proj_bias"][:, 0::2].float(), rtol=0, atol=0)
+    torch.testing.assert_close(m.kernel_gate_up_bias[:, :160], other["gate_up_proj_bias"][:, 0::2].float(), rtol=0, atol=0)
     m.to(torch.float16)  # the biases cast as Transformers casts them; the kernels' copies follow, float32
-    assert m.gate_up_proj_bias.dtype == torch.float16 and m.kernel_b1.dtype == torch.float32
-    assert torch.equal(m.kernel_b2[:, :96], m.down_proj_bias.float())
+    assert m.gate_up_proj_bias.dtype == torch.float16 and m.kernel_gate_up_bias.dtype == torch.float32
+    assert torch.equal(m.kernel_down_bias[:, :96], m.down_proj_bias.float())
     m._to_checkpoint_layout()
     assert not m.kernel_layout and torch.equal(m.gate_up_proj_blocks, other["gate_up_proj_blocks"])
 

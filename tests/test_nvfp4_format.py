@@ -194,7 +194,7 @@ def test_quantize_moe_weights_in_chunks_equals_whole_stacks(monkeypatch):
     assert [c for c in expert_chunks(gate_up, elements=64 * 96 * 3)] == [(0, 3), (3, 6), (6, 7)]
     assert expert_chunks(gate_up, elements=1) == [(e, e + 1) for e in range(7)]  # at least one expert
     w = fp4moe_ops.quantize_moe_weights(gate_up, down)
-    for got, whole in ((w.w13, w.w13_scale, w.w13_global), nvfp4.quantize_nvfp4(gate_up)), \
-                      ((w.w2, w.w2_scale, w.w2_global), nvfp4.quantize_nvfp4(down)):
+    for got, whole in ((w.gate_up, w.gate_up_scale, w.gate_up_global_scale), nvfp4.quantize_nvfp4(gate_up)), \
+                      ((w.down, w.down_scale, w.down_global_scale), nvfp4.quantize_nvfp4(down)):
         assert torch.equal(got[0], whole.packed) and torch.equal(got[2], whole.global_scale)
         assert torch.equal(got[1].view(torch.uint8), whole.block_scale.view(torch.uint8))

@@ -15,8 +15,8 @@ def make_layer(e=6, h=64, i=32, scale_spread=True, with_act_scales=False):
         gate_up *= torch.logspace(-1, 1, e)[:, None, None]
     w = fp4moe_ops.quantize_moe_weights(gate_up, down)
     if with_act_scales:
-        w.fc1_input_scale = torch.rand(e) * 0.002 + 0.0005
-        w.fc2_input_scale = torch.rand(e) * 0.002 + 0.0005
+        w.gate_up_input_scale = torch.rand(e) * 0.002 + 0.0005
+        w.down_input_scale = torch.rand(e) * 0.002 + 0.0005
     return w
 
 
@@ -50,17 +50,17 @@ def test_reference_nvfp4_activations_per_expert_and_global():
     # the activation quantizer's definition is tested in test_nvfp4_format
     quant = lambda v, s: nvfp4.quantize_activation_nvfp4(v, 1.0 / s) * s
     for mode in fp4moe_ops.ACT_SCALE_MODES:
-        fc1, fc2 = fp4moe_ops.activation_scales(w.fc1_input_scale, w.fc2_input_scale, mode)
+        gate_up_in, down_in = fp4moe_ops.activation_scales(w.gate_up_input_scale, w.down_input_scale, mode)
         out = torch.ops.fp4moe.fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "reference").op_tensors(),
-                                         fc1, fc2, "reference")
-        ref = moe64(x, ids, rw, *w.tensors(), fc1_scale=fc1, fc2_scale=fc2, quant=quant)
+                                         gate_up_in, down_in, "reference")
+        ref = moe64(x, ids, rw, *w.tensors(), gate_up_input_scale=gate_up_in, down_input_scale=down_in, quant=quant)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel < 4e-3, (mode, rel)
     # prepare_experts: W4A16 unless asked; asked on a 16-bit-activation backend, a clear error
     assert fp4moe_ops.prepare_experts(w, "reference").activation_scales() == (None, None)
-    fc1, fc2 = fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="global_max").activation_scales()
-    assert fc1.shape == fc2.shape == ()
-    w.fc2_input_scale = None
+    gate_up_in, down_in = fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="global_max").activation_scales()
+    assert gate_up_in.shape == down_in.shape == ()
+    w.down_input_scale = None
     with pytest.raises(ValueError, match="calibrate_activation_scales"):
         fp4moe_ops.prepare_experts(w, "reference", act_scale_mode="per_expert")
 
@@ -85,7 +85,7 @@ def test_opcheck():
     ids, rw = routing(4, 6, 2)
     op = torch.ops.fp4moe.fused_moe.default
     torch.library.opcheck(op, (x, ids, rw, p.op_tensors(), None, None, "reference"))
-    torch.library.opcheck(op, (x, ids, rw, p.op_tensors(), w.fc1_input_scale, w.fc2_input_scale, "reference"))
+    torch.library.opcheck(op, (x, ids, rw, p.op_tensors(), w.gate_up_input_scale, w.down_input_scale, "reference"))
 
 
 def test_compile_fullgraph_dynamic_tokens_no_recompile():
@@ -140,10 +140,10 @@ def test_bad_inputs_have_clear_errors():
 
 def test_bad_weights_have_clear_errors():
     w = make_layer()
-    with pytest.raises(TypeError, match="w13_scale must be torch.float8_e4m3fn"):
-        fp4moe_ops.NVFP4MoEWeights(w.w13, w.w13_scale.view(torch.uint8), w.w13_global, w.w2, w.w2_scale, w.w2_global)
-    with pytest.raises(ValueError, match=r"w2 must have shape \[6, 64, 16\]"):
-        fp4moe_ops.NVFP4MoEWeights(w.w13, w.w13_scale, w.w13_global, w.w2[:, :, :8], w.w2_scale, w.w2_global)
+    with pytest.raises(TypeError, match="gate_up_scale must be torch.float8_e4m3fn"):
+        fp4moe_ops.NVFP4MoEWeights(w.gate_up, w.gate_up_scale.view(torch.uint8), w.gate_up_global_scale, w.down, w.down_scale, w.down_global_scale)
+    with pytest.raises(ValueError, match=r"down must have shape \[6, 64, 16\]"):
+        fp4moe_ops.NVFP4MoEWeights(w.gate_up, w.gate_up_scale, w.gate_up_global_scale, w.down[:, :, :8], w.down_scale, w.down_global_scale)
     with pytest.raises(ValueError, match="multiple of 16"):
         fp4moe_ops.quantize_moe_weights(torch.randn(2, 16, 40), torch.randn(2, 40, 8))
     with pytest.raises(ValueError, match="down must be"):
@@ -189,8 +189,8 @@ def test_a_nan_expert_never_reaches_tokens_not_routed_to_it():
     other tokens, expert-parallel sentinels included, and makes its own tokens NaN."""
     w = make_layer()
     bad = fp4moe_ops.NVFP4MoEWeights(*(t.clone() for t in w.tensors()))
-    bad.w13_global[2] = float("nan")
-    bad.w2_global[2] = float("inf")
+    bad.gate_up_global_scale[2] = float("nan")
+    bad.down_global_scale[2] = float("inf")
     x = torch.randn(10, 64, dtype=torch.bfloat16)
     ids, rw = routing(10, 6, 2)
     ids = torch.where(ids == 2, 4, ids)
@@ -249,6 +249,6 @@ def test_a_device_mismatch_names_the_argument_and_the_backend():
                                          r"'reference'\)"):
         fp4moe_ops.fused_moe(x, ids, rw.to("meta"), tensors, None, None, "reference")
     q = nvfp4.quantize_nvfp4(torch.randn(32, 64))
-    with pytest.raises(ValueError, match=r"weight_scale_2 is on meta but x is on cpu \(nvfp4_linear backend "
+    with pytest.raises(ValueError, match=r"global_scale is on meta but x is on cpu \(nvfp4_linear backend "
                                          r"'reference'\)"):
         fp4moe_ops.nvfp4_linear(x, q.packed, q.block_scale, q.global_scale.reshape(()).to("meta"), backend="reference")

@@ -14,7 +14,7 @@ from bad_input_helpers import layer
 # --- NVFP4MoEWeights and quantize_moe_weights ---------------------------------------------------
 
 
-FIELDS = ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")
+FIELDS = ("gate_up", "gate_up_scale", "gate_up_global_scale", "down", "down_scale", "down_global_scale")
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -30,7 +30,7 @@ def test_moe_weights_wrong_dtype_names_the_tensor(field):
 def test_moe_weights_raw_scale_bytes_get_a_hint():
     w = layer()
     with pytest.raises(TypeError, match=r"raw E4M3 bytes\? pass t.view\(torch.float8_e4m3fn\)"):
-        NVFP4MoEWeights(w.w13, w.w13_scale.view(torch.uint8), w.w13_global, w.w2, w.w2_scale, w.w2_global)
+        NVFP4MoEWeights(w.gate_up, w.gate_up_scale.view(torch.uint8), w.gate_up_global_scale, w.down, w.down_scale, w.down_global_scale)
 
 
 @pytest.mark.parametrize("field", FIELDS[1:])
@@ -42,7 +42,7 @@ def test_moe_weights_wrong_shape_names_the_tensor(field):
         NVFP4MoEWeights(**tensors)
 
 
-@pytest.mark.parametrize("field", ["w2", "w13_global"])
+@pytest.mark.parametrize("field", ["down", "gate_up_global_scale"])
 def test_moe_weights_on_another_device(field):
     w = layer()
     tensors = dict(zip(FIELDS, w.tensors()))
@@ -68,15 +68,15 @@ def test_empty_expert_stacks(which):
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("w13_global", float("nan"), r"w13_global\[2\] must be finite and > 0 \(got nan\)"),
-    ("w13_global", float("inf"), r"w13_global\[2\] must be finite and > 0 \(got inf\)"),
-    ("w13_global", 0.0, r"w13_global\[2\] must be finite and > 0 \(got 0.0\)"),
-    ("w13_global", -1e-3, r"w13_global\[2\] must be finite and > 0"),
-    ("w2_global", float("nan"), r"w2_global\[2\] must be finite and > 0"),
-    ("w2_global", 0.0, r"w2_global\[2\] must be finite and > 0"),
-    ("fc1_input_scale", float("nan"), r"fc1_input_scale\[2\] must be finite and >= 0"),
-    ("fc2_input_scale", float("inf"), r"fc2_input_scale\[2\] must be finite and >= 0"),
-    ("fc2_input_scale", -1.0, r"fc2_input_scale\[2\] must be finite and >= 0"),
+    ("gate_up_global_scale", float("nan"), r"gate_up_global_scale\[2\] must be finite and > 0 \(got nan\)"),
+    ("gate_up_global_scale", float("inf"), r"gate_up_global_scale\[2\] must be finite and > 0 \(got inf\)"),
+    ("gate_up_global_scale", 0.0, r"gate_up_global_scale\[2\] must be finite and > 0 \(got 0.0\)"),
+    ("gate_up_global_scale", -1e-3, r"gate_up_global_scale\[2\] must be finite and > 0"),
+    ("down_global_scale", float("nan"), r"down_global_scale\[2\] must be finite and > 0"),
+    ("down_global_scale", 0.0, r"down_global_scale\[2\] must be finite and > 0"),
+    ("gate_up_input_scale", float("nan"), r"gate_up_input_scale\[2\] must be finite and >= 0"),
+    ("down_input_scale", float("inf"), r"down_input_scale\[2\] must be finite and >= 0"),
+    ("down_input_scale", -1.0, r"down_input_scale\[2\] must be finite and >= 0"),
 ])
 def test_scale_values_are_checked_before_use(field, value, match):
     w = layer(scales=True)
@@ -99,10 +99,10 @@ def test_largest_weights_reduce_the_block_scale_bytes_as_their_float_values():
     assert torch.equal(largest_weights(scale, g), want)
 
 
-@pytest.mark.parametrize("field", ["w13_global", "w2_global"])
+@pytest.mark.parametrize("field", ["gate_up_global_scale", "down_global_scale"])
 def test_global_scales_whose_weights_decode_past_bfloat16(field):
     w = layer()
-    scale = getattr(w, field.replace("global", "scale"))
+    scale = getattr(w, field.replace("_global_scale", "_scale"))
     fits = torch.finfo(torch.bfloat16).max / (6 * scale[2].float().max().item())
     getattr(w, field)[2] = fits * 0.99
     w.check_values()  # large but representable
@@ -113,7 +113,7 @@ def test_global_scales_whose_weights_decode_past_bfloat16(field):
         fp4moe_ops.prepare_experts(w, "reference")
 
 
-@pytest.mark.parametrize("field", ["w13_scale", "w2_scale"])
+@pytest.mark.parametrize("field", ["gate_up_scale", "down_scale"])
 @pytest.mark.parametrize("byte", [0x7F, 0xFF, 0x81, 0xC0])
 def test_e4m3_nan_bytes_and_negative_block_scales(field, byte):
     w = layer()
@@ -124,8 +124,8 @@ def test_e4m3_nan_bytes_and_negative_block_scales(field, byte):
 
 def test_zero_input_scales_and_negative_zero_block_scales_are_valid():
     w = layer(scales=True)
-    w.fc1_input_scale[1] = 0.0  # an expert calibration never reached
-    w.w13_scale.view(torch.uint8)[0, 0, 0] = 0x80  # -0
+    w.gate_up_input_scale[1] = 0.0  # an expert calibration never reached
+    w.gate_up_scale.view(torch.uint8)[0, 0, 0] = 0x80  # -0
     w.check_values()
 
 
@@ -169,7 +169,7 @@ def op_args():
 ])
 def test_op_metadata_errors(case, error, match):
     w, p, x, ids, rw = op_args()
-    tensors, fc1, fc2, backend, routed = p.op_tensors(), None, None, "reference", 0
+    tensors, gate_up_in, down_in, backend, routed = p.op_tensors(), None, None, "reference", 0
     if case == "hidden_fp32":
         x = x.float()
     elif case == "hidden_3d":
@@ -187,13 +187,13 @@ def test_op_metadata_errors(case, error, match):
     elif case == "device":
         rw = rw.to("meta")
     elif case == "scale_shape1":
-        fc1, fc2 = torch.ones(1), torch.ones(1)
+        gate_up_in, down_in = torch.ones(1), torch.ones(1)
     elif case == "scale_dtype":
-        fc1, fc2 = torch.ones((), dtype=torch.float16), torch.ones(())
+        gate_up_in, down_in = torch.ones((), dtype=torch.float16), torch.ones(())
     elif case == "scale_len":
-        fc1, fc2 = torch.ones(5), torch.ones(4)
+        gate_up_in, down_in = torch.ones(5), torch.ones(4)
     elif case == "one_scale":  # the reference takes scales optionally: one without the other is allowed
-        out = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, w.fc1_input_scale, None, backend)
+        out = torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, w.gate_up_input_scale, None, backend)
         assert torch.isfinite(out).all()
         return
     elif case == "backend":
@@ -205,7 +205,7 @@ def test_op_metadata_errors(case, error, match):
     elif case == "routed_negative":
         routed = -1
     with pytest.raises(error, match=match):
-        torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, fc1, fc2, backend, routed)
+        torch.ops.fp4moe.fused_moe(x, ids, rw, tensors, gate_up_in, down_in, backend, routed)
 
 
 def test_op_refuses_activation_scales_on_a_16_bit_backend(monkeypatch):
@@ -214,7 +214,7 @@ def test_op_refuses_activation_scales_on_a_16_bit_backend(monkeypatch):
     monkeypatch.setattr(type(BACKENDS["triton"]), "unavailable_reason", lambda self, device: None)
     w, p, x, ids, rw = op_args()
     with pytest.raises(ValueError, match="keeps activations in 16 bits"):
-        torch.ops.fp4moe.fused_moe(x, ids, rw, p.op_tensors(), w.fc1_input_scale, w.fc2_input_scale, "triton")
+        torch.ops.fp4moe.fused_moe(x, ids, rw, p.op_tensors(), w.gate_up_input_scale, w.down_input_scale, "triton")
 
 
 # --- activation-scale modes and backends ---------------------------------------------------------
@@ -222,16 +222,16 @@ def test_op_refuses_activation_scales_on_a_16_bit_backend(monkeypatch):
 
 def test_per_expert_mode_refuses_zero_scales_naming_the_experts():
     w = layer(scales=True)
-    w.fc2_input_scale[[1, 3]] = 0.0
-    with pytest.raises(ValueError, match=r"fc2_input_scale is 0 for experts \[1, 3\].*global_max"):
+    w.down_input_scale[[1, 3]] = 0.0
+    with pytest.raises(ValueError, match=r"down_input_scale is 0 for experts \[1, 3\].*global_max"):
         fp4moe_ops.prepare_experts(w, "reference", "per_expert")
-    fc1, fc2 = fp4moe_ops.prepare_experts(w, "reference", "global_max").activation_scales()  # the documented way out
-    assert fc2 == w.fc2_input_scale.max()
+    gate_up_in, down_in = fp4moe_ops.prepare_experts(w, "reference", "global_max").activation_scales()  # the documented way out
+    assert down_in == w.down_input_scale.max()
 
 
 def test_global_max_with_every_scale_zero():
     w = layer(scales=True)
-    w.fc1_input_scale.zero_()
+    w.gate_up_input_scale.zero_()
     with pytest.raises(ValueError, match="every calibrated input scale is 0"):
         fp4moe_ops.prepare_experts(w, "reference", "global_max")
 
@@ -257,7 +257,7 @@ def test_a_failed_set_backend_leaves_the_experts_as_they_were():
     p = fp4moe_ops.prepare_experts(w, "reference")
     x, ids, rw = torch.randn(3, 64, dtype=torch.bfloat16), torch.randint(0, 4, (3, 2)), torch.rand(3, 2)
     before = p(x, ids, rw)
-    w.fc1_input_scale.zero_()  # the module holds these tensors
-    with pytest.raises(ValueError, match="fc1_input_scale is 0"):
+    w.gate_up_input_scale.zero_()  # the module holds these tensors
+    with pytest.raises(ValueError, match="gate_up_input_scale is 0"):
         p.set_backend("reference", "per_expert")
     assert p.backend == "reference" and p.act_scale_mode is None and torch.equal(p(x, ids, rw), before)

@@ -105,7 +105,7 @@ def test_casting_a_model_with_nvfp4_experts_to_a_dtype_the_op_does_not_run_is_re
 
 @pytest.mark.parametrize("key,value", [("model.layers.1.mlp.experts.gate_up_proj_global_scale", float("nan")),
                                        ("model.layers.1.mlp.experts.down_proj_global_scale", 0.0),
-                                       ("model.layers.1.mlp.experts.fc1_input_scale", -1.0),
+                                       ("model.layers.1.mlp.experts.gate_up_proj_input_scale", -1.0),
                                        ("model.layers.1.mlp.shared_experts.down_proj.weight_scale_2", float("nan")),
                                        ("model.layers.0.mlp.up_proj.weight_scale_2", float("nan"))])
 def test_load_state_dict_checks_scale_values_as_loading_a_checkpoint_does(key, value):
@@ -265,8 +265,8 @@ def test_set_backend_checks_every_layer_first():
     model = patch_deepseek(tiny_deepseek_v3())
     calibrate_activation_scales(model, [torch.randint(1, 256, (2, 12))])
     before = logits(model, IDS)
-    model.model.layers[2].mlp.experts.fc2_input_scale[4] = 0.0  # the last layer cannot run per_expert
-    with pytest.raises(ValueError, match=r"fc2_input_scale is 0 for experts \[4\]"):
+    model.model.layers[2].mlp.experts.down_proj_input_scale[4] = 0.0  # the last layer cannot run per_expert
+    with pytest.raises(ValueError, match=r"down_input_scale is 0 for experts \[4\]"):
         set_backend(model, "reference", "per_expert")
     assert all(layer.mlp.experts.act_scale_mode is None for layer in model.model.layers[1:])
     assert torch.equal(logits(model, IDS), before)
@@ -283,7 +283,7 @@ def test_calibration_with_non_finite_activations_leaves_the_model_as_it_was(bad)
         calibrate_activation_scales(model, [torch.tensor([[5, 6, 7, 8]])])
     emb.data[7] = saved
     experts = model.model.layers[1].mlp.experts
-    assert "fc1_input_scale" not in experts._buffers and experts.backend == "reference"
+    assert "gate_up_proj_input_scale" not in experts._buffers and experts.backend == "reference"
     assert torch.equal(logits(model, IDS), before)
 
 
@@ -299,7 +299,7 @@ def test_calibration_without_batches():
             calibrate_activation_scales(model, [torch.randint(1, 256, (1, 5)), empty])
     from hf_integration import find_experts_modules
 
-    assert all(getattr(m, "fc1_input_scale", None) is None for _, m in find_experts_modules(model))
+    assert all(getattr(m, "gate_up_proj_input_scale", None) is None for _, m in find_experts_modules(model))
 
 
 # --- quantize_linears on a model fp4moe has not patched --------------------------------------------
@@ -354,6 +354,6 @@ def test_an_expert_no_token_reaches_gets_its_layers_largest_scale():
     ids = torch.tensor([[7]])  # one token: top-2 of 8 experts, six are never reached
     calibrate_activation_scales(model, [ids])
     experts = model.model.layers[1].mlp.experts
-    for s in (experts.fc1_input_scale, experts.fc2_input_scale):
+    for s in (experts.gate_up_proj_input_scale, experts.down_proj_input_scale):
         top = s.max()
         assert (s == top).sum() >= 6 and bool((s > 0).all())

@@ -234,8 +234,8 @@ def test_llama4_fused_experts_load_to_the_oracles_weights_and_save_to_modelopts_
         experts = model.model.layers[layer].feed_forward.experts
         w = experts.canonical()
         prefix = f"model.layers.{layer}.feed_forward.experts"
-        gate_up = _decode32(w.w13, w.w13_scale, w.w13_global[:, None, None])  # [E, 2I, H]: canonical
-        down = _decode32(w.w2, w.w2_scale, w.w2_global[:, None, None])
+        gate_up = _decode32(w.gate_up, w.gate_up_scale, w.gate_up_global_scale[:, None, None])  # [E, 2I, H]: canonical
+        down = _decode32(w.down, w.down_scale, w.down_global_scale[:, None, None])
         assert torch.equal(gate_up.transpose(1, 2).to(torch.bfloat16), oracle[f"{prefix}.gate_up_proj"])
         assert torch.equal(down.transpose(1, 2).to(torch.bfloat16), oracle[f"{prefix}.down_proj"])
     model.save_pretrained(tmp_path)
@@ -280,9 +280,9 @@ def test_compressed_tensors_global_scales_divide():
     w = model.model.layers[1].mlp.experts.canonical()
     prefix = "model.layers.1.mlp.experts"
     for e in range(8):
-        assert w.w2_global[e] == 1.0 / tensors[f"{prefix}.{e}.down_proj.weight_global_scale"][0]
-        assert w.fc2_input_scale[e] == 1.0 / tensors[f"{prefix}.{e}.down_proj.input_global_scale"][0]
-        assert torch.equal(w.w2[e], tensors[f"{prefix}.{e}.down_proj.weight_packed"])
+        assert w.down_global_scale[e] == 1.0 / tensors[f"{prefix}.{e}.down_proj.weight_global_scale"][0]
+        assert w.down_input_scale[e] == 1.0 / tensors[f"{prefix}.{e}.down_proj.input_global_scale"][0]
+        assert torch.equal(w.down[e], tensors[f"{prefix}.{e}.down_proj.weight_packed"])
     # the other convention would make the weights off by ~(2688/amax)^2: the logits above pass only one way
 
 

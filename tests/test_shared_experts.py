@@ -176,11 +176,11 @@ def test_a_calibrated_fused_model_state_dict_holds_the_shared_input_scales_and_l
     state = {k: v.clone() for k, v in model.state_dict().items()}  # (not aliases of the buffers changed below)
     key = next(k for k in state if k.endswith("shared_experts.down_proj.input_scale"))
     fused = next(m for m in model.modules() if isinstance(m, SharedExpertMoE))
-    assert torch.equal(state[key], fused.experts.fc2_input_scale[-1])
+    assert torch.equal(state[key], fused.experts.down_proj_input_scale[-1])
     before = {k: v.clone() for k, v in state.items()}
     for m in model.modules():
         if isinstance(m, SharedExpertMoE):
-            m.experts.fc1_input_scale.mul_(2)
+            m.experts.gate_up_proj_input_scale.mul_(2)
     model.load_state_dict(state)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
@@ -229,8 +229,8 @@ def test_loading_with_kept_nvfp4_linears_fuses_and_matches_the_unfused_load(tmp_
     shared = moe_layers[0].shared_experts
     fused_block = blocks(fused, SharedExpertMoE)[0]
     w = fused_block.split()[1]
-    assert torch.equal(w.w13[0], torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))  # the file's bytes
-    assert torch.equal(w.w2_global[0], shared.down_proj.weight_scale_2)
+    assert torch.equal(w.gate_up[0], torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))  # the file's bytes
+    assert torch.equal(w.down_global_scale[0], shared.down_proj.weight_scale_2)
     ids = torch.randint(1, 200, (1, 8))
     # three NVFP4 linears (weight rounded to bf16 after the global scale) vs the expert kernel's
     # arithmetic (exact decode, global scale on the float32 sum) on the same bytes. In our saved tiny
@@ -304,12 +304,12 @@ def test_recalibrating_a_loaded_fused_model_moves_the_shared_input_scales_of_its
     key = next(k for k in model.state_dict() if k.endswith("shared_experts.down_proj.input_scale"))
     filed = model.state_dict()[key].clone()
     calibrate_activation_scales(model, [torch.randint(1, 200, (2, 10))])
-    calibrated = fused.experts.fc2_input_scale[-1].clone()
+    calibrated = fused.experts.down_proj_input_scale[-1].clone()
     assert not torch.equal(calibrated, filed)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     assert torch.equal(state[key], calibrated)
     model.load_state_dict(state)
-    assert torch.equal(fused.experts.fc2_input_scale[-1], calibrated)
+    assert torch.equal(fused.experts.down_proj_input_scale[-1], calibrated)
 
 
 def test_nvfp4_activations_are_refused_on_fused_experts_and_change_nothing():

@@ -104,14 +104,14 @@ def test_first_call_compiles_every_variant_of_the_layer(e, h, i, k, monkeypatch,
     from fp4moe_ops.backends.triton_moe import kernels
     from fp4moe_ops.backends.triton_moe.launch import _gluon_runs, compile_layer_once
 
-    kernel_fns = [kernels._route_kernel, kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel,
+    kernel_fns = [kernels._route_kernel, kernels._gate_up_swiglu_kernel, kernels._down_kernel,
                   kernels._sum_topk_kernel]
     gluon_runs = _gluon_runs(torch.empty(1, dtype=torch.bfloat16, device="cuda"))
     gluon = kernel_config(64 * e, e, h, i)["GLUON_PREFILL"] and gluon_runs
     v3 = kernel_config(k, e, h, i)["DECODE_V3"] and gluon_runs
     if v3:
-        from fp4moe_ops.backends.triton_moe.decode_v3 import _gemm1_v3_kernel, _gemm2_v3_kernel
-        kernel_fns += [_gemm1_v3_kernel, _gemm2_v3_kernel]
+        from fp4moe_ops.backends.triton_moe.decode_v3 import _gate_up_v3_kernel, _down_v3_kernel
+        kernel_fns += [_gate_up_v3_kernel, _down_v3_kernel]
     if gluon:
         from fp4moe_ops.backends.triton_moe.prefill_rs import _prefill_gemm_kernel
         kernel_fns.append(_prefill_gemm_kernel)
@@ -334,7 +334,7 @@ def test_kernel_config_buckets():
     # rows per expert: <= 8 decode (16-row blocks), 8-16 middle (32-row blocks, TMA shapes only), > 16 prefill
     assert [kernel_config(t * 8, 256, 7168, 2048)["BM"] for t in (1, 256, 257, 512, 513)] == [16, 16, 32, 32, 64]
     assert kernel_config(512 * 8, 256, 64, 32)["BM"] == 16  # no TMA: no middle bucket
-    # GEMM1's gate and up in one K loop wherever TMA fits; static K loops (pipelined wgmma) at 1 token
+    # the gate_up GEMM's gate and up in one K loop wherever TMA fits; static K loops (pipelined wgmma) at 1 token
     # and from the middle bucket on, run-time ones for the rest of the decode bucket
     modes = [(c["MERGED_GATE_UP"], c["PIPELINED_MMA1"], c["PIPELINED_MMA2"])
              for c in (kernel_config(t * 8, 256, 7168, 2048) for t in (1, 2, 256, 257, 8192))]
@@ -362,29 +362,29 @@ def test_decode_v3_views_hold_each_warps_chunk():
     from fp4moe_ops.backends.triton_moe.decode_v3 import gate_up_views, scale_view, weight_view
 
     e, h, i = 3, 512, 1024
-    w2 = torch.randint(-2**31, 2**31 - 1, (e, h // 2, i // 4), dtype=torch.int32)
-    s2 = torch.randint(0, 256, (e, h, i // 16), dtype=torch.uint8)
-    pair_bytes, scale_bytes = w2.view(torch.uint8).reshape(e * h // 2, i), s2.reshape(e * h, i // 16).long()
+    down = torch.randint(-2**31, 2**31 - 1, (e, h // 2, i // 4), dtype=torch.int32)
+    down_scale = torch.randint(0, 256, (e, h, i // 16), dtype=torch.uint8)
+    pair_bytes, scale_bytes = down.view(torch.uint8).reshape(e * h // 2, i), down_scale.reshape(e * h, i // 16).long()
 
     def word(row_bytes, c):  # little-endian int32 of blocks 4c .. 4c + 3
         v = sum(int(row_bytes[4 * c + b]) << (8 * b) for b in range(4))
         return v - (1 << 32) if v >= 1 << 31 else v
 
     for sps in (1, 2):
-        wv, sv = weight_view(w2, sps), scale_view(s2, sps)
+        wv, sv = weight_view(down, sps), scale_view(down_scale, sps)
         assert wv.shape == (sps, 4, i // (256 * sps), e * h // 2, 64) and sv.shape == (sps, i // (256 * sps), e * h, 4)
         for j, w, q, p in [(0, 0, 0, 0), (sps - 1, 3, 1, 5), (0, 2, i // (256 * sps) - 1, e * h // 2 - 1)]:
             c = 4 * (sps * q + j) + w
             assert torch.equal(wv[j, w, q, p], pair_bytes[p, 64 * c:64 * c + 64])
             assert int(sv[j, q, 2 * p + 1, w]) == word(scale_bytes[2 * p + 1], c)
-    w13 = torch.randint(-2**31, 2**31 - 1, (e, i, h // 4), dtype=torch.int32)
-    s13 = torch.randint(0, 256, (e, 2 * i, h // 16), dtype=torch.uint8)
-    wv, sv = gate_up_views(w13, s13)
-    gate_up_bytes = w13.view(torch.uint8).reshape(e, i, h)  # pair rows: gate's i/2, then up's
+    gate_up = torch.randint(-2**31, 2**31 - 1, (e, i, h // 4), dtype=torch.int32)
+    gate_up_scale = torch.randint(0, 256, (e, 2 * i, h // 16), dtype=torch.uint8)
+    wv, sv = gate_up_views(gate_up, gate_up_scale)
+    gate_up_bytes = gate_up.view(torch.uint8).reshape(e, i, h)  # pair rows: gate's i/2, then up's
     for step, w, ex, u, p in [(0, 0, 0, 0, 0), (h // 256 - 1, 3, 2, 1, i // 2 - 1), (0, 1, 1, 1, 7)]:
         c = 4 * step + w
         assert torch.equal(wv[w, step, 2 * ex + u, p], gate_up_bytes[ex, u * i // 2 + p, 64 * c:64 * c + 64])
-        assert int(sv[step, u, ex, 2 * p, w]) == word(s13[ex, u * i + 2 * p].long(), c)
+        assert int(sv[step, u, ex, 2 * p, w]) == word(gate_up_scale[ex, u * i + 2 * p].long(), c)
 
 
 def test_kernel_config_uses_tma_only_where_boxes_fit():
@@ -442,7 +442,7 @@ def test_fragment_order_is_the_mma_quad_layout():
 @pytest.mark.parametrize("fragment,paired", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("merged", [False, True])
 def test_triton_decode_variants(fragment, paired, merged):
-    # The decode kernels with K in natural or fragment order, canonical or paired weights, GEMM1
+    # The decode kernels with K in natural or fragment order, canonical or paired weights, the gate_up GEMM
     # with gate and up in two K loops or in one (merged tiles): the same NVFP4 layer, the same
     # float64 answer.
     e, h, i, t, k = 4, 512, 256, 6, 2
@@ -480,7 +480,7 @@ def test_triton_prefill_tiles_with_bk128(paired):
 
 @pytest.mark.parametrize("bm,bn1,pipelined,paired", [(16, 64, False, True), (64, 128, True, True), (32, 128, True, False)])
 def test_triton_merged_gate_up_tiles(bm, bn1, pipelined, paired):
-    # GEMM1 with BN1/2 gate rows and the same up rows in one K loop (4-D TMA boxes over [E, 2, I, *]
+    # the gate_up GEMM with BN1/2 gate rows and the same up rows in one K loop (4-D TMA boxes over [E, 2, I, *]
     # of the paired or canonical weights), with a static or a run-time K loop: several tiles per
     # expert, several blocks per expert, an unused slot.
     e, h, i, t, k = 3, 512, 256, 40, 2
@@ -531,10 +531,10 @@ def test_paired_layout_round_trip_and_checks():
     w = layer(3, 256, 256)
     prepared = kernel_tensors(w)
     assert prepared[0].dtype == torch.int32 and prepared[0].shape == (3, 256, 64)
-    assert torch.equal(canonical_from_paired(prepared[0]), w.w13) and torch.equal(canonical_from_paired(prepared[3]), w.w2)
-    assert not torch.equal(prepared[0].view(torch.uint8).reshape(w.w13.shape), w.w13)  # really permuted
+    assert torch.equal(canonical_from_paired(prepared[0]), w.gate_up) and torch.equal(canonical_from_paired(prepared[3]), w.down)
+    assert not torch.equal(prepared[0].view(torch.uint8).reshape(w.gate_up.shape), w.gate_up)  # really permuted
     assert BACKENDS["triton"].check_expert_tensors(prepared, 256) == 3
-    with pytest.raises(ValueError, match="w2 \\(paired\\)"):
+    with pytest.raises(ValueError, match="down \\(paired\\)"):
         BACKENDS["triton"].check_expert_tensors(prepared[:3] + [prepared[3][:, :64]] + prepared[4:], 256)
     with pytest.raises(ValueError, match="N % 16"):
         paired_weight_layout(torch.zeros(1, 8, 4, dtype=torch.uint8))
@@ -601,14 +601,14 @@ def test_fragment_order_config_with_narrow_tiles_is_refused():
 
 
 
-@pytest.mark.parametrize("kernel,pipelined", [("gemm2", True), ("gemm2", False), ("gemm1", True)])
+@pytest.mark.parametrize("kernel,pipelined", [("down", True), ("down", False), ("gate_up", True)])
 def test_static_k_loop_lets_ptxas_pipeline_the_wgmma(kernel, pipelined):
     # With a run-time K loop ptxas waited for each wgmma before issuing the next (the
     # loop's zero-trip path sets the accumulators outside a wgmma); H and I as constexprs make the
-    # loop static and the wgmma overlap. benchmarks/probes/sass_count.py compiles the decode GEMM2 of a
+    # loop static and the wgmma overlap. benchmarks/probes/sass_count.py compiles the decode down GEMM of a
     # DeepSeek-V3 layer for sm90 with Triton's bundled ptxas (no GPU; in a process of its own,
     # since the tests run Triton's interpreter) and reports the SASS wgmma waits: 16 wgmma per K
-    # step, each followed by a full wait (N = 0) when serialized. Also the prefill GEMM1 (merged
+    # step, each followed by a full wait (N = 0) when serialized. Also the prefill gate_up GEMM (merged
     # gate/up tiles, pipelined by default).
     import ast
     import os
@@ -623,8 +623,8 @@ def test_static_k_loop_lets_ptxas_pipeline_the_wgmma(kernel, pipelined):
         pytest.skip("this Triton has no bundled cuobjdump")
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = ["--tokens", "8", "--set", f"PIPELINED_MMA2={int(pipelined)}"] if kernel == "gemm2" else \
-        ["--tokens", "2048", "--gemm1"]
+    args = ["--tokens", "8", "--set", f"PIPELINED_MMA2={int(pipelined)}"] if kernel == "down" else \
+        ["--tokens", "2048", "--gate-up"]
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / "sass_count.py"), *args], capture_output=True,
                          text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -679,9 +679,9 @@ def test_gluon_prefill_gemms_refuse_ring_depths_and_shapes_they_cannot_run():
 
     def call(h, i, stages):
         x = torch.zeros(4, h, dtype=torch.bfloat16)
-        s13 = torch.zeros(1, 2 * i, h // 16, dtype=torch.uint8)
-        w13 = torch.zeros(1, i, h // 4, dtype=torch.int32)
-        prefill_rs.prefill_gemms(x, w13, s13, None, None, None, None, None, None, None, None, None, stages=stages)
+        gate_up_scale = torch.zeros(1, 2 * i, h // 16, dtype=torch.uint8)
+        gate_up = torch.zeros(1, i, h // 4, dtype=torch.int32)
+        prefill_rs.prefill_gemms(x, gate_up, gate_up_scale, None, None, None, None, None, None, None, None, None, stages=stages)
 
     for stages in (1, 2, 5, 6):
         with pytest.raises(ValueError, match="stages must be at least 3 and the rings fit"):
@@ -848,8 +848,8 @@ def test_gluon_prefill_keeps_a_nan_expert_to_its_own_tokens(monkeypatch):
     e, h, i, t, k = 8, 512, 256, 1100, 2
     w = layer(e, h, i)
     bad = fp4moe_ops.NVFP4MoEWeights(*(a.clone() for a in w.tensors()))
-    bad.w13_global[3] = float("nan")
-    bad.w2_global[3] = float("nan")
+    bad.gate_up_global_scale[3] = float("nan")
+    bad.down_global_scale[3] = float("nan")
     x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     ids = torch.where(ids == 3, 5, ids)

@@ -94,16 +94,19 @@ def gpt_oss_arguments(e: int, hp: int, ip: int, nvfp4: bool = False):
     scale = torch.uint8 if nvfp4 else torch.int8
     shapes = [((e, ip, hp // 4), torch.int32), ((e, 2 * ip, hp // 16), scale), ((e, 2 * ip), torch.float32),
               ((e, hp // 2, ip // 4), torch.int32), ((e, hp, ip // 16), scale), ((e, hp), torch.float32)]
-    w13, s13, b1, w2, s2, b2 = (torch.empty(shape, dtype=dtype) for shape, dtype in shapes)
-    g13, g2 = (torch.empty(e) for _ in range(2)) if nvfp4 else (b1, b1)
-    return [w13, s13, g13, w2, s2, g2], GptOssTerms(b1, b2, 1.702, 7.0)
+    gate_up, gate_up_scale, gate_up_bias, down, down_scale, down_bias = (torch.empty(shape, dtype=dtype)
+                                                                         for shape, dtype in shapes)
+    global_scales = (torch.empty(e) for _ in range(2)) if nvfp4 else (gate_up_bias, gate_up_bias)  # (E8M0: unused)
+    gate_up_global_scale, down_global_scale = global_scales
+    return ([gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale],
+            GptOssTerms(gate_up_bias, down_bias, 1.702, 7.0))
 
 
 def cached_variants() -> int:
     from fp4moe_ops.backends.triton_moe import decode_v3, kernels, prefill_rs
 
-    fns = (kernels._gemm1_swiglu_kernel, kernels._gemm2_kernel, kernels._sum_topk_kernel,
-           prefill_rs._prefill_gemm_kernel, decode_v3._gemm1_v3_kernel, decode_v3._gemm2_v3_kernel,
+    fns = (kernels._gate_up_swiglu_kernel, kernels._down_kernel, kernels._sum_topk_kernel,
+           prefill_rs._prefill_gemm_kernel, decode_v3._gate_up_v3_kernel, decode_v3._down_v3_kernel,
            kernels._linear_kernel, kernels._linear_parts_kernel, kernels._dequant_kernel, decode_v3._linear_v3_kernel)
     return sum(len(c[0]) for fn in fns for c in fn.device_caches.values())
 

@@ -1,7 +1,7 @@
 """One MoE call for Nsight Compute: the Triton backend on a DeepSeek-V3-shaped layer
 with ``--experts`` experts, called twice (the first compiles); profile the second call's GEMMs:
 
-    ncu --clock-control none --kernel-name regex:_gemm --launch-skip 2 --launch-count 2 \\
+    ncu --clock-control none --kernel-name "regex:_gate_up_|_down_|_prefill_gemm" --launch-skip 2 --launch-count 2 \\
         --section SpeedOfLight --section WarpStateStats python3 benchmarks/probes/ncu_layer.py --tokens 1024
 """
 

@@ -41,8 +41,8 @@ def main():
     args = ap.parse_args()
     dev = "cuda"
     torch.manual_seed(0)
-    w13 = torch.randn(E, H, 2 * I, device=dev, dtype=torch.bfloat16) / H**0.5  # [E, H, 2I]
-    w2 = torch.randn(E, I, H, device=dev, dtype=torch.bfloat16) / I**0.5  # [E, I, H]
+    gate_up = torch.randn(E, H, 2 * I, device=dev, dtype=torch.bfloat16) / H**0.5  # [E, H, 2I]
+    down = torch.randn(E, I, H, device=dev, dtype=torch.bfloat16) / I**0.5  # [E, I, H]
     ours = fp4moe_ops.prepare_experts(random_weights(E, H, I, dev), "triton")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| tokens | GEMM FLOPs | dense pair | bmm balanced | grouped_mm balanced | fp4moe layer |")
@@ -55,9 +55,9 @@ def main():
         hs = [torch.randn(s, I, device=dev, dtype=torch.bfloat16) for _ in range(args.sets)]
         offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * m
         cells = []
-        for fn in (lambda x, h: (x @ w13[0], h @ w2[0]),
-                   lambda x, h: (torch.bmm(x.view(E, m, H), w13), torch.bmm(h.view(E, m, I), w2)),
-                   lambda x, h: (torch._grouped_mm(x, w13, offs=offs), torch._grouped_mm(h, w2, offs=offs))):
+        for fn in (lambda x, h: (x @ gate_up[0], h @ down[0]),
+                   lambda x, h: (torch.bmm(x.view(E, m, H), gate_up), torch.bmm(h.view(E, m, I), down)),
+                   lambda x, h: (torch._grouped_mm(x, gate_up, offs=offs), torch._grouped_mm(h, down, offs=offs))):
             ms = graph_time_ms(fn, list(zip(xs, hs)))
             cells.append(f"{ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)")
         del xs, hs

@@ -45,11 +45,11 @@ def gluon_moe(x, ids, rw, tensors, stages=4, block_m=128, tails=()):
 
 def module_moe(module, x, ids, rw, tensors, stages=4):
     """The same path through ``module.prefill_gemms`` (an earlier copy: 128-row blocks)."""
-    w13, s13, g13, w2, s2, g2 = tensors
-    *routed, x_fragment = launch.route(ids, s13.shape[0], 128, x, 64)
+    num_experts = tensors[1].shape[0]  # (gate_up_scale [E, 2I, H/16])
+    *routed, x_fragment = launch.route(ids, num_experts, 128, x, 64)
     x_sorted = x_fragment.index_select(0, routed[0].long() // ids.shape[1])
-    y = module.prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, rw.contiguous(), *routed, stages=stages)
-    return launch._sum_topk(y, ids, x, s13.shape[0])
+    y = module.prefill_gemms(x_sorted, *tensors, rw.contiguous(), *routed, stages=stages)
+    return launch._sum_topk(y, ids, x, num_experts)
 
 
 def configs(block_ms, stages, rows_per_expert, tails=((),)):
@@ -155,18 +155,17 @@ def main():
             ms = graph_time_ms(lambda a, b, c: module_moe(other, a, b, c, tensors), inputs)
             print(f"  {args.compare_module} 128:4 layer {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         # the GEMMs alone (routing and gather outside the graph)
-        w13, s13, g13, w2, s2, g2 = tensors
         pre = []
         for x, ids, rw in inputs:
             *routed, x_fragment = launch.route(ids, e, 128, x, prefill_rs.BK.value)
             pre.append((x_fragment.index_select(0, routed[0].long() // k), rw.float().contiguous(), *routed))
         for diag in args.diag:
             for st in args.stages or [4]:
-                ms = graph_time_ms(lambda xs, rw, *r: prefill_rs.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, rw, *r,
-                                                                               stages=st, diag=diag), pre)
+                ms = graph_time_ms(lambda xs, rw, *r: prefill_rs.prefill_gemms(xs, *tensors, rw, *r, stages=st, diag=diag),
+                                   pre)
                 print(f"  gluon {st} GEMMs alone, diag {diag}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         if other is not None and args.diag:
-            ms = graph_time_ms(lambda xs, rw, *r: other.prefill_gemms(xs, w13, s13, g13, w2, s2, g2, rw, *r), pre)
+            ms = graph_time_ms(lambda xs, rw, *r: other.prefill_gemms(xs, *tensors, rw, *r), pre)
             print(f"  {args.compare_module} GEMMs alone: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         del inputs, pre
         torch.cuda.empty_cache()

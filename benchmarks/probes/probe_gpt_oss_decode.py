@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench_gpt_oss import ALPHA, LIMIT, make_routings, random_gpt_oss_experts  # noqa: E402
+from bench_gpt_oss import SWIGLU_ALPHA, LIMIT, make_routings, random_gpt_oss_experts  # noqa: E402
 from bench_moe import capture_graph, copy_bandwidth, replay_times_ms  # noqa: E402
 from fp4moe_ops.backends.triton_moe import gpt_oss_kernel_tensors  # noqa: E402
 from fp4moe_ops.backends.triton_moe.launch import triton_fused_moe  # noqa: E402
@@ -46,9 +46,9 @@ def nvfp4_gpt_oss(e, h, i, device):
                 torch.full((e,), 0.3 / k**0.5, device=device))
 
     bias = lambda n: (torch.randn(e, n, device=device) * 0.1).to(torch.bfloat16)  # noqa: E731
-    w13, s13, g13 = matrix(2 * i, h)
-    w2, s2, g2 = matrix(h, i)
-    return [w13, s13, g13, bias(2 * i), w2, s2, g2, bias(h)]
+    gate_up, gate_up_scale, gate_up_global_scale = matrix(2 * i, h)
+    down, down_scale, down_global_scale = matrix(h, i)
+    return [gate_up, gate_up_scale, gate_up_global_scale, bias(2 * i), down, down_scale, down_global_scale, bias(h)]
 
 
 @torch.no_grad()
@@ -65,14 +65,17 @@ def main():
     checkpoint = 13.24e6  # MXFP4 bytes an expert at these dims (bench_gpt_oss.py)
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; kernel layout MB/expert: "
           f"MXFP4 {per_expert['mx'] / 1e6:.2f}, NVFP4 {per_expert['nv'] / 1e6:.2f}")
-    w13, s13, b1, w2, s2, b2 = mx
-    terms = GptOssTerms(b1, b2, ALPHA, LIMIT)
-    nw13, ns13, ng13, nb1, nw2, ns2, ng2, nb2 = nv
+    gate_up, gate_up_scale, gate_up_bias, down, down_scale, down_bias = mx
+    terms = GptOssTerms(gate_up_bias, down_bias, SWIGLU_ALPHA, LIMIT)
+    nv_gate_up, nv_gate_up_scale, nv_gate_up_global, _, nv_down, nv_down_scale, nv_down_global, _ = nv
     variants = {
-        "op MXFP4": lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, mx, ALPHA, LIMIT, "triton"),
-        "kernels MXFP4": lambda x, ids, rw: triton_fused_moe(x, ids, rw, [w13, s13, b1, w2, s2, b1], gpt_oss=terms),
-        "op NVFP4": lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, nv, ALPHA, LIMIT, "triton"),
-        "kernels SiLU": lambda x, ids, rw: triton_fused_moe(x, ids, rw, [nw13, ns13, ng13, nw2, ns2, ng2]),
+        "op MXFP4": lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, mx, SWIGLU_ALPHA, LIMIT, "triton"),
+        # (the E8M0 scales need no global scales: the bias stands in for them)
+        "kernels MXFP4": lambda x, ids, rw: triton_fused_moe(
+            x, ids, rw, [gate_up, gate_up_scale, gate_up_bias, down, down_scale, gate_up_bias], gpt_oss=terms),
+        "op NVFP4": lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, nv, SWIGLU_ALPHA, LIMIT, "triton"),
+        "kernels SiLU": lambda x, ids, rw: triton_fused_moe(
+            x, ids, rw, [nv_gate_up, nv_gate_up_scale, nv_gate_up_global, nv_down, nv_down_scale, nv_down_global]),
     }
     print("| tokens | experts hit | variant | ms | padded floor ms | / padded floor | / MXFP4 checkpoint floor |")
     print("|---:|---:|---|---:|---:|---:|---:|")

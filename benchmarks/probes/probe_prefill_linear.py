@@ -57,8 +57,8 @@ def prefill_linear(x, w, s, g, block_m: int, stages: int, tails=()):
     for bm, experts, starts, ends in split_blocks(expert, start, end, parts, block_m, tails):
         launch_or_compile(_prefill_gemm_kernel, (n // 256, experts.numel()),
                           _descriptor(_by_k_step(xs), [2, bm, BK.value], 128), w_desc, s, g, y, ones, slots,
-                          experts, starts, ends, N_OUT=n, K=kp, EXPERT_PAIR_ROWS=n // 2, GEMM1=False, BLOCK_M=bm,
-                          b1_ptr=g, alpha=1.0, limit=1.0, GPT_OSS=False, STAGES=stages, REGS=248, DIAG=0, num_warps=4)
+                          experts, starts, ends, N_OUT=n, K=kp, EXPERT_PAIR_ROWS=n // 2, GATE_UP=False, BLOCK_M=bm,
+                          gate_up_bias_ptr=g, swiglu_alpha=1.0, limit=1.0, GPT_OSS=False, STAGES=stages, REGS=248, DIAG=0, num_warps=4)
     return y.view(parts, t, n).sum(0).to(torch.bfloat16)
 
 

@@ -6,8 +6,8 @@ programs, the same way.
 
 DeepSeek-V3's layer (E=256, H=7168, I=2048, top-8; paired weights with random bytes and valid
 block scales: the timing does not depend on the values). The stream kernels take the decode
-bucket's grid (a program per row block of 16 tokens and weight tile of 64 rows: GEMM1 2I/64 tiles,
-GEMM2 H/64) and load each program's weight tile (32 pair rows x 256 bytes) and scale tile (64 rows x
+bucket's grid (a program per row block of 16 tokens and weight tile of 64 rows: the gate_up GEMM 2I/64 tiles,
+the down GEMM H/64) and load each program's weight tile (32 pair rows x 256 bytes) and scale tile (64 rows x
 16 bytes) through TMA, pipelined over ``--stages``, for every K step of 256, as the GEMM kernels
 do; then they fold the words with XOR (a few instructions per step, so nothing is left but the
 loads) and store one word per program. No decode, no MMA, no activations. They use fewer registers
@@ -18,8 +18,8 @@ copied and waited for; routing, activations, MMA and epilogues as they are). Eac
 CUDA-graph replays over 8 routings (``bench_moe.graph_time_ms``), the routing kernel included in all; TB/s over the bytes of the
 distinct experts hit (24.8 MB each), and the ratio to the copy-bandwidth floor.
 
-``--parts`` (instead of the stream rows): what each of the layer's four launches (routing, GEMM1,
-GEMM2, top-k sum) adds, by timing graphs that leave some out. Routing then runs outside the graph
+``--parts`` (instead of the stream rows): what each of the layer's four launches (routing, the gate_up GEMM,
+the down GEMM, top-k sum) adds, by timing graphs that leave some out. Routing then runs outside the graph
 (its outputs computed once per routing before capture), and a left-out kernel is not launched at
 all; also the layer with programmatic dependent launch (config key ``PDL``), and with the routing
 launch at one token too (config key ``SLOT_BLOCKS`` off; it is on by default, and only one-token
@@ -67,12 +67,12 @@ def _stream_kernel(w_desc, s_desc, block_expert_ptr, out_ptr, W_ROWS_PER_EXPERT:
                  ^ tl.xor_sum(tl.xor_sum(acc_s, axis=1), axis=0))
 
 
-def stream(ids, w13, s13, w2, s2, stages):
+def stream(ids, gate_up, gate_up_scale, down, down_scale, stages):
     """Routing (as the layer's decode bucket does), then the two stream launches."""
     block_expert = launch.route(ids, E, 16)[1]
     out = torch.empty(block_expert.numel() * (H // BN), dtype=torch.int32, device=ids.device)
-    for w, s, w_rows, s_rows, steps, tiles in ((w13, s13, I, 2 * I, H // BK, 2 * I // BN),
-                                               (w2, s2, H // 2, H, I // BK, H // BN)):
+    for w, s, w_rows, s_rows, steps, tiles in ((gate_up, gate_up_scale, I, 2 * I, H // BK, 2 * I // BN),
+                                               (down, down_scale, H // 2, H, I // BK, H // BN)):
         w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [32, 64])
         s_desc = TensorDescriptor.from_tensor(s.view(torch.int32).view(-1, s.shape[-1] // 4), [64, 4])
         _stream_kernel[(block_expert.numel(), tiles)](w_desc, s_desc, block_expert, out, W_ROWS_PER_EXPERT=w_rows,
@@ -115,9 +115,9 @@ def parts(t, inputs, tensors, row):
                                          [(*a, y) for a, y in zip(inputs, sum_out)]))
     launch.route = cached_route
     try:
-        for name, left_out in (("no routing", ()), ("GEMM1 + GEMM2", (kernels._sum_topk_kernel,)),
-                               ("GEMM1 alone", (kernels._sum_topk_kernel, kernels._gemm2_kernel)),
-                               ("GEMM2 alone", (kernels._sum_topk_kernel, kernels._gemm1_swiglu_kernel))):
+        for name, left_out in (("no routing", ()), ("gate_up + down GEMMs", (kernels._sum_topk_kernel,)),
+                               ("the gate_up GEMM alone", (kernels._sum_topk_kernel, kernels._down_kernel)),
+                               ("the down GEMM alone", (kernels._sum_topk_kernel, kernels._gate_up_swiglu_kernel))):
             launch.launch_or_compile = without(*left_out)
             row(name, graph_time_ms(routed_layer, inputs))  # (the routing launch's kernels, routing outside)
     finally:
@@ -133,12 +133,12 @@ def main():
     torch.manual_seed(0)
     dev = "cuda"
     # paired weights as the backend holds them (int32 words, scale bytes), random; scales 0x30-0x3f (E4M3 0.5-0.94)
-    w13 = torch.randint(-2**31, 2**31 - 1, (E, I, H // 4), dtype=torch.int32, device=dev)
-    w2 = torch.randint(-2**31, 2**31 - 1, (E, H // 2, I // 4), dtype=torch.int32, device=dev)
-    s13 = torch.randint(0x30, 0x40, (E, 2 * I, H // 16), dtype=torch.uint8, device=dev)
-    s2 = torch.randint(0x30, 0x40, (E, H, I // 16), dtype=torch.uint8, device=dev)
+    gate_up = torch.randint(-2**31, 2**31 - 1, (E, I, H // 4), dtype=torch.int32, device=dev)
+    down = torch.randint(-2**31, 2**31 - 1, (E, H // 2, I // 4), dtype=torch.int32, device=dev)
+    gate_up_scale = torch.randint(0x30, 0x40, (E, 2 * I, H // 16), dtype=torch.uint8, device=dev)
+    down_scale = torch.randint(0x30, 0x40, (E, H, I // 16), dtype=torch.uint8, device=dev)
     g = torch.full((E,), 1e-3, device=dev)
-    tensors = (w13, s13, g, w2, s2, g)
+    tensors = (gate_up, gate_up_scale, g, down, down_scale, g)
     bw = copy_bandwidth(dev)
     per_expert = 3 * H * I * (0.5 + 1 / 16)
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; {per_expert / 1e6:.1f} MB per expert")
@@ -161,7 +161,8 @@ def main():
         row("layer, no decode", graph_time_ms(lambda x, ids, rw: launch.triton_fused_moe(x, ids, rw, tensors,
                                                                                           config=no_decode), inputs))
         for st in (int(v) for v in args.stages.split(",")):
-            row(f"stream, {st} stages", graph_time_ms(lambda x, ids, rw: stream(ids, w13, s13, w2, s2, st), inputs))
+            row(f"stream, {st} stages",
+                graph_time_ms(lambda x, ids, rw: stream(ids, gate_up, gate_up_scale, down, down_scale, st), inputs))
         del inputs
 
 

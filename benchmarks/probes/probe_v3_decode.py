@@ -4,8 +4,8 @@ the wgmma kernels, A B A B in one process.
     python benchmarks/probes/probe_v3_decode.py [--tokens 1,2,4,8,16,32,64] [--variants 2:2:2:8,2:1:2:8]
 
 DeepSeek-V3's layer, random NVFP4 weights and routing (bench_moe's), 8 routings per CUDA graph,
-median of replays. Variants: ``STAGES:SPS:STAGES1[:BM]`` (GEMM2's ring slots and steps per slot,
-GEMM1's ring slots, the routed row blocks' rows); kernel_config's own choice is reported as "as
+median of replays. Variants: ``STAGES:SPS:STAGES1[:BM]`` (the down GEMM's ring slots and steps per slot,
+the gate_up GEMM's ring slots, the routed row blocks' rows); kernel_config's own choice is reported as "as
 configured". Every variant is checked against the reference backend on the first 32 tokens.
 """
 

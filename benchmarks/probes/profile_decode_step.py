@@ -36,7 +36,7 @@ from bench_decoder_layer import forward_step_ms  # noqa: E402
 from bench_generate_batch import QWEN3_30B_A3B, qwen3_moe  # noqa: E402
 
 GROUPS = [  # first match wins; lower-case substrings of kernel names
-    ("fp4moe experts (Triton)", ("_gemm1", "_gemm2", "_prefill_gemm", "_route_kernel", "_sum_topk")),
+    ("fp4moe experts (Triton)", ("_gate_up_", "_down_", "_prefill_gemm", "_route_kernel", "_sum_topk")),
     ("fp4moe NVFP4 linears (Triton)", ("_linear", "_dequant_kernel")),
     ("attention (SDPA/flash)", ("flash", "fmha", "attention", "sdpa", "softmax")),
     ("GEMM/GEMV (cuBLAS, cutlass, grouped_mm)", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "grouped", "matmul")),

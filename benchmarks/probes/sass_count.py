@@ -6,7 +6,7 @@ GPU machine: ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/t
     python benchmarks/probes/sass_count.py                       # current decode config (paired weights)
     python benchmarks/probes/sass_count.py --canonical           # fragment order over canonical weights
     python benchmarks/probes/sass_count.py --no-fragment-order   # the natural-K-order decode
-    python benchmarks/probes/sass_count.py --tokens 2048 --gemm1 --set PIPELINED_MMA1=0   # wgmma serialized
+    python benchmarks/probes/sass_count.py --tokens 2048 --gate-up --set PIPELINED_MMA1=0   # wgmma serialized
 """
 
 import argparse
@@ -69,7 +69,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-fragment-order", action="store_true")
     ap.add_argument("--canonical", action="store_true", help="canonical instead of paired weights")
-    ap.add_argument("--gemm1", action="store_true", help="the GEMM1 loop instead of GEMM2")
+    ap.add_argument("--gate-up", action="store_true", help="the gate_up GEMM loop instead of the down GEMM")
     ap.add_argument("--top", type=int, default=12, help="how many instruction kinds to list")
     ap.add_argument("--tokens", type=int, default=8, help="picks the bucket (8: decode, 2048: prefill)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=INT", help="config overrides, e.g. BM=128")
@@ -79,8 +79,8 @@ def main():
     if args.no_fragment_order:
         cfg["FRAGMENT_ORDER"] = False
     paired = cfg["FRAGMENT_ORDER"] and not args.canonical
-    merged = args.gemm1 and bool(cfg.get("MERGED_GATE_UP"))
-    bn, bk = (cfg["BN1"], cfg["BK1"]) if args.gemm1 else (cfg["BN2"], cfg["BK2"])
+    merged = args.gate_up and bool(cfg.get("MERGED_GATE_UP"))
+    bn, bk = (cfg["BN1"], cfg["BK1"]) if args.gate_up else (cfg["BN2"], cfg["BK2"])
     if merged:  # 4-D boxes over [E, 2, I, *] (launch._gate_up_descriptors)
         w_box = f"[1, 2, {bn // 4}, {bk}]" if paired else f"[1, 2, {bn // 2}, {bk // 2}]"
         desc = {"w_desc": f"tensordesc<u8{w_box}>", "s_desc": f"tensordesc<u8[1, 2, {bn // 2}, {bk // 16}]>"}
@@ -94,21 +94,22 @@ def main():
     constants = dict(BM=cfg["BM"], BN=bn, BK=bk, PREFETCH=cfg["PREFETCH"], FAST_DECODE=True, INTERPRET=False,
                      TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"], PAIRED=paired,
                      FAST_SCALES=bool(cfg.get("FAST_SCALES", 1)), H=7168, I=2048,
-                     PIPELINED_MMA=bool(cfg["PIPELINED_MMA1" if args.gemm1 else "PIPELINED_MMA2"]),
+                     PIPELINED_MMA=bool(cfg["PIPELINED_MMA1" if args.gate_up else "PIPELINED_MMA2"]),
                      PDL=bool(cfg.get("PDL")), DIAG=int(cfg.get("DIAG", 0)),
                      SLOT_BLOCKS=args.tokens == 1, E=256)  # (one token: the GEMMs read the ids themselves)
     common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "K_RUNTIME": "i32"}
-    if args.gemm1:
-        constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, GPT_OSS=False, b1_ptr=None)  # (SiLU: NVFP4's)
-        kernel, sig = kernels._gemm1_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32",
-                                                     "alpha": "fp32", "limit": "fp32"}
+    if args.gate_up:
+        constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, GPT_OSS=False, gate_up_bias_ptr=None)  # (SiLU: NVFP4's)
+        kernel, sig = kernels._gate_up_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32",
+                                                     "swiglu_alpha": "fp32", "limit": "fp32"}
     else:
-        kernel, sig = kernels._gemm2_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
+        kernel, sig = kernels._down_kernel, {"a_ptr": "*bf16", **common, "topk_weights_ptr": "*fp32",
                                               "out_ptr": "*fp32"}
     sig = {n: sig[n] for n in kernel.arg_names if n in sig} | desc | {k: "constexpr" for k in constants}
     regs, serialized, waits, loops, smem = loop_histograms(kernel, sig, constants, cfg["num_warps"],
                                                            cfg["num_stages"], cfg.get("maxnreg", 0))
-    print(f"triton {triton.__version__}, {args.tokens} tokens {'GEMM1' if args.gemm1 else 'GEMM2'}, paired={paired}, {cfg}\n"
+    gemm = "the gate_up GEMM" if args.gate_up else "the down GEMM"
+    print(f"triton {triton.__version__}, {args.tokens} tokens {gemm}, paired={paired}, {cfg}\n"
           f"registers per thread: {regs}; shared memory {smem / 1024:.0f} KiB; "
           f"wgmma waits (DEPBAR.LE gsb0, N: count): {waits}"
           + (f"; ptxas: {serialized}" if serialized else ""))

@@ -1,6 +1,6 @@
 """A/B of the MoE kernels' configs in one process: the defaults against named variants
 (tiles, stages) and, with --pdl, against the same with programmatic dependent launch, next to
-the previous kernels' config (GEMM1's gate and up in two K loops with run-time bounds). Each
+the previous kernels' config (the gate_up GEMM's gate and up in two K loops with run-time bounds). Each
 config's output is compared with the first row's before it is timed.
 
     python benchmarks/probes/sweep_pipeline.py --tokens 1,8,64 --pdl
@@ -27,7 +27,7 @@ from bench_moe import SHAPES, copy_bandwidth, distinct_experts, graph_time_ms, m
 
 
 def previous_config(t, k, e, h, i):
-    """The reference row: GEMM1's gate and up in two K loops, every K loop with a run-time bound,
+    """The reference row: the gate_up GEMM's gate and up in two K loops, every K loop with a run-time bound,
     4 warps in the middle bucket: the previous prefill and middle defaults. (The previous decode
     default split gate and up into separate programs plus a SiLU kernel; that path is gone, and
     ``results/sweep_pipeline_2026-12-01*.log`` compared against it.)"""

@@ -31,7 +31,8 @@ def canonical_layout(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def check_canonical_tensors(expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
-    """Check the canonical tensors ``[w13, w13_scale, w13_global, w2, w2_scale, w2_global]``; return E.
+    """Check the canonical tensors ``[gate_up, gate_up_scale, gate_up_global_scale, down, down_scale,
+    down_global_scale]``; return E.
 
     Block scales travel through the op as their raw E4M3 bytes (uint8): torch has no CPU
     arithmetic for float8, which ``torch.library.opcheck``'s schema check needs. MXFP4 experts pass
@@ -40,56 +41,61 @@ def check_canonical_tensors(expert_tensors: list[torch.Tensor], hidden_size: int
     """
     specs = canonical_specs(expert_tensors, hidden_size)
     check_specs(specs, hidden_size)
-    return specs["w13_global"][1][0]
+    return specs["gate_up_global_scale"][1][0]
 
 
 def canonical_specs(expert_tensors: list[torch.Tensor], hidden_size: int) -> dict:
     """``{name: (tensor, expected shape, expected dtype)}`` of the canonical layout, with E and I
-    read off the block scales ``w13_scale [E, 2I, H/16]``."""
+    read off the block scales ``gate_up_scale [E, 2I, H/16]``."""
     if len(expert_tensors) != 6:
-        raise ValueError(f"expected 6 expert tensors [w13, w13_scale, w13_global, w2, w2_scale, w2_global], "
+        raise ValueError("expected 6 expert tensors [gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, "
+                         f"down_global_scale], "
                          f"got {len(expert_tensors)}")
-    w13, s13, g13, w2, s2, g2 = expert_tensors
-    if s13.dim() != 3:
-        raise ValueError(f"w13_scale: expected [E, 2I, H/16], got {list(s13.shape)}")
-    e, two_i = s13.shape[:2]
+    gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale = expert_tensors
+    if gate_up_scale.dim() != 3:
+        raise ValueError(f"gate_up_scale: expected [E, 2I, H/16], got {list(gate_up_scale.shape)}")
+    e, two_i = gate_up_scale.shape[:2]
     i = two_i // 2
-    scale = torch.int8 if s13.dtype == torch.int8 else torch.uint8  # E8M0 (MXFP4) or E4M3 (NVFP4) bytes
+    scale = torch.int8 if gate_up_scale.dtype == torch.int8 else torch.uint8  # E8M0 (MXFP4) or E4M3 (NVFP4) bytes
     return {
-        "w13": (w13, (e, two_i, hidden_size // 2), torch.uint8),
-        "w13_scale": (s13, (e, two_i, hidden_size // BLOCK_SIZE), scale),
-        "w13_global": (g13, (e,), torch.float32),
-        "w2": (w2, (e, hidden_size, i // 2), torch.uint8),
-        "w2_scale": (s2, (e, hidden_size, i // BLOCK_SIZE), scale),
-        "w2_global": (g2, (e,), torch.float32),
+        "gate_up": (gate_up, (e, two_i, hidden_size // 2), torch.uint8),
+        "gate_up_scale": (gate_up_scale, (e, two_i, hidden_size // BLOCK_SIZE), scale),
+        "gate_up_global_scale": (gate_up_global_scale, (e,), torch.float32),
+        "down": (down, (e, hidden_size, i // 2), torch.uint8),
+        "down_scale": (down_scale, (e, hidden_size, i // BLOCK_SIZE), scale),
+        "down_global_scale": (down_global_scale, (e,), torch.float32),
     }
 
 
 # gpt-oss's experts with NVFP4 weights, as fp4moe::gpt_oss_moe takes them (its MXFP4 ones:
 # fp4moe_ops.mxfp4.MXFP4_EXPERT_TENSORS)
-NVFP4_GPT_OSS_TENSORS = ("w13", "w13_scale", "w13_global", "b1", "w2", "w2_scale", "w2_global", "b2")
+NVFP4_GPT_OSS_TENSORS = ("gate_up", "gate_up_scale", "gate_up_global_scale", "gate_up_bias",
+                         "down", "down_scale", "down_global_scale", "down_bias")
 
 
 def check_nvfp4_gpt_oss_tensors(expert_tensors: list[torch.Tensor], hidden_size: int) -> int:
     """Check gpt-oss's experts with NVFP4 weights (:data:`NVFP4_GPT_OSS_TENSORS`): the canonical
-    NVFP4 tensors with gate's and up's rows interleaved as gpt-oss's (``w13 [E, 2I, H/2]``, row
-    ``2j`` gate's ``j``), any strides, and the biases ``b1 [E, 2I]`` (interleaved alike) and ``b2
+    NVFP4 tensors with gate's and up's rows interleaved as gpt-oss's (``gate_up [E, 2I, H/2]``, row
+    ``2j`` gate's ``j``), any strides, and the biases ``gate_up_bias [E, 2I]`` (interleaved alike) and ``down_bias
     [E, H]``; return E. Metadata only."""
     if len(expert_tensors) != len(NVFP4_GPT_OSS_TENSORS):
         raise ValueError(f"expected {len(NVFP4_GPT_OSS_TENSORS)} tensors {list(NVFP4_GPT_OSS_TENSORS)} for gpt-oss's "
                          f"NVFP4 experts, got {len(expert_tensors)}")
-    w13, s13, g13, b1, w2, s2, g2, b2 = expert_tensors
-    if s13.dim() != 3 or s13.shape[1] % 2:
-        raise ValueError(f"w13_scale: expected [E, 2I, H/16], got {list(s13.shape)}")
-    for name, size in (("hidden size", hidden_size), ("intermediate size", s13.shape[1] // 2)):
+    (gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias,
+     down, down_scale, down_global_scale, down_bias) = expert_tensors
+    if gate_up_scale.dim() != 3 or gate_up_scale.shape[1] % 2:
+        raise ValueError(f"gate_up_scale: expected [E, 2I, H/16], got {list(gate_up_scale.shape)}")
+    for name, size in (("hidden size", hidden_size), ("intermediate size", gate_up_scale.shape[1] // 2)):
         if size % BLOCK_SIZE:
             raise ValueError(f"gpt-oss NVFP4 experts need a {name} that is a multiple of {BLOCK_SIZE}, got {size}")
-    specs = canonical_specs([w13, s13, g13, w2, s2, g2], hidden_size)
-    for name in ("w13_scale", "w2_scale"):  # E4M3 bytes only: gpt-oss's MXFP4 experts come as its six tensors
+    specs = canonical_specs([gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale],
+                            hidden_size)
+    for name in ("gate_up_scale", "down_scale"):  # E4M3 bytes only: gpt-oss's MXFP4 experts come as its six tensors
         specs[name] = (*specs[name][:2], torch.uint8)
     check_specs(specs, hidden_size)
-    e = s13.shape[0]
-    check_gpt_oss_biases(("b1", b1), ("b2", b2), e, s13.shape[1] // 2, hidden_size)
+    e = gate_up_scale.shape[0]
+    check_gpt_oss_biases(("gate_up_bias", gate_up_bias), ("down_bias", down_bias), e, gate_up_scale.shape[1] // 2,
+                         hidden_size)
     return e
 
 
@@ -143,8 +149,8 @@ class Backend:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         expert_tensors: list[torch.Tensor],
-        fc1_act_scale: torch.Tensor | None,
-        fc2_act_scale: torch.Tensor | None,
+        gate_up_input_scale: torch.Tensor | None,
+        down_input_scale: torch.Tensor | None,
         routed_experts: int = 0,
     ) -> torch.Tensor:
         """Compute ``[T, H]`` in ``hidden_states.dtype``; inputs are already validated.
@@ -177,7 +183,7 @@ class Backend:
             return check_nvfp4_gpt_oss_tensors(expert_tensors, hidden_size)
         return check_mxfp4_experts(expert_tensors, hidden_size)[0]
 
-    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
+    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha: float,
                   limit: float) -> torch.Tensor:
         """``fp4moe::gpt_oss_moe``'s ``[T, H]`` in ``hidden_states.dtype``; inputs are already validated."""
         raise NotImplementedError(f"backend {self.name!r}: {self.gpt_oss_refusal(torch.device('cpu'))}")
@@ -273,7 +279,7 @@ def resolve_backend(
     if backend.activation_scales == "required" and not have_activation_scales:
         raise ValueError(
             f"fp4moe backend {name!r} quantizes activations to NVFP4 and needs calibrated "
-            "activation scales (fc1_input_scale / fc2_input_scale); calibrate with "
+            "activation scales (gate_up_proj_input_scale / down_proj_input_scale); calibrate with "
             "hf_integration.calibrate_activation_scales, or use a W4A16 backend "
             f"(available here: {available_backends(device)})"
         )

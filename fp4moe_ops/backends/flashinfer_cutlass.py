@@ -51,8 +51,9 @@ def pad_intermediate(w: NVFP4MoEWeights, multiple: int = 128) -> NVFP4MoEWeights
     def cols(t: torch.Tensor, per_byte: int) -> torch.Tensor:  # [E, H, I/per_byte] -> padded along I
         return F.pad(t.view(torch.uint8), (0, pad // per_byte)).view(t.dtype)
 
-    return NVFP4MoEWeights(rows(w.w13), rows(w.w13_scale), w.w13_global, cols(w.w2, 2), cols(w.w2_scale, BLOCK_SIZE),
-                           w.w2_global, w.fc1_input_scale, w.fc2_input_scale)
+    return NVFP4MoEWeights(rows(w.gate_up), rows(w.gate_up_scale), w.gate_up_global_scale,
+                           cols(w.down, 2), cols(w.down_scale, BLOCK_SIZE), w.down_global_scale,
+                           w.gate_up_input_scale, w.down_input_scale)
 
 
 def up_gate_order(w: torch.Tensor) -> torch.Tensor:
@@ -75,36 +76,37 @@ def nvfp4_weight_arguments(w: NVFP4MoEWeights) -> list[torch.Tensor]:
         return swizzle_block_scale(s.view(torch.uint8)).contiguous().view(torch.int32)
 
     return [
-        up_gate_order(w.w13).view(torch.int64),
-        scales(up_gate_order(w.w13_scale)),
-        w.w13_global,
-        w.w2.contiguous().view(torch.int64),
-        scales(w.w2_scale),
-        w.w2_global,
+        up_gate_order(w.gate_up).view(torch.int64),
+        scales(up_gate_order(w.gate_up_scale)),
+        w.gate_up_global_scale,
+        w.down.contiguous().view(torch.int64),
+        scales(w.down_scale),
+        w.down_global_scale,
     ]
 
 
 def nvfp4_quant_scales(
     fc1_wglobal: torch.Tensor, fc1_sf: torch.Tensor, fc2_wglobal: torch.Tensor, fc2_sf: torch.Tensor,
-    fc1_act_scale: torch.Tensor, fc2_act_scale: torch.Tensor, *, preseed_fc2_bug: bool = False,
+    gate_up_input_scale: torch.Tensor, down_input_scale: torch.Tensor, *, preseed_fc2_bug: bool = False,
 ) -> list[torch.Tensor]:
     """FlashInfer's ``quant_scales`` for NVFP4:
     ``[fc1_act_global, fc1_sf, fc1_alpha, fc2_act_global, fc2_sf, fc2_alpha]``.
 
-    ``act_scale`` is ModelOpt's ``input_scale`` (``amax/(6*448)``, scalar or ``[E]``);
-    FlashInfer quantizes with its reciprocal ``act_global`` and dequantizes GEMM outputs with
-    ``alpha[e] = weight_global[e] * act_scale[e]``.
+    The input scales are ModelOpt's ``input_scale`` (``amax/(6*448)``, scalar or ``[E]``) of the
+    gate_up GEMM's (FlashInfer's fc1) and the down GEMM's (fc2) inputs; FlashInfer quantizes with
+    their reciprocal ``act_global`` and rescales each GEMM's output by what we call its output scale,
+    FlashInfer's ``alpha[e] = weight global scale[e] * input_scale[e]``.
 
-    ``preseed_fc2_bug`` reproduces FlashInfer before the seed change (tests/benchmarks only):
-    GEMM2 inputs quantized with the single ``min(act_global)`` while alphas stay per-expert,
-    which shrinks expert e's output by ``s2[e] / max(s2)``.
+    ``preseed_fc2_bug`` reproduces FlashInfer before the seed change (tests/benchmarks only): the
+    down GEMM's inputs quantized with the single ``min(act_global)`` while alphas stay per-expert,
+    which shrinks expert e's output by ``down_input_scale[e] / max(down_input_scale)``.
     """
-    fc1_alpha = (fc1_wglobal * fc1_act_scale).float().contiguous()
-    fc2_alpha = (fc2_wglobal * fc2_act_scale).float().contiguous()
-    fc2_act_global = 1.0 / fc2_act_scale
+    fc1_alpha = (fc1_wglobal * gate_up_input_scale).float().contiguous()
+    fc2_alpha = (fc2_wglobal * down_input_scale).float().contiguous()
+    fc2_act_global = 1.0 / down_input_scale
     if preseed_fc2_bug:
         fc2_act_global = fc2_act_global.min().reshape(())
-    return [(1.0 / fc1_act_scale).float(), fc1_sf, fc1_alpha, fc2_act_global.float(), fc2_sf, fc2_alpha]
+    return [(1.0 / gate_up_input_scale).float(), fc1_sf, fc1_alpha, fc2_act_global.float(), fc2_sf, fc2_alpha]
 
 
 # --- the backends ---------------------------------------------------------------------------
@@ -151,7 +153,7 @@ class _FlashInferBackend(Backend):
     # Subclasses: the prepared-tensor layout and the kernel flags.
     weight_kwargs: dict = {}
 
-    def quant_scales(self, expert_tensors, fc1_act_scale, fc2_act_scale) -> list[torch.Tensor]:
+    def quant_scales(self, expert_tensors, gate_up_input_scale, down_input_scale) -> list[torch.Tensor]:
         return []
 
     def kernel_weights(self, expert_tensors):
@@ -181,7 +183,7 @@ class _FlashInferBackend(Backend):
     # torch.use_deterministic_algorithms(True) is on.
     use_fused_finalize: bool | None = None
 
-    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale,
             routed_experts=0):
         fused_moe = _import_flashinfer()
         fc1, fc2 = self.kernel_weights(expert_tensors)
@@ -193,7 +195,7 @@ class _FlashInferBackend(Backend):
         with torch.cuda.device(hidden_states.device):  # layers may sit on different GPUs
             out = fused_moe.cutlass_fused_moe(
                 hidden_states.contiguous(), ids, topk_weights, fc1, fc2, hidden_states.dtype,
-                quant_scales=self.quant_scales(expert_tensors, fc1_act_scale, fc2_act_scale),
+                quant_scales=self.quant_scales(expert_tensors, gate_up_input_scale, down_input_scale),
                 workspace_buffer=ws, use_fused_finalize=self.use_fused_finalize,
                 tune_max_num_tokens=max(DEFAULT_MAX_TOKENS, hidden_states.shape[0]),
                 nvfp4_4over6=None,  # not the environment's recipe: our scales are 448-based
@@ -246,14 +248,14 @@ class FlashInferMXFP4Backend(_FlashInferBackend):
                      for e in range(0, packed.shape[0], 16)]
             return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
-        w13 = to_mxfp4(weights.w13, weights.w13_scale, weights.w13_global)
-        w2 = to_mxfp4(weights.w2, weights.w2_scale, weights.w2_global)
+        gate_up = to_mxfp4(weights.gate_up, weights.gate_up_scale, weights.gate_up_global_scale)
+        down = to_mxfp4(weights.down, weights.down_scale, weights.down_global_scale)
         return [
-            interleave_weights(up_gate_order(w13[0]), "fp4"), interleave_weights(w2[0].contiguous(), "fp4"),
-            interleave_scales(up_gate_order(w13[1]), 32), interleave_scales(w2[1].contiguous(), 32),
+            interleave_weights(up_gate_order(gate_up[0]), "fp4"), interleave_weights(down[0].contiguous(), "fp4"),
+            interleave_scales(up_gate_order(gate_up[1]), 32), interleave_scales(down[1].contiguous(), 32),
         ]
 
-    def quant_scales(self, expert_tensors, fc1_act_scale, fc2_act_scale):
+    def quant_scales(self, expert_tensors, gate_up_input_scale, down_input_scale):
         return [expert_tensors[2], expert_tensors[3]]
 
     def check_expert_tensors(self, expert_tensors, hidden_size):
@@ -282,9 +284,9 @@ class FlashInferNVFP4Backend(_FlashInferBackend):
     def kernel_weights(self, expert_tensors):
         return expert_tensors[0], expert_tensors[3]
 
-    def quant_scales(self, expert_tensors, fc1_act_scale, fc2_act_scale):
+    def quant_scales(self, expert_tensors, gate_up_input_scale, down_input_scale):
         _, fc1_sf, fc1_wg, _, fc2_sf, fc2_wg = expert_tensors
-        return nvfp4_quant_scales(fc1_wg, fc1_sf, fc2_wg, fc2_sf, fc1_act_scale, fc2_act_scale)
+        return nvfp4_quant_scales(fc1_wg, fc1_sf, fc2_wg, fc2_sf, gate_up_input_scale, down_input_scale)
 
     def check_expert_tensors(self, expert_tensors, hidden_size):
         if len(expert_tensors) != 6:
@@ -294,11 +296,11 @@ class FlashInferNVFP4Backend(_FlashInferBackend):
             raise ValueError(f"{self.name}: fc1 must be int64 [E, 2I, H/16] for H={hidden_size}, got {fc1.dtype} {list(fc1.shape)}")
         return fc1.shape[0]
 
-    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale,
             routed_experts=0):
         if hidden_states.dtype != torch.bfloat16:
             raise TypeError(f"{self.name}: per-expert activation scales need bf16 input, got {hidden_states.dtype}")
-        return super().run(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale)
+        return super().run(hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale)
 
 
 BACKENDS_BY_NAME = {b.name: b for b in (FlashInferNVFP4Backend(), FlashInferBF16Backend(), FlashInferMXFP4Backend())}

@@ -43,56 +43,58 @@ def _dequantize(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: t
     return (values * e8m0_decode(block_scale.view(torch.uint8))[..., None]).flatten(-2)
 
 
-def reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale=None, fc2_act_scale=None, *,
-                  cutlass_rounding: bool = False, observe=None) -> torch.Tensor:
-    """The MoE layer on canonical tensors ``[w13, w13_scale (E4M3 as uint8 bytes or float8, or
-    MXFP4's E8M0 as int8), w13_global, w2, w2_scale, w2_global]``; ``[T, H]`` in ``hidden_states.dtype``.
+def reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale=None,
+                  down_input_scale=None, *, cutlass_rounding: bool = False, observe=None) -> torch.Tensor:
+    """The MoE layer on canonical tensors ``[gate_up, gate_up_scale (E4M3 as uint8 bytes or float8,
+    or MXFP4's E8M0 as int8), gate_up_global_scale, down, down_scale, down_global_scale]``; ``[T, H]``
+    in ``hidden_states.dtype``.
 
-    ``cutlass_rounding``: round GEMM1's and GEMM2's outputs to the activation dtype, as
+    ``cutlass_rounding``: round the gate_up and the down GEMM's outputs to the activation dtype, as
     FlashInfer's CUTLASS kernel does (its BF16 stores), instead of keeping them in float32.
-    ``observe(e, gemm1_input, gemm2_input)``: called with each expert's inputs (calibration).
+    ``observe(e, gate_up_input, down_input)``: called with each expert's inputs (calibration).
     """
-    w13, s13, g13, w2, s2, g2 = expert_tensors
+    gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale = expert_tensors
     dtype = hidden_states.dtype
 
     def rounded(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype).float() if cutlass_rounding else t
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        fc1_scale, fc2_scale = expert_scale(fc1_act_scale, e), expert_scale(fc2_act_scale, e)
-        a1 = rows.float() if fc1_scale is None else _fake_quantize(rows, fc1_scale)
-        act = gated_silu(rounded(a1 @ _dequantize(w13[e], s13[e], g13[e]).T), dtype)
+        gate_up_in, down_in = expert_scale(gate_up_input_scale, e), expert_scale(down_input_scale, e)
+        x = rows.float() if gate_up_in is None else _fake_quantize(rows, gate_up_in)
+        act = gated_silu(rounded(x @ _dequantize(gate_up[e], gate_up_scale[e], gate_up_global_scale[e]).T), dtype)
         if observe is not None:
             observe(e, rows, act)
-        a2 = act.float() if fc2_scale is None else _fake_quantize(act, fc2_scale)
-        return rounded(a2 @ _dequantize(w2[e], s2[e], g2[e]).T)
+        down_x = act.float() if down_in is None else _fake_quantize(act, down_in)
+        return rounded(down_x @ _dequantize(down[e], down_scale[e], down_global_scale[e]).T)
 
-    return routed_moe(hidden_states, topk_ids, topk_weights, w13.shape[0], expert).to(dtype)
+    return routed_moe(hidden_states, topk_ids, topk_weights, gate_up.shape[0], expert).to(dtype)
 
 
-def reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha: float,
+def reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha: float,
                           limit: float) -> torch.Tensor:
     """gpt-oss's MoE experts on its MXFP4 checkpoint tensors ``[gate_up_blocks, gate_up_scales,
-    gate_up_bias, down_blocks, down_scales, down_bias]`` or on NVFP4 ones ``[w13, w13_scale,
-    w13_global, b1, w2, w2_scale, w2_global, b2]`` (rows interleaving gate and up: see
-    ``fp4moe::gpt_oss_moe``); ``[T, H]`` in ``hidden_states.dtype``."""
+    gate_up_bias, down_blocks, down_scales, down_bias]`` or on NVFP4 ones ``[gate_up, gate_up_scale,
+    gate_up_global_scale, gate_up_bias, down, down_scale, down_global_scale, down_bias]`` (rows
+    interleaving gate and up: see ``fp4moe::gpt_oss_moe``); ``[T, H]`` in ``hidden_states.dtype``."""
     if len(expert_tensors) == 8:
-        w13, s13, g13, b1, w2, s2, g2, b2 = expert_tensors
-        s13, s2 = s13.view(torch.float8_e4m3fn), s2.view(torch.float8_e4m3fn)
-        gate_up = lambda e: dequantize_nvfp4(w13[e], s13[e], g13[e])  # noqa: E731
-        down = lambda e: dequantize_nvfp4(w2[e], s2[e], g2[e])  # noqa: E731
+        (gate_up_packed, gate_up_scale, gate_up_global_scale, gate_up_bias,
+         down_packed, down_scale, down_global_scale, down_bias) = expert_tensors
+        gate_up_scale, down_scale = gate_up_scale.view(torch.float8_e4m3fn), down_scale.view(torch.float8_e4m3fn)
+        gate_up = lambda e: dequantize_nvfp4(gate_up_packed[e], gate_up_scale[e], gate_up_global_scale[e])  # noqa: E731
+        down = lambda e: dequantize_nvfp4(down_packed[e], down_scale[e], down_global_scale[e])  # noqa: E731
     else:
-        gate_up_blocks, gate_up_scales, b1, down_blocks, down_scales, b2 = expert_tensors
+        gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = expert_tensors
         gate_up = lambda e: dequantize_gpt_oss(gate_up_blocks[e], gate_up_scales[e])  # noqa: E731
         down = lambda e: dequantize_gpt_oss(down_blocks[e], down_scales[e])  # noqa: E731
     dtype = hidden_states.dtype
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        h = rows.float() @ gate_up(e).T + b1[e].float()
-        act = clamped_swiglu(h, alpha, limit).to(dtype)  # the intermediate a kernel stores
-        return act.float() @ down(e).T + b2[e].float()
+        h = rows.float() @ gate_up(e).T + gate_up_bias[e].float()
+        act = clamped_swiglu(h, swiglu_alpha, limit).to(dtype)  # the intermediate a kernel stores
+        return act.float() @ down(e).T + down_bias[e].float()
 
-    return routed_moe(hidden_states, topk_ids, topk_weights, b1.shape[0], expert).to(dtype)
+    return routed_moe(hidden_states, topk_ids, topk_weights, gate_up_bias.shape[0], expert).to(dtype)
 
 
 class ReferenceBackend(Backend):
@@ -105,15 +107,16 @@ class ReferenceBackend(Backend):
     def unavailable_reason(self, device: torch.device) -> str | None:
         return None
 
-    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale,
             routed_experts=0):
-        return reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale)
+        return reference_moe(hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale,
+                             down_input_scale)
 
     def gpt_oss_refusal(self, device: torch.device) -> str | None:
         return None
 
-    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit):
-        return reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit)
+    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha, limit):
+        return reference_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha, limit)
 
 
 register_backend(ReferenceBackend())

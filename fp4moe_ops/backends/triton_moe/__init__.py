@@ -13,11 +13,11 @@ Pipeline of one call (no host syncs, CUDA-graph capturable):
    expert's slots into blocks of ``BLOCK_M`` rows: ``block_expert [B]`` (-1 = unused block),
    ``block_row_start/end [B]`` into ``sorted_slot [S]``. ``B`` is a static upper bound. A
    one-token call skips this launch: its ``k`` slots are the blocks, read from the ids by the GEMMs.
-2. ``_gemm1_swiglu_kernel``: per (block, N tile) program, gather the block's token rows,
+2. ``_gate_up_swiglu_kernel``: per (block, N tile) program, gather the block's token rows,
    stream the expert's packed gate and up rows (where TMA fits, half a tile of each in one K
    loop), dequantize in registers, bf16 tensor-core dots with fp32 accumulators, apply the
    global scale and ``silu(gate) * up``; store ``[S, I]`` rows in the activation dtype (slot order).
-3. ``_gemm2_kernel``: same over ``w2``, times the routing weight, into ``[S, H]`` fp32.
+3. ``_down_kernel``: same over ``down``, times the routing weight, into ``[S, H]`` fp32.
 4. ``_sum_topk_kernel``: ``out[t] = sum_j y[t*k + j]`` over valid slots, cast to the input dtype
    (deterministic: no atomics).
 
@@ -36,8 +36,8 @@ TMA descriptors over ``[E*N, K/2]`` / ``[E*N, K/16]`` (bulk copies pipelined ove
 ``num_stages``), and the K axis of both dots runs in MMA-fragment order (:func:`fragment_order`):
 each thread's weight bytes are then one contiguous run per row, read with vector loads, instead
 of single bytes (1.4-1.5x at decode on H200). The activations are permuted once per call (in
-the routing launch; a one-token call's GEMM1 reads them permuted instead) and GEMM1 writes its
-output already permuted for GEMM2. The backend stores
+the routing launch; a one-token call's gate_up GEMM reads them permuted instead) and the gate_up GEMM writes its
+output already permuted for the down GEMM. The backend stores
 those shapes' packed weights in its own paired layout (:func:`paired_weight_layout`: rows r and
 r+8 per 32-bit word, bits pre-permuted), which cuts the decode from 2.25 to 1.5 instructions per
 element (a further 0.88-0.93x at decode); canonical weights still run, a little slower.

@@ -34,19 +34,19 @@ class TritonBackend(Backend):
 
     def check_expert_tensors(self, expert_tensors, hidden_size):
         """The canonical layout, or (H and I multiples of 256) packed weights in the paired layout,
-        ``w13 [E, I, H/4]`` and ``w2 [E, H/2, I/4]`` int32."""
+        ``gate_up [E, I, H/4]`` and ``down [E, H/2, I/4]`` int32."""
         if len(expert_tensors) != 6 or expert_tensors[0].dtype != torch.int32:
             return check_canonical_tensors(expert_tensors, hidden_size)
         specs = canonical_specs(expert_tensors, hidden_size)
-        e, inter = specs["w13_global"][1][0], specs["w2"][1][2] * 2
+        e, inter = specs["gate_up_global_scale"][1][0], specs["down"][1][2] * 2
         if not fits_tma(hidden_size, inter):
             raise ValueError(f"the paired weight layout needs H and I multiples of 256, got H={hidden_size}, I={inter}")
-        specs["w13"] = (expert_tensors[0], (e, inter, hidden_size // 4), torch.int32)
-        specs["w2"] = (expert_tensors[3], (e, hidden_size // 2, inter // 4), torch.int32)
-        check_specs({f"{n} (paired)" if n in ("w13", "w2") else n: v for n, v in specs.items()}, hidden_size)
+        specs["gate_up"] = (expert_tensors[0], (e, inter, hidden_size // 4), torch.int32)
+        specs["down"] = (expert_tensors[3], (e, hidden_size // 2, inter // 4), torch.int32)
+        check_specs({f"{n} (paired)" if n in ("gate_up", "down") else n: v for n, v in specs.items()}, hidden_size)
         return e
 
-    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, fc1_act_scale, fc2_act_scale,
+    def run(self, hidden_states, topk_ids, topk_weights, expert_tensors, gate_up_input_scale, down_input_scale,
             routed_experts=0):
         # Triton launches on the current device: make it the experts' (device_map spreads layers)
         with torch.cuda.device(hidden_states.device):
@@ -61,29 +61,32 @@ class TritonBackend(Backend):
         return reason
 
     def check_gpt_oss_tensors(self, expert_tensors, hidden_size):
-        """The experts in this backend's layout (:func:`.layout.gpt_oss_kernel_tensors`): MXFP4 ``[w13 [E,
-        Ip, Hp/4] int32, s13 [E, 2Ip, Hp/16] int8, b1 [E, 2Ip] float32, w2 [E, Hp/2, Ip/4] int32, s2 [E, Hp,
-        Ip/16] int8, b2 [E, Hp] float32]``, or NVFP4 the same with uint8 scales and the global scales ``g13``,
-        ``g2 [E]`` float32 after them; Hp and Ip multiples of 256 and ``hidden_size <= Hp``. Metadata only."""
+        """The experts in this backend's layout (:func:`.layout.gpt_oss_kernel_tensors`): MXFP4 ``[gate_up
+        [E, Ip, Hp/4] int32, gate_up_scale [E, 2Ip, Hp/16] int8, gate_up_bias [E, 2Ip] float32, down [E, Hp/2,
+        Ip/4] int32, down_scale [E, Hp, Ip/16] int8, down_bias [E, Hp] float32]``, or NVFP4 the same with
+        uint8 scales and the global scales ``gate_up_global_scale``, ``down_global_scale [E]`` float32 after
+        them; Hp and Ip multiples of 256 and ``hidden_size <= Hp``. Metadata only."""
         nvfp4 = len(expert_tensors) == 8
-        names = ("w13", "s13", "g13", "b1", "w2", "s2", "g2", "b2") if nvfp4 else ("w13", "s13", "b1", "w2", "s2", "b2")
+        names = (("gate_up", "gate_up_scale", "gate_up_global_scale", "gate_up_bias",
+                  "down", "down_scale", "down_global_scale", "down_bias") if nvfp4 else
+                 ("gate_up", "gate_up_scale", "gate_up_bias", "down", "down_scale", "down_bias"))
         if len(expert_tensors) not in (6, 8) or expert_tensors[0].dtype != torch.int32:
             raise ValueError("the triton backend runs gpt-oss's experts in its own layout (6 tensors for MXFP4, 8 for "
-                             "NVFP4, w13 int32 first: fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors; "
+                             "NVFP4, gate_up int32 first: fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors; "
                              "the gpt-oss experts modules' set_backend('triton') converts their tensors), got "
                              f"{[f'{t.dtype} {list(t.shape)}' for t in expert_tensors]}")
-        s13 = expert_tensors[1]
-        if s13.dim() != 3:
-            raise ValueError(f"s13: expected [E, 2Ip, Hp/16], got {list(s13.shape)}")
-        e, ip, hp = s13.shape[0], s13.shape[1] // 2, s13.shape[2] * 16
+        gate_up_scale = expert_tensors[1]
+        if gate_up_scale.dim() != 3:
+            raise ValueError(f"gate_up_scale: expected [E, 2Ip, Hp/16], got {list(gate_up_scale.shape)}")
+        e, ip, hp = gate_up_scale.shape[0], gate_up_scale.shape[1] // 2, gate_up_scale.shape[2] * 16
         if ip % 256 or hp % 256 or hidden_size > hp:
             raise ValueError(f"gpt-oss kernel tensors: Ip={ip} and Hp={hp} must be multiples of 256 with hidden "
                              f"size {hidden_size} <= Hp")
         scale = torch.uint8 if nvfp4 else torch.int8  # E4M3 or E8M0 bytes
-        specs = {"w13": (torch.int32, (e, ip, hp // 4)), "s13": (scale, (e, 2 * ip, hp // 16)),
-                 "g13": (torch.float32, (e,)), "b1": (torch.float32, (e, 2 * ip)),
-                 "w2": (torch.int32, (e, hp // 2, ip // 4)), "s2": (scale, (e, hp, ip // 16)),
-                 "g2": (torch.float32, (e,)), "b2": (torch.float32, (e, hp))}
+        specs = {"gate_up": (torch.int32, (e, ip, hp // 4)), "gate_up_scale": (scale, (e, 2 * ip, hp // 16)),
+                 "gate_up_global_scale": (torch.float32, (e,)), "gate_up_bias": (torch.float32, (e, 2 * ip)),
+                 "down": (torch.int32, (e, hp // 2, ip // 4)), "down_scale": (scale, (e, hp, ip // 16)),
+                 "down_global_scale": (torch.float32, (e,)), "down_bias": (torch.float32, (e, hp))}
         for name, t in zip(names, expert_tensors):
             dtype, shape = specs[name]
             if t.dtype != dtype or tuple(t.shape) != shape:
@@ -91,9 +94,9 @@ class TritonBackend(Backend):
                                  f"{list(t.shape)}")
         return e
 
-    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit):
+    def run_gpt_oss(self, hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha, limit):
         with torch.cuda.device(hidden_states.device):
-            return triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, alpha, limit)
+            return triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, expert_tensors, swiglu_alpha, limit)
 
 
 register_packed_layout(PAIRED, paired_weight_layout, canonical_from_paired)

@@ -4,7 +4,7 @@ Why: at decode sizes (up to 4 rows per expert) the layer is a stream of FP4 weig
 kernels (kernels.py) issue ~3.5 instructions per weight element there (454 per K step of 128
 elements and thread, sm90 SASS), of which the decode is ~1.65; the rest is wgmma's descriptors,
 fences and waits. ``mma.sync m16n8k16`` takes both operands from registers: one instruction per
-16-wide chunk (GEMM2's loop: 287-323 instructions per step; GEMM1's: ~350). Plain global loads of
+16-wide chunk (the down GEMM's loop: 287-323 instructions per step; the gate_up GEMM's: ~350). Plain global loads of
 the weights saturated the L1/TEX pipe (an earlier decode kernel; benchmarks/NOTES.md), and
 per-thread scale loads bound the first version of these kernels; here both
 come through TMA into a shared-memory ring, and each thread reads its weight words with one
@@ -17,8 +17,8 @@ MMAs, and the four partial sums are added through shared memory at the end. Thre
 4`` of a pair row decodes words ``4t .. 4t+3`` of a chunk (K ``16t .. 16t+15`` of the chunk, one
 scale block per row), exactly its A registers of the chunk's four 16-wide MMAs. Its B registers
 are then K ``16t .. 16t+15`` of its token in the order ``16t + 4j + 2e + s`` (MMA j, register half
-e, s = 0 for the first register): GEMM1 stores ``h`` with bits 0 and 1 of K swapped, so they are
-one contiguous 32-byte run for GEMM2, and reads ``x`` in natural order (two ``prmt`` per pair).
+e, s = 0 for the first register): the gate_up GEMM stores ``h`` with bits 0 and 1 of K swapped, so they are
+one contiguous 32-byte run for the down GEMM, and reads ``x`` in natural order (two ``prmt`` per pair).
 
 The TMA boxes read the op's own tensors (paired weights ``[E, N/2, K/4]`` int32, scales ``[E, N,
 K/16]``; layout.py), no copies: a chunk's 64 bytes of a pair row, and a step's four scale words
@@ -284,7 +284,7 @@ def _warp_sum(acc, BM: gl.constexpr):
     """The four warps' partial sums ``[4, 64, BM]`` added through shared memory -> ``[64, BM]``:
     each warp stores its partial sums, each thread then adds the four partials of its outputs (a
     generic reduction over the warp axis also shuffled within warps, with bank conflicts: 202 us
-    instead of 152 on GEMM2)."""
+    instead of 152 on the down GEMM)."""
     red = gl.allocate_shared_memory(gl.float32, [4, 64, BM], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     red.store(acc)
     thread_barrier()
@@ -319,14 +319,14 @@ def _act_rows(BM: gl.constexpr):
 
 
 @gluon.jit
-def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slot_ptr, block_expert_ptr,
+def _down_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slot_ptr, block_expert_ptr,
                      row_start_ptr, row_end_ptr, H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr,
                      SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr, SPS: gl.constexpr,
                      E8M0: gl.constexpr = False):
-    """Program (row block ``b``, weight tile ``n``): ``y[slot, 64 n ..] = route * g * w2[e] @ h[slot]``
+    """Program (row block ``b``, weight tile ``n``): ``y[slot, 64 n ..] = route * g * down[e] @ h[slot]``
     (E8M0: MXFP4 scales, no global scale).
     ``w_desc``, ``s_desc``: TMA descriptors of :func:`weight_view` (box ``[SPS, 4, 1, 32, 64]``: SPS
-    steps of w2 per ring slot) and :func:`scale_view` (box ``[SPS, 1, 64, 4]``: their scale words);
+    steps of down per ring slot) and :func:`scale_view` (box ``[SPS, 1, 64, 4]``: their scale words);
     ``h [S, I]`` bf16 with K's bits 0, 1 swapped; ``y [S, H]`` float32."""
     b = gl.program_id(0)
     n = gl.program_id(1)
@@ -350,21 +350,21 @@ def _gemm2_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slo
         gl.store(y_ptr + y_off, y, mask=gl.expand_dims(valid, 0) & gl.expand_dims(rr >= 0, 1))
 
 
-def weight_view(w2: torch.Tensor, sps: int) -> torch.Tensor:
-    """w2's paired words ``[E, H/2, I/4]`` int32 as bytes ``[E H/2 pair rows, I]``, viewed ``[SPS
+def weight_view(down: torch.Tensor, sps: int) -> torch.Tensor:
+    """down's paired words ``[E, H/2, I/4]`` int32 as bytes ``[E H/2 pair rows, I]``, viewed ``[SPS
     (step in slot), 4 (warp), I/(256 SPS) (slot), E H/2, 64]``: entry ``[j, w, q, p]`` is pair row
     ``p``'s K chunk ``4 (SPS q + j) + w`` (64 elements of both its rows)."""
-    num_experts, half_h, quarter_i = w2.shape
+    num_experts, half_h, quarter_i = down.shape
     inter = 4 * quarter_i
-    return w2.view(torch.uint8).reshape(num_experts * half_h, inter // (256 * sps), sps, 4, 64).permute(2, 3, 1, 0, 4)
+    return down.view(torch.uint8).reshape(num_experts * half_h, inter // (256 * sps), sps, 4, 64).permute(2, 3, 1, 0, 4)
 
 
-def scale_view(s2: torch.Tensor, sps: int) -> torch.Tensor:
-    """w2's block scales ``[E, H, I/16]`` as int32 words ``[E H, I/64]`` (word ``c``: the four
+def scale_view(down_scale: torch.Tensor, sps: int) -> torch.Tensor:
+    """down's block scales ``[E, H, I/16]`` as int32 words ``[E H, I/64]`` (word ``c``: the four
     blocks of K chunk ``c``), viewed ``[SPS, I/(256 SPS) (slot), E H, 4 (warp)]``: entry ``[j, q,
     r, w]`` is row ``r``'s word of chunk ``4 (SPS q + j) + w``."""
-    num_experts, hidden, blocks = s2.shape
-    words = s2.view(torch.uint8).view(torch.int32)
+    num_experts, hidden, blocks = down_scale.shape
+    words = down_scale.view(torch.uint8).view(torch.int32)
     return words.reshape(num_experts * hidden, blocks // (16 * sps), sps, 4).permute(2, 1, 0, 3)
 
 
@@ -375,29 +375,29 @@ def _descriptor(view: torch.Tensor, box: list[int]):
     return TensorDescriptor.from_tensor(view, box, layout)
 
 
-def gemm2_v3(h, w2, s2, g2, topk_weights, y, sorted_slot, block_expert, row_start, row_end, hidden, inter, bm,
-             slot_blocks, num_experts, stages=2, sps=2):
-    """``y = route * w2 @ h`` per slot (:func:`_gemm2_v3_kernel`) over the routed row blocks (one
+def down_v3(h, down, down_scale, down_global_scale, topk_weights, y, sorted_slot, block_expert, row_start, row_end,
+            hidden, inter, bm, slot_blocks, num_experts, stages=2, sps=2):
+    """``y = route * down @ h`` per slot (:func:`_down_v3_kernel`) over the routed row blocks (one
     per slot with ``slot_blocks``, ``bm`` 8)."""
     if inter % (256 * sps) or hidden % 64:
         raise ValueError(f"decode_v3: I must be a multiple of {256 * sps} and H of 64, got {inter}, {hidden}")
-    launch_or_compile(_gemm2_v3_kernel, (block_expert.numel(), hidden // 64), h,
-                      _descriptor(weight_view(w2, sps), [sps, 4, 1, 32, 64]),
-                      _descriptor(scale_view(s2, sps), [sps, 1, 64, 4]), g2, topk_weights, y, sorted_slot, block_expert,
-                      row_start, row_end,
+    launch_or_compile(_down_v3_kernel, (block_expert.numel(), hidden // 64), h,
+                      _descriptor(weight_view(down, sps), [sps, 4, 1, 32, 64]),
+                      _descriptor(scale_view(down_scale, sps), [sps, 1, 64, 4]), down_global_scale, topk_weights, y,
+                      sorted_slot, block_expert, row_start, row_end,
                       H=hidden, I=inter, BM=bm, SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, SPS=sps,
-                      E8M0=s2.dtype == torch.int8, num_warps=4)
+                      E8M0=down_scale.dtype == torch.int8, num_warps=4)
 
 
 @gluon.jit
-def _gemm1_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block_expert_ptr, row_start_ptr,
+def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block_expert_ptr, row_start_ptr,
                      row_end_ptr, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, BM: gl.constexpr,
                      SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr, E8M0: gl.constexpr = False,
-                     b1_ptr=None, alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False):
+                     gate_up_bias_ptr=None, swiglu_alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False):
     """Program (row block ``b``, tile ``n``): ``h[slot, i] = silu(gate_i . x) * (up_i . x)`` (GPT_OSS:
-    gpt-oss's clamped SwiGLU with the biases ``b1 [E, 2I]``; E8M0: MXFP4 scales) for
+    gpt-oss's clamped SwiGLU with the biases ``gate_up_bias [E, 2I]``; E8M0: MXFP4 scales) for
     ``i = 32 n ..`` (rows 0-31 of the tile gate rows, 32-63 the same up rows), stored with K's
-    bits 0, 1 swapped for :func:`_gemm2_v3_kernel`. ``w_desc``, ``s_desc``:
+    bits 0, 1 swapped for :func:`_down_v3_kernel`. ``w_desc``, ``s_desc``:
     TMA descriptors of :func:`gate_up_views` (boxes ``[4, 1, 2, 16, 64]`` and ``[1, 2, 1, 32, 4]``:
     one step per ring slot); ``x [T, H]`` bf16 in natural order (token = slot // TOPK)."""
     b = gl.program_id(0)
@@ -475,44 +475,44 @@ def _gemm1_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block
         mo = gl.arange(0, BM, layout=gl.SliceLayout(0, HL))
         rr = gl.arange(0, 32, layout=gl.SliceLayout(1, HL))
         if GPT_OSS:
-            b1_e = b1_ptr + e.to(gl.int64) * (2 * I) + n * 32 + rr
-            gate = gl.minimum(gate + gl.expand_dims(gl.load(b1_e), 1), limit)
-            up = gl.minimum(gl.maximum(up + gl.expand_dims(gl.load(b1_e + I), 1), -limit), limit)
-            hv = gate / (1.0 + gl.exp(-alpha * gate)) * (up + 1.0)
+            gate_up_bias_e = gate_up_bias_ptr + e.to(gl.int64) * (2 * I) + n * 32 + rr
+            gate = gl.minimum(gate + gl.expand_dims(gl.load(gate_up_bias_e), 1), limit)
+            up = gl.minimum(gl.maximum(up + gl.expand_dims(gl.load(gate_up_bias_e + I), 1), -limit), limit)
+            hv = gate / (1.0 + gl.exp(-swiglu_alpha * gate)) * (up + 1.0)
         else:
             hv = gate / (1.0 + gl.exp(-gate)) * up
         slots, valid = _rows_in(b, mo, r0, r1, sorted_slot_ptr, SLOT_BLOCKS)
         col = n * 32 + rr
-        col = (col & ~3) | ((col & 1) << 1) | ((col >> 1) & 1)  # K's bits 0, 1 swapped for GEMM2
+        col = (col & ~3) | ((col & 1) << 1) | ((col >> 1) & 1)  # K's bits 0, 1 swapped for the down GEMM
         h_off = gl.expand_dims(slots * I, 0) + gl.expand_dims(col, 1)
         gl.store(h_ptr + h_off, hv.to(gl.bfloat16), mask=gl.expand_dims(valid, 0) & gl.expand_dims(rr >= 0, 1))
 
 
-def gate_up_views(w13: torch.Tensor, s13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w13's paired words ``[E, I, H/4]`` int32 as bytes ``[2E (expert, gate/up), I/2 pair rows,
+def gate_up_views(gate_up: torch.Tensor, gate_up_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up's paired words ``[E, I, H/4]`` int32 as bytes ``[2E (expert, gate/up), I/2 pair rows,
     H]`` viewed ``[4 (warp), H/256 (step), 2E, I/2, 64]`` (entry ``[w, s, 2e + u, p]``: chunk ``4s +
     w`` of pair row ``p`` of expert e's gate (u 0) or up (u 1) rows), and its scales ``[E, 2I,
     H/16]`` as int32 words viewed ``[H/256 (step), 2 (gate/up), E, I, 4 (warp)]`` (entry ``[s, u, e,
     i, w]``: row ``u I + i``'s word of chunk ``4s + w``)."""
-    num_experts, inter, quarter_h = w13.shape
+    num_experts, inter, quarter_h = gate_up.shape
     hidden = 4 * quarter_h
-    weights = w13.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden // 256, 4, 64).permute(3, 2, 0, 1, 4)
-    words = s13.view(torch.uint8).view(torch.int32).reshape(num_experts, 2, inter, hidden // 256, 4)
+    weights = gate_up.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden // 256, 4, 64).permute(3, 2, 0, 1, 4)
+    words = gate_up_scale.view(torch.uint8).view(torch.int32).reshape(num_experts, 2, inter, hidden // 256, 4)
     return weights, words.permute(3, 1, 0, 2, 4)
 
 
-def gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end, hidden, inter, top_k, bm,
-             slot_blocks, num_experts, stages=2, gpt_oss=None):
-    """``h = silu(gate . x) * (up . x)`` per slot (:func:`_gemm1_v3_kernel`), ``h``'s K bits 0, 1 swapped.
-    ``gpt_oss``: :class:`.layout.GptOssTerms` for gpt-oss's activation; int8 ``s13``: E8M0 scales (MXFP4)."""
+def gate_up_v3(x, gate_up, gate_up_scale, gate_up_global_scale, h, sorted_slot, block_expert, row_start, row_end, hidden,
+               inter, top_k, bm, slot_blocks, num_experts, stages=2, gpt_oss=None):
+    """``h = silu(gate . x) * (up . x)`` per slot (:func:`_gate_up_v3_kernel`), ``h``'s K bits 0, 1 swapped.
+    ``gpt_oss``: :class:`.layout.GptOssTerms` for gpt-oss's activation; int8 ``gate_up_scale``: E8M0 scales (MXFP4)."""
     if hidden % 256 or inter % 32:
         raise ValueError(f"decode_v3: H must be a multiple of 256 and I of 32, got {hidden}, {inter}")
-    weights, scales = gate_up_views(w13, s13)
-    launch_or_compile(_gemm1_v3_kernel, (block_expert.numel(), inter // 32), x, _descriptor(weights, [4, 1, 2, 16, 64]),
-                      _descriptor(scales, [1, 2, 1, 32, 4]), g13, h,
+    weights, scales = gate_up_views(gate_up, gate_up_scale)
+    launch_or_compile(_gate_up_v3_kernel, (block_expert.numel(), inter // 32), x, _descriptor(weights, [4, 1, 2, 16, 64]),
+                      _descriptor(scales, [1, 2, 1, 32, 4]), gate_up_global_scale, h,
                       sorted_slot, block_expert, row_start, row_end, H=hidden, I=inter, TOPK=top_k, BM=bm,
-                      SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, E8M0=s13.dtype == torch.int8,
-                      **({} if gpt_oss is None else gpt_oss.gemm1_args()), num_warps=4)
+                      SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, E8M0=gate_up_scale.dtype == torch.int8,
+                      **({} if gpt_oss is None else gpt_oss.gate_up_args()), num_warps=4)
 
 
 @gluon.jit(do_not_specialize=["T"])
@@ -522,7 +522,7 @@ def _linear_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, bias_ptr, out_ptr, parts_ptr
     """One NVFP4 linear (``fp4moe::nvfp4_linear``), program (weight tile ``n``, token block ``m``,
     K part ``p``): ``out[m BM .., 64 n ..] = g * x @ W^T (+ bias)`` over ring slots ``[p PART_SLOTS,
     (p + 1) PART_SLOTS)`` of SPS 256-wide steps each. The weight tile is the MMA's M side, as in
-    :func:`_gemm2_v3_kernel` with one expert; ``x [T, K]`` bf16 in natural order. SPLIT: each part
+    :func:`_down_v3_kernel` with one expert; ``x [T, K]`` bf16 in natural order. SPLIT: each part
     stores float32 partial sums into ``parts [PARTS, T, N]``, and with SERIAL the last part of a
     tile to arrive (``count [tiles]`` int32, zero between calls; that program sets it back) adds
     them in part order and stores ``out``; without, the caller's second kernel does."""
@@ -564,11 +564,11 @@ def _linear_v3_store(y, bias_ptr, out_ptr, cols, offs, mask, HAS_BIAS: gl.conste
     gl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def linear_v3(x2, words, weight_scale, weight_scale_2, bias, out, partials, counters, bm: int, parts: int,
+def linear_v3(x2, words, weight_scale, global_scale, bias, out, partials, counters, bm: int, parts: int,
               stages: int = 2):
     """``out [T, N] = x2 [T, K] @ W^T (+ bias)`` (:func:`_linear_v3_kernel`) for paired weights
     ``words [N/2, K/4]`` int32 (:func:`.layout.paired_weight_layout`), block scales ``[N, K/16]``
-    E4M3, ``weight_scale_2 []`` float32 that multiplies; bf16 ``x2``. ``parts`` splits K's ring
+    E4M3, ``global_scale []`` float32 that multiplies; bf16 ``x2``. ``parts`` splits K's ring
     slots (it must divide them): ``partials [parts, T, N]`` float32 receives the parts' sums,
     added by the last part of each tile where ``counters`` (a zeroed int32 table of at least
     ``N/64 * ceil(T/bm)`` entries) is given; else the caller adds them."""
@@ -581,7 +581,7 @@ def linear_v3(x2, words, weight_scale, weight_scale_2, bias, out, partials, coun
     tokens = x2.shape[0]
     grid = (n // 64, -(-tokens // bm), parts)
     launch_or_compile(_linear_v3_kernel, grid, x2, _descriptor(weight_view(words[None], sps), [sps, 4, 1, 32, 64]),
-                      _descriptor(scale_view(weight_scale[None], sps), [sps, 1, 64, 4]), weight_scale_2,
+                      _descriptor(scale_view(weight_scale[None], sps), [sps, 1, 64, 4]), global_scale,
                       out if bias is None else bias, out, partials, out if counters is None else counters, tokens,
                       n, k, BM=bm, PART_SLOTS=slots // parts, STAGES=stages, SPS=sps, HAS_BIAS=bias is not None,
                       SPLIT=parts > 1, SERIAL=counters is not None, num_warps=4)

@@ -287,12 +287,12 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     ptxas keeps up to 8 wgmma in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x7`` in the sm90 SASS). With a
     run-time bound the loop's zero-trip path sets the accumulators outside a wgmma and ptxas waits
     after every wgmma (its note C7515), but needs fewer registers (80 instead of 124 in the decode
-    GEMM2: more CTAs per SM). Which wins depends on the bucket (``PIPELINED_MMA`` in kernel_config).
+    the down GEMM: more CTAs per SM). Which wins depends on the bucket (``PIPELINED_MMA`` in kernel_config).
 
     With PREFETCH the next tile's bytes are loaded before this tile is decoded, so the memory
     latency overlaps the decode and the dot.
 
-    GATE_UP (GEMM1's merged tiles): ``w_desc`` / ``s_desc`` are 4-D descriptors over one expert's
+    GATE_UP (the gate_up GEMM's merged tiles): ``w_desc`` / ``s_desc`` are 4-D descriptors over one expert's
     ``[2, I, *]`` (gate, up) and the tile is rows ``desc_row .. desc_row + BN/2`` of both, for expert
     ``desc_expert``: here ``desc_row`` is a row within I, where the 2-D TMA path takes a row of
     ``[E*N, *]``.
@@ -359,15 +359,15 @@ def _global_scale(g_ptr, s_ptr, e):
     return tl.load(g_ptr + e)
 
 @triton.jit
-def _gpt_oss_glu(gate, up, alpha, limit):
+def _gpt_oss_glu(gate, up, swiglu_alpha, limit):
     """gpt-oss's clamped SwiGLU of the biased projections (float32), as
     :func:`fp4moe_ops.moe_math.clamped_swiglu` defines it."""
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
-    return gate * tl.sigmoid(gate * alpha) * (up + 1.0)
+    return gate * tl.sigmoid(gate * swiglu_alpha) * (up + 1.0)
 
 @triton.jit
-def _gemm1_swiglu_kernel(
+def _gate_up_swiglu_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, out_ptr,
     sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
     H: tl.constexpr, I: tl.constexpr, TOPK, w_desc, s_desc, K_RUNTIME,
@@ -376,10 +376,10 @@ def _gemm1_swiglu_kernel(
     PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
     MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
     DIAG: tl.constexpr = 0, SLOT_BLOCKS: tl.constexpr = False, E: tl.constexpr = 0,
-    b1_ptr=None, alpha=1.0, limit=1.0, GPT_OSS: tl.constexpr = False,
+    gate_up_bias_ptr=None, swiglu_alpha=1.0, limit=1.0, GPT_OSS: tl.constexpr = False,
 ):
     """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]`` (GPT_OSS:
-    gpt-oss's clamped SwiGLU with the biases ``b1 [E, 2I]`` float32, :func:`_gpt_oss_glu`). With
+    gpt-oss's clamped SwiGLU with the biases ``gate_up_bias [E, 2I]`` float32, :func:`_gpt_oss_glu`). With
     MERGED_GATE_UP (TMA tiles) a program's BN rows are BN/2 gate rows and the same up rows, in one K
     loop with one accumulator; else BN gate rows and BN up rows in two K loops. SLOT_BLOCKS: see
     :func:`_block_expert`; ``x`` is then in natural order (read permuted, with FRAGMENT_ORDER)."""
@@ -418,17 +418,18 @@ def _gemm1_swiglu_kernel(
             gate = acc_gate * g
             up = acc_up * g
         if GPT_OSS:
-            b1_e = b1_ptr + e64 * (2 * I)
-            h = _gpt_oss_glu(gate + tl.load(b1_e + cols)[:, None], up + tl.load(b1_e + I + cols)[:, None], alpha, limit)
+            gate_up_bias_e = gate_up_bias_ptr + e64 * (2 * I)
+            h = _gpt_oss_glu(gate + tl.load(gate_up_bias_e + cols)[:, None], up + tl.load(gate_up_bias_e + I + cols)[:, None],
+                             swiglu_alpha, limit)
         else:
             h = gate * tl.sigmoid(gate) * up
-        if FRAGMENT_ORDER:  # GEMM2 reads its K axis (our columns) in fragment order
+        if FRAGMENT_ORDER:  # the down GEMM reads its K axis (our columns) in fragment order
             cols = _fragment_position(cols, OUT_CHUNK)
         tl.store(out_ptr + slots[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
                  mask=row_mask[None, :])
 
 @triton.jit
-def _gemm2_kernel(
+def _down_kernel(
     a_ptr, w_ptr, s_ptr, g_ptr, topk_weights_ptr, out_ptr,
     sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
     H: tl.constexpr, I: tl.constexpr, w_desc, s_desc, K_RUNTIME,
@@ -602,9 +603,9 @@ def _route_program(p, ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_star
 
 @triton.jit
 def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False,
-                     b2_ptr=None, topk_w_ptr=None, HAS_BIAS: tl.constexpr = False):
+                     down_bias_ptr=None, topk_w_ptr=None, HAS_BIAS: tl.constexpr = False):
     """``out[t] = sum_j y[t k + j]`` over the token's valid slots; HAS_BIAS (gpt-oss's down-projection
-    bias ``b2 [E, H]`` float32): ``+ w[t, j] * b2[e_j]`` each."""
+    bias ``down_bias [E, H]`` float32): ``+ w[t, j] * down_bias[e_j]`` each."""
     _await_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -616,7 +617,7 @@ def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BH: tl.c
         acc += tl.load(y_ptr + (t * TOPK + j) * H + cols, mask=valid, other=0.0)
         if HAS_BIAS:
             w = tl.load(topk_w_ptr + t * TOPK + j)
-            acc += w * tl.load(b2_ptr + e.to(tl.int64) * H + cols, mask=valid, other=0.0)
+            acc += w * tl.load(down_bias_ptr + e.to(tl.int64) * H + cols, mask=valid, other=0.0)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 

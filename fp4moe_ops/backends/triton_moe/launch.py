@@ -19,7 +19,7 @@ from ...env import env_switch
 try:
     import triton
 
-    from .kernels import _dequant_kernel, _gemm1_swiglu_kernel, _gemm2_kernel, _linear_kernel, _linear_parts_kernel, \
+    from .kernels import _dequant_kernel, _gate_up_swiglu_kernel, _down_kernel, _linear_kernel, _linear_parts_kernel, \
         _route_count_kernel, _route_kernel, _sum_topk_kernel
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
@@ -197,7 +197,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     elif decode:
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 16, 64, 256, 64, 256, 4, 3, False
     elif tma:  # prefill, tensor-core bound: TMA tiles beat the plain-load ones; 256-row weight tiles
-        # (half the programs; GEMM2's K loop is short, I / 256 steps; GEMM1 decodes each weight tile
+        # (half the programs; the down GEMM's K loop is short, I / 256 steps; the gate_up GEMM decodes each weight tile
         # for 2x the MMA work per instruction) a little more
         bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 64, 256, 256, 256, 256, 8, 3, False
     else:
@@ -212,7 +212,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # instructions per K step, fewer still with the paired weight layout (layout.py, held by
     # PreparedExperts)
     cfg["TMA"] = cfg["FRAGMENT_ORDER"] = tma
-    # GEMM1's tiles hold BN1/2 gate rows and the same up rows, in one K loop with one accumulator
+    # the gate_up GEMM's tiles hold BN1/2 gate rows and the same up rows, in one K loop with one accumulator
     # (4-D TMA boxes): two K loops kept a first accumulator alive through the second, and ptxas
     # serialized every wgmma there (the merged prefill tile still uses 255 registers and spills a
     # little, but its wgmmas overlap); faster or level at every token count
@@ -222,7 +222,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # the middle and prefill buckets; in the rest of the decode bucket a run-time loop is faster
     cfg["PIPELINED_MMA1"] = cfg["PIPELINED_MMA2"] = tma and not (decode and num_slots > 8)
     # Programmatic dependent launch (sm90+; opt-in, config key PDL) for the launches of a call
-    # (routing, GEMM1, GEMM2, top-k sum; no routing at one token): each kernel's programs start while
+    # (routing, the gate_up GEMM, the down GEMM, top-k sum; no routing at one token): each kernel's programs start while
     # the previous one drains its last wave, and wait for it (griddepcontrol) before reading anything
     # it wrote. Off: a few % at 1-2 tokens, but a slower first pass over new shapes
     cfg["PDL"] = False
@@ -231,8 +231,8 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     cfg["GLUON_PREFILL"] = tma and rows_per_expert >= GLUON_PREFILL_MIN_ROWS
     # Up to V3_MAX_ROWS rows per expert: both GEMMs on mma.sync with weights and scales through a
     # TMA ring (decode_v3.py; Hopper, bf16 and Gluon only, checked at the call), in 8-row blocks:
-    # faster than the wgmma kernels up to 6 rows per expert, slower at 8. Rings of 2 slots: GEMM2's
-    # of 2 steps (256 K each) where I allows, of one at one token, GEMM1's of one step
+    # faster than the wgmma kernels up to 6 rows per expert, slower at 8. Rings of 2 slots: the down GEMM's
+    # of 2 steps (256 K each) where I allows, of one at one token, the gate_up GEMM's of one step
     cfg["DECODE_V3"] = tma and rows_per_expert <= V3_MAX_ROWS and hidden % 256 == 0 and inter % 256 == 0
     if cfg["DECODE_V3"]:
         cfg |= dict(V3_STAGES=2, V3_SPS=2 if inter % 512 == 0 else 1, V3_SPS_ONE_TOKEN=1, V3_STAGES1=2, V3_BM=8)
@@ -246,15 +246,15 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     The tiles come from :func:`kernel_config` (``routed_experts``: see ``fp4moe::fused_moe``)
     unless ``config`` is given. ``gpt_oss``: :class:`.layout.GptOssTerms` for gpt-oss's experts
     (:func:`triton_gpt_oss_moe`; MXFP4's block scales are E8M0 as int8, and its global scales unused)."""
-    w13, s13, g13, w2, s2, g2 = expert_tensors
+    gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale = expert_tensors
     num_tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
-    num_experts, inter = s13.shape[0], s13.shape[1] // 2
+    num_experts, inter = gate_up_scale.shape[0], gate_up_scale.shape[1] // 2
     num_slots = num_tokens * top_k
     if config is None and _compile_ahead():
         compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts, gpt_oss)
     cfg = config or kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
-    paired = w13.dtype == torch.int32
+    paired = gate_up.dtype == torch.int32
     if config is None:
         _announce_once(("moe", hidden_states.device, hidden_states.dtype, paired), hidden_states,
                        "the MoE layer" if paired else "the MoE layer (canonical weight layout)", paired)
@@ -280,18 +280,18 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     fragment = cfg.get("FRAGMENT_ORDER", False)
     # One token: a row block per slot, read from the ids by the GEMMs themselves (its experts are
     # distinct as a router picks them; were two the same, each block would read the weights), so
-    # no routing launch and no copy of x (GEMM1 reads it permuted; benchmarks/NOTES.md)
+    # no routing launch and no copy of x (the gate_up GEMM reads it permuted; benchmarks/NOTES.md)
     blocks = _one_token_blocks(cfg, topk_ids)
     slot_blocks = blocks is not None
     if slot_blocks:
         sorted_slot, block_expert, row_start, row_end = blocks
-        x_gemm1 = x
-    elif fragment:  # GEMM1 reads x with K in fragment order
-        sorted_slot, block_expert, row_start, row_end, x_gemm1 = route(topk_ids, num_experts, cfg["BM"], x, cfg["BK1"],
+        x_gate_up = x
+    elif fragment:  # the gate_up GEMM reads x with K in fragment order
+        sorted_slot, block_expert, row_start, row_end, x_gate_up = route(topk_ids, num_experts, cfg["BM"], x, cfg["BK1"],
                                                                        pdl=pdl)
     else:
         sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"], pdl=pdl)
-        x_gemm1 = x
+        x_gate_up = x
     common = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PREFETCH=cfg.get("PREFETCH", True),
                   **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
                   FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting(),
@@ -306,50 +306,53 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     if merged and not (tma and cfg["BK1"] >= 256):
         raise ValueError("MERGED_GATE_UP needs TMA and BK1 >= 256 (16-byte scale box rows)")
     if merged:
-        desc1 = _gate_up_descriptors(w13, s13, cfg["BN1"], cfg["BK1"])
+        desc1 = _gate_up_descriptors(gate_up, gate_up_scale, cfg["BN1"], cfg["BK1"])
     else:
-        desc1 = _descriptors(w13, s13, cfg["BN1"], cfg["BK1"]) if tma else (w13, s13)
-    desc2 = _descriptors(w2, s2, cfg["BN2"], cfg["BK2"]) if tma else (w2, s2)
+        desc1 = _descriptors(gate_up, gate_up_scale, cfg["BN1"], cfg["BK1"]) if tma else (gate_up, gate_up_scale)
+    desc2 = _descriptors(down, down_scale, cfg["BN2"], cfg["BK2"]) if tma else (down, down_scale)
     # programs per M block: BN1/2 gate and BN1/2 up rows each (merged), or BN1 of both
     grid1 = (block_expert.numel(), (2 if merged else 1) * inter // cfg["BN1"])
     # hidden and inter go in twice: as the constexprs H and I, and as K_RUNTIME, the K loop's bound
     # when PIPELINED_MMA is off (a run-time bound, see _expert_matmul)
     launch_or_compile(
-        _gemm1_swiglu_kernel, grid1, x_gemm1, w13, s13, g13, inter_act, sorted_slot, block_expert,
-        row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
+        _gate_up_swiglu_kernel, grid1, x_gate_up, gate_up, gate_up_scale, gate_up_global_scale, inter_act, sorted_slot,
+        block_expert, row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
         OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **common,
-        **({} if gpt_oss is None else gpt_oss.gemm1_args()),
+        **({} if gpt_oss is None else gpt_oss.gate_up_args()),
     )
     grid2 = (block_expert.numel(), hidden // cfg["BN2"])
     launch_or_compile(
-        _gemm2_kernel, grid2, inter_act, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start,
-        row_end, hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
+        _down_kernel, grid2, inter_act, down, down_scale, down_global_scale, topk_weights.contiguous(), y, sorted_slot,
+        block_expert, row_start, row_end, hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
         PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), **common,
     )
     return _sum_topk(y, topk_ids, x, num_experts, pdl, _down_bias(gpt_oss, topk_weights))
 
 
 def _down_bias(gpt_oss, topk_weights):
-    """``(b2, topk_weights)`` for the top-k sum (gpt-oss's down-projection bias), or None."""
-    return None if gpt_oss is None else (gpt_oss.b2, topk_weights.contiguous())
+    """``(down_bias, topk_weights)`` for the top-k sum (gpt-oss's down-projection bias), or None."""
+    return None if gpt_oss is None else (gpt_oss.down_bias, topk_weights.contiguous())
 
 
-def triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, alpha: float, limit: float,
+def triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, swiglu_alpha: float, limit: float,
                        config: dict | None = None):
     """gpt-oss's experts on the Triton kernels: ``kernel_tensors`` as
     :func:`.layout.gpt_oss_kernel_tensors` makes them (H and I padded to multiples of 256; six for
     MXFP4, whose E8M0 scales are duplicated per 16 values, eight for NVFP4); the activations are
     padded to match and the output cut back to ``hidden_states``' width."""
     if len(kernel_tensors) == 8:
-        w13, s13, g13, b1, w2, s2, g2, b2 = kernel_tensors
+        (gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias,
+         down, down_scale, down_global_scale, down_bias) = kernel_tensors
     else:
-        w13, s13, b1, w2, s2, b2 = kernel_tensors
-        g13 = g2 = b1  # (E8M0 scales need no global scale: the kernels ignore g, so b1 stands in for it)
+        gate_up, gate_up_scale, gate_up_bias, down, down_scale, down_bias = kernel_tensors
+        # (E8M0 scales need no global scale: the kernels ignore it, so the bias stands in for it)
+        gate_up_global_scale = down_global_scale = gate_up_bias
     hidden = hidden_states.shape[1]
-    padded = w2.shape[1] * 2  # w2 [E, Hp/2, Ip/4] (paired words)
+    padded = down.shape[1] * 2  # down [E, Hp/2, Ip/4] (paired words)
     x = hidden_states if padded == hidden else torch.nn.functional.pad(hidden_states, (0, padded - hidden))
-    out = triton_fused_moe(x, topk_ids, topk_weights, [w13, s13, g13, w2, s2, g2], config,
-                           gpt_oss=GptOssTerms(b1, b2, alpha, limit))
+    out = triton_fused_moe(x, topk_ids, topk_weights,
+                           [gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale], config,
+                           gpt_oss=GptOssTerms(gate_up_bias, down_bias, swiglu_alpha, limit))
     return out if padded == hidden else out[:, :hidden].contiguous()
 
 
@@ -413,9 +416,10 @@ def compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, ro
                        gpt_oss=None):
     """At the first call of a layer shape in this process, compile every kernel variant it can
     launch (:func:`layer_plans`), together (see :func:`_compile_once`)."""
-    w13, s13 = expert_tensors[0], expert_tensors[1]
-    key = ("moe", hidden_states.device, hidden_states.dtype, topk_ids.dtype, topk_weights.dtype, w13.dtype,
-           s13.dtype, tuple(s13.shape), hidden_states.shape[1], topk_ids.shape[1], routed_experts, gpt_oss is None)
+    gate_up, gate_up_scale = expert_tensors[0], expert_tensors[1]
+    key = ("moe", hidden_states.device, hidden_states.dtype, topk_ids.dtype, topk_weights.dtype, gate_up.dtype,
+           gate_up_scale.dtype, tuple(gate_up_scale.shape), hidden_states.shape[1], topk_ids.shape[1], routed_experts,
+           gpt_oss is None)
     _compile_once(key, hidden_states, lambda: layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors,
                                                           routed_experts, gpt_oss), "layer")
 
@@ -453,7 +457,7 @@ def _gluon_check(x: torch.Tensor) -> str | None:
         return (f"Triton {triton.__version__} (the Gluon kernels are tested on Triton {', '.join(GLUON_TRITON)}; "
                 "FP4MOE_GLUON=1 tries them)")
     try:
-        from .decode_v3 import gemm1_v3  # noqa: F401
+        from .decode_v3 import gate_up_v3  # noqa: F401
         from .prefill_rs import prefill_gemms  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any import failure means no Gluon here, said why
         return f"the Gluon kernels do not import on Triton {triton.__version__} ({type(exc).__name__}: {exc})"
@@ -518,27 +522,27 @@ def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int =
     expert's last block, and ``options``, its tuning and diagnostic arguments), top-k sum."""
     from .prefill_rs import BK, prefill_gemms
 
-    w13, s13, g13, w2, s2, g2 = expert_tensors
-    num_experts = s13.shape[0]
+    gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale = expert_tensors
+    num_experts = gate_up_scale.shape[0]
     # one tail level: the routing kernel splits it off itself (else split_blocks' torch ops; also
     # where the kernel does not run: CPU tensors compiled for sm_90 by tools/compile_ahead_cpu.py)
     tail = tails[0] if len(tails) == 1 and (x.is_cuda or interpreting()) else 0
     sorted_slot, *tables, x_fragment = route(topk_ids, num_experts, block_m, x, BK.value, tail=tail)
     launches = [(block_m, *tables[:3]), (tail, *tables[3:])] if tail else None
     x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
-    y = prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights.contiguous(), sorted_slot, *tables[:3],
-                      block_m=block_m, tails=tails, gpt_oss=gpt_oss, launches=launches, **options)
+    y = prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale,
+                      topk_weights.contiguous(), sorted_slot, *tables[:3], block_m=block_m, tails=tails, gpt_oss=gpt_oss, launches=launches, **options)
     return _sum_topk(y, topk_ids, x, num_experts, bias=_down_bias(gpt_oss, topk_weights))
 
 
 def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict, gpt_oss=None):
     """Up to :data:`V3_MAX_ROWS` rows per expert: route (one token: a row block per slot, read from
-    the ids by the GEMMs, as in :func:`triton_fused_moe`), :func:`.decode_v3.gemm1_v3` (``h`` with
-    K's bits 0, 1 swapped), :func:`.decode_v3.gemm2_v3`, top-k sum."""
-    from .decode_v3 import gemm1_v3, gemm2_v3
+    the ids by the GEMMs, as in :func:`triton_fused_moe`), :func:`.decode_v3.gate_up_v3` (``h`` with
+    K's bits 0, 1 swapped), :func:`.decode_v3.down_v3`, top-k sum."""
+    from .decode_v3 import gate_up_v3, down_v3
 
-    w13, s13, g13, w2, s2, g2 = expert_tensors
-    num_experts, inter = s13.shape[0], s13.shape[1] // 2
+    gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale = expert_tensors
+    num_experts, inter = gate_up_scale.shape[0], gate_up_scale.shape[1] // 2
     (num_tokens, hidden), top_k = x.shape, topk_ids.shape[1]
     num_slots = num_tokens * top_k
     blocks = _one_token_blocks(cfg, topk_ids)
@@ -547,10 +551,10 @@ def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict, gpt_oss
     sorted_slot, block_expert, row_start, row_end = blocks if slot_blocks else route(topk_ids, num_experts, bm)
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
-    gemm1_v3(x, w13, s13, g13, h, sorted_slot, block_expert, row_start, row_end, hidden, inter, top_k, bm, slot_blocks,
-             num_experts, cfg["V3_STAGES1"], gpt_oss)
-    gemm2_v3(h, w2, s2, g2, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start, row_end, hidden, inter,
-             bm, slot_blocks, num_experts, cfg["V3_STAGES"], cfg["V3_SPS_ONE_TOKEN" if slot_blocks else "V3_SPS"])
+    gate_up_v3(x, gate_up, gate_up_scale, gate_up_global_scale, h, sorted_slot, block_expert, row_start, row_end, hidden,
+               inter, top_k, bm, slot_blocks, num_experts, cfg["V3_STAGES1"], gpt_oss)
+    down_v3(h, down, down_scale, down_global_scale, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start,
+            row_end, hidden, inter, bm, slot_blocks, num_experts, cfg["V3_STAGES"], cfg["V3_SPS_ONE_TOKEN" if slot_blocks else "V3_SPS"])
     return _sum_topk(y, topk_ids, x, num_experts, bias=_down_bias(gpt_oss, topk_weights))
 
 
@@ -576,31 +580,31 @@ def _weight_descriptor(w: torch.Tensor, bn: int, bk: int):
     return TensorDescriptor.from_tensor(w.reshape(-1, w.shape[-1]), [bn, bk // 2])
 
 
-def _gate_up_descriptors(w13: torch.Tensor, s13: torch.Tensor, bn: int, bk: int):
-    """4-D TMA descriptors over ``w13`` as ``[E, 2, I, H/2]`` (paired: bytes ``[E, 2, I/2, H]``, gate
-    pairs then up pairs) and ``s13`` as ``[E, 2, I, H/16]``: one box holds ``bn/2`` gate rows and the
+def _gate_up_descriptors(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, bn: int, bk: int):
+    """4-D TMA descriptors over ``gate_up`` as ``[E, 2, I, H/2]`` (paired: bytes ``[E, 2, I/2, H]``, gate
+    pairs then up pairs) and ``gate_up_scale`` as ``[E, 2, I, H/16]``: one box holds ``bn/2`` gate rows and the
     same up rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    e, inter = w13.shape[0], s13.shape[1] // 2
-    s = TensorDescriptor.from_tensor(s13.reshape(e, 2, inter, s13.shape[-1]), [1, 2, bn // 2, bk // 16])
-    if w13.dtype == torch.int32:  # paired: row-pair words, as bytes
-        w = w13.view(torch.uint8).reshape(e, 2, inter // 2, 4 * w13.shape[-1])
+    e, inter = gate_up.shape[0], gate_up_scale.shape[1] // 2
+    s = TensorDescriptor.from_tensor(gate_up_scale.reshape(e, 2, inter, gate_up_scale.shape[-1]), [1, 2, bn // 2, bk // 16])
+    if gate_up.dtype == torch.int32:  # paired: row-pair words, as bytes
+        w = gate_up.view(torch.uint8).reshape(e, 2, inter // 2, 4 * gate_up.shape[-1])
         return TensorDescriptor.from_tensor(w, [1, 2, bn // 4, bk]), s
-    return TensorDescriptor.from_tensor(w13.reshape(e, 2, inter, w13.shape[-1]), [1, 2, bn // 2, bk // 2]), s
+    return TensorDescriptor.from_tensor(gate_up.reshape(e, 2, inter, gate_up.shape[-1]), [1, 2, bn // 2, bk // 2]), s
 
 
 def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int,
               pdl: bool = False, bias=None) -> torch.Tensor:
     """``out [T, H]`` (x's dtype) = sum over each token's valid slots (ids in ``[0, num_experts)``)
-    of ``y [T*k, H]`` fp32; ``bias = (b2 [E, H], topk_weights)`` adds ``w * b2[e]`` per slot."""
+    of ``y [T*k, H]`` fp32; ``bias = (down_bias [E, H], topk_weights)`` adds ``w * down_bias[e]`` per slot."""
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
     bh = min(1024, triton.next_power_of_2(hidden))
     launch_or_compile(
         _sum_topk_kernel, (num_tokens, triton.cdiv(hidden, bh)), y, topk_ids.contiguous(), out, hidden, num_experts,
         TOPK=topk_ids.shape[1], BH=bh, **_pdl_args(pdl),
-        **({} if bias is None else dict(b2_ptr=bias[0], topk_w_ptr=bias[1], HAS_BIAS=True)),
+        **({} if bias is None else dict(down_bias_ptr=bias[0], topk_w_ptr=bias[1], HAS_BIAS=True)),
     )
     return out
 
@@ -699,7 +703,7 @@ def linear_config(tokens: int, n: int, k: int, paired: bool = False, v3: bool = 
 
 
 def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                        weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None,
+                        global_scale: torch.Tensor, bias: torch.Tensor | None = None,
                         config: dict | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K]`` (bf16/fp16) x NVFP4 ``weight`` (``[N, K/2]`` uint8, or ``[N/2, K/4]`` int32 in
     the paired layout) -> ``[..., N]``; see :func:`linear_supported` for what runs. No host syncs;
@@ -713,7 +717,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         return x.new_empty(*x.shape[:-1], n)
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()  # the kernels assume dense rows
     if config is None and _compile_ahead():
-        compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias, counters)
+        compile_linear_once(x2, weight, weight_scale, global_scale, bias, counters)
     cfg = config or linear_config(tokens, n, k, paired, paired and _gluon_runs(x2))
     fast = not interpreting()
     has_bias = bias is not None
@@ -721,7 +725,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         w = x.new_empty(16) if compiling_ahead() else torch.empty(n, k, dtype=x.dtype, device=x.device)
         w_desc = _weight_descriptor(weight, cfg["BN"], cfg["BK"]) if paired else None
         launch_or_compile(_dequant_kernel, (n // cfg["BN"], k // cfg["BK"]), weight, weight_scale.view(torch.uint8),
-                          weight_scale_2, w, k, w_desc, BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast, PAIRED=paired)
+                          global_scale, w, k, w_desc, BN=cfg["BN"], BK=cfg["BK"], FAST_DECODE=fast, PAIRED=paired)
         if compiling_ahead():  # only the kernel's compile: no n x k buffer, no GEMM on garbage
             return x.new_empty(*x.shape[:-1], n)
         # on x2, not x (fp4moe_ops.linear.as_matrix says why)
@@ -734,7 +738,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
 
         tiles = (n // 64) * triton.cdiv(tokens, cfg["BM"])
         serial = counters if parts > 1 and counters is not None and tiles <= counters.numel() else None
-        linear_v3(x2, weight, weight_scale, weight_scale_2, bias, out, partials, serial, cfg["BM"], parts,
+        linear_v3(x2, weight, weight_scale, global_scale, bias, out, partials, serial, cfg["BM"], parts,
                   cfg["STAGES"])
     else:
         bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
@@ -748,7 +752,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         serial = counters if parts > 1 and cfg["SERIAL"] and counters is not None and \
             grid[0] * grid[1] <= counters.numel() else None
         launch_or_compile(
-            _linear_kernel, grid, x2, weight, weight_scale.view(torch.uint8), weight_scale_2,
+            _linear_kernel, grid, x2, weight, weight_scale.view(torch.uint8), global_scale,
             bias if has_bias else out, out, partials, out if serial is None else serial, tokens, n, k,
             triton.cdiv(k // bk, parts) * bk, w_desc, s_desc, x_desc if x_tma else None, BM=bm, BN=bn, BK=bk,
             FAST_DECODE=fast, INTERPRET=interpreting(), HAS_BIAS=has_bias, SPLIT=parts > 1, SERIAL=serial is not None,
@@ -761,7 +765,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     return out.reshape(*x.shape[:-1], n)
 
 
-def linear_plans(x2, weight, weight_scale, weight_scale_2, bias=None, counters=None):
+def linear_plans(x2, weight, weight_scale, global_scale, bias=None, counters=None):
     """:func:`.compile_ahead.compile_all`'s plans for an NVFP4 linear (a call's arguments, ``x2 [T,
     K]``): the launch sequence of every token count up to the first past the GEMV path, on a fresh
     input of that many tokens (made when the plan runs). Every count, not one per kernel set: which
@@ -772,13 +776,13 @@ def linear_plans(x2, weight, weight_scale, weight_scale_2, bias=None, counters=N
     k = linear_shape(weight)[1]
 
     def plan(t):
-        return triton_nvfp4_linear(x2.new_empty(t, k), weight, weight_scale, weight_scale_2, bias, counters=counters)
+        return triton_nvfp4_linear(x2.new_empty(t, k), weight, weight_scale, global_scale, bias, counters=counters)
 
     last = max(LINEAR_GEMV_MAX_TOKENS, LINEAR_V3_MAX_TOKENS if weight.dtype == torch.int32 else 0) + 1
     return [(t, partial(plan, t)) for t in range(1, last + 1)]
 
 
-def compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias=None, counters=None):
+def compile_linear_once(x2, weight, weight_scale, global_scale, bias=None, counters=None):
     """At the first call of a linear shape in this process, compile every kernel variant it can
     launch (:func:`linear_plans`), together (see :func:`_compile_once`). A variant's code depends on
     N and K only through their divisibility, so later shapes find most of theirs compiled; which
@@ -786,4 +790,4 @@ def compile_linear_once(x2, weight, weight_scale, weight_scale_2, bias=None, cou
     covers its tiles)."""
     key = ("linear", x2.device, x2.dtype, weight.dtype, tuple(weight.shape), bias is not None,
            None if counters is None else counters.numel())
-    _compile_once(key, x2, lambda: linear_plans(x2, weight, weight_scale, weight_scale_2, bias, counters), "linear")
+    _compile_once(key, x2, lambda: linear_plans(x2, weight, weight_scale, global_scale, bias, counters), "linear")

@@ -135,18 +135,19 @@ GPT_OSS_MAX_SCALE_BYTE = 127 + 23  # E8M0 byte of 2^23: the largest the kernels 
 
 
 class GptOssTerms(NamedTuple):
-    """What gpt-oss's experts add to the kernels' math: ``b1 [E, 2Ip]`` float32 (gate's, then up's)
-    before the clamped SwiGLU of ``alpha`` and ``limit`` (GEMM1's epilogue), ``b2 [E, Hp]`` float32
-    times the routing weight (the top-k sum)."""
+    """What gpt-oss's experts add to the kernels' math: ``gate_up_bias [E, 2Ip]`` float32 (gate's, then
+    up's) before the clamped SwiGLU of ``swiglu_alpha`` and ``limit`` (the gate_up GEMM's epilogue),
+    ``down_bias [E, Hp]`` float32 times the routing weight (the top-k sum)."""
 
-    b1: torch.Tensor
-    b2: torch.Tensor
-    alpha: float
+    gate_up_bias: torch.Tensor
+    down_bias: torch.Tensor
+    swiglu_alpha: float
     limit: float
 
-    def gemm1_args(self) -> dict:
-        """A GEMM1 kernel's keyword arguments for this activation."""
-        return dict(b1_ptr=self.b1, alpha=float(self.alpha), limit=float(self.limit), GPT_OSS=True)
+    def gate_up_args(self) -> dict:
+        """A gate_up GEMM kernel's keyword arguments for this activation."""
+        return dict(gate_up_bias_ptr=self.gate_up_bias, swiglu_alpha=float(self.swiglu_alpha), limit=float(self.limit),
+                    GPT_OSS=True)
 
 
 def _pad_to(n: int, multiple: int = 256) -> int:
@@ -180,45 +181,49 @@ def _mxfp4_kernel_matrix(name: str, blocks: torch.Tensor, scales: torch.Tensor, 
 
 def gpt_oss_kernel_tensors(expert_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """gpt-oss's experts as ``fp4moe::gpt_oss_moe`` takes them -> the Triton backend's layout (Hp, Ip:
-    H, I rounded up to multiples of 256; rows of w13, s13 and b1: gate's, then up's):
+    H, I rounded up to multiples of 256; the gate_up rows of packed weights, scales and bias: gate's,
+    then up's):
 
-    * MXFP4, the six checkpoint tensors (:data:`fp4moe_ops.mxfp4.MXFP4_EXPERT_TENSORS`) -> ``[w13 [E,
-      Ip, Hp/4] int32 (paired), s13 [E, 2Ip, Hp/16] int8 (E8M0), b1 [E, 2Ip] float32, w2 [E, Hp/2,
-      Ip/4] int32, s2 [E, Hp, Ip/16] int8, b2 [E, Hp] float32]``; ValueError naming the tensor for a
-      scale the kernels cannot decode exactly;
-    * NVFP4, the eight tensors ``[w13, w13_scale, w13_global, b1, w2, w2_scale, w2_global, b2]`` ->
-      the same with uint8 (E4M3) scales and the float32 global scales ``[E]`` after each scale:
-      ``[w13, s13, g13, b1, w2, s2, g2, b2]``."""
+    * MXFP4, the six checkpoint tensors (:data:`fp4moe_ops.mxfp4.MXFP4_EXPERT_TENSORS`) -> ``[gate_up
+      [E, Ip, Hp/4] int32 (paired), gate_up_scale [E, 2Ip, Hp/16] int8 (E8M0), gate_up_bias [E, 2Ip]
+      float32, down [E, Hp/2, Ip/4] int32, down_scale [E, Hp, Ip/16] int8, down_bias [E, Hp]
+      float32]``; ValueError naming the tensor for a scale the kernels cannot decode exactly;
+    * NVFP4, the eight tensors ``[gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, down,
+      down_scale, down_global_scale, down_bias]`` -> the same with uint8 (E4M3) scales and the float32
+      global scales ``[E]`` after each scale: ``[gate_up, gate_up_scale, gate_up_global_scale,
+      gate_up_bias, down, down_scale, down_global_scale, down_bias]``."""
     if len(expert_tensors) == 8:
-        w13, s13, g13, b1, w2, s2, g2, b2 = expert_tensors
-        inter, hidden = w13.shape[1] // 2, w13.shape[2] * 2
+        gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, down, down_scale, down_global_scale, down_bias = \
+            expert_tensors
+        inter, hidden = gate_up.shape[1] // 2, gate_up.shape[2] * 2
         hp, ip = _pad_to(hidden), _pad_to(inter)
-        gate, up = (_padded(w13[:, half::2], s13[:, half::2], ip, hp) for half in (0, 1))
-        packed2, s2k = _padded(w2, s2, hp, ip)
-        b1k, b2k = gpt_oss_kernel_biases(b1, b2, ip, hp)
+        gate, up = (_padded(gate_up[:, half::2], gate_up_scale[:, half::2], ip, hp) for half in (0, 1))
+        down_k, down_scale_k = _padded(down, down_scale, hp, ip)
+        gate_up_bias_k, down_bias_k = gpt_oss_kernel_biases(gate_up_bias, down_bias, ip, hp)
         return [paired_weight_layout(torch.cat([gate[0], up[0]], dim=1)), torch.cat([gate[1], up[1]], dim=1),
-                g13.float().contiguous(), b1k, paired_weight_layout(packed2), s2k, g2.float().contiguous(), b2k]
+                gate_up_global_scale.float().contiguous(), gate_up_bias_k, paired_weight_layout(down_k), down_scale_k,
+                down_global_scale.float().contiguous(), down_bias_k]
     gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = expert_tensors
     experts, two_i, h_blocks = gate_up_scales.shape
     inter, hidden = two_i // 2, h_blocks * 32
     hp, ip = _pad_to(hidden), _pad_to(inter)
     gate, up = (_mxfp4_kernel_matrix("gate_up_proj", gate_up_blocks[:, half::2], gate_up_scales[:, half::2], ip, hp)
                 for half in (0, 1))  # gate (even rows), up (odd rows)
-    packed2, s2 = _mxfp4_kernel_matrix("down_proj", down_blocks, down_scales, hp, ip)
-    b1, b2 = gpt_oss_kernel_biases(gate_up_bias, down_bias, ip, hp)
-    return [paired_weight_layout(torch.cat([gate[0], up[0]], dim=1)), torch.cat([gate[1], up[1]], dim=1), b1,
-            paired_weight_layout(packed2), s2, b2]
+    down_k, down_scale_k = _mxfp4_kernel_matrix("down_proj", down_blocks, down_scales, hp, ip)
+    gate_up_bias_k, down_bias_k = gpt_oss_kernel_biases(gate_up_bias, down_bias, ip, hp)
+    return [paired_weight_layout(torch.cat([gate[0], up[0]], dim=1)), torch.cat([gate[1], up[1]], dim=1),
+            gate_up_bias_k, paired_weight_layout(down_k), down_scale_k, down_bias_k]
 
 
 def gpt_oss_kernel_biases(gate_up_bias: torch.Tensor, down_bias: torch.Tensor, ip: int, hp: int):
     """gpt-oss's ``gate_up_proj_bias [E, 2I]`` (interleaved) and ``down_proj_bias [E, H]`` -> the kernels'
-    float32 ``b1 [E, 2Ip]`` (gate's, then up's) and ``b2 [E, Hp]``, zero-padded."""
+    float32 ``[E, 2Ip]`` (gate's, then up's) and ``[E, Hp]``, zero-padded."""
     experts, inter, hidden = gate_up_bias.shape[0], gate_up_bias.shape[1] // 2, down_bias.shape[1]
-    b1 = torch.zeros(experts, 2 * ip, dtype=torch.float32, device=gate_up_bias.device)
-    b1[:, :inter], b1[:, ip:ip + inter] = gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]
-    b2 = torch.zeros(experts, hp, dtype=torch.float32, device=down_bias.device)
-    b2[:, :hidden] = down_bias
-    return b1, b2
+    gate_up_k = torch.zeros(experts, 2 * ip, dtype=torch.float32, device=gate_up_bias.device)
+    gate_up_k[:, :inter], gate_up_k[:, ip:ip + inter] = gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]
+    down_k = torch.zeros(experts, hp, dtype=torch.float32, device=down_bias.device)
+    down_k[:, :hidden] = down_bias
+    return gate_up_k, down_k
 
 
 def gpt_oss_checkpoint_tensors(kernel_tensors: list[torch.Tensor], hidden: int, inter: int,
@@ -228,20 +233,24 @@ def gpt_oss_checkpoint_tensors(kernel_tensors: list[torch.Tensor], hidden: int, 
     ``inter``, biases in ``bias_dtype`` (exact when they came from it)."""
     nvfp4 = len(kernel_tensors) == 8
     if nvfp4:
-        w13, s13, g13, b1, w2, s2, g2, b2 = kernel_tensors
+        gate_up_k, gate_up_scale_k, gate_up_global_scale, gate_up_bias_k, down_k, down_scale_k, down_global_scale, \
+            down_bias_k = kernel_tensors
     else:
-        w13, s13, b1, w2, s2, b2 = kernel_tensors
-    ip = s13.shape[1] // 2
+        gate_up_k, gate_up_scale_k, gate_up_bias_k, down_k, down_scale_k, down_bias_k = kernel_tensors
+    ip = gate_up_scale_k.shape[1] // 2
     per = 16 if nvfp4 else 32  # values per scale byte in the result
-    scales13 = s13.view(torch.uint8) if nvfp4 else s13.view(torch.uint8)[..., 0::2]  # MXFP4: one byte per 32 again
-    packed13 = canonical_from_paired(w13)
-    gate_up = interleave_gate_up(packed13[:, :inter, :hidden // 2], packed13[:, ip:ip + inter, :hidden // 2])
-    gate_up_scales = interleave_gate_up(scales13[:, :inter, :hidden // per], scales13[:, ip:ip + inter, :hidden // per])
-    gate_up_bias = interleave_gate_up(b1[:, :inter], b1[:, ip:ip + inter], dim=-1).to(bias_dtype)
-    packed2 = canonical_from_paired(w2)[:, :hidden, :inter // 2].contiguous()
-    scales2 = s2.view(torch.uint8)[:, :hidden, 0:inter // 16:(1 if nvfp4 else 2)].contiguous()
-    down_bias = b2[:, :hidden].to(bias_dtype)
+    # MXFP4: one byte per 32 values again
+    gate_up_scale_bytes = gate_up_scale_k.view(torch.uint8) if nvfp4 else gate_up_scale_k.view(torch.uint8)[..., 0::2]
+    gate_up_packed = canonical_from_paired(gate_up_k)
+    gate_up = interleave_gate_up(gate_up_packed[:, :inter, :hidden // 2], gate_up_packed[:, ip:ip + inter, :hidden // 2])
+    gate_up_scales = interleave_gate_up(gate_up_scale_bytes[:, :inter, :hidden // per],
+                                        gate_up_scale_bytes[:, ip:ip + inter, :hidden // per])
+    gate_up_bias = interleave_gate_up(gate_up_bias_k[:, :inter], gate_up_bias_k[:, ip:ip + inter], dim=-1).to(bias_dtype)
+    down = canonical_from_paired(down_k)[:, :hidden, :inter // 2].contiguous()
+    down_scales = down_scale_k.view(torch.uint8)[:, :hidden, 0:inter // 16:(1 if nvfp4 else 2)].contiguous()
+    down_bias = down_bias_k[:, :hidden].to(bias_dtype)
     if nvfp4:
-        return [gate_up.contiguous(), gate_up_scales.contiguous(), g13, gate_up_bias, packed2, scales2, g2, down_bias]
+        return [gate_up.contiguous(), gate_up_scales.contiguous(), gate_up_global_scale, gate_up_bias, down, down_scales,
+                down_global_scale, down_bias]
     return [to_gpt_oss_blocks(gate_up).contiguous(), gate_up_scales.contiguous(), gate_up_bias,
-            to_gpt_oss_blocks(packed2), scales2, down_bias]
+            to_gpt_oss_blocks(down), down_scales, down_bias]

@@ -13,8 +13,8 @@ One program computes ``[256 weight rows, BLOCK_M tokens]`` of one expert's row b
 around each TMA copy then hold one warpgroup, not both). Ring slots hold two K steps (one TMA
 copy and one wait per two steps):
 
-- each warpgroup has 128 of the weight rows (GEMM1: 64 gate rows and the same 64 up rows, so
-  SwiGLU needs no exchange; GEMM2: 128 consecutive rows of ``w2``) and its own ring of weight
+- each warpgroup has 128 of the weight rows (the gate_up GEMM: 64 gate rows and the same 64 up rows, so
+  SwiGLU needs no exchange; the down GEMM: 128 consecutive rows of ``down``) and its own ring of weight
   boxes ``[2 steps, 2 boxes, 32 pair rows, 64 bytes]`` (:func:`.layout.paired_weight_layout`: a
   pair row holds weight rows r and r + 8), filled by TMA;
 - the activation tiles ``[2 steps, BLOCK_M tokens, 64]`` bf16 are shared: warpgroup 0 refills a ring
@@ -22,7 +22,7 @@ copy and one wait per two steps):
 - each thread decodes its own fragments: a paired word (rows r and r + 8, one 2-byte unit each)
   is exactly four bf16x2 registers of one 16-wide K chunk of wgmma's A operand when K runs in
   :func:`.layout.fragment_order` (chunk 64), so the activations are stored that way (the gather
-  copy for GEMM1, GEMM1's epilogue for ``h``).
+  copy for the gate_up GEMM, the gate_up GEMM's epilogue for ``h``).
 
 Row blocks are 128 tokens; an expert's last block, when it holds few rows, can run in a launch
 of its own with narrower tiles (``tails`` of :func:`prefill_gemms`): the MMA work of its padding
@@ -165,26 +165,26 @@ def _issue_w(w_desc, w_smem, w_ready, base, wbox, wpair, i, n2):
 @gluon.jit
 def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_ptr, g_ptr, out_ptr, topk_w_ptr,
                sorted_slot_ptr, e, row0, nrows, t, WG, N_OUT, K,
-               EXPERT_PAIR_ROWS, GEMM1, DIAG, b1_ptr, alpha, limit, GPT_OSS):
-    """One warpgroup's half of the program: 128 weight rows (GEMM1: 64 gate rows and the same up
-    rows; GEMM2: 128 consecutive rows) x BLOCK_M tokens. Its weight ring is its own; the activation
+               EXPERT_PAIR_ROWS, GATE_UP, DIAG, gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS):
+    """One warpgroup's half of the program: 128 weight rows (the gate_up GEMM: 64 gate rows and the same up
+    rows; the down GEMM: 128 consecutive rows) x BLOCK_M tokens. Its weight ring is its own; the activation
     ring is shared: warpgroup 0 refills it once both have retired a slot (``x_empty``). A ring slot
     holds two K steps (one TMA copy and one wait per two steps: Gluon puts a barrier of the
     partition around each copy)."""
     S: gl.constexpr = x_smem.shape[0] // 2
     BLOCK_M: gl.constexpr = x_smem.shape[1]
     # this warpgroup's rows, as pair rows of the weights: box 0, box 1
-    if GEMM1:
+    if GATE_UP:
         p0 = e * EXPERT_PAIR_ROWS + t * PAIRS + WG * (PAIRS // 2)
         col0 = t * 128 + WG * 64
-        wbox = 2 * e  # w13 as [2E, I/2, H] bytes: gate half 2e, up half 2e + 1
+        wbox = 2 * e  # gate_up as [2E, I/2, H] bytes: gate half 2e, up half 2e + 1
         wpair = t * PAIRS + WG * (PAIRS // 2)
     else:
         p0 = e * EXPERT_PAIR_ROWS + t * 2 * PAIRS + WG * PAIRS
         col0 = t * 256 + WG * 128
-        wbox = p0 // (PAIRS // 2)  # w2 as [E H/64, 32, I] bytes: boxes of 32 pair rows
+        wbox = p0 // (PAIRS // 2)  # down as [E H/64, 32, I] bytes: boxes of 32 pair rows
         wpair = 0
-    p1 = p0 + (EXPERT_PAIR_ROWS // 2 if GEMM1 else PAIRS // 2)  # GEMM1: the up rows, I / 2 pair rows further
+    p1 = p0 + (EXPERT_PAIR_ROWS // 2 if GATE_UP else PAIRS // 2)  # the gate_up GEMM: the up rows, I / 2 pair rows further
     nk = K // BK
     n2 = nk // 2  # pair steps (K a multiple of 128)
     for i in gl.static_range(S):
@@ -232,8 +232,8 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     acc, a_odd = warpgroup_mma_wait(0, deps=[acc, a_odd])
     if DIAG >= 2:
         acc += gl.sum(gl.sum(a_odd.to(gl.float32), axis=1), axis=0)
-    _epilogue(acc, out_ptr, s_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1, b1_ptr, alpha,
-              limit, GPT_OSS)
+    _epilogue(acc, out_ptr, s_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GATE_UP,
+              gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS)
 
 
 @gluon.jit
@@ -265,14 +265,14 @@ def _step(k, acc, a_prev, scales, words_smem, x_tile, s_ptr, offs, below, nk, wl
 @gluon.jit
 def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr,
                          block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                         N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, GEMM1: gl.constexpr,
+                         N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, GATE_UP: gl.constexpr,
                          BLOCK_M: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr, DIAG: gl.constexpr = 0,
-                         b1_ptr=None, alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False):
-    """Program (weight tile ``t``, row block ``b`` of up to ``BLOCK_M`` tokens). GEMM1: tile ``t``
-    is gate rows ``128 t ..`` and the same up rows; GEMM2: weight rows ``256 t ..``.
+                         gate_up_bias_ptr=None, swiglu_alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False):
+    """Program (weight tile ``t``, row block ``b`` of up to ``BLOCK_M`` tokens). The gate_up GEMM: tile ``t``
+    is gate rows ``128 t ..`` and the same up rows; the down GEMM: weight rows ``256 t ..``.
     ``EXPERT_PAIR_ROWS``: pair rows per expert. ``DIAG`` (diagnostics, wrong results): 1 no decode
     (A a constant), 2 no MMA (the decode and the copies only), 3 both, the MMA on a constant A.
-    GPT_OSS (GEMM1): gpt-oss's clamped SwiGLU with the biases ``b1 [E, 2 N_OUT]`` float32; int8
+    GPT_OSS (the gate_up GEMM): gpt-oss's clamped SwiGLU with the biases ``gate_up_bias [E, 2 N_OUT]`` float32; int8
     scales ``s_ptr``: MXFP4's E8M0 (and no global scale)."""
     t = gl.program_id(0)
     b = gl.program_id(1)
@@ -295,35 +295,36 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
             mbarrier.init(w_ready.index(STAGES + i), count=1)
         gl.warp_specialize([
             (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-                          sorted_slot_ptr, e, row0, nrows, t, 0, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG,
-                          b1_ptr, alpha, limit, GPT_OSS)),
+                          sorted_slot_ptr, e, row0, nrows, t, 0, N_OUT, K, EXPERT_PAIR_ROWS, GATE_UP, DIAG,
+                          gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS)),
             (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-                          sorted_slot_ptr, e, row0, nrows, t, 1, N_OUT, K, EXPERT_PAIR_ROWS, GEMM1, DIAG,
-                          b1_ptr, alpha, limit, GPT_OSS)),
+                          sorted_slot_ptr, e, row0, nrows, t, 1, N_OUT, K, EXPERT_PAIR_ROWS, GATE_UP, DIAG,
+                          gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS)),
         ], [4], [REGS])
 
 
 @gluon.jit
-def _epilogue(acc, out_ptr, s_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GEMM1, b1_ptr, alpha,
-              limit, GPT_OSS):
+def _epilogue(acc, out_ptr, s_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GATE_UP,
+              gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS):
     """``acc [128 weight rows, BLOCK_M tokens]`` times the global scale (none for MXFP4's int8 E8M0
-    scales): GEMM1's SwiGLU (GPT_OSS: gpt-oss's, see :func:`_store_swiglu`) into ``h`` (sorted rows, K
-    of GEMM2 in fragment order), GEMM2's times the routing weight into ``y`` (by slot)."""
+    scales): the gate_up GEMM's SwiGLU (GPT_OSS: gpt-oss's, see :func:`_store_swiglu`) into ``h`` (sorted rows, K
+    of the down GEMM in fragment order), the down GEMM's times the routing weight into ``y`` (by slot)."""
     if s_ptr.dtype.element_ty == gl.int8:
         g = 4194304.0  # the decoded tiles' 2^-22
     else:
         g = gl.load(g_ptr + e) * 4194304.0
-    if GEMM1:  # (a run-time branch in the worker partition: see BK)
-        _store_swiglu(acc * g, out_ptr, row0, nrows, col0, N_OUT, e, b1_ptr, alpha, limit, GPT_OSS)
+    if GATE_UP:  # (a run-time branch in the worker partition: see BK)
+        _store_swiglu(acc * g, out_ptr, row0, nrows, col0, N_OUT, e, gate_up_bias_ptr, swiglu_alpha, limit,
+                      GPT_OSS)
     else:
         _store_routed(acc * g, out_ptr, topk_w_ptr, sorted_slot_ptr, row0, nrows, col0, N_OUT)
 
 
 @gluon.jit
-def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT, e, b1_ptr, alpha, limit, GPT_OSS):
+def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT, e, gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS):
     """Rows 0..63 gate rows i, 64..127 the same up rows: both in one thread. With GPT_OSS (a
     run-time value in the worker partition) gpt-oss's clamped SwiGLU of the projections plus
-    ``b1[e]`` (``[2 N_OUT]``: gate's, then up's)."""
+    ``gate_up_bias[e]`` (``[2 N_OUT]``: gate's, then up's)."""
     mma: gl.constexpr = acc.type.layout
     BLOCK_M: gl.constexpr = acc.type.shape[1]
     m = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
@@ -334,10 +335,10 @@ def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT, e, b1_ptr, alpha, limit,
     c, _ = gl.split(gl.permute(gl.reshape(rows, [2, 64, BLOCK_M]), [1, 2, 0]))
     tok, _ = gl.split(gl.permute(gl.reshape(toks, [2, 64, BLOCK_M]), [1, 2, 0]))
     if GPT_OSS:
-        b1_e = b1_ptr + e.to(gl.int64) * (2 * N_OUT) + col0 + c
-        gate = gl.minimum(gate + gl.load(b1_e), limit)
-        up = gl.minimum(gl.maximum(up + gl.load(b1_e + N_OUT), -limit), limit)
-        h = gate / (1.0 + gl.exp(-alpha * gate)) * (up + 1.0)
+        gate_up_bias_e = gate_up_bias_ptr + e.to(gl.int64) * (2 * N_OUT) + col0 + c
+        gate = gl.minimum(gate + gl.load(gate_up_bias_e), limit)
+        up = gl.minimum(gl.maximum(up + gl.load(gate_up_bias_e + N_OUT), -limit), limit)
+        h = gate / (1.0 + gl.exp(-swiglu_alpha * gate)) * (up + 1.0)
     else:
         h = gate / (1.0 + gl.exp(-gate)) * up
     offs = (row0 + tok).to(gl.int64) * N_OUT + _fragment_column(col0 + c, 64)
@@ -375,7 +376,7 @@ def _by_k_step(a: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_boxes(w_bytes: torch.Tensor) -> torch.Tensor:
-    """Paired weights as bytes ``[boxes, pair rows, K]`` (w13: ``[2E, I/2, H]``, w2: ``[E H/64, 32, I]``)
+    """Paired weights as bytes ``[boxes, pair rows, K]`` (gate_up: ``[2E, I/2, H]``, down: ``[E H/64, 32, I]``)
     viewed as ``[K/64, boxes, pair rows, 64]`` (no copy): one TMA box ``[2, 2, 32, 64]`` holds two K
     steps of 32 pair rows of two boxes, each step's rows contiguous."""
     boxes, pairs, k = w_bytes.shape
@@ -436,12 +437,12 @@ def split_blocks(block_expert, row_start, row_end, num_experts: int, block_m: in
     return launches
 
 
-def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot, block_expert, row_start,
-                  row_end, block_m: int = 128, stages: int = 4, regs: int = 248, diag: int = 0, tails=(),
+def prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale,
+                  topk_weights, sorted_slot, block_expert, row_start, row_end, block_m: int = 128, stages: int = 4, regs: int = 248, diag: int = 0, tails=(),
                   gpt_oss=None, launches=None):
     """Both GEMMs: ``x_sorted [S, H]`` bf16 (activations in expert-sorted row order, each 64-wide
     piece of K in :func:`.layout.fragment_order`) -> ``y [S, H]`` float32 by slot (the top-k sum
-    is the caller's). Weights in the paired layout (int32 ``w13 [E, I, H/4]``, ``w2 [E, H/2, I/4]``),
+    is the caller's). Weights in the paired layout (int32 ``gate_up [E, I, H/4]``, ``down [E, H/2, I/4]``),
     scales as bytes, the row blocks as :func:`.launch.route` makes them with ``block_m`` rows
     (one of :data:`BLOCK_MS`). ``stages``: ring slots of two K steps each, at least 3, as many as
     fit in shared memory (:func:`ring_bytes`: 4 x 48 KB at 128 rows); ``regs``: the worker
@@ -452,34 +453,36 @@ def prefill_gemms(x_sorted, w13, s13, g13, w2, s2, g2, topk_weights, sorted_slot
     padding cut (each launch skips the others' blocks). ``launches``: that split as
     :func:`split_blocks` returns it, made elsewhere (the routing kernel makes a one-tail split
     itself); None: :func:`split_blocks` makes it. H and I multiples of 256. MXFP4 (gpt-oss):
-    int8 E8M0 scales (``g13``, ``g2`` unused) and ``gpt_oss`` (:class:`.layout.GptOssTerms`) for GEMM1's
-    activation."""
+    int8 E8M0 scales (``gate_up_global_scale``, ``down_global_scale`` unused) and ``gpt_oss``
+    (:class:`.layout.GptOssTerms`) for the gate_up GEMM's activation."""
     num_slots, hidden = x_sorted.shape
-    inter = s13.shape[1] // 2
-    num_experts = w13.shape[0]
+    inter = gate_up_scale.shape[1] // 2
+    num_experts = gate_up.shape[0]
     check_config(hidden, inter, block_m, stages, tails)
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     if launches is None:
         launches = split_blocks(block_expert, row_start, row_end, num_experts, block_m, tails)
-    w13_bytes = w13.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
-    w2_bytes = w2.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
+    gate_up_bytes = gate_up.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
+    down_bytes = down.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
     w_box = [2, 2, PAIRS.value // 2, BK.value]
-    w13_desc, w2_desc = _descriptor(_weight_boxes(w13_bytes), w_box, 0), _descriptor(_weight_boxes(w2_bytes), w_box, 0)
-    # GEMM1's activation: gpt-oss's, or SiLU (a float32 tensor stands in for b1: a worker partition
-    # compiles both branches, and GEMM2's the GEMM1 epilogue too)
-    act = gpt_oss.gemm1_args() if gpt_oss is not None else dict(b1_ptr=g13, alpha=1.0, limit=1.0, GPT_OSS=False)
-    calls = []  # (grid, arguments, constexprs): GEMM1 at each level, then GEMM2
+    gate_up_desc = _descriptor(_weight_boxes(gate_up_bytes), w_box, 0)
+    down_desc = _descriptor(_weight_boxes(down_bytes), w_box, 0)
+    # the gate_up GEMM's activation: gpt-oss's, or SiLU (a float32 tensor stands in for gate_up_bias: a worker partition
+    # compiles both branches, and the down GEMM's the gate_up GEMM's epilogue too)
+    act = gpt_oss.gate_up_args() if gpt_oss is not None else \
+        dict(gate_up_bias_ptr=gate_up_global_scale, swiglu_alpha=1.0, limit=1.0, GPT_OSS=False)
+    calls = []  # (grid, arguments, constexprs): the gate_up GEMM at each level, then the down GEMM
     for bm, experts, starts, ends in launches:
         calls.append(((inter // 128, experts.numel()),
-                      (_descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), w13_desc, _scale_bytes(s13), g13,
-                       h, topk_weights, sorted_slot, experts, starts, ends),
-                      dict(N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, GEMM1=True, BLOCK_M=bm, **act)))
+                      (_descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), gate_up_desc,
+                       _scale_bytes(gate_up_scale), gate_up_global_scale, h, topk_weights, sorted_slot, experts, starts, ends),
+                      dict(N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, GATE_UP=True, BLOCK_M=bm, **act)))
     for bm, experts, starts, ends in launches:
         calls.append(((hidden // 256, experts.numel()),
-                      (_descriptor(_by_k_step(h), [2, bm, BK.value], 128), w2_desc, _scale_bytes(s2), g2, y,
-                       topk_weights, sorted_slot, experts, starts, ends),
-                      dict(N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GEMM1=False, BLOCK_M=bm, **act)))
+                      (_descriptor(_by_k_step(h), [2, bm, BK.value], 128), down_desc, _scale_bytes(down_scale),
+                       down_global_scale, y, topk_weights, sorted_slot, experts, starts, ends),
+                      dict(N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GATE_UP=False, BLOCK_M=bm, **act)))
     common = dict(STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
     for grid, args, consts in calls:
         launch_or_compile(_prefill_gemm_kernel, grid, *args, **consts, **common)
