@@ -116,6 +116,25 @@ def test_the_logits_are_the_tools_own_within_the_arithmetic_of_a_16_bit_model(na
     assert per_token_error(ref["logits_bf16"], want).median() > 0.2  # the quantization is really there
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", NAMES)
+def test_on_a_gpu_the_experts_run_triton_within_the_same_bounds(name):
+    """Loaded onto a GPU, ``auto`` puts the MXFP4 experts on the Triton kernels, and the logits
+    stay within the bounds of the CPU test above (Transformers' own bf16/float32 models of the
+    decoded weights against the tool's logits)."""
+    folder = FIXTURES / name
+    ref = load_file(folder / "reference_logits.safetensors")
+    ids, want = ref["input_ids"], ref["logits_weights_only"]
+    model = load(folder, device_map="cuda")
+    assert {m.backend for m in model.modules() if isinstance(m, MXFP4Experts)} == {"triton"}
+    err = per_token_error(logits(model, ids.cuda()).cpu(), want)
+    bounds = [per_token_error(logits(transformers_model_of_the_decoded_weights(folder, dtype), ids), want)
+              for dtype in (torch.bfloat16, torch.float32)]
+    assert err.median() <= max(b.median() for b in bounds), (err.median(), [b.median() for b in bounds])
+    assert err.max() <= max(b.max() for b in bounds), (err.max(), [b.max() for b in bounds])
+
+
 def test_a_w4a4_export_runs_its_activations_in_16_bits_and_says_so(hf_logs):
     # fp4moe's policy for W4A4 checkpoints, as for NVFP4 ones: 16-bit activations, in a warning
     folder = FIXTURES / "qwen3_moe_mxfp4"
