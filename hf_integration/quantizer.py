@@ -22,6 +22,10 @@ calls this quantizer at its plug-in points:
   (``model.hf_quantizer``): dtype casts keep the scales, switching the experts implementation away
   from fp4moe fails at the call, ``save_pretrained`` writes a ModelOpt checkpoint atomically.
 
+A 16-bit checkpoint given this quantization config has its routed experts quantized while it
+loads (:mod:`hf_integration.quantize_at_load`: Transformers' ``get_quantize_ops`` step, the same
+recipe as ``patch_moe``).
+
 Which quantizer wins if Transformers ever ships its own ``"modelopt"``: fp4moe's, once
 ``hf_integration`` is imported (a log line says it replaced Transformers' entry).
 """
@@ -136,6 +140,7 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
         if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
             raise CheckpointError(f"fp4moe loads ModelOpt checkpoints from .safetensors files, got {checkpoint_files}")
         self.pre_quantized = True  # also when the config came from hf_quant_config.json
+        self.quantizing: list[str] = []  # experts quantized while loading a 16-bit checkpoint
         if self.quantization_config.expert_parallel and self.quantization_config.fuse_shared_experts:
             raise ValueError("fuse_shared_experts=True and expert_parallel=True cannot be combined: a rank holds a "
                              "shard of the routed experts, which cannot also hold the shared expert; load with one of them")
@@ -149,13 +154,8 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
         scan.check_index(files)
         self.plan = plan_load(model, scan, self.quantization_config, shard_of)
         if not (self.plan.experts or self.plan.gpt_oss or self.plan.linears):
-            # a 16-bit checkpoint given a quantization config: loading it would mark the model
-            # quantized while every weight stays 16-bit
-            raise CheckpointError(
-                f"{os.path.dirname(files[0]) or '.'} holds no quantized tensors fp4moe loads: fp4moe does not "
-                "quantize while loading. Load the 16-bit model without quantization_config, then "
-                "hf_integration.patch_moe(model) quantizes its experts (save_pretrained then writes a ModelOpt "
-                "NVFP4 checkpoint)")
+            # a 16-bit checkpoint given a quantization config: its routed experts are quantized as they load
+            return self._quantize_while_loading(model, os.path.dirname(files[0]) or ".", kwargs.get("device_map"))
         check_float_tensors(model, scan, self.plan)
         self._refuse_nvfp4_on_disk(kwargs.get("device_map"))
         if self.plan.gpt_oss and self.quantization_config.expert_parallel:
@@ -210,6 +210,45 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
                 model._keys_to_ignore_on_load_unexpected.add(rf"{re.escape(p.name.split('.')[-1])}\.\d+\.")
         return model
 
+    def _quantize_while_loading(self, model, folder: str, device_map):
+        """A 16-bit checkpoint's routed experts quantized to NVFP4 as they load
+        (:mod:`hf_integration.quantize_at_load`)."""
+        from fnmatch import fnmatch
+
+        from .quantize_at_load import experts_to_quantize, replace_for_loading
+
+        config = self.quantization_config
+        if config.expert_parallel:
+            raise ValueError("expert_parallel=True: fp4moe does not quantize while loading a rank's shard; load "
+                             "without it, or from an NVFP4 checkpoint")
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise ValueError("fp4moe cannot quantize while loading with modules offloaded to disk (device_map has "
+                             "'disk'); put every layer on a GPU or the CPU")
+        patterns = config.exclude_modules
+        names = experts_to_quantize(model, skip=lambda name: any(fnmatch(name, p) for p in patterns))
+        if not names:
+            raise CheckpointError(
+                f"{folder} holds no quantized tensors fp4moe loads, and the model has no routed experts fp4moe "
+                "quantizes while loading: load it without quantization_config")
+        if config.quant_algo != "W4A16_NVFP4":
+            logger.warning("fp4moe: quantizing %s's routed experts while loading, weights only (W4A16_NVFP4): "
+                           "activation scales (%s) need calibration, hf_integration.calibrate_activation_scales",
+                           folder, config.quant_algo)
+        replace_for_loading(model, names)
+        self.quantizing = names
+        self.pre_quantized = False  # Transformers then runs get_quantize_ops on what param_needs_quantization names
+        return model
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        from .quantize_at_load import is_placeholder
+
+        return bool(self.quantizing) and is_placeholder(model, param_name)
+
+    def get_quantize_ops(self):
+        from .quantize_at_load import QuantizeExperts
+
+        return QuantizeExperts(self)
+
     def update_weight_conversions(self, weight_conversions, model=None):
         """Transformers' per-expert -> stacked converters of the NVFP4 experts give way to ours."""
         kept = []
@@ -223,6 +262,16 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.load_errors:
             raise self.load_errors[0]
+        if self.quantizing:
+            from .quantize_at_load import finish_loading, left_unfilled
+
+            missing = left_unfilled(model)
+            if missing:
+                raise CheckpointError(f"the checkpoint has no weights for {missing[0]}"
+                                      f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}: "
+                                      "nothing to quantize it from")
+            finish_loading(model)
+            self.pre_quantized = True  # what is loaded now is quantized (saving, reloading)
         check_all_filled(model)
         loaded = quantized_modules(model)
         # every value checked before any module changes (those a converter filled: as they arrived,

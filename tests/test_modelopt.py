@@ -184,18 +184,23 @@ def test_patched_bf16_model_saves_as_modelopt_and_loads_bit_identical(tmp_path):
 
 
 @pytest.mark.parametrize("config", ["modelopt", "compressed-tensors"])
-def test_a_16_bit_checkpoint_with_a_quantization_config_is_refused(tmp_path, config):
-    """fp4moe does not quantize while loading: a 16-bit folder given an NVFP4 quantization config
-    is refused, naming the folder and what to do, instead of loading as a "quantized" model whose
-    experts all stay 16-bit."""
-    from hf_integration import CompressedTensorsNVFP4Config
+def test_a_16_bit_checkpoint_with_a_quantization_config_quantizes_its_experts(tmp_path, config):
+    """A 16-bit folder given an NVFP4 quantization config loads with NVFP4 experts (quantized while
+    loading, tests/test_quantize_at_load.py), never as a "quantized" model whose experts all stay
+    16-bit; a 16-bit model without routed experts fp4moe quantizes is refused, naming the folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_integration import CompressedTensorsNVFP4Config, NVFP4Experts
 
     tiny_deepseek_v3().save_pretrained(tmp_path / "bf16")
     qc = ModelOptConfig() if config == "modelopt" else CompressedTensorsNVFP4Config()
-    with pytest.raises(CheckpointError, match=r"bf16 holds no quantized tensors fp4moe loads: .*patch_moe\(model\)"):
-        AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16, quantization_config=qc)
-    # the same folder loads as the 16-bit model it is
-    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").model.layers[1].mlp.experts).__name__ != "NVFP4Experts"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16, quantization_config=qc)
+    assert isinstance(model.model.layers[1].mlp.experts, NVFP4Experts)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path / "dense")
+    with pytest.raises(CheckpointError, match=r"dense holds no quantized tensors fp4moe loads, and the model has no "
+                                              r"routed experts"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.bfloat16, quantization_config=qc)
 
 
 def test_sharded_save_has_an_index_and_loads(checkpoint, tmp_path):

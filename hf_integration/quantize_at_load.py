@@ -1,0 +1,153 @@
+"""Quantizing a 16-bit checkpoint's routed experts to NVFP4 while ``from_pretrained`` loads it:
+``from_pretrained(<bf16 folder>, quantization_config=ModelOptConfig())``, as Transformers' own
+quantization configs (FP8, bitsandbytes) quantize a 16-bit checkpoint while loading.
+
+* Before loading, every routed-experts module of the meta model that fp4moe's NVFP4 experts can
+  stand for (SiLU-gated, concatenated ``[gate; up]``, no biases: what ``patch_moe`` quantizes)
+  becomes an :class:`~hf_integration.experts.NVFP4Experts`. Besides its NVFP4 buffers it holds two
+  meta placeholders under Transformers' names, ``gate_up_proj`` and ``down_proj``, so that
+  Transformers' own converters (per-expert checkpoint tensors -> one stacked tensor) collect the
+  checkpoint's tensors for them.
+* Each time one of those stacked 16-bit tensors is ready, :class:`QuantizeExperts` (Transformers'
+  quantize step) checks it (finite, the module's shape) and quantizes it with ModelOpt's recipe
+  (the one ``patch_moe`` uses, ``quantize_expert_stack``) on the device it was loaded to, and
+  Transformers sets the result into the module's NVFP4 buffers; the placeholder and the 16-bit
+  tensor are dropped. One projection of one
+  layer exists in 16 bits at a time, beside what Transformers holds in flight.
+* The rest of the model (attention, routers, dense and shared MLPs, embeddings) loads as the
+  checkpoint has it; a problem is raised once loading is done, naming the module and tensor, and
+  the model is not returned.
+
+The experts are W4A16 (no input scales), as after ``patch_moe``; ``save_pretrained`` then writes a
+ModelOpt NVFP4 checkpoint. Experts fp4moe cannot quantize (Llama-4's, gpt-oss's) are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp4moe_ops import nvfp4
+from fp4moe_ops.moe_weights import expert_chunks, quantize_expert_stack
+
+from .checkpoint_format import CheckpointError
+from .experts import NVFP4Experts
+from .llama4 import is_llama4_experts
+from .surgery import experts_form_problem, is_transformers_experts, replace_module
+
+PLACEHOLDERS = ("gate_up_proj", "down_proj")  # Transformers' names; each quantizes into "<name>_packed" ...
+_NVFP4_SUFFIXES = ("_packed", "_scale", "_global_scale")
+
+
+def experts_to_quantize(model: nn.Module, skip=lambda name: False) -> list[str]:
+    """The routed-experts modules of the meta ``model`` to quantize while loading (names), those
+    ``skip(name)`` names (the config's ``exclude_modules``) left out. CheckpointError for experts
+    fp4moe cannot quantize, naming the module and why."""
+    names = []
+    for name, m in model.named_modules():
+        if is_llama4_experts(m) and not skip(name):
+            raise CheckpointError(f"fp4moe cannot quantize {name} ({type(m).__name__}) while loading: Llama-4's "
+                                  "fused experts are read from NVFP4 checkpoints only. Load the 16-bit model without "
+                                  "quantization_config")
+        if not is_transformers_experts(m) or skip(name):
+            continue
+        problem = experts_form_problem(m)
+        e, two_i, h = m.gate_up_proj.shape
+        if problem is None and (h % nvfp4.BLOCK_SIZE or (two_i // 2) % nvfp4.BLOCK_SIZE):
+            problem = f"hidden {h} and intermediate {two_i // 2} must be multiples of {nvfp4.BLOCK_SIZE}"
+        if problem is not None:
+            raise CheckpointError(f"fp4moe cannot quantize {name} ({type(m).__name__}) while loading: {problem}. "
+                                  "Load the 16-bit model without quantization_config")
+        names.append(name)
+    return names
+
+
+def replace_for_loading(model: nn.Module, names: list[str]) -> None:
+    """Each named experts module becomes an NVFP4Experts with the two placeholders (module docstring)."""
+    for name in names:
+        m = model.get_submodule(name)
+        e, two_i, h = m.gate_up_proj.shape
+        with torch.device("meta"):
+            new = NVFP4Experts(None, None, num_experts=e, hidden_size=h, intermediate_size=two_i // 2)
+            for placeholder in PLACEHOLDERS:
+                source = getattr(m, placeholder)
+                new.register_buffer(placeholder, torch.empty(source.shape, dtype=source.dtype))
+        new.quantizes_at_load = True
+        parent, _, attr = name.rpartition(".")
+        replace_module(model.get_submodule(parent), attr, new)
+
+
+def is_placeholder(model: nn.Module, key: str) -> bool:
+    """Whether ``key`` names a placeholder this module quantizes into NVFP4 while loading."""
+    module_name, _, tensor = key.rpartition(".")
+    if tensor not in PLACEHOLDERS:
+        return False
+    try:
+        m = model.get_submodule(module_name)
+    except AttributeError:
+        return False
+    return getattr(m, "quantizes_at_load", False) and tensor in m._buffers
+
+
+def left_unfilled(model: nn.Module) -> list[str]:
+    """The placeholders no checkpoint tensor came for (``module.tensor``)."""
+    return [f"{name}.{p}" for name, m in model.named_modules() if getattr(m, "quantizes_at_load", False)
+            for p in PLACEHOLDERS if p in m._buffers]
+
+
+def finish_loading(model: nn.Module) -> None:
+    """After loading: the modules are NVFP4 experts like any other (the placeholders are gone)."""
+    for m in model.modules():
+        if getattr(m, "quantizes_at_load", False):
+            del m.quantizes_at_load
+
+
+def _conversion_ops_base():
+    from transformers.core_model_loading import ConversionOps
+
+    return ConversionOps
+
+
+class QuantizeExperts(_conversion_ops_base()):
+    """Transformers' quantize step for a placeholder's stacked 16-bit tensor: its three NVFP4
+    tensors, under the module's buffer names, for Transformers to set. Errors are kept by the
+    quantizer (``load_errors``) and raised once loading is done (Transformers' loader would log
+    them and go on)."""
+
+    def __init__(self, hf_quantizer):
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict: dict, model=None, full_layer_name: str | None = None, missing_keys=None,
+                **kwargs) -> dict:
+        (value,) = input_dict.values()
+        input_dict.clear()
+        value = value[0] if isinstance(value, list) else value
+        module_name, _, proj = full_layer_name.rpartition(".")
+        m = model.get_submodule(module_name)
+        try:
+            quantized = _quantize(full_layer_name, value, m._buffers[proj])
+        except CheckpointError as exc:
+            self.hf_quantizer.load_errors.append(exc)
+            return {}
+        del value, m._buffers[proj]  # the placeholder: from here on, the NVFP4 buffers stand for it
+        if missing_keys is not None:
+            missing_keys.discard(full_layer_name)
+        return {f"{full_layer_name}{suffix}": t for suffix, t in zip(_NVFP4_SUFFIXES, quantized)}
+
+
+def _quantize(key: str, value: torch.Tensor, placeholder: torch.Tensor):
+    if tuple(value.shape) != tuple(placeholder.shape):
+        raise CheckpointError(f"checkpoint tensor(s) for {key}: stacked shape {list(value.shape)}, the model "
+                              f"expects {list(placeholder.shape)}")
+    if not value.is_floating_point():
+        raise CheckpointError(f"checkpoint tensor(s) for {key} are {value.dtype}, not 16-bit weights")
+    for e0, e1 in expert_chunks(value):
+        finite = torch.isfinite(value[e0:e1]).flatten(1).all(dim=1)
+        if not bool(finite.all()):
+            bad = (e0 + (~finite).nonzero().flatten()).tolist()
+            raise CheckpointError(f"checkpoint tensor(s) for {key} hold NaN or Inf (experts {bad[:8]})")
+    return quantize_expert_stack(value.to(placeholder.dtype))
+
+
+__all__ = ["PLACEHOLDERS", "QuantizeExperts", "experts_to_quantize", "finish_loading", "is_placeholder",
+           "left_unfilled", "replace_for_loading"]
