@@ -129,6 +129,11 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
         # a checkpoint linear becomes a 16-bit nn.Linear after loading (2 weights per packed NVFP4
         # byte), unless NVFP4 linears are kept as they are
         module, _, tensor = param_name.rpartition(".")
+        if getattr(self, "quantizing", None):
+            from .quantize_at_load import is_placeholder
+
+            if is_placeholder(model, param_name):  # quantized into the NVFP4 buffers, which count themselves
+                return 0
         kind = self.plan.linears.get(module, (None,))[0] if self.plan is not None else None
         if kind == "nvfp4" and self.quantization_config.nvfp4_linears == "nvfp4":
             return param.element_size()

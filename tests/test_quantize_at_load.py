@@ -127,3 +127,27 @@ def test_gpt_oss_experts_are_refused_naming_them(tmp_path):
     tiny_gpt_oss().save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match=r"cannot quantize model\.layers\.0\.mlp\.experts .*bias-free"):
         load(tmp_path)
+
+
+def test_device_map_sizing_counts_the_experts_nvfp4_bytes(tmp_path):
+    """``device_map="auto"`` places modules by their loaded size: the experts' 16-bit placeholders
+    count nothing, their NVFP4 buffers count (so a model that fits in NVFP4 is not offloaded)."""
+    from hf_integration.quantizer import ModelOptQuantizer
+
+    torch.manual_seed(0)
+    tiny_qwen3_moe().save_pretrained(tmp_path)
+    seen = {}
+    size = ModelOptQuantizer.param_element_size
+
+    def spy(self, model, name, param):
+        seen[name] = size(self, model, name, param)
+        return seen[name]
+
+    ModelOptQuantizer.param_element_size = spy
+    try:
+        load(tmp_path, device_map="auto")
+    finally:
+        ModelOptQuantizer.param_element_size = size
+    experts = "model.layers.0.mlp.experts"
+    assert seen.get(f"{experts}.gate_up_proj") == 0 and seen.get(f"{experts}.down_proj") == 0
+    assert seen.get(f"{experts}.gate_up_proj_packed") == 1
