@@ -1,13 +1,20 @@
-"""Peak host memory while loading a generated ModelOpt NVFP4 checkpoint of one full-size
-DeepSeek-V3 MoE layer (256 experts, H=7168, I=2048: ~6.3 GB of NVFP4 experts).
+"""Peak host memory while loading a checkpoint, in a fresh process per load:
+
+* a generated ModelOpt NVFP4 checkpoint of one full-size DeepSeek-V3 MoE layer (256 experts,
+  H=7168, I=2048: ~6.3 GB of NVFP4 experts): random but valid NVFP4 bytes, E4M3 scales, fp32
+  global and input scales; a small vocabulary so the experts dominate;
+* ``--bf16 N``: a 16-bit checkpoint of N Qwen3-30B-A3B-shaped layers (128 experts, H=2048, I=768;
+  random weights, vocabulary cut to 1024), loaded three ways: as it is, then ``patch_moe`` after
+  loading, and quantized while loading (``quantization_config=ModelOptConfig(quant_algo=
+  "W4A16_NVFP4")``).
 
     python benchmarks/bench_load_memory.py --dir /tmp/fp4moe-ckpt
+    python benchmarks/bench_load_memory.py --dir /tmp/fp4moe-bf16 --bf16 4
 
-Writes the checkpoint shard by shard (random but valid NVFP4 bytes, E4M3 scales, fp32 global
-and input scales; a small vocabulary so the experts dominate), then loads it with
-``AutoModelForCausalLM.from_pretrained`` in a fresh process and reports that process's peak RSS
-(``ru_maxrss``) against the checkpoint size, next to the RSS of the same process after only the
-imports (the Python/torch/Transformers baseline).
+Each load reports its time, the process's peak RSS (``ru_maxrss``, which also counts the
+memory-mapped checkpoint pages) and peak anonymous memory (``RssAnon``, the process's own), against
+the checkpoint size and the same process after only the imports (the Python/torch/Transformers
+baseline).
 """
 
 from __future__ import annotations
@@ -126,9 +133,10 @@ time.sleep(0.1)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 base_anon = peak_anon[0]
 t0 = time.time()
-from hf_integration import ModelOptConfig
-model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16, device_map={device!r},
-                                             quantization_config=ModelOptConfig(fuse_shared_experts={fuse}))
+from hf_integration import ModelOptConfig, patch_moe
+model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16, device_map={device!r}, **{kwargs})
+if {patch}:
+    patch_moe(model, verbose=False)
 dt = time.time() - t0
 time.sleep(0.1)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -137,29 +145,57 @@ print(base * 1024, peak * 1024, kept, dt, base_anon, peak_anon[0])
 """
 
 
+def write_bf16_checkpoint(path: Path, num_layers: int) -> int:
+    """A 16-bit Qwen3-30B-A3B-shaped checkpoint of ``num_layers`` layers; returns its bytes."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(num_hidden_layers=num_layers, hidden_size=2048, intermediate_size=6144,
+                         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, vocab_size=1024)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def measure(path: Path, size: int, device_map: str, label: str, kwargs: str = "{}", patch: bool = False) -> None:
+    root = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-c", CHILD.format(root=root, path=str(path), device=device_map,
+                                                               kwargs=kwargs, patch=patch)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    base, peak, kept, dt, base_anon, peak_anon = int(out[0]), int(out[1]), int(out[2]), float(out[3]), int(out[4]), int(out[5])
+    print(f"{label}: {dt:.1f}s; peak RSS {peak / 1e9:.2f} GB = {peak / size:.2f}x the "
+          f"checkpoint ({(peak - base) / size:.2f}x above the {base / 1e9:.2f} GB import baseline; RSS counts the "
+          f"memory-mapped checkpoint pages too); peak anonymous memory {peak_anon / 1e9:.2f} GB = {peak_anon / size:.2f}x "
+          f"({(peak_anon - base_anon) / size:.2f}x above the baseline); model tensors {kept / 1e9:.2f} GB", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/fp4moe-ckpt")
     ap.add_argument("--device-map", default="cpu", help="where from_pretrained puts the model (cpu, cuda, auto)")
     ap.add_argument("--fuse-shared-experts", action="store_true", help="load with the shared expert inside the routed call")
+    ap.add_argument("--bf16", type=int, default=0, help="a 16-bit Qwen3-30B-A3B-shaped checkpoint of this many layers")
     ap.add_argument("--reuse", action="store_true", help="load the checkpoint already in --dir")
     args = ap.parse_args()
     path = Path(args.dir)
     t0 = time.time()
     if args.reuse:
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    elif args.bf16:
+        size = write_bf16_checkpoint(path, args.bf16)
     else:
         size = write_checkpoint(path, device="cuda" if torch.cuda.is_available() else "cpu")
+    if not args.reuse:
         print(f"wrote {size / 1e9:.2f} GB checkpoint to {path} in {time.time() - t0:.0f}s", flush=True)
-    root = str(Path(__file__).resolve().parent.parent)
-    out = subprocess.run([sys.executable, "-c", CHILD.format(root=root, path=str(path), device=args.device_map,
-                                                               fuse=args.fuse_shared_experts)],
-                         capture_output=True, text=True, check=True).stdout.split()
-    base, peak, kept, dt, base_anon, peak_anon = int(out[0]), int(out[1]), int(out[2]), float(out[3]), int(out[4]), int(out[5])
-    print(f"from_pretrained(device_map={args.device_map!r}, fuse_shared_experts={args.fuse_shared_experts}): {dt:.1f}s; peak RSS {peak / 1e9:.2f} GB = {peak / size:.2f}x the "
-          f"checkpoint ({(peak - base) / size:.2f}x above the {base / 1e9:.2f} GB import baseline; RSS counts the "
-          f"memory-mapped checkpoint pages too); peak anonymous memory {peak_anon / 1e9:.2f} GB = {peak_anon / size:.2f}x "
-          f"({(peak_anon - base_anon) / size:.2f}x above the baseline); model tensors {kept / 1e9:.2f} GB")
+    if args.bf16:
+        measure(path, size, args.device_map, "16-bit, as it is")
+        measure(path, size, args.device_map, "16-bit, then patch_moe", patch=True)
+        measure(path, size, args.device_map, "quantized while loading",
+                kwargs='dict(quantization_config=ModelOptConfig(quant_algo="W4A16_NVFP4"))')
+        return
+    measure(path, size, args.device_map, f"from_pretrained(device_map={args.device_map!r}, fuse_shared_experts="
+            f"{args.fuse_shared_experts})", kwargs=f"dict(quantization_config=ModelOptConfig("
+            f"fuse_shared_experts={args.fuse_shared_experts}))")
 
 
 if __name__ == "__main__":
