@@ -100,7 +100,7 @@ def test_triton_tma_loads_match_reference_on_gpu(t):
     ids, rw = routing(t, e, k)
     ids[0, 0] = -1
     # (the wgmma kernels: decode_v3 has test_decode_v3_matches_float64)
-    cfg = kernel_config(t * k, e, h, i) | dict(TMA=True, BK1=256, BK2=256, PREFETCH=False, num_stages=4,
+    cfg = kernel_config(t * k, e, h, i) | dict(TMA=True, BK_GATE_UP=256, BK_DOWN=256, PREFETCH=False, num_stages=4,
                                                DECODE_V3=False)
     ours = triton_fused_moe(x, ids, rw, fp4moe_ops.prepare_experts(w, "triton").op_tensors(), cfg)
     sub = slice(0, min(t, 16))

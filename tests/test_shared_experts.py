@@ -124,7 +124,7 @@ def test_the_routed_rows_hint_gives_the_routed_experts_tiles():
     from fp4moe_ops.backends.triton_moe.launch import kernel_config
     from hf_integration.shared_experts import routed_rows_hint
 
-    bucket = ("BM", "BN1", "BK1", "BN2", "BK2", "num_warps", "GLUON_PREFILL", "DECODE_V3")
+    bucket = ("BM", "BN_GATE_UP", "BK_GATE_UP", "BN_DOWN", "BK_DOWN", "num_warps", "GLUON_PREFILL", "DECODE_V3")
     e, k, h, i = 256, 8, 7168, 2048
     hint = routed_rows_hint(e, k)
     for t in range(1, 4097):

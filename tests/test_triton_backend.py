@@ -336,12 +336,12 @@ def test_kernel_config_buckets():
     assert kernel_config(512 * 8, 256, 64, 32)["BM"] == 16  # no TMA: no middle bucket
     # the gate_up GEMM's gate and up in one K loop wherever TMA fits; static K loops (pipelined wgmma) at 1 token
     # and from the middle bucket on, run-time ones for the rest of the decode bucket
-    modes = [(c["MERGED_GATE_UP"], c["PIPELINED_MMA1"], c["PIPELINED_MMA2"])
+    modes = [(c["MERGED_GATE_UP"], c["PIPELINED_GATE_UP"], c["PIPELINED_DOWN"])
              for c in (kernel_config(t * 8, 256, 7168, 2048) for t in (1, 2, 256, 257, 8192))]
     assert modes == [(True, True, True), (True, False, False), (True, False, False), (True, True, True),
                      (True, True, True)]
     small = kernel_config(8, 4, 64, 32)
-    assert not small["MERGED_GATE_UP"] and not small["PIPELINED_MMA1"]
+    assert not small["MERGED_GATE_UP"] and not small["PIPELINED_GATE_UP"]
 
 
 def test_kernel_config_puts_up_to_six_rows_per_expert_on_decode_v3():
@@ -393,15 +393,15 @@ def test_kernel_config_uses_tma_only_where_boxes_fit():
     assert kernel_config(65536, 256, 7168, 2048)["TMA"]  # prefill too
     for slots, h, i in [(8, 7168, 2048), (65536, 7168, 2048), (8, 64, 32), (65536, 2048, 1408)]:
         cfg = kernel_config(slots, 256, h, i)
-        assert cfg["FRAGMENT_ORDER"] == cfg["TMA"] and (not cfg["TMA"] or min(cfg["BK1"], cfg["BK2"]) >= 256)
+        assert cfg["FRAGMENT_ORDER"] == cfg["TMA"] and (not cfg["TMA"] or min(cfg["BK_GATE_UP"], cfg["BK_DOWN"]) >= 256)
 
 
 def test_kernel_config_divides_dims():
     for h, i in [(7168, 2048), (7168, 256), (2048, 1408), (64, 32), (48, 80)]:
         for slots in (8, 512, 65536):
             cfg = kernel_config(slots, 256, h, i)
-            assert i % cfg["BN1"] == 0 and h % cfg["BK1"] == 0
-            assert h % cfg["BN2"] == 0 and i % cfg["BK2"] == 0
+            assert i % cfg["BN_GATE_UP"] == 0 and h % cfg["BK_GATE_UP"] == 0
+            assert h % cfg["BN_DOWN"] == 0 and i % cfg["BK_DOWN"] == 0
 
 
 @pytest.mark.parametrize("slots_per_token,tokens", [(3, 37), (8, 64), (8, 700)])  # 5600 slots: two launches
@@ -470,7 +470,7 @@ def test_triton_prefill_tiles_with_bk128(paired):
     ids = torch.randint(0, e, (t, k))
     rw = torch.rand(t, k)
     tensors = kernel_tensors(w) if paired else fp4moe_ops.prepare_experts(w, "reference").op_tensors()
-    cfg = kernel_config(t * k, e, h, i) | dict(BM=64, BN1=128, BK1=128, BN2=128, BK2=128, TMA=True,
+    cfg = kernel_config(t * k, e, h, i) | dict(BM=64, BN_GATE_UP=128, BK_GATE_UP=128, BN_DOWN=128, BK_DOWN=128, TMA=True,
                                                FRAGMENT_ORDER=True, MERGED_GATE_UP=False)
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in tensors], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
@@ -480,7 +480,7 @@ def test_triton_prefill_tiles_with_bk128(paired):
 
 @pytest.mark.parametrize("bm,bn1,pipelined,paired", [(16, 64, False, True), (64, 128, True, True), (32, 128, True, False)])
 def test_triton_merged_gate_up_tiles(bm, bn1, pipelined, paired):
-    # the gate_up GEMM with BN1/2 gate rows and the same up rows in one K loop (4-D TMA boxes over [E, 2, I, *]
+    # the gate_up GEMM with BN_GATE_UP/2 gate rows and the same up rows in one K loop (4-D TMA boxes over [E, 2, I, *]
     # of the paired or canonical weights), with a static or a run-time K loop: several tiles per
     # expert, several blocks per expert, an unused slot.
     e, h, i, t, k = 3, 512, 256, 40, 2
@@ -489,9 +489,9 @@ def test_triton_merged_gate_up_tiles(bm, bn1, pipelined, paired):
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     ids[3, 0] = -1
     rw = torch.rand(t, k)
-    cfg = kernel_config(t * k, e, h, i) | dict(BM=bm, BN1=bn1, BK1=256, TMA=True, FRAGMENT_ORDER=True,
+    cfg = kernel_config(t * k, e, h, i) | dict(BM=bm, BN_GATE_UP=bn1, BK_GATE_UP=256, TMA=True, FRAGMENT_ORDER=True,
                                                MERGED_GATE_UP=True,
-                                               PIPELINED_MMA1=pipelined, PIPELINED_MMA2=pipelined)
+                                               PIPELINED_GATE_UP=pipelined, PIPELINED_DOWN=pipelined)
     tensors = kernel_tensors(w) if paired else fp4moe_ops.prepare_experts(w, "reference").op_tensors()
     out = triton_fused_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), [v.to(DEVICE) for v in tensors], cfg).cpu()
     ref = moe64(x, ids, rw, *w.tensors())
@@ -591,7 +591,7 @@ def test_fragment_order_config_with_narrow_tiles_is_refused():
     dev = [x.to(DEVICE) for x in kernel_tensors(w)]
     x = torch.randn(2, 512, dtype=torch.bfloat16, device=DEVICE)
     ids = torch.tensor([[0, 1], [2, 3]], device=DEVICE)
-    cfg = kernel_config(4, 4, 512, 256) | dict(BN1=32)
+    cfg = kernel_config(4, 4, 512, 256) | dict(BN_GATE_UP=32)
     assert cfg["FRAGMENT_ORDER"]
     with pytest.raises(ValueError, match="multiples of 64"):
         triton_fused_moe(x, ids, torch.rand(2, 2, device=DEVICE), dev, cfg)
@@ -623,7 +623,7 @@ def test_static_k_loop_lets_ptxas_pipeline_the_wgmma(kernel, pipelined):
         pytest.skip("this Triton has no bundled cuobjdump")
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = ["--tokens", "8", "--set", f"PIPELINED_MMA2={int(pipelined)}"] if kernel == "down" else \
+    args = ["--tokens", "8", "--set", f"PIPELINED_DOWN={int(pipelined)}"] if kernel == "down" else \
         ["--tokens", "2048", "--gate-up"]
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / "sass_count.py"), *args], capture_output=True,
                          text=True, env=env, timeout=600)
@@ -887,7 +887,7 @@ def test_decode_v3_matches_float64(t, i, stages, sps, bm):
     tensors = [a.cuda() for a in kernel_tensors(w)]
     assert _gluon_runs(x.cuda())
     cfg = kernel_config(t * k, e, h, i)
-    v3 = cfg | {"DECODE_V3": True, "V3_STAGES": stages, "V3_SPS": sps, "V3_SPS_ONE_TOKEN": sps, "V3_STAGES1": stages,
+    v3 = cfg | {"DECODE_V3": True, "V3_STAGES": stages, "V3_SPS": sps, "V3_SPS_ONE_TOKEN": sps, "V3_STAGES_GATE_UP": stages,
                 "V3_BM": bm}
     wgmma = cfg | {"DECODE_V3": False}
     out = triton_fused_moe(x.cuda(), ids.cuda(), rw.cuda(), tensors, config=v3).cpu().double()

@@ -23,6 +23,8 @@ RETIRED = {
     "GEMM1/GEMM2": re.compile(r"gemm[12](?!\d)", re.IGNORECASE),
     "fc1/fc2": re.compile(r"\bfc[12](?:_\w+)?\b"),
     "checkpoint scale names": re.compile(r"(?:weight_scale_2|weight_global_scale)\b"),  # ..._weight_scale_2 too
+    # the kernel configs' keys and the launcher's locals numbered by GEMM (now _GATE_UP / _DOWN)
+    "numbered GEMM keys": re.compile(r"\b(?:B[NK][12]|PIPELINED_MMA[12]|V3_STAGES1|b[nk][12]|desc[12]|grid[12])\b"),
 }
 ALPHA = "alpha"  # gpt-oss's constant is swiglu_alpha; a GEMM's output scale is output_scale
 

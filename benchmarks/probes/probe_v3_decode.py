@@ -45,7 +45,7 @@ def main():
         for v in args.variants.split(","):
             stages, sps, stages1, bm = ([int(f) for f in v.split(":")] + [16])[:4]
             variants[f"v3 {v}"] = cfg | dict(DECODE_V3=True, V3_STAGES=stages, V3_SPS=sps, V3_SPS_ONE_TOKEN=sps,
-                                             V3_STAGES1=stages1, V3_BM=bm)
+                                             V3_STAGES_GATE_UP=stages1, V3_BM=bm)
         x, ids, rw = inputs[0]
         sub = slice(0, 32)
         ref = ref_impl(x[sub], ids[sub], rw[sub])

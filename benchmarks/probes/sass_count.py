@@ -6,7 +6,7 @@ GPU machine: ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/t
     python benchmarks/probes/sass_count.py                       # current decode config (paired weights)
     python benchmarks/probes/sass_count.py --canonical           # fragment order over canonical weights
     python benchmarks/probes/sass_count.py --no-fragment-order   # the natural-K-order decode
-    python benchmarks/probes/sass_count.py --tokens 2048 --gate-up --set PIPELINED_MMA1=0   # wgmma serialized
+    python benchmarks/probes/sass_count.py --tokens 2048 --gate-up --set PIPELINED_GATE_UP=0   # wgmma serialized
 """
 
 import argparse
@@ -80,7 +80,7 @@ def main():
         cfg["FRAGMENT_ORDER"] = False
     paired = cfg["FRAGMENT_ORDER"] and not args.canonical
     merged = args.gate_up and bool(cfg.get("MERGED_GATE_UP"))
-    bn, bk = (cfg["BN1"], cfg["BK1"]) if args.gate_up else (cfg["BN2"], cfg["BK2"])
+    bn, bk = (cfg["BN_GATE_UP"], cfg["BK_GATE_UP"]) if args.gate_up else (cfg["BN_DOWN"], cfg["BK_DOWN"])
     if merged:  # 4-D boxes over [E, 2, I, *] (launch._gate_up_descriptors)
         w_box = f"[1, 2, {bn // 4}, {bk}]" if paired else f"[1, 2, {bn // 2}, {bk // 2}]"
         desc = {"w_desc": f"tensordesc<u8{w_box}>", "s_desc": f"tensordesc<u8[1, 2, {bn // 2}, {bk // 16}]>"}
@@ -94,12 +94,12 @@ def main():
     constants = dict(BM=cfg["BM"], BN=bn, BK=bk, PREFETCH=cfg["PREFETCH"], FAST_DECODE=True, INTERPRET=False,
                      TMA=cfg["TMA"], FRAGMENT_ORDER=cfg["FRAGMENT_ORDER"], PAIRED=paired,
                      FAST_SCALES=bool(cfg.get("FAST_SCALES", 1)), H=7168, I=2048,
-                     PIPELINED_MMA=bool(cfg["PIPELINED_MMA1" if args.gate_up else "PIPELINED_MMA2"]),
+                     PIPELINED_MMA=bool(cfg["PIPELINED_GATE_UP" if args.gate_up else "PIPELINED_DOWN"]),
                      PDL=bool(cfg.get("PDL")), DIAG=int(cfg.get("DIAG", 0)),
                      SLOT_BLOCKS=args.tokens == 1, E=256)  # (one token: the GEMMs read the ids themselves)
     common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "K_RUNTIME": "i32"}
     if args.gate_up:
-        constants |= dict(OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, GPT_OSS=False, gate_up_bias_ptr=None)  # (SiLU: NVFP4's)
+        constants |= dict(OUT_CHUNK=cfg["BK_DOWN"], MERGED_GATE_UP=merged, GPT_OSS=False, gate_up_bias_ptr=None)  # (SiLU: NVFP4's)
         kernel, sig = kernels._gate_up_swiglu_kernel, {"x_ptr": "*bf16", **common, "out_ptr": "*fp32", "TOPK": "i32",
                                                      "swiglu_alpha": "fp32", "limit": "fp32"}
     else:

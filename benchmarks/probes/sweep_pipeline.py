@@ -4,7 +4,7 @@ the previous kernels' config (the gate_up GEMM's gate and up in two K loops with
 config's output is compared with the first row's before it is timed.
 
     python benchmarks/probes/sweep_pipeline.py --tokens 1,8,64 --pdl
-    python benchmarks/probes/sweep_pipeline.py --tokens 2048,8192 --variant prefill_bm128:BM=128,BN1=128,BN2=128,num_stages=2
+    python benchmarks/probes/sweep_pipeline.py --tokens 2048,8192 --variant prefill_bm128:BM=128,BN_GATE_UP=128,BN_DOWN=128,num_stages=2
 
 The logs of 2026-12-01 (``results/sweep_pipeline_2026-12-01{a,b,c}.log``,
 ``sweep_pipeline_decode_2026-12-01d.log``) ran earlier forms of this script, against the previous
@@ -32,7 +32,7 @@ def previous_config(t, k, e, h, i):
     default split gate and up into separate programs plus a SiLU kernel; that path is gone, and
     ``results/sweep_pipeline_2026-12-01*.log`` compared against it.)"""
     cfg = launch.kernel_config(t * k, e, h, i)
-    return cfg | dict(GLUON_PREFILL=False, MERGED_GATE_UP=False, PIPELINED_MMA1=False, PIPELINED_MMA2=False, maxnreg=0,
+    return cfg | dict(GLUON_PREFILL=False, MERGED_GATE_UP=False, PIPELINED_GATE_UP=False, PIPELINED_DOWN=False, maxnreg=0,
                       num_warps=4 if cfg["BM"] in (16, 32) else cfg["num_warps"])
 
 
@@ -63,7 +63,7 @@ def main():
     ap.add_argument("--tokens", default="1,8,64,512,2048,8192")
     ap.add_argument("--out", default=None)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=INT,...",
-                    help="a config on top of the defaults, e.g. prefill_bm128:BM=128,BN1=128,BN2=128,num_stages=2")
+                    help="a config on top of the defaults, e.g. prefill_bm128:BM=128,BN_GATE_UP=128,BN_DOWN=128,num_stages=2")
     ap.add_argument("--pdl", action="store_true", help="rows with programmatic dependent launch")
     args = ap.parse_args()
     e, h, i, k, routed = SHAPES["deepseek"]

@@ -38,7 +38,7 @@ def main():
         ref = triton_fused_moe(*inputs[0], canonical, base | {"FAST_DECODE": False})
         results = []
         decode = base["BM"] == 16  # the decode bucket (not the middle one)
-        # (BM, BN1, BK1, BN2, BK2, warps, stages, prefetch, tma, fragment order, merged gate/up, paired)
+        # (BM, BN_GATE_UP, BK_GATE_UP, BN_DOWN, BK_DOWN, warps, stages, prefetch, tma, fragment order, merged gate/up, paired)
         if args.middle:
             tiles = [(bm, 64, 256, 64, 256, 4, 3, 0, 1, 1, merged, 1) for bm in (16, 32, 64) for merged in (1, 0)]
             tiles += [(bm, 128, 256, 128, 256, 4, 3, 0, 1, 1, 1, 1) for bm in (32, 64)]
@@ -51,10 +51,10 @@ def main():
             tiles = [(64, 256, 256, 256, 256, 8, 3, 0, 1, 1, merged, 1) for merged in (1, 0)]
             tiles += [(64, 128, 256, 256, 256, 8, 3, 0, 1, 1, 1, 1)]
         configs = [
-            dict(BM=bm, BN1=bn1, BK1=bk1, BN2=bn2, BK2=bk2, num_warps=warps, num_stages=stages,
+            dict(BM=bm, BN_GATE_UP=bn1, BK_GATE_UP=bk1, BN_DOWN=bn2, BK_DOWN=bk2, num_warps=warps, num_stages=stages,
                  PREFETCH=bool(prefetch), FAST_DECODE=True, TMA=bool(tma), FRAGMENT_ORDER=bool(frag),
                  MERGED_GATE_UP=bool(merged), PAIRED=bool(pair),
-                 PIPELINED_MMA1=base["PIPELINED_MMA1"], PIPELINED_MMA2=base["PIPELINED_MMA2"])
+                 PIPELINED_GATE_UP=base["PIPELINED_GATE_UP"], PIPELINED_DOWN=base["PIPELINED_DOWN"])
             for bm, bn1, bk1, bn2, bk2, warps, stages, prefetch, tma, frag, merged, pair in tiles]
         # the scale conversion through fp16/fp32 instead of the PTX, on the default tiles
         configs.append(base | dict(FAST_DECODE=True, PAIRED=True, FAST_SCALES=False))

@@ -287,7 +287,7 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     ptxas keeps up to 8 wgmma in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x7`` in the sm90 SASS). With a
     run-time bound the loop's zero-trip path sets the accumulators outside a wgmma and ptxas waits
     after every wgmma (its note C7515), but needs fewer registers (80 instead of 124 in the decode
-    the down GEMM: more CTAs per SM). Which wins depends on the bucket (``PIPELINED_MMA`` in kernel_config).
+    the down GEMM: more CTAs per SM). Which wins depends on the bucket (``PIPELINED_GATE_UP`` / ``PIPELINED_DOWN`` in kernel_config).
 
     With PREFETCH the next tile's bytes are loaded before this tile is decoded, so the memory
     latency overlaps the decode and the dot.

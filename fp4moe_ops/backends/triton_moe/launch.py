@@ -193,18 +193,18 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     regs = 0  # no cap on registers per thread
     if middle:  # 32-row tiles beat the decode tiles here; 8 warps capped at 128 registers (2 programs
         # per SM) edge out 4 warps
-        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch, regs = 32, 128, 256, 128, 256, 8, 3, False, 128
+        bm, bn_gate_up, bk_gate_up, bn_down, bk_down, warps, stages, prefetch, regs = 32, 128, 256, 128, 256, 8, 3, False, 128
     elif decode:
-        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 16, 64, 256, 64, 256, 4, 3, False
+        bm, bn_gate_up, bk_gate_up, bn_down, bk_down, warps, stages, prefetch = 16, 64, 256, 64, 256, 4, 3, False
     elif tma:  # prefill, tensor-core bound: TMA tiles beat the plain-load ones; 256-row weight tiles
         # (half the programs; the down GEMM's K loop is short, I / 256 steps; the gate_up GEMM decodes each weight tile
         # for 2x the MMA work per instruction) a little more
-        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 64, 256, 256, 256, 256, 8, 3, False
+        bm, bn_gate_up, bk_gate_up, bn_down, bk_down, warps, stages, prefetch = 64, 256, 256, 256, 256, 8, 3, False
     else:
-        bm, bn1, bk1, bn2, bk2, warps, stages, prefetch = 128, 128, 128, 128, 128, 8, 2, True
+        bm, bn_gate_up, bk_gate_up, bn_down, bk_down, warps, stages, prefetch = 128, 128, 128, 128, 128, 8, 2, True
     cfg = dict(
-        BM=bm, BN1=_pow2_divisor(inter, bn1), BK1=_pow2_divisor(hidden, bk1),
-        BN2=_pow2_divisor(hidden, bn2), BK2=_pow2_divisor(inter, bk2),
+        BM=bm, BN_GATE_UP=_pow2_divisor(inter, bn_gate_up), BK_GATE_UP=_pow2_divisor(hidden, bk_gate_up),
+        BN_DOWN=_pow2_divisor(hidden, bn_down), BK_DOWN=_pow2_divisor(inter, bk_down),
         num_warps=warps, num_stages=stages, PREFETCH=prefetch, maxnreg=regs,
     )
     # Weights through TMA (bulk copies pipelined over num_stages), and K in MMA-fragment order:
@@ -212,7 +212,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # instructions per K step, fewer still with the paired weight layout (layout.py, held by
     # PreparedExperts)
     cfg["TMA"] = cfg["FRAGMENT_ORDER"] = tma
-    # the gate_up GEMM's tiles hold BN1/2 gate rows and the same up rows, in one K loop with one accumulator
+    # the gate_up GEMM's tiles hold BN_GATE_UP/2 gate rows and the same up rows, in one K loop with one accumulator
     # (4-D TMA boxes): two K loops kept a first accumulator alive through the second, and ptxas
     # serialized every wgmma there (the merged prefill tile still uses 255 registers and spills a
     # little, but its wgmmas overlap); faster or level at every token count
@@ -220,7 +220,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # A static K loop (wgmma pipelined; see _expert_matmul) where measured faster: one token of top-8
     # (8 slots: the rule counts slots, so a top-2 model pipelines up to 4 tokens, not measured) and
     # the middle and prefill buckets; in the rest of the decode bucket a run-time loop is faster
-    cfg["PIPELINED_MMA1"] = cfg["PIPELINED_MMA2"] = tma and not (decode and num_slots > 8)
+    cfg["PIPELINED_GATE_UP"] = cfg["PIPELINED_DOWN"] = tma and not (decode and num_slots > 8)
     # Programmatic dependent launch (sm90+; opt-in, config key PDL) for the launches of a call
     # (routing, the gate_up GEMM, the down GEMM, top-k sum; no routing at one token): each kernel's programs start while
     # the previous one drains its last wave, and wait for it (griddepcontrol) before reading anything
@@ -235,7 +235,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # of 2 steps (256 K each) where I allows, of one at one token, the gate_up GEMM's of one step
     cfg["DECODE_V3"] = tma and rows_per_expert <= V3_MAX_ROWS and hidden % 256 == 0 and inter % 256 == 0
     if cfg["DECODE_V3"]:
-        cfg |= dict(V3_STAGES=2, V3_SPS=2 if inter % 512 == 0 else 1, V3_SPS_ONE_TOKEN=1, V3_STAGES1=2, V3_BM=8)
+        cfg |= dict(V3_STAGES=2, V3_SPS=2 if inter % 512 == 0 else 1, V3_SPS_ONE_TOKEN=1, V3_STAGES_GATE_UP=2, V3_BM=8)
     return cfg
 
 
@@ -261,10 +261,10 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     if paired and not (cfg.get("TMA") and cfg.get("FRAGMENT_ORDER")):
         raise ValueError("paired-layout weights need a TMA + FRAGMENT_ORDER config; pass canonical "
                          "uint8 weights for other configs")
-    if cfg.get("FRAGMENT_ORDER") and (cfg["BN1"] % 64 or cfg["BN2"] % 64):
+    if cfg.get("FRAGMENT_ORDER") and (cfg["BN_GATE_UP"] % 64 or cfg["BN_DOWN"] % 64):
         # the GPU decode maps a 64-row weight tile onto the warpgroup's MMA fragments; narrower
         # tiles compile but give wrong sums on the GPU (benchmarks/NOTES.md, "Where launch.py's settings come from")
-        raise ValueError(f"fragment-order configs need BN1 and BN2 multiples of 64, got {cfg['BN1']} and {cfg['BN2']}")
+        raise ValueError(f"fragment-order configs need BN_GATE_UP and BN_DOWN multiples of 64, got {cfg['BN_GATE_UP']} and {cfg['BN_DOWN']}")
     if cfg.get("FRAGMENT_ORDER") and cfg["BM"] % 16:
         # 8-token row blocks give wrong sums on the GPU: at N = 8 Triton compiles the dot to
         # mma.sync through a shared-memory layout conversion, not wgmma, and the paired decode's
@@ -287,7 +287,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         sorted_slot, block_expert, row_start, row_end = blocks
         x_gate_up = x
     elif fragment:  # the gate_up GEMM reads x with K in fragment order
-        sorted_slot, block_expert, row_start, row_end, x_gate_up = route(topk_ids, num_experts, cfg["BM"], x, cfg["BK1"],
+        sorted_slot, block_expert, row_start, row_end, x_gate_up = route(topk_ids, num_experts, cfg["BM"], x, cfg["BK_GATE_UP"],
                                                                        pdl=pdl)
     else:
         sorted_slot, block_expert, row_start, row_end = route(topk_ids, num_experts, cfg["BM"], pdl=pdl)
@@ -303,28 +303,28 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     tma = cfg.get("TMA", False)
     merged = cfg.get("MERGED_GATE_UP", False)
-    if merged and not (tma and cfg["BK1"] >= 256):
-        raise ValueError("MERGED_GATE_UP needs TMA and BK1 >= 256 (16-byte scale box rows)")
+    if merged and not (tma and cfg["BK_GATE_UP"] >= 256):
+        raise ValueError("MERGED_GATE_UP needs TMA and BK_GATE_UP >= 256 (16-byte scale box rows)")
     if merged:
-        desc1 = _gate_up_descriptors(gate_up, gate_up_scale, cfg["BN1"], cfg["BK1"])
+        gate_up_desc = _gate_up_descriptors(gate_up, gate_up_scale, cfg["BN_GATE_UP"], cfg["BK_GATE_UP"])
     else:
-        desc1 = _descriptors(gate_up, gate_up_scale, cfg["BN1"], cfg["BK1"]) if tma else (gate_up, gate_up_scale)
-    desc2 = _descriptors(down, down_scale, cfg["BN2"], cfg["BK2"]) if tma else (down, down_scale)
-    # programs per M block: BN1/2 gate and BN1/2 up rows each (merged), or BN1 of both
-    grid1 = (block_expert.numel(), (2 if merged else 1) * inter // cfg["BN1"])
+        gate_up_desc = _descriptors(gate_up, gate_up_scale, cfg["BN_GATE_UP"], cfg["BK_GATE_UP"]) if tma else (gate_up, gate_up_scale)
+    down_desc = _descriptors(down, down_scale, cfg["BN_DOWN"], cfg["BK_DOWN"]) if tma else (down, down_scale)
+    # programs per M block: BN_GATE_UP/2 gate and BN_GATE_UP/2 up rows each (merged), or BN_GATE_UP of both
+    gate_up_grid = (block_expert.numel(), (2 if merged else 1) * inter // cfg["BN_GATE_UP"])
     # hidden and inter go in twice: as the constexprs H and I, and as K_RUNTIME, the K loop's bound
     # when PIPELINED_MMA is off (a run-time bound, see _expert_matmul)
     launch_or_compile(
-        _gate_up_swiglu_kernel, grid1, x_gate_up, gate_up, gate_up_scale, gate_up_global_scale, inter_act, sorted_slot,
-        block_expert, row_start, row_end, hidden, inter, top_k, *desc1, hidden, BM=cfg["BM"], BN=cfg["BN1"], BK=cfg["BK1"], TMA=tma,
-        OUT_CHUNK=cfg["BK2"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_MMA1", True), **common,
+        _gate_up_swiglu_kernel, gate_up_grid, x_gate_up, gate_up, gate_up_scale, gate_up_global_scale, inter_act, sorted_slot,
+        block_expert, row_start, row_end, hidden, inter, top_k, *gate_up_desc, hidden, BM=cfg["BM"], BN=cfg["BN_GATE_UP"], BK=cfg["BK_GATE_UP"], TMA=tma,
+        OUT_CHUNK=cfg["BK_DOWN"], MERGED_GATE_UP=merged, PIPELINED_MMA=cfg.get("PIPELINED_GATE_UP", True), **common,
         **({} if gpt_oss is None else gpt_oss.gate_up_args()),
     )
-    grid2 = (block_expert.numel(), hidden // cfg["BN2"])
+    down_grid = (block_expert.numel(), hidden // cfg["BN_DOWN"])
     launch_or_compile(
-        _down_kernel, grid2, inter_act, down, down_scale, down_global_scale, topk_weights.contiguous(), y, sorted_slot,
-        block_expert, row_start, row_end, hidden, inter, *desc2, inter, BM=cfg["BM"], BN=cfg["BN2"], BK=cfg["BK2"], TMA=tma,
-        PIPELINED_MMA=cfg.get("PIPELINED_MMA2", True), **common,
+        _down_kernel, down_grid, inter_act, down, down_scale, down_global_scale, topk_weights.contiguous(), y, sorted_slot,
+        block_expert, row_start, row_end, hidden, inter, *down_desc, inter, BM=cfg["BM"], BN=cfg["BN_DOWN"], BK=cfg["BK_DOWN"], TMA=tma,
+        PIPELINED_MMA=cfg.get("PIPELINED_DOWN", True), **common,
     )
     return _sum_topk(y, topk_ids, x, num_experts, pdl, _down_bias(gpt_oss, topk_weights))
 
@@ -552,7 +552,7 @@ def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict, gpt_oss
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     gate_up_v3(x, gate_up, gate_up_scale, gate_up_global_scale, h, sorted_slot, block_expert, row_start, row_end, hidden,
-               inter, top_k, bm, slot_blocks, num_experts, cfg["V3_STAGES1"], gpt_oss)
+               inter, top_k, bm, slot_blocks, num_experts, cfg["V3_STAGES_GATE_UP"], gpt_oss)
     down_v3(h, down, down_scale, down_global_scale, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start,
             row_end, hidden, inter, bm, slot_blocks, num_experts, cfg["V3_STAGES"], cfg["V3_SPS_ONE_TOKEN" if slot_blocks else "V3_SPS"])
     return _sum_topk(y, topk_ids, x, num_experts, bias=_down_bias(gpt_oss, topk_weights))
