@@ -11,7 +11,7 @@
     python benchmarks/bench_load_memory.py --dir /tmp/fp4moe-ckpt
     python benchmarks/bench_load_memory.py --dir /tmp/fp4moe-bf16 --bf16 4
 
-Each load reports its time, the process's peak RSS (``ru_maxrss``, which also counts the
+Each load reports its time, the process's peak RSS (``VmHWM``, which also counts the
 memory-mapped checkpoint pages) and peak anonymous memory (``RssAnon``, the process's own), against
 the checkpoint size and the same process after only the imports (the Python/torch/Transformers
 baseline).
@@ -115,22 +115,24 @@ def write_checkpoint(path: Path, num_layers: int = 1, first_k_dense: int = 0, vo
 
 
 CHILD = """
-import resource, sys, threading, time
+import sys, threading, time
 sys.path.insert(0, {root!r})
 import torch
 import hf_integration
 from transformers import AutoModelForCausalLM
 
 peak_anon = [0]
-def sample():  # RssAnon: the process's own memory; ru_maxrss also counts the mapped checkpoint pages
+def status(field):  # bytes; VmHWM is this program's peak RSS (ru_maxrss would carry the parent's over exec)
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+def sample():  # RssAnon: the process's own memory; RSS also counts the mapped checkpoint pages
     while True:
-        for line in open("/proc/self/status"):
-            if line.startswith("RssAnon:"):
-                peak_anon[0] = max(peak_anon[0], int(line.split()[1]) * 1024)
+        peak_anon[0] = max(peak_anon[0], status("RssAnon"))
         time.sleep(0.02)
 threading.Thread(target=sample, daemon=True).start()
 time.sleep(0.1)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = status("VmHWM")
 base_anon = peak_anon[0]
 t0 = time.time()
 from hf_integration import ModelOptConfig, patch_moe
@@ -139,9 +141,9 @@ if {patch}:
     patch_moe(model, verbose=False)
 dt = time.time() - t0
 time.sleep(0.1)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = status("VmHWM")
 kept = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-print(base * 1024, peak * 1024, kept, dt, base_anon, peak_anon[0])
+print(base, peak, kept, dt, base_anon, peak_anon[0])
 """
 
 
