@@ -179,10 +179,14 @@ class ModelOptConfig(QuantizationConfigMixin):
             routed call"). Off by default: fusing copies each layer's experts once, so loading then
             needs one layer's expert bytes of headroom (7.3 GB for a full-size DeepSeek-V3 layer),
             and a fused model runs neither NVFP4 activations nor expert parallelism.
+        quantize_dense_mlps, quantize_attention: when a 16-bit checkpoint is quantized while it
+            loads (:mod:`hf_integration.quantize_at_load`), also the linears of dense gated MLPs
+            (shared experts, dense layers) / of attention, as ``patch_moe``'s options of the same
+            names; an NVFP4 checkpoint's own tensors decide which of its linears are NVFP4.
     """
 
     LOADING_ATTRIBUTES = ("backend", "act_scale_mode", "fuse_router", "expert_parallel", "nvfp4_linears",
-                          "fuse_shared_experts")
+                          "fuse_shared_experts", "quantize_dense_mlps", "quantize_attention")
     NVFP4_LINEARS = ("dequantize", "nvfp4")
     scheme = MODELOPT
 
@@ -190,7 +194,8 @@ class ModelOptConfig(QuantizationConfigMixin):
                  exclude_modules: list[str] | None = None, kv_cache_quant_algo: str | None = None,
                  producer: dict | None = None, quantized_layers: dict | None = None, backend: str = "auto",
                  act_scale_mode: str | None = None, fuse_router: bool = True, expert_parallel: bool = False,
-                 nvfp4_linears: str = "nvfp4", fuse_shared_experts: bool = False, **kwargs):
+                 nvfp4_linears: str = "nvfp4", fuse_shared_experts: bool = False, quantize_dense_mlps: bool = False,
+                 quantize_attention: bool = False, **kwargs):
         self.quant_method = QUANT_METHOD
         self.quant_algo = str(quant_algo).upper()
         self.quantized_layers = quantized_layers
@@ -204,6 +209,7 @@ class ModelOptConfig(QuantizationConfigMixin):
         self.fuse_router, self.expert_parallel = fuse_router, expert_parallel
         self.nvfp4_linears = nvfp4_linears
         self.fuse_shared_experts = fuse_shared_experts
+        self.quantize_dense_mlps, self.quantize_attention = quantize_dense_mlps, quantize_attention
         self.post_init()
 
     def post_init(self):

@@ -19,6 +19,7 @@ from torch import nn
 from fp4moe_ops.moe_weights import rescale_block_scales
 
 from .experts import NVFP4Linear
+from .surgery import is_dense_gated_mlp
 
 # shards of one serving-engine GEMM, by the checkpoint's leaf names
 FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
@@ -30,6 +31,30 @@ def shared_scale_groups(leaves: list[str]) -> list[list[str]]:
     groups = [list(fused) for fused in FUSED_LINEARS if set(fused) <= set(leaves)]
     grouped = {leaf for group in groups for leaf in group}
     return groups + [[leaf] for leaf in leaves if leaf not in grouped]
+
+
+def is_attention(m: nn.Module) -> bool:
+    """A Transformers language-model attention module (``DeepseekV3Attention``,
+    ``Qwen3MoeAttention``, ...); vision towers' (``*VisionAttention``) stay as they are, as in
+    ModelOpt's default NVFP4 config."""
+    name = type(m).__name__
+    return name.endswith("Attention") and "Vision" not in name
+
+
+def linear_groups(model: nn.Module, dense_mlps: bool, attention: bool):
+    """``(name, module, kind, [[leaf, ...], ...])`` for every module whose ``nn.Linear`` children
+    become NVFP4: each inner list shares one global scale, as ModelOpt exports them: an MLP's gate
+    and up (so that they can run as one expert), attention's q/k/v and DeepSeek's q_a/kv_a (which
+    vLLM and SGLang run as one GEMM, :mod:`hf_integration.fused_linears`)."""
+    groups = []
+    for name, m in model.named_modules():
+        if dense_mlps and is_dense_gated_mlp(m):
+            groups.append((name, m, "dense MLP", shared_scale_groups(["gate_proj", "up_proj", "down_proj"])))
+        elif attention and is_attention(m):
+            leaves = [attr for attr, child in m.named_children() if type(child) is nn.Linear]
+            if leaves:
+                groups.append((name, m, "attention", shared_scale_groups(leaves)))
+    return groups
 
 
 def tie_global_scales(linears: list) -> tuple[int, int] | None:
@@ -97,4 +122,5 @@ def check_fused_scales(state: dict[str, torch.Tensor]) -> None:
                         "wrongly; quantize them with one global scale (hf_integration.quantize_linears does)")
 
 
-__all__ = ["FUSED_LINEARS", "check_fused_scales", "shared_scale_groups", "tie_fused_linears", "tie_global_scales"]
+__all__ = ["FUSED_LINEARS", "check_fused_scales", "is_attention", "linear_groups", "shared_scale_groups", "tie_fused_linears",
+           "tie_global_scales"]

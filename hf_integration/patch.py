@@ -29,14 +29,14 @@ from fp4moe_ops.moe_weights import NVFP4MoEWeights, expert_chunks, quantize_expe
 from .activation_modes import log_activation_modes
 from .experts import NVFP4Experts, NVFP4Linear, weight_amax
 from .checkpoint_format import ModelOptConfig
-from .fused_linears import shared_scale_groups
+from .fused_linears import linear_groups
 from .kinds import quantized_modules
 from .llama4 import is_llama4_experts
 from .quantizer import ModelOptQuantizer, attach, quantizer_for
 from .saving import refuse_unpatched_save
 from .router import fuse_routers
 from .shared_experts import fuse_shared_experts as fuse_shared
-from .surgery import experts_form_problem, find_experts_modules, is_dense_gated_mlp, is_transformers_experts, \
+from .surgery import experts_form_problem, find_experts_modules, is_transformers_experts, \
     nvfp4_experts, replace_module
 
 logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
@@ -132,34 +132,10 @@ def _quantize_experts(m: nn.Module, stage: _HostStage | None) -> NVFP4MoEWeights
     return NVFP4MoEWeights(*gate_up, *down)
 
 
-def is_attention(m: nn.Module) -> bool:
-    """A Transformers language-model attention module (``DeepseekV3Attention``,
-    ``Qwen3MoeAttention``, ...); vision towers' (``*VisionAttention``) stay as they are, as in
-    ModelOpt's default NVFP4 config."""
-    name = type(m).__name__
-    return name.endswith("Attention") and "Vision" not in name
-
-
-def _linear_groups(model: nn.Module, dense_mlps: bool, attention: bool):
-    """``(name, module, kind, [[leaf, ...], ...])`` for every module whose ``nn.Linear`` children
-    become NVFP4: each inner list shares one global scale, as ModelOpt exports them: an MLP's gate
-    and up (so that they can run as one expert), attention's q/k/v and DeepSeek's q_a/kv_a (which
-    vLLM and SGLang run as one GEMM, :mod:`hf_integration.fused_linears`)."""
-    groups = []
-    for name, m in model.named_modules():
-        if dense_mlps and is_dense_gated_mlp(m):
-            groups.append((name, m, "dense MLP", shared_scale_groups(["gate_proj", "up_proj", "down_proj"])))
-        elif attention and is_attention(m):
-            leaves = [attr for attr, child in m.named_children() if type(child) is nn.Linear]
-            if leaves:
-                groups.append((name, m, "attention", shared_scale_groups(leaves)))
-    return groups
-
-
 def _checked_linear_groups(model: nn.Module, dense_mlps: bool, attention: bool):
-    """:func:`_linear_groups`, every linear checked first (sizes, device, dtype, finite weights):
+    """:func:`~hf_integration.fused_linears.linear_groups`, every linear checked first (sizes, device, dtype, finite weights):
     an error names the linear."""
-    groups = _linear_groups(model, dense_mlps, attention)
+    groups = linear_groups(model, dense_mlps, attention)
     for name, m, kind, leaves in groups:
         _check_linears(name, m, kind, leaves)
     return groups

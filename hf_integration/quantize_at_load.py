@@ -14,12 +14,19 @@ quantization configs (FP8, bitsandbytes) quantize a 16-bit checkpoint while load
   Transformers sets the result into the module's NVFP4 buffers; the placeholder and the 16-bit
   tensor are dropped. One projection of one
   layer exists in 16 bits at a time, beside what Transformers holds in flight.
-* The rest of the model (attention, routers, dense and shared MLPs, embeddings) loads as the
-  checkpoint has it; a problem is raised once loading is done, naming the module and tensor, and
-  the model is not returned.
+* With ``quantize_dense_mlps`` / ``quantize_attention``, those ``nn.Linear`` s become
+  :class:`~hf_integration.experts.NVFP4Linear` s the same way (their packed ``weight`` buffer has
+  the checkpoint's name, so no placeholder is needed). Linears that share one global scale (an
+  MLP's gate and up, attention's q/k/v: one GEMM in vLLM and SGLang) need the whole group's
+  maximum first: each member's 16-bit weight waits until the group's last one arrives, then the
+  group is quantized on one scale, as ``quantize_linears`` does.
+* The rest of the model (routers, embeddings, what is not configured) loads as the checkpoint has
+  it; a problem is raised once loading is done, naming the module and tensor, and the model is not
+  returned.
 
-The experts are W4A16 (no input scales), as after ``patch_moe``; ``save_pretrained`` then writes a
-ModelOpt NVFP4 checkpoint. Experts fp4moe cannot quantize (Llama-4's, gpt-oss's) are refused.
+Everything is W4A16 (no input scales), as after ``patch_moe``: the same model, bit for bit;
+``save_pretrained`` then writes a ModelOpt NVFP4 checkpoint. Experts fp4moe cannot quantize
+(Llama-4's, gpt-oss's) are refused.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from fp4moe_ops.moe_weights import expert_chunks, quantize_expert_stack
 
 from .checkpoint_format import CheckpointError
 from .experts import NVFP4Experts
+from .fused_linears import linear_groups
 from .llama4 import is_llama4_experts
 from .surgery import experts_form_problem, is_transformers_experts, replace_module
 
@@ -62,6 +70,49 @@ def experts_to_quantize(model: nn.Module, skip=lambda name: False) -> list[str]:
     return names
 
 
+class LinearGroup:
+    """Linears quantized on one global scale while loading: their 16-bit weights, by module name,
+    until every member's has arrived."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        self.pending: dict[str, torch.Tensor] = {}
+        self.arrived: set[str] = set()
+
+
+def linears_to_quantize(model: nn.Module, dense_mlps: bool, attention: bool, skip=lambda name: False) -> list[list[str]]:
+    """The groups of ``nn.Linear`` names (each on one global scale) of ``model``'s dense gated MLPs
+    and/or attention modules, as ``quantize_linears`` groups them; those ``skip`` names left out."""
+    groups = []
+    for name, m, kind, leaves in linear_groups(model, dense_mlps, attention):
+        for group in leaves:
+            names = [f"{name}.{leaf}" for leaf in group if not skip(f"{name}.{leaf}")]
+            for full in names:
+                lin = model.get_submodule(full)
+                if lin.in_features % nvfp4.BLOCK_SIZE:
+                    raise CheckpointError(f"fp4moe cannot quantize {full} ({kind}) while loading: in_features "
+                                          f"{lin.in_features} must be a multiple of {nvfp4.BLOCK_SIZE}")
+            if names:
+                groups.append(names)
+    return groups
+
+
+def replace_linears_for_loading(model: nn.Module, groups: list[list[str]]) -> None:
+    """Each linear becomes an NVFP4Linear waiting for its group (module docstring)."""
+    from .checkpoint_format import MODELOPT
+    from .experts import NVFP4Linear
+
+    for names in groups:
+        group = LinearGroup(names)
+        for name in names:
+            with torch.device("meta"):
+                new = NVFP4Linear(model.get_submodule(name), MODELOPT, input_scale=False)
+            new.quantizes_at_load = True
+            new.load_group = group
+            parent, _, attr = name.rpartition(".")
+            replace_module(model.get_submodule(parent), attr, new)
+
+
 def replace_for_loading(model: nn.Module, names: list[str]) -> None:
     """Each named experts module becomes an NVFP4Experts with the two placeholders (module docstring)."""
     for name in names:
@@ -78,28 +129,39 @@ def replace_for_loading(model: nn.Module, names: list[str]) -> None:
 
 
 def is_placeholder(model: nn.Module, key: str) -> bool:
-    """Whether ``key`` names a placeholder this module quantizes into NVFP4 while loading."""
+    """Whether ``key`` names a 16-bit checkpoint tensor a module quantizes into NVFP4 while loading:
+    an experts placeholder, or a waiting linear's ``weight``."""
     module_name, _, tensor = key.rpartition(".")
-    if tensor not in PLACEHOLDERS:
-        return False
     try:
         m = model.get_submodule(module_name)
     except AttributeError:
         return False
-    return getattr(m, "quantizes_at_load", False) and tensor in m._buffers
+    if not getattr(m, "quantizes_at_load", False):
+        return False
+    return tensor == "weight" if hasattr(m, "load_group") else tensor in PLACEHOLDERS and tensor in m._buffers
 
 
 def left_unfilled(model: nn.Module) -> list[str]:
-    """The placeholders no checkpoint tensor came for (``module.tensor``)."""
-    return [f"{name}.{p}" for name, m in model.named_modules() if getattr(m, "quantizes_at_load", False)
-            for p in PLACEHOLDERS if p in m._buffers]
+    """The 16-bit tensors no checkpoint tensor came for (``module.tensor``)."""
+    missing = []
+    for name, m in model.named_modules():
+        if not getattr(m, "quantizes_at_load", False):
+            continue
+        if hasattr(m, "load_group"):  # never arrived (its group's others wait for it)
+            if name not in m.load_group.arrived:
+                missing.append(f"{name}.weight")
+        else:
+            missing += [f"{name}.{p}" for p in PLACEHOLDERS if p in m._buffers]
+    return missing
 
 
 def finish_loading(model: nn.Module) -> None:
-    """After loading: the modules are NVFP4 experts like any other (the placeholders are gone)."""
+    """After loading: the modules are NVFP4 modules like any other (the placeholders are gone)."""
     for m in model.modules():
         if getattr(m, "quantizes_at_load", False):
             del m.quantizes_at_load
+            if hasattr(m, "load_group"):
+                del m.load_group
 
 
 def _conversion_ops_base():
@@ -124,6 +186,8 @@ class QuantizeExperts(_conversion_ops_base()):
         value = value[0] if isinstance(value, list) else value
         module_name, _, proj = full_layer_name.rpartition(".")
         m = model.get_submodule(module_name)
+        if hasattr(m, "load_group"):
+            return self._linear(model, m.load_group, module_name, value, missing_keys)
         try:
             quantized = _quantize(full_layer_name, value, m._buffers[proj])
         except CheckpointError as exc:
@@ -133,6 +197,41 @@ class QuantizeExperts(_conversion_ops_base()):
         if missing_keys is not None:
             missing_keys.discard(full_layer_name)
         return {f"{full_layer_name}{suffix}": t for suffix, t in zip(_NVFP4_SUFFIXES, quantized)}
+
+
+    def _linear(self, model, group: LinearGroup, name: str, value: torch.Tensor, missing_keys) -> dict:
+        """A linear's 16-bit weight waits for its group; the group's last one quantizes them all on
+        the group's global scale (``quantize_linears``' recipe)."""
+        from .checkpoint_format import MODELOPT
+        from .experts import weight_amax
+
+        lin = model.get_submodule(name)
+        want = (lin.out_features, lin.in_features)
+        try:
+            if tuple(value.shape) != want or not value.is_floating_point():
+                raise CheckpointError(f"checkpoint tensor {name}.weight: {value.dtype} {list(value.shape)}, the "
+                                      f"model expects a 16-bit {list(want)} weight")
+            if not bool(torch.isfinite(weight_amax(value))):
+                raise CheckpointError(f"checkpoint tensor {name}.weight holds NaN or Inf")
+        except CheckpointError as exc:
+            self.hf_quantizer.load_errors.append(exc)
+            return {}
+        group.arrived.add(name)
+        group.pending[name] = value.to(lin.dtype)
+        if len(group.pending) < len(group.names):
+            return {}
+        weights, group.pending = group.pending, {}
+        scale = nvfp4.global_scale_from_amax(torch.stack([weight_amax(w) for w in weights.values()]).amax())
+        out = {}
+        for member, w in weights.items():
+            packed = torch.empty(w.shape[0], w.shape[1] // 2, dtype=torch.uint8, device=w.device)
+            block = torch.empty(w.shape[0], w.shape[1] // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
+            for r0, r1 in expert_chunks(w):
+                part = nvfp4.quantize_nvfp4(w[r0:r1], scale)
+                packed[r0:r1], block[r0:r1] = part.packed, part.block_scale
+            out |= {f"{member}.{MODELOPT.packed}": packed, f"{member}.{MODELOPT.block_scale}": block,
+                    f"{member}.{MODELOPT.global_scale}": scale.reshape(()).float().clone()}
+        return out
 
 
 def _quantize(key: str, value: torch.Tensor, placeholder: torch.Tensor):
@@ -149,5 +248,6 @@ def _quantize(key: str, value: torch.Tensor, placeholder: torch.Tensor):
     return quantize_expert_stack(value.to(placeholder.dtype))
 
 
-__all__ = ["PLACEHOLDERS", "QuantizeExperts", "experts_to_quantize", "finish_loading", "is_placeholder",
-           "left_unfilled", "replace_for_loading"]
+__all__ = ["PLACEHOLDERS", "LinearGroup", "QuantizeExperts", "experts_to_quantize", "finish_loading",
+           "is_placeholder", "left_unfilled", "linears_to_quantize", "replace_for_loading",
+           "replace_linears_for_loading"]

@@ -161,6 +161,9 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
         if not (self.plan.experts or self.plan.gpt_oss or self.plan.linears):
             # a 16-bit checkpoint given a quantization config: its routed experts are quantized as they load
             return self._quantize_while_loading(model, os.path.dirname(files[0]) or ".", kwargs.get("device_map"))
+        if self.quantization_config.quantize_dense_mlps or self.quantization_config.quantize_attention:
+            logger.warning("fp4moe: quantize_dense_mlps / quantize_attention apply to a 16-bit checkpoint quantized "
+                           "while loading; this checkpoint is NVFP4, and its own tensors decide which linears are")
         check_float_tensors(model, scan, self.plan)
         self._refuse_nvfp4_on_disk(kwargs.get("device_map"))
         if self.plan.gpt_oss and self.quantization_config.expert_parallel:
@@ -220,7 +223,8 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
         (:mod:`hf_integration.quantize_at_load`)."""
         from fnmatch import fnmatch
 
-        from .quantize_at_load import experts_to_quantize, replace_for_loading
+        from .quantize_at_load import (experts_to_quantize, linears_to_quantize, replace_for_loading,
+                                       replace_linears_for_loading)
 
         config = self.quantization_config
         if config.expert_parallel:
@@ -230,17 +234,20 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
             raise ValueError("fp4moe cannot quantize while loading with modules offloaded to disk (device_map has "
                              "'disk'); put every layer on a GPU or the CPU")
         patterns = config.exclude_modules
-        names = experts_to_quantize(model, skip=lambda name: any(fnmatch(name, p) for p in patterns))
+        excluded = lambda name: any(fnmatch(name, p) for p in patterns)  # noqa: E731
+        names = experts_to_quantize(model, skip=excluded)
         if not names:
             raise CheckpointError(
                 f"{folder} holds no quantized tensors fp4moe loads, and the model has no routed experts fp4moe "
                 "quantizes while loading: load it without quantization_config")
+        linears = linears_to_quantize(model, config.quantize_dense_mlps, config.quantize_attention, skip=excluded)
         if config.quant_algo != "W4A16_NVFP4":
             logger.warning("fp4moe: quantizing %s's routed experts while loading, weights only (W4A16_NVFP4): "
                            "activation scales (%s) need calibration, hf_integration.calibrate_activation_scales",
                            folder, config.quant_algo)
         replace_for_loading(model, names)
-        self.quantizing = names
+        replace_linears_for_loading(model, linears)
+        self.quantizing = names + [name for group in linears for name in group]
         self.pre_quantized = False  # Transformers then runs get_quantize_ops on what param_needs_quantization names
         return model
 

@@ -151,3 +151,50 @@ def test_device_map_sizing_counts_the_experts_nvfp4_bytes(tmp_path):
     experts = "model.layers.0.mlp.experts"
     assert seen.get(f"{experts}.gate_up_proj") == 0 and seen.get(f"{experts}.down_proj") == 0
     assert seen.get(f"{experts}.gate_up_proj_packed") == 1
+
+
+LINEARS = ModelOptConfig(quant_algo="W4A16_NVFP4", quantize_dense_mlps=True, quantize_attention=True)
+
+
+def test_configured_linears_are_quantized_as_quantize_linears_does(folder, tmp_path):
+    """``quantize_dense_mlps`` / ``quantize_attention``: the same model as ``patch_moe`` with those
+    options after loading, bit for bit (groups on one global scale: gate/up, q/k/v), saved and
+    loaded back as a ModelOpt checkpoint."""
+    from hf_integration import NVFP4Linear
+
+    model = load(folder, LINEARS)
+    patched = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    patch_moe(patched, quantize_dense_mlps=True, quantize_attention=True, fuse_shared_experts=False, verbose=False)
+    linears = {n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    assert linears and linears == {n for n, m in patched.named_modules() if isinstance(m, NVFP4Linear)}
+    assert not any(hasattr(m, "load_group") or hasattr(m, "quantizes_at_load") for m in model.modules())
+    ids = torch.randint(1, 200, (2, 9), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(logits(model, ids), logits(patched, ids))
+    model.save_pretrained(tmp_path / "nvfp4")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "nvfp4", dtype=torch.bfloat16)
+    assert torch.equal(logits(again, ids), logits(model, ids))
+
+
+def test_a_non_finite_linear_weight_is_refused_naming_it(tmp_path):
+    torch.manual_seed(0)
+    tiny_qwen3_moe().save_pretrained(tmp_path)
+    file = next(tmp_path.glob("*.safetensors"))
+    tensors = load_file(file)
+    key = "model.layers.1.self_attn.k_proj.weight"
+    tensors[key] = tensors[key].clone()
+    tensors[key][0, 0] = float("inf")
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight holds NaN or Inf"):
+        load(tmp_path, LINEARS)
+
+
+def test_a_linear_missing_from_the_file_is_refused_naming_it(tmp_path):
+    """A group whose member never arrives (q and v quantized only with k) is refused by name."""
+    torch.manual_seed(0)
+    tiny_qwen3_moe().save_pretrained(tmp_path)
+    file = next(tmp_path.glob("*.safetensors"))
+    tensors = load_file(file)
+    del tensors["model.layers.0.self_attn.k_proj.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight"):
+        load(tmp_path, LINEARS)
