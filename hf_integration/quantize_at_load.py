@@ -37,8 +37,8 @@ from torch import nn
 from fp4moe_ops import nvfp4
 from fp4moe_ops.moe_weights import expert_chunks, quantize_expert_stack
 
-from .checkpoint_format import CheckpointError
-from .experts import NVFP4Experts
+from .checkpoint_format import MODELOPT, CheckpointError
+from .experts import NVFP4Experts, NVFP4Linear, weight_amax
 from .fused_linears import linear_groups
 from .llama4 import is_llama4_experts
 from .surgery import experts_form_problem, is_transformers_experts, replace_module
@@ -99,9 +99,6 @@ def linears_to_quantize(model: nn.Module, dense_mlps: bool, attention: bool, ski
 
 def replace_linears_for_loading(model: nn.Module, groups: list[list[str]]) -> None:
     """Each linear becomes an NVFP4Linear waiting for its group (module docstring)."""
-    from .checkpoint_format import MODELOPT
-    from .experts import NVFP4Linear
-
     for names in groups:
         group = LinearGroup(names)
         for name in names:
@@ -202,9 +199,6 @@ class QuantizeExperts(_conversion_ops_base()):
     def _linear(self, model, group: LinearGroup, name: str, value: torch.Tensor, missing_keys) -> dict:
         """A linear's 16-bit weight waits for its group; the group's last one quantizes them all on
         the group's global scale (``quantize_linears``' recipe)."""
-        from .checkpoint_format import MODELOPT
-        from .experts import weight_amax
-
         lin = model.get_submodule(name)
         want = (lin.out_features, lin.in_features)
         try:
