@@ -16,7 +16,7 @@ quantization configs (FP8, bitsandbytes) quantize a 16-bit checkpoint while load
   layer exists in 16 bits at a time, beside what Transformers holds in flight.
 * With ``quantize_dense_mlps`` / ``quantize_attention``, those ``nn.Linear`` s become
   :class:`~hf_integration.experts.NVFP4Linear` s the same way (their packed ``weight`` buffer has
-  the checkpoint's name, so no placeholder is needed). Linears that share one global scale (an
+  the checkpoint's name; until quantized it has the 16-bit weight's shape and dtype). Linears that share one global scale (an
   MLP's gate and up, attention's q/k/v: one GEMM in vLLM and SGLang) need the whole group's
   maximum first: each member's 16-bit weight waits until the group's last one arrives, then the
   group is quantized on one scale, as ``quantize_linears`` does.
@@ -102,8 +102,13 @@ def replace_linears_for_loading(model: nn.Module, groups: list[list[str]]) -> No
     for names in groups:
         group = LinearGroup(names)
         for name in names:
+            linear = model.get_submodule(name)
             with torch.device("meta"):
-                new = NVFP4Linear(model.get_submodule(name), MODELOPT, input_scale=False)
+                new = NVFP4Linear(linear, MODELOPT, input_scale=False)
+                # until it is quantized, the packed weight's buffer holds the 16-bit weight's shape and
+                # dtype: Transformers (5.17) casts what it reads to the buffer's dtype before the
+                # quantize step sees it
+                new.register_buffer(MODELOPT.packed, torch.empty(linear.weight.shape, dtype=linear.weight.dtype))
             new.quantizes_at_load = True
             new.load_group = group
             parent, _, attr = name.rpartition(".")

@@ -132,8 +132,10 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
         if getattr(self, "quantizing", None):
             from .quantize_at_load import is_placeholder
 
-            if is_placeholder(model, param_name):  # quantized into the NVFP4 buffers, which count themselves
-                return 0
+            if is_placeholder(model, param_name):
+                # an experts placeholder: quantized into the NVFP4 buffers, which count themselves; a
+                # linear's 16-bit weight: its own buffer, half a byte a weight once packed
+                return 0.5 if tensor == "weight" else 0
         kind = self.plan.linears.get(module, (None,))[0] if self.plan is not None else None
         if kind == "nvfp4" and self.quantization_config.nvfp4_linears == "nvfp4":
             return param.element_size()

@@ -131,7 +131,8 @@ def test_gpt_oss_experts_are_refused_naming_them(tmp_path):
 
 def test_device_map_sizing_counts_the_experts_nvfp4_bytes(tmp_path):
     """``device_map="auto"`` places modules by their loaded size: the experts' 16-bit placeholders
-    count nothing, their NVFP4 buffers count (so a model that fits in NVFP4 is not offloaded)."""
+    count nothing, their NVFP4 buffers count, a linear's weight half a byte (so a model that fits
+    in NVFP4 is not offloaded)."""
     from hf_integration.quantizer import ModelOptQuantizer
 
     torch.manual_seed(0)
@@ -145,12 +146,13 @@ def test_device_map_sizing_counts_the_experts_nvfp4_bytes(tmp_path):
 
     ModelOptQuantizer.param_element_size = spy
     try:
-        load(tmp_path, device_map="auto")
+        load(tmp_path, ModelOptConfig(quant_algo="W4A16_NVFP4", quantize_attention=True), device_map="auto")
     finally:
         ModelOptQuantizer.param_element_size = size
     experts = "model.layers.0.mlp.experts"
     assert seen.get(f"{experts}.gate_up_proj") == 0 and seen.get(f"{experts}.down_proj") == 0
     assert seen.get(f"{experts}.gate_up_proj_packed") == 1
+    assert seen.get("model.layers.0.self_attn.q_proj.weight") == 0.5  # a 16-bit weight until packed
 
 
 LINEARS = ModelOptConfig(quant_algo="W4A16_NVFP4", quantize_dense_mlps=True, quantize_attention=True)
