@@ -89,6 +89,9 @@ def assert_same_up_to_near_ties(model, got: list[list[int]], want: list[list[int
 def fp4moe_model(arch: str):
     if arch == "llama4_text":  # (patch_moe does not quantize Llama-4: its ModelOpt export, loaded)
         return AutoModelForCausalLM.from_pretrained(LLAMA4_EXPORT, dtype=torch.bfloat16)
+    # seeded: unseeded, the model depended on how much randomness the tests before it drew, and a
+    # near tie's flip (assert_same_up_to_near_ties) could land past its bound in one order of tests
+    torch.manual_seed(0)
     model = ARCHITECTURES[arch]()
     if arch == "kimi_k2":
         model.config.model_type = "kimi_k2"
