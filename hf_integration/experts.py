@@ -153,14 +153,24 @@ class NVFP4Linear(QuantizedBuffers):
         if global_scale is None:
             global_scale = nvfp4.global_scale_from_amax(weight_amax(w))
         q = cls(linear, MODELOPT, input_scale=False, device=w.device)
-        held = q._buffers  # under the scheme's (ModelOpt's) names
+        q._buffers.update(cls.quantized_tensors(w, global_scale))
+        q.set_layout(q.kernel_layout())
+        return q
+
+    @staticmethod
+    def quantized_tensors(w: torch.Tensor, global_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A 16-bit weight ``[N, K]`` in NVFP4 on ``global_scale``, as ModelOpt's tensors under their
+        names (``weight``, ``weight_scale``, ``weight_scale_2``), on the weight's device, filled a few
+        million weights at a time (the float32 scratch stays a chunk's)."""
+        n, k = w.shape
+        packed = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
+        block = torch.empty(n, k // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
         with torch.no_grad():
             for r0, r1 in expert_chunks(w):
                 part = nvfp4.quantize_nvfp4(w[r0:r1], global_scale)
-                held[MODELOPT.packed][r0:r1], held[MODELOPT.block_scale][r0:r1] = part.packed, part.block_scale
-            held[MODELOPT.global_scale].copy_(global_scale.reshape(()))
-        q.set_layout(q.kernel_layout())
-        return q
+                packed[r0:r1], block[r0:r1] = part.packed, part.block_scale
+        return {MODELOPT.packed: packed, MODELOPT.block_scale: block,
+                MODELOPT.global_scale: global_scale.reshape(()).float().clone()}
 
     def scale_checks(self) -> list[tuple[str, str]]:
         """``(buffer, kind)`` of the scales whose values the loader checks (see ``check_scale_values``)."""

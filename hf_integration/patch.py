@@ -36,8 +36,8 @@ from .quantizer import ModelOptQuantizer, attach, quantizer_for
 from .saving import refuse_unpatched_save
 from .router import fuse_routers
 from .shared_experts import fuse_shared_experts as fuse_shared
-from .surgery import experts_form_problem, find_experts_modules, is_transformers_experts, \
-    nvfp4_experts, replace_module
+from .surgery import find_experts_modules, is_transformers_experts, nvfp4_experts, nvfp4_experts_problem, \
+    replace_module
 
 logger = logging.get_logger("transformers.fp4moe")  # under Transformers: set_verbosity_* applies
 
@@ -45,10 +45,7 @@ DEEPSEEK_FAMILY = ("deepseek_v3", "kimi_k2", "deepseek_v2", "glm4_moe")
 
 
 def _check_experts(name: str, m: nn.Module) -> None:
-    problems = [p for p in (experts_form_problem(m),) if p is not None]
-    e, two_i, h = m.gate_up_proj.shape
-    if h % nvfp4.BLOCK_SIZE or (two_i // 2) % nvfp4.BLOCK_SIZE:
-        problems.append(f"hidden {h} and intermediate {two_i // 2} must be multiples of {nvfp4.BLOCK_SIZE}")
+    problems = [p for p in (nvfp4_experts_problem(m),) if p is not None]
     if m.gate_up_proj.device.type == "meta":
         problems.append("weights are on the meta device (not loaded)")
     elif m.gate_up_proj.dtype not in (torch.bfloat16, torch.float16):

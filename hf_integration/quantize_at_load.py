@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.core_model_loading import ConversionOps
 
 from fp4moe_ops import nvfp4
 from fp4moe_ops.moe_weights import expert_chunks, quantize_expert_stack
@@ -41,7 +42,7 @@ from .checkpoint_format import MODELOPT, CheckpointError
 from .experts import NVFP4Experts, NVFP4Linear, weight_amax
 from .fused_linears import linear_groups
 from .llama4 import is_llama4_experts
-from .surgery import experts_form_problem, is_transformers_experts, replace_module
+from .surgery import is_transformers_experts, nvfp4_experts_problem, replace_module
 
 PLACEHOLDERS = ("gate_up_proj", "down_proj")  # Transformers' names; each quantizes into "<name>_packed" ...
 _NVFP4_SUFFIXES = ("_packed", "_scale", "_global_scale")
@@ -59,10 +60,7 @@ def experts_to_quantize(model: nn.Module, skip=lambda name: False) -> list[str]:
                                   "quantization_config")
         if not is_transformers_experts(m) or skip(name):
             continue
-        problem = experts_form_problem(m)
-        e, two_i, h = m.gate_up_proj.shape
-        if problem is None and (h % nvfp4.BLOCK_SIZE or (two_i // 2) % nvfp4.BLOCK_SIZE):
-            problem = f"hidden {h} and intermediate {two_i // 2} must be multiples of {nvfp4.BLOCK_SIZE}"
+        problem = nvfp4_experts_problem(m)
         if problem is not None:
             raise CheckpointError(f"fp4moe cannot quantize {name} ({type(m).__name__}) while loading: {problem}. "
                                   "Load the 16-bit model without quantization_config")
@@ -166,13 +164,7 @@ def finish_loading(model: nn.Module) -> None:
                 del m.load_group
 
 
-def _conversion_ops_base():
-    from transformers.core_model_loading import ConversionOps
-
-    return ConversionOps
-
-
-class QuantizeExperts(_conversion_ops_base()):
+class QuantizeExperts(ConversionOps):
     """Transformers' quantize step for a placeholder's stacked 16-bit tensor: its three NVFP4
     tensors, under the module's buffer names, for Transformers to set. Errors are kept by the
     quantizer (``load_errors``) and raised once loading is done (Transformers' loader would log
@@ -221,16 +213,8 @@ class QuantizeExperts(_conversion_ops_base()):
             return {}
         weights, group.pending = group.pending, {}
         scale = nvfp4.global_scale_from_amax(torch.stack([weight_amax(w) for w in weights.values()]).amax())
-        out = {}
-        for member, w in weights.items():
-            packed = torch.empty(w.shape[0], w.shape[1] // 2, dtype=torch.uint8, device=w.device)
-            block = torch.empty(w.shape[0], w.shape[1] // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
-            for r0, r1 in expert_chunks(w):
-                part = nvfp4.quantize_nvfp4(w[r0:r1], scale)
-                packed[r0:r1], block[r0:r1] = part.packed, part.block_scale
-            out |= {f"{member}.{MODELOPT.packed}": packed, f"{member}.{MODELOPT.block_scale}": block,
-                    f"{member}.{MODELOPT.global_scale}": scale.reshape(()).float().clone()}
-        return out
+        return {f"{member}.{tensor}": t for member, w in weights.items()
+                for tensor, t in NVFP4Linear.quantized_tensors(w, scale).items()}
 
 
 def _quantize(key: str, value: torch.Tensor, placeholder: torch.Tensor):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fp4moe_ops.nvfp4 import BLOCK_SIZE as NVFP4_BLOCK
+
 from .experts import NVFP4Experts
 
 SILU_NAMES = ("SiLUActivation", "SiLU")
@@ -46,6 +48,17 @@ def experts_form_problem(m: nn.Module) -> str | None:
     return None
 
 
+def nvfp4_experts_problem(m: nn.Module) -> str | None:
+    """Why ``m`` (Transformers' experts) cannot be quantized into fp4moe's NVFP4 experts, from its
+    form and shapes alone (:func:`experts_form_problem`, and NVFP4's blocks of 16 along both
+    reductions), or None."""
+    problem = experts_form_problem(m)
+    _, two_i, h = m.gate_up_proj.shape
+    if problem is None and (h % NVFP4_BLOCK or (two_i // 2) % NVFP4_BLOCK):
+        problem = f"hidden {h} and intermediate {two_i // 2} must be multiples of {NVFP4_BLOCK}"
+    return problem
+
+
 def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every routed-experts module: Transformers' BF16 ones and fp4moe's NVFP4 ones."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, NVFP4Experts) or is_transformers_experts(m)]
@@ -65,5 +78,5 @@ def is_dense_gated_mlp(m: nn.Module) -> bool:
     return all(isinstance(x, nn.Linear) and x.bias is None for x in lin) and is_silu(getattr(m, "act_fn", None))
 
 
-__all__ = ["children_where", "find_experts_modules", "is_dense_gated_mlp", "is_silu", "is_transformers_experts",
+__all__ = ["children_where", "find_experts_modules", "nvfp4_experts_problem", "is_dense_gated_mlp", "is_silu", "is_transformers_experts",
            "nvfp4_experts", "replace_module"]
