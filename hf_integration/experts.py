@@ -170,7 +170,7 @@ class NVFP4Linear(QuantizedBuffers):
                 part = nvfp4.quantize_nvfp4(w[r0:r1], global_scale)
                 packed[r0:r1], block[r0:r1] = part.packed, part.block_scale
         return {MODELOPT.packed: packed, MODELOPT.block_scale: block,
-                MODELOPT.global_scale: global_scale.reshape(()).float().clone()}
+                MODELOPT.global_scale: global_scale.detach().reshape(()).float().clone()}
 
     def scale_checks(self) -> list[tuple[str, str]]:
         """``(buffer, kind)`` of the scales whose values the loader checks (see ``check_scale_values``)."""
