@@ -65,18 +65,12 @@ def transformers_loop():
 
 @contextlib.contextmanager
 def deferred_stop_on_cuda():
-    """Transformers' ``DeferredStopCheck`` allowed on CUDA for every model (HF BF16's too), in this
-    process, while active."""
-    from transformers.generation import utils as gen_utils
+    """Transformers' ``DeferredStopCheck`` on CUDA for every model (HF BF16's too) in this thread
+    while active, through fp4moe's own switch (:func:`hf_integration.deferred_stop.deferring`)."""
+    from hf_integration.deferred_stop import deferring
 
-    supported = gen_utils.DeferredStopCheck.is_supported
-    gen_utils.DeferredStopCheck.is_supported = staticmethod(  # Transformers' answer for mps, where it defers
-        lambda device, *args, **kwargs: supported(torch.device("mps") if torch.device(device).type == "cuda" else device,
-                                                  *args, **kwargs))
-    try:
+    with deferring():
         yield
-    finally:
-        gen_utils.DeferredStopCheck.is_supported = supported
 
 
 def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[float, float, torch.Tensor]:

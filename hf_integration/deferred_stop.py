@@ -21,6 +21,7 @@ ms a decoding step, the same tokens (``benchmarks/RESULTS.md``, "generate()'s lo
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import types
 
@@ -38,21 +39,35 @@ def defer_stop_checks(model: nn.Module) -> None:
     """``model.generate()`` reads its stop flag one step late on CUDA (see the module docstring).
     Idempotent; nothing happens for a model without ``generate`` or a Transformers without
     ``DeferredStopCheck``."""
-    stop_check = _deferred_stop_check()
-    if stop_check is None or getattr(type(model), "generate", None) is None:
+    if not _install() or getattr(type(model), "generate", None) is None:
         return
-    if not getattr(stop_check.is_supported, "_fp4moe", False):
-        stop_check.is_supported = staticmethod(_wrap(stop_check.is_supported))
     if getattr(model.__dict__.get("generate"), "__func__", None) is not _generate:
         model.generate = types.MethodType(_generate, model)
 
 
-def _deferred_stop_check():
+@contextlib.contextmanager
+def deferring():
+    """While active, every ``generate()`` in this thread defers its stop check on CUDA, whatever
+    the model (a benchmark's HF BF16 model, to measure what the loop costs it)."""
+    _install()
+    token = _IN_GENERATE.set(True)
+    try:
+        yield
+    finally:
+        _IN_GENERATE.reset(token)
+
+
+def _install() -> bool:
+    """``DeferredStopCheck.is_supported`` wrapped (once); False for a Transformers without it."""
     try:
         from transformers.generation.utils import DeferredStopCheck
     except ImportError:  # a Transformers from before it
-        return None
-    return DeferredStopCheck if callable(getattr(DeferredStopCheck, "is_supported", None)) else None
+        return False
+    if not callable(getattr(DeferredStopCheck, "is_supported", None)):
+        return False
+    if not getattr(DeferredStopCheck.is_supported, "_fp4moe", False):
+        DeferredStopCheck.is_supported = staticmethod(_wrap(DeferredStopCheck.is_supported))
+    return True
 
 
 def _generate(model, *args, **kwargs):
@@ -75,4 +90,4 @@ def _wrap(is_supported):
     return deferred_on_cuda_too
 
 
-__all__ = ["ENV_VAR", "defer_stop_checks"]
+__all__ = ["ENV_VAR", "defer_stop_checks", "deferring"]

@@ -15,8 +15,8 @@ Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1
 * ``generate()``'s time for 1, 17 and 65 new tokens (median of 3), in both loops: the slope over
   16 -> 64 is the cost of a decode step, the rest what each call pays once (its eager prefill, its
   cache); ``--lengths-only`` measures only these, for HF BF16 before the patch too (its deferred
-  loop switched on by replacing ``DeferredStopCheck.is_supported`` in this process, as fp4moe does
-  for its own models only);
+  loop switched on for this thread with fp4moe's own switch, ``deferred_stop.deferring``, which
+  the product uses for fp4moe's models only);
 * ``--calls N``: N ``generate()`` calls of 33 new tokens in a row, each timed, with the CUDA-graph
   recordings they made: Transformers makes a new ``StaticCache`` per call, and new addresses would
   make the compiled step record a new CUDA graph (torch before 2.13 counts those toward
