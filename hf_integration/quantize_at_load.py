@@ -8,7 +8,7 @@ quantization configs (FP8, bitsandbytes) quantize a 16-bit checkpoint while load
   meta placeholders under Transformers' names, ``gate_up_proj`` and ``down_proj``, so that
   Transformers' own converters (per-expert checkpoint tensors -> one stacked tensor) collect the
   checkpoint's tensors for them.
-* Each time one of those stacked 16-bit tensors is ready, :class:`QuantizeExperts` (Transformers'
+* Each time one of those stacked 16-bit tensors is ready, :class:`QuantizeWhileLoading` (Transformers'
   quantize step) checks it (finite, the module's shape) and quantizes it with ModelOpt's recipe
   (the one ``patch_moe`` uses, ``quantize_expert_stack``) on the device it was loaded to, and
   Transformers sets the result into the module's NVFP4 buffers; the placeholder and the 16-bit
@@ -164,9 +164,10 @@ def finish_loading(model: nn.Module) -> None:
                 del m.load_group
 
 
-class QuantizeExperts(ConversionOps):
-    """Transformers' quantize step for a placeholder's stacked 16-bit tensor: its three NVFP4
-    tensors, under the module's buffer names, for Transformers to set. Errors are kept by the
+class QuantizeWhileLoading(ConversionOps):
+    """Transformers' quantize step: an experts placeholder's stacked 16-bit tensor becomes its three
+    NVFP4 tensors, under the module's buffer names, for Transformers to set; a linear's weight
+    waits for its group (:meth:`_linear`). Errors are kept by the
     quantizer (``load_errors``) and raised once loading is done (Transformers' loader would log
     them and go on)."""
 
@@ -231,6 +232,6 @@ def _quantize(key: str, value: torch.Tensor, placeholder: torch.Tensor):
     return quantize_expert_stack(value.to(placeholder.dtype))
 
 
-__all__ = ["PLACEHOLDERS", "LinearGroup", "QuantizeExperts", "experts_to_quantize", "finish_loading",
+__all__ = ["PLACEHOLDERS", "LinearGroup", "QuantizeWhileLoading", "experts_to_quantize", "finish_loading",
            "is_placeholder", "left_unfilled", "linears_to_quantize", "replace_for_loading",
            "replace_linears_for_loading"]

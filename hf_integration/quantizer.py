@@ -259,9 +259,9 @@ class ModelOptQuantizer(CurrentDtypeDequantize, HfQuantizer):
         return bool(self.quantizing) and is_placeholder(model, param_name)
 
     def get_quantize_ops(self):
-        from .quantize_at_load import QuantizeExperts
+        from .quantize_at_load import QuantizeWhileLoading
 
-        return QuantizeExperts(self)
+        return QuantizeWhileLoading(self)
 
     def update_weight_conversions(self, weight_conversions, model=None):
         """Transformers' per-expert -> stacked converters of the NVFP4 experts give way to ours."""
