@@ -201,3 +201,20 @@ def test_a_linear_missing_from_the_file_is_refused_naming_it(tmp_path):
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight"):
         load(tmp_path, LINEARS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_loading_onto_it_quantizes_there_and_decodes_as_patch_moe(folder):
+    """``device_map="cuda"``: the experts and linears are quantized on the GPU while loading, to the
+    same bytes as ``patch_moe`` on the GPU after loading (both run the same elementwise ops there),
+    and greedy ``generate`` on the backend the GPU gets gives the same tokens for both models."""
+    model = load(folder, LINEARS, device_map="cuda")
+    patched = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda")
+    patch_moe(patched, quantize_dense_mlps=True, quantize_attention=True, fuse_shared_experts=False, verbose=False)
+    assert {p.device.type for p in model.state_dict().values()} == {"cuda"}
+    assert_same_tensors(model, patched)
+    prompt = torch.randint(1, 100, (2, 7), generator=torch.Generator().manual_seed(1)).cuda()
+    a = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    b = patched.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(a, b)
