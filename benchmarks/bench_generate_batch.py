@@ -46,20 +46,28 @@ def qwen3_moe(layers: int, dims: dict, device: str):
 
 
 def time_generate_batch(model, requests: int, prompt: int, new: int, repeats: int, vocab: int,
-                        small_cache: bool = False) -> dict:
+                        small_cache: bool = False, cuda_graph: bool = False, compile_level: int = 0) -> dict:
     """Tokens/s of ``generate_batch`` with ``requests`` concurrent requests (median of ``repeats``
     timed runs after a warm-up). ``small_cache``: a paged cache sized for this workload (the CPU
-    smoke test) instead of Transformers' own sizing from free memory."""
+    smoke test) instead of Transformers' own sizing from free memory. ``cuda_graph`` and
+    ``compile_level``: Transformers' own switches (``ContinuousBatchingConfig.use_cuda_graph``, which
+    it leaves off by default where attention needs a mask, as SDPA does, and
+    ``default_compile_level``)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     inputs = torch.randint(1, vocab, (requests, prompt), generator=torch.Generator().manual_seed(requests)).tolist()
     config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cache = None
+    options = {}
     if small_cache:
         # On the CPU Transformers sizes the cache from free RAM (0.8-0.9 of it): gigabytes even for the
         # tiny model. Here: every request's prompt and new tokens in blocks of 256 tokens, one spare.
         blocks = requests * -(-(prompt + new) // 256) + 1
-        cache = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=max(256, min(requests * prompt, 8192)))
+        options.update(num_blocks=blocks, max_batch_tokens=max(256, min(requests * prompt, 8192)))
+    if cuda_graph:
+        options["use_cuda_graph"] = True
+    if compile_level:
+        options["default_compile_level"] = compile_level
+    cache = ContinuousBatchingConfig(**options) if options else None
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for run in range(repeats + 1):  # the first run warms up (allocations, kernels)
@@ -86,6 +94,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=128, help="generated tokens per request")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cuda-graph", action="store_true", help="ContinuousBatchingConfig(use_cuda_graph=True)")
+    parser.add_argument("--compile-level", type=int, default=0, help="ContinuousBatchingConfig(default_compile_level=N)")
     parser.add_argument("--tiny", action="store_true", help="small dimensions on the CPU (smoke test)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -101,12 +111,14 @@ def main(argv=None) -> list[dict]:
             patch_moe(model, verbose=False)
         for n in counts:
             row = {"variant": variant} | time_generate_batch(model, n, args.prompt, args.new, args.repeats,
-                                                             dims["vocab_size"], small_cache=args.tiny)
+                                                             dims["vocab_size"], small_cache=args.tiny,
+                                                             cuda_graph=args.cuda_graph, compile_level=args.compile_level)
             rows.append(row)
             print(f"{variant:7s} {n:3d} requests: {row['tokens_per_s']:9.1f} tokens/s", flush=True)
     device = "CPU" if args.tiny else torch.cuda.get_device_name()
     print(f"\ngenerate_batch, Qwen3-MoE {'tiny' if args.tiny else '30B-A3B'} shapes, {args.layers} layers, "
-          f"prompt {args.prompt} + {args.new} new tokens per request, {device}\n")
+          f"prompt {args.prompt} + {args.new} new tokens per request, CUDA graphs {'on' if args.cuda_graph else 'default'}, "
+          f"compile level {args.compile_level}, {device}\n")
     print("| requests | BF16 tokens/s | fp4moe tokens/s | fp4moe / BF16 |")
     print("|---:|---:|---:|---:|")
     for n in counts:
