@@ -23,6 +23,10 @@ Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1
   ``cudagraph_unexpected_rerecord_limit``, 128, and then runs the step without graphs); the
   caching allocator hands the freed cache's memory to the next one, so they record none;
 * ``--host-profile``: cProfile of one ``generate()`` by own time;
+* ``--timeline``: one ``generate()`` of 4 new tokens under the PyTorch profiler, after a warm-up,
+  as a sequence of the host's CUDA launches (kernels launched one by one, graph replays,
+  synchronizations) with the top-level host events of 0.2 ms or more between them, in both loops:
+  what the first decoding step after the eager prefill does that later steps do not;
 * ``--prefill N``: one eager forward over N prompt tokens (no cache, as ``generate()`` runs its
   prefill eagerly), wall time, median of 3, for HF BF16 before the patch and fp4moe after.
 
@@ -126,6 +130,44 @@ def generate_calls(model, calls: int) -> str:
             f"cudagraph skips so far in the process {skips}")
 
 
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch",
+            "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize")
+
+
+def timeline(model, new_tokens: int = 4) -> str:
+    """One ``generate()`` under the profiler (after one warm-up call): the host's launches in
+    order, runs of the same call merged ("cuLaunchKernel x 960, 14.2 ms"), with the top-level
+    host events of 0.2 ms or more among them, times from the start of the call."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import CompileConfig
+
+    prompt = torch.randint(1, 1000, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+              compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    model.generate(prompt, **kw)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model.generate(prompt, **kw)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    t0 = min(e.time_range.start for e in events)
+    marks = [e for e in events if e.name in LAUNCHES or (e.cpu_parent is None and e.time_range.elapsed_us() >= 200)]
+    marks.sort(key=lambda e: e.time_range.start)
+    lines, run = [], None
+    for e in marks:
+        start, dur = (e.time_range.start - t0) / 1e3, e.time_range.elapsed_us() / 1e3
+        if run and run[0] == e.name and e.name in LAUNCHES:
+            run[2] += 1
+            run[3] = start + dur
+            continue
+        if run:
+            lines.append(f"  {run[1]:9.2f} ms  {run[0]} x {run[2]} (until {run[3]:.2f} ms)")
+        run = [e.name, start, 1, start + dur]
+    lines.append(f"  {run[1]:9.2f} ms  {run[0]} x {run[2]} (until {run[3]:.2f} ms)")
+    gpu = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return "\n".join(lines) + f"\n  GPU kernel time in the call: {gpu / 1e3:.2f} ms"
+
+
 def prefill_ms(model, tokens: int) -> float:
     prompt = torch.randint(1, 1000, (1, tokens), generator=torch.Generator().manual_seed(tokens)).cuda()
     times = []
@@ -217,6 +259,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0)
     ap.add_argument("--calls", type=int, default=0,
                     help="only N generate() calls in a row, a new cache each vs one cache reused")
+    ap.add_argument("--timeline", action="store_true",
+                    help="only the profiled launch sequence of one generate() of 4 new tokens, both loops")
     ap.add_argument("--lengths-only", action="store_true",
                     help="only generate()'s time for 1, 17 and 65 new tokens, both loops")
     args = ap.parse_args()
@@ -236,6 +280,12 @@ def main() -> None:
           f"fp4moe{' + NVFP4 attention' if args.attention else ''}, batch 1; torch {torch.__version__}, "
           f"transformers {transformers.__version__}", flush=True)
 
+    if args.timeline:
+        with transformers_loop():
+            print("fp4moe, Transformers' loop, one generate() of 4 new tokens:\n" + timeline(model), flush=True)
+        print("fp4moe (deferred stop check), one generate() of 4 new tokens:\n" + timeline(model), flush=True)
+        if not (args.calls or args.lengths_only):
+            return
     if args.calls:
         print("a new StaticCache per call (Transformers' own):", generate_calls(model, args.calls), flush=True)
         if not args.lengths_only:
