@@ -33,16 +33,20 @@ replays; every timed implementation is first run on all the tokens and checked a
 
 Part 2, end to end (``--parts e2e``): a GptOssForCausalLM of gpt-oss-120b's dimensions (hidden
 2880, 128 experts of 2880, top-4, 64 query / 8 KV heads of 64, vocabulary 201088, sliding window
-128 on every other layer) with ``--layers`` decoder layers (default 2), random weights, the experts
+128 on every other layer; ``--model 20b``: 32 experts) with ``--layers`` decoder layers (default 2;
+full depth is 36 for 120b, 24 for 20b), random weights, the experts
 the same random MXFP4 weights for both variants (BF16: decoded). Compiled greedy ``generate()`` with
 a static cache (``generation_config.cache_implementation = "static"``, CompileConfig(fullgraph,
 "reduce-overhead"): CUDA graphs), batch 1 and 32, a prompt of 128 random tokens, 64 new tokens:
 
 * ``HF BF16``: Transformers' experts with ``experts_implementation="grouped_mm"``. ``generate()``
   itself switches them to ``batched_mm`` for the decode steps on a GPU (``_optimize_model_for_decode``,
-  Transformers 5.17-5.25); ``--bf16-decode grouped_mm`` keeps ``grouped_mm`` there too;
+  Transformers 5.17-5.25); ``--bf16-decode grouped_mm`` keeps ``grouped_mm`` there too. Its
+  ``generate()`` waits for the GPU at every step (Transformers' stop check on CUDA); at batch 1 it
+  is also timed with the check read one step late, as fp4moe's models run it;
 * ``fp4moe``: the experts replaced by ``MXFP4GptOssExperts`` (as fp4moe's MXFP4 quantizer replaces
-  them), the same bytes copied into its buffers, biases into its parameters, backend ``triton``.
+  them), the same bytes copied into its buffers, biases into its parameters, the model-wide guards
+  attached (:func:`hf_integration.quantizer.attach_guards`: the deferred stop check), backend ``triton``.
 
 Decode tokens/s = batch * 64 / (time of generate(1 + 64 tokens) - time of generate(1 token)), so the
 prefill and generate()'s setup cancel (bench_e2e.py's method), each the median of 5 runs after a
@@ -97,6 +101,8 @@ GPT_OSS_120B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
                     num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
                     sliding_window=128, max_position_embeddings=131072, pad_token_id=199999,
                     bos_token_id=199998, eos_token_id=200002)
+GPT_OSS_20B = GPT_OSS_120B | dict(num_local_experts=32)
+FULL_DEPTH = {"120b": 36, "20b": 24}
 TINY_MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_local_experts=8, num_experts_per_tok=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
                   max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -356,8 +362,10 @@ def gpt_oss_model(dims: dict, layers: int, device):
 def swap_in_mxfp4_experts(model, checkpoint: list[list[torch.Tensor]], backend: str) -> str:
     """Every layer's ``GptOssExperts`` -> ``MXFP4GptOssExperts`` holding ``checkpoint[layer]`` (as
     fp4moe's MXFP4 quantizer does for a checkpoint: bytes into its buffers, biases into its
-    parameters), on ``backend``; returns the backend name."""
+    parameters, and the model-wide guards, ``generate()``'s deferred stop check included), on
+    ``backend``; returns the backend name."""
     from hf_integration import MXFP4GptOssExperts
+    from hf_integration.quantizer import attach_guards
     from hf_integration.surgery import replace_module
 
     config = model.config.get_text_config()
@@ -369,6 +377,7 @@ def swap_in_mxfp4_experts(model, checkpoint: list[list[torch.Tensor]], backend: 
         for target, source in zip(new.expert_tensors(), tensors):
             target.copy_(source)
         replace_module(layer.mlp, "experts", new)
+    attach_guards(model)
     return [layer.mlp.experts.set_backend(backend) for layer in model.model.layers][0]
 
 
@@ -431,12 +440,12 @@ def e2e_part(args, result: dict, save) -> None:
 
     cuda = not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
-    dims = TINY_MODEL if args.tiny else GPT_OSS_120B
+    dims = TINY_MODEL if args.tiny else {"120b": GPT_OSS_120B, "20b": GPT_OSS_20B}[args.model]
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 2] if args.tiny else [1, 32])
     prompt_len = args.prompt or (16 if args.tiny else 128)
     new = args.new_tokens or (8 if args.tiny else 64)
     repeats = 1 if args.tiny else 5
-    part = result["e2e"] = {"layers": args.layers, "prompt": prompt_len, "new_tokens": new, "rows": [],
+    part = result["e2e"] = {"model": "tiny" if args.tiny else args.model, "layers": args.layers, "prompt": prompt_len, "new_tokens": new, "rows": [],
                             "skipped": [], "notes": [], "bf16_decode": args.bf16_decode}
     if not supported():
         part["notes"].append(f"Transformers {result['transformers']} is older than fp4moe's gpt-oss path "
@@ -455,7 +464,7 @@ def e2e_part(args, result: dict, save) -> None:
     expert_gb = lambda: sum(t.nbytes for n, t in list(model.named_parameters()) + list(model.named_buffers())
                             if ".mlp.experts." in n) / 1e9
     part["experts_GB_bf16"] = expert_gb()
-    log(f"part 2: {args.layers} gpt-oss-{'tiny' if args.tiny else '120b'} layers, experts "
+    log(f"part 2: {args.layers} gpt-oss-{part['model']} layers, experts "
         f"{part['experts_GB_bf16']:.2f} GB BF16 ({time.time() - start:.0f}s)")
     if args.bf16_decode == "grouped_mm":
         keep_grouped_mm_for_decode(model)
@@ -464,34 +473,45 @@ def e2e_part(args, result: dict, save) -> None:
     backend = "reference" if args.tiny else "triton"
     outputs = {}
 
-    def rows(variant: str) -> None:
+    def rows(variant: str, also_deferred: bool = False) -> None:
         for b in batches:
-            if time.time() - start > args.e2e_budget:
-                part["skipped"].append(f"{variant} batch {b} (time budget {args.e2e_budget:.0f} s)")
-                log(f"skipping {variant} batch {b}: time budget")
-                continue
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            resident = torch.cuda.memory_allocated() / 1e9 if cuda else float("nan")
-            t0 = time.time()
-            try:
-                decode, generate_tps, out = time_generate(model, b, prompt_len, new, repeats, args.tiny)
-            except Exception as exc:  # noqa: BLE001  (report it, go on with the next case)
-                error = f"{type(exc).__name__}: {str(exc)[:300]}"
-                part["rows"].append({"variant": variant, "batch": b, "error": error})
-                log(f"{variant} batch {b}: FAILED {error}")
-                save()
-                continue
-            outputs[(variant, b)] = out[:, prompt_len:].cpu()
-            peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
-            row = {"variant": variant, "batch": b, "decode_tokens_per_s": decode, "generate_tokens_per_s": generate_tps,
-                   "peak_GB": peak, "resident_GB": resident, "seconds": time.time() - t0}
-            part["rows"].append(row)
-            log(f"{variant:28s} batch {b:3d}: decode {decode:9.1f} tok/s, generate() {generate_tps:8.1f} tok/s "
-                f"(prefill incl.), peak {peak:6.2f} GB, weights {resident:6.2f} GB ({row['seconds']:.0f}s)")
-            save()
+            row(variant, b)
+            if also_deferred and b == 1 and cuda:
+                # Transformers' loop waits for the GPU every step on CUDA; fp4moe's models read the stop
+                # flag one step late (hf_integration.deferred_stop). BF16 in that loop too, so the table
+                # holds the loop's share and the kernels' share apart.
+                from hf_integration.deferred_stop import deferring
 
-    rows(bf16_label)
+                with deferring():
+                    row(variant + ", stop check deferred", b)
+
+    def row(variant: str, b: int) -> None:
+        if time.time() - start > args.e2e_budget:
+            part["skipped"].append(f"{variant} batch {b} (time budget {args.e2e_budget:.0f} s)")
+            log(f"skipping {variant} batch {b}: time budget")
+            return
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated() / 1e9 if cuda else float("nan")
+        t0 = time.time()
+        try:
+            decode, generate_tps, out = time_generate(model, b, prompt_len, new, repeats, args.tiny)
+        except Exception as exc:  # noqa: BLE001  (report it, go on with the next case)
+            error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            part["rows"].append({"variant": variant, "batch": b, "error": error})
+            log(f"{variant} batch {b}: FAILED {error}")
+            save()
+            return
+        outputs[(variant, b)] = out[:, prompt_len:].cpu()
+        peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
+        measured = {"variant": variant, "batch": b, "decode_tokens_per_s": decode, "generate_tokens_per_s": generate_tps,
+                    "peak_GB": peak, "resident_GB": resident, "seconds": time.time() - t0}
+        part["rows"].append(measured)
+        log(f"{variant:28s} batch {b:3d}: decode {decode:9.1f} tok/s, generate() {generate_tps:8.1f} tok/s "
+            f"(prefill incl.), peak {peak:6.2f} GB, weights {resident:6.2f} GB ({measured['seconds']:.0f}s)")
+        save()
+
+    rows(bf16_label, also_deferred=True)
     forget_compiled(model)
     try:
         name = swap_in_mxfp4_experts(model, checkpoint, backend)
@@ -522,11 +542,12 @@ def e2e_table(result: dict) -> str:
     part = result["e2e"]
     lines = [f"gpt-oss end to end, {result['date']}, {result['device']}, torch {result['torch']}, Triton "
              f"{result['triton']}, Transformers {result['transformers']}: {part['layers']} gpt-oss-"
-             f"{'tiny' if result['tiny'] else '120b'}-shaped layers, random weights, compiled static-cache greedy "
+             f"{part.get('model', '120b')}-shaped layers, random weights, compiled static-cache greedy "
              f"generate(), prompt {part['prompt']}, {part['new_tokens']} new tokens", "",
              "| variant | batch | decode tokens/s | generate() tokens/s (prefill incl.) | peak GB | speedup vs BF16 |",
              "|---|---:|---:|---:|---:|---:|"]
-    base = {r["batch"]: r for r in part["rows"] if r["variant"].startswith("HF BF16") and "error" not in r}
+    base = {r["batch"]: r for r in part["rows"]
+            if r["variant"].startswith("HF BF16") and "deferred" not in r["variant"] and "error" not in r}
     for r in part["rows"]:
         if "error" in r:
             lines.append(f"| {r['variant']} | {r['batch']} | FAILED: {r['error'][:80]} | | | |")
@@ -549,7 +570,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--shapes", default=",".join(LAYERS), help=f"part 1's layers, of {list(LAYERS)}")
     ap.add_argument("--tokens", default=None, help=f"part 1's token counts (default {','.join(map(str, TOKENS))})")
     ap.add_argument("--input-sets", type=int, default=INPUT_SETS, help="routings per CUDA graph")
-    ap.add_argument("--layers", type=int, default=2, help="part 2's decoder layers")
+    ap.add_argument("--model", choices=("120b", "20b"), default="120b", help="part 2's dimensions")
+    ap.add_argument("--layers", type=int, default=2, help=f"part 2's decoder layers (full depth: {FULL_DEPTH})")
     ap.add_argument("--batches", default=None, help="part 2's batch sizes (default 1,32)")
     ap.add_argument("--prompt", type=int, default=None, help="part 2's prompt tokens (default 128)")
     ap.add_argument("--new-tokens", type=int, default=None, help="part 2's new tokens (default 64)")
