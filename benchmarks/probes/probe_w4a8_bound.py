@@ -19,7 +19,8 @@ by at most 2x, if the decode can hide under an MMA that is twice as fast. The sc
    o_proj, q_b_proj and dense gate_up and Qwen3-30B's q_proj at 128-8192 tokens, and on the experts
    of DeepSeek-V3 (E=256, H=7168, I=2048) and Qwen3-30B-A3B (E=128, H=2048, I=768), top-8, balanced
    (T*8/E rows per expert), as a grouped gate_up GEMM ``[rows, H] @ [H, 2I]`` and down GEMM
-   ``[rows, I] @ [I, H]`` at 2048-8192 tokens.
+   ``[rows, I] @ [I, H]`` at 2048-8192 tokens (one copy of the experts' weights, 0.4-15 GB, far
+   beyond L2; two input sets).
 2. **The decode's cost**: ``_decode_kernel`` turns NVFP4 bytes into E4M3 bytes and a row scale
    (what a "decode to FP8, then an FP8 GEMM" path pays each call), timed on the same weights, next to
    the FP8 GEMM; with the activations' quantization (``_act_quant_kernel``) and the whole
@@ -245,8 +246,8 @@ def _w4a8_gemm_kernel(x_ptr, x_scale_ptr, packed_ptr, scale_ptr, shift_ptr, row_
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
-    # groups of GROUP token tiles walk the weight tiles together, so a weight tile is decoded for
-    # GROUP token tiles while it is in L2
+    # groups of GROUP token tiles walk the weight tiles together, so a weight tile's bytes come from
+    # HBM once for GROUP token tiles (the others find them in L2)
     per_group = GROUP * tiles_n
     first_m = (pid // per_group) * GROUP
     group = tl.minimum(tiles_m - first_m, GROUP)
@@ -268,8 +269,8 @@ def _w4a8_gemm_kernel(x_ptr, x_scale_ptr, packed_ptr, scale_ptr, shift_ptr, row_
         x8 = tl.load(x_ptrs)
         w8 = _decode_tile(tl.load(w_ptrs), tl.load(s_ptrs).to(tl.float32) * shift[:, None], BN, BK, EXACT)
         # FP32_ACC: each K step's products summed by wgmma from zero, then added in float32 (wgmma's
-        # FP8 accumulator keeps fewer bits than float32; Triton's max_num_imprecise_acc does this
-        # promotion only for an A operand in shared memory, and the weight here is in registers)
+        # FP8 accumulator keeps fewer bits than float32). Written out because Triton's
+        # max_num_imprecise_acc left the register-A configs unpromoted (no float32 adds in 3.9's PTX)
         if WEIGHT_A:
             if FP32_ACC:
                 acc += tl.dot(w8, tl.trans(x8))
@@ -541,8 +542,16 @@ class Timer:
             return ms
         except Exception as e:  # noqa: BLE001 - one failed variant must not stop the run
             self.errors.append(f"{what}: {_first_line(e)}")
-            torch.cuda.synchronize()
+            _synchronize()
             return float("nan")
+
+
+def _synchronize() -> None:
+    """After a failure: wait for the device, without raising again if the failure was the device's."""
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def scaled_mm(a8, a_scale, b8, b_scale, fast: bool):
@@ -822,7 +831,7 @@ def main():
             run()
         except Exception as e:  # noqa: BLE001 - report what ran
             lines.append(f"\n**{part} failed**: {_first_line(e)}")
-            torch.cuda.synchronize()
+            _synchronize()
         if part == "check":
             print("\n".join(lines[start:]), flush=True)
     if timer.errors:
