@@ -37,22 +37,23 @@ by at most 2x, if the decode can hide under an MMA that is twice as fast. The sc
    error against the W4A8 oracle in units of the float32-accumulation tolerance, and the W4A8
    result's distance from the exact W4A16 result (what the format change costs).
 
-**How the block scale is folded.** NVFP4 is ``W = e2m1 * s_b * g`` (``s_b`` the E4M3 scale of the
-16 weights' block, ``g`` float32). The decode writes ``W ~ w8 * r`` with ``w8`` E4M3 and one float32
-``r`` per output row. An E2M1 value has a 1- or 2-bit significand (1, 1.5) and an E4M3 scale a
-4-bit one (1.000-1.111b), so their product has up to 6 significant bits (1.5 * 1.875 = 10.1101b);
-E4M3 keeps 4. So ``w8`` needs one rounding, and the fold is chosen so that it is the only one:
-``r = g * 2^-k`` with ``k`` the largest integer for which the row's largest product fits E4M3,
-``6 * max_b(s_b) * 2^k <= 448`` (``_row_fold``). Scaling by ``2^k`` is exact, the product
-``e2m1 * s_b * 2^k`` is exact in float32, and ``w8 = RNE_E4M3(e2m1 * s_b * 2^k)`` rounds it once,
-to nearest, ties to even (ties go up and down equally often, so a row's roundings do not drift one
-way; the hardware's ``cvt.rn`` does the same), never saturating (the row's largest product lands in
-(224, 448]). A non-power-of-two row scale (``448 / (6 max s_b)``, the largest product exactly 448)
-would buy no precision (E4M3's relative step is the same in every normal binade) and would add a
-float32 rounding before the E4M3 one. What rounding to 4 bits costs: each weight moves by at most
-1/16 of its size (half a step at 4 bits); a block whose scale is about 2^10 or more below its row's
-largest loses bits in E4M3's subnormals (its smallest codes first), and products below 2^-10 after
-the shift become zero; the device check prints the total.
+**How the block scale is folded.** NVFP4 is ``W = e2m1 * s_b * g`` (``s_b`` the E4M3 scale of the 16
+weights' block, ``g`` float32). The decode writes ``W ~ w8 * r`` with ``w8`` E4M3 and one float32
+``r`` per output row. An E2M1 value has a 1- or 2-bit significand (1, 1.5) and an E4M3 scale a 4-bit
+one (1.000-1.111b), so their product has up to 6 significant bits (1.5 * 1.875 = 10.1101b; of the
+882 nonzero products of an E2M1 magnitude and a normal or subnormal E4M3 scale, 93 have 5 and 132
+have 6); E4M3 keeps 4. So ``w8`` needs one rounding, and the fold is chosen so that it is the only
+one: ``r = g * 2^-k`` with ``k`` the largest integer for which the row's largest product fits E4M3,
+``6 * max_b(s_b) * 2^k <= 448`` (``_row_fold``). Scaling by ``2^k`` is exact, the product ``e2m1 *
+s_b * 2^k`` is exact in float32, and ``w8 = RNE_E4M3(e2m1 * s_b * 2^k)`` rounds it once, to nearest,
+ties to even (ties go up and down equally often, so a row's roundings do not drift one way; the
+hardware's ``cvt.rn`` does the same), never saturating (the row's largest product lands in (224,
+448]). A non-power-of-two row scale (``448 / (6 max s_b)``, the largest product exactly 448) would
+buy no precision (E4M3's relative step is the same in every normal binade) and would add a float32
+rounding before the E4M3 one. What rounding to 4 bits costs: each weight moves by at most 1/16 of
+its size (half a step at 4 bits); a block whose scale is about 2^10 or more below its row's largest
+loses bits in E4M3's subnormals (its smallest codes first), and products of at most 2^-10 after the
+shift become zero; the device check prints the total.
 
 **Activations.** Per token ``a = max |x|``, ``inv = fl32(448 / a)``, ``s_x = fl32(a / 448)``,
 ``x8 = RNE_E4M3(fl32(x * inv))`` (``a`` floored at 2^-100 so an all-zero row gives zeros). The output
@@ -794,7 +795,8 @@ def compile_sm90(configs) -> list[str]:
                 usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
             regs = ",".join(re.findall(r"REG:(\d+)", usage)) or "n/a"
             spills = ",".join(re.findall(r"STACK:(\d+)", usage)) or "n/a"
-        rows.append(f"| {name} | {' '.join(m.rstrip(';') for m in mma) or '-'} | {operand or '-'} | {regs} | {spills} |")
+        mma_text = " ".join(m.rstrip(";") for m in mma) or "-"
+        rows.append(f"| {name} | {mma_text} | {operand or '-'} | {regs} | {spills} |")
     return rows
 
 
