@@ -25,13 +25,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_nvfp4(n: int, k: int, zero_row: bool = True):
-    """Random bytes (every E2M1 code, -0 included), block scales spanning 2^-8 .. 2^4 (rows whose
-    largest scale differs by binades, so their folds differ; the smallest ones E4M3 subnormals after
-    the fold), a row of zero scales, a global scale that is not a power of two."""
+    """Random bytes (every E2M1 code, -0 included); block scales over E4M3's whole range, each row's
+    within 18 binades below its own top and the rows' tops binades apart (so rows fold differently,
+    and a row's smallest blocks decode to E4M3 subnormals and zeros); a row of zero scales; a global
+    scale that is not a power of two."""
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    row_top = torch.randint(-6, 5, (n, 1)).float()
-    scale = torch.pow(2.0, row_top - 6 * torch.rand(n, k // 16)) * (1 + torch.rand(n, k // 16))
-    scale = scale.clamp(min=2.0**-9).to(torch.float8_e4m3fn)
+    row_top = torch.randint(0, 9, (n, 1)).float()
+    scale = torch.pow(2.0, row_top - 18 * torch.rand(n, k // 16)) * (1 + torch.rand(n, k // 16))
+    scale = scale.clamp(min=2.0**-9, max=448).to(torch.float8_e4m3fn)
+    # row 0 for certain: a block at E4M3's largest scale beside one at its smallest, whose products
+    # then decode to a subnormal (6 * 2^-9 * 2^-3 = 0.75 * 2^-9 rounds up to 2^-9) and to zeros
+    scale[0, :2] = torch.tensor([448.0, 2.0**-9])
+    packed[0, 8], packed[0, 9:16] = 0x77, 0x21
     if zero_row:
         scale[n // 2] = 0.0
     g = torch.tensor([3.7e-3 * (1 + torch.rand(()).item())])
@@ -138,6 +143,8 @@ def test_decode_kernel_matches_oracle(n, k, experts):
     normal = products.abs() >= 2.0**-6
     assert bool(((want - products).abs()[normal] <= products.abs()[normal] / 16).all())
     assert float(want.abs().max()) <= 448
+    subnormal = (want.abs() < 2.0**-6) & (want != 0)
+    assert bool(subnormal.any()) and bool(((want == 0) & (products != 0)).any())  # both paths exercised
 
 
 @pytest.mark.parametrize("t,k", [(5, 64), (17, 256), (33, 160)])
