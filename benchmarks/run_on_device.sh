@@ -3,7 +3,7 @@
 # probes. Logs and results go to $OUT (default benchmarks/out). CONTRIBUTING.md lists the steps.
 #   bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e model serve
 #   route firstpass firstpass_noahead probecompile probev3 probestream linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill
-#   densebound backward gptoss gptoss_tests generate_batch generate_loop prefill_routing)
+#   densebound w4a8 backward gptoss gptoss_tests generate_batch generate_loop prefill_routing)
 set -o pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -40,6 +40,7 @@ for step in "$@"; do
     probev3) timeout 300 python3 benchmarks/probes/probe_v3_decode.py ${V3_ARGS:-} 2>&1 | tee "$OUT/probe_v3_decode.log" | grep "ms;" ;;
     probestream) timeout 200 python3 benchmarks/probes/probe_stream.py ${STREAM_ARGS:-} 2>&1 | tee "$OUT/probe_stream.log" ;;
     densebound) timeout 300 python3 benchmarks/probes/probe_dense_bound.py ${DENSE_ARGS:-} 2>&1 | tee "$OUT/probe_dense_bound.log" ;;
+    w4a8) timeout ${W4A8_TIMEOUT:-450} python3 benchmarks/probes/probe_w4a8_bound.py --out "$OUT" ${W4A8_ARGS:-} 2>&1 | tee "$OUT/w4a8_bound.log" | grep -v -i warn ;;
     probecompile) timeout 200 python3 benchmarks/probes/probe_compile.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_compile.log" | grep -v -i warn ;;
     gptoss_tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mxfp4_triton.py tests/test_gpt_oss_nvfp4.py 2>&1 | tee "$OUT/gptoss_tests.log" | tail -5 ;;
     gptoss) timeout ${GPTOSS_TIMEOUT:-500} python3 benchmarks/bench_gpt_oss.py --out "$OUT" ${GPTOSS_ARGS:-} 2>&1 | tee "$OUT/gpt_oss.log" | grep -v -i warn ;;
