@@ -73,12 +73,15 @@ def deferred_stop_on_cuda():
         yield
 
 
-def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[float, float, torch.Tensor]:
+def time_generate(model, batch: int, new_tokens: int, compiled: bool, skip: int = 0) -> tuple[float, float, torch.Tensor]:
     """(decode tokens/s, generate() tokens/s with prefill, output of the long run).
 
-    Decode tokens/s = batch * new_tokens / (time of generate(1 + new_tokens) - time of
-    generate(1)): the prefill step and generate()'s setup cancel. Each time is the median of 5
-    runs after a warm-up run of each length (which compiles and records the CUDA graphs)."""
+    Decode tokens/s = batch * new_tokens / (time of generate(1 + skip + new_tokens) - time of
+    generate(1 + skip)): the prefill step and generate()'s setup cancel, and with ``skip`` > 0
+    also the first decoding steps after the prefill (the first one costs more than the rest on
+    a GPU, and only Transformers' waiting loop leaves it out of generate(1)). Each time is the
+    median of 5 runs after a warm-up run of each length (which compiles and records the CUDA
+    graphs)."""
     from transformers import CompileConfig
 
     # the same prompt for every variant at a batch size (the routing, hence the work, follows the tokens)
@@ -94,9 +97,10 @@ def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[f
     def run(n):
         return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
 
-    run(1 + new_tokens), run(1)  # warm-up / compile
+    short, long = 1 + skip, 1 + skip + new_tokens
+    run(long), run(short)  # warm-up / compile
     seconds = {}
-    for n in (1, 1 + new_tokens):
+    for n in (short, long):
         times = []
         for _ in range(5):
             sync()
@@ -105,8 +109,31 @@ def time_generate(model, batch: int, new_tokens: int, compiled: bool) -> tuple[f
             sync()
             times.append(time.perf_counter() - t0)
         seconds[n] = statistics.median(times)
-    decode = batch * new_tokens / (seconds[1 + new_tokens] - seconds[1])
-    return decode, batch * (1 + new_tokens) / seconds[1 + new_tokens], out
+    decode = batch * new_tokens / (seconds[long] - seconds[short])
+    return decode, batch * long / seconds[long], out
+
+
+@contextlib.contextmanager
+def cuda_graph_counts():
+    """Counts, while active, the CUDA graphs that torch.compile's graph trees record and the steps
+    it runs without a graph ("cudagraph skips"): a compiled step that records again at every call
+    or is skipped runs its kernels one launch at a time, which the timings alone do not show."""
+    from torch._inductor import cudagraph_trees
+
+    counts = {"recorded": 0, "skipped": 0}
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+    def counting(self, *args, **kwargs):
+        counts["recorded"] += 1
+        return record(self, *args, **kwargs)
+
+    cudagraph_trees.CUDAGraphTreeManager.record_function = counting
+    try:
+        yield counts
+    finally:
+        cudagraph_trees.CUDAGraphTreeManager.record_function = record
+        counts["skipped"] = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips
 
 
 def expert_bytes(model) -> int:

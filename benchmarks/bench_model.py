@@ -15,12 +15,16 @@ Variants, in this order on the same weights (each on top of the last):
 
 Per variant:
 
-* decode tokens/s at each batch: :func:`bench_e2e.time_generate` (1 + D new tokens minus 1, so
-  prefill and setup cancel; median of 5 after a warm-up that compiles), as a user's ``generate()``
+* decode tokens/s at each batch: :func:`bench_e2e.time_generate` (17 + D new tokens minus 17, so
+  prefill, setup and the first decoding steps after the prefill cancel; median of 5 after a
+  warm-up that compiles), as a user's ``generate()``
   runs: fp4moe's models read the stop flag one step late on CUDA (Transformers'
   ``DeferredStopCheck``, :mod:`hf_integration.deferred_stop`), HF BF16 waits for the GPU every step.
   At batch 1 also with the other loop (BF16 deferred, fp4moe waiting), so that the loop's share
   and the kernels' share of the difference are both on the table;
+* the CUDA graphs torch.compile recorded over the variant's ``generate()`` calls, and the steps it
+  ran without one (:func:`bench_e2e.cuda_graph_counts`): a step recorded again and again, or run
+  without a graph, launches every kernel from the host;
 * the decode step's GPU time alone at batch 1: the compiled model called back to back, timed
   with CUDA events (:func:`bench_decoder_layer.forward_step_ms`), the experts as ``generate()``
   decodes with them (``batched_mm`` for BF16). The difference to the ``generate()`` step is the
@@ -44,6 +48,7 @@ Writes ``model.json`` and ``model.md`` to ``--out`` after every measurement. Not
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -56,9 +61,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decoder_layer import forward_step_ms  # noqa: E402
-from bench_e2e import deferred_stop_on_cuda, time_generate, transformers_loop  # noqa: E402
+from bench_e2e import cuda_graph_counts, deferred_stop_on_cuda, time_generate, transformers_loop  # noqa: E402
 from bench_generate_batch import QWEN3_30B_A3B, TINY, qwen3_moe, time_generate_batch  # noqa: E402
 from hf_integration import patch_moe, quantize_linears  # noqa: E402
+
+
+# generate() of 1 + SKIP and of 1 + SKIP + D new tokens: the first decoding steps after the prefill
+# are left out of the difference (the first one costs several times a later one on a GPU)
+SKIP = 16
 
 
 def sync() -> None:
@@ -170,15 +180,18 @@ def main() -> None:
         torch._dynamo.reset()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        for b in batches:  # (the CPU smoke test runs uncompiled: Inductor on a CPU takes minutes)
-            tps, _, _ = time_generate(model, b, args.new_tokens, compiled=cuda)
-            record(variant, f"decode tokens/s, batch {b}", tps)
-            if b == 1 and cuda:  # the other stop check: what the loop costs, apart from the kernels
-                other = deferred_stop_on_cuda() if variant == "bf16" else transformers_loop()
-                with other:
-                    tps, _, _ = time_generate(model, b, args.new_tokens, compiled=cuda)
-                label = "deferred stop check" if variant == "bf16" else "Transformers' stop check"
-                record(variant, f"decode tokens/s, batch 1, {label}", tps)
+        with cuda_graph_counts() if cuda else contextlib.nullcontext({}) as graphs:
+            for b in batches:  # (the CPU smoke test runs uncompiled: Inductor on a CPU takes minutes)
+                tps, _, _ = time_generate(model, b, args.new_tokens, compiled=cuda, skip=SKIP)
+                record(variant, f"decode tokens/s, batch {b}", tps)
+                if b == 1 and cuda:  # the other stop check: what the loop costs, apart from the kernels
+                    other = deferred_stop_on_cuda() if variant == "bf16" else transformers_loop()
+                    with other:
+                        tps, _, _ = time_generate(model, b, args.new_tokens, compiled=cuda, skip=SKIP)
+                    label = "deferred stop check" if variant == "bf16" else "Transformers' stop check"
+                    record(variant, f"decode tokens/s, batch 1, {label}", tps)
+        for what, n in graphs.items():
+            record(variant, f"CUDA graphs {what} over its generate() calls", n)
         if cuda:
             record(variant, "peak GPU memory, decoding (GB)", torch.cuda.max_memory_allocated() / 1e9)
             torch._dynamo.reset()

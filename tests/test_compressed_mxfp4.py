@@ -121,16 +121,18 @@ def test_the_logits_are_the_tools_own_within_the_arithmetic_of_a_16_bit_model(na
 @pytest.mark.parametrize("name", NAMES)
 def test_on_a_gpu_the_experts_run_triton_within_the_same_bounds(name):
     """Loaded onto a GPU, ``auto`` puts the MXFP4 experts on the Triton kernels, and the logits
-    stay within the bounds of the CPU test above (Transformers' own bf16/float32 models of the
-    decoded weights against the tool's logits)."""
+    stay within the bounds of the CPU test above, with Transformers' own bf16/float32 models of the
+    decoded weights run on the GPU too: the GPU's BLAS changes every other layer's arithmetic as
+    well (on the H100 a CPU-only bound, 0.0098, was below fp4moe's 0.0107 on one export)."""
     folder = FIXTURES / name
     ref = load_file(folder / "reference_logits.safetensors")
     ids, want = ref["input_ids"], ref["logits_weights_only"]
     model = load(folder, device_map="cuda")
     assert {m.backend for m in model.modules() if isinstance(m, MXFP4Experts)} == {"triton"}
     err = per_token_error(logits(model, ids.cuda()).cpu(), want)
-    bounds = [per_token_error(logits(transformers_model_of_the_decoded_weights(folder, dtype), ids), want)
-              for dtype in (torch.bfloat16, torch.float32)]
+    bounds = [per_token_error(logits(transformers_model_of_the_decoded_weights(folder, dtype).to(device), ids.to(device))
+                              .cpu(), want)
+              for dtype in (torch.bfloat16, torch.float32) for device in ("cpu", "cuda")]
     assert err.median() <= max(b.median() for b in bounds), (err.median(), [b.median() for b in bounds])
     assert err.max() <= max(b.max() for b in bounds), (err.max(), [b.max() for b in bounds])
 
