@@ -115,24 +115,34 @@ def time_generate(model, batch: int, new_tokens: int, compiled: bool, skip: int 
 
 @contextlib.contextmanager
 def cuda_graph_counts():
-    """Counts, while active, the CUDA graphs that torch.compile's graph trees record and the steps
-    it runs without a graph ("cudagraph skips"): a compiled step that records again at every call
-    or is skipped runs its kernels one launch at a time, which the timings alone do not show."""
+    """Counts, while active, the compiled steps torch.compile's CUDA-graph trees were called for, how
+    many of those replayed a graph, recorded one or warmed up (ran eagerly), and the cudagraph skips
+    it logged: a step that records again at every call, or runs without a graph, launches its
+    kernels one at a time from the host, which the timings alone do not show."""
     from torch._inductor import cudagraph_trees
 
-    counts = {"recorded": 0, "skipped": 0}
-    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+    manager = cudagraph_trees.CUDAGraphTreeManager
+    counts = {"called": 0, "replayed": 0, "recorded": 0, "warmed up (run eagerly)": 0, "skipped": 0}
+    # a call neither replayed, recorded nor warmed up ran its kernels without a graph
+    saved = {"run": manager.run, "execute_node": manager.execute_node, "record_function": manager.record_function,
+             "run_eager": manager.run_eager}
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
 
-    def counting(self, *args, **kwargs):
-        counts["recorded"] += 1
-        return record(self, *args, **kwargs)
+    def counting(method, key):
+        def counted(self, *args, **kwargs):
+            counts[key] += 1
+            return method(self, *args, **kwargs)
+        return counted
 
-    cudagraph_trees.CUDAGraphTreeManager.record_function = counting
+    manager.run = counting(saved["run"], "called")
+    manager.execute_node = counting(saved["execute_node"], "replayed")
+    manager.record_function = counting(saved["record_function"], "recorded")
+    manager.run_eager = counting(saved["run_eager"], "warmed up (run eagerly)")
     try:
         yield counts
     finally:
-        cudagraph_trees.CUDAGraphTreeManager.record_function = record
+        for name, method in saved.items():
+            setattr(manager, name, method)
         counts["skipped"] = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips
 
 

@@ -191,7 +191,7 @@ def main() -> None:
                     label = "deferred stop check" if variant == "bf16" else "Transformers' stop check"
                     record(variant, f"decode tokens/s, batch 1, {label}", tps)
         for what, n in graphs.items():
-            record(variant, f"CUDA graphs {what} over its generate() calls", n)
+            record(variant, f"compiled steps over its generate() calls: {what}", n)
         if cuda:
             record(variant, "peak GPU memory, decoding (GB)", torch.cuda.max_memory_allocated() / 1e9)
             torch._dynamo.reset()
