@@ -27,6 +27,9 @@ Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1
   as a sequence of the host's CUDA launches (kernels launched one by one, graph replays,
   synchronizations) with the top-level host events of 0.2 ms or more between them, in both loops:
   what the first decoding step after the eager prefill does that later steps do not;
+* ``--gaps``: one ``generate()`` of 24 new tokens under the profiler, after a warm-up: per decoding
+  step (CUDA-graph launch to launch) the GPU's busy time and the kernels launched outside the
+  graph, and the longest GPU idle gaps with the host events running in them, in both loops;
 * ``--prefill N``: one eager forward over N prompt tokens (no cache, as ``generate()`` runs its
   prefill eagerly), wall time, median of 3, for HF BF16 before the patch and fp4moe after.
 
@@ -170,6 +173,72 @@ def timeline(model, new_tokens: int = 4) -> str:
     return "\n".join(lines) + f"\n  GPU kernel time in the call: {gpu / 1e3:.2f} ms"
 
 
+def gpu_gaps(model, new_tokens: int = 24, shown: int = 12) -> str:
+    """One ``generate()`` under the profiler (after a warm-up call of the same length): per decoding
+    step (the interval between two consecutive CUDA-graph launches on the host), the GPU's busy
+    and idle time and the kernels launched from the host outside the graph; then the longest GPU
+    idle gaps among the steps, each with the chain of host events running at its middle. A step
+    longer than its graph's kernels is either the host (idle gaps under Python) or a wait (idle
+    gaps under a synchronization)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import CompileConfig
+
+    prompt = torch.randint(1, 1000, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+              compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    model.generate(prompt, **kw)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model.generate(prompt, **kw)
+        torch.cuda.synchronize()
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    replays = sorted(e.time_range.start for e in cpu if e.name == "cudaGraphLaunch")
+    if len(replays) < 3:
+        return f"  {len(replays)} CUDA-graph launches in the call: the decoding steps did not replay graphs"
+    host_launches = sorted(e.time_range.start for e in cpu if e.name in LAUNCHES[:4])
+
+    merged = []  # the union of the GPU's kernel and copy intervals
+    for start, end in gpu:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+
+    def idle_gaps(a, b):  # the GPU's idle intervals inside [a, b]
+        gaps, free = [], a
+        for start, end in merged:
+            if end <= free or start >= b:
+                continue
+            if start > free:
+                gaps.append((free, start))
+            free = end
+        if free < b:
+            gaps.append((free, b))
+        return gaps
+
+    def chain(t):  # host events running at t, outermost first
+        inside = [e for e in cpu if e.time_range.start <= t <= e.time_range.end]
+        inside.sort(key=lambda e: e.time_range.start)
+        names = [e.name for e in inside]
+        return " > ".join(n[:60] for n in (names[:3] + (["..."] + names[-2:] if len(names) > 5 else names[3:])))
+
+    steps, gaps = [], []
+    for a, b in zip(replays, replays[1:]):
+        step_gaps = idle_gaps(a, b)
+        steps.append((b - a, b - a - sum(g1 - g0 for g0, g1 in step_gaps), sum(1 for t in host_launches if a <= t < b)))
+        gaps += step_gaps
+    steps.sort()
+    mid = steps[len(steps) // 2]
+    idle = sorted(gaps, key=lambda g: g[0] - g[1])[:shown]
+    lines = [f"  {len(replays)} graph launches ({len(replays) / (new_tokens - 1):.2f} a decoding step); a step (launch to launch), median: {mid[0] / 1e3:.3f} ms, GPU busy "
+             f"{mid[1] / 1e3:.3f} ms, kernels launched outside the graph {mid[2]}",
+             f"  GPU idle over all steps: {sum(b - a for a, b in gaps) / 1e3:.2f} ms in {len(gaps)} gaps; the longest:"]
+    lines += [f"    {(b - a) / 1e3:6.3f} ms at {(a - replays[0]) / 1e3:8.2f} ms: {chain((a + b) / 2)}" for a, b in idle]
+    return "\n".join(lines)
+
+
 def prefill_ms(model, tokens: int) -> float:
     prompt = torch.randint(1, 1000, (1, tokens), generator=torch.Generator().manual_seed(tokens)).cuda()
     times = []
@@ -263,6 +332,8 @@ def main() -> None:
                     help="only N generate() calls in a row, a new cache each vs one cache reused")
     ap.add_argument("--timeline", action="store_true",
                     help="only the profiled launch sequence of one generate() of 4 new tokens, both loops")
+    ap.add_argument("--gaps", action="store_true",
+                    help="only the GPU's busy and idle time per decoding step of one generate(), both loops")
     ap.add_argument("--lengths-only", action="store_true",
                     help="only generate()'s time for 1, 17 and 65 new tokens, both loops")
     args = ap.parse_args()
@@ -282,6 +353,12 @@ def main() -> None:
           f"fp4moe{' + NVFP4 attention' if args.attention else ''}, batch 1; torch {torch.__version__}, "
           f"transformers {transformers.__version__}", flush=True)
 
+    if args.gaps:
+        with transformers_loop():
+            print("fp4moe, Transformers' loop, GPU per decoding step:\n" + gpu_gaps(model), flush=True)
+        print("fp4moe (deferred stop check), GPU per decoding step:\n" + gpu_gaps(model), flush=True)
+        if not (args.timeline or args.calls or args.lengths_only):
+            return
     if args.timeline:
         with transformers_loop():
             print("fp4moe, Transformers' loop, one generate() of 4 new tokens:\n" + timeline(model), flush=True)
