@@ -139,10 +139,9 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaun
             "cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaGraphInstantiate", "cudaGraphInstantiateWithFlags")
 
 
-def timeline(model, new_tokens: int = 4) -> str:
-    """One ``generate()`` under the profiler (after one warm-up call): the host's launches in
-    order, runs of the same call merged ("cuLaunchKernel x 960, 14.2 ms"), with the top-level
-    host events of 0.2 ms or more among them, times from the start of the call."""
+def profiled_generate(model, new_tokens: int):
+    """The PyTorch profiler over one compiled ``generate()`` of ``new_tokens``, after a warm-up call
+    of the same length (which compiles and records the CUDA graphs)."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import CompileConfig
 
@@ -154,6 +153,14 @@ def timeline(model, new_tokens: int = 4) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         model.generate(prompt, **kw)
         torch.cuda.synchronize()
+    return prof
+
+
+def timeline(model, new_tokens: int = 4) -> str:
+    """One ``generate()`` under the profiler (after one warm-up call): the host's launches in
+    order, runs of the same call merged ("cuLaunchKernel x 960, 14.2 ms"), with the top-level
+    host events of 0.2 ms or more among them, times from the start of the call."""
+    prof = profiled_generate(model, new_tokens)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     t0 = min(e.time_range.start for e in events)
     marks = [e for e in events if e.name in LAUNCHES or (e.cpu_parent is None and e.time_range.elapsed_us() >= 200)]
@@ -180,17 +187,7 @@ def gpu_gaps(model, new_tokens: int = 24, shown: int = 12) -> str:
     idle gaps among the steps, each with the chain of host events running at its middle. A step
     longer than its graph's kernels is either the host (idle gaps under Python) or a wait (idle
     gaps under a synchronization)."""
-    from torch.profiler import ProfilerActivity, profile
-    from transformers import CompileConfig
-
-    prompt = torch.randint(1, 1000, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-              compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
-    model.generate(prompt, **kw)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        model.generate(prompt, **kw)
-        torch.cuda.synchronize()
+    prof = profiled_generate(model, new_tokens)
     cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     gpu = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                  if e.device_type == torch.autograd.DeviceType.CUDA)
