@@ -77,9 +77,23 @@ def test_gpu_only_benchmark_scripts_import_on_cpu():
     import importlib
 
     for name in ("bench_e2e", "bench_router", "profile_decode_step", "sweep_triton", "profile_layer", "probe_stream",
-                 "probe_dense_bound", "probe_v3_decode"):
+                 "probe_dense_bound", "probe_v3_decode", "probe_generate_loop"):
         module = importlib.import_module(name)
         assert callable(module.main), name
+
+
+def test_generate_loop_probe_finds_the_gpus_idle_gaps():
+    """probe_generate_loop --gaps: the GPU's idle time inside a step, from kernel intervals that
+    overlap, nest, touch and run past the step's ends (expected gaps worked out by hand)."""
+    from probe_generate_loop import idle_gaps, merge_intervals
+
+    kernels = sorted([(0, 3), (2, 5), (3, 4), (5, 6), (8, 9), (12, 20), (25, 26)])
+    merged = merge_intervals(kernels)
+    assert merged == [[0, 6], [8, 9], [12, 20], [25, 26]]
+    assert idle_gaps(merged, 1, 15) == [(6, 8), (9, 12)]
+    assert idle_gaps(merged, -2, 30) == [(-2, 0), (6, 8), (9, 12), (20, 25), (26, 30)]
+    assert idle_gaps(merged, 13, 19) == []  # inside one kernel
+    assert idle_gaps(merged, 21, 24) == [(21, 24)]  # no kernel at all
 
 
 def test_bench_generate_batch_runs_on_cpu(tmp_path):

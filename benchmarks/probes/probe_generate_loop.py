@@ -180,6 +180,31 @@ def timeline(model, new_tokens: int = 4) -> str:
     return "\n".join(lines) + f"\n  GPU kernel time in the call: {gpu / 1e3:.2f} ms"
 
 
+def merge_intervals(intervals) -> list[list[float]]:
+    """The union of ``(start, end)`` intervals sorted by start, as disjoint ``[start, end]`` in order."""
+    merged = []
+    for start, end in intervals:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def idle_gaps(merged, a: float, b: float) -> list[tuple[float, float]]:
+    """The parts of ``[a, b]`` that no interval of ``merged`` (from :func:`merge_intervals`) covers."""
+    gaps, free = [], a
+    for start, end in merged:
+        if end <= free or start >= b:
+            continue
+        if start > free:
+            gaps.append((free, start))
+        free = end
+    if free < b:
+        gaps.append((free, b))
+    return gaps
+
+
 def gpu_gaps(model, new_tokens: int = 24, shown: int = 12) -> str:
     """One ``generate()`` under the profiler (after a warm-up call of the same length): per decoding
     step (the interval between two consecutive CUDA-graph launches on the host), the GPU's busy
@@ -196,24 +221,7 @@ def gpu_gaps(model, new_tokens: int = 24, shown: int = 12) -> str:
         return f"  {len(replays)} CUDA-graph launches in the call: the decoding steps did not replay graphs"
     host_launches = sorted(e.time_range.start for e in cpu if e.name in LAUNCHES[:4])
 
-    merged = []  # the union of the GPU's kernel and copy intervals
-    for start, end in gpu:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-
-    def idle_gaps(a, b):  # the GPU's idle intervals inside [a, b]
-        gaps, free = [], a
-        for start, end in merged:
-            if end <= free or start >= b:
-                continue
-            if start > free:
-                gaps.append((free, start))
-            free = end
-        if free < b:
-            gaps.append((free, b))
-        return gaps
+    merged = merge_intervals(gpu)
 
     def chain(t):  # host events running at t, outermost first
         inside = [e for e in cpu if e.time_range.start <= t <= e.time_range.end]
@@ -223,7 +231,7 @@ def gpu_gaps(model, new_tokens: int = 24, shown: int = 12) -> str:
 
     steps, gaps = [], []
     for a, b in zip(replays, replays[1:]):
-        step_gaps = idle_gaps(a, b)
+        step_gaps = idle_gaps(merged, a, b)
         steps.append((b - a, b - a - sum(g1 - g0 for g0, g1 in step_gaps), sum(1 for t in host_launches if a <= t < b)))
         gaps += step_gaps
     steps.sort()
