@@ -220,27 +220,29 @@ def gpu_gaps(model, new_tokens: int = 24, shown: int = 12) -> str:
     if len(replays) < 3:
         return f"  {len(replays)} CUDA-graph launches in the call: the decoding steps did not replay graphs"
     host_launches = sorted(e.time_range.start for e in cpu if e.name in LAUNCHES[:4])
-
     merged = merge_intervals(gpu)
 
     def chain(t):  # host events running at t, outermost first
         inside = [e for e in cpu if e.time_range.start <= t <= e.time_range.end]
         inside.sort(key=lambda e: e.time_range.start)
-        names = [e.name for e in inside]
-        return " > ".join(n[:60] for n in (names[:3] + (["..."] + names[-2:] if len(names) > 5 else names[3:])))
+        names = [e.name[:60] for e in inside]
+        return " > ".join(names if len(names) <= 5 else names[:3] + ["..."] + names[-2:])
 
     steps, gaps = [], []
     for a, b in zip(replays, replays[1:]):
         step_gaps = idle_gaps(merged, a, b)
-        steps.append((b - a, b - a - sum(g1 - g0 for g0, g1 in step_gaps), sum(1 for t in host_launches if a <= t < b)))
+        busy = b - a - sum(g1 - g0 for g0, g1 in step_gaps)
+        steps.append((b - a, busy, sum(1 for t in host_launches if a <= t < b)))
         gaps += step_gaps
     steps.sort()
     mid = steps[len(steps) // 2]
-    idle = sorted(gaps, key=lambda g: g[0] - g[1])[:shown]
-    lines = [f"  {len(replays)} graph launches ({len(replays) / (new_tokens - 1):.2f} a decoding step); a step (launch to launch), median: {mid[0] / 1e3:.3f} ms, GPU busy "
-             f"{mid[1] / 1e3:.3f} ms, kernels launched outside the graph {mid[2]}",
+    longest = sorted(gaps, key=lambda g: g[1] - g[0], reverse=True)[:shown]
+    lines = [f"  {len(replays)} graph launches ({len(replays) / (new_tokens - 1):.2f} a decoding step); a step "
+             f"(launch to launch), median: {mid[0] / 1e3:.3f} ms, GPU busy {mid[1] / 1e3:.3f} ms, kernels launched "
+             f"outside the graph {mid[2]}",
              f"  GPU idle over all steps: {sum(b - a for a, b in gaps) / 1e3:.2f} ms in {len(gaps)} gaps; the longest:"]
-    lines += [f"    {(b - a) / 1e3:6.3f} ms at {(a - replays[0]) / 1e3:8.2f} ms: {chain((a + b) / 2)}" for a, b in idle]
+    lines += [f"    {(b - a) / 1e3:6.3f} ms at {(a - replays[0]) / 1e3:8.2f} ms: {chain((a + b) / 2)}"
+              for a, b in longest]
     return "\n".join(lines)
 
 
