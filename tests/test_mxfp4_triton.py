@@ -288,3 +288,57 @@ def test_module_runs_triton_on_the_gpu_as_the_reference_does():
     out = m(x, ids, rw)
     torch.testing.assert_close(out.double(), ref.double(), rtol=2**-6, atol=2**-6 * ref.abs().max().item())
     assert all(torch.equal(v, sd[k]) for k, v in m.state_dict().items())
+
+
+def _tma_box(view, coords, box):
+    """What a TMA load of ``box`` at ``coords`` copies from ``view``: zeros where a coordinate is past
+    its dimension (the emulation the next test reads the Gluon kernels' views with)."""
+    out = torch.zeros(box, dtype=view.dtype)
+    src, dst = [], []
+    for c, b, n in zip(coords, box, view.shape):
+        lo, hi = max(c, 0), min(c + b, n)
+        if hi <= lo:
+            return out
+        src.append(slice(lo, hi))
+        dst.append(slice(lo - c, hi - c))
+    out[tuple(dst)] = view[tuple(src)]
+    return out
+
+
+@pytest.mark.parametrize("h,i,sps", [(320, 448, 1), (2880, 2880, 1), (512, 1024, 2)])
+def test_decode_v3_boxes_hold_each_warps_k_chunk(h, i, sps):
+    # on the CPU, the TMA boxes the Gluon decode kernels load, as their views define them: ring slot
+    # q's box holds warp w's K chunk of each step (chunk 4 (SPS q + j) + w), zeros past K; the
+    # scale words likewise (held in whole steps, zeros past K)
+    decode_v3 = pytest.importorskip("fp4moe_ops.backends.triton_moe.decode_v3")
+    e = 2
+    tensors = experts(e, h, i)
+    gate_up, gate_up_scale, _, down, down_scale, _ = gpt_oss_kernel_tensors(tensors)
+    down_bytes = down.view(torch.uint8).reshape(e * h // 2, i)
+    down_words = down_scale.view(torch.uint8).view(torch.int32).reshape(e * h, -1)
+    weights, scales = decode_v3.weight_view(down, sps), decode_v3.scale_view(down_scale, sps)
+    pair0, row0 = h // 2 + 32, h + 64  # expert 1, weight tile 1
+    for q in range(-(-i // (256 * sps))):
+        box = _tma_box(weights, [4 * sps * q, pair0, 0], [4 * sps, 32, 64])
+        sbox = _tma_box(scales, [0, q, row0, 0], [sps, 1, 64, 4])
+        for j in range(sps):
+            for w in range(4):
+                c = 4 * (sps * q + j) + w
+                want = down_bytes[pair0:pair0 + 32, 64 * c:64 * c + 64] if 64 * c < i else torch.zeros(32, 64)
+                assert torch.equal(box[4 * j + w], want.to(box.dtype))
+                want = down_words[row0:row0 + 64, c] if 64 * c < i else torch.zeros(64)
+                assert torch.equal(sbox[j, 0, :, w], want.to(sbox.dtype))
+    gate_up_bytes = gate_up.view(torch.uint8).reshape(2 * e, i // 2, h)
+    gate_up_words = gate_up_scale.view(torch.uint8).view(torch.int32).reshape(e, 2, i, -1)
+    weights, scales = decode_v3.gate_up_views(gate_up, gate_up_scale)
+    n = 1  # gate rows 32 .. 63 and the same up rows of expert 1
+    for s in range(-(-h // 256)):
+        box = _tma_box(weights, [4 * s, 2, 16 * n, 0], [4, 2, 16, 64])
+        sbox = _tma_box(scales, [s, 0, 1, 32 * n, 0], [1, 2, 1, 32, 4])
+        for w in range(4):
+            c = 4 * s + w
+            for u in range(2):
+                want = gate_up_bytes[2 + u, 16 * n:16 * n + 16, 64 * c:64 * c + 64] if 64 * c < h else torch.zeros(16, 64)
+                assert torch.equal(box[w, u], want.to(box.dtype))
+                want = gate_up_words[1, u, 32 * n:32 * n + 32, c] if 64 * c < h else torch.zeros(32)
+                assert torch.equal(sbox[0, u, 0, :, w], want.to(sbox.dtype))
