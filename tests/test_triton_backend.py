@@ -357,8 +357,9 @@ def test_kernel_config_puts_up_to_six_rows_per_expert_on_decode_v3():
 
 
 def test_decode_v3_views_hold_each_warps_chunk():
-    # decode_v3's TMA boxes read the op's own tensors through strided views: step s, warp w is K chunk
-    # 4s + w (64 elements); checked here against the definition, byte by byte from the flat tensors
+    # decode_v3's TMA boxes read the op's own tensors through strided views by K chunk (64 elements;
+    # step s, warp w is chunk 4s + w, ring slot q's box the chunks from 4 SPS q); checked here
+    # against the definition, byte by byte from the flat tensors
     from fp4moe_ops.backends.triton_moe.decode_v3 import gate_up_views, scale_view, weight_view
 
     e, h, i = 3, 512, 1024
@@ -372,10 +373,10 @@ def test_decode_v3_views_hold_each_warps_chunk():
 
     for sps in (1, 2):
         wv, sv = weight_view(down, sps), scale_view(down_scale, sps)
-        assert wv.shape == (sps, 4, i // (256 * sps), e * h // 2, 64) and sv.shape == (sps, i // (256 * sps), e * h, 4)
+        assert wv.shape == (i // 64, e * h // 2, 64) and sv.shape == (sps, i // (256 * sps), e * h, 4)
         for j, w, q, p in [(0, 0, 0, 0), (sps - 1, 3, 1, 5), (0, 2, i // (256 * sps) - 1, e * h // 2 - 1)]:
             c = 4 * (sps * q + j) + w
-            assert torch.equal(wv[j, w, q, p], pair_bytes[p, 64 * c:64 * c + 64])
+            assert torch.equal(wv[4 * sps * q + 4 * j + w, p], pair_bytes[p, 64 * c:64 * c + 64])
             assert int(sv[j, q, 2 * p + 1, w]) == word(scale_bytes[2 * p + 1], c)
     gate_up = torch.randint(-2**31, 2**31 - 1, (e, i, h // 4), dtype=torch.int32)
     gate_up_scale = torch.randint(0, 256, (e, 2 * i, h // 16), dtype=torch.uint8)
@@ -383,7 +384,7 @@ def test_decode_v3_views_hold_each_warps_chunk():
     gate_up_bytes = gate_up.view(torch.uint8).reshape(e, i, h)  # pair rows: gate's i/2, then up's
     for step, w, ex, u, p in [(0, 0, 0, 0, 0), (h // 256 - 1, 3, 2, 1, i // 2 - 1), (0, 1, 1, 1, 7)]:
         c = 4 * step + w
-        assert torch.equal(wv[w, step, 2 * ex + u, p], gate_up_bytes[ex, u * i // 2 + p, 64 * c:64 * c + 64])
+        assert torch.equal(wv[c, 2 * ex + u, p], gate_up_bytes[ex, u * i // 2 + p, 64 * c:64 * c + 64])
         assert int(sv[step, u, ex, 2 * p, w]) == word(gate_up_scale[ex, u * i + 2 * p].long(), c)
 
 
