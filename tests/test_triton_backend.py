@@ -673,8 +673,8 @@ def test_gluon_prefill_gemms_refuse_ring_depths_and_shapes_they_cannot_run():
     # checked before anything is launched: fewer than 3 slots would wait on their own refills (a
     # hang), rings past 227 KB do not fit in shared memory (two K steps per slot: both warpgroups'
     # weights, 2 x 8 KB, and the activations, 2 x block_m x 64 bf16: 48 KB at 128 rows, 18 KB at 8);
-    # K must split into pair steps of 128; row blocks are powers of two 8..128, tails smaller and
-    # decreasing
+    # H and I must be multiples of 64 (K chunks; a partial last pair step reads zeros past K); row
+    # blocks are powers of two 8..128, tails smaller and decreasing
     pytest.importorskip("triton.experimental.gluon")
     from fp4moe_ops.backends.triton_moe import prefill_rs
 
@@ -687,8 +687,9 @@ def test_gluon_prefill_gemms_refuse_ring_depths_and_shapes_they_cannot_run():
     for stages in (1, 2, 5, 6):
         with pytest.raises(ValueError, match="stages must be at least 3 and the rings fit"):
             call(512, 256, stages)
-    with pytest.raises(ValueError, match="multiples of 256"):
-        call(512 + 128, 256, 4)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        call(512 + 32, 256, 4)
+    prefill_rs.check_config(2880, 2880, 128, 4, (64,))  # gpt-oss's sizes
     for block_m, stages, tails in ((8, 13, ()), (32, 10, ()), (64, 8, ()), (128, 5, ()), (24, 4, ()), (256, 3, ()),
                                    (64, 4, (64,)), (128, 4, (48,)), (128, 4, (32, 64)), (16, 2, ())):
         with pytest.raises(ValueError, match="block_m must be one of|stages must be at least 3"):
