@@ -23,7 +23,7 @@ holds them; the quantized tensors never follow ``model.to(dtype)``.
 
 On the Triton backend (Hopper) the weights and block scales are held once, in the kernels' layout
 (:func:`fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors`: the same codes and scale
-bytes, H and I padded to multiples of 256), as non-persistent buffers; the state dict still holds
+bytes, H and I as they are where they are multiples of 64, as gpt-oss's 2880), as non-persistent buffers; the state dict still holds
 the checkpoint's tensors, converted back exactly, and ``load_state_dict`` goes through them. The
 kernels' copies (float32 biases, NVFP4's global scales) follow ``load_state_dict``, moves and casts,
 not in-place edits of the held tensors: change them through ``load_state_dict``.

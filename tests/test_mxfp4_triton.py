@@ -29,35 +29,54 @@ def experts(e, h, i, low=119, high=126, bias_dtype=torch.bfloat16):
     return [byte(gub), scale(gus), bias((e, 2 * i)), byte(db), scale(ds), bias((e, h))]
 
 
-@pytest.mark.parametrize("h,i", [(2880 // 9, 2880 // 9), (256, 512), (96, 160)])
-def test_kernel_layout_round_trip_is_byte_exact(h, i):
-    # 320 = 2880 / 9: gpt-oss's kind of size (a multiple of 32, not of 256), padded to 512
+@pytest.mark.parametrize("h,i,multiple", [(2880 // 9, 2880 // 9, 64), (2880, 2880, 64), (256, 512, 64), (96, 160, 64),
+                                          (320, 320, 256)])
+def test_kernel_layout_round_trip_is_byte_exact(h, i, multiple):
+    # 320 = 2880 / 9: gpt-oss's kind of size (a multiple of 64, not of 256), held as it is; 96 and
+    # 160 (multiples of 32 only) padded to 128 and 192; multiple=256 the earlier padded layout
+    from fp4moe_ops.backends.triton_moe.layout import scale_columns
+
     tensors = experts(3, h, i)
     tensors[1][0, 0, 0], tensors[4][1, 2, 1] = 0, 150  # the smallest scale, the largest the kernels decode
-    kernel = gpt_oss_kernel_tensors(tensors)
-    hp, ip = -(-h // 256) * 256, -(-i // 256) * 256
-    assert [tuple(t.shape) for t in kernel] == [(3, ip, hp // 4), (3, 2 * ip, hp // 16), (3, 2 * ip), (3, hp // 2, ip // 4),
-                                                (3, hp, ip // 16), (3, hp)]
+    kernel = gpt_oss_kernel_tensors(tensors, multiple)
+    hp, ip = -(-h // multiple) * multiple, -(-i // multiple) * multiple
+    assert (hp, ip) == ((h, i) if multiple == 64 and h % 64 == 0 and i % 64 == 0 else (hp, ip))
+    assert [tuple(t.shape) for t in kernel] == [(3, ip, hp // 4), (3, 2 * ip, scale_columns(hp)), (3, 2 * ip),
+                                                (3, hp // 2, ip // 4), (3, hp, scale_columns(ip)), (3, hp)]
     back = gpt_oss_checkpoint_tensors(kernel, h, i, torch.bfloat16)
     for a, b in zip(tensors, back):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_kernel_layout_holds_the_same_values():
+def test_scale_rows_are_whole_steps():
+    # TMA's 16-byte rows: gpt-oss's 2880 values have 180 scale bytes, held as 192 (zeros past K)
+    from fp4moe_ops.backends.triton_moe.layout import scale_columns
+
+    assert [scale_columns(k) for k in (64, 256, 320, 2880, 3072)] == [16, 16, 32, 192, 192]
+    tensors = experts(2, 2880, 320)
+    gate_up_scale = gpt_oss_kernel_tensors(tensors)[1]
+    assert gate_up_scale.shape == (2, 640, 192) and not gate_up_scale[..., 180:].any()
+
+
+@pytest.mark.parametrize("h,i", [(96, 160), (320, 192)])
+def test_kernel_layout_holds_the_same_values(h, i):
     # independent of the kernels: the kernel layout decoded as NVFP4-shaped tensors (E8M0 per 16
-    # values, rows [gate; up]) equals gpt-oss's matrices de-interleaved, zeros in the padding
+    # values, rows [gate; up]) equals gpt-oss's matrices de-interleaved, zeros in any padding
     from fp4moe_ops.backends.triton_moe.layout import canonical_from_paired
 
-    e, h, i = 2, 96, 160
+    e = 2
+    hp, ip = -(-h // 64) * 64, -(-i // 64) * 64
     tensors = experts(e, h, i)
     gate_up, gate_up_scale, gate_up_bias, down, down_scale, down_bias = gpt_oss_kernel_tensors(tensors)
+    assert gate_up.shape == (e, ip, hp // 4) and down.shape == (e, hp // 2, ip // 4)
     packed = canonical_from_paired(gate_up)
-    values = mxfp4.dequantize_mxfp4(packed, gate_up_scale.view(torch.uint8)[..., ::2], torch.float64)  # [E, 2Ip, Hp]
-    assert torch.equal(gate_up_scale.view(torch.uint8)[..., ::2], gate_up_scale.view(torch.uint8)[..., 1::2])
+    scale16 = gate_up_scale.view(torch.uint8)[..., :hp // 16]
+    values = mxfp4.dequantize_mxfp4(packed, scale16[..., ::2], torch.float64)  # [E, 2Ip, Hp]
+    assert torch.equal(scale16[..., ::2], scale16[..., 1::2])
     dense = mxfp4.dequantize_gpt_oss(tensors[0], tensors[1], torch.float64)  # [E, 2I, H], interleaved
-    assert torch.equal(values[:, :i, :h], dense[:, 0::2]) and torch.equal(values[:, 256:256 + i, :h], dense[:, 1::2])
-    assert not values[:, i:256].any() and not values[:, :, h:].any()
-    assert torch.equal(gate_up_bias[:, :i], tensors[2][:, 0::2].float()) and not gate_up_bias[:, i:256].any()
+    assert torch.equal(values[:, :i, :h], dense[:, 0::2]) and torch.equal(values[:, ip:ip + i, :h], dense[:, 1::2])
+    assert not values[:, i:ip].any() and not values[:, :, h:].any()
+    assert torch.equal(gate_up_bias[:, :i], tensors[2][:, 0::2].float()) and not gate_up_bias[:, i:ip].any()
     assert torch.equal(down_bias[:, :h], tensors[5].float()) and not down_bias[:, h:].any()
 
 
@@ -69,9 +88,16 @@ def test_scales_the_kernels_cannot_decode_are_refused_by_name(byte):
         gpt_oss_kernel_tensors(tensors)
 
 
-def run(tensors, x, ids, rw, limit, config=None):
-    kernel = [t.to(DEVICE) for t in gpt_oss_kernel_tensors(tensors)]
+def run(tensors, x, ids, rw, limit, config=None, multiple=64):
+    kernel = [t.to(DEVICE) for t in gpt_oss_kernel_tensors(tensors, multiple)]
     return triton_gpt_oss_moe(x.to(DEVICE), ids.to(DEVICE), rw.to(DEVICE), kernel, SWIGLU_ALPHA, limit, config).cpu()
+
+
+def routing(e, t, k, unused=(-1, -1)):
+    """Ids of ``t`` tokens' ``k`` distinct experts (one slot unused), softmax weights."""
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids[unused] = -1
+    return ids, torch.softmax(torch.randn(t, k), -1)
 
 
 def check(out, x, ids, rw, tensors, limit):
@@ -87,16 +113,56 @@ def check(out, x, ids, rw, tensors, limit):
 
 @pytest.mark.parametrize("t,k,limit", [(1, 4, 7.0), (6, 2, 1.0)])
 def test_single_role_kernels_match_float64(t, k, limit):
-    # the kernels' TMA path with paired weights (merged gate/up tiles), H and I padded 320 -> 512;
-    # one token (a row block per slot) and several (routed blocks), an unused slot; limit 1 clamps
+    # the kernels' TMA path with paired weights (merged gate/up tiles), H = I = 320 as they are (a
+    # 256-wide K step, then a partial one of 64); one token (a row block per slot, x read in natural
+    # order) and several (routed blocks, x and h with their last partial chunk in natural order), an
+    # unused slot; limit 1 clamps
     e, h, i = 4, 320, 320
     tensors = experts(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
-    ids[-1, -1] = -1
-    rw = torch.softmax(torch.randn(t, k), -1)
-    cfg = kernel_config(t * k, e, 512, 512) | {"GLUON_PREFILL": False, "DECODE_V3": False}
+    ids, rw = routing(e, t, k)
+    cfg = kernel_config(t * k, e, h, i, edges=True) | {"GLUON_PREFILL": False, "DECODE_V3": False}
+    assert cfg["TMA"] and cfg["MERGED_GATE_UP"] and cfg["BK_GATE_UP"] == cfg["BK_DOWN"] == 256
     check(run(tensors, x, ids, rw, limit, cfg), x, ids, rw, tensors, limit)
+
+
+@pytest.mark.parametrize("h,i,t,rows", [(448, 192, 3, 16), (192, 448, 1, 16), (320, 448, 20, 32), (448, 320, 70, 64)])
+def test_partial_k_steps_in_every_single_role_bucket(h, i, t, rows):
+    # H and I multiples of 64, not of 256, in each bucket's tiles (decode 16 rows, middle 32 with
+    # 128-row tiles, prefill 64 with 256-row ones cut to divisors of N): K of 192 is one partial
+    # step alone, 448 a full one and a partial of 192; the run-time K loop too (decode, 3 tokens)
+    e, k = 4, 2
+    tensors = experts(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids, rw = routing(e, t, k)
+    cfg = kernel_config(t * k, e, h, i, edges=True) | {"GLUON_PREFILL": False, "DECODE_V3": False}
+    assert cfg["BM"] == rows and cfg["TMA"] and h % cfg["BN_DOWN"] == 0 and (2 * i) % cfg["BN_GATE_UP"] == 0
+    check(run(tensors, x, ids, rw, 7.0, cfg), x, ids, rw, tensors, 7.0)
+
+
+def test_sizes_not_multiples_of_64_are_padded_as_little_as_possible():
+    # 96 and 160 (multiples of 32, MXFP4's block): the layout pads them to 128 and 192 and the call
+    # pads the activations and cuts the output, the one case that still copies per call
+    e, h, i, t, k = 4, 96, 160, 3, 2
+    tensors = experts(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids, rw = routing(e, t, k)
+    cfg = kernel_config(t * k, e, 128, 192, edges=True) | {"GLUON_PREFILL": False, "DECODE_V3": False}
+    check(run(tensors, x, ids, rw, 7.0, cfg), x, ids, rw, tensors, 7.0)
+
+
+def test_padded_layout_gives_the_same_result():
+    # the earlier layout (multiple=256: 320 -> 512, activations padded per call), which benchmarks
+    # compare, runs the same kernels to the same float64 oracle
+    e, h, i, t, k = 4, 320, 320, 2, 2
+    tensors = experts(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids, rw = routing(e, t, k)
+    cfg = kernel_config(t * k, e, 512, 512) | {"GLUON_PREFILL": False, "DECODE_V3": False}
+    padded = run(tensors, x, ids, rw, 7.0, cfg, multiple=256)
+    check(padded, x, ids, rw, tensors, 7.0)
+    cfg = kernel_config(t * k, e, h, i, edges=True) | {"GLUON_PREFILL": False, "DECODE_V3": False}
+    check(run(tensors, x, ids, rw, 7.0, cfg), x, ids, rw, tensors, 7.0)
 
 
 @pytest.mark.gpu
@@ -125,20 +191,37 @@ def test_e8m0_scale_ptx_on_the_gpu_every_byte():
 @pytest.mark.parametrize("e,t,k,family", [(32, 1, 4, "gluon-decode"), (32, 8, 4, "gluon-decode"),
                                           (8, 40, 4, "triton-wgmma"), (8, 600, 4, "gluon-prefill")])
 @pytest.mark.parametrize("weights", ["mxfp4", "nvfp4"])
-def test_every_kernel_family_matches_float64(e, t, k, family, weights):
-    # gpt-oss-20b's H = I = 2880 (padded to 3072): each family the layer's token counts pick, with
-    # gpt-oss's MXFP4 weights and with NVFP4 ones (ModelOpt's export of gpt-oss)
+@pytest.mark.parametrize("h,i", [(2880, 2880), (320, 448)])
+def test_every_kernel_family_matches_float64(e, t, k, family, weights, h, i):
+    # gpt-oss-20b's H = I = 2880 as they are (the last K step partial: 64 of 256 in decode_v3 and
+    # the single-role kernels, 64 of a 128-wide pair step in the prefill; the prefill's last
+    # weight tiles half past N), and a shape whose H and I end differently; each family the
+    # layer's token counts pick, with gpt-oss's MXFP4 weights and with NVFP4 ones (ModelOpt's
+    # export of gpt-oss)
     from fp4moe_ops.backends.triton_moe.launch import kernel_family
     from test_gpt_oss_nvfp4 import experts as nvfp4_experts
 
-    h = i = 2880
     tensors = (experts if weights == "mxfp4" else nvfp4_experts)(e, h, i)
     x = torch.randn(t, h, dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
-    ids[0, -1] = -1
-    rw = torch.softmax(torch.randn(t, k), -1)
-    assert kernel_family(x.cuda(), t * k, e, 3072, 3072) == family
+    ids, rw = routing(e, t, k, unused=(0, -1))
+    assert kernel_family(x.cuda(), t * k, e, h, i, edges=True) == family
     check(run(tensors, x, ids, rw, 7.0), x, ids, rw, tensors, 7.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels: Hopper only")
+@pytest.mark.parametrize("t", [1, 8, 600])
+def test_held_and_padded_layouts_agree_on_the_gpu(t):
+    # the layout as held (2880) and the earlier padded one (3072, activations padded per call):
+    # the padding only adds zero products, so both meet the oracle and each other closely
+    e, h, i, k = 32, 2880, 2880, 4
+    tensors = experts(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids, rw = routing(e, t, k)
+    held, padded = run(tensors, x, ids, rw, 7.0), run(tensors, x, ids, rw, 7.0, multiple=256)
+    check(held, x, ids, rw, tensors, 7.0)
+    check(padded, x, ids, rw, tensors, 7.0)
+    torch.testing.assert_close(held, padded, rtol=2**-7, atol=2**-7 * padded.abs().max().item())
 
 
 @pytest.mark.gpu
@@ -205,3 +288,57 @@ def test_module_runs_triton_on_the_gpu_as_the_reference_does():
     out = m(x, ids, rw)
     torch.testing.assert_close(out.double(), ref.double(), rtol=2**-6, atol=2**-6 * ref.abs().max().item())
     assert all(torch.equal(v, sd[k]) for k, v in m.state_dict().items())
+
+
+def _tma_box(view, coords, box):
+    """What a TMA load of ``box`` at ``coords`` copies from ``view``: zeros where a coordinate is past
+    its dimension (the emulation the next test reads the Gluon kernels' views with)."""
+    out = torch.zeros(box, dtype=view.dtype)
+    src, dst = [], []
+    for c, b, n in zip(coords, box, view.shape):
+        lo, hi = max(c, 0), min(c + b, n)
+        if hi <= lo:
+            return out
+        src.append(slice(lo, hi))
+        dst.append(slice(lo - c, hi - c))
+    out[tuple(dst)] = view[tuple(src)]
+    return out
+
+
+@pytest.mark.parametrize("h,i,sps", [(320, 448, 1), (2880, 2880, 1), (512, 1024, 2)])
+def test_decode_v3_boxes_hold_each_warps_k_chunk(h, i, sps):
+    # on the CPU, the TMA boxes the Gluon decode kernels load, as their views define them: ring slot
+    # q's box holds warp w's K chunk of each step (chunk 4 (SPS q + j) + w), zeros past K; the
+    # scale words likewise (held in whole steps, zeros past K)
+    decode_v3 = pytest.importorskip("fp4moe_ops.backends.triton_moe.decode_v3")
+    e = 2
+    tensors = experts(e, h, i)
+    gate_up, gate_up_scale, _, down, down_scale, _ = gpt_oss_kernel_tensors(tensors)
+    down_bytes = down.view(torch.uint8).reshape(e * h // 2, i)
+    down_words = down_scale.view(torch.uint8).view(torch.int32).reshape(e * h, -1)
+    weights, scales = decode_v3.weight_view(down, sps), decode_v3.scale_view(down_scale, sps)
+    pair0, row0 = h // 2 + 32, h + 64  # expert 1, weight tile 1
+    for q in range(-(-i // (256 * sps))):
+        box = _tma_box(weights, [4 * sps * q, pair0, 0], [4 * sps, 32, 64])
+        sbox = _tma_box(scales, [0, q, row0, 0], [sps, 1, 64, 4])
+        for j in range(sps):
+            for w in range(4):
+                c = 4 * (sps * q + j) + w
+                want = down_bytes[pair0:pair0 + 32, 64 * c:64 * c + 64] if 64 * c < i else torch.zeros(32, 64)
+                assert torch.equal(box[4 * j + w], want.to(box.dtype))
+                want = down_words[row0:row0 + 64, c] if 64 * c < i else torch.zeros(64)
+                assert torch.equal(sbox[j, 0, :, w], want.to(sbox.dtype))
+    gate_up_bytes = gate_up.view(torch.uint8).reshape(2 * e, i // 2, h)
+    gate_up_words = gate_up_scale.view(torch.uint8).view(torch.int32).reshape(e, 2, i, -1)
+    weights, scales = decode_v3.gate_up_views(gate_up, gate_up_scale)
+    n = 1  # gate rows 32 .. 63 and the same up rows of expert 1
+    for s in range(-(-h // 256)):
+        box = _tma_box(weights, [4 * s, 2, 16 * n, 0], [4, 2, 16, 64])
+        sbox = _tma_box(scales, [s, 0, 1, 32 * n, 0], [1, 2, 1, 32, 4])
+        for w in range(4):
+            c = 4 * s + w
+            for u in range(2):
+                want = gate_up_bytes[2 + u, 16 * n:16 * n + 16, 64 * c:64 * c + 64] if 64 * c < h else torch.zeros(16, 64)
+                assert torch.equal(box[w, u], want.to(box.dtype))
+                want = gate_up_words[1, u, 32 * n:32 * n + 32, c] if 64 * c < h else torch.zeros(32)
+                assert torch.equal(sbox[0, u, 0, :, w], want.to(sbox.dtype))

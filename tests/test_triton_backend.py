@@ -357,8 +357,9 @@ def test_kernel_config_puts_up_to_six_rows_per_expert_on_decode_v3():
 
 
 def test_decode_v3_views_hold_each_warps_chunk():
-    # decode_v3's TMA boxes read the op's own tensors through strided views: step s, warp w is K chunk
-    # 4s + w (64 elements); checked here against the definition, byte by byte from the flat tensors
+    # decode_v3's TMA boxes read the op's own tensors through strided views by K chunk (64 elements;
+    # step s, warp w is chunk 4s + w, ring slot q's box the chunks from 4 SPS q); checked here
+    # against the definition, byte by byte from the flat tensors
     from fp4moe_ops.backends.triton_moe.decode_v3 import gate_up_views, scale_view, weight_view
 
     e, h, i = 3, 512, 1024
@@ -372,10 +373,10 @@ def test_decode_v3_views_hold_each_warps_chunk():
 
     for sps in (1, 2):
         wv, sv = weight_view(down, sps), scale_view(down_scale, sps)
-        assert wv.shape == (sps, 4, i // (256 * sps), e * h // 2, 64) and sv.shape == (sps, i // (256 * sps), e * h, 4)
+        assert wv.shape == (i // 64, e * h // 2, 64) and sv.shape == (sps, i // (256 * sps), e * h, 4)
         for j, w, q, p in [(0, 0, 0, 0), (sps - 1, 3, 1, 5), (0, 2, i // (256 * sps) - 1, e * h // 2 - 1)]:
             c = 4 * (sps * q + j) + w
-            assert torch.equal(wv[j, w, q, p], pair_bytes[p, 64 * c:64 * c + 64])
+            assert torch.equal(wv[4 * sps * q + 4 * j + w, p], pair_bytes[p, 64 * c:64 * c + 64])
             assert int(sv[j, q, 2 * p + 1, w]) == word(scale_bytes[2 * p + 1], c)
     gate_up = torch.randint(-2**31, 2**31 - 1, (e, i, h // 4), dtype=torch.int32)
     gate_up_scale = torch.randint(0, 256, (e, 2 * i, h // 16), dtype=torch.uint8)
@@ -383,7 +384,7 @@ def test_decode_v3_views_hold_each_warps_chunk():
     gate_up_bytes = gate_up.view(torch.uint8).reshape(e, i, h)  # pair rows: gate's i/2, then up's
     for step, w, ex, u, p in [(0, 0, 0, 0, 0), (h // 256 - 1, 3, 2, 1, i // 2 - 1), (0, 1, 1, 1, 7)]:
         c = 4 * step + w
-        assert torch.equal(wv[w, step, 2 * ex + u, p], gate_up_bytes[ex, u * i // 2 + p, 64 * c:64 * c + 64])
+        assert torch.equal(wv[c, 2 * ex + u, p], gate_up_bytes[ex, u * i // 2 + p, 64 * c:64 * c + 64])
         assert int(sv[step, u, ex, 2 * p, w]) == word(gate_up_scale[ex, u * i + 2 * p].long(), c)
 
 
@@ -672,8 +673,8 @@ def test_gluon_prefill_gemms_refuse_ring_depths_and_shapes_they_cannot_run():
     # checked before anything is launched: fewer than 3 slots would wait on their own refills (a
     # hang), rings past 227 KB do not fit in shared memory (two K steps per slot: both warpgroups'
     # weights, 2 x 8 KB, and the activations, 2 x block_m x 64 bf16: 48 KB at 128 rows, 18 KB at 8);
-    # K must split into pair steps of 128; row blocks are powers of two 8..128, tails smaller and
-    # decreasing
+    # H and I must be multiples of 64 (K chunks; a partial last pair step reads zeros past K); row
+    # blocks are powers of two 8..128, tails smaller and decreasing
     pytest.importorskip("triton.experimental.gluon")
     from fp4moe_ops.backends.triton_moe import prefill_rs
 
@@ -686,8 +687,9 @@ def test_gluon_prefill_gemms_refuse_ring_depths_and_shapes_they_cannot_run():
     for stages in (1, 2, 5, 6):
         with pytest.raises(ValueError, match="stages must be at least 3 and the rings fit"):
             call(512, 256, stages)
-    with pytest.raises(ValueError, match="multiples of 256"):
-        call(512 + 128, 256, 4)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        call(512 + 32, 256, 4)
+    prefill_rs.check_config(2880, 2880, 128, 4, (64,))  # gpt-oss's sizes
     for block_m, stages, tails in ((8, 13, ()), (32, 10, ()), (64, 8, ()), (128, 5, ()), (24, 4, ()), (256, 3, ()),
                                    (64, 4, (64,)), (128, 4, (48,)), (128, 4, (32, 64)), (16, 2, ())):
         with pytest.raises(ValueError, match="block_m must be one of|stages must be at least 3"):

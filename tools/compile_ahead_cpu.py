@@ -89,11 +89,11 @@ def gpt_oss_arguments(e: int, hp: int, ip: int, nvfp4: bool = False):
     """``(expert tensors, gpt_oss)`` of ``launch.triton_fused_moe`` for gpt-oss's experts in the kernels'
     layout (``layout.gpt_oss_kernel_tensors``; uninitialized): MXFP4's E8M0 scales (int8, no global
     scale), or with ``nvfp4`` E4M3 scales (uint8) and global scales."""
-    from fp4moe_ops.backends.triton_moe.layout import GptOssTerms
+    from fp4moe_ops.backends.triton_moe.layout import GptOssTerms, scale_columns
 
     scale = torch.uint8 if nvfp4 else torch.int8
-    shapes = [((e, ip, hp // 4), torch.int32), ((e, 2 * ip, hp // 16), scale), ((e, 2 * ip), torch.float32),
-              ((e, hp // 2, ip // 4), torch.int32), ((e, hp, ip // 16), scale), ((e, hp), torch.float32)]
+    shapes = [((e, ip, hp // 4), torch.int32), ((e, 2 * ip, scale_columns(hp)), scale), ((e, 2 * ip), torch.float32),
+              ((e, hp // 2, ip // 4), torch.int32), ((e, hp, scale_columns(ip)), scale), ((e, hp), torch.float32)]
     gate_up, gate_up_scale, gate_up_bias, down, down_scale, down_bias = (torch.empty(shape, dtype=dtype)
                                                                          for shape, dtype in shapes)
     global_scales = (torch.empty(e) for _ in range(2)) if nvfp4 else (gate_up_bias, gate_up_bias)  # (E8M0: unused)
@@ -160,8 +160,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["serial", "together"])
     ap.add_argument("--shape", choices=["small", "deepseek", "gpt-oss", "gpt-oss-nvfp4"], default="small",
-                    help="gpt-oss: gpt-oss-20b's MXFP4 experts (E=32, H=I=2880 padded to 3072, top-4); "
-                         "gpt-oss-nvfp4: the same in NVFP4")
+                    help="gpt-oss: gpt-oss-20b's MXFP4 experts (E=32, H=I=2880, the kernels' partial K steps, "
+                         "top-4); gpt-oss-nvfp4: the same in NVFP4")
     ap.add_argument("--check-tokens", default="", help="comma-separated token counts (see the module docstring)")
     ap.add_argument("--linear", action="store_true", help="the NVFP4 linear shapes instead of the MoE layer")
     args = ap.parse_args()
@@ -172,7 +172,7 @@ def main():
     launch._gluon_runs = lambda x: True  # (CPU tensors: see the module docstring)
     if args.linear:
         sys.exit(0 if linear_main(args) else 1)
-    e, h, i, k = {"deepseek": (256, 7168, 2048, 8)}.get(args.shape, (32, 3072, 3072, 4) if
+    e, h, i, k = {"deepseek": (256, 7168, 2048, 8)}.get(args.shape, (32, 2880, 2880, 4) if
                                                         args.shape.startswith("gpt-oss") else (8, 512, 256, 2))
     gpt_oss = gpt_oss_arguments(e, h, i, args.shape == "gpt-oss-nvfp4") if args.shape.startswith("gpt-oss") else None
     x, ids, rw, tensors = layer_arguments(e, h, i, k)

@@ -1,16 +1,24 @@
-"""Where gpt-oss's decode time goes on the Triton kernels: one gpt-oss-120b layer (E=128, H=I=2880,
-top-4) at a few token counts, in CUDA graphs of 8 routings (bench_gpt_oss.py's method), as
+"""Where gpt-oss's decode time goes on the Triton kernels: gpt-oss-120b's and gpt-oss-20b's expert
+layers (E=128 and 32, H=I=2880, top-4) at decode token counts, in CUDA graphs of 8 routings
+(bench_gpt_oss.py's method), against the MXFP4 checkpoint's byte floor measured in the same process:
 
-* ``op MXFP4``: ``fp4moe::gpt_oss_moe`` on MXFP4 kernel tensors (what the model runs: x padded to
-  3072, the output cut back to 2880);
-* ``kernels MXFP4``: ``launch.triton_fused_moe`` on x already padded (no padding, no cut);
-* ``op NVFP4``: the op on NVFP4 gpt-oss weights of the same size (E4M3 scales, global scales);
-* ``kernels SiLU``: the kernels on the same NVFP4 tensors without gpt-oss's terms (NVFP4's own epilogue);
+* ``held``: ``fp4moe::gpt_oss_moe`` on the kernel layout as fp4moe holds it (H and I as they are,
+  the kernels' last K step partial; no per-call copies);
+* ``padded``: the same op on the earlier layout (``gpt_oss_kernel_tensors(..., multiple=256)``: H
+  and I zero-padded to 3072, the activations padded per call and the output cut back), for a
+  before/after comparison on the same kernels;
+* ``nvfp4`` (``--variants``): the op on NVFP4 gpt-oss weights of the same size (E4M3 scales,
+  global scales), as held;
+* ``silu`` (``--variants``): ``launch.triton_fused_moe`` on those NVFP4 tensors without gpt-oss's
+  terms (NVFP4's own epilogue).
 
-with each variant's byte floor (the padded layout's bytes of the experts hit over the copy
-bandwidth measured here) and the MXFP4 checkpoint's floor.
+Columns: each variant's time, its layout's bytes per expert, and the time over the MXFP4 floor
+(the checkpoint bytes of the experts hit, blocks + E8M0 scales + BF16 biases, over the copy
+bandwidth measured here). Each variant is checked against the ``reference`` backend on the first
+routing before it is timed (a wrong one is reported, not timed).
 
-    python3 benchmarks/probes/probe_gpt_oss_decode.py [--tokens 1,8,64]
+    python3 benchmarks/probes/probe_gpt_oss_decode.py                  # 120b and 20b, 1/8/64 tokens
+    python3 benchmarks/probes/probe_gpt_oss_decode.py --variants held,padded,nvfp4,silu --shapes 120b
 """
 
 from __future__ import annotations
@@ -18,17 +26,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench_gpt_oss import SWIGLU_ALPHA, LIMIT, make_routings, random_gpt_oss_experts  # noqa: E402
-from bench_moe import capture_graph, copy_bandwidth, replay_times_ms  # noqa: E402
+from bench_gpt_oss import LAYERS, LIMIT, SWIGLU_ALPHA, bytes_per_expert, make_routings, random_gpt_oss_experts  # noqa: E402
+from bench_moe import capture_graph, copy_bandwidth, error_vs_reference, replay_times_ms  # noqa: E402
 from fp4moe_ops.backends.triton_moe import gpt_oss_kernel_tensors  # noqa: E402
 from fp4moe_ops.backends.triton_moe.launch import triton_fused_moe  # noqa: E402
-from fp4moe_ops.backends.triton_moe.layout import GptOssTerms  # noqa: E402
+
+VARIANTS = ("held", "padded", "nvfp4", "silu")
+MAX_ERROR = 1e-2  # relative to the reference backend (bench_gpt_oss.py's bound for fp4moe)
 
 
 def graph_ms(fn, inputs) -> float:
@@ -51,44 +62,70 @@ def nvfp4_gpt_oss(e, h, i, device):
     return [gate_up, gate_up_scale, gate_up_global_scale, bias(2 * i), down, down_scale, down_global_scale, bias(h)]
 
 
+def variant_fns(wanted, mx_checkpoint, e, h, i, device):
+    """``{name: (fn(x, ids, rw), kernel tensors, checkpoint tensors its reference runs)}``."""
+    op = lambda tensors: (lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, tensors, SWIGLU_ALPHA, LIMIT,  # noqa: E731
+                                                                           "triton"))
+    out = {}
+    if "held" in wanted:
+        held = gpt_oss_kernel_tensors(mx_checkpoint)
+        out["held"] = (op(held), held, mx_checkpoint)
+    if "padded" in wanted:
+        padded = gpt_oss_kernel_tensors(mx_checkpoint, multiple=256)
+        out["padded"] = (op(padded), padded, mx_checkpoint)
+    if "nvfp4" in wanted or "silu" in wanted:
+        nv_checkpoint = nvfp4_gpt_oss(e, h, i, device)
+        nv = gpt_oss_kernel_tensors(nv_checkpoint)
+        if "nvfp4" in wanted:
+            out["nvfp4"] = (op(nv), nv, nv_checkpoint)
+        if "silu" in wanted:
+            gate_up, gate_up_scale, gate_up_global, _, down, down_scale, down_global, _ = nv
+            silu = [gate_up, gate_up_scale, gate_up_global, down, down_scale, down_global]
+            out["silu"] = ((lambda x, ids, rw: triton_fused_moe(x, ids, rw, silu)), silu, None)
+    return out
+
+
 @torch.no_grad()
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,8,64")
+    ap.add_argument("--shapes", default="120b,20b", help="of 120b, 20b")
+    ap.add_argument("--variants", default="held,padded", help=f"comma-separated, of {','.join(VARIANTS)}")
     args = ap.parse_args()
+    wanted = args.variants.split(",")
+    if not set(wanted) <= set(VARIANTS):
+        ap.error(f"--variants: unknown {sorted(set(wanted) - set(VARIANTS))}")
     device = torch.device("cuda")
-    e, h, i, k = 128, 2880, 2880, 4
+    torch.manual_seed(0)
     bw = copy_bandwidth(device)
-    mx = gpt_oss_kernel_tensors(random_gpt_oss_experts(e, h, i, device))
-    nv = gpt_oss_kernel_tensors(nvfp4_gpt_oss(e, h, i, device))
-    per_expert = {"mx": sum(t.nbytes for t in mx) / e, "nv": sum(t.nbytes for t in nv) / e}
-    checkpoint = 13.24e6  # MXFP4 bytes an expert at these dims (bench_gpt_oss.py)
-    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; kernel layout MB/expert: "
-          f"MXFP4 {per_expert['mx'] / 1e6:.2f}, NVFP4 {per_expert['nv'] / 1e6:.2f}")
-    gate_up, gate_up_scale, gate_up_bias, down, down_scale, down_bias = mx
-    terms = GptOssTerms(gate_up_bias, down_bias, SWIGLU_ALPHA, LIMIT)
-    nv_gate_up, nv_gate_up_scale, nv_gate_up_global, _, nv_down, nv_down_scale, nv_down_global, _ = nv
-    variants = {
-        "op MXFP4": lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, mx, SWIGLU_ALPHA, LIMIT, "triton"),
-        # (the E8M0 scales need no global scales: the bias stands in for them)
-        "kernels MXFP4": lambda x, ids, rw: triton_fused_moe(
-            x, ids, rw, [gate_up, gate_up_scale, gate_up_bias, down, down_scale, gate_up_bias], gpt_oss=terms),
-        "op NVFP4": lambda x, ids, rw: torch.ops.fp4moe.gpt_oss_moe(x, ids, rw, nv, SWIGLU_ALPHA, LIMIT, "triton"),
-        "kernels SiLU": lambda x, ids, rw: triton_fused_moe(
-            x, ids, rw, [nv_gate_up, nv_gate_up_scale, nv_gate_up_global, nv_down, nv_down_scale, nv_down_global]),
-    }
-    print("| tokens | experts hit | variant | ms | padded floor ms | / padded floor | / MXFP4 checkpoint floor |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
-    for t in (int(v) for v in args.tokens.split(",")):
-        sets = make_routings(t, h, e, k, device)
-        padded = [(torch.nn.functional.pad(x, (0, 3072 - h)), ids, rw) for x, ids, rw in sets]
-        hit = statistics.mean(len(torch.unique(ids)) for _, ids, _ in sets)
-        for name, fn in variants.items():
-            inputs = padded if name.startswith("kernels") else sets
-            ms = graph_ms(fn, inputs)
-            floor = hit * per_expert["nv" if "NVFP4" in name or "SiLU" in name else "mx"] / bw * 1e3
-            print(f"| {t} | {hit:.1f} | {name} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f}x | "
-                  f"{ms / (hit * checkpoint / bw * 1e3):.2f}x |", flush=True)
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, variants {wanted}", flush=True)
+    print("| layer | tokens | experts hit | variant | layout MB/expert | ms | MXFP4 floor ms | / MXFP4 floor |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|", flush=True)
+    start = time.time()
+    for shape in args.shapes.split(","):
+        e, h, i, k = LAYERS[f"gpt-oss-{shape}"]
+        checkpoint = random_gpt_oss_experts(e, h, i, device)
+        floor_bytes = bytes_per_expert(checkpoint, e)
+        variants = variant_fns(wanted, checkpoint, e, h, i, device)
+        for t in (int(v) for v in args.tokens.split(",")):
+            sets = make_routings(t, h, e, k, device)
+            hit = statistics.mean(len(torch.unique(ids)) for _, ids, _ in sets)
+            floor = hit * floor_bytes / bw * 1e3
+            for name, (fn, kernel, reference_tensors) in variants.items():
+                mb = bytes_per_expert(kernel, e) / 1e6
+                if reference_tensors is not None:
+                    ref = torch.ops.fp4moe.gpt_oss_moe(*sets[0], reference_tensors, SWIGLU_ALPHA, LIMIT, "reference")
+                    err = error_vs_reference(fn(*sets[0]).double(), ref.double())
+                    if not err <= MAX_ERROR:
+                        print(f"| {shape} | {t} | {hit:.1f} | {name} | {mb:.2f} | WRONG (rel err {err:.1e}) | "
+                              f"{floor:.4f} | - |", flush=True)
+                        continue
+                ms = graph_ms(fn, sets)
+                print(f"| {shape} | {t} | {hit:.1f} | {name} | {mb:.2f} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f}x |",
+                      flush=True)
+        del checkpoint, variants
+        torch.cuda.empty_cache()
+    print(f"({time.time() - start:.0f} s; MXFP4 checkpoint {floor_bytes / 1e6:.2f} MB/expert)")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ output already permuted for the down GEMM. The backend stores
 those shapes' packed weights in its own paired layout (:func:`paired_weight_layout`: rows r and
 r+8 per 32-bit word, bits pre-permuted), which cuts the decode from 2.25 to 1.5 instructions per
 element (a further 0.88-0.93x at decode); canonical weights still run, a little slower.
+gpt-oss's experts (H = I = 2880, multiples of 64) run the same TMA kernels with a partial last K
+step (TMA reads zeros past K; :func:`.layout.fits_tma_edges`, ``kernel_config(edges=True)``).
 Routing for decode-sized batches is one kernel (a counting sort, 64 slots per program); prefill-sized
 batches use a few torch ops.
 

@@ -7,7 +7,7 @@ import torch
 from ..base import CANONICAL, Backend, canonical_specs, check_canonical_tensors, check_specs, register_backend, \
     register_packed_layout
 from .launch import triton, triton_fused_moe, triton_gpt_oss_moe
-from .layout import canonical_from_paired, fits_tma, paired_weight_layout
+from .layout import KERNEL_MULTIPLE, canonical_from_paired, fits_tma, paired_weight_layout, scale_columns
 
 PAIRED = "paired"
 
@@ -62,10 +62,11 @@ class TritonBackend(Backend):
 
     def check_gpt_oss_tensors(self, expert_tensors, hidden_size):
         """The experts in this backend's layout (:func:`.layout.gpt_oss_kernel_tensors`): MXFP4 ``[gate_up
-        [E, Ip, Hp/4] int32, gate_up_scale [E, 2Ip, Hp/16] int8, gate_up_bias [E, 2Ip] float32, down [E, Hp/2,
-        Ip/4] int32, down_scale [E, Hp, Ip/16] int8, down_bias [E, Hp] float32]``, or NVFP4 the same with
+        [E, Ip, Hp/4] int32, gate_up_scale [E, 2Ip, Hs] int8, gate_up_bias [E, 2Ip] float32, down [E, Hp/2,
+        Ip/4] int32, down_scale [E, Hp, Is] int8, down_bias [E, Hp] float32]``, or NVFP4 the same with
         uint8 scales and the global scales ``gate_up_global_scale``, ``down_global_scale [E]`` float32 after
-        them; Hp and Ip multiples of 256 and ``hidden_size <= Hp``. Metadata only."""
+        them; Hp and Ip multiples of 64, ``hidden_size <= Hp`` and Hs, Is their
+        :func:`.layout.scale_columns`. Metadata only."""
         nvfp4 = len(expert_tensors) == 8
         names = (("gate_up", "gate_up_scale", "gate_up_global_scale", "gate_up_bias",
                   "down", "down_scale", "down_global_scale", "down_bias") if nvfp4 else
@@ -75,17 +76,18 @@ class TritonBackend(Backend):
                              "NVFP4, gate_up int32 first: fp4moe_ops.backends.triton_moe.layout.gpt_oss_kernel_tensors; "
                              "the gpt-oss experts modules' set_backend('triton') converts their tensors), got "
                              f"{[f'{t.dtype} {list(t.shape)}' for t in expert_tensors]}")
-        gate_up_scale = expert_tensors[1]
-        if gate_up_scale.dim() != 3:
-            raise ValueError(f"gate_up_scale: expected [E, 2Ip, Hp/16], got {list(gate_up_scale.shape)}")
-        e, ip, hp = gate_up_scale.shape[0], gate_up_scale.shape[1] // 2, gate_up_scale.shape[2] * 16
-        if ip % 256 or hp % 256 or hidden_size > hp:
-            raise ValueError(f"gpt-oss kernel tensors: Ip={ip} and Hp={hp} must be multiples of 256 with hidden "
-                             f"size {hidden_size} <= Hp")
+        gate_up, gate_up_scale = expert_tensors[0], expert_tensors[1]
+        if gate_up.dim() != 3 or gate_up_scale.dim() != 3:
+            raise ValueError(f"gate_up, gate_up_scale: expected [E, Ip, Hp/4] and [E, 2Ip, Hs], got "
+                             f"{list(gate_up.shape)} and {list(gate_up_scale.shape)}")
+        e, ip, hp = gate_up_scale.shape[0], gate_up_scale.shape[1] // 2, gate_up.shape[2] * 4
+        if ip % KERNEL_MULTIPLE or hp % KERNEL_MULTIPLE or hidden_size > hp:
+            raise ValueError(f"gpt-oss kernel tensors: Ip={ip} and Hp={hp} must be multiples of {KERNEL_MULTIPLE} "
+                             f"with hidden size {hidden_size} <= Hp")
         scale = torch.uint8 if nvfp4 else torch.int8  # E4M3 or E8M0 bytes
-        specs = {"gate_up": (torch.int32, (e, ip, hp // 4)), "gate_up_scale": (scale, (e, 2 * ip, hp // 16)),
+        specs = {"gate_up": (torch.int32, (e, ip, hp // 4)), "gate_up_scale": (scale, (e, 2 * ip, scale_columns(hp))),
                  "gate_up_global_scale": (torch.float32, (e,)), "gate_up_bias": (torch.float32, (e, 2 * ip)),
-                 "down": (torch.int32, (e, hp // 2, ip // 4)), "down_scale": (scale, (e, hp, ip // 16)),
+                 "down": (torch.int32, (e, hp // 2, ip // 4)), "down_scale": (scale, (e, hp, scale_columns(ip))),
                  "down_global_scale": (torch.float32, (e,)), "down_bias": (torch.float32, (e, hp))}
         for name, t in zip(names, expert_tensors):
             dtype, shape = specs[name]

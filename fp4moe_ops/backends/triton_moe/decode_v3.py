@@ -20,8 +20,8 @@ are then K ``16t .. 16t+15`` of its token in the order ``16t + 4j + 2e + s`` (MM
 e, s = 0 for the first register): the gate_up GEMM stores ``h`` with bits 0 and 1 of K swapped, so they are
 one contiguous 32-byte run for the down GEMM, and reads ``x`` in natural order (two ``prmt`` per pair).
 
-The TMA boxes read the op's own tensors (paired weights ``[E, N/2, K/4]`` int32, scales ``[E, N,
-K/16]``; layout.py), no copies: a chunk's 64 bytes of a pair row, and a step's four scale words
+The TMA boxes read the op's own tensors (paired weights ``[E, N/2, K/4]`` int32 viewed by 64-wide K
+chunk, scales ``[E, N, K/16]``; layout.py), no copies: a chunk's 64 bytes of a pair row, and a step's four scale words
 of a row (chunks ``4 s .. 4 s + 3``, 16 contiguous bytes), so a warp's eight scale rows in shared
 memory are 16 bytes apart (no bank conflicts).
 
@@ -30,7 +30,9 @@ The same GEMM serves one NVFP4 linear (``fp4moe::nvfp4_linear`` on paired weight
 to finish.
 
 Compute capability 9.x and the Triton releases of :data:`.launch.GLUON_TRITON` only (checked by the
-caller); sizes: ``H % 256 == 0``, ``I % (256 SPS) == 0``.
+caller); sizes: H and I multiples of 64 (gpt-oss's 2880: the last step partial, its chunks past K
+read as zeros through TMA, the activations there masked), scale rows in whole 256-value steps
+(:func:`.layout.scale_columns`).
 """
 
 from __future__ import annotations
@@ -219,13 +221,28 @@ def _scale_selector(SL: gl.constexpr):
 
 
 @gluon.jit
+def _act_load(a_words, a_off, a_mask, step, BM: gl.constexpr, K_EDGE: gl.constexpr):
+    """Step ``step``'s activation words (``a_off``: step 0's, 128 words a step) where ``a_mask``; with
+    ``K_EDGE`` (K, when its last step is partial) only the warps' chunks below K."""
+    if K_EDGE > 0:
+        BL: gl.constexpr = _act_ref(_LB, BM).type.layout
+        bw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
+        kw = gl.expand_dims(gl.expand_dims(bw * 64, 1), 2)  # [4, 1, 1]: warp w's chunk, K 64 w ..
+        return gl.load(a_words + a_off + step * 128, mask=a_mask & (kw + step * 256 < K_EDGE), other=0)
+    return gl.load(a_words + a_off + step * 128, mask=a_mask, other=0)
+
+
+@gluon.jit
 def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOTS: gl.constexpr, BM: gl.constexpr,
-               STAGES: gl.constexpr, SPS: gl.constexpr, NATURAL_B: gl.constexpr = False, E8M0: gl.constexpr = False):
+               STAGES: gl.constexpr, SPS: gl.constexpr, NATURAL_B: gl.constexpr = False, E8M0: gl.constexpr = False,
+               K_EDGE: gl.constexpr = 0):
     """``[4 warps, 64 weight rows, BM tokens]`` float32 partial sums over ring slots ``slot0 ..
     slot0 + NSLOTS`` (SPS 256-wide steps each; each warp its chunk of a step) of one 64-row weight
     tile: weights and scales through the TMA ring (:func:`weight_view` / :func:`scale_view`
     descriptors at pair row ``pair0``, row ``row0``), activation words ``a_words + a_off`` (``[4,
-    BM, 32]`` in :func:`_act_ref`'s layout; 128 words a step) where ``a_mask``."""
+    BM, 32]`` in :func:`_act_ref`'s layout; 128 words a step) where ``a_mask``. ``K_EDGE``: K when
+    the last step is partial (gpt-oss's 2880): TMA fills the weights past K with zeros (the scales
+    are held in whole steps) and the activations there are not read, so zeros meet zeros."""
     NSTEPS: gl.constexpr = NSLOTS * SPS
     mma: gl.constexpr = _MMA
     la: gl.constexpr = _LA
@@ -237,7 +254,7 @@ def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOT
 
     # the ring: per slot SPS steps x [4 warps' chunks, 32 pair rows, 64 bytes] and their
     # scale words [64 rows, 4 warps]
-    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, SPS, 4, 1, 32, 64], w_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 4 * SPS, 32, 64], w_desc.layout)
     s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, SPS, 1, 64, 4], s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for q in gl.static_range(STAGES):
@@ -247,12 +264,12 @@ def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOT
         if q < NSLOTS:
             mbarrier.expect(ready.index(q), SLOT_BYTES)
             tma_load(s_desc, [0, slot0 + q, row0, 0], ready.index(q), s_smem.index(q))
-            tma_load(w_desc, [0, 0, slot0 + q, pair0, 0], ready.index(q), w_smem.index(q))
+            tma_load(w_desc, [4 * SPS * (slot0 + q), pair0, 0], ready.index(q), w_smem.index(q))
     words_smem = reinterpret(w_smem, gl.int32, [STAGES * SPS, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     s_steps = reinterpret(s_smem, gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     sel = _scale_selector(SL)
-    a_cur = gl.load(a_words + a_off, mask=a_mask, other=0)
+    a_cur = _act_load(a_words, a_off, a_mask, 0, BM, K_EDGE)
     acc = gl.zeros([4, 64, BM], gl.float32, mma)
     for i in range(NSLOTS):
         s = i % STAGES
@@ -266,13 +283,13 @@ def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOT
         if i + STAGES < NSLOTS:
             mbarrier.expect(ready.index(s), SLOT_BYTES)
             tma_load(s_desc, [0, slot0 + i + STAGES, row0, 0], ready.index(s), s_smem.index(s))
-            tma_load(w_desc, [0, 0, slot0 + i + STAGES, pair0, 0], ready.index(s), w_smem.index(s))
+            tma_load(w_desc, [4 * SPS * (slot0 + i + STAGES), pair0, 0], ready.index(s), w_smem.index(s))
         # the next step's activations, issued after the copy (its proxy fence waits for the
         # thread's outstanding memory operations)
-        a_nxt = gl.load(a_words + a_off + gl.minimum(SPS * i + 1, NSTEPS - 1) * 128, mask=a_mask, other=0)
+        a_nxt = _act_load(a_words, a_off, a_mask, gl.minimum(SPS * i + 1, NSTEPS - 1), BM, K_EDGE)
         acc = _step(acc, words0, ra, rb, sel, a_cur, WL, la, lb, BM, NATURAL_B=NATURAL_B, E8M0=E8M0)
         if SPS == 2:
-            a_cur = gl.load(a_words + a_off + gl.minimum(SPS * i + 2, NSTEPS - 1) * 128, mask=a_mask, other=0)
+            a_cur = _act_load(a_words, a_off, a_mask, gl.minimum(SPS * i + 2, NSTEPS - 1), BM, K_EDGE)
             acc = _step(acc, words1, na, nb, sel, a_nxt, WL, la, lb, BM, NATURAL_B=NATURAL_B, E8M0=E8M0)
         else:
             a_cur = a_nxt
@@ -325,9 +342,10 @@ def _down_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slot
                      E8M0: gl.constexpr = False):
     """Program (row block ``b``, weight tile ``n``): ``y[slot, 64 n ..] = route * g * down[e] @ h[slot]``
     (E8M0: MXFP4 scales, no global scale).
-    ``w_desc``, ``s_desc``: TMA descriptors of :func:`weight_view` (box ``[SPS, 4, 1, 32, 64]``: SPS
+    ``w_desc``, ``s_desc``: TMA descriptors of :func:`weight_view` (box ``[4 SPS, 32, 64]``: SPS
     steps of down per ring slot) and :func:`scale_view` (box ``[SPS, 1, 64, 4]``: their scale words);
-    ``h [S, I]`` bf16 with K's bits 0, 1 swapped; ``y [S, H]`` float32."""
+    ``h [S, I]`` bf16 with K's bits 0, 1 swapped; ``y [S, H]`` float32. I a multiple of 64, the last
+    step partial where it is not one of 256 SPS."""
     b = gl.program_id(0)
     n = gl.program_id(1)
     e = _block_expert(block_expert_ptr, b, SLOT_BLOCKS, E)
@@ -337,7 +355,8 @@ def _down_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slot
                                                SLOT_BLOCKS)
         h_words = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         acc = _ring_gemm(w_desc, s_desc, h_words, _act_offsets(slots_b, I // 2, BM), _act_mask(valid_b, BM),
-                         e * (H // 2) + n * 32, e * H + n * 64, 0, I // (256 * SPS), BM, STAGES, SPS, E8M0=E8M0)
+                         e * (H // 2) + n * 32, e * H + n * 64, 0, (I + 256 * SPS - 1) // (256 * SPS), BM, STAGES, SPS,
+                         E8M0=E8M0, K_EDGE=I if I % (256 * SPS) else 0)
         y = _warp_sum(acc, BM)
         YL: gl.constexpr = y.type.layout
         g = _global_scale(g_ptr, e, E8M0)
@@ -351,18 +370,20 @@ def _down_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slot
 
 
 def weight_view(down: torch.Tensor, sps: int) -> torch.Tensor:
-    """down's paired words ``[E, H/2, I/4]`` int32 as bytes ``[E H/2 pair rows, I]``, viewed ``[SPS
-    (step in slot), 4 (warp), I/(256 SPS) (slot), E H/2, 64]``: entry ``[j, w, q, p]`` is pair row
-    ``p``'s K chunk ``4 (SPS q + j) + w`` (64 elements of both its rows)."""
+    """down's paired words ``[E, H/2, I/4]`` int32 as bytes ``[E H/2 pair rows, I]``, viewed ``[I/64
+    (K chunk), E H/2, 64]``: entry ``[c, p]`` is pair row ``p``'s K chunk ``c`` (64 elements of both
+    its rows). A ring slot's box ``[4 SPS, 32, 64]`` holds chunks ``4 SPS q ..`` (step ``SPS q + j``,
+    warp ``w``: chunk ``4 (SPS q + j) + w``); a K edge is a dimension edge, past which TMA reads zeros.
+    ``sps`` is the box's business only (kept for the callers)."""
     num_experts, half_h, quarter_i = down.shape
     inter = 4 * quarter_i
-    return down.view(torch.uint8).reshape(num_experts * half_h, inter // (256 * sps), sps, 4, 64).permute(2, 3, 1, 0, 4)
+    return down.view(torch.uint8).reshape(num_experts * half_h, inter // 64, 64).permute(1, 0, 2)
 
 
 def scale_view(down_scale: torch.Tensor, sps: int) -> torch.Tensor:
-    """down's block scales ``[E, H, I/16]`` as int32 words ``[E H, I/64]`` (word ``c``: the four
-    blocks of K chunk ``c``), viewed ``[SPS, I/(256 SPS) (slot), E H, 4 (warp)]``: entry ``[j, q,
-    r, w]`` is row ``r``'s word of chunk ``4 (SPS q + j) + w``."""
+    """down's block scales ``[E, H, Is]`` (Is: whole 256-value steps, :func:`.layout.scale_columns`) as
+    int32 words ``[E H, Is/4]`` (word ``c``: the four blocks of K chunk ``c``), viewed ``[SPS, Is/(4 SPS)
+    (slot), E H, 4 (warp)]``: entry ``[j, q, r, w]`` is row ``r``'s word of chunk ``4 (SPS q + j) + w``."""
     num_experts, hidden, blocks = down_scale.shape
     words = down_scale.view(torch.uint8).view(torch.int32)
     return words.reshape(num_experts * hidden, blocks // (16 * sps), sps, 4).permute(2, 1, 0, 3)
@@ -379,10 +400,11 @@ def down_v3(h, down, down_scale, down_global_scale, topk_weights, y, sorted_slot
             hidden, inter, bm, slot_blocks, num_experts, stages=2, sps=2):
     """``y = route * down @ h`` per slot (:func:`_down_v3_kernel`) over the routed row blocks (one
     per slot with ``slot_blocks``, ``bm`` 8)."""
-    if inter % (256 * sps) or hidden % 64:
-        raise ValueError(f"decode_v3: I must be a multiple of {256 * sps} and H of 64, got {inter}, {hidden}")
+    if inter % 64 or hidden % 64 or down_scale.shape[-1] % (16 * sps):
+        raise ValueError(f"decode_v3: I and H must be multiples of 64 and the scale rows of {sps} steps, got {inter}, "
+                         f"{hidden}, {down_scale.shape[-1]}")
     launch_or_compile(_down_v3_kernel, (block_expert.numel(), hidden // 64), h,
-                      _descriptor(weight_view(down, sps), [sps, 4, 1, 32, 64]),
+                      _descriptor(weight_view(down, sps), [4 * sps, 32, 64]),
                       _descriptor(scale_view(down_scale, sps), [sps, 1, 64, 4]), down_global_scale, topk_weights, y,
                       sorted_slot, block_expert, row_start, row_end,
                       H=hidden, I=inter, BM=bm, SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, SPS=sps,
@@ -398,13 +420,15 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
     gpt-oss's clamped SwiGLU with the biases ``gate_up_bias [E, 2I]``; E8M0: MXFP4 scales) for
     ``i = 32 n ..`` (rows 0-31 of the tile gate rows, 32-63 the same up rows), stored with K's
     bits 0, 1 swapped for :func:`_down_v3_kernel`. ``w_desc``, ``s_desc``:
-    TMA descriptors of :func:`gate_up_views` (boxes ``[4, 1, 2, 16, 64]`` and ``[1, 2, 1, 32, 4]``:
-    one step per ring slot); ``x [T, H]`` bf16 in natural order (token = slot // TOPK)."""
+    TMA descriptors of :func:`gate_up_views` (boxes ``[4, 2, 16, 64]`` and ``[1, 2, 1, 32, 4]``:
+    one step per ring slot); ``x [T, H]`` bf16 in natural order (token = slot // TOPK). H a multiple
+    of 64: a partial last step reads zeros from TMA past H, and x's words there not at all."""
     b = gl.program_id(0)
     n = gl.program_id(1)
     e = _block_expert(block_expert_ptr, b, SLOT_BLOCKS, E)
     if e >= 0:
-        NSTEPS: gl.constexpr = H // 256
+        NSTEPS: gl.constexpr = (H + 255) // 256
+        K_EDGE: gl.constexpr = H if H % 256 else 0
         mma: gl.constexpr = _MMA
         la: gl.constexpr = _LA
         lb: gl.constexpr = _LB
@@ -416,7 +440,7 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
 
         # the ring: per slot [4 warps' chunks, gate/up, 16 pair rows, 64 bytes] (pair row 16 half
         # + p) and the scale words [gate/up, 32 rows, 4 warps]
-        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 1, 2, 16, 64], w_desc.layout)
+        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 2, 16, 64], w_desc.layout)
         s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, 2, 1, 32, 4], s_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for q in gl.static_range(STAGES):
@@ -426,7 +450,7 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
             if q < NSTEPS:
                 mbarrier.expect(ready.index(q), SLOT_BYTES)
                 tma_load(s_desc, [q, 0, e, n * 32, 0], ready.index(q), s_smem.index(q))
-                tma_load(w_desc, [0, q, 2 * e, n * 16, 0], ready.index(q), w_smem.index(q))
+                tma_load(w_desc, [4 * q, 2 * e, n * 16, 0], ready.index(q), w_smem.index(q))
         words_smem = reinterpret(w_smem, gl.int32, [STAGES, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         s_steps = reinterpret(s_smem, gl.int32, [STAGES, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
@@ -445,7 +469,7 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
         x_words = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         x_mask = gl.expand_dims(gl.expand_dims(valid_b, 0), 2) & gl.expand_dims(gl.expand_dims(bq >= 0, 0), 1)
 
-        x_cur = gl.load(x_words + x_off, mask=x_mask, other=0)
+        x_cur = _act_load(x_words, x_off, x_mask, 0, BM, K_EDGE)
         acc = gl.zeros([4, 64, BM], gl.float32, mma)
         for i in range(NSTEPS):
             s = i % STAGES
@@ -456,9 +480,8 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
             if i + STAGES < NSTEPS:
                 mbarrier.expect(ready.index(s), SLOT_BYTES)
                 tma_load(s_desc, [i + STAGES, 0, e, n * 32, 0], ready.index(s), s_smem.index(s))
-                tma_load(w_desc, [0, i + STAGES, 2 * e, n * 16, 0], ready.index(s),
-                                                w_smem.index(s))
-            x_nxt = gl.load(x_words + x_off + gl.minimum(i + 1, NSTEPS - 1) * 128, mask=x_mask, other=0)
+                tma_load(w_desc, [4 * (i + STAGES), 2 * e, n * 16, 0], ready.index(s), w_smem.index(s))
+            x_nxt = _act_load(x_words, x_off, x_mask, gl.minimum(i + 1, NSTEPS - 1), BM, K_EDGE)
             acc = _step(acc, words, ra, rb, sel, x_cur, WL, la, lb, BM, NATURAL_B=True, E8M0=E8M0)
             x_cur = x_nxt
 
@@ -490,14 +513,16 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
 
 def gate_up_views(gate_up: torch.Tensor, gate_up_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up's paired words ``[E, I, H/4]`` int32 as bytes ``[2E (expert, gate/up), I/2 pair rows,
-    H]`` viewed ``[4 (warp), H/256 (step), 2E, I/2, 64]`` (entry ``[w, s, 2e + u, p]``: chunk ``4s +
-    w`` of pair row ``p`` of expert e's gate (u 0) or up (u 1) rows), and its scales ``[E, 2I,
-    H/16]`` as int32 words viewed ``[H/256 (step), 2 (gate/up), E, I, 4 (warp)]`` (entry ``[s, u, e,
-    i, w]``: row ``u I + i``'s word of chunk ``4s + w``)."""
+    H]`` viewed ``[H/64 (K chunk), 2E, I/2, 64]`` (entry ``[c, 2e + u, p]``: chunk ``c`` of pair row
+    ``p`` of expert e's gate (u 0) or up (u 1) rows; step ``s``'s box holds chunks ``4s + w``, zeros
+    past H), and its scales ``[E, 2I, Hs]`` (whole steps, :func:`.layout.scale_columns`) as int32
+    words viewed ``[Hs/16 (step), 2 (gate/up), E, I, 4 (warp)]`` (entry ``[s, u, e, i, w]``: row
+    ``u I + i``'s word of chunk ``4s + w``)."""
     num_experts, inter, quarter_h = gate_up.shape
     hidden = 4 * quarter_h
-    weights = gate_up.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden // 256, 4, 64).permute(3, 2, 0, 1, 4)
-    words = gate_up_scale.view(torch.uint8).view(torch.int32).reshape(num_experts, 2, inter, hidden // 256, 4)
+    weights = gate_up.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden // 64, 64).permute(2, 0, 1, 3)
+    steps = gate_up_scale.shape[-1] // 16
+    words = gate_up_scale.view(torch.uint8).view(torch.int32).reshape(num_experts, 2, inter, steps, 4)
     return weights, words.permute(3, 1, 0, 2, 4)
 
 
@@ -505,10 +530,11 @@ def gate_up_v3(x, gate_up, gate_up_scale, gate_up_global_scale, h, sorted_slot, 
                inter, top_k, bm, slot_blocks, num_experts, stages=2, gpt_oss=None):
     """``h = silu(gate . x) * (up . x)`` per slot (:func:`_gate_up_v3_kernel`), ``h``'s K bits 0, 1 swapped.
     ``gpt_oss``: :class:`.layout.GptOssTerms` for gpt-oss's activation; int8 ``gate_up_scale``: E8M0 scales (MXFP4)."""
-    if hidden % 256 or inter % 32:
-        raise ValueError(f"decode_v3: H must be a multiple of 256 and I of 32, got {hidden}, {inter}")
+    if hidden % 64 or inter % 32 or gate_up_scale.shape[-1] % 16:
+        raise ValueError(f"decode_v3: H must be a multiple of 64, I of 32 and the scale rows whole steps, got {hidden}, "
+                         f"{inter}, {gate_up_scale.shape[-1]}")
     weights, scales = gate_up_views(gate_up, gate_up_scale)
-    launch_or_compile(_gate_up_v3_kernel, (block_expert.numel(), inter // 32), x, _descriptor(weights, [4, 1, 2, 16, 64]),
+    launch_or_compile(_gate_up_v3_kernel, (block_expert.numel(), inter // 32), x, _descriptor(weights, [4, 2, 16, 64]),
                       _descriptor(scales, [1, 2, 1, 32, 4]), gate_up_global_scale, h,
                       sorted_slot, block_expert, row_start, row_end, H=hidden, I=inter, TOPK=top_k, BM=bm,
                       SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, E8M0=gate_up_scale.dtype == torch.int8,
@@ -580,7 +606,7 @@ def linear_v3(x2, words, weight_scale, global_scale, bias, out, partials, counte
                          f"K's {slots} slots; got N={n}, K={k}")
     tokens = x2.shape[0]
     grid = (n // 64, -(-tokens // bm), parts)
-    launch_or_compile(_linear_v3_kernel, grid, x2, _descriptor(weight_view(words[None], sps), [sps, 4, 1, 32, 64]),
+    launch_or_compile(_linear_v3_kernel, grid, x2, _descriptor(weight_view(words[None], sps), [4 * sps, 32, 64]),
                       _descriptor(scale_view(weight_scale[None], sps), [sps, 1, 64, 4]), global_scale,
                       out if bias is None else bias, out, partials, out if counters is None else counters, tokens,
                       n, k, BM=bm, PART_SLOTS=slots // parts, STAGES=stages, SPS=sps, HAS_BIAS=bias is not None,

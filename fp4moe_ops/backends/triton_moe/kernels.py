@@ -275,7 +275,7 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                    FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
                    FAST_SCALES: tl.constexpr = True, k_lo=0, k_hi=0, A_NATURAL: tl.constexpr = False,
                    a_desc=None, a_row0=0, A_TMA: tl.constexpr = False, BM: tl.constexpr = 16,
-                   GATE_UP: tl.constexpr = False, desc_expert=0, DIAG: tl.constexpr = 0):
+                   GATE_UP: tl.constexpr = False, desc_expert=0, DIAG: tl.constexpr = 0, K_TAIL: tl.constexpr = 0):
     """``acc [BN, BM] += W[rows, k_lo:k_hi] @ A[a_rows, k_lo:k_hi]^T`` (``k_hi = 0``: K) with W NVFP4
     ``[*, K/2]`` bytes (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk,
     or with A_NATURAL too, A is in natural order and read permuted: for small A, no copy to make;
@@ -296,6 +296,12 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     ``[2, I, *]`` (gate, up) and the tile is rows ``desc_row .. desc_row + BN/2`` of both, for expert
     ``desc_expert``: here ``desc_row`` is a row within I, where the 2-D TMA path takes a row of
     ``[E*N, *]``.
+
+    K_TAIL (``K % BK`` > 0, gpt-oss's 2880; TMA only): the last ``K_TAIL`` columns are one more,
+    partial step after the loop. TMA fills the weights past K with zeros (and the scales are held in
+    whole steps, zeros past K); A's last partial chunk is held in natural order (no full chunk to
+    permute within), read with the fragment order's addresses and masked past K: zero weights times
+    zero activations, so the sum is the unpadded one, exactly.
     """
     dtype = a_ptr.dtype.element_ty
     kb = tl.arange(0, BK // 2)
@@ -312,7 +318,11 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
         # through TMA, has empty K parts)
         packed = tl.load(w_ptrs + k_lo // 2)
         sbytes = tl.load(s_ptrs + k_lo // 16)
-    for k0 in range(k_lo, k_end, BK):
+    if K_TAIL > 0:
+        k_main = k_end - K_TAIL
+    else:
+        k_main = k_end
+    for k0 in range(k_lo, k_main, BK):
         if A_TMA:
             a = _fragment_order_tile(a_desc.load([a_row0, k0]), BM, BK)
         else:
@@ -348,7 +358,46 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
         acc = tl.dot(w, a, acc)
         if PREFETCH and not TMA:
             packed, sbytes = packed_next, sbytes_next
+    if K_TAIL > 0:
+        acc = _expert_matmul_tail(acc, a_ptr, a_rows, row_mask, K, k_main, BN, BK, FAST_DECODE, INTERPRET,
+                                  w_desc, s_desc, desc_row, FRAGMENT_ORDER, PAIRED, FAST_SCALES, GATE_UP, desc_expert,
+                                  DIAG, K_TAIL)
     return acc
+
+@triton.jit
+def _expert_matmul_tail(acc, a_ptr, a_rows, row_mask, K, k0, BN: tl.constexpr, BK: tl.constexpr,
+                        FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr, w_desc, s_desc, desc_row,
+                        FRAGMENT_ORDER: tl.constexpr, PAIRED: tl.constexpr, FAST_SCALES: tl.constexpr,
+                        GATE_UP: tl.constexpr, desc_expert, DIAG: tl.constexpr, K_TAIL: tl.constexpr):
+    """:func:`_expert_matmul`'s last, partial K step (``K_TAIL`` columns from ``k0``), TMA tiles only."""
+    dtype = a_ptr.dtype.element_ty
+    kk = tl.arange(0, BK)
+    if FRAGMENT_ORDER:
+        src = _fragment_source(kk, BK)
+    else:
+        src = kk
+    a = tl.load(a_ptr + a_rows[None, :] * K + k0 + src[:, None], mask=row_mask[None, :] & (src[:, None] < K_TAIL),
+                other=0.0)
+    if GATE_UP:
+        if PAIRED:
+            packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
+        else:
+            packed = w_desc.load([desc_expert, 0, desc_row, k0 // 2]).reshape(BN, BK // 2)
+        sbytes = s_desc.load([desc_expert, 0, desc_row, k0 // 16]).reshape(BN, BK // 16)
+    else:
+        tl.static_assert(BK >= 256, "a partial K step needs the scales through TMA")
+        if PAIRED:
+            packed = w_desc.load([desc_row // 2, k0])
+        else:
+            packed = w_desc.load([desc_row, k0 // 2])
+        sbytes = s_desc.load([desc_row, k0 // 16])
+    if FRAGMENT_ORDER:
+        w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED, FAST_SCALES, DIAG)
+    else:
+        w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE)
+    if INTERPRET:
+        a, w = a.to(tl.float32), w.to(tl.float32)
+    return tl.dot(w, a, acc)
 
 @triton.jit
 def _global_scale(g_ptr, s_ptr, e):
@@ -403,7 +452,7 @@ def _gate_up_swiglu_kernel(
             acc = _expert_matmul(zero, w_e, s_e, tl.arange(0, BN), x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                  FAST_DECODE, INTERPRET, w_desc, s_desc, i0, TMA, FRAGMENT_ORDER, PAIRED,
                                  FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, GATE_UP=True, desc_expert=e,
-                                 DIAG=DIAG)
+                                 DIAG=DIAG, K_TAIL=H % BK)
             gate, up = tl.split(tl.permute((acc * g).reshape(2, BN // 2, BM), (1, 2, 0)))  # rows [gate; up]
             cols = i0 + tl.arange(0, BN // 2)
         else:
@@ -411,10 +460,10 @@ def _gate_up_swiglu_kernel(
             row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
             acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                       FAST_DECODE, INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER, PAIRED,
-                                      FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, DIAG=DIAG)
+                                      FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, DIAG=DIAG, K_TAIL=H % BK)
             acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                     FAST_DECODE, INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER, PAIRED,
-                                    FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, DIAG=DIAG)
+                                    FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, DIAG=DIAG, K_TAIL=H % BK)
             gate = acc_gate * g
             up = acc_up * g
         if GPT_OSS:
@@ -423,8 +472,10 @@ def _gate_up_swiglu_kernel(
                              swiglu_alpha, limit)
         else:
             h = gate * tl.sigmoid(gate) * up
-        if FRAGMENT_ORDER:  # the down GEMM reads its K axis (our columns) in fragment order
+        if FRAGMENT_ORDER and I % OUT_CHUNK == 0:  # the down GEMM reads its K axis (our columns) in fragment order
             cols = _fragment_position(cols, OUT_CHUNK)
+        elif FRAGMENT_ORDER:  # a partial last chunk stays in natural order (see _expert_matmul's K_TAIL)
+            cols = tl.where(cols < I - I % OUT_CHUNK, _fragment_position(cols, OUT_CHUNK), cols)
         tl.store(out_ptr + slots[None, :] * I + cols[:, None], h.to(out_ptr.dtype.element_ty),
                  mask=row_mask[None, :])
 
@@ -451,7 +502,7 @@ def _down_kernel(
         acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
                              BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
                              e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop,
-                             DIAG=DIAG)
+                             DIAG=DIAG, K_TAIL=I % BK)
         g = _global_scale(g_ptr, s_ptr, e)
         if a_ptr.dtype.element_ty == tl.bfloat16:
             g = g * 4194304.0
@@ -465,13 +516,14 @@ def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_pt
                   tail_expert_ptr, tail_row_start_ptr, tail_row_end_ptr,
                   BM: tl.constexpr, E_PAD: tl.constexpr, R_CHUNK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
                   CHUNK: tl.constexpr, X_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                  CHUNKS: tl.constexpr = 0, TAIL: tl.constexpr = 0):
+                  CHUNKS: tl.constexpr = 0, TAIL: tl.constexpr = 0, X_NATURAL_TAIL: tl.constexpr = False):
     """:func:`route` in the first programs: one launch instead of ~12 torch ops. Decode-sized S
     (``CHUNKS == 0``): ``ceil(S / R_CHUNK)`` programs, each counting every slot itself. Prefill
     (``CHUNKS`` > 0): ``CHUNKS`` programs of ``CHUNK_SLOTS`` slots each, reading the per-chunk
     counts :func:`_route_count_kernel` wrote (``chunk_counts [CHUNKS, E_PAD]``). The other
     programs (if any) copy ``x [T, H]`` into :func:`fragment_order` with ``CHUNK``-wide chunks,
-    which saves the permute's own launch. ``TAIL`` > 0: an expert's
+    which saves the permute's own launch (X_NATURAL_TAIL: ``H % CHUNK`` > 0, the partial last chunk
+    copied in natural order, as :func:`.layout.fragment_order` leaves it). ``TAIL`` > 0: an expert's
     last block of at most ``TAIL`` rows goes to the tail table (indexed by expert, -1 where none)
     instead of the block table (see :func:`_route_program`).
 
@@ -490,6 +542,8 @@ def _route_kernel(ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_pt
         mask = idx < X_NUMEL
         c = idx % H
         natural = _fragment_source(c, CHUNK)
+        if X_NATURAL_TAIL:
+            natural = tl.where(c < H - H % CHUNK, natural, c)
         tl.store(x_fragment_ptr + idx, tl.load(x_ptr + idx - c + natural, mask=mask), mask=mask)
     else:
         _route_program(p, ids_ptr, sorted_slot_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,

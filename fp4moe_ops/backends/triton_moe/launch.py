@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from .compile_ahead import async_compile_active, compile_all, compiling_ahead, launch_or_compile, planned_slots
-from .layout import GptOssTerms, fits_tma, fragment_order
+from .layout import GptOssTerms, fits_tma, fits_tma_edges, fragment_order
 from ...env import env_switch
 
 try:
@@ -127,6 +127,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
             *(routed[4:] if tail else routed[:1] * 3), BM=block_m, E_PAD=e_pad, R_CHUNK=ROUTE_CHUNK,
             COUNT_BLOCK=count_block, CHUNK=max(fragment_chunk, 16), X_BLOCK=x_block,
             CHUNKS=ROUTE_CHUNKS if chunked else 0, TAIL=tail, num_warps=4, **_pdl_args(pdl),
+            **({"X_NATURAL_TAIL": True} if copy and x.shape[-1] % max(fragment_chunk, 16) else {}),
         )
     elif tail:  # no slots, no launch: no expert has a tail block
         routed[4].fill_(-1)
@@ -175,7 +176,8 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, routed_experts: int = 0) -> dict:
+def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, routed_experts: int = 0,
+                  edges: bool = False) -> dict:
     """Tile sizes by shape bucket, chosen from H200 sweeps (benchmarks/probes/sweep_triton.py; the
     measurements behind each choice: benchmarks/NOTES.md, "Where launch.py's settings come from"). Static: nothing is tuned at call time or in graph capture.
 
@@ -183,9 +185,14 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     (``routed_experts``, e.g. 256 on an expert-parallel rank holding 32, or 288 for DeepSeek-V3's
     256 top-8 experts with the shared expert as a 257th on every token; 0: ``num_experts``).
     Counting only local experts would put an EP=8 rank's decode batches of 64+ tokens, ~2 real
-    rows per expert, in the prefill bucket."""
+    rows per expert, in the prefill bucket.
+
+    ``edges``: the weights are gpt-oss's kernel layout (:func:`.layout.gpt_oss_kernel_tensors`), H
+    and I multiples of 64 (2880 for gpt-oss) whose K edges the kernels mask (:func:`.layout.fits_tma_edges`):
+    the same buckets and kernels as H and I multiples of 256, K tiles of 256 with a partial last one,
+    weight tiles that divide N."""
     rows_per_expert = num_slots / max(1, min(routed_experts or num_experts, num_slots))
-    tma = fits_tma(hidden, inter)
+    tma = fits_tma(hidden, inter) or (edges and fits_tma_edges(hidden, inter))
     # memory-bound, one M block per expert; past 8 rows on average (random routing) a 16-row
     # block leaves many experts with a second block that re-reads their weights
     middle = tma and 8 < rows_per_expert <= 16
@@ -207,6 +214,10 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
         BN_DOWN=_pow2_divisor(hidden, bn_down), BK_DOWN=_pow2_divisor(inter, bk_down),
         num_warps=warps, num_stages=stages, PREFETCH=prefetch, maxnreg=regs,
     )
+    if tma and not fits_tma(hidden, inter):
+        # K tiles stay 256 wide (16-byte TMA rows of scales, the merged gate/up boxes), the last one
+        # partial (kernels._expert_matmul's tail); the merged gate_up tile's halves divide I
+        cfg |= dict(BK_GATE_UP=bk_gate_up, BK_DOWN=bk_down, BN_GATE_UP=2 * _pow2_divisor(inter, bn_gate_up // 2))
     # Weights through TMA (bulk copies pipelined over num_stages), and K in MMA-fragment order:
     # vector loads of each thread's weight bytes instead of byte loads and shuffles, fewer
     # instructions per K step, fewer still with the paired weight layout (layout.py, held by
@@ -233,7 +244,7 @@ def kernel_config(num_slots: int, num_experts: int, hidden: int, inter: int, rou
     # TMA ring (decode_v3.py; Hopper, bf16 and Gluon only, checked at the call), in 8-row blocks:
     # faster than the wgmma kernels up to 6 rows per expert, slower at 8. Rings of 2 slots: the down GEMM's
     # of 2 steps (256 K each) where I allows, of one at one token, the gate_up GEMM's of one step
-    cfg["DECODE_V3"] = tma and rows_per_expert <= V3_MAX_ROWS and hidden % 256 == 0 and inter % 256 == 0
+    cfg["DECODE_V3"] = tma and rows_per_expert <= V3_MAX_ROWS
     if cfg["DECODE_V3"]:
         cfg |= dict(V3_STAGES=2, V3_SPS=2 if inter % 512 == 0 else 1, V3_SPS_ONE_TOKEN=1, V3_STAGES_GATE_UP=2, V3_BM=8)
     return cfg
@@ -253,7 +264,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     num_slots = num_tokens * top_k
     if config is None and _compile_ahead():
         compile_layer_once(hidden_states, topk_ids, topk_weights, expert_tensors, routed_experts, gpt_oss)
-    cfg = config or kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
+    cfg = config or kernel_config(num_slots, num_experts, hidden, inter, routed_experts, edges=gpt_oss is not None)
     paired = gate_up.dtype == torch.int32
     if config is None:
         _announce_once(("moe", hidden_states.device, hidden_states.dtype, paired), hidden_states,
@@ -271,6 +282,11 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         # packing assumption likely fails there (the CPU interpreter's sums are right; NOTES.md).
         # kernel_config never makes them
         raise ValueError(f"fragment-order configs need BM a multiple of 16, got {cfg['BM']}")
+    if (hidden % cfg["BK_GATE_UP"] or inter % cfg["BK_DOWN"]) and not (cfg.get("TMA") and cfg["BK_GATE_UP"] >= 256
+                                                                       and cfg["BK_DOWN"] >= 256):
+        # a partial last K step reads its weights and scales through TMA (zeros past K)
+        raise ValueError(f"H={hidden}, I={inter} not multiples of the K tiles ({cfg['BK_GATE_UP']}, {cfg['BK_DOWN']}) "
+                         "need a TMA config with K tiles of at least 256")
     x = hidden_states.contiguous()
     if cfg.get("GLUON_PREFILL") and paired and _gluon_runs(x):
         return _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, gpt_oss=gpt_oss)
@@ -337,9 +353,11 @@ def _down_bias(gpt_oss, topk_weights):
 def triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, swiglu_alpha: float, limit: float,
                        config: dict | None = None):
     """gpt-oss's experts on the Triton kernels: ``kernel_tensors`` as
-    :func:`.layout.gpt_oss_kernel_tensors` makes them (H and I padded to multiples of 256; six for
-    MXFP4, whose E8M0 scales are duplicated per 16 values, eight for NVFP4); the activations are
-    padded to match and the output cut back to ``hidden_states``' width."""
+    :func:`.layout.gpt_oss_kernel_tensors` makes them (six for MXFP4, whose E8M0 scales are
+    duplicated per 16 values, eight for NVFP4). H and I as held: the kernels mask the K edges of
+    gpt-oss's 2880 (:func:`.layout.fits_tma_edges`). Only a layout padded past ``hidden_states``'
+    width (H not a multiple of 64, or the padded layout benchmarks compare) pads the activations and
+    cuts the output back, two copies per call."""
     if len(kernel_tensors) == 8:
         (gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias,
          down, down_scale, down_global_scale, down_bias) = kernel_tensors
@@ -348,15 +366,16 @@ def triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, sw
         # (E8M0 scales need no global scale: the kernels ignore it, so the bias stands in for it)
         gate_up_global_scale = down_global_scale = gate_up_bias
     hidden = hidden_states.shape[1]
-    padded = down.shape[1] * 2  # down [E, Hp/2, Ip/4] (paired words)
-    x = hidden_states if padded == hidden else torch.nn.functional.pad(hidden_states, (0, padded - hidden))
+    held = down.shape[1] * 2  # down [E, Hp/2, Ip/4] (paired words)
+    x = hidden_states if held == hidden else torch.nn.functional.pad(hidden_states, (0, held - hidden))
     out = triton_fused_moe(x, topk_ids, topk_weights,
                            [gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale], config,
                            gpt_oss=GptOssTerms(gate_up_bias, down_bias, swiglu_alpha, limit))
-    return out if padded == hidden else out[:, :hidden].contiguous()
+    return out if held == hidden else out[:, :hidden].contiguous()
 
 
-def variant_slots(num_experts: int, hidden: int, inter: int, top_k: int, routed_experts: int = 0) -> list[int]:
+def variant_slots(num_experts: int, hidden: int, inter: int, top_k: int, routed_experts: int = 0,
+                  edges: bool = False) -> list[int]:
     """One slot count per distinct set of kernels a layer can launch: the smallest slot count (a
     multiple of ``top_k``) of each combination of :func:`kernel_config` and routing path. Every
     rule is a threshold on the slot count (rows per expert never fall as slots grow), and past the
@@ -365,7 +384,7 @@ def variant_slots(num_experts: int, hidden: int, inter: int, top_k: int, routed_
     last = max(GLUON_PREFILL_MIN_ROWS * routed, FAST_ROUTE_MAX_SLOTS + 1)
     seen = {}
     for slots in range(top_k, last + top_k, top_k):
-        cfg = kernel_config(slots, num_experts, hidden, inter, routed_experts)
+        cfg = kernel_config(slots, num_experts, hidden, inter, routed_experts, edges)
         key = (tuple(sorted(cfg.items())), slots == top_k, slots <= FAST_ROUTE_MAX_SLOTS, _count_block(slots))
         seen.setdefault(key, slots)
     return sorted(seen.values())
@@ -385,9 +404,11 @@ def layer_plans(hidden_states, topk_ids, topk_weights, expert_tensors, routed_ex
     num_experts, inter = expert_tensors[1].shape[0], expert_tensors[1].shape[1] // 2
     hidden, top_k = hidden_states.shape[1], topk_ids.shape[1]
     one = [t[:1].clone(memory_format=torch.contiguous_format) for t in (hidden_states, topk_ids, topk_weights)]
+    edges = gpt_oss is not None
     return [(slots, partial(triton_fused_moe, *one, expert_tensors, routed_experts=routed_experts,
-                            config=kernel_config(slots, num_experts, hidden, inter, routed_experts), gpt_oss=gpt_oss))
-            for slots in reversed(variant_slots(num_experts, hidden, inter, top_k, routed_experts))]
+                            config=kernel_config(slots, num_experts, hidden, inter, routed_experts, edges),
+                            gpt_oss=gpt_oss))
+            for slots in reversed(variant_slots(num_experts, hidden, inter, top_k, routed_experts, edges))]
 
 
 _COMPILED_SHAPES = set()  # layer and linear shapes compiled ahead in this process
@@ -469,12 +490,13 @@ def _gluon_runs(x: torch.Tensor) -> bool:
 
 
 def kernel_family(x: torch.Tensor, num_slots: int, num_experts: int, hidden: int, inter: int,
-                  routed_experts: int = 0, paired: bool = True) -> str:
+                  routed_experts: int = 0, paired: bool = True, edges: bool = False) -> str:
     """The kernels a call of ``num_slots`` (token, expert) slots runs: ``"gluon-decode"`` (mma.sync,
     decode_v3.py), ``"gluon-prefill"`` (wgmma with the weights decoded in registers, prefill_rs.py),
     ``"triton-wgmma"`` (the single-role Triton kernels through TMA, kernels.py) or ``"triton"`` (the
-    same with plain loads), as :func:`triton_fused_moe` picks them."""
-    cfg = kernel_config(num_slots, num_experts, hidden, inter, routed_experts)
+    same with plain loads), as :func:`triton_fused_moe` picks them (``edges``: for gpt-oss's
+    experts, see :func:`kernel_config`)."""
+    cfg = kernel_config(num_slots, num_experts, hidden, inter, routed_experts, edges)
     gluon = paired and _gluon_runs(x)
     if cfg.get("GLUON_PREFILL") and gluon:
         return "gluon-prefill"

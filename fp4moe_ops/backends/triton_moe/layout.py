@@ -94,6 +94,22 @@ def fits_tma(hidden: int, inter: int) -> bool:
     return hidden % 256 == 0 and inter % 256 == 0
 
 
+def fits_tma_edges(hidden: int, inter: int) -> bool:
+    """Whether the kernels run H and I as they are in gpt-oss's kernel layout, the last K step
+    partial (TMA fills what lies past K with zeros): multiples of 64, the K chunk of the Gluon
+    kernels' views and the narrowest weight tile (gpt-oss's 2880 = 45 x 64)."""
+    return hidden % KERNEL_MULTIPLE == 0 and inter % KERNEL_MULTIPLE == 0
+
+
+KERNEL_MULTIPLE = 64  # see fits_tma_edges
+
+
+def scale_columns(k: int, values_per_byte: int = 16) -> int:
+    """Bytes per row of block scales over K = ``k`` as the kernels hold them: whole 256-value steps
+    (TMA needs 16-byte rows; gpt-oss's 2880 values: 180 bytes of scales, held as 192)."""
+    return -(-k // 256) * (256 // values_per_byte)
+
+
 # --- MMA-fragment order of the K axis ----------------------------------------------------------
 #
 # Within each ``chunk``-wide piece of K, column ``16j + 8s + 2t + e`` holds natural index
@@ -116,20 +132,26 @@ def fragment_source(c, chunk):
 
 
 def fragment_order(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``x [..., K]`` with each ``chunk``-wide piece of K in fragment order (a copy)."""
-    return x[..., fragment_source(torch.arange(x.shape[-1], device=x.device), chunk)]
+    """``x [..., K]`` with each whole ``chunk``-wide piece of K in fragment order (a copy); a partial
+    last piece (K not a multiple of ``chunk``) stays in natural order."""
+    k = x.shape[-1]
+    c = torch.arange(k, device=x.device)
+    return x[..., torch.where(c < k - k % chunk, fragment_source(c, chunk), c)]
 
 
 # --- gpt-oss's experts in the kernels' layout ------------------------------------------------------
 #
 # The kernels read NVFP4-shaped tensors: rows [gate; up], one scale byte per 16 values, the paired
-# weight words, H and I multiples of 256. gpt-oss's experts (rows interleaving gate and up, H = I =
-# 2880) are moved into that shape without changing a value: the same E2M1 codes and scale bytes,
-# zero rows and columns up to the next multiple of 256 (zero codes and scales, zero biases: a padded
-# row of gate/up yields h = 0), and float32 biases. MXFP4 (fp4moe_ops.mxfp4: one E8M0 byte per 32
-# values) has each E8M0 byte written for both 16-value halves of its block, held as int8, which is
-# how the kernels tell E8M0 from E4M3 (uint8); 2^-127 .. 2^23 decode exactly on the GPU, larger
-# scales and NaN (0xFF) are refused. NVFP4 keeps its E4M3 bytes and per-expert global scales.
+# weight words. gpt-oss's experts (rows interleaving gate and up, H = I = 2880) are moved into that
+# shape without changing a value: the same E2M1 codes and scale bytes, and float32 biases. H and I
+# stay as they are where they are multiples of 64 (fits_tma_edges; gpt-oss's are): the kernels
+# mask the last, partial K step and tile N by divisors. Otherwise (small test shapes) they are
+# zero-padded to the next multiple of 64 (zero codes, scales and biases: a padded row of gate/up
+# yields h = 0), and the activations are padded per call. Scale rows are held in whole 256-value
+# steps (scale_columns: TMA's 16-byte rows), zeros past K. MXFP4 (fp4moe_ops.mxfp4: one E8M0 byte
+# per 32 values) has each E8M0 byte written for both 16-value halves of its block, held as int8,
+# which is how the kernels tell E8M0 from E4M3 (uint8); 2^-127 .. 2^23 decode exactly on the GPU,
+# larger scales and NaN (0xFF) are refused. NVFP4 keeps its E4M3 bytes and per-expert global scales.
 
 GPT_OSS_MAX_SCALE_BYTE = 127 + 23  # E8M0 byte of 2^23: the largest the kernels decode exactly
 
@@ -150,24 +172,24 @@ class GptOssTerms(NamedTuple):
                     GPT_OSS=True)
 
 
-def _pad_to(n: int, multiple: int = 256) -> int:
+def _pad_to(n: int, multiple: int = KERNEL_MULTIPLE) -> int:
     return -(-n // multiple) * multiple
 
 
 def _padded(packed: torch.Tensor, scales: torch.Tensor, rows: int, cols: int):
     """``packed [E, N, K/2]`` uint8 and ``scales [E, N, K/16]`` (one byte per 16 values) -> the same
-    zero-padded to ``[E, rows, cols/2]`` and ``[E, rows, cols/16]`` (N <= rows, K <= cols)."""
+    zero-padded to ``[E, rows, cols/2]`` and ``[E, rows, scale_columns(cols)]`` (N <= rows, K <= cols)."""
     experts, n, k_half = packed.shape
     out = torch.zeros(experts, rows, cols // 2, dtype=torch.uint8, device=packed.device)
     out[:, :n, :k_half] = packed
-    scale16 = torch.zeros(experts, rows, cols // 16, dtype=torch.uint8, device=packed.device)
+    scale16 = torch.zeros(experts, rows, scale_columns(cols), dtype=torch.uint8, device=packed.device)
     scale16[:, :n, :scales.shape[2]] = scales.view(torch.uint8)
     return out, scale16
 
 
 def _mxfp4_kernel_matrix(name: str, blocks: torch.Tensor, scales: torch.Tensor, rows: int, cols: int):
     """gpt-oss ``blocks [E, N, K/32, 16]`` / ``scales [E, N, K/32]`` -> canonical packed ``[E, rows,
-    cols/2]`` uint8 and int8 scales ``[E, rows, cols/16]``, zero-padded (N <= rows, K <= cols)."""
+    cols/2]`` uint8 and int8 scales ``[E, rows, scale_columns(cols)]``, zero-padded (N <= rows, K <= cols)."""
     bad = scales.gt(GPT_OSS_MAX_SCALE_BYTE)
     if bool(bad.any()):
         e, n, b = bad.nonzero()[0].tolist()
@@ -179,24 +201,29 @@ def _mxfp4_kernel_matrix(name: str, blocks: torch.Tensor, scales: torch.Tensor, 
     return packed, scale16.view(torch.int8)
 
 
-def gpt_oss_kernel_tensors(expert_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def gpt_oss_kernel_tensors(expert_tensors: list[torch.Tensor], multiple: int = KERNEL_MULTIPLE) -> list[torch.Tensor]:
     """gpt-oss's experts as ``fp4moe::gpt_oss_moe`` takes them -> the Triton backend's layout (Hp, Ip:
-    H, I rounded up to multiples of 256; the gate_up rows of packed weights, scales and bias: gate's,
+    H, I rounded up to multiples of ``multiple``, 64: H and I themselves for gpt-oss's 2880; Hs, Is:
+    :func:`scale_columns` of Hp, Ip; the gate_up rows of packed weights, scales and bias: gate's,
     then up's):
 
     * MXFP4, the six checkpoint tensors (:data:`fp4moe_ops.mxfp4.MXFP4_EXPERT_TENSORS`) -> ``[gate_up
-      [E, Ip, Hp/4] int32 (paired), gate_up_scale [E, 2Ip, Hp/16] int8 (E8M0), gate_up_bias [E, 2Ip]
-      float32, down [E, Hp/2, Ip/4] int32, down_scale [E, Hp, Ip/16] int8, down_bias [E, Hp]
+      [E, Ip, Hp/4] int32 (paired), gate_up_scale [E, 2Ip, Hs] int8 (E8M0), gate_up_bias [E, 2Ip]
+      float32, down [E, Hp/2, Ip/4] int32, down_scale [E, Hp, Is] int8, down_bias [E, Hp]
       float32]``; ValueError naming the tensor for a scale the kernels cannot decode exactly;
     * NVFP4, the eight tensors ``[gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, down,
       down_scale, down_global_scale, down_bias]`` -> the same with uint8 (E4M3) scales and the float32
       global scales ``[E]`` after each scale: ``[gate_up, gate_up_scale, gate_up_global_scale,
-      gate_up_bias, down, down_scale, down_global_scale, down_bias]``."""
+      gate_up_bias, down, down_scale, down_global_scale, down_bias]``.
+
+    ``multiple`` 256 gives the earlier, padded layout (3072 for gpt-oss; benchmarks compare it)."""
+    if multiple % KERNEL_MULTIPLE:
+        raise ValueError(f"multiple must be a multiple of {KERNEL_MULTIPLE}, got {multiple}")
     if len(expert_tensors) == 8:
         gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, down, down_scale, down_global_scale, down_bias = \
             expert_tensors
         inter, hidden = gate_up.shape[1] // 2, gate_up.shape[2] * 2
-        hp, ip = _pad_to(hidden), _pad_to(inter)
+        hp, ip = _pad_to(hidden, multiple), _pad_to(inter, multiple)
         gate, up = (_padded(gate_up[:, half::2], gate_up_scale[:, half::2], ip, hp) for half in (0, 1))
         down_k, down_scale_k = _padded(down, down_scale, hp, ip)
         gate_up_bias_k, down_bias_k = gpt_oss_kernel_biases(gate_up_bias, down_bias, ip, hp)
@@ -206,7 +233,7 @@ def gpt_oss_kernel_tensors(expert_tensors: list[torch.Tensor]) -> list[torch.Ten
     gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = expert_tensors
     experts, two_i, h_blocks = gate_up_scales.shape
     inter, hidden = two_i // 2, h_blocks * 32
-    hp, ip = _pad_to(hidden), _pad_to(inter)
+    hp, ip = _pad_to(hidden, multiple), _pad_to(inter, multiple)
     gate, up = (_mxfp4_kernel_matrix("gate_up_proj", gate_up_blocks[:, half::2], gate_up_scales[:, half::2], ip, hp)
                 for half in (0, 1))  # gate (even rows), up (odd rows)
     down_k, down_scale_k = _mxfp4_kernel_matrix("down_proj", down_blocks, down_scales, hp, ip)
@@ -217,7 +244,7 @@ def gpt_oss_kernel_tensors(expert_tensors: list[torch.Tensor]) -> list[torch.Ten
 
 def gpt_oss_kernel_biases(gate_up_bias: torch.Tensor, down_bias: torch.Tensor, ip: int, hp: int):
     """gpt-oss's ``gate_up_proj_bias [E, 2I]`` (interleaved) and ``down_proj_bias [E, H]`` -> the kernels'
-    float32 ``[E, 2Ip]`` (gate's, then up's) and ``[E, Hp]``, zero-padded."""
+    float32 ``[E, 2Ip]`` (gate's, then up's) and ``[E, Hp]``, zero-padded where Ip > I, Hp > H."""
     experts, inter, hidden = gate_up_bias.shape[0], gate_up_bias.shape[1] // 2, down_bias.shape[1]
     gate_up_k = torch.zeros(experts, 2 * ip, dtype=torch.float32, device=gate_up_bias.device)
     gate_up_k[:, :inter], gate_up_k[:, ip:ip + inter] = gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]

@@ -111,15 +111,20 @@ def _decode(words, sc_r, sc_r8):
 
 
 @gluon.jit
-def _scale_offsets(srow0, srow1, K, layout: gl.constexpr):
+def _scale_offsets(srow0, srow1, lrow0, lrow1, n_rows, S_ROW, layout: gl.constexpr):
     """Byte offsets of step 0's block scales of rows r, ``[64, 4]`` (pair row, t): box 0's pair
-    rows start at weight row ``srow0``, box 1's at ``srow1``; the words ``4 t .. 4 t + 3`` of a
-    64-wide step cover K ``16 t .. 16 t + 15`` (fragment order), block ``t``."""
+    rows start at weight row ``srow0`` (row ``lrow0`` of the expert's ``n_rows``), box 1's at
+    ``srow1`` (``lrow1``); ``S_ROW`` bytes a scale row; the words ``4 t .. 4 t + 3`` of a 64-wide
+    step cover K ``16 t .. 16 t + 15`` (fragment order), block ``t``. A tile past N (gpt-oss's
+    2880 rows in 128- and 256-row tiles) reads its expert's last 16 rows' scales instead: its sums
+    are not stored, and the loads stay inside the tensor without a mask in the K loop."""
     p = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, layout))
     q = p % 32
-    row = gl.where(p < 32, srow0, srow1) + (q // 8) * 16 + q % 8
-    return row.to(gl.int64)[:, None] * (K // 16) + t[None, :]
+    lbox = gl.where(p < 32, lrow0, lrow1)
+    group = gl.minimum(lbox + (q // 8) * 16, n_rows - 16)  # (rows r and r + 8 of one 16-row group)
+    row = gl.where(p < 32, srow0, srow1) + group - lbox + q % 8
+    return row.to(gl.int64)[:, None] * S_ROW + t[None, :]
 
 
 @gluon.jit
@@ -164,7 +169,7 @@ def _issue_w(w_desc, w_smem, w_ready, base, wbox, wpair, i, n2):
 
 @gluon.jit
 def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-               sorted_slot_ptr, e, row0, nrows, t, WG, N_OUT, K,
+               sorted_slot_ptr, e, row0, nrows, t, WG, N_OUT, K, S_ROW,
                EXPERT_PAIR_ROWS, GATE_UP, DIAG, gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS):
     """One warpgroup's half of the program: 128 weight rows (the gate_up GEMM: 64 gate rows and the same up
     rows; the down GEMM: 128 consecutive rows) x BLOCK_M tokens. Its weight ring is its own; the activation
@@ -185,8 +190,9 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
         wbox = p0 // (PAIRS // 2)  # down as [E H/64, 32, I] bytes: boxes of 32 pair rows
         wpair = 0
     p1 = p0 + (EXPERT_PAIR_ROWS // 2 if GATE_UP else PAIRS // 2)  # the gate_up GEMM: the up rows, I / 2 pair rows further
-    nk = K // BK
-    n2 = nk // 2  # pair steps (K a multiple of 128)
+    nk = (K + BK - 1) // BK  # K a multiple of 64
+    n2 = (nk + 1) // 2  # pair steps; with nk odd the last one's second step lies past K: TMA reads
+    # zeros for its weights and activations, and its scales are step nk - 1's (_step clamps)
     for i in gl.static_range(S):
         _issue_w(w_desc, w_all, w_ready_all, WG * S, wbox, wpair, i, n2)
     if WG == 0:
@@ -200,8 +206,11 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     # a slot's [2 steps, 2 boxes, 32 pair rows, 64 bytes] as [2 steps, 64 pair rows, 16 words]
     w_words = reinterpret(w_all, gl.int32, [4 * S, PAIRS, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    offs = _scale_offsets(2 * p0, 2 * p1, K, gl.SliceLayout(2, wl))
-    below = 8 * (K // 16)  # rows r + 8
+    if GATE_UP:  # box 0 gate rows col0 .., box 1 the same up rows
+        offs = _scale_offsets(2 * p0, 2 * p1, col0, col0, N_OUT, S_ROW, gl.SliceLayout(2, wl))
+    else:  # 128 consecutive rows
+        offs = _scale_offsets(2 * p0, 2 * p1, col0, col0 + 64, N_OUT, S_ROW, gl.SliceLayout(2, wl))
+    below = 8 * S_ROW  # rows r + 8
     ra = gl.load(s_ptr + offs)
     rb = gl.load(s_ptr + offs + below)
     na = gl.load(s_ptr + offs + 4 * gl.minimum(1, nk - 1))
@@ -265,12 +274,14 @@ def _step(k, acc, a_prev, scales, words_smem, x_tile, s_ptr, offs, below, nk, wl
 @gluon.jit
 def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_slot_ptr,
                          block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
-                         N_OUT: gl.constexpr, K: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr, GATE_UP: gl.constexpr,
+                         N_OUT: gl.constexpr, K: gl.constexpr, S_ROW: gl.constexpr, EXPERT_PAIR_ROWS: gl.constexpr,
+                         GATE_UP: gl.constexpr,
                          BLOCK_M: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr, DIAG: gl.constexpr = 0,
                          gate_up_bias_ptr=None, swiglu_alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False):
     """Program (weight tile ``t``, row block ``b`` of up to ``BLOCK_M`` tokens). The gate_up GEMM: tile ``t``
     is gate rows ``128 t ..`` and the same up rows; the down GEMM: weight rows ``256 t ..``.
-    ``EXPERT_PAIR_ROWS``: pair rows per expert. ``DIAG`` (diagnostics, wrong results): 1 no decode
+    ``EXPERT_PAIR_ROWS``: pair rows per expert; ``S_ROW``: bytes per scale row. N_OUT and K multiples
+    of 64: rows past N_OUT in the last tile are computed and not stored. ``DIAG`` (diagnostics, wrong results): 1 no decode
     (A a constant), 2 no MMA (the decode and the copies only), 3 both, the MMA on a constant A.
     GPT_OSS (the gate_up GEMM): gpt-oss's clamped SwiGLU with the biases ``gate_up_bias [E, 2 N_OUT]`` float32; int8
     scales ``s_ptr``: MXFP4's E8M0 (and no global scale)."""
@@ -295,10 +306,10 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
             mbarrier.init(w_ready.index(STAGES + i), count=1)
         gl.warp_specialize([
             (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-                          sorted_slot_ptr, e, row0, nrows, t, 0, N_OUT, K, EXPERT_PAIR_ROWS, GATE_UP, DIAG,
+                          sorted_slot_ptr, e, row0, nrows, t, 0, N_OUT, K, S_ROW, EXPERT_PAIR_ROWS, GATE_UP, DIAG,
                           gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS)),
             (_warpgroup, (x_desc, w_desc, x_smem, w_smem, x_ready, x_empty, w_ready, s_ptr, g_ptr, out_ptr, topk_w_ptr,
-                          sorted_slot_ptr, e, row0, nrows, t, 1, N_OUT, K, EXPERT_PAIR_ROWS, GATE_UP, DIAG,
+                          sorted_slot_ptr, e, row0, nrows, t, 1, N_OUT, K, S_ROW, EXPERT_PAIR_ROWS, GATE_UP, DIAG,
                           gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS)),
         ], [4], [REGS])
 
@@ -334,15 +345,16 @@ def _store_swiglu(acc, h_ptr, row0, nrows, col0, N_OUT, e, gate_up_bias_ptr, swi
     gate, up = gl.split(gl.permute(gl.reshape(acc, [2, 64, BLOCK_M]), [1, 2, 0]))
     c, _ = gl.split(gl.permute(gl.reshape(rows, [2, 64, BLOCK_M]), [1, 2, 0]))
     tok, _ = gl.split(gl.permute(gl.reshape(toks, [2, 64, BLOCK_M]), [1, 2, 0]))
+    inside = col0 + c < N_OUT  # (the last tile of gpt-oss's 2880 rows: half past N_OUT)
     if GPT_OSS:
         gate_up_bias_e = gate_up_bias_ptr + e.to(gl.int64) * (2 * N_OUT) + col0 + c
-        gate = gl.minimum(gate + gl.load(gate_up_bias_e), limit)
-        up = gl.minimum(gl.maximum(up + gl.load(gate_up_bias_e + N_OUT), -limit), limit)
+        gate = gl.minimum(gate + gl.load(gate_up_bias_e, mask=inside, other=0.0), limit)
+        up = gl.minimum(gl.maximum(up + gl.load(gate_up_bias_e + N_OUT, mask=inside, other=0.0), -limit), limit)
         h = gate / (1.0 + gl.exp(-swiglu_alpha * gate)) * (up + 1.0)
     else:
         h = gate / (1.0 + gl.exp(-gate)) * up
     offs = (row0 + tok).to(gl.int64) * N_OUT + _fragment_column(col0 + c, 64)
-    gl.store(h_ptr + offs, h.to(gl.bfloat16), mask=tok < nrows)
+    gl.store(h_ptr + offs, h.to(gl.bfloat16), mask=(tok < nrows) & inside)
 
 
 @gluon.jit
@@ -355,7 +367,7 @@ def _store_routed(acc, y_ptr, topk_w_ptr, sorted_slot_ptr, row0, nrows, col0, N_
     slot = gl.load(sorted_slot_ptr + row0 + n, mask=valid, other=0)
     route = gl.load(topk_w_ptr + slot, mask=valid, other=0.0)
     offs = slot.to(gl.int64)[None, :] * N_OUT + col0 + m[:, None]
-    gl.store(y_ptr + offs, acc * route[None, :], mask=valid[None, :])
+    gl.store(y_ptr + offs, acc * route[None, :], mask=valid[None, :] & (col0 + m < N_OUT)[:, None])
 
 
 def _scale_bytes(s: torch.Tensor) -> torch.Tensor:
@@ -409,8 +421,9 @@ def check_config(hidden: int, inter: int, block_m: int, stages: int, tails=()):
     if stages < 3 or not ring_fits(block_m, stages):
         raise ValueError(f"prefill_gemms: stages must be at least 3 and the rings fit in shared memory "
                          f"({ring_bytes(block_m, stages)} bytes at block_m={block_m}), got {stages}")
-    if hidden % 256 or inter % 256:  # pair steps of 128 K, 128- and 256-row weight tiles
-        raise ValueError(f"prefill_gemms: H and I must be multiples of 256, got H={hidden}, I={inter}")
+    if hidden % 64 or inter % 64:  # K chunks of 64 (a partial last pair step reads zeros past K), tiles
+        # past N computed and not stored, h's 64-wide fragment-order chunks
+        raise ValueError(f"prefill_gemms: H and I must be multiples of 64, got H={hidden}, I={inter}")
 
 
 def split_blocks(block_expert, row_start, row_end, num_experts: int, block_m: int, tails=()):
@@ -452,7 +465,8 @@ def prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, 
     its rows) runs in a launch of its own with ``tails[j]``-token tiles, the MMA work of its
     padding cut (each launch skips the others' blocks). ``launches``: that split as
     :func:`split_blocks` returns it, made elsewhere (the routing kernel makes a one-tail split
-    itself); None: :func:`split_blocks` makes it. H and I multiples of 256. MXFP4 (gpt-oss):
+    itself); None: :func:`split_blocks` makes it. H and I multiples of 64 (a partial last K step,
+    tiles past N not stored); scale rows of any length (``[E, N, *]``). MXFP4 (gpt-oss):
     int8 E8M0 scales (``gate_up_global_scale``, ``down_global_scale`` unused) and ``gpt_oss``
     (:class:`.layout.GptOssTerms`) for the gate_up GEMM's activation."""
     num_slots, hidden = x_sorted.shape
@@ -474,15 +488,17 @@ def prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, 
         dict(gate_up_bias_ptr=gate_up_global_scale, swiglu_alpha=1.0, limit=1.0, GPT_OSS=False)
     calls = []  # (grid, arguments, constexprs): the gate_up GEMM at each level, then the down GEMM
     for bm, experts, starts, ends in launches:
-        calls.append(((inter // 128, experts.numel()),
+        calls.append(((-(-inter // 128), experts.numel()),
                       (_descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), gate_up_desc,
                        _scale_bytes(gate_up_scale), gate_up_global_scale, h, topk_weights, sorted_slot, experts, starts, ends),
-                      dict(N_OUT=inter, K=hidden, EXPERT_PAIR_ROWS=inter, GATE_UP=True, BLOCK_M=bm, **act)))
+                      dict(N_OUT=inter, K=hidden, S_ROW=gate_up_scale.shape[-1], EXPERT_PAIR_ROWS=inter, GATE_UP=True,
+                           BLOCK_M=bm, **act)))
     for bm, experts, starts, ends in launches:
-        calls.append(((hidden // 256, experts.numel()),
+        calls.append(((-(-hidden // 256), experts.numel()),
                       (_descriptor(_by_k_step(h), [2, bm, BK.value], 128), down_desc, _scale_bytes(down_scale),
                        down_global_scale, y, topk_weights, sorted_slot, experts, starts, ends),
-                      dict(N_OUT=hidden, K=inter, EXPERT_PAIR_ROWS=hidden // 2, GATE_UP=False, BLOCK_M=bm, **act)))
+                      dict(N_OUT=hidden, K=inter, S_ROW=down_scale.shape[-1], EXPERT_PAIR_ROWS=hidden // 2,
+                           GATE_UP=False, BLOCK_M=bm, **act)))
     common = dict(STAGES=stages, REGS=regs, DIAG=diag, num_warps=4)
     for grid, args, consts in calls:
         launch_or_compile(_prefill_gemm_kernel, grid, *args, **consts, **common)
