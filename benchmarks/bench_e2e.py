@@ -113,6 +113,63 @@ def time_generate(model, batch: int, new_tokens: int, compiled: bool, skip: int 
     return decode, batch * long / seconds[long], out
 
 
+class StepClock:
+    """A logits processor that changes nothing and stamps each decoding step: ``generate()`` calls
+    it once a step, after that step's forward is queued, so on CUDA an event recorded there
+    completes when the step's forward does. The gaps between consecutive stamps are the steps'
+    periods as the GPU lived them (its idle time waiting for the host included), with no host
+    sync added to the loop; on a CPU the host's clock stands in."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores):
+        if scores.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.stamps.append(event)
+        else:
+            self.stamps.append(time.perf_counter())
+        return scores
+
+    def periods_ms(self) -> list[float]:
+        """The period of every step after the first (the first stamp follows the prefill)."""
+        if self.stamps and isinstance(self.stamps[0], torch.cuda.Event):
+            self.stamps[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.stamps, self.stamps[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.stamps, self.stamps[1:])]
+
+
+def generate_step_ms(model, batch: int, new_tokens: int, skip: int = 16, runs: int = 5, compiled: bool = True) -> dict:
+    """Per-step periods inside one ``generate()`` (compiled, static cache, as :func:`time_generate`) of ``1 + skip + new_tokens`` tokens, from
+    :class:`StepClock`: ``"step"``, the median period of the last ``new_tokens`` steps (median over
+    ``runs`` calls after a warm-up call); ``"first"``, the first decoding step after the prefill;
+    ``"early"``, the mean of the ``skip`` steps before the timed ones. Unlike subtracting two
+    calls' times, nothing here depends on two calls costing the same apart from their steps."""
+    from transformers import CompileConfig, LogitsProcessorList
+
+    high = min(1000, model.config.vocab_size)
+    prompt = torch.randint(1, high, (batch, 16), generator=torch.Generator().manual_seed(batch)).to(model.device)
+    n = 1 + skip + new_tokens
+    kw = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    if compiled:
+        kw.update(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    else:
+        kw.update(disable_compile=True)
+    rows = []
+    for i in range(runs + 1):
+        clock = StepClock()
+        model.generate(prompt, logits_processor=LogitsProcessorList([clock]), **kw)
+        periods = clock.periods_ms()  # (the deferred stop check may run one step more)
+        if len(periods) < n - 1:
+            raise RuntimeError(f"StepClock saw {len(periods) + 1} steps of {n}")
+        if i:  # the first call compiles
+            rows.append(periods[:n - 1])
+    return {"step": statistics.median(statistics.median(r[skip:]) for r in rows),
+            "first": statistics.median(r[0] for r in rows),
+            "early": statistics.median(statistics.fmean(r[:skip]) for r in rows)}
+
+
 @contextlib.contextmanager
 def cuda_graph_counts():
     """Counts, while active, the compiled steps torch.compile's CUDA-graph trees were called for, how

@@ -22,6 +22,11 @@ Per variant:
   ``DeferredStopCheck``, :mod:`hf_integration.deferred_stop`), HF BF16 waits for the GPU every step.
   At batch 1 also with the other loop (BF16 deferred, fp4moe waiting), so that the loop's share
   and the kernels' share of the difference are both on the table;
+* the same ``generate()`` step read from inside one call (:func:`bench_e2e.generate_step_ms`: a
+  CUDA event per step from a logits processor; the median period of the last D steps, the first
+  decoding step after the prefill, the mean of the steps between). Two calls' times subtracted
+  agree with it only when the calls cost the same apart from their steps, which the tables have
+  not always shown;
 * the CUDA graphs torch.compile recorded over the variant's ``generate()`` calls, and the steps it
   ran without one (:func:`bench_e2e.cuda_graph_counts`): a step recorded again and again, or run
   without a graph, launches every kernel from the host;
@@ -61,7 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decoder_layer import forward_step_ms  # noqa: E402
-from bench_e2e import cuda_graph_counts, deferred_stop_on_cuda, time_generate, transformers_loop  # noqa: E402
+from bench_e2e import cuda_graph_counts, deferred_stop_on_cuda, generate_step_ms, time_generate, transformers_loop  # noqa: E402
 from bench_generate_batch import QWEN3_30B_A3B, TINY, qwen3_moe, time_generate_batch  # noqa: E402
 from hf_integration import patch_moe, quantize_linears  # noqa: E402
 
@@ -182,14 +187,19 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         with cuda_graph_counts() if cuda else contextlib.nullcontext({}) as graphs:
             for b in batches:  # (the CPU smoke test runs uncompiled: Inductor on a CPU takes minutes)
-                tps, _, _ = time_generate(model, b, args.new_tokens, compiled=cuda, skip=SKIP)
-                record(variant, f"decode tokens/s, batch {b}", tps)
+                loops = [("", contextlib.nullcontext)]
                 if b == 1 and cuda:  # the other stop check: what the loop costs, apart from the kernels
-                    other = deferred_stop_on_cuda() if variant == "bf16" else transformers_loop()
-                    with other:
+                    other = "deferred stop check" if variant == "bf16" else "Transformers' stop check"
+                    loops.append((f", {other}", deferred_stop_on_cuda if variant == "bf16" else transformers_loop))
+                for label, loop in loops:
+                    with loop():
                         tps, _, _ = time_generate(model, b, args.new_tokens, compiled=cuda, skip=SKIP)
-                    label = "deferred stop check" if variant == "bf16" else "Transformers' stop check"
-                    record(variant, f"decode tokens/s, batch 1, {label}", tps)
+                        record(variant, f"decode tokens/s, batch {b}{label}", tps)
+                        if cuda:
+                            steps = generate_step_ms(model, b, args.new_tokens, skip=SKIP)
+                            record(variant, f"generate() step, median, batch {b}{label} (ms)", steps["step"])
+                            record(variant, f"generate() first decoding step, batch {b}{label} (ms)", steps["first"])
+                            record(variant, f"generate() steps 2-{SKIP}, mean, batch {b}{label} (ms)", steps["early"])
         for what, n in graphs.items():
             record(variant, f"compiled steps over its generate() calls: {what}", n)
         if cuda:

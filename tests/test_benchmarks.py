@@ -6,6 +6,7 @@ import math
 import site
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,30 @@ def test_bench_model_runs_on_cpu(tmp_path):
             assert rows[(variant, what)] > 0, (variant, what)
     assert rows[("fp4moe", "loaded model's greedy tokens equal the patched model's")] == 1.0
     assert (tmp_path / "ckpt" / "hf_quant_config.json").exists()
+
+
+def test_generate_step_clock_reads_each_steps_period():
+    """bench_e2e.generate_step_ms reads the steps of one generate() call: with 30 ms added to every
+    forward after the prefill, each step's period is at least that and the first decoding step is
+    told apart from the prefill; without the delay the same model's steps are shorter."""
+    from bench_e2e import generate_step_ms
+    from bench_generate_batch import TINY, qwen3_moe
+
+    torch.manual_seed(0)
+    model = qwen3_moe(1, TINY, "cpu")
+    fast = generate_step_ms(model, 1, 3, skip=2, runs=1, compiled=False)
+    forward = model.forward
+
+    def slow_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if kwargs["input_ids"].shape[1] == 1:  # a decoding step, not the 16-token prefill
+            time.sleep(0.03)
+        return out
+
+    model.forward = slow_forward
+    slow = generate_step_ms(model, 1, 3, skip=2, runs=1, compiled=False)
+    for what in ("step", "first", "early"):
+        assert slow[what] >= 30 > fast[what], (what, slow, fast)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None,
