@@ -133,6 +133,36 @@ def test_bench_generate_batch_runs_on_cpu(tmp_path):
     assert "| requests | BF16 tokens/s | fp4moe tokens/s |" in done.stdout
 
 
+def test_gpt_oss_built_without_bf16_experts_is_the_swapped_model():
+    """bench_gpt_oss.gpt_oss_model_mxfp4 (for gpt-oss-120b at full depth on one GPU): no BF16 expert
+    weight is ever made, nothing is left as to_empty's uninitialised memory (the rotary tables,
+    norms, embeddings), and the model gives exactly the logits of the usual path, a BF16-built model
+    with the same weights whose experts are then swapped for the same MXFP4 tensors."""
+    from bench_gpt_oss import TINY_MODEL, gpt_oss_model, gpt_oss_model_mxfp4, swap_in_mxfp4_experts
+
+    torch.manual_seed(0)
+    model, backend = gpt_oss_model_mxfp4(TINY_MODEL, 2, torch.device("cpu"), "reference")
+    assert backend == "reference"
+    e, h, i = (TINY_MODEL[k] for k in ("num_local_experts", "hidden_size", "intermediate_size"))
+    assert not [n for n, p in model.named_parameters() if p.dim() == 3 and p.shape[0] == e]  # no [E, ., .] BF16 weights
+    usual = gpt_oss_model(TINY_MODEL, 2, torch.device("cpu"))
+    rotary = dict(usual.named_buffers())
+    for name, buf in model.named_buffers():
+        if "rotary" in name:
+            assert torch.equal(buf, rotary[name]), name
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            assert torch.equal(p, torch.ones_like(p)), name
+    dense = {n: p for n, p in model.state_dict().items() if ".mlp.experts." not in n}
+    usual.load_state_dict(dense, strict=False)
+    experts = [[t.clone() for t in layer.mlp.experts.expert_tensors()] for layer in model.model.layers]
+    swap_in_mxfp4_experts(usual, experts, "reference")
+    ids = torch.randint(3, TINY_MODEL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, usual(ids).logits)
+
+
 def test_bench_gpt_oss_runs_on_cpu(tmp_path):
     # --tiny: both parts' code paths (the layer against Transformers' BF16 experts, compiled generate),
     # small and on the CPU with the reference backend; every fp4moe row checked against the reference
