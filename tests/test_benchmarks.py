@@ -29,7 +29,7 @@ def test_bench_moe_runs_on_cpu(tmp_path):
 
 def test_bench_model_runs_on_cpu(tmp_path):
     """bench_model.py's whole path at tiny shapes: every measurement of both variants, and the
-    saved fp4moe checkpoint loads back with the patched model's greedy tokens."""
+    saved checkpoints (HF BF16's own and fp4moe's) load back with their model's greedy tokens."""
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--tiny", "--layers", "2",
                     "--batches", "1", "--prompts", "16", "--requests", "2", "--variants", "bf16,fp4moe",
                     "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path)],
@@ -41,8 +41,11 @@ def test_bench_model_runs_on_cpu(tmp_path):
         assert math.isfinite(rows[(variant, "decode tokens/s, batch 1")]), variant
         for what in ("time to first token, 16 tokens (ms)", "generate_batch tokens/s, 2 requests"):
             assert rows[(variant, what)] > 0, (variant, what)
-    assert rows[("fp4moe", "loaded model's greedy tokens equal the patched model's")] == 1.0
-    assert (tmp_path / "ckpt" / "hf_quant_config.json").exists()
+    for variant in ("bf16", "fp4moe"):  # each saved, loaded back, the folder removed after
+        assert rows[(variant, "loaded model's greedy tokens equal the model's")] == 1.0, variant
+        assert rows[(variant, "checkpoint on disk (GB)")] > 0, variant
+        assert not (tmp_path / "ckpt" / variant).exists(), variant
+        assert rows[(variant, "ModelOpt's hf_quant_config.json written")] == float(variant == "fp4moe")
 
 
 def test_generate_step_clock_reads_each_steps_period():
