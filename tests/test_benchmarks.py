@@ -57,7 +57,7 @@ def test_generate_step_clock_reads_each_steps_period():
 
     torch.manual_seed(0)
     model = qwen3_moe(1, TINY, "cpu")
-    fast = generate_step_ms(model, 1, 3, skip=2, runs=1, compiled=False)
+    fast = generate_step_ms(model, 1, 3, skip=3, runs=1, compiled=False)
     forward = model.forward
 
     def slow_forward(*args, **kwargs):
@@ -67,7 +67,7 @@ def test_generate_step_clock_reads_each_steps_period():
         return out
 
     model.forward = slow_forward
-    slow = generate_step_ms(model, 1, 3, skip=2, runs=1, compiled=False)
+    slow = generate_step_ms(model, 1, 3, skip=3, runs=1, compiled=False)
     for what in ("step", "first", "early"):
         assert slow[what] >= 30 > fast[what], (what, slow, fast)
 
