@@ -110,7 +110,8 @@ def main() -> None:
     w, x, ids, rw, err, rows = (layer[k] for k in ("weights", "x", "ids", "rw", "err", "rows"))
     from accuracy_w4a8 import Weight, emulated_moe  # (this folder is on sys.path when run as a script)
 
-    w4a8 = emulated_moe(x, ids, rw, [Weight(w.gate_up[e], w.gate_up_scale[e], w.gate_up_global_scale[e]) for e in range(E)],
+    w4a8 = emulated_moe(x, ids, rw, [Weight(w.gate_up[e], w.gate_up_scale[e], w.gate_up_global_scale[e])
+                                     for e in range(E)],
                         [Weight(w.down[e], w.down_scale[e], w.down_global_scale[e]) for e in range(E)], "w4a8")
     rows.insert(4, ("W4A8 NVFP4 (E4M3 activations per token, E4M3 weights + row scale; planned Hopper FP8)", err(w4a8)))
 

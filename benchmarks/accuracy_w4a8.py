@@ -42,14 +42,12 @@ quantization alone (exact weights).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -186,8 +184,8 @@ def _experts_of(m):
         return gate_up, down, ins[0], ins[1], {}
     if isinstance(m, MXFP4Experts):
         b = m._buffers
-        gate_up = [Weight(b["gate_up_proj_packed"][e], b["gate_up_proj_scale"][e], mxfp4=True) for e in range(m.num_experts)]
-        down = [Weight(b["down_proj_packed"][e], b["down_proj_scale"][e], mxfp4=True) for e in range(m.num_experts)]
+        gate_up, down = ([Weight(b[f"{proj}_packed"][e], b[f"{proj}_scale"][e], mxfp4=True) for e in range(m.num_experts)]
+                         for proj in ("gate_up_proj", "down_proj"))
         return gate_up, down, None, None, {}
     if isinstance(m, NVFP4GptOssExperts):
         t = m.expert_tensors()  # (the reference backend: the checkpoint's tensors, [E, N, K/2] views)
@@ -382,7 +380,8 @@ def run_case(name, folder, reference, experts_only_rows: bool, attribute: bool =
             results.append((label, medians, logits))
         groups = attribution(model, ids, want, bool(linears)) if attribute else []
     vs_source = {mode: per_token_error(logits, source).median().item() for mode, logits in results[0][2].items()}
-    return {"name": name, "rows": results, "native": per_token_error(native, want).median().item(), "vs_source": vs_source,
+    return {"name": name, "rows": results, "native": per_token_error(native, want).median().item(),
+            "vs_source": vs_source,
             "native_vs_emulated": per_token_error(native, results[0][2]["w4a16"]).median().item(),
             "weights_error": per_token_error(want, source).median().item(), "linears": linears,
             "groups": groups}
@@ -457,7 +456,8 @@ def main(argv=None) -> int:
     ap.add_argument("--experts-only", action="store_true",
                     help="also the rows where only the routed experts switch (where an export has 4-bit linears)")
     ap.add_argument("--attribute", action="store_true",
-                    help="also W4A8 on one group of GEMMs at a time (a layer's expert gate_up or down, its attention ...)")
+                    help="also W4A8 on one group of GEMMs at a time (a layer's experts' gate_up or down, "
+                         "its attention ...)")
     ap.add_argument("--no-synthetic", action="store_true", help="leave out accuracy_study.py's layer")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
