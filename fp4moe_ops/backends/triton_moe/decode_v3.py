@@ -35,8 +35,8 @@ to finish.
 
 Compute capability 9.x and the Triton releases of :data:`.launch.GLUON_TRITON` only (checked by the
 caller); sizes: H and I multiples of 64 (gpt-oss's 2880: the last step partial, its chunks past K
-read as zeros through TMA, the activations there masked), scale rows in whole 256-value steps
-(:func:`.layout.scale_columns`).
+read as zeros through TMA, the activations there masked), scale rows in whole 16-byte TMA rows
+(:func:`.layout.scale_columns`: 256-value steps, or 512 values with a scale per 32).
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOT
     descriptors at pair row ``pair0``, row ``row0``), activation words ``a_words + a_off`` (``[4,
     BM, 32]`` in :func:`_act_ref`'s layout; 128 words a step) where ``a_mask``. ``K_EDGE``: K when
     the last step is partial (gpt-oss's 2880): TMA fills the weights past K with zeros (the scales
-    are held in whole steps) and the activations there are not read, so zeros meet zeros.
+    are held in whole TMA rows, zeros past K) and the activations there are not read, so zeros meet zeros.
     SCALE_BLOCK 32: ``s_desc`` over :func:`window_scale_view`, a slot's box the 16-byte window
     of its steps (two steps: SPS 2's exactly; SPS 1 reads its half)."""
     NSTEPS: gl.constexpr = NSLOTS * SPS
