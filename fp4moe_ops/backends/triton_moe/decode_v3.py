@@ -24,10 +24,9 @@ The TMA boxes read the op's own tensors (paired weights ``[E, N/2, K/4]`` int32 
 chunk, scales ``[E, N, K/16]``; layout.py), no copies: a chunk's 64 bytes of a pair row, and a step's four scale words
 of a row (chunks ``4 s .. 4 s + 3``, 16 contiguous bytes), so a warp's eight scale rows in shared
 memory are 16 bytes apart (no bank conflicts). gpt-oss's E8M0 scales held once per 32 values
-(``SCALE_BLOCK`` 32, :func:`.layout.values_per_scale`) are 8 bytes a row per step, under TMA's
-16-byte box rows: a ring slot's scale box is the 16-byte-aligned window of two steps (its own
-step's half picked in registers where a slot holds one step), each warp's chunk two bytes of it,
-its thread ``t`` using byte ``t // 2``.
+(``SCALE_BLOCK`` 32, :func:`.layout.values_per_scale`) are 8 bytes a row per step, held in row
+pairs (:func:`.layout.pair_scale_rows`): a step's box is 32 pairs of 16 bytes, i.e. 64 rows of
+four int16 (a warp's chunk two bytes, thread ``t`` using byte ``t // 2``), read as the words are.
 
 The same GEMM serves one NVFP4 linear (``fp4moe::nvfp4_linear`` on paired weights,
 :func:`linear_v3`): one expert, the tokens in natural order, K split into parts summed by the last
@@ -156,48 +155,13 @@ def _slot_scales(step, SL: gl.constexpr):
     RL: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[8, 0], [16, 0], [32, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[0, 1], [0, 2]], block_bases=[], shape=[64, 4])
-    return _rows_r_r8(step.load(RL), SL)  # [64 rows, 4 warps]
-
-
-@gluon.jit
-def _rows_r_r8(v, SL: gl.constexpr):
-    """``v [64 rows, 4 warps]`` as :func:`_slot_scales` loads it -> rows r and r + 8, ``[4, 32, 1]``."""
+    v = step.load(RL).to(gl.int32)  # [64 rows, 4 warps] (E8M0 per 32 values: int16, its upper bytes never picked)
     v = gl.permute(gl.reshape(v, [4, 2, 8, 4]), [3, 0, 2, 1])  # w, m, g, rs
     r_lo, r_hi = gl.split(gl.reshape(v, [4, 32, 2]))
     PL: gl.constexpr = gl.SliceLayout(2, SL)
     r_lo = gl.convert_layout(r_lo, PL, assert_trivial=True)
     r_hi = gl.convert_layout(r_hi, PL, assert_trivial=True)
     return gl.expand_dims(r_lo, 2), gl.expand_dims(r_hi, 2)
-
-
-@gluon.jit
-def _window_scales(window, SL: gl.constexpr):
-    """A ring slot's E8M0 window (a scale per 32 values, ``[64 rows, 8]`` int16: column ``4 j + w``
-    holds row r's two bytes of warp w's chunk of the window's step j) -> rows r and r + 8 of step 0,
-    then of step 1, int32 ``[4, 32, 1]`` each (the quad's threads read the same int16, as
-    :func:`_slot_scales` the same word)."""
-    RL: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 4], [8, 0], [16, 0], [32, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[0, 1], [0, 2]], block_bases=[], shape=[64, 8])
-    v = window.load(RL).to(gl.int32)  # (the bytes above the two are never selected)
-    v0, v1 = gl.split(gl.permute(gl.reshape(v, [64, 2, 4]), [0, 2, 1]))
-    ra0, rb0 = _rows_r_r8(v0, SL)
-    ra1, rb1 = _rows_r_r8(v1, SL)
-    return ra0, rb0, ra1, rb1
-
-
-@gluon.jit
-def _ring_scales(s_steps, slot, step, SL: gl.constexpr, SCALE_BLOCK: gl.constexpr):
-    """Rows r and r + 8 of K step ``step``'s scale words, read from ring slot ``slot`` of ``s_steps``
-    (one step per slot: ``[64, 4]`` int32 words, or a scale per 32 values the ``[64, 8]`` int16
-    window of steps ``2 (step // 2)`` and the next)."""
-    if SCALE_BLOCK == 32:
-        ra0, rb0, ra1, rb1 = _window_scales(s_steps.index(slot), SL)
-        odd = step % 2 == 1
-        ra, rb = gl.where(odd, ra1, ra0), gl.where(odd, rb1, rb0)
-    else:
-        ra, rb = _slot_scales(s_steps.index(slot), SL)
-    return ra, rb
 
 
 # Both kernels' MMA: mma.sync m16n8k16 over [4 warps, 64 weight rows, BM tokens], and its operands
@@ -275,10 +239,10 @@ def _act_load(a_words, a_off, a_mask, step, BM: gl.constexpr, K_EDGE: gl.constex
 
 @gluon.jit
 def _scale_copy(s_desc, row0, slot, SPS: gl.constexpr, bar, dst, SCALE_BLOCK: gl.constexpr):
-    """The TMA copy of ring slot ``slot``'s scales (rows ``row0 ..``): its SPS steps' words, or a
-    scale per 32 values the 16-byte window (8 int16) that holds its steps, 16-byte aligned."""
+    """The TMA copy of ring slot ``slot``'s scales of rows ``row0 ..``: its SPS steps' words (a scale
+    per 32 values: their row pairs, :func:`pair_scale_view`)."""
     if SCALE_BLOCK == 32:
-        tma_load(s_desc, [row0, 8 * (slot * SPS // 2)], bar, dst)
+        tma_load(s_desc, [SPS * slot, row0 // 2, 0], bar, dst)
     else:
         tma_load(s_desc, [0, slot, row0, 0], bar, dst)
 
@@ -294,8 +258,8 @@ def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOT
     BM, 32]`` in :func:`_act_ref`'s layout; 128 words a step) where ``a_mask``. ``K_EDGE``: K when
     the last step is partial (gpt-oss's 2880): TMA fills the weights past K with zeros (the scales
     are held in whole TMA rows, zeros past K) and the activations there are not read, so zeros meet zeros.
-    SCALE_BLOCK 32: ``s_desc`` over :func:`window_scale_view`, a slot's box the 16-byte window
-    of its steps (two steps: SPS 2's exactly; SPS 1 reads its half)."""
+    SCALE_BLOCK 32: ``s_desc`` over :func:`pair_scale_view` (box ``[SPS, 32, 8]``: the slot's steps
+    of 32 row pairs), read as ``[64 rows, 4]`` int16 a step."""
     NSTEPS: gl.constexpr = NSLOTS * SPS
     mma: gl.constexpr = _MMA
     la: gl.constexpr = _LA
@@ -309,7 +273,7 @@ def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOT
     # scale words [64 rows, 4 warps]
     w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 4 * SPS, 32, 64], w_desc.layout)
     if SCALE_BLOCK == 32:
-        s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, 64, 8], s_desc.layout)
+        s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, SPS, 32, 8], s_desc.layout)
     else:
         s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, SPS, 1, 64, 4], s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -322,8 +286,8 @@ def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOT
             _scale_copy(s_desc, row0, slot0 + q, SPS, ready.index(q), s_smem.index(q), SCALE_BLOCK)
             tma_load(w_desc, [4 * SPS * (slot0 + q), pair0, 0], ready.index(q), w_smem.index(q))
     words_smem = reinterpret(w_smem, gl.int32, [STAGES * SPS, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    if SCALE_BLOCK == 32:
-        s_steps = reinterpret(s_smem, gl.int16, [STAGES, 64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    if SCALE_BLOCK == 32:  # a step's 32 pairs of 16 bytes as 64 rows of 8
+        s_steps = reinterpret(s_smem, gl.int16, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     else:
         s_steps = reinterpret(s_smem, gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
@@ -334,16 +298,10 @@ def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOT
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         words0 = words_smem.index(SPS * s).load(WL16)
-        if SCALE_BLOCK == 32 and SPS == 2:  # the window is the slot's two steps
-            ra, rb, na, nb = _window_scales(s_steps.index(s), SL)
-        elif SCALE_BLOCK == 32:
-            ra, rb = _ring_scales(s_steps, s, slot0 + i, SL, SCALE_BLOCK)
-        else:
-            ra, rb = _slot_scales(s_steps.index(SPS * s), SL)
+        ra, rb = _slot_scales(s_steps.index(SPS * s), SL)
         if SPS == 2:
             words1 = words_smem.index(SPS * s + 1).load(WL16)
-            if SCALE_BLOCK != 32:
-                na, nb = _slot_scales(s_steps.index(SPS * s + 1), SL)
+            na, nb = _slot_scales(s_steps.index(SPS * s + 1), SL)
         thread_barrier()  # every warp has its words and scales of slot s: refill it
         if i + STAGES < NSLOTS:
             mbarrier.expect(ready.index(s), SLOT_BYTES)
@@ -407,7 +365,7 @@ def _down_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slot
                      E8M0: gl.constexpr = False, SCALE_BLOCK: gl.constexpr = 16):
     """Program (row block ``b``, weight tile ``n``): ``y[slot, 64 n ..] = route * g * down[e] @ h[slot]``
     (E8M0: MXFP4 scales, no global scale; SCALE_BLOCK 32: one per 32 values, ``s_desc`` over
-    :func:`window_scale_view` with box ``[64, 8]``).
+    :func:`pair_scale_view` with box ``[SPS, 32, 8]``).
     ``w_desc``, ``s_desc``: TMA descriptors of :func:`weight_view` (box ``[4 SPS, 32, 64]``: SPS
     steps of down per ring slot) and :func:`scale_view` (box ``[SPS, 1, 64, 4]``: their scale words);
     ``h [S, I]`` bf16 with K's bits 0, 1 swapped; ``y [S, H]`` float32. I a multiple of 64, the last
@@ -446,13 +404,12 @@ def weight_view(down: torch.Tensor, sps: int) -> torch.Tensor:
     return down.view(torch.uint8).reshape(num_experts * half_h, inter // 64, 64).permute(1, 0, 2)
 
 
-def window_scale_view(scale: torch.Tensor) -> torch.Tensor:
-    """Block scales held one per 32 values (gpt-oss's E8M0, ``[E, N, S]`` bytes, S a multiple of 16:
-    :func:`.layout.scale_columns`) as int16 ``[E N, S/2]``: int16 ``4 s + w`` of a row is its two
-    bytes of K chunk ``4 s + w`` (step s, warp w). A box ``[64, 8]`` at column ``8 m`` is the
-    16-byte window of steps ``2 m``, ``2 m + 1``."""
+def pair_scale_view(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales held one per 32 values in row pairs (gpt-oss's E8M0, ``[E, N, Is]`` bytes,
+    :func:`.layout.pair_scale_rows`) as int16 ``[Is/8 (step), E N/2 (pair), 8]``: entry ``[s, p, 4 r +
+    w]`` is row ``2p + r``'s two bytes of K chunk ``4 s + w`` (step s, warp w)."""
     num_experts, rows, blocks = scale.shape
-    return scale.view(torch.int16).reshape(num_experts * rows, blocks // 2)
+    return scale.view(torch.int16).reshape(num_experts * rows // 2, blocks // 8, 8).permute(1, 0, 2)
 
 
 def scale_view(down_scale: torch.Tensor, sps: int) -> torch.Tensor:
@@ -476,11 +433,11 @@ def down_v3(h, down, down_scale, down_global_scale, topk_weights, y, sorted_slot
     """``y = route * down @ h`` per slot (:func:`_down_v3_kernel`) over the routed row blocks (one
     per slot with ``slot_blocks``, ``bm`` 8). ``scale_block``: values per scale byte (32: gpt-oss's
     E8M0 held once per block, :func:`.layout.values_per_scale`)."""
-    windows = scale_block == 32
-    if inter % 64 or hidden % 64 or down_scale.shape[-1] % (16 if windows else 16 * sps):
-        raise ValueError(f"decode_v3: I and H must be multiples of 64 and the scale rows of {sps} steps "
-                         f"(16-byte rows for a scale per 32 values), got {inter}, {hidden}, {down_scale.shape[-1]}")
-    scales = _descriptor(window_scale_view(down_scale), [64, 8]) if windows else \
+    step_bytes = 256 // scale_block
+    if inter % 64 or hidden % 64 or down_scale.shape[-1] % (step_bytes * sps):
+        raise ValueError(f"decode_v3: I and H must be multiples of 64 and the scale rows of {sps} steps, got {inter}, "
+                         f"{hidden}, {down_scale.shape[-1]}")
+    scales = _descriptor(pair_scale_view(down_scale), [sps, 32, 8]) if scale_block == 32 else \
         _descriptor(scale_view(down_scale, sps), [sps, 1, 64, 4])
     launch_or_compile(_down_v3_kernel, (block_expert.numel(), hidden // 64), h,
                       _descriptor(weight_view(down, sps), [4 * sps, 32, 64]), scales, down_global_scale, topk_weights,
@@ -502,8 +459,8 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
     TMA descriptors of :func:`gate_up_views` (boxes ``[4, 2, 16, 64]`` and ``[1, 2, 1, 32, 4]``:
     one step per ring slot); ``x [T, H]`` bf16 in natural order (token = slot // TOPK). H a multiple
     of 64: a partial last step reads zeros from TMA past H, and x's words there not at all.
-    SCALE_BLOCK 32 (gpt-oss's E8M0 held once per 32 values): ``s_desc`` over :func:`gate_up_views`'
-    int16 windows, box ``[1, 2, 32, 8]``: a slot's step and the one beside it."""
+    SCALE_BLOCK 32 (gpt-oss's E8M0 held once per 32 values, rows in pairs): ``s_desc`` over
+    :func:`gate_up_views`' int16 pairs, box ``[1, 1, 2, 16, 8]``: read as the words are."""
     b = gl.program_id(0)
     n = gl.program_id(1)
     e = _block_expert(block_expert_ptr, b, SLOT_BLOCKS, E)
@@ -523,7 +480,7 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
         # + p) and the scale words [gate/up, 32 rows, 4 warps]
         w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 2, 16, 64], w_desc.layout)
         if SCALE_BLOCK == 32:
-            s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, 1, 2, 32, 8], s_desc.layout)
+            s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, 1, 1, 2, 16, 8], s_desc.layout)
         else:
             s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, 2, 1, 32, 4], s_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -536,8 +493,8 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
                 _gate_up_scale_copy(s_desc, e, n, q, ready.index(q), s_smem.index(q), SCALE_BLOCK)
                 tma_load(w_desc, [4 * q, 2 * e, n * 16, 0], ready.index(q), w_smem.index(q))
         words_smem = reinterpret(w_smem, gl.int32, [STAGES, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        if SCALE_BLOCK == 32:
-            s_steps = reinterpret(s_smem, gl.int16, [STAGES, 64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        if SCALE_BLOCK == 32:  # gate's 16 pairs of 16 bytes, then up's, as 64 rows of 8
+            s_steps = reinterpret(s_smem, gl.int16, [STAGES, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         else:
             s_steps = reinterpret(s_smem, gl.int32, [STAGES, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
@@ -562,7 +519,7 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             words = words_smem.index(s).load(WL16)
-            ra, rb = _ring_scales(s_steps, s, i, SL, SCALE_BLOCK)
+            ra, rb = _slot_scales(s_steps.index(s), SL)
             thread_barrier()  # every warp has its words and scales of slot s: refill it
             if i + STAGES < NSTEPS:
                 mbarrier.expect(ready.index(s), SLOT_BYTES)
@@ -601,9 +558,9 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
 @gluon.jit
 def _gate_up_scale_copy(s_desc, e, n, step, bar, dst, SCALE_BLOCK: gl.constexpr):
     """The TMA copy of K step ``step``'s scales of tile ``n`` (gate rows ``32 n ..``, the same up
-    rows) of expert ``e``: the step's words, or a scale per 32 values the 16-byte window that holds them."""
+    rows) of expert ``e``: the step's words (a scale per 32 values: their row pairs)."""
     if SCALE_BLOCK == 32:
-        tma_load(s_desc, [e, 0, n * 32, 8 * (step // 2)], bar, dst)
+        tma_load(s_desc, [step, e, 0, n * 16, 0], bar, dst)
     else:
         tma_load(s_desc, [step, 0, e, n * 32, 0], bar, dst)
 
@@ -615,15 +572,15 @@ def gate_up_views(gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
     ``p`` of expert e's gate (u 0) or up (u 1) rows; step ``s``'s box holds chunks ``4s + w``, zeros
     past H), and its scales ``[E, 2I, Hs]`` (whole steps, :func:`.layout.scale_columns`) as int32
     words viewed ``[Hs/16 (step), 2 (gate/up), E, I, 4 (warp)]`` (entry ``[s, u, e, i, w]``: row
-    ``u I + i``'s word of chunk ``4s + w``). ``scale_block`` 32 (a scale per 32 values, rows of 16-byte
-    multiples): the scales as int16 ``[E, 2 (gate/up), I, Hs/2]`` instead (entry ``[e, u, i, 4 s + w]``:
-    row ``u I + i``'s two bytes of chunk ``4 s + w``; a box of 8 at ``8 m`` the window of steps
-    ``2 m``, ``2 m + 1``)."""
+    ``u I + i``'s word of chunk ``4s + w``). ``scale_block`` 32 (a scale per 32 values, rows in pairs:
+    :func:`.layout.pair_scale_rows`): the scales as int16 ``[Hs/8 (step), E, 2 (gate/up), I/2 (pair), 8]``
+    instead (entry ``[s, e, u, p, 4 r + w]``: row ``u I + 2p + r``'s two bytes of chunk ``4 s + w``)."""
     num_experts, inter, quarter_h = gate_up.shape
     hidden = 4 * quarter_h
     weights = gate_up.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden // 64, 64).permute(2, 0, 1, 3)
     if scale_block == 32:
-        return weights, gate_up_scale.view(torch.int16).reshape(num_experts, 2, inter, gate_up_scale.shape[-1] // 2)
+        pairs = gate_up_scale.view(torch.int16).reshape(num_experts, 2, inter // 2, gate_up_scale.shape[-1] // 8, 8)
+        return weights, pairs.permute(3, 0, 1, 2, 4)
     steps = gate_up_scale.shape[-1] // 16
     words = gate_up_scale.view(torch.uint8).view(torch.int32).reshape(num_experts, 2, inter, steps, 4)
     return weights, words.permute(3, 1, 0, 2, 4)
@@ -634,11 +591,11 @@ def gate_up_v3(x, gate_up, gate_up_scale, gate_up_global_scale, h, sorted_slot, 
     """``h = silu(gate . x) * (up . x)`` per slot (:func:`_gate_up_v3_kernel`), ``h``'s K bits 0, 1 swapped.
     ``gpt_oss``: :class:`.layout.GptOssTerms` for gpt-oss's activation; int8 ``gate_up_scale``: E8M0 scales (MXFP4),
     ``scale_block`` 32 where held once per 32 values (:func:`.layout.values_per_scale`)."""
-    if hidden % 64 or inter % 32 or gate_up_scale.shape[-1] % 16:
+    if hidden % 64 or inter % 32 or gate_up_scale.shape[-1] % (256 // scale_block):
         raise ValueError(f"decode_v3: H must be a multiple of 64, I of 32 and the scale rows whole steps, got {hidden}, "
                          f"{inter}, {gate_up_scale.shape[-1]}")
     weights, scales = gate_up_views(gate_up, gate_up_scale, scale_block)
-    scale_box = [1, 2, 32, 8] if scale_block == 32 else [1, 2, 1, 32, 4]
+    scale_box = [1, 1, 2, 16, 8] if scale_block == 32 else [1, 2, 1, 32, 4]
     launch_or_compile(_gate_up_v3_kernel, (block_expert.numel(), inter // 32), x, _descriptor(weights, [4, 2, 16, 64]),
                       _descriptor(scales, scale_box), gate_up_global_scale, h,
                       sorted_slot, block_expert, row_start, row_end, H=hidden, I=inter, TOPK=top_k, BM=bm,

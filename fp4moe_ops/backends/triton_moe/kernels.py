@@ -309,11 +309,12 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     permute within), read with the fragment order's addresses and masked past K: zero weights times
     zero activations, so the sum is the unpadded one, exactly.
 
-    SCALE_BLOCK 32 (gpt-oss's E8M0 held once per 32 values; TMA with BK >= 256 only): the scale
-    boxes and the decode take a scale per 32 values (:func:`_scale_column`, :func:`_step_scales`).
+    SCALE_BLOCK 32 (gpt-oss's E8M0 held once per 32 values, rows in pairs: TMA with BK 256 only):
+    the scale boxes hold row pairs (:func:`_scale_row`, :func:`_step_scales`) and the decode takes
+    a scale per 32 values.
     """
     if SCALE_BLOCK != 16:
-        tl.static_assert(TMA and BK >= 256, "a scale per 32 values comes through TMA, K steps of 256 or more")
+        tl.static_assert(TMA and BK == 256, "a scale per 32 values comes through TMA, K steps of 256")
     dtype = a_ptr.dtype.element_ty
     kb = tl.arange(0, BK // 2)
     ks = tl.arange(0, BK // 16)
@@ -343,16 +344,15 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                 packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
             else:
                 packed = w_desc.load([desc_expert, 0, desc_row, k0 // 2]).reshape(BN, BK // 2)
-            sbytes = _step_scales(s_desc.load([desc_expert, 0, desc_row, _scale_column(k0, BK, SCALE_BLOCK)]), k0,
-                                  BN, BK, SCALE_BLOCK)
+            sbytes = _step_scales(s_desc.load([desc_expert, 0, _scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK,
+                                  SCALE_BLOCK)
         elif TMA:  # bulk tensor copies, which Triton pipelines over num_stages
             if PAIRED:  # [BN/2, BK] bytes of row-pair words
                 packed = w_desc.load([desc_row // 2, k0])
             else:
                 packed = w_desc.load([desc_row, k0 // 2])
             if BK >= 256:
-                sbytes = _step_scales(s_desc.load([desc_row, _scale_column(k0, BK, SCALE_BLOCK)]), k0, BN, BK,
-                                      SCALE_BLOCK)
+                sbytes = _step_scales(s_desc.load([_scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK, SCALE_BLOCK)
             else:  # a scale box row under 16 bytes is not allowed: plain loads (BK/16 bytes per row)
                 sbytes = tl.load(s_ptrs + k0 // 16)
         elif PREFETCH:
@@ -380,28 +380,17 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
 
 
 @triton.jit
-def _scale_column(k0, BK: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    """The first column of K step ``k0``'s scale box: the step's own scales where they make a row of
-    16 bytes or more (TMA's narrowest box row); else (a scale per 32 values, 256-wide steps: 8
-    bytes) the 16-byte-aligned window of two steps that holds them, since a box that starts inside a
-    16-byte unit of the innermost dimension is not a safe TMA copy."""
-    if BK // SCALE_BLOCK >= 16:
-        column = k0 // SCALE_BLOCK
-    else:
-        column = k0 // (16 * SCALE_BLOCK) * 16
-    return column
+def _scale_row(row, SCALE_BLOCK: tl.constexpr):
+    """The scale box's first row for weight row ``row``: the row itself, or with a scale per 32
+    values its row pair (:func:`.layout.pair_scale_rows`; the descriptor views ``[N/2, 2 Hs]``, a
+    256-wide step's 16-byte unit rows 2p and 2p + 1's 8 bytes), at column ``k0 / 16`` either way."""
+    return row // (SCALE_BLOCK // 16)
 
 @triton.jit
-def _step_scales(window, k0, BN: tl.constexpr, BK: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    """K step ``k0``'s ``[BN, BK/SCALE_BLOCK]`` scales from the box :func:`_scale_column` placed
-    (``[BN, *]``, any leading unit dimensions): the box itself, or this step's half of a window."""
-    if BK // SCALE_BLOCK >= 16:
-        scales = window.reshape(BN, BK // SCALE_BLOCK)
-    else:
-        tl.static_assert(BK // SCALE_BLOCK == 8, "a scale window holds two K steps")
-        lo, hi = tl.split(tl.permute(window.reshape(BN, 2, 8), (0, 2, 1)))
-        scales = tl.where((k0 // BK) % 2 == 1, hi, lo)
-    return scales
+def _step_scales(box, BN: tl.constexpr, BK: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """A K step's scale box (``[BN, BK/16]``, or with a scale per 32 values ``[BN/2, 16]`` row
+    pairs; any leading unit dimensions) -> ``[BN, BK/SCALE_BLOCK]``, rows in order."""
+    return box.reshape(BN, BK // SCALE_BLOCK)
 
 @triton.jit
 def _expert_matmul_tail(acc, a_ptr, a_rows, row_mask, K, k0, BN: tl.constexpr, BK: tl.constexpr,
@@ -423,15 +412,15 @@ def _expert_matmul_tail(acc, a_ptr, a_rows, row_mask, K, k0, BN: tl.constexpr, B
             packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
         else:
             packed = w_desc.load([desc_expert, 0, desc_row, k0 // 2]).reshape(BN, BK // 2)
-        sbytes = _step_scales(s_desc.load([desc_expert, 0, desc_row, _scale_column(k0, BK, SCALE_BLOCK)]), k0, BN,
-                              BK, SCALE_BLOCK)
+        sbytes = _step_scales(s_desc.load([desc_expert, 0, _scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK,
+                              SCALE_BLOCK)
     else:
         tl.static_assert(BK >= 256, "a partial K step needs the scales through TMA")
         if PAIRED:
             packed = w_desc.load([desc_row // 2, k0])
         else:
             packed = w_desc.load([desc_row, k0 // 2])
-        sbytes = _step_scales(s_desc.load([desc_row, _scale_column(k0, BK, SCALE_BLOCK)]), k0, BN, BK, SCALE_BLOCK)
+        sbytes = _step_scales(s_desc.load([_scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK, SCALE_BLOCK)
     if FRAGMENT_ORDER:
         w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED, FAST_SCALES, DIAG,
                                         SCALE_BLOCK=SCALE_BLOCK)

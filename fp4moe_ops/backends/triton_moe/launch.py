@@ -289,9 +289,9 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         raise ValueError(f"H={hidden}, I={inter} not multiples of the K tiles ({cfg['BK_GATE_UP']}, {cfg['BK_DOWN']}) "
                          "need a TMA config with K tiles of at least 256")
     scale_block = values_per_scale(gate_up_scale, gpt_oss is not None)
-    if scale_block == 32 and not (cfg.get("TMA") and cfg["BK_GATE_UP"] >= 256 and cfg["BK_DOWN"] >= 256):
-        # the scale tiles of a 256-wide step are 8 bytes a row there, read from 16-byte TMA windows
-        raise ValueError("gpt-oss's MXFP4 experts (a scale per 32 values) need a TMA config with K tiles of at least 256")
+    if scale_block == 32 and not (cfg.get("TMA") and cfg["BK_GATE_UP"] == cfg["BK_DOWN"] == 256):
+        # a 256-wide step's scales are 8 bytes a row there, in 16-byte units of row pairs (layout.pair_scale_rows)
+        raise ValueError("gpt-oss's MXFP4 experts (a scale per 32 values) need a TMA config with K tiles of 256")
     x = hidden_states.contiguous()
     if cfg.get("GLUON_PREFILL") and paired and _gluon_runs(x):
         return _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, gpt_oss=gpt_oss)
@@ -588,24 +588,19 @@ def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict, gpt_oss
     return _sum_topk(y, topk_ids, x, num_experts, bias=_down_bias(gpt_oss, topk_weights))
 
 
-def _scale_box(bk: int, scale_block: int) -> int:
-    """Bytes per row of a K step's scale box: the step's own (``bk / scale_block``), or 16 where
-    those are fewer (a scale per 32 values over 256-wide steps: the window of two steps,
-    :func:`.kernels._scale_column`). A box row must be >= 16 bytes."""
-    return max(16, bk // scale_block)
-
-
 def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int, scale_block: int = 16):
-    """TMA descriptors over ``w [E, N, K/2]`` and ``s [E, N, *]`` (a scale per ``scale_block``
-    values) as 2-D ``[E*N, *]`` with ``[bn, bk/2]`` / ``[bn, _scale_box(bk, scale_block)]`` boxes;
-    paired ``w [E, N/2, K/4]`` int32 as bytes ``[E*N/2, K]`` with ``[bn/2, bk]`` boxes. With
-    ``bk < 256`` (E4M3 scales) the kernel loads scales with plain loads and gets ``s`` itself."""
+    """TMA descriptors over ``w [E, N, K/2]`` and ``s [E, N, K/16]`` as 2-D ``[E*N, *]`` with
+    ``[bn, bk/2]`` / ``[bn, bk/16]`` boxes (``scale_block`` 32: ``s [E, N, K/32]`` in row pairs,
+    :func:`.layout.pair_scale_rows`, as ``[E*N/2, K/16]`` with ``[bn/2, 16]`` boxes); paired ``w
+    [E, N/2, K/4]`` int32 as bytes ``[E*N/2, K]`` with ``[bn/2, bk]`` boxes. A box row must be >= 16
+    bytes: with ``bk < 256`` the kernel loads scales with plain loads and gets ``s`` itself."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     w_box = _weight_descriptor(w, bn, bk)
     if bk < 256:
         return w_box, s
-    return w_box, TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [bn, _scale_box(bk, scale_block)])
+    pair = scale_block // 16  # rows a scale box row holds
+    return w_box, TensorDescriptor.from_tensor(s.reshape(-1, pair * s.shape[-1]), [bn // pair, bk // 16])
 
 
 def _weight_descriptor(w: torch.Tensor, bn: int, bk: int):
@@ -619,13 +614,14 @@ def _weight_descriptor(w: torch.Tensor, bn: int, bk: int):
 
 def _gate_up_descriptors(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, bn: int, bk: int, scale_block: int = 16):
     """4-D TMA descriptors over ``gate_up`` as ``[E, 2, I, H/2]`` (paired: bytes ``[E, 2, I/2, H]``, gate
-    pairs then up pairs) and ``gate_up_scale`` as ``[E, 2, I, *]``: one box holds ``bn/2`` gate rows and the
-    same up rows (scale boxes as in :func:`_descriptors`)."""
+    pairs then up pairs) and ``gate_up_scale`` as ``[E, 2, I, H/16]`` (``scale_block`` 32, rows in pairs:
+    ``[E, 2, I/2, H/16]``): one box holds ``bn/2`` gate rows and the same up rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     e, inter = gate_up.shape[0], gate_up_scale.shape[1] // 2
-    s = TensorDescriptor.from_tensor(gate_up_scale.reshape(e, 2, inter, gate_up_scale.shape[-1]),
-                                     [1, 2, bn // 2, _scale_box(bk, scale_block)])
+    pair = scale_block // 16
+    s = TensorDescriptor.from_tensor(gate_up_scale.reshape(e, 2, inter // pair, pair * gate_up_scale.shape[-1]),
+                                     [1, 2, bn // 2 // pair, bk // 16])
     if gate_up.dtype == torch.int32:  # paired: row-pair words, as bytes
         w = gate_up.view(torch.uint8).reshape(e, 2, inter // 2, 4 * gate_up.shape[-1])
         return TensorDescriptor.from_tensor(w, [1, 2, bn // 4, bk]), s

@@ -105,11 +105,27 @@ KERNEL_MULTIPLE = 64  # see fits_tma_edges
 
 
 def scale_columns(k: int, values_per_byte: int = 16) -> int:
-    """Bytes per row of block scales over K = ``k`` as the kernels hold them: whole 16-byte TMA rows,
-    i.e. whole 256-value steps of E4M3 scales (one per 16 values; gpt-oss's 2880 values: 180 bytes,
-    held as 192) or, with ``values_per_byte`` 32 (gpt-oss's E8M0, one per 32), whole 512-value
-    pairs of steps (2880: 90 bytes, held as 96)."""
-    return -(-k // (16 * values_per_byte)) * 16
+    """Bytes per row of block scales over K = ``k`` as the kernels hold them: whole 256-value steps,
+    16 bytes of E4M3 scales (one per 16 values; gpt-oss's 2880 values: 180 bytes, held as 192), or
+    with ``values_per_byte`` 32 (gpt-oss's E8M0, one per 32) 8 bytes, rows held in pairs
+    (:func:`pair_scale_rows`: 16 bytes a step again; 2880: 90 bytes, held as 96)."""
+    return -(-k // 256) * (256 // values_per_byte)
+
+
+def pair_scale_rows(scales: torch.Tensor) -> torch.Tensor:
+    """Scales one per 32 values ``[E, N, S*8]`` (8 bytes a 256-value step; N even) -> the same shape
+    with the bytes of rows 2p and 2p + 1 interleaved step by step (a copy): viewed ``[E, N/2, S, 2,
+    8]``, entry ``[e, p, s, r]`` is row ``2p + r``'s 8 bytes of step s. Why: TMA copies whole 16-byte
+    units (box rows and their starts), so a step's 8 bytes a row come in one unit with the other
+    row's, each byte once, not in a window of two steps to pick from."""
+    experts, n, cols = scales.shape
+    return scales.reshape(experts, n // 2, 2, cols // 8, 8).transpose(2, 3).reshape(experts, n, cols).contiguous()
+
+
+def unpair_scale_rows(paired: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pair_scale_rows`."""
+    experts, n, cols = paired.shape
+    return paired.reshape(experts, n // 2, cols // 8, 2, 8).transpose(2, 3).reshape(experts, n, cols).contiguous()
 
 
 def values_per_scale(block_scale: torch.Tensor, gpt_oss: bool) -> int:
@@ -159,7 +175,8 @@ def fragment_order(x: torch.Tensor, chunk: int) -> torch.Tensor:
 # yields h = 0), and the activations are padded per call. Scale rows are held in whole 16-byte TMA
 # rows (scale_columns), zeros past K. MXFP4 (fp4moe_ops.mxfp4) keeps its one E8M0 byte per 32
 # values, each held once as in the checkpoint (values_per_scale: the kernels read a scale per 32
-# values there, per 16 for E4M3), as int8, which is how the kernels tell E8M0 from E4M3 (uint8);
+# values there, per 16 for E4M3), rows in pairs (pair_scale_rows: a step's 16-byte TMA unit holds
+# two rows' 8 bytes), as int8, which is how the kernels tell E8M0 from E4M3 (uint8);
 # 2^-127 .. 2^23 decode exactly on the GPU, larger scales and NaN (0xFF) are refused. NVFP4 keeps
 # its E4M3 bytes (one per 16 values) and per-expert global scales.
 
@@ -199,8 +216,8 @@ def _padded(packed: torch.Tensor, scales: torch.Tensor, rows: int, cols: int, va
 
 def _mxfp4_kernel_matrix(name: str, blocks: torch.Tensor, scales: torch.Tensor, rows: int, cols: int):
     """gpt-oss ``blocks [E, N, K/32, 16]`` / ``scales [E, N, K/32]`` -> canonical packed ``[E, rows,
-    cols/2]`` uint8 and int8 scales ``[E, rows, scale_columns(cols, 32)]`` (each byte once),
-    zero-padded (N <= rows, K <= cols)."""
+    cols/2]`` uint8 and int8 scales ``[E, rows, scale_columns(cols, 32)]`` (each byte once, rows in
+    pairs: :func:`pair_scale_rows`), zero-padded (N <= rows, K <= cols)."""
     bad = scales.gt(GPT_OSS_MAX_SCALE_BYTE)
     if bool(bad.any()):
         e, n, b = bad.nonzero()[0].tolist()
@@ -209,7 +226,7 @@ def _mxfp4_kernel_matrix(name: str, blocks: torch.Tensor, scales: torch.Tensor, 
                          f" the Triton kernels decode scales up to 2^{GPT_OSS_MAX_SCALE_BYTE - 127}; the reference "
                          "backend runs these experts")
     packed, held = _padded(blocks.flatten(-2), scales, rows, cols, 32)
-    return packed, held.view(torch.int8)
+    return packed, pair_scale_rows(held).view(torch.int8)
 
 
 def gpt_oss_kernel_tensors(expert_tensors: list[torch.Tensor], multiple: int = KERNEL_MULTIPLE) -> list[torch.Tensor]:
@@ -221,7 +238,8 @@ def gpt_oss_kernel_tensors(expert_tensors: list[torch.Tensor], multiple: int = K
       [E, Ip, Hp/4] int32 (paired), gate_up_scale [E, 2Ip, Hs] int8 (E8M0, one byte per 32 values),
       gate_up_bias [E, 2Ip] float32, down [E, Hp/2, Ip/4] int32, down_scale [E, Hp, Is] int8,
       down_bias [E, Hp] float32]``, Hs, Is: ``scale_columns(Hp, 32)``, ``scale_columns(Ip, 32)`` (96
-      for 2880); ValueError naming the tensor for a scale the kernels cannot decode exactly;
+      for 2880), rows in pairs (:func:`pair_scale_rows`; gate's rows, then up's); ValueError naming
+      the tensor for a scale the kernels cannot decode exactly;
     * NVFP4, the eight tensors ``[gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, down,
       down_scale, down_global_scale, down_bias]`` -> the same with uint8 (E4M3, one per 16 values)
       scales, Hs, Is: ``scale_columns(Hp)``, ``scale_columns(Ip)`` (192 for 2880), and the float32
@@ -278,6 +296,8 @@ def gpt_oss_checkpoint_tensors(kernel_tensors: list[torch.Tensor], hidden: int, 
         gate_up_k, gate_up_scale_k, gate_up_bias_k, down_k, down_scale_k, down_bias_k = kernel_tensors
     ip = gate_up_scale_k.shape[1] // 2
     per = 16 if nvfp4 else 32  # values per scale byte, held and in the result
+    if not nvfp4:
+        gate_up_scale_k, down_scale_k = unpair_scale_rows(gate_up_scale_k), unpair_scale_rows(down_scale_k)
     gate_up_scale_bytes = gate_up_scale_k.view(torch.uint8)
     gate_up_packed = canonical_from_paired(gate_up_k)
     gate_up = interleave_gate_up(gate_up_packed[:, :inter, :hidden // 2], gate_up_packed[:, ip:ip + inter, :hidden // 2])

@@ -31,9 +31,9 @@ the single-role kernels at decode and middle sizes: the decode is the same work 
 by 8 warps per SM (benchmarks/NOTES.md).
 
 Block scales come with plain loads, each thread its own byte per row and step: E4M3 (uint8) or
-E8M0 (int8) one per 16 values, or gpt-oss's E8M0 held once per 32 values, given as int16 (two
-bytes, one 64-wide step: the dtype says so at compile time, worker partitions included), where
-threads t and t + 1 of a quad read the same byte.
+E8M0 (int8) one per 16 values, or gpt-oss's E8M0 held once per 32 values in row pairs
+(:func:`.layout.pair_scale_rows`), given as int16 (the dtype says so at compile time, worker
+partitions included), where threads t and t + 1 of a quad read the same byte.
 
 Decoded values carry a 2^-22 factor, folded into the global scale in the epilogue (as in
 :mod:`.kernels`). bf16 activations only; written for Triton 3.6's Gluon (the GPU machine's;
@@ -121,26 +121,30 @@ def _scale_offsets(s_ptr, srow0, srow1, lrow0, lrow1, n_rows, S_ROW, layout: gl.
     rows start at weight row ``srow0`` (row ``lrow0`` of the expert's ``n_rows``), box 1's at
     ``srow1`` (``lrow1``); ``S_ROW`` bytes a scale row; the words ``4 t .. 4 t + 3`` of a 64-wide
     step cover K ``16 t .. 16 t + 15`` (fragment order), block ``t`` (a scale per 32 values, int16
-    ``s_ptr``: block ``t // 2``). A tile past N (gpt-oss's
+    ``s_ptr``: block ``t // 2`` of row r's 8 bytes in its pair's 16 of the 256-wide step, whose
+    rows hold ``2 S_ROW`` bytes; see :func:`_load_scales`). A tile past N (gpt-oss's
     2880 rows in 128- and 256-row tiles) reads its expert's last 16 rows' scales instead: its sums
     are not stored, and the loads stay inside the tensor without a mask in the K loop."""
     p = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, layout))
-    if s_ptr.dtype.element_ty == gl.int16:
-        t = t // 2
     q = p % 32
     lbox = gl.where(p < 32, lrow0, lrow1)
     group = gl.minimum(lbox + (q // 8) * 16, n_rows - 16)  # (rows r and r + 8 of one 16-row group)
     row = gl.where(p < 32, srow0, srow1) + group - lbox + q % 8
-    return row.to(gl.int64)[:, None] * S_ROW + t[None, :]
+    if s_ptr.dtype.element_ty == gl.int16:
+        offs = (row // 2).to(gl.int64)[:, None] * (2 * S_ROW) + ((row % 2) * 8)[:, None] + (t // 2)[None, :]
+    else:
+        offs = row.to(gl.int64)[:, None] * S_ROW + t[None, :]
+    return offs
 
 
 @gluon.jit
 def _load_scales(s_ptr, offs, step):
     """Raw scale bytes of K step ``step`` at byte offsets ``offs`` (:func:`_scale_offsets`): 4 bytes
-    a step, or 2 from an int16 ``s_ptr`` (a scale per 32 values), read as int8 (E8M0) there."""
+    a step, or from an int16 ``s_ptr`` (a scale per 32 values, rows in pairs) 2 bytes a step within
+    each 256-wide step's 16 bytes of a pair, read as int8 (E8M0)."""
     if s_ptr.dtype.element_ty == gl.int16:
-        raw = gl.load(s_ptr.to(gl.pointer_type(gl.int8), bitcast=True) + offs + 2 * step)
+        raw = gl.load(s_ptr.to(gl.pointer_type(gl.int8), bitcast=True) + offs + (step // 4) * 16 + (step % 4) * 2)
     else:
         raw = gl.load(s_ptr + offs + 4 * step)
     return raw
@@ -392,7 +396,7 @@ def _store_routed(acc, y_ptr, topk_w_ptr, sorted_slot_ptr, row0, nrows, col0, N_
 
 def _scale_bytes(s: torch.Tensor, scale_block: int = 16) -> torch.Tensor:
     """Block scales as the kernels read them: E4M3 as uint8, MXFP4's E8M0 kept int8 (see _scales_bf16x2),
-    or held once per 32 values (``scale_block`` 32) as int16 pairs (see :func:`_load_scales`)."""
+    or held once per 32 values in row pairs (``scale_block`` 32) as int16 (see :func:`_load_scales`)."""
     if scale_block == 32:
         return s.view(torch.int16)
     return s if s.dtype == torch.int8 else s.view(torch.uint8)
@@ -489,8 +493,9 @@ def prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, 
     padding cut (each launch skips the others' blocks). ``launches``: that split as
     :func:`split_blocks` returns it, made elsewhere (the routing kernel makes a one-tail split
     itself); None: :func:`split_blocks` makes it. H and I multiples of 64 (a partial last K step,
-    tiles past N not stored); scale rows of any length (``[E, N, *]``; even with a scale per 32
-    values). MXFP4 (gpt-oss): int8 E8M0 scales, one per 32 values (:func:`.layout.values_per_scale`;
+    tiles past N not stored); scale rows of any length (``[E, N, *]``; whole 256-value steps with a
+    scale per 32 values). MXFP4 (gpt-oss): int8 E8M0 scales, one per 32 values in row pairs
+    (:func:`.layout.values_per_scale`, :func:`.layout.pair_scale_rows`;
     ``gate_up_global_scale``, ``down_global_scale`` unused) and ``gpt_oss`` (:class:`.layout.GptOssTerms`)
     for the gate_up GEMM's activation."""
     scale_block = values_per_scale(gate_up_scale, gpt_oss is not None)
