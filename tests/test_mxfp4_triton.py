@@ -383,9 +383,9 @@ def test_decode_v3_boxes_hold_each_warps_k_chunk(h, i, sps):
 
 @pytest.mark.parametrize("t,k,h,i", [(1, 2, 2880, 2880), (3, 2, 320, 704)])
 def test_single_role_kernels_at_gpt_oss_sizes(t, k, h, i):
-    # gpt-oss's H = I = 2880 as held: 12 K steps whose E8M0 scales (one byte per 32 values) come in
-    # 16-byte windows of two steps, the last window's second step the partial one (64 values); and
-    # I = 704 (a full window, then a partial step of 192 alone in its window); one token (a row block
+    # gpt-oss's H = I = 2880 as held: 12 K steps whose E8M0 scales (one byte per 32 values, rows in
+    # pairs) come 8 bytes a row, the last step the partial one (64 values); and I = 704 (two full
+    # steps, then a partial one of 192: an odd number of steps); one token (a row block
     # per slot, one of them unused: a single slot's programs, ~40 s in the interpreter) and several
     # (the run-time K loop)
     e = 3

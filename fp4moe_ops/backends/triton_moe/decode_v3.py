@@ -34,8 +34,8 @@ to finish.
 
 Compute capability 9.x and the Triton releases of :data:`.launch.GLUON_TRITON` only (checked by the
 caller); sizes: H and I multiples of 64 (gpt-oss's 2880: the last step partial, its chunks past K
-read as zeros through TMA, the activations there masked), scale rows in whole 16-byte TMA rows
-(:func:`.layout.scale_columns`: 256-value steps, or 512 values with a scale per 32).
+read as zeros through TMA, the activations there masked), scale rows in whole 256-value steps
+(:func:`.layout.scale_columns`; with a scale per 32 values, in row pairs).
 """
 
 from __future__ import annotations
