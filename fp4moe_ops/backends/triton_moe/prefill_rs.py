@@ -307,8 +307,8 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
     of 64: rows past N_OUT in the last tile are computed and not stored. ``DIAG`` (diagnostics, wrong results): 1 no decode
     (A a constant), 2 no MMA (the decode and the copies only), 3 both, the MMA on a constant A.
     GPT_OSS (the gate_up GEMM): gpt-oss's clamped SwiGLU with the biases ``gate_up_bias [E, 2 N_OUT]`` float32; int8
-    scales ``s_ptr``: MXFP4's E8M0 (and no global scale); int16: E8M0 held once per 32 values (two bytes
-    a 64-wide step; ``S_ROW`` still in bytes)."""
+    scales ``s_ptr``: MXFP4's E8M0 (and no global scale); int16: E8M0 held once per 32 values, rows in
+    pairs (two bytes a 64-wide step; ``S_ROW`` a row's bytes, see :func:`_load_scales`)."""
     t = gl.program_id(0)
     b = gl.program_id(1)
     e = gl.load(block_expert_ptr + b)
