@@ -144,7 +144,7 @@ def generate_step_ms(model, batch: int, new_tokens: int, skip: int = 16, runs: i
     """Per-step periods inside one ``generate()`` (compiled, static cache, as :func:`time_generate`) of ``1 + skip + new_tokens`` tokens, from
     :class:`StepClock`: ``"step"``, the median period of the last ``new_tokens`` steps (median over
     ``runs`` calls after a warm-up call); ``"first"``, the first decoding step after the prefill;
-    ``"early"``, the mean of the ``skip`` steps before the timed ones. Unlike subtracting two
+    ``"early"``, the mean of the steps between it and the timed ones (the 2nd to the ``skip``-th). Unlike subtracting two
     calls' times, nothing here depends on two calls costing the same apart from their steps."""
     from transformers import CompileConfig, LogitsProcessorList
 
@@ -167,7 +167,7 @@ def generate_step_ms(model, batch: int, new_tokens: int, skip: int = 16, runs: i
             rows.append(periods[:n - 1])
     return {"step": statistics.median(statistics.median(r[skip:]) for r in rows),
             "first": statistics.median(r[0] for r in rows),
-            "early": statistics.median(statistics.fmean(r[:skip]) for r in rows)}
+            "early": statistics.median(statistics.fmean(r[1:skip]) for r in rows) if skip > 1 else float("nan")}
 
 
 @contextlib.contextmanager

@@ -37,7 +37,12 @@ Part 2, end to end (``--parts e2e``): a GptOssForCausalLM of gpt-oss-120b's dime
 2880, 128 experts of 2880, top-4, 64 query / 8 KV heads of 64, vocabulary 201088, sliding window
 128 on every other layer; ``--model 20b``: 32 experts) with ``--layers`` decoder layers (default 2;
 full depth is 36 for 120b, 24 for 20b), random weights, the experts
-the same random MXFP4 weights for both variants (BF16: decoded). Compiled greedy ``generate()`` with
+the same random MXFP4 weights for both variants (BF16: decoded); ``--variants fp4moe`` builds the
+model without any BF16 copy of the experts (:func:`gpt_oss_model_mxfp4`), so that gpt-oss-120b runs
+at full depth on one 80 GB GPU (``--model 120b --layers 36 --variants fp4moe --cache-len 32768``:
+a static KV cache of 32k tokens, which each decoding step's attention reads whole; Transformers'
+gpt-oss has no SDPA, and its eager attention would hold a 32k-token prompt's scores, 64 x 32k x 32k,
+so the prompt stays short). Compiled greedy ``generate()`` with
 a static cache (``generation_config.cache_implementation = "static"``, CompileConfig(fullgraph,
 "reduce-overhead"): CUDA graphs), batch 1 and 32, a prompt of 128 random tokens, 64 new tokens:
 
@@ -366,21 +371,62 @@ def swap_in_mxfp4_experts(model, checkpoint: list[list[torch.Tensor]], backend: 
     fp4moe's MXFP4 quantizer does for a checkpoint: bytes into its buffers, biases into its
     parameters, and the model-wide guards, ``generate()``'s deferred stop check included), on
     ``backend``; returns the backend name."""
-    from hf_integration import MXFP4GptOssExperts
     from hf_integration.quantizer import attach_guards
     from hf_integration.surgery import replace_module
 
     config = model.config.get_text_config()
-    device = model.device
     for layer, tensors in zip(model.model.layers, checkpoint):
-        with torch.device("meta"):
-            new = MXFP4GptOssExperts(config, dtype=torch.bfloat16)
-        new = new.to_empty(device=device)
-        for target, source in zip(new.expert_tensors(), tensors):
-            target.copy_(source)
-        replace_module(layer.mlp, "experts", new)
+        replace_module(layer.mlp, "experts", mxfp4_experts(config, tensors, model.device))
     attach_guards(model)
     return [layer.mlp.experts.set_backend(backend) for layer in model.model.layers][0]
+
+
+@torch.no_grad()
+def mxfp4_experts(config, tensors: list[torch.Tensor] | None, device):
+    """An ``MXFP4GptOssExperts`` on ``device`` holding the six checkpoint ``tensors`` (``None``: on the
+    meta device, empty)."""
+    from hf_integration import MXFP4GptOssExperts
+
+    with torch.device("meta"):
+        new = MXFP4GptOssExperts(config, dtype=torch.bfloat16)
+    if tensors is None:
+        return new
+    new = new.to_empty(device=device)
+    for target, source in zip(new.expert_tensors(), tensors):
+        target.copy_(source)
+    return new
+
+
+@torch.no_grad()
+def gpt_oss_model_mxfp4(dims: dict, layers: int, device, backend: str):
+    """The model as fp4moe holds an MXFP4 checkpoint, built without a BF16 copy of the experts (which
+    for gpt-oss-120b would not fit one GPU): Transformers' model on the meta device, each layer's
+    experts an ``MXFP4GptOssExperts``, everything materialised on ``device``; the rest initialised
+    by Transformers' own ``initialize_weights`` (the rotary tables included), the experts filled
+    with random MXFP4 tensors one layer at a time, then the model-wide guards and ``backend``.
+    Returns ``(model, backend name)``."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_integration.quantizer import attach_guards
+    from hf_integration.surgery import replace_module
+
+    config = gpt_oss_config(dims, layers)
+    text = config.get_text_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    for layer in model.model.layers:
+        replace_module(layer.mlp, "experts", mxfp4_experts(text, None, device))
+        layer.mlp.experts._is_hf_initialized = True  # filled below, not by Transformers' init
+    model = model.to_empty(device=device).eval().requires_grad_(False)
+    model.initialize_weights()
+    e, h, i = dims["num_local_experts"], dims["hidden_size"], dims["intermediate_size"]
+    for layer in model.model.layers:
+        tensors = random_gpt_oss_experts(e, h, i, device)
+        for target, source in zip(layer.mlp.experts.expert_tensors(), tensors):
+            target.copy_(source)
+        del tensors
+    attach_guards(model)
+    return model, [layer.mlp.experts.set_backend(backend) for layer in model.model.layers][0]
 
 
 def forget_compiled(model) -> None:
@@ -395,7 +441,7 @@ def forget_compiled(model) -> None:
         torch.cuda.empty_cache()
 
 
-def time_generate(model, batch: int, prompt_len: int, new: int, repeats: int, tiny: bool):
+def time_generate(model, batch: int, prompt_len: int, new: int, repeats: int, tiny: bool, cache_len: int | None = None):
     """(decode tokens/s, generate() tokens/s with prefill, tokens of the long run): see the module docstring."""
     from transformers import CompileConfig
 
@@ -409,6 +455,7 @@ def time_generate(model, batch: int, prompt_len: int, new: int, repeats: int, ti
         compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
     model.generation_config.cache_implementation = "static"
     model.generation_config.compile_config = compile_config
+    model.generation_config.max_cache_len = cache_len  # None: the prompt and the new tokens
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def run(n):  # min_new_tokens: random weights may emit EOS; every run makes n tokens per row
@@ -447,32 +494,42 @@ def e2e_part(args, result: dict, save) -> None:
     prompt_len = args.prompt or (16 if args.tiny else 128)
     new = args.new_tokens or (8 if args.tiny else 64)
     repeats = 1 if args.tiny else 5
-    part = result["e2e"] = {"model": "tiny" if args.tiny else args.model, "layers": args.layers, "prompt": prompt_len, "new_tokens": new, "rows": [],
+    part = result["e2e"] = {"model": "tiny" if args.tiny else args.model, "layers": args.layers, "prompt": prompt_len,
+                            "new_tokens": new, "cache_len": args.cache_len, "rows": [],
                             "skipped": [], "notes": [], "bf16_decode": args.bf16_decode}
     if not supported():
         part["notes"].append(f"Transformers {result['transformers']} is older than fp4moe's gpt-oss path "
                              f"({'.'.join(map(str, MIN_TRANSFORMERS))}): its gpt-oss config has no swiglu_alpha / "
                              f"swiglu_limit (set here to the 1.702 / 7.0 its experts hard-code)")
+    variants = args.variants.split(",")
+    if not set(variants) <= {"bf16", "fp4moe"} or not variants:
+        raise SystemExit(f"--variants takes bf16 and/or fp4moe, got {args.variants!r}")
+    part["variants"] = variants
+    backend = "reference" if args.tiny else "triton"
     start = time.time()
-    model = gpt_oss_model(dims, args.layers, device)
     e, h, i = dims["num_local_experts"], dims["hidden_size"], dims["intermediate_size"]
-    checkpoint = []
-    for layer in model.model.layers:
-        tensors = random_gpt_oss_experts(e, h, i, device)
-        fill_bf16_experts(layer.mlp.experts, tensors)
-        # held on the host while BF16 runs, so that its peak memory holds no MXFP4 copy
-        checkpoint.append([t.cpu() for t in tensors])
-        del tensors
     expert_gb = lambda: sum(t.nbytes for n, t in list(model.named_parameters()) + list(model.named_buffers())
                             if ".mlp.experts." in n) / 1e9
-    part["experts_GB_bf16"] = expert_gb()
-    log(f"part 2: {args.layers} gpt-oss-{part['model']} layers, experts "
-        f"{part['experts_GB_bf16']:.2f} GB BF16 ({time.time() - start:.0f}s)")
+    part["experts_GB_bf16"] = args.layers * e * 3 * i * h * 2 / 1e9  # gate_up [2I, H] + down [H, I] in BF16
+    if "bf16" not in variants:
+        model, name = gpt_oss_model_mxfp4(dims, args.layers, device, backend)
+        log(f"part 2: {args.layers} gpt-oss-{part['model']} layers built with MXFP4 experts, no BF16 copy "
+            f"({time.time() - start:.0f}s)")
+    else:
+        model = gpt_oss_model(dims, args.layers, device)
+        checkpoint = []
+        for layer in model.model.layers:
+            tensors = random_gpt_oss_experts(e, h, i, device)
+            fill_bf16_experts(layer.mlp.experts, tensors)
+            # held on the host while BF16 runs, so that its peak memory holds no MXFP4 copy
+            checkpoint.append([t.cpu() for t in tensors])
+            del tensors
+        log(f"part 2: {args.layers} gpt-oss-{part['model']} layers, experts "
+            f"{part['experts_GB_bf16']:.2f} GB BF16 ({time.time() - start:.0f}s)")
     if args.bf16_decode == "grouped_mm":
         keep_grouped_mm_for_decode(model)
     decode_note = " (decode: batched_mm)" if args.bf16_decode == "transformers" else " (decode: grouped_mm kept)"
     bf16_label = "HF BF16 grouped_mm" + (decode_note if cuda else "")  # the CPU keeps grouped_mm anyway
-    backend = "reference" if args.tiny else "triton"
     outputs = {}
 
     def rows(variant: str, also_deferred: bool = False) -> None:
@@ -497,7 +554,7 @@ def e2e_part(args, result: dict, save) -> None:
         resident = torch.cuda.memory_allocated() / 1e9 if cuda else float("nan")
         t0 = time.time()
         try:
-            decode, generate_tps, out = time_generate(model, b, prompt_len, new, repeats, args.tiny)
+            decode, generate_tps, out = time_generate(model, b, prompt_len, new, repeats, args.tiny, args.cache_len)
         except Exception as exc:  # noqa: BLE001  (report it, go on with the next case)
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
             part["rows"].append({"variant": variant, "batch": b, "error": error})
@@ -513,19 +570,21 @@ def e2e_part(args, result: dict, save) -> None:
             f"(prefill incl.), peak {peak:6.2f} GB, weights {resident:6.2f} GB ({measured['seconds']:.0f}s)")
         save()
 
-    rows(bf16_label, also_deferred=True)
-    forget_compiled(model)
-    try:
-        name = swap_in_mxfp4_experts(model, checkpoint, backend)
-    except Exception as exc:  # noqa: BLE001  (e.g. the Triton backend refusing MXFP4 experts)
+    if "bf16" in variants:
+        rows(bf16_label, also_deferred=True)
+        forget_compiled(model)
         name = None
-        part["notes"].append(f"fp4moe not run: MXFP4GptOssExperts.set_backend({backend!r}) failed: "
-                             f"{type(exc).__name__}: {str(exc)[:300]}")
-        log(part["notes"][-1])
-    del checkpoint
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+        if "fp4moe" in variants:
+            try:
+                name = swap_in_mxfp4_experts(model, checkpoint, backend)
+            except Exception as exc:  # noqa: BLE001  (e.g. the Triton backend refusing MXFP4 experts)
+                part["notes"].append(f"fp4moe not run: MXFP4GptOssExperts.set_backend({backend!r}) failed: "
+                                     f"{type(exc).__name__}: {str(exc)[:300]}")
+                log(part["notes"][-1])
+        del checkpoint
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     part["experts_GB_mxfp4"] = expert_gb()
     if name is not None:
         log(f"experts now MXFP4GptOssExperts ({part['experts_GB_mxfp4']:.2f} GB), backend {name}")
@@ -545,7 +604,8 @@ def e2e_table(result: dict) -> str:
     lines = [f"gpt-oss end to end, {result['date']}, {result['device']}, torch {result['torch']}, Triton "
              f"{result['triton']}, Transformers {result['transformers']}: {part['layers']} gpt-oss-"
              f"{part.get('model', '120b')}-shaped layers, random weights, compiled static-cache greedy "
-             f"generate(), prompt {part['prompt']}, {part['new_tokens']} new tokens", "",
+             f"generate(), prompt {part['prompt']}, {part['new_tokens']} new tokens"
+             + (f", static cache of {part['cache_len']} tokens" if part.get("cache_len") else ""), "",
              "| variant | batch | decode tokens/s | generate() tokens/s (prefill incl.) | peak GB | speedup vs BF16 |",
              "|---|---:|---:|---:|---:|---:|"]
     base = {r["batch"]: r for r in part["rows"]
@@ -560,7 +620,7 @@ def e2e_table(result: dict) -> str:
         lines.append(f"| {r['variant']} | {r['batch']} | {r['decode_tokens_per_s']:.1f} | "
                      f"{r['generate_tokens_per_s']:.1f} | {peak} | {speedup} |")
     if "experts_GB_mxfp4" in part:
-        lines += ["", f"Expert weights: {part['experts_GB_bf16']:.2f} GB BF16, {part['experts_GB_mxfp4']:.2f} GB "
+        lines += ["", f"Expert weights: {part['experts_GB_bf16']:.2f} GB in BF16 (from the shapes), {part['experts_GB_mxfp4']:.2f} GB "
                       "as fp4moe's module holds them (its own tensors; a backend's converted copy not counted)."]
     lines += [""] + [f"- {n}" for n in part["notes"]] + [f"- skipped: {s}" for s in part["skipped"]]
     return "\n".join(lines).rstrip() + "\n"
@@ -577,6 +637,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--batches", default=None, help="part 2's batch sizes (default 1,32)")
     ap.add_argument("--prompt", type=int, default=None, help="part 2's prompt tokens (default 128)")
     ap.add_argument("--new-tokens", type=int, default=None, help="part 2's new tokens (default 64)")
+    ap.add_argument("--variants", default="bf16,fp4moe",
+                    help="part 2's variants; fp4moe alone builds the model without a BF16 copy of the experts "
+                         "(gpt-oss-120b at full depth fits one 80 GB GPU only so)")
+    ap.add_argument("--cache-len", type=int, default=None,
+                    help="part 2's static KV cache length (Transformers' generation_config.max_cache_len); "
+                         "default: the prompt and the new tokens")
     ap.add_argument("--bf16-decode", choices=("transformers", "grouped_mm"), default="transformers",
                     help="HF BF16's decode steps: as generate() runs them (batched_mm), or grouped_mm kept")
     ap.add_argument("--layer-budget", type=float, default=170, help="seconds: part 1 starts no case past it")

@@ -42,12 +42,15 @@ Per variant:
 * peak GPU memory (``max_memory_allocated``) over the variant's decoding, and over all its runs
   (the longest prompt's prefill included).
 
-``--checkpoint DIR``: after the first fp4moe variant, ``save_pretrained(DIR)`` (a ModelOpt NVFP4
-checkpoint) and ``from_pretrained(DIR)`` as a user loads it: save and load seconds, the memory the
-loaded model takes, and whether its greedy tokens equal the patched model's (1 or 0).
+``--checkpoint DIR``: after HF BF16 and after the first fp4moe variant, ``save_pretrained`` into
+``DIR/bf16`` (Transformers' own checkpoint) and ``DIR/fp4moe`` (a ModelOpt NVFP4 one) and
+``from_pretrained`` as a user loads it: save and load seconds, the checkpoint's size, the memory the
+loaded model takes, and whether its greedy tokens equal the model's (1 or 0); each folder is
+deleted after. The loaded BF16 copy sits beside the first on the GPU: at full depth that needs
+2 x 61 GB (an H200), so on an H100 compare loading at ``--layers 24``.
 
 Writes ``model.json`` and ``model.md`` to ``--out`` after every measurement. Not measured here:
-``transformers serve`` (``bench_serve.py``), gpt-oss, and loading HF BF16 from its own checkpoint (61 GB at full depth).
+``transformers serve`` (``bench_serve.py``) and gpt-oss (``bench_gpt_oss.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import argparse
 import contextlib
 import gc
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -103,13 +107,17 @@ def greedy(model, new_tokens: int = 8) -> torch.Tensor:
 
 
 def save_and_load(model, folder: Path, record) -> None:
-    """``--checkpoint``: save ``model`` as a ModelOpt checkpoint and load it back as a user would."""
+    """``--checkpoint``: save ``model`` (HF BF16: Transformers' own checkpoint; fp4moe: a ModelOpt
+    one) and load it back as a user would; the folder is deleted afterwards (a BF16 Qwen3-30B-A3B
+    takes 61 GB of disk)."""
     from transformers import AutoModelForCausalLM
 
     sync()
     t0 = time.perf_counter()
     model.save_pretrained(folder)
     record("save_pretrained (s)", time.perf_counter() - t0)
+    record("checkpoint on disk (GB)", sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e9)
+    record("ModelOpt's hf_quant_config.json written", float((folder / "hf_quant_config.json").exists()))
     cuda = model.device.type == "cuda"
     before = torch.cuda.memory_allocated() if cuda else 0
     sync()
@@ -119,11 +127,12 @@ def save_and_load(model, folder: Path, record) -> None:
     record("from_pretrained of the saved checkpoint (s)", time.perf_counter() - t0)
     if cuda:
         record("loaded model's GPU memory (GB)", (torch.cuda.memory_allocated() - before) / 1e9)
-    record("loaded model's greedy tokens equal the patched model's", float(torch.equal(greedy(again), greedy(model))))
+    record("loaded model's greedy tokens equal the model's", float(torch.equal(greedy(again), greedy(model))))
     del again
     gc.collect()  # fp4moe's guards hold the model in reference cycles: freed only by the collector
     if cuda:
         torch.cuda.empty_cache()
+    shutil.rmtree(folder)
 
 
 def main() -> None:
@@ -176,7 +185,7 @@ def main() -> None:
     model = qwen3_moe(args.layers, dims, "cpu" if args.tiny else "cuda")
     print(f"built in {time.time() - start:.0f} s; {result['versions']}", flush=True)
     cuda = not args.tiny
-    saved = False
+    saved = set()  # the kinds whose checkpoint was saved and loaded
     for variant in args.variants.split(","):
         if variant == "fp4moe" or (variant == "fp4moe-attn" and "fp4moe" not in args.variants.split(",")):
             patch_moe(model, verbose=False)
@@ -219,9 +228,10 @@ def main() -> None:
             record(variant, f"generate_batch tokens/s, {n} requests", row["tokens_per_s"])
         if cuda:
             record(variant, "peak GPU memory, all runs (GB)", torch.cuda.max_memory_allocated() / 1e9)
-        if args.checkpoint and variant.startswith("fp4moe") and not saved:
-            save_and_load(model, args.checkpoint, lambda what, value: record(variant, what, value))
-            saved = True
+        kind = "fp4moe" if variant.startswith("fp4moe") else variant
+        if args.checkpoint and kind not in saved:
+            save_and_load(model, args.checkpoint / kind, lambda what, value: record(variant, what, value))
+            saved.add(kind)
     print((out / "model.md").read_text())
 
 

@@ -29,7 +29,7 @@ def test_bench_moe_runs_on_cpu(tmp_path):
 
 def test_bench_model_runs_on_cpu(tmp_path):
     """bench_model.py's whole path at tiny shapes: every measurement of both variants, and the
-    saved fp4moe checkpoint loads back with the patched model's greedy tokens."""
+    saved checkpoints (HF BF16's own and fp4moe's) load back with their model's greedy tokens."""
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--tiny", "--layers", "2",
                     "--batches", "1", "--prompts", "16", "--requests", "2", "--variants", "bf16,fp4moe",
                     "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path)],
@@ -41,8 +41,11 @@ def test_bench_model_runs_on_cpu(tmp_path):
         assert math.isfinite(rows[(variant, "decode tokens/s, batch 1")]), variant
         for what in ("time to first token, 16 tokens (ms)", "generate_batch tokens/s, 2 requests"):
             assert rows[(variant, what)] > 0, (variant, what)
-    assert rows[("fp4moe", "loaded model's greedy tokens equal the patched model's")] == 1.0
-    assert (tmp_path / "ckpt" / "hf_quant_config.json").exists()
+    for variant in ("bf16", "fp4moe"):  # each saved, loaded back, the folder removed after
+        assert rows[(variant, "loaded model's greedy tokens equal the model's")] == 1.0, variant
+        assert rows[(variant, "checkpoint on disk (GB)")] > 0, variant
+        assert not (tmp_path / "ckpt" / variant).exists(), variant
+        assert rows[(variant, "ModelOpt's hf_quant_config.json written")] == float(variant == "fp4moe")
 
 
 def test_generate_step_clock_reads_each_steps_period():
@@ -54,7 +57,7 @@ def test_generate_step_clock_reads_each_steps_period():
 
     torch.manual_seed(0)
     model = qwen3_moe(1, TINY, "cpu")
-    fast = generate_step_ms(model, 1, 3, skip=2, runs=1, compiled=False)
+    fast = generate_step_ms(model, 1, 3, skip=3, runs=1, compiled=False)
     forward = model.forward
 
     def slow_forward(*args, **kwargs):
@@ -64,7 +67,7 @@ def test_generate_step_clock_reads_each_steps_period():
         return out
 
     model.forward = slow_forward
-    slow = generate_step_ms(model, 1, 3, skip=2, runs=1, compiled=False)
+    slow = generate_step_ms(model, 1, 3, skip=3, runs=1, compiled=False)
     for what in ("step", "first", "early"):
         assert slow[what] >= 30 > fast[what], (what, slow, fast)
 
@@ -131,6 +134,36 @@ def test_bench_generate_batch_runs_on_cpu(tmp_path):
     assert [(r["variant"], r["requests"]) for r in rows] == [("BF16", 2), ("fp4moe", 2)]
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert "| requests | BF16 tokens/s | fp4moe tokens/s |" in done.stdout
+
+
+def test_gpt_oss_built_without_bf16_experts_is_the_swapped_model():
+    """bench_gpt_oss.gpt_oss_model_mxfp4 (for gpt-oss-120b at full depth on one GPU): no BF16 expert
+    weight is ever made, nothing is left as to_empty's uninitialised memory (the rotary tables,
+    norms, embeddings), and the model gives exactly the logits of the usual path, a BF16-built model
+    with the same weights whose experts are then swapped for the same MXFP4 tensors."""
+    from bench_gpt_oss import TINY_MODEL, gpt_oss_model, gpt_oss_model_mxfp4, swap_in_mxfp4_experts
+
+    torch.manual_seed(0)
+    model, backend = gpt_oss_model_mxfp4(TINY_MODEL, 2, torch.device("cpu"), "reference")
+    assert backend == "reference"
+    e, h, i = (TINY_MODEL[k] for k in ("num_local_experts", "hidden_size", "intermediate_size"))
+    assert not [n for n, p in model.named_parameters() if p.dim() == 3 and p.shape[0] == e]  # no [E, ., .] BF16 weights
+    usual = gpt_oss_model(TINY_MODEL, 2, torch.device("cpu"))
+    rotary = dict(usual.named_buffers())
+    for name, buf in model.named_buffers():
+        if "rotary" in name:
+            assert torch.equal(buf, rotary[name]), name
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            assert torch.equal(p, torch.ones_like(p)), name
+    dense = {n: p for n, p in model.state_dict().items() if ".mlp.experts." not in n}
+    usual.load_state_dict(dense, strict=False)
+    experts = [[t.clone() for t in layer.mlp.experts.expert_tensors()] for layer in model.model.layers]
+    swap_in_mxfp4_experts(usual, experts, "reference")
+    ids = torch.randint(3, TINY_MODEL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, usual(ids).logits)
 
 
 def test_bench_gpt_oss_runs_on_cpu(tmp_path):

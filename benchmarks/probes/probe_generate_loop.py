@@ -30,6 +30,10 @@ Qwen3-30B-A3B-shaped model (random weights) patched by ``patch_moe``, at batch 1
 * ``--gaps``: one ``generate()`` of 24 new tokens under the profiler, after a warm-up: per decoding
   step (CUDA-graph launch to launch) the GPU's busy time and the kernels launched outside the
   graph, and the longest GPU idle gaps with the host events running in them, in both loops;
+* ``--first-token N``: one ``generate(max_new_tokens=1)`` over an N-token prompt (as
+  ``bench_model.py`` times the first token) under the profiler, HF BF16 and then fp4moe: wall and
+  GPU busy time, the GPU's idle time before, among and after its kernels, the host's waits, and the
+  longest idle gaps with the host events in them;
 * ``--prefill N``: one eager forward over N prompt tokens (no cache, as ``generate()`` runs its
   prefill eagerly), wall time, median of 3, for HF BF16 before the patch and fp4moe after.
 
@@ -139,15 +143,17 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaun
             "cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaGraphInstantiate", "cudaGraphInstantiateWithFlags")
 
 
-def profiled_generate(model, new_tokens: int):
-    """The PyTorch profiler over one compiled ``generate()`` of ``new_tokens``, after a warm-up call
-    of the same length (which compiles and records the CUDA graphs)."""
+def profiled_generate(model, new_tokens: int, prompt_len: int = 16, compiled: bool = True):
+    """The PyTorch profiler over one ``generate()`` of ``new_tokens`` (compiled, static cache; or as
+    ``generate()`` runs by default: eager, dynamic cache), after a warm-up call of the same length
+    (which compiles and records the CUDA graphs)."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import CompileConfig
 
-    prompt = torch.randint(1, 1000, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-              compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    prompt = torch.randint(1, 1000, (1, prompt_len), generator=torch.Generator().manual_seed(1)).cuda()
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if compiled:
+        kw.update(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
     model.generate(prompt, **kw)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -246,6 +252,45 @@ def gpu_gaps(model, new_tokens: int = 24, shown: int = 12) -> str:
     return "\n".join(lines)
 
 
+def first_token_gaps(model, prompt_len: int, shown: int = 12) -> str:
+    """One ``generate(max_new_tokens=1)`` over a ``prompt_len``-token prompt as ``bench_model.py``
+    times the first token (eager prefill, Transformers' default cache), under the profiler after a
+    warm-up: the call's wall time, the GPU's busy time, its idle time before the first kernel, among
+    the kernels and after the last, the host's synchronizations, and the longest idle gaps with the
+    host events running in them."""
+    prof = profiled_generate(model, 1, prompt_len, compiled=False)
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    a = min(e.time_range.start for e in cpu if e.cpu_parent is None)
+    b = max(e.time_range.end for e in cpu if e.cpu_parent is None)
+    merged = merge_intervals(gpu)
+    gaps = idle_gaps(merged, a, b)
+    busy = sum(min(end, b) - max(start, a) for start, end in merged if end > a and start < b)
+    inside = [g for g in gaps if merged and merged[0][0] <= g[0] and g[1] <= merged[-1][1]]
+    syncs = {}
+    for e in cpu:
+        if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize") or (
+                e.name == "cudaMemcpyAsync" and e.time_range.elapsed_us() > 50):
+            syncs[e.name] = syncs.get(e.name, 0) + 1
+
+    def chain(t):
+        names = [e.name[:60] for e in sorted((e for e in cpu if e.time_range.start <= t <= e.time_range.end),
+                                             key=lambda e: e.time_range.start)]
+        return " > ".join(names if len(names) <= 5 else names[:3] + ["..."] + names[-2:])
+
+    lines = [f"  wall {(b - a) / 1e3:.2f} ms, GPU busy {busy / 1e3:.2f} ms; GPU idle before its first kernel "
+             f"{(merged[0][0] - a) / 1e3 if merged else 0:.2f} ms, among the kernels "
+             f"{sum(g1 - g0 for g0, g1 in inside) / 1e3:.2f} ms in {len(inside)} gaps, after the last "
+             f"{(b - merged[-1][1]) / 1e3 if merged else 0:.2f} ms",
+             f"  host waits: {', '.join(f'{n} x {c}' for n, c in sorted(syncs.items())) or 'none'} "
+             "(cudaMemcpyAsync counted where it took over 50 us)",
+             "  the longest GPU idle gaps:"]
+    lines += [f"    {(g1 - g0) / 1e3:6.3f} ms at {(g0 - a) / 1e3:8.2f} ms: {chain((g0 + g1) / 2)}"
+              for g0, g1 in sorted(gaps, key=lambda g: g[1] - g[0], reverse=True)[:shown]]
+    return "\n".join(lines)
+
+
 def prefill_ms(model, tokens: int) -> float:
     prompt = torch.randint(1, 1000, (1, tokens), generator=torch.Generator().manual_seed(tokens)).cuda()
     times = []
@@ -341,6 +386,8 @@ def main() -> None:
                     help="only the profiled launch sequence of one generate() of 4 new tokens, both loops")
     ap.add_argument("--gaps", action="store_true",
                     help="only the GPU's busy and idle time per decoding step of one generate(), both loops")
+    ap.add_argument("--first-token", type=int, default=0, metavar="N",
+                    help="only the profiled generate(max_new_tokens=1) over an N-token prompt, HF BF16 then fp4moe")
     ap.add_argument("--lengths-only", action="store_true",
                     help="only generate()'s time for 1, 17 and 65 new tokens, both loops")
     args = ap.parse_args()
@@ -352,6 +399,9 @@ def main() -> None:
         with deferred_stop_on_cuda():
             print("HF BF16, DeferredStopCheck on CUDA:", generate_lengths(model), flush=True)
         torch._dynamo.reset()
+    if args.first_token:
+        print(f"HF BF16, generate(max_new_tokens=1) over {args.first_token} tokens:\n"
+              + first_token_gaps(model, args.first_token), flush=True)
     bf16_prefill = prefill_ms(model, args.prefill) if args.prefill else None
     patch_moe(model, verbose=False)
     if args.attention:
@@ -360,6 +410,11 @@ def main() -> None:
           f"fp4moe{' + NVFP4 attention' if args.attention else ''}, batch 1; torch {torch.__version__}, "
           f"transformers {transformers.__version__}", flush=True)
 
+    if args.first_token:
+        print(f"fp4moe, generate(max_new_tokens=1) over {args.first_token} tokens:\n"
+              + first_token_gaps(model, args.first_token), flush=True)
+        if not (args.gaps or args.timeline or args.calls or args.lengths_only):
+            return
     if args.gaps:
         with transformers_loop():
             print("fp4moe, Transformers' loop, GPU per decoding step:\n" + gpu_gaps(model), flush=True)
