@@ -142,19 +142,27 @@ def check(out, x, ids, rw, tensors, limit):
     assert ((out.double() - ref).norm() / ref.norm()).item() < bound
 
 
+def check_single_role(e, h, i, t, k, limit=7.0, layout=None, multiple=64):
+    """The single-role kernels (no Gluon prefill, no decode_v3) on ``e`` random experts and ``t``
+    tokens of ``k`` slots against the float64 oracle, their config chosen for the ``layout``
+    ``(H, I)`` the kernels see (default: as they are, edges allowed); returns the config."""
+    tensors = experts(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids, rw = routing(e, t, k)
+    lh, li = layout or (h, i)
+    cfg = kernel_config(t * k, e, lh, li, edges=multiple == 64) | {"GLUON_PREFILL": False, "DECODE_V3": False}
+    check(run(tensors, x, ids, rw, limit, cfg, multiple=multiple), x, ids, rw, tensors, limit)
+    return cfg
+
+
 @pytest.mark.parametrize("t,k,limit", [(1, 4, 7.0), (6, 2, 1.0)])
 def test_single_role_kernels_match_float64(t, k, limit):
     # the kernels' TMA path with paired weights (merged gate/up tiles), H = I = 320 as they are (a
     # 256-wide K step, then a partial one of 64); one token (a row block per slot, x read in natural
     # order) and several (routed blocks, x and h with their last partial chunk in natural order), an
     # unused slot; limit 1 clamps
-    e, h, i = 4, 320, 320
-    tensors = experts(e, h, i)
-    x = torch.randn(t, h, dtype=torch.bfloat16)
-    ids, rw = routing(e, t, k)
-    cfg = kernel_config(t * k, e, h, i, edges=True) | {"GLUON_PREFILL": False, "DECODE_V3": False}
+    cfg = check_single_role(4, 320, 320, t, k, limit)
     assert cfg["TMA"] and cfg["MERGED_GATE_UP"] and cfg["BK_GATE_UP"] == cfg["BK_DOWN"] == 256
-    check(run(tensors, x, ids, rw, limit, cfg), x, ids, rw, tensors, limit)
 
 
 @pytest.mark.parametrize("h,i,t,rows", [(448, 192, 3, 16), (192, 448, 1, 16), (320, 448, 20, 32), (448, 320, 70, 64)])
@@ -162,38 +170,21 @@ def test_partial_k_steps_in_every_single_role_bucket(h, i, t, rows):
     # H and I multiples of 64, not of 256, in each bucket's tiles (decode 16 rows, middle 32 with
     # 128-row tiles, prefill 64 with 256-row ones cut to divisors of N): K of 192 is one partial
     # step alone, 448 a full one and a partial of 192; the run-time K loop too (decode, 3 tokens)
-    e, k = 4, 2
-    tensors = experts(e, h, i)
-    x = torch.randn(t, h, dtype=torch.bfloat16)
-    ids, rw = routing(e, t, k)
-    cfg = kernel_config(t * k, e, h, i, edges=True) | {"GLUON_PREFILL": False, "DECODE_V3": False}
+    cfg = check_single_role(4, h, i, t, 2)
     assert cfg["BM"] == rows and cfg["TMA"] and h % cfg["BN_DOWN"] == 0 and (2 * i) % cfg["BN_GATE_UP"] == 0
-    check(run(tensors, x, ids, rw, 7.0, cfg), x, ids, rw, tensors, 7.0)
 
 
 def test_sizes_not_multiples_of_64_are_padded_as_little_as_possible():
     # 96 and 160 (multiples of 32, MXFP4's block): the layout pads them to 128 and 192 and the call
     # pads the activations and cuts the output, the one case that still copies per call
-    e, h, i, t, k = 4, 96, 160, 3, 2
-    tensors = experts(e, h, i)
-    x = torch.randn(t, h, dtype=torch.bfloat16)
-    ids, rw = routing(e, t, k)
-    cfg = kernel_config(t * k, e, 128, 192, edges=True) | {"GLUON_PREFILL": False, "DECODE_V3": False}
-    check(run(tensors, x, ids, rw, 7.0, cfg), x, ids, rw, tensors, 7.0)
+    check_single_role(4, 96, 160, 3, 2, layout=(128, 192))
 
 
 def test_padded_layout_gives_the_same_result():
     # the earlier layout (multiple=256: 320 -> 512, activations padded per call), which benchmarks
     # compare, runs the same kernels to the same float64 oracle
-    e, h, i, t, k = 4, 320, 320, 2, 2
-    tensors = experts(e, h, i)
-    x = torch.randn(t, h, dtype=torch.bfloat16)
-    ids, rw = routing(e, t, k)
-    cfg = kernel_config(t * k, e, 512, 512) | {"GLUON_PREFILL": False, "DECODE_V3": False}
-    padded = run(tensors, x, ids, rw, 7.0, cfg, multiple=256)
-    check(padded, x, ids, rw, tensors, 7.0)
-    cfg = kernel_config(t * k, e, h, i, edges=True) | {"GLUON_PREFILL": False, "DECODE_V3": False}
-    check(run(tensors, x, ids, rw, 7.0, cfg), x, ids, rw, tensors, 7.0)
+    check_single_role(4, 320, 320, 2, 2, layout=(512, 512), multiple=256)
+    check_single_role(4, 320, 320, 2, 2)
 
 
 @pytest.mark.gpu
