@@ -143,7 +143,8 @@ class StepClock:
 def generate_step_ms(model, batch: int, new_tokens: int, skip: int = 16, runs: int = 5, compiled: bool = True) -> dict:
     """Per-step periods inside one ``generate()`` (compiled, static cache, as :func:`time_generate`) of ``1 + skip + new_tokens`` tokens, from
     :class:`StepClock`: ``"step"``, the median period of the last ``new_tokens`` steps (median over
-    ``runs`` calls after a warm-up call); ``"first"``, the first decoding step after the prefill;
+    ``runs`` calls after a warm-up call), ``"mean"`` their mean (median over the calls) and
+    ``"slowest"`` the longest of them in any call; ``"first"``, the first decoding step after the prefill;
     ``"early"``, the mean of the steps between it and the timed ones (the 2nd to the ``skip``-th). Unlike subtracting two
     calls' times, nothing here depends on two calls costing the same apart from their steps."""
     from transformers import CompileConfig, LogitsProcessorList
@@ -160,12 +161,15 @@ def generate_step_ms(model, batch: int, new_tokens: int, skip: int = 16, runs: i
     for i in range(runs + 1):
         clock = StepClock()
         model.generate(prompt, logits_processor=LogitsProcessorList([clock]), **kw)
-        periods = clock.periods_ms()  # (the deferred stop check may run one step more)
+        periods = clock.periods_ms()  # one stamp a token, in both stop checks (Transformers 5.17-5.25)
         if len(periods) < n - 1:
             raise RuntimeError(f"StepClock saw {len(periods) + 1} steps of {n}")
         if i:  # the first call compiles
             rows.append(periods[:n - 1])
     return {"step": statistics.median(statistics.median(r[skip:]) for r in rows),
+            # what subtracting two calls measures is a mean: the occasional slow step counts there
+            "mean": statistics.median(statistics.fmean(r[skip:]) for r in rows),
+            "slowest": max(max(r[skip:]) for r in rows),
             "first": statistics.median(r[0] for r in rows),
             "early": statistics.median(statistics.fmean(r[1:skip]) for r in rows) if skip > 1 else float("nan")}
 

@@ -39,10 +39,11 @@ Part 2, end to end (``--parts e2e``): a GptOssForCausalLM of gpt-oss-120b's dime
 full depth is 36 for 120b, 24 for 20b), random weights, the experts
 the same random MXFP4 weights for both variants (BF16: decoded); ``--variants fp4moe`` builds the
 model without any BF16 copy of the experts (:func:`gpt_oss_model_mxfp4`), so that gpt-oss-120b runs
-at full depth on one 80 GB GPU (``--model 120b --layers 36 --variants fp4moe --cache-len 32768``:
-a static KV cache of 32k tokens, which each decoding step's attention reads whole; Transformers'
-gpt-oss has no SDPA, and its eager attention would hold a 32k-token prompt's scores, 64 x 32k x 32k,
-so the prompt stays short). Compiled greedy ``generate()`` with
+at full depth on one 80 GB GPU (``--parts e2e --model 120b --layers 36 --variants fp4moe --batches 1
+--cache-len 32768``: a static KV cache of 32k tokens, 1.2 GB, which each decoding step's attention
+reads whole; batch 32 would need 39 GB of it, more than is left. Transformers' gpt-oss has no SDPA,
+and its eager attention would hold a 32k-token prompt's scores, 64 x 32k x 32k, so the prompt stays
+short). Compiled greedy ``generate()`` with
 a static cache (``generation_config.cache_implementation = "static"``, CompileConfig(fullgraph,
 "reduce-overhead"): CUDA graphs), batch 1 and 32, a prompt of 128 random tokens, 64 new tokens:
 

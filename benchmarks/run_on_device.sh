@@ -28,8 +28,12 @@ for step in "$@"; do
     e2e) timeout ${E2E_TIMEOUT:-330} python3 benchmarks/bench_e2e.py --out "$OUT" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | grep -v -i warn ;;
     model) timeout ${MODEL_TIMEOUT:-580} python3 benchmarks/bench_model.py --out "$OUT" ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model.log" | grep -v -i warn ;;
     # transformers serve's extra and fp4moe's start-up hook, offline: wheels carried in .serve-wheels (CONTRIBUTING.md)
-    serve) if [ -d .serve-wheels ]; then python3 -m pip install -q --no-index --find-links .serve-wheels \
-             openai fastapi uvicorn starlette rich requests && python3 -m pip install -q --no-deps --no-build-isolation -e .; fi
+    serve) if [ -d .serve-wheels ]; then
+             { python3 -m pip install -q --no-index --find-links .serve-wheels openai fastapi uvicorn starlette rich requests &&
+               python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .; } 2>&1 | tee "$OUT/serve_install.log"
+           else
+             echo "no .serve-wheels carried: transformers serve's extra and fp4moe's start-up hook must already be installed"
+           fi
            timeout ${SERVE_TIMEOUT:-580} python3 benchmarks/bench_serve.py --out "$OUT" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve.log" | grep -v -i warn ;;
     profile_decode) timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/probes/profile_decode_step.py ${PROFILE_DECODE_ARGS:-} 2>&1 | tee "$OUT/profile_decode.log" | grep -v -i warn ;;
     decoder_layer) timeout ${LAYER_TIMEOUT:-400} python3 benchmarks/bench_decoder_layer.py --out "$OUT" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/decoder_layer.log" | grep -v -i "warn\|attention mask" ;;

@@ -39,8 +39,8 @@ def test_kernel_layout_round_trip_is_byte_exact(h, i, multiple):
     tensors = experts(3, h, i)
     tensors[1][0, 0, 0], tensors[4][1, 2, 1] = 0, 150  # the smallest scale, the largest the kernels decode
     kernel = gpt_oss_kernel_tensors(tensors, multiple)
-    hp, ip = -(-h // multiple) * multiple, -(-i // multiple) * multiple
-    assert (hp, ip) == ((h, i) if multiple == 64 and h % 64 == 0 and i % 64 == 0 else (hp, ip))
+    # the sizes the layout holds, worked out by hand: H and I where they are multiples of 64
+    hp, ip = {(96, 160, 64): (128, 192), (320, 320, 256): (512, 512)}.get((h, i, multiple), (h, i))
     assert [tuple(t.shape) for t in kernel] == [(3, ip, hp // 4), (3, 2 * ip, scale_columns(hp, 32)), (3, 2 * ip),
                                                 (3, hp // 2, ip // 4), (3, hp, scale_columns(ip, 32)), (3, hp)]
     back = gpt_oss_checkpoint_tensors(kernel, h, i, torch.bfloat16)

@@ -410,6 +410,10 @@ def main() -> None:
           f"fp4moe{' + NVFP4 attention' if args.attention else ''}, batch 1; torch {torch.__version__}, "
           f"transformers {transformers.__version__}", flush=True)
 
+    if args.prefill and (args.first_token or args.gaps or args.timeline or args.calls or args.lengths_only):
+        ours = prefill_ms(model, args.prefill)  # (those modes return before the full run's line below)
+        print(f"prefill {args.prefill} tokens, eager forward: HF BF16 {bf16_prefill:.2f} ms, fp4moe {ours:.2f} ms "
+              f"({bf16_prefill / ours:.2f}x)", flush=True)
     if args.first_token:
         print(f"fp4moe, generate(max_new_tokens=1) over {args.first_token} tokens:\n"
               + first_token_gaps(model, args.first_token), flush=True)
