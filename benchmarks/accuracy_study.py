@@ -12,6 +12,8 @@ layer is evaluated on fresh tokens. Paths:
 * NVFP4 x NVFP4, pre-seed bug       (fc2 quantized with min, per-expert alpha) arguments
 * W4A16 NVFP4  (exact NVFP4 weights, bf16 activations: fp4moe's Triton/reference backends)
 * W4A16 MXFP4  (NVFP4 re-quantized to MXFP4: FlashInfer's SM90 W4A16 kernel)
+* W4A8 NVFP4  (activations per token to E4M3, weights to E4M3 with a row scale: the planned Hopper FP8
+  path, emulated exactly by benchmarks/accuracy_w4a8.py, which owns it)
 * BF16 of the NVFP4 weights (FlashInfer BF16 backend), and BF16 of the original weights.
 """
 
@@ -53,7 +55,10 @@ def tokens(t, outliers):
     return x.bfloat16(), ids, (rw / rw.sum(-1, keepdim=True)).float()
 
 
-def main() -> None:
+def build_layer() -> dict:
+    """The study's layer, calibrated, and its CPU paths: ``weights`` (NVFP4MoEWeights with the
+    calibrated input scales), the evaluation tokens ``x``, ``ids``, ``rw``, ``err(out)`` (relative
+    error against the float64 unquantized layer), ``rows`` [(label, error)], ``amax2``, ``mx_err``."""
     torch.manual_seed(0)
     spread = torch.logspace(0, 1.5, E)  # down GEMM inputs scale ~ spread^2: 1x .. 1000x
     gate_up = torch.randn(E, 2 * I, H) / H**0.5 * spread[:, None, None]
@@ -96,6 +101,19 @@ def main() -> None:
                  err(moe_dense(x, ids, rw, w13q.bfloat16(), w2q.bfloat16(), torch.float32, True))))
     rows.append(("BF16 of the original weights (no quantization)",
                  err(moe_dense(x, ids, rw, gate_up.bfloat16(), down.bfloat16(), torch.float32, True))))
+    mx_err = mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.gate_up, w.gate_up_scale, w.gate_up_global_scale))
+    return dict(weights=w, x=x, ids=ids, rw=rw, err=err, rows=rows, amax2=amax2, mx_err=mx_err)
+
+
+def main() -> None:
+    layer = build_layer()
+    w, x, ids, rw, err, rows = (layer[k] for k in ("weights", "x", "ids", "rw", "err", "rows"))
+    from accuracy_w4a8 import Weight, emulated_moe  # (this folder is on sys.path when run as a script)
+
+    w4a8 = emulated_moe(x, ids, rw, [Weight(w.gate_up[e], w.gate_up_scale[e], w.gate_up_global_scale[e])
+                                     for e in range(E)],
+                        [Weight(w.down[e], w.down_scale[e], w.down_global_scale[e]) for e in range(E)], "w4a8")
+    rows.insert(4, ("W4A8 NVFP4 (E4M3 activations per token, E4M3 weights + row scale; planned Hopper FP8)", err(w4a8)))
 
     if torch.cuda.is_available():  # the same case through the GPU kernels, beside the CPU models
         wc = NVFP4MoEWeights(*(t.cuda() for t in w.tensors()))
@@ -108,7 +126,7 @@ def main() -> None:
             except Exception as exc:  # report and go on
                 rows.append((f"{label}: not run ({type(exc).__name__}: {str(exc)[:80]})", float("nan")))
 
-    mx_err = mxfp4.mxfp4_requant_error(nvfp4.NVFP4Tensor(w.gate_up, w.gate_up_scale, w.gate_up_global_scale))
+    amax2, mx_err = layer["amax2"], layer["mx_err"]
     print(f"E={E} H={H} I={I} top-{K}; down GEMM input amax across experts: {amax2.min():.3g} .. {amax2.max():.3g} "
           f"({(amax2.max() / amax2.min()).item():.0f}x); MXFP4 re-quantization weight error {mx_err:.3f}")
     print("| path | MoE output rel. error vs float64 unquantized |\n|---|---|")
