@@ -60,7 +60,10 @@ Decode tokens/s = batch * 64 / (time of generate(1 + 64 tokens) - time of genera
 prefill and generate()'s setup cancel (bench_e2e.py's method), each the median of 5 runs after a
 warm-up of each length (which compiles); generate() tokens/s with the prefill included too. Peak GB:
 ``torch.cuda.max_memory_allocated()`` over the measurement of that row, after a reset (the model's
-weights and the static cache included).
+weights and the static cache included). On a GPU each row also reads the decoding step inside one
+``generate()`` (``bench_e2e.generate_step_ms``: a CUDA event per step; median and mean over 16 steps
+after 16 left out, median of 3 calls), which does not depend on two calls costing the same apart
+from their steps.
 
 Each part has a time budget (``--layer-budget``, ``--e2e-budget``, seconds): a case that would start
 past it is skipped and listed as such, so one process stays within ~8 minutes. Prints a Markdown
@@ -85,6 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 import fp4moe_ops  # noqa: E402,F401  (registers torch.ops.fp4moe)
 from bench_moe import capture_graph, copy_bandwidth, eager_time_ms, error_vs_reference, replay_times_ms  # noqa: E402
+from bench_e2e import generate_step_ms  # noqa: E402
 from fp4moe_ops import mxfp4  # noqa: E402
 from fp4moe_ops.backends import get_backend  # noqa: E402
 
@@ -563,12 +567,17 @@ def e2e_part(args, result: dict, save) -> None:
             save()
             return
         outputs[(variant, b)] = out[:, prompt_len:].cpu()
+        # the step read inside one call (CUDA events): the two-call difference above can misread a
+        # loop whose calls differ apart from their steps; reuses the static cache sized above
+        steps = generate_step_ms(model, b, 16, skip=16, runs=3) if cuda else {}
         peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
         measured = {"variant": variant, "batch": b, "decode_tokens_per_s": decode, "generate_tokens_per_s": generate_tps,
+                    "step_ms": steps.get("step", float("nan")), "step_mean_ms": steps.get("mean", float("nan")),
                     "peak_GB": peak, "resident_GB": resident, "seconds": time.time() - t0}
         part["rows"].append(measured)
         log(f"{variant:28s} batch {b:3d}: decode {decode:9.1f} tok/s, generate() {generate_tps:8.1f} tok/s "
-            f"(prefill incl.), peak {peak:6.2f} GB, weights {resident:6.2f} GB ({measured['seconds']:.0f}s)")
+            f"(prefill incl.), step {measured['step_ms']:.3f} ms (mean {measured['step_mean_ms']:.3f}), "
+            f"peak {peak:6.2f} GB, weights {resident:6.2f} GB ({measured['seconds']:.0f}s)")
         save()
 
     if "bf16" in variants:
@@ -607,19 +616,22 @@ def e2e_table(result: dict) -> str:
              f"{part.get('model', '120b')}-shaped layers, random weights, compiled static-cache greedy "
              f"generate(), prompt {part['prompt']}, {part['new_tokens']} new tokens"
              + (f", static cache of {part['cache_len']} tokens" if part.get("cache_len") else ""), "",
-             "| variant | batch | decode tokens/s | generate() tokens/s (prefill incl.) | peak GB | speedup vs BF16 |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| variant | batch | decode tokens/s | generate() tokens/s (prefill incl.) | step ms, read in one call "
+             "(median / mean) | peak GB | speedup vs BF16 |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     base = {r["batch"]: r for r in part["rows"]
             if r["variant"].startswith("HF BF16") and "deferred" not in r["variant"] and "error" not in r}
     for r in part["rows"]:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['batch']} | FAILED: {r['error'][:80]} | | | |")
+            lines.append(f"| {r['variant']} | {r['batch']} | FAILED: {r['error'][:80]} | | | | |")
             continue
         b = base.get(r["batch"])
         speedup = f"{r['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x" if b and b is not r else "-"
         peak = f"{r['peak_GB']:.2f}" if r["peak_GB"] == r["peak_GB"] else "-"
+        step = (f"{r['step_ms']:.3f} / {r['step_mean_ms']:.3f}" if r.get("step_ms", float("nan")) == r.get("step_ms")
+                else "-")
         lines.append(f"| {r['variant']} | {r['batch']} | {r['decode_tokens_per_s']:.1f} | "
-                     f"{r['generate_tokens_per_s']:.1f} | {peak} | {speedup} |")
+                     f"{r['generate_tokens_per_s']:.1f} | {step} | {peak} | {speedup} |")
     if "experts_GB_mxfp4" in part:
         lines += ["", f"Expert weights: {part['experts_GB_bf16']:.2f} GB in BF16 (from the shapes), {part['experts_GB_mxfp4']:.2f} GB "
                       "as fp4moe's module holds them (its own tensors; a backend's converted copy not counted)."]
