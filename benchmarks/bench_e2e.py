@@ -73,6 +73,22 @@ def deferred_stop_on_cuda():
         yield
 
 
+def generate_inputs(model, batch: int, compiled: bool) -> tuple[torch.Tensor, dict]:
+    """``(prompt, generate() keywords)`` of the timings here: the same 16-token prompt for every
+    variant at a batch size (the routing, hence the work, follows the tokens), greedy; compiled
+    with a static cache and CUDA graphs, or not compiled at all."""
+    from transformers import CompileConfig
+
+    high = min(1000, model.config.vocab_size)
+    prompt = torch.randint(1, high, (batch, 16), generator=torch.Generator().manual_seed(batch)).to(model.device)
+    kw = dict(do_sample=False)
+    if compiled:
+        kw.update(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    else:
+        kw.update(disable_compile=True)
+    return prompt, kw
+
+
 def time_generate(model, batch: int, new_tokens: int, compiled: bool, skip: int = 0) -> tuple[float, float, torch.Tensor]:
     """(decode tokens/s, generate() tokens/s with prefill, output of the long run).
 
@@ -82,17 +98,8 @@ def time_generate(model, batch: int, new_tokens: int, compiled: bool, skip: int 
     a GPU, and only Transformers' waiting loop leaves it out of generate(1)). Each time is the
     median of 5 runs after a warm-up run of each length (which compiles and records the CUDA
     graphs)."""
-    from transformers import CompileConfig
-
-    # the same prompt for every variant at a batch size (the routing, hence the work, follows the tokens)
-    high = min(1000, model.config.vocab_size)
-    prompt = torch.randint(1, high, (batch, 16), generator=torch.Generator().manual_seed(batch)).to(model.device)
+    prompt, kw = generate_inputs(model, batch, compiled)
     sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
-    kw = dict(do_sample=False)
-    if compiled:
-        kw.update(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
-    else:
-        kw.update(disable_compile=True)
 
     def run(n):
         return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
@@ -141,22 +148,18 @@ class StepClock:
 
 
 def generate_step_ms(model, batch: int, new_tokens: int, skip: int = 16, runs: int = 5, compiled: bool = True) -> dict:
-    """Per-step periods inside one ``generate()`` (compiled, static cache, as :func:`time_generate`) of ``1 + skip + new_tokens`` tokens, from
-    :class:`StepClock`: ``"step"``, the median period of the last ``new_tokens`` steps (median over
-    ``runs`` calls after a warm-up call), ``"mean"`` their mean (median over the calls) and
-    ``"slowest"`` the longest of them in any call; ``"first"``, the first decoding step after the prefill;
-    ``"early"``, the mean of the steps between it and the timed ones (the 2nd to the ``skip``-th). Unlike subtracting two
-    calls' times, nothing here depends on two calls costing the same apart from their steps."""
-    from transformers import CompileConfig, LogitsProcessorList
+    """Per-step periods inside one ``generate()`` of ``1 + skip + new_tokens`` tokens (the inputs of
+    :func:`time_generate`), from :class:`StepClock`: ``"step"``, the median period of the last
+    ``new_tokens`` steps (median over ``runs`` calls after a warm-up call), ``"mean"`` their mean
+    (median over the calls) and ``"slowest"`` the longest of them in any call; ``"first"``, the first
+    decoding step after the prefill; ``"early"``, the mean of the steps between it and the timed ones
+    (the 2nd to the ``skip``-th). Unlike subtracting two calls' times, nothing here depends on two
+    calls costing the same apart from their steps."""
+    from transformers import LogitsProcessorList
 
-    high = min(1000, model.config.vocab_size)
-    prompt = torch.randint(1, high, (batch, 16), generator=torch.Generator().manual_seed(batch)).to(model.device)
+    prompt, kw = generate_inputs(model, batch, compiled)
     n = 1 + skip + new_tokens
-    kw = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)
-    if compiled:
-        kw.update(cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
-    else:
-        kw.update(disable_compile=True)
+    kw.update(max_new_tokens=n, min_new_tokens=n)
     rows = []
     for i in range(runs + 1):
         clock = StepClock()

@@ -127,8 +127,11 @@ def test_the_w4a16_emulation_is_fp4moes_own_forward_and_the_patch_comes_off():
         with acc.emulate(model, "w4a8"):
             w4a8 = model(ids).logits
         again = model(ids).logits
-    assert torch.equal(emulated, native)  # float64 vs fp4moe's float32 on the same exact weights: same bf16 logits
-    assert torch.equal(again, native)
+    # float64 against fp4moe's float32 on the same exact weights: the same bf16 logits here, but another
+    # CPU's BLAS may round a float32 sum the other way, so a bf16 ulp (2^-8) bounds it, 2.5x under
+    # W4A8's own distance below
+    assert acc.per_token_error(emulated, native).max() < 2**-8
+    assert torch.equal(again, native)  # (the same computation twice in one process)
     assert acc.per_token_error(w4a8, native).median() > 1e-2
 
 
@@ -141,10 +144,9 @@ def test_the_script_runs_on_one_export(capsys):
     assert "| yes |" in row
 
 
-@pytest.mark.parametrize("mode", ["nvfp4_act"])
-def test_nvfp4_activations_are_refused_where_the_export_has_no_input_scales(mode):
+def test_nvfp4_activations_are_refused_where_the_export_has_no_input_scales():
     folder = acc.FIXTURES / "llmcompressor" / "qwen3_moe_mxfp4a16"
     model, _, _, _ = acc.load_case(folder, folder / "reference_logits.safetensors")
     with pytest.raises(LookupError, match="no input scale"):
-        with acc.emulate(model, mode):
+        with acc.emulate(model, "nvfp4_act"):
             pass

@@ -159,6 +159,16 @@ def test_generate_loop_probe_finds_the_gpus_idle_gaps():
     assert idle_gaps(merged, 13, 19) == []  # inside one kernel
     assert idle_gaps(merged, 21, 24) == [(21, 24)]  # no kernel at all
 
+    # each gap named by the host events running at its middle, outermost first
+    from types import SimpleNamespace as NS
+
+    from probe_generate_loop import gap_lines
+
+    event = lambda name, a, b: NS(name=name, time_range=NS(start=a, end=b))
+    cpu = [event("inner", 6500, 7500), event("outer", 0, 20000), event("elsewhere", 9000, 12000)]
+    assert gap_lines([(6000, 8000), (9000, 12000)], 1000, cpu) == [
+        "     2.000 ms at     5.00 ms: outer > inner", "     3.000 ms at     8.00 ms: outer > elsewhere"]
+
 
 def test_bench_generate_batch_runs_on_cpu(tmp_path):
     # --tiny: the script's path (BF16, then patched, every request checked complete), small and on the CPU

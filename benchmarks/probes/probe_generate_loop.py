@@ -211,6 +211,19 @@ def idle_gaps(merged, a: float, b: float) -> list[tuple[float, float]]:
     return gaps
 
 
+def gap_lines(gaps, origin: float, cpu) -> list[str]:
+    """One line per GPU idle gap ``(start, end)`` (profiler microseconds): its length, its start from
+    ``origin``, and the chain of host events (``cpu``) running at its middle, outermost first."""
+    lines = []
+    for g0, g1 in gaps:
+        t = (g0 + g1) / 2
+        names = [e.name[:60] for e in sorted((e for e in cpu if e.time_range.start <= t <= e.time_range.end),
+                                             key=lambda e: e.time_range.start)]
+        chain = " > ".join(names if len(names) <= 5 else names[:3] + ["..."] + names[-2:])
+        lines.append(f"    {(g1 - g0) / 1e3:6.3f} ms at {(g0 - origin) / 1e3:8.2f} ms: {chain}")
+    return lines
+
+
 def gpu_gaps(model, new_tokens: int = 24, shown: int = 12) -> str:
     """One ``generate()`` under the profiler (after a warm-up call of the same length): per decoding
     step (the interval between two consecutive CUDA-graph launches on the host), the GPU's busy
@@ -228,12 +241,6 @@ def gpu_gaps(model, new_tokens: int = 24, shown: int = 12) -> str:
     host_launches = sorted(e.time_range.start for e in cpu if e.name in LAUNCHES[:4])
     merged = merge_intervals(gpu)
 
-    def chain(t):  # host events running at t, outermost first
-        inside = [e for e in cpu if e.time_range.start <= t <= e.time_range.end]
-        inside.sort(key=lambda e: e.time_range.start)
-        names = [e.name[:60] for e in inside]
-        return " > ".join(names if len(names) <= 5 else names[:3] + ["..."] + names[-2:])
-
     steps, gaps = [], []
     for a, b in zip(replays, replays[1:]):
         step_gaps = idle_gaps(merged, a, b)
@@ -247,8 +254,7 @@ def gpu_gaps(model, new_tokens: int = 24, shown: int = 12) -> str:
              f"(launch to launch), median: {mid[0] / 1e3:.3f} ms, GPU busy {mid[1] / 1e3:.3f} ms, kernels launched "
              f"outside the graph {mid[2]}",
              f"  GPU idle over all steps: {sum(b - a for a, b in gaps) / 1e3:.2f} ms in {len(gaps)} gaps; the longest:"]
-    lines += [f"    {(b - a) / 1e3:6.3f} ms at {(a - replays[0]) / 1e3:8.2f} ms: {chain((a + b) / 2)}"
-              for a, b in longest]
+    lines += gap_lines(longest, replays[0], cpu)
     return "\n".join(lines)
 
 
@@ -274,11 +280,6 @@ def first_token_gaps(model, prompt_len: int, shown: int = 12) -> str:
                 e.name == "cudaMemcpyAsync" and e.time_range.elapsed_us() > 50):
             syncs[e.name] = syncs.get(e.name, 0) + 1
 
-    def chain(t):
-        names = [e.name[:60] for e in sorted((e for e in cpu if e.time_range.start <= t <= e.time_range.end),
-                                             key=lambda e: e.time_range.start)]
-        return " > ".join(names if len(names) <= 5 else names[:3] + ["..."] + names[-2:])
-
     lines = [f"  wall {(b - a) / 1e3:.2f} ms, GPU busy {busy / 1e3:.2f} ms; GPU idle before its first kernel "
              f"{(merged[0][0] - a) / 1e3 if merged else 0:.2f} ms, among the kernels "
              f"{sum(g1 - g0 for g0, g1 in inside) / 1e3:.2f} ms in {len(inside)} gaps, after the last "
@@ -286,8 +287,7 @@ def first_token_gaps(model, prompt_len: int, shown: int = 12) -> str:
              f"  host waits: {', '.join(f'{n} x {c}' for n, c in sorted(syncs.items())) or 'none'} "
              "(cudaMemcpyAsync counted where it took over 50 us)",
              "  the longest GPU idle gaps:"]
-    lines += [f"    {(g1 - g0) / 1e3:6.3f} ms at {(g0 - a) / 1e3:8.2f} ms: {chain((g0 + g1) / 2)}"
-              for g0, g1 in sorted(gaps, key=lambda g: g[1] - g[0], reverse=True)[:shown]]
+    lines += gap_lines(sorted(gaps, key=lambda g: g[1] - g[0], reverse=True)[:shown], a, cpu)
     return "\n".join(lines)
 
 
