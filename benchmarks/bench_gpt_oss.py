@@ -22,8 +22,9 @@ replays; every timed implementation is first run on all the tokens and checked a
 * ``floor ms``: the MXFP4 byte floor, the checkpoint bytes of the experts hit (blocks + E8M0 scales +
   BF16 biases, 13.24 MB an expert at these dims) over the device-to-device copy bandwidth measured
   here as bench_moe.py measures it (2 GiB copy, bytes read + written per second; 4.1-4.25 TB/s on
-  the H200). The kernel's layout keeps H and I at 2880 and each E8M0 byte twice (once per 16
-  values), so it streams ~1.07x these bytes;
+  the H200). The kernel's layout keeps H and I at 2880 and each E8M0 byte once (one per 32 values,
+  90 in a 96-byte row) with float32 biases: 13.31 MB an expert (13,305,600 bytes), 1.005x these
+  bytes (each E8M0 byte written twice, once per 16 values, it held 14.14 MB, 1.07x);
 * ``fp4moe / floor``: fp4moe's time over the floor (1.00 would be the copy bandwidth);
 * ``HF BF16 ms``: Transformers' ``GptOssExperts`` holding the same weights decoded to BF16 (its
   layout: ``gate_up_proj [E, H, 2I]``, the decoded ``[E, 2I, H]`` transposed), experts

@@ -44,8 +44,8 @@ def prmt(a: int, b: int, selector: int) -> int:
 
 
 def run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
-    """Execute the straight-line PTX block: .reg, mov, prmt, and, or, shl, shf.l.wrap, mul.lo.u32,
-    mul.rn.bf16x2."""
+    """Execute the straight-line PTX block: .reg, mov, prmt, and, or, shl, shf.l.wrap, add.u32,
+    mul.lo.u32, mul.rn.bf16x2."""
     regs = dict(inputs)
 
     def val(tok: str) -> int:
@@ -71,6 +71,8 @@ def run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
         elif op == "shf.l.wrap.b32":  # funnel shift of {b:a}, here a rotate (a == b)
             n = val(src[2]) & 31
             regs[d] = ((val(src[1]) << 32 | val(src[0])) << n >> 32) & MASK32
+        elif op == "add.u32":
+            regs[d] = (val(src[0]) + val(src[1])) & MASK32
         elif op == "mul.lo.u32":
             regs[d] = (val(src[0]) * val(src[1])) & MASK32
         elif op == "mul.rn.bf16x2":
@@ -170,3 +172,35 @@ def test_scale_ptx_matches_the_e4m3_definition():
                 assert got[i] == positive[data[i] & 0x7F] * 2.0**104, (data, i)
                 checked += 1
     assert checked == 4 * 254 * 4
+
+
+@pytest.mark.parametrize("per", [16, 32])
+def test_decode_v3_e8m0_scales_reach_each_threads_block(per):
+    # decode_v3's E8M0 scale PTX (MXFP4) with the selector its _scale_selector builds: thread t of a
+    # quad decodes K 16t .. 16t + 15 of a 64-wide chunk, block t of the chunk's 4 bytes of a row (one
+    # scale per 16 values, an int32 word) or block t // 2 of its 2 (gpt-oss's E8M0 held once per 32
+    # values: an int16, sign-extended to 32 bits, whose upper bytes must never be picked); rows r and
+    # r + 8 -> bf16x2 (S, S), S = 2^(byte - 127) * 2^104, every byte the kernels take (0 .. 150)
+    decode_v3 = pytest.importorskip("fp4moe_ops.backends.triton_moe.decode_v3")
+    rng = random.Random(3)
+    blocks = 64 // per
+    checked = 0
+    for byte in range(151):
+        for position in range(2 * blocks):  # (row r's blocks, then row r + 8's)
+            data = [rng.randrange(151) for _ in range(2 * blocks)]
+            data[position] = byte
+            words = []
+            for row in range(2):
+                value = sum(b << (8 * j) for j, b in enumerate(data[blocks * row:blocks * (row + 1)]))
+                if per == 32 and value & 0x8000:  # the int16's sign extension
+                    value |= 0xFFFF0000
+                words.append(value)
+            for t in range(4):
+                tb = t if per == 16 else t // 2
+                sel = tb | tb << 4 | (4 + tb) << 8 | (4 + tb) << 12
+                regs = run_ptx(decode_v3._E8M0X2_TO_BF16X2.value, {"$2": words[0], "$3": words[1], "$4": sel})
+                for reg, row in (("$0", 0), ("$1", 1)):
+                    want = 2.0 ** (data[blocks * row + tb] - 127 + 104)
+                    assert bf16_to_float(regs[reg]) == bf16_to_float(regs[reg] >> 16) == want, (byte, position, t)
+                    checked += 1
+    assert checked == 151 * 2 * blocks * 4 * 2

@@ -41,26 +41,55 @@ def test_kernel_layout_round_trip_is_byte_exact(h, i, multiple):
     kernel = gpt_oss_kernel_tensors(tensors, multiple)
     # the sizes the layout holds, worked out by hand: H and I where they are multiples of 64
     hp, ip = {(96, 160, 64): (128, 192), (320, 320, 256): (512, 512)}.get((h, i, multiple), (h, i))
-    assert [tuple(t.shape) for t in kernel] == [(3, ip, hp // 4), (3, 2 * ip, scale_columns(hp)), (3, 2 * ip),
-                                                (3, hp // 2, ip // 4), (3, hp, scale_columns(ip)), (3, hp)]
+    assert [tuple(t.shape) for t in kernel] == [(3, ip, hp // 4), (3, 2 * ip, scale_columns(hp, 32)), (3, 2 * ip),
+                                                (3, hp // 2, ip // 4), (3, hp, scale_columns(ip, 32)), (3, hp)]
     back = gpt_oss_checkpoint_tensors(kernel, h, i, torch.bfloat16)
     for a, b in zip(tensors, back):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_scale_rows_are_whole_steps():
-    # TMA's 16-byte rows: gpt-oss's 2880 values have 180 scale bytes, held as 192 (zeros past K)
-    from fp4moe_ops.backends.triton_moe.layout import scale_columns
+def test_scale_rows_are_whole_steps_in_tma_units():
+    # scale rows in whole 256-value steps: E4M3 per 16 values (NVFP4) 16 bytes a step, 2880 values'
+    # 180 bytes held as 192; gpt-oss's E8M0 per 32 values held once, 8 bytes a step, 2880 values'
+    # 90 bytes held as 96 (zeros past K), rows in pairs so that each 16-byte TMA unit holds one
+    # step of two rows
+    from fp4moe_ops.backends.triton_moe.layout import pair_scale_rows, scale_columns, unpair_scale_rows
 
     assert [scale_columns(k) for k in (64, 256, 320, 2880, 3072)] == [16, 16, 32, 192, 192]
+    assert [scale_columns(k, 32) for k in (64, 256, 320, 768, 2880, 3072)] == [8, 8, 16, 24, 96, 96]
     tensors = experts(2, 2880, 320)
-    gate_up_scale = gpt_oss_kernel_tensors(tensors)[1]
-    assert gate_up_scale.shape == (2, 640, 192) and not gate_up_scale[..., 180:].any()
+    gate_up_scale, down_scale = gpt_oss_kernel_tensors(tensors)[1::3]
+    assert gate_up_scale.shape == (2, 640, 96) and down_scale.shape == (2, 2880, 16)
+    rows = unpair_scale_rows(gate_up_scale).view(torch.uint8)
+    assert torch.equal(rows[:, :320, :90], tensors[1][:, 0::2]) and not rows[..., 90:].any()  # each byte once
+    units = gate_up_scale.view(torch.uint8).reshape(2, 320, 12, 16)  # [E, row pair, step, 16 bytes]
+    assert torch.equal(units[1, 5, 3], torch.cat([rows[1, 10, 24:32], rows[1, 11, 24:32]]))
+    assert not unpair_scale_rows(down_scale)[..., 10:].any()
+    assert torch.equal(pair_scale_rows(unpair_scale_rows(down_scale)), down_scale)
+
+
+def held_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_bytes_per_expert_of_gpt_oss_layers():
+    # per expert of gpt-oss's layers (H = I = 2880), from the shapes alone: the checkpoint's
+    # 13,236,480 bytes (blocks, one E8M0 byte per 32 values, bf16 biases); the kernels' layout
+    # 13,305,600 (the same bytes, scale rows of 96 for 90 in pairs, float32 biases): 1.005x, where the E8M0
+    # bytes written per 16 values held 14,135,040 (1.068x); the padded layout (3072) 15,077,376
+    e, h, i = 1, 2880, 2880
+    checkpoint = [torch.empty(s, dtype=d) for s, d in
+                  zip([(e, 2 * i, h // 32, 16), (e, 2 * i, h // 32), (e, 2 * i), (e, h, i // 32, 16), (e, h, i // 32),
+                       (e, h)], [torch.uint8, torch.uint8, torch.bfloat16] * 2)]
+    assert held_bytes(checkpoint) == 13_236_480
+    zeros = [torch.zeros_like(t) for t in checkpoint]
+    assert held_bytes(gpt_oss_kernel_tensors(zeros)) == 13_305_600
+    assert held_bytes(gpt_oss_kernel_tensors(zeros, 256)) == 15_077_376
 
 
 @pytest.mark.parametrize("h,i", [(96, 160), (320, 192)])
 def test_kernel_layout_holds_the_same_values(h, i):
-    # independent of the kernels: the kernel layout decoded as NVFP4-shaped tensors (E8M0 per 16
+    # independent of the kernels: the kernel layout decoded as NVFP4-shaped tensors (E8M0 per 32
     # values, rows [gate; up]) equals gpt-oss's matrices de-interleaved, zeros in any padding
     from fp4moe_ops.backends.triton_moe.layout import canonical_from_paired
 
@@ -69,10 +98,12 @@ def test_kernel_layout_holds_the_same_values(h, i):
     tensors = experts(e, h, i)
     gate_up, gate_up_scale, gate_up_bias, down, down_scale, down_bias = gpt_oss_kernel_tensors(tensors)
     assert gate_up.shape == (e, ip, hp // 4) and down.shape == (e, hp // 2, ip // 4)
+    from fp4moe_ops.backends.triton_moe.layout import unpair_scale_rows
+
     packed = canonical_from_paired(gate_up)
-    scale16 = gate_up_scale.view(torch.uint8)[..., :hp // 16]
-    values = mxfp4.dequantize_mxfp4(packed, scale16[..., ::2], torch.float64)  # [E, 2Ip, Hp]
-    assert torch.equal(scale16[..., ::2], scale16[..., 1::2])
+    rows = unpair_scale_rows(gate_up_scale).view(torch.uint8)
+    values = mxfp4.dequantize_mxfp4(packed, rows[..., :hp // 32], torch.float64)  # [E, 2Ip, Hp]
+    assert not rows[..., hp // 32:].any()
     dense = mxfp4.dequantize_gpt_oss(tensors[0], tensors[1], torch.float64)  # [E, 2I, H], interleaved
     assert torch.equal(values[:, :i, :h], dense[:, 0::2]) and torch.equal(values[:, ip:ip + i, :h], dense[:, 1::2])
     assert not values[:, i:ip].any() and not values[:, :, h:].any()
@@ -300,36 +331,58 @@ def _tma_box(view, coords, box):
 def test_decode_v3_boxes_hold_each_warps_k_chunk(h, i, sps):
     # on the CPU, the TMA boxes the Gluon decode kernels load, as their views define them: ring slot
     # q's box holds warp w's K chunk of each step (chunk 4 (SPS q + j) + w), zeros past K; the
-    # scale words likewise (held in whole steps, zeros past K)
+    # scales (one E8M0 byte per 32 values, two per chunk, rows in pairs) as 64 rows of four int16 a
+    # step, the checkpoint's bytes of those rows, zeros past K
     decode_v3 = pytest.importorskip("fp4moe_ops.backends.triton_moe.decode_v3")
     e = 2
     tensors = experts(e, h, i)
     gate_up, gate_up_scale, _, down, down_scale, _ = gpt_oss_kernel_tensors(tensors)
     down_bytes = down.view(torch.uint8).reshape(e * h // 2, i)
-    down_words = down_scale.view(torch.uint8).view(torch.int32).reshape(e * h, -1)
-    weights, scales = decode_v3.weight_view(down, sps), decode_v3.scale_view(down_scale, sps)
+    weights, scales = decode_v3.weight_view(down, sps), decode_v3.pair_scale_view(down_scale)
     pair0, row0 = h // 2 + 32, h + 64  # expert 1, weight tile 1
     for q in range(-(-i // (256 * sps))):
         box = _tma_box(weights, [4 * sps * q, pair0, 0], [4 * sps, 32, 64])
-        sbox = _tma_box(scales, [0, q, row0, 0], [sps, 1, 64, 4])
+        sbox = _tma_box(scales, [sps * q, row0 // 2, 0], [sps, 32, 8])  # as decode_v3._scale_copy places it
         for j in range(sps):
+            rows = sbox[j].reshape(64, 4)  # as the kernel's shared memory is read
             for w in range(4):
                 c = 4 * (sps * q + j) + w
                 want = down_bytes[pair0:pair0 + 32, 64 * c:64 * c + 64] if 64 * c < i else torch.zeros(32, 64)
                 assert torch.equal(box[4 * j + w], want.to(box.dtype))
-                want = down_words[row0:row0 + 64, c] if 64 * c < i else torch.zeros(64)
-                assert torch.equal(sbox[j, 0, :, w], want.to(sbox.dtype))
+                # rows row0 .. row0 + 63 (expert 1's 64 ..): the E8M0 bytes of the chunk's two 32-value blocks
+                got = rows[:, w].contiguous().view(torch.uint8).reshape(64, 2)
+                want = tensors[4][1, 64:128, 2 * c:2 * c + 2] if 64 * c < i else torch.zeros(64, 2)
+                assert torch.equal(got, want.to(got.dtype))
     gate_up_bytes = gate_up.view(torch.uint8).reshape(2 * e, i // 2, h)
-    gate_up_words = gate_up_scale.view(torch.uint8).view(torch.int32).reshape(e, 2, i, -1)
-    weights, scales = decode_v3.gate_up_views(gate_up, gate_up_scale)
+    weights, scales = decode_v3.gate_up_views(gate_up, gate_up_scale, 32)
     n = 1  # gate rows 32 .. 63 and the same up rows of expert 1
-    for s in range(-(-h // 256)):
-        box = _tma_box(weights, [4 * s, 2, 16 * n, 0], [4, 2, 16, 64])
-        sbox = _tma_box(scales, [s, 0, 1, 32 * n, 0], [1, 2, 1, 32, 4])
+    for step in range(-(-h // 256)):
+        box = _tma_box(weights, [4 * step, 2, 16 * n, 0], [4, 2, 16, 64])
+        sbox = _tma_box(scales, [step, 1, 0, 16 * n, 0], [1, 1, 2, 16, 8])  # as decode_v3._gate_up_scale_copy
+        rows = sbox.reshape(2, 32, 4)
         for w in range(4):
-            c = 4 * s + w
+            c = 4 * step + w
             for u in range(2):
                 want = gate_up_bytes[2 + u, 16 * n:16 * n + 16, 64 * c:64 * c + 64] if 64 * c < h else torch.zeros(16, 64)
                 assert torch.equal(box[w, u], want.to(box.dtype))
-                want = gate_up_words[1, u, 32 * n:32 * n + 32, c] if 64 * c < h else torch.zeros(32)
-                assert torch.equal(sbox[0, u, 0, :, w], want.to(sbox.dtype))
+                got = rows[u, :, w].contiguous().view(torch.uint8).reshape(32, 2)
+                # gate rows are the checkpoint's even rows, up rows its odd ones
+                want = tensors[1][1, u + 2 * (32 * n):u + 2 * (32 * n + 32):2, 2 * c:2 * c + 2] if 64 * c < h else \
+                    torch.zeros(32, 2)
+                assert torch.equal(got, want.to(got.dtype))
+
+
+@pytest.mark.parametrize("t,k,h,i", [(1, 2, 2880, 2880), (3, 2, 320, 704)])
+def test_single_role_kernels_at_gpt_oss_sizes(t, k, h, i):
+    # gpt-oss's H = I = 2880 as held: 12 K steps whose E8M0 scales (one byte per 32 values, rows in
+    # pairs) come 8 bytes a row, the last step the partial one (64 values); and I = 704 (two full
+    # steps, then a partial one of 192: an odd number of steps); one token (a row block
+    # per slot, one of them unused: a single slot's programs, ~40 s in the interpreter) and several
+    # (the run-time K loop)
+    e = 3
+    tensors = experts(e, h, i)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids, rw = routing(e, t, k, unused=(0, -1))
+    cfg = kernel_config(t * k, e, h, i, edges=True) | {"GLUON_PREFILL": False, "DECODE_V3": False}
+    assert cfg["TMA"] and cfg["BK_GATE_UP"] == cfg["BK_DOWN"] == 256
+    check(run(tensors, x, ids, rw, 7.0, cfg), x, ids, rw, tensors, 7.0)

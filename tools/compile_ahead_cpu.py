@@ -87,13 +87,14 @@ def layer_arguments(e: int, h: int, i: int, top_k: int, device: str = "cpu"):
 
 def gpt_oss_arguments(e: int, hp: int, ip: int, nvfp4: bool = False):
     """``(expert tensors, gpt_oss)`` of ``launch.triton_fused_moe`` for gpt-oss's experts in the kernels'
-    layout (``layout.gpt_oss_kernel_tensors``; uninitialized): MXFP4's E8M0 scales (int8, no global
-    scale), or with ``nvfp4`` E4M3 scales (uint8) and global scales."""
+    layout (``layout.gpt_oss_kernel_tensors``; uninitialized): MXFP4's E8M0 scales (int8, one per 32
+    values, no global scale), or with ``nvfp4`` E4M3 scales (uint8, one per 16) and global scales."""
     from fp4moe_ops.backends.triton_moe.layout import GptOssTerms, scale_columns
 
-    scale = torch.uint8 if nvfp4 else torch.int8
-    shapes = [((e, ip, hp // 4), torch.int32), ((e, 2 * ip, scale_columns(hp)), scale), ((e, 2 * ip), torch.float32),
-              ((e, hp // 2, ip // 4), torch.int32), ((e, hp, scale_columns(ip)), scale), ((e, hp), torch.float32)]
+    scale, per = (torch.uint8, 16) if nvfp4 else (torch.int8, 32)
+    shapes = [((e, ip, hp // 4), torch.int32), ((e, 2 * ip, scale_columns(hp, per)), scale),
+              ((e, 2 * ip), torch.float32), ((e, hp // 2, ip // 4), torch.int32),
+              ((e, hp, scale_columns(ip, per)), scale), ((e, hp), torch.float32)]
     gate_up, gate_up_scale, gate_up_bias, down, down_scale, down_bias = (torch.empty(shape, dtype=dtype)
                                                                          for shape, dtype in shapes)
     global_scales = (torch.empty(e) for _ in range(2)) if nvfp4 else (gate_up_bias, gate_up_bias)  # (E8M0: unused)

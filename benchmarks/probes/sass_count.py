@@ -96,7 +96,8 @@ def main():
                      FAST_SCALES=bool(cfg.get("FAST_SCALES", 1)), H=7168, I=2048,
                      PIPELINED_MMA=bool(cfg["PIPELINED_GATE_UP" if args.gate_up else "PIPELINED_DOWN"]),
                      PDL=bool(cfg.get("PDL")), DIAG=int(cfg.get("DIAG", 0)),
-                     SLOT_BLOCKS=args.tokens == 1, E=256)  # (one token: the GEMMs read the ids themselves)
+                     SLOT_BLOCKS=args.tokens == 1, E=256,  # (one token: the GEMMs read the ids themselves)
+                     SCALE_BLOCK=16)  # (NVFP4's E4M3 scales, one per 16 values)
     common = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", **routing, "K_RUNTIME": "i32"}
     if args.gate_up:
         constants |= dict(OUT_CHUNK=cfg["BK_DOWN"], MERGED_GATE_UP=merged, GPT_OSS=False, gate_up_bias_ptr=None)  # (SiLU: NVFP4's)

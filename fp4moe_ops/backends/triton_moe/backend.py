@@ -66,7 +66,8 @@ class TritonBackend(Backend):
         Ip/4] int32, down_scale [E, Hp, Is] int8, down_bias [E, Hp] float32]``, or NVFP4 the same with
         uint8 scales and the global scales ``gate_up_global_scale``, ``down_global_scale [E]`` float32 after
         them; Hp and Ip multiples of 64, ``hidden_size <= Hp`` and Hs, Is their
-        :func:`.layout.scale_columns`. Metadata only."""
+        :func:`.layout.scale_columns` (MXFP4: one E8M0 byte per 32 values, NVFP4: one E4M3 byte per 16).
+        Metadata only."""
         nvfp4 = len(expert_tensors) == 8
         names = (("gate_up", "gate_up_scale", "gate_up_global_scale", "gate_up_bias",
                   "down", "down_scale", "down_global_scale", "down_bias") if nvfp4 else
@@ -84,10 +85,11 @@ class TritonBackend(Backend):
         if ip % KERNEL_MULTIPLE or hp % KERNEL_MULTIPLE or hidden_size > hp:
             raise ValueError(f"gpt-oss kernel tensors: Ip={ip} and Hp={hp} must be multiples of {KERNEL_MULTIPLE} "
                              f"with hidden size {hidden_size} <= Hp")
-        scale = torch.uint8 if nvfp4 else torch.int8  # E4M3 or E8M0 bytes
-        specs = {"gate_up": (torch.int32, (e, ip, hp // 4)), "gate_up_scale": (scale, (e, 2 * ip, scale_columns(hp))),
+        scale, per = (torch.uint8, 16) if nvfp4 else (torch.int8, 32)  # E4M3 or E8M0 bytes, values per byte
+        specs = {"gate_up": (torch.int32, (e, ip, hp // 4)),
+                 "gate_up_scale": (scale, (e, 2 * ip, scale_columns(hp, per))),
                  "gate_up_global_scale": (torch.float32, (e,)), "gate_up_bias": (torch.float32, (e, 2 * ip)),
-                 "down": (torch.int32, (e, hp // 2, ip // 4)), "down_scale": (scale, (e, hp, scale_columns(ip))),
+                 "down": (torch.int32, (e, hp // 2, ip // 4)), "down_scale": (scale, (e, hp, scale_columns(ip, per))),
                  "down_global_scale": (torch.float32, (e,)), "down_bias": (torch.float32, (e, hp))}
         for name, t in zip(names, expert_tensors):
             dtype, shape = specs[name]

@@ -23,7 +23,10 @@ one contiguous 32-byte run for the down GEMM, and reads ``x`` in natural order (
 The TMA boxes read the op's own tensors (paired weights ``[E, N/2, K/4]`` int32 viewed by 64-wide K
 chunk, scales ``[E, N, K/16]``; layout.py), no copies: a chunk's 64 bytes of a pair row, and a step's four scale words
 of a row (chunks ``4 s .. 4 s + 3``, 16 contiguous bytes), so a warp's eight scale rows in shared
-memory are 16 bytes apart (no bank conflicts).
+memory are 16 bytes apart (no bank conflicts). gpt-oss's E8M0 scales held once per 32 values
+(``SCALE_BLOCK`` 32, :func:`.layout.values_per_scale`) are 8 bytes a row per step, held in row
+pairs (:func:`.layout.pair_scale_rows`): a step's box is 32 pairs of 16 bytes, i.e. 64 rows of
+four int16 (a warp's chunk two bytes, thread ``t`` using byte ``t // 2``), read as the words are.
 
 The same GEMM serves one NVFP4 linear (``fp4moe::nvfp4_linear`` on paired weights,
 :func:`linear_v3`): one expert, the tokens in natural order, K split into parts summed by the last
@@ -32,7 +35,7 @@ to finish.
 Compute capability 9.x and the Triton releases of :data:`.launch.GLUON_TRITON` only (checked by the
 caller); sizes: H and I multiples of 64 (gpt-oss's 2880: the last step partial, its chunks past K
 read as zeros through TMA, the activations there masked), scale rows in whole 256-value steps
-(:func:`.layout.scale_columns`).
+(:func:`.layout.scale_columns`; with a scale per 32 values, in row pairs).
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ def _slot_scales(step, SL: gl.constexpr):
     RL: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[8, 0], [16, 0], [32, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[0, 1], [0, 2]], block_bases=[], shape=[64, 4])
-    v = step.load(RL)  # [64 rows, 4 warps]
+    v = step.load(RL).to(gl.int32)  # [64 rows, 4 warps] (E8M0 per 32 values: int16, its upper bytes never picked)
     v = gl.permute(gl.reshape(v, [4, 2, 8, 4]), [3, 0, 2, 1])  # w, m, g, rs
     r_lo, r_hi = gl.split(gl.reshape(v, [4, 32, 2]))
     PL: gl.constexpr = gl.SliceLayout(2, SL)
@@ -212,10 +215,12 @@ def _block_rows(b, rows, sorted_slot_ptr, row_start_ptr, row_end_ptr, SLOT_BLOCK
 
 
 @gluon.jit
-def _scale_selector(SL: gl.constexpr):
+def _scale_selector(SL: gl.constexpr, SCALE_BLOCK: gl.constexpr = 16):
     """``[4, 32, 4]`` int32 in ``SL``: each thread's ``prmt`` selector of its scale bytes (block t of
-    rows r and r + 8, one selector nibble per output byte)."""
+    rows r and r + 8, one selector nibble per output byte; a scale per 32 values: block t // 2)."""
     ti = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+    if SCALE_BLOCK == 32:
+        ti = ti >> 1
     sel = gl.expand_dims(gl.expand_dims(ti | (ti << 4) | ((ti + 4) << 8) | ((ti + 4) << 12), 0), 1)
     return sel + gl.zeros([4, 32, 4], gl.int32, SL)
 
@@ -233,16 +238,28 @@ def _act_load(a_words, a_off, a_mask, step, BM: gl.constexpr, K_EDGE: gl.constex
 
 
 @gluon.jit
+def _scale_copy(s_desc, row0, slot, SPS: gl.constexpr, bar, dst, SCALE_BLOCK: gl.constexpr):
+    """The TMA copy of ring slot ``slot``'s scales of rows ``row0 ..``: its SPS steps' words (a scale
+    per 32 values: their row pairs, :func:`pair_scale_view`)."""
+    if SCALE_BLOCK == 32:
+        tma_load(s_desc, [SPS * slot, row0 // 2, 0], bar, dst)
+    else:
+        tma_load(s_desc, [0, slot, row0, 0], bar, dst)
+
+
+@gluon.jit
 def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOTS: gl.constexpr, BM: gl.constexpr,
                STAGES: gl.constexpr, SPS: gl.constexpr, NATURAL_B: gl.constexpr = False, E8M0: gl.constexpr = False,
-               K_EDGE: gl.constexpr = 0):
+               K_EDGE: gl.constexpr = 0, SCALE_BLOCK: gl.constexpr = 16):
     """``[4 warps, 64 weight rows, BM tokens]`` float32 partial sums over ring slots ``slot0 ..
     slot0 + NSLOTS`` (SPS 256-wide steps each; each warp its chunk of a step) of one 64-row weight
     tile: weights and scales through the TMA ring (:func:`weight_view` / :func:`scale_view`
     descriptors at pair row ``pair0``, row ``row0``), activation words ``a_words + a_off`` (``[4,
     BM, 32]`` in :func:`_act_ref`'s layout; 128 words a step) where ``a_mask``. ``K_EDGE``: K when
     the last step is partial (gpt-oss's 2880): TMA fills the weights past K with zeros (the scales
-    are held in whole steps) and the activations there are not read, so zeros meet zeros."""
+    are held in whole TMA rows, zeros past K) and the activations there are not read, so zeros meet zeros.
+    SCALE_BLOCK 32: ``s_desc`` over :func:`pair_scale_view` (box ``[SPS, 32, 8]``: the slot's steps
+    of 32 row pairs), read as ``[64 rows, 4]`` int16 a step."""
     NSTEPS: gl.constexpr = NSLOTS * SPS
     mma: gl.constexpr = _MMA
     la: gl.constexpr = _LA
@@ -255,7 +272,10 @@ def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOT
     # the ring: per slot SPS steps x [4 warps' chunks, 32 pair rows, 64 bytes] and their
     # scale words [64 rows, 4 warps]
     w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 4 * SPS, 32, 64], w_desc.layout)
-    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, SPS, 1, 64, 4], s_desc.layout)
+    if SCALE_BLOCK == 32:
+        s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, SPS, 32, 8], s_desc.layout)
+    else:
+        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, SPS, 1, 64, 4], s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for q in gl.static_range(STAGES):
         mbarrier.init(ready.index(q), count=1)
@@ -263,12 +283,15 @@ def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOT
     for q in gl.static_range(STAGES):
         if q < NSLOTS:
             mbarrier.expect(ready.index(q), SLOT_BYTES)
-            tma_load(s_desc, [0, slot0 + q, row0, 0], ready.index(q), s_smem.index(q))
+            _scale_copy(s_desc, row0, slot0 + q, SPS, ready.index(q), s_smem.index(q), SCALE_BLOCK)
             tma_load(w_desc, [4 * SPS * (slot0 + q), pair0, 0], ready.index(q), w_smem.index(q))
     words_smem = reinterpret(w_smem, gl.int32, [STAGES * SPS, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    s_steps = reinterpret(s_smem, gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    if SCALE_BLOCK == 32:  # a step's 32 pairs of 16 bytes as 64 rows of 8
+        s_steps = reinterpret(s_smem, gl.int16, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    else:
+        s_steps = reinterpret(s_smem, gl.int32, [STAGES * SPS, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
-    sel = _scale_selector(SL)
+    sel = _scale_selector(SL, SCALE_BLOCK)
     a_cur = _act_load(a_words, a_off, a_mask, 0, BM, K_EDGE)
     acc = gl.zeros([4, 64, BM], gl.float32, mma)
     for i in range(NSLOTS):
@@ -282,7 +305,7 @@ def _ring_gemm(w_desc, s_desc, a_words, a_off, a_mask, pair0, row0, slot0, NSLOT
         thread_barrier()  # every warp has its words and scales of slot s: refill it
         if i + STAGES < NSLOTS:
             mbarrier.expect(ready.index(s), SLOT_BYTES)
-            tma_load(s_desc, [0, slot0 + i + STAGES, row0, 0], ready.index(s), s_smem.index(s))
+            _scale_copy(s_desc, row0, slot0 + i + STAGES, SPS, ready.index(s), s_smem.index(s), SCALE_BLOCK)
             tma_load(w_desc, [4 * SPS * (slot0 + i + STAGES), pair0, 0], ready.index(s), w_smem.index(s))
         # the next step's activations, issued after the copy (its proxy fence waits for the
         # thread's outstanding memory operations)
@@ -339,9 +362,10 @@ def _act_rows(BM: gl.constexpr):
 def _down_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slot_ptr, block_expert_ptr,
                      row_start_ptr, row_end_ptr, H: gl.constexpr, I: gl.constexpr, BM: gl.constexpr,
                      SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr, SPS: gl.constexpr,
-                     E8M0: gl.constexpr = False):
+                     E8M0: gl.constexpr = False, SCALE_BLOCK: gl.constexpr = 16):
     """Program (row block ``b``, weight tile ``n``): ``y[slot, 64 n ..] = route * g * down[e] @ h[slot]``
-    (E8M0: MXFP4 scales, no global scale).
+    (E8M0: MXFP4 scales, no global scale; SCALE_BLOCK 32: one per 32 values, ``s_desc`` over
+    :func:`pair_scale_view` with box ``[SPS, 32, 8]``).
     ``w_desc``, ``s_desc``: TMA descriptors of :func:`weight_view` (box ``[4 SPS, 32, 64]``: SPS
     steps of down per ring slot) and :func:`scale_view` (box ``[SPS, 1, 64, 4]``: their scale words);
     ``h [S, I]`` bf16 with K's bits 0, 1 swapped; ``y [S, H]`` float32. I a multiple of 64, the last
@@ -356,7 +380,7 @@ def _down_v3_kernel(h_ptr, w_desc, s_desc, g_ptr, topk_w_ptr, y_ptr, sorted_slot
         h_words = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         acc = _ring_gemm(w_desc, s_desc, h_words, _act_offsets(slots_b, I // 2, BM), _act_mask(valid_b, BM),
                          e * (H // 2) + n * 32, e * H + n * 64, 0, (I + 256 * SPS - 1) // (256 * SPS), BM, STAGES, SPS,
-                         E8M0=E8M0, K_EDGE=I if I % (256 * SPS) else 0)
+                         E8M0=E8M0, K_EDGE=I if I % (256 * SPS) else 0, SCALE_BLOCK=SCALE_BLOCK)
         y = _warp_sum(acc, BM)
         YL: gl.constexpr = y.type.layout
         g = _global_scale(g_ptr, e, E8M0)
@@ -380,6 +404,14 @@ def weight_view(down: torch.Tensor, sps: int) -> torch.Tensor:
     return down.view(torch.uint8).reshape(num_experts * half_h, inter // 64, 64).permute(1, 0, 2)
 
 
+def pair_scale_view(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales held one per 32 values in row pairs (gpt-oss's E8M0, ``[E, N, Is]`` bytes,
+    :func:`.layout.pair_scale_rows`) as int16 ``[Is/8 (step), E N/2 (pair), 8]``: entry ``[s, p, 4 r +
+    w]`` is row ``2p + r``'s two bytes of K chunk ``4 s + w`` (step s, warp w)."""
+    num_experts, rows, blocks = scale.shape
+    return scale.view(torch.int16).reshape(num_experts * rows // 2, blocks // 8, 8).permute(1, 0, 2)
+
+
 def scale_view(down_scale: torch.Tensor, sps: int) -> torch.Tensor:
     """down's block scales ``[E, H, Is]`` (Is: whole 256-value steps, :func:`.layout.scale_columns`) as
     int32 words ``[E H, Is/4]`` (word ``c``: the four blocks of K chunk ``c``), viewed ``[SPS, Is/(4 SPS)
@@ -397,32 +429,38 @@ def _descriptor(view: torch.Tensor, box: list[int]):
 
 
 def down_v3(h, down, down_scale, down_global_scale, topk_weights, y, sorted_slot, block_expert, row_start, row_end,
-            hidden, inter, bm, slot_blocks, num_experts, stages=2, sps=2):
+            hidden, inter, bm, slot_blocks, num_experts, stages=2, sps=2, scale_block=16):
     """``y = route * down @ h`` per slot (:func:`_down_v3_kernel`) over the routed row blocks (one
-    per slot with ``slot_blocks``, ``bm`` 8)."""
-    if inter % 64 or hidden % 64 or down_scale.shape[-1] % (16 * sps):
+    per slot with ``slot_blocks``, ``bm`` 8). ``scale_block``: values per scale byte (32: gpt-oss's
+    E8M0 held once per block, :func:`.layout.values_per_scale`)."""
+    step_bytes = 256 // scale_block
+    if inter % 64 or hidden % 64 or down_scale.shape[-1] % (step_bytes * sps):
         raise ValueError(f"decode_v3: I and H must be multiples of 64 and the scale rows of {sps} steps, got {inter}, "
                          f"{hidden}, {down_scale.shape[-1]}")
+    scales = _descriptor(pair_scale_view(down_scale), [sps, 32, 8]) if scale_block == 32 else \
+        _descriptor(scale_view(down_scale, sps), [sps, 1, 64, 4])
     launch_or_compile(_down_v3_kernel, (block_expert.numel(), hidden // 64), h,
-                      _descriptor(weight_view(down, sps), [4 * sps, 32, 64]),
-                      _descriptor(scale_view(down_scale, sps), [sps, 1, 64, 4]), down_global_scale, topk_weights, y,
-                      sorted_slot, block_expert, row_start, row_end,
+                      _descriptor(weight_view(down, sps), [4 * sps, 32, 64]), scales, down_global_scale, topk_weights,
+                      y, sorted_slot, block_expert, row_start, row_end,
                       H=hidden, I=inter, BM=bm, SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, SPS=sps,
-                      E8M0=down_scale.dtype == torch.int8, num_warps=4)
+                      E8M0=down_scale.dtype == torch.int8, SCALE_BLOCK=scale_block, num_warps=4)
 
 
 @gluon.jit
 def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, block_expert_ptr, row_start_ptr,
                      row_end_ptr, H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, BM: gl.constexpr,
                      SLOT_BLOCKS: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr, E8M0: gl.constexpr = False,
-                     gate_up_bias_ptr=None, swiglu_alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False):
+                     gate_up_bias_ptr=None, swiglu_alpha=1.0, limit=1.0, GPT_OSS: gl.constexpr = False,
+                     SCALE_BLOCK: gl.constexpr = 16):
     """Program (row block ``b``, tile ``n``): ``h[slot, i] = silu(gate_i . x) * (up_i . x)`` (GPT_OSS:
     gpt-oss's clamped SwiGLU with the biases ``gate_up_bias [E, 2I]``; E8M0: MXFP4 scales) for
     ``i = 32 n ..`` (rows 0-31 of the tile gate rows, 32-63 the same up rows), stored with K's
     bits 0, 1 swapped for :func:`_down_v3_kernel`. ``w_desc``, ``s_desc``:
     TMA descriptors of :func:`gate_up_views` (boxes ``[4, 2, 16, 64]`` and ``[1, 2, 1, 32, 4]``:
     one step per ring slot); ``x [T, H]`` bf16 in natural order (token = slot // TOPK). H a multiple
-    of 64: a partial last step reads zeros from TMA past H, and x's words there not at all."""
+    of 64: a partial last step reads zeros from TMA past H, and x's words there not at all.
+    SCALE_BLOCK 32 (gpt-oss's E8M0 held once per 32 values, rows in pairs): ``s_desc`` over
+    :func:`gate_up_views`' int16 pairs, box ``[1, 1, 2, 16, 8]``: read as the words are."""
     b = gl.program_id(0)
     n = gl.program_id(1)
     e = _block_expert(block_expert_ptr, b, SLOT_BLOCKS, E)
@@ -441,7 +479,10 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
         # the ring: per slot [4 warps' chunks, gate/up, 16 pair rows, 64 bytes] (pair row 16 half
         # + p) and the scale words [gate/up, 32 rows, 4 warps]
         w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 2, 16, 64], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, 2, 1, 32, 4], s_desc.layout)
+        if SCALE_BLOCK == 32:
+            s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, 1, 1, 2, 16, 8], s_desc.layout)
+        else:
+            s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, 2, 1, 32, 4], s_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for q in gl.static_range(STAGES):
             mbarrier.init(ready.index(q), count=1)
@@ -449,12 +490,15 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
         for q in gl.static_range(STAGES):
             if q < NSTEPS:
                 mbarrier.expect(ready.index(q), SLOT_BYTES)
-                tma_load(s_desc, [q, 0, e, n * 32, 0], ready.index(q), s_smem.index(q))
+                _gate_up_scale_copy(s_desc, e, n, q, ready.index(q), s_smem.index(q), SCALE_BLOCK)
                 tma_load(w_desc, [4 * q, 2 * e, n * 16, 0], ready.index(q), w_smem.index(q))
         words_smem = reinterpret(w_smem, gl.int32, [STAGES, 4, 32, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        s_steps = reinterpret(s_smem, gl.int32, [STAGES, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        if SCALE_BLOCK == 32:  # gate's 16 pairs of 16 bytes, then up's, as 64 rows of 8
+            s_steps = reinterpret(s_smem, gl.int16, [STAGES, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        else:
+            s_steps = reinterpret(s_smem, gl.int32, [STAGES, 64, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
-        sel = _scale_selector(SL)
+        sel = _scale_selector(SL, SCALE_BLOCK)
 
         bw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
         bn = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
@@ -479,7 +523,7 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
             thread_barrier()  # every warp has its words and scales of slot s: refill it
             if i + STAGES < NSTEPS:
                 mbarrier.expect(ready.index(s), SLOT_BYTES)
-                tma_load(s_desc, [i + STAGES, 0, e, n * 32, 0], ready.index(s), s_smem.index(s))
+                _gate_up_scale_copy(s_desc, e, n, i + STAGES, ready.index(s), s_smem.index(s), SCALE_BLOCK)
                 tma_load(w_desc, [4 * (i + STAGES), 2 * e, n * 16, 0], ready.index(s), w_smem.index(s))
             x_nxt = _act_load(x_words, x_off, x_mask, gl.minimum(i + 1, NSTEPS - 1), BM, K_EDGE)
             acc = _step(acc, words, ra, rb, sel, x_cur, WL, la, lb, BM, NATURAL_B=True, E8M0=E8M0)
@@ -511,34 +555,52 @@ def _gate_up_v3_kernel(x_ptr, w_desc, s_desc, g_ptr, h_ptr, sorted_slot_ptr, blo
         gl.store(h_ptr + h_off, hv.to(gl.bfloat16), mask=gl.expand_dims(valid, 0) & gl.expand_dims(rr >= 0, 1))
 
 
-def gate_up_views(gate_up: torch.Tensor, gate_up_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@gluon.jit
+def _gate_up_scale_copy(s_desc, e, n, step, bar, dst, SCALE_BLOCK: gl.constexpr):
+    """The TMA copy of K step ``step``'s scales of tile ``n`` (gate rows ``32 n ..``, the same up
+    rows) of expert ``e``: the step's words (a scale per 32 values: their row pairs)."""
+    if SCALE_BLOCK == 32:
+        tma_load(s_desc, [step, e, 0, n * 16, 0], bar, dst)
+    else:
+        tma_load(s_desc, [step, 0, e, n * 32, 0], bar, dst)
+
+
+def gate_up_views(gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
+                  scale_block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up's paired words ``[E, I, H/4]`` int32 as bytes ``[2E (expert, gate/up), I/2 pair rows,
     H]`` viewed ``[H/64 (K chunk), 2E, I/2, 64]`` (entry ``[c, 2e + u, p]``: chunk ``c`` of pair row
     ``p`` of expert e's gate (u 0) or up (u 1) rows; step ``s``'s box holds chunks ``4s + w``, zeros
     past H), and its scales ``[E, 2I, Hs]`` (whole steps, :func:`.layout.scale_columns`) as int32
     words viewed ``[Hs/16 (step), 2 (gate/up), E, I, 4 (warp)]`` (entry ``[s, u, e, i, w]``: row
-    ``u I + i``'s word of chunk ``4s + w``)."""
+    ``u I + i``'s word of chunk ``4s + w``). ``scale_block`` 32 (a scale per 32 values, rows in pairs:
+    :func:`.layout.pair_scale_rows`): the scales as int16 ``[Hs/8 (step), E, 2 (gate/up), I/2 (pair), 8]``
+    instead (entry ``[s, e, u, p, 4 r + w]``: row ``u I + 2p + r``'s two bytes of chunk ``4 s + w``)."""
     num_experts, inter, quarter_h = gate_up.shape
     hidden = 4 * quarter_h
     weights = gate_up.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden // 64, 64).permute(2, 0, 1, 3)
+    if scale_block == 32:
+        pairs = gate_up_scale.view(torch.int16).reshape(num_experts, 2, inter // 2, gate_up_scale.shape[-1] // 8, 8)
+        return weights, pairs.permute(3, 0, 1, 2, 4)
     steps = gate_up_scale.shape[-1] // 16
     words = gate_up_scale.view(torch.uint8).view(torch.int32).reshape(num_experts, 2, inter, steps, 4)
     return weights, words.permute(3, 1, 0, 2, 4)
 
 
 def gate_up_v3(x, gate_up, gate_up_scale, gate_up_global_scale, h, sorted_slot, block_expert, row_start, row_end, hidden,
-               inter, top_k, bm, slot_blocks, num_experts, stages=2, gpt_oss=None):
+               inter, top_k, bm, slot_blocks, num_experts, stages=2, gpt_oss=None, scale_block=16):
     """``h = silu(gate . x) * (up . x)`` per slot (:func:`_gate_up_v3_kernel`), ``h``'s K bits 0, 1 swapped.
-    ``gpt_oss``: :class:`.layout.GptOssTerms` for gpt-oss's activation; int8 ``gate_up_scale``: E8M0 scales (MXFP4)."""
-    if hidden % 64 or inter % 32 or gate_up_scale.shape[-1] % 16:
+    ``gpt_oss``: :class:`.layout.GptOssTerms` for gpt-oss's activation; int8 ``gate_up_scale``: E8M0 scales (MXFP4),
+    ``scale_block`` 32 where held once per 32 values (:func:`.layout.values_per_scale`)."""
+    if hidden % 64 or inter % 32 or gate_up_scale.shape[-1] % (256 // scale_block):
         raise ValueError(f"decode_v3: H must be a multiple of 64, I of 32 and the scale rows whole steps, got {hidden}, "
                          f"{inter}, {gate_up_scale.shape[-1]}")
-    weights, scales = gate_up_views(gate_up, gate_up_scale)
+    weights, scales = gate_up_views(gate_up, gate_up_scale, scale_block)
+    scale_box = [1, 1, 2, 16, 8] if scale_block == 32 else [1, 2, 1, 32, 4]
     launch_or_compile(_gate_up_v3_kernel, (block_expert.numel(), inter // 32), x, _descriptor(weights, [4, 2, 16, 64]),
-                      _descriptor(scales, [1, 2, 1, 32, 4]), gate_up_global_scale, h,
+                      _descriptor(scales, scale_box), gate_up_global_scale, h,
                       sorted_slot, block_expert, row_start, row_end, H=hidden, I=inter, TOPK=top_k, BM=bm,
                       SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, E8M0=gate_up_scale.dtype == torch.int8,
-                      **({} if gpt_oss is None else gpt_oss.gate_up_args()), num_warps=4)
+                      SCALE_BLOCK=scale_block, **({} if gpt_oss is None else gpt_oss.gate_up_args()), num_warps=4)
 
 
 @gluon.jit(do_not_specialize=["T"])

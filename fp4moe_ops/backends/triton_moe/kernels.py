@@ -161,25 +161,26 @@ def _paired_codes(words, BN: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _decode_tile(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                 FAST_DECODE: tl.constexpr):
-    """``packed [BN, BK/2]`` uint8 + ``sbytes [BN, BK/16]`` E4M3 -> ``[BN, BK]`` OUT_DTYPE
-    (bf16: times 2^-22, exact). PTX fast path for bf16 on the GPU; portable path otherwise."""
+                 FAST_DECODE: tl.constexpr, SCALE_BLOCK: tl.constexpr = 16):
+    """``packed [BN, BK/2]`` uint8 + ``sbytes [BN, BK/SCALE_BLOCK]`` (a scale per SCALE_BLOCK values)
+    -> ``[BN, BK]`` OUT_DTYPE (bf16: times 2^-22, exact). PTX fast path for bf16 on the GPU;
+    portable path otherwise."""
     if FAST_DECODE and OUT_DTYPE == tl.bfloat16:
         scale = (_e4m3_f32(sbytes) * 2.0**112).to(tl.bfloat16)  # scale * 2^104, exact
-        scale = tl.broadcast_to(scale[:, :, None], (BN, BK // 16, 8))
+        scale = tl.broadcast_to(scale[:, :, None], (BN, BK // SCALE_BLOCK, SCALE_BLOCK // 2))
         lo, hi = tl.inline_asm_elementwise(
-            _E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed.reshape(BN, BK // 16, 8), scale],
+            _E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed.reshape(BN, BK // SCALE_BLOCK, SCALE_BLOCK // 2), scale],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return tl.join(lo.reshape(BN, BK // 2), hi.reshape(BN, BK // 2)).reshape(BN, BK)
     values = _e2m1_f32(tl.join(packed & 0xF, packed >> 4).reshape(BN, BK))
-    values = (values.reshape(BN, BK // 16, 16) * _e4m3_f32(sbytes)[:, :, None]).reshape(BN, BK)
+    values = (values.reshape(BN, BK // SCALE_BLOCK, SCALE_BLOCK) * _e4m3_f32(sbytes)[:, :, None]).reshape(BN, BK)
     return _finish(values, OUT_DTYPE)
 
 @triton.jit
 def _decode_tile_fragment_order(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr,
                                 FAST_DECODE: tl.constexpr, PAIRED: tl.constexpr = False,
                                 FAST_SCALES: tl.constexpr = True, DIAG: tl.constexpr = 0,
-                                NATURAL_K: tl.constexpr = False):
+                                NATURAL_K: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 16):
     """:func:`_decode_tile` with the K axis in MMA-fragment order (see :func:`fragment_order`):
     ``[BN, BK]`` whose column ``16j + 8s + 2t + e`` is the weight at ``k = (BK/4)t + 4j + 2e + s``.
 
@@ -190,11 +191,15 @@ def _decode_tile_fragment_order(packed, sbytes, BN: tl.constexpr, BK: tl.constex
     activations are fed in the same order, so the dot product is unchanged.
 
     With PAIRED, ``packed`` is a ``[BN/2, BK]`` tile of :func:`paired_weight_layout` words.
-    NATURAL_K: the tile in natural K order instead (for a decode to memory).
+    NATURAL_K: the tile in natural K order instead (for a decode to memory). ``sbytes [BN,
+    BK/SCALE_BLOCK]``: a scale per SCALE_BLOCK values (16: E4M3, or E8M0 written per 16; 32: gpt-oss's
+    E8M0 held once per block).
     """
+    # byte (t, j, e) holds k = (BK/4)t + 4j + 2e + s: scale (BK/(4 SCALE_BLOCK))t + j // (SCALE_BLOCK/4)
+    SB: tl.constexpr = BK // (4 * SCALE_BLOCK)  # scales per row of each t's run
     if FAST_DECODE and OUT_DTYPE == tl.bfloat16:
-        scale = _scales_bf16(sbytes, FAST_SCALES).reshape(BN, 4, BK // 64, 1, 1)  # block of byte b is b // 8
-        scale = tl.broadcast_to(scale, (BN, 4, BK // 64, 4, 2)).reshape(BN, 4, BK // 16, 2)
+        scale = _scales_bf16(sbytes, FAST_SCALES).reshape(BN, 4, SB, 1, 1)
+        scale = tl.broadcast_to(scale, (BN, 4, SB, SCALE_BLOCK // 4, 2)).reshape(BN, 4, BK // 16, 2)
         if PAIRED:
             p = _pairs_to_rows(packed.reshape(BN // 2, BK // 4, 2, 2), BN, BK)
             lo, hi = tl.inline_asm_elementwise(_NO_DECODE if DIAG == 1 else _PAIRED_WORD_TO_BF16,
@@ -205,8 +210,8 @@ def _decode_tile_fragment_order(packed, sbytes, BN: tl.constexpr, BK: tl.constex
             lo, hi = tl.inline_asm_elementwise(_E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, scale],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
-        scale = _e4m3_f32(sbytes).reshape(BN, 4, BK // 64, 1, 1)
-        scale = tl.broadcast_to(scale, (BN, 4, BK // 64, 4, 2)).reshape(BN, 4, BK // 16, 2)
+        scale = _e4m3_f32(sbytes).reshape(BN, 4, SB, 1, 1)
+        scale = tl.broadcast_to(scale, (BN, 4, SB, SCALE_BLOCK // 4, 2)).reshape(BN, 4, BK // 16, 2)
         if PAIRED:
             lo_codes, hi_codes = _paired_codes(packed, BN, BK)
         else:
@@ -275,7 +280,8 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                    FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
                    FAST_SCALES: tl.constexpr = True, k_lo=0, k_hi=0, A_NATURAL: tl.constexpr = False,
                    a_desc=None, a_row0=0, A_TMA: tl.constexpr = False, BM: tl.constexpr = 16,
-                   GATE_UP: tl.constexpr = False, desc_expert=0, DIAG: tl.constexpr = 0, K_TAIL: tl.constexpr = 0):
+                   GATE_UP: tl.constexpr = False, desc_expert=0, DIAG: tl.constexpr = 0, K_TAIL: tl.constexpr = 0,
+                   SCALE_BLOCK: tl.constexpr = 16):
     """``acc [BN, BM] += W[rows, k_lo:k_hi] @ A[a_rows, k_lo:k_hi]^T`` (``k_hi = 0``: K) with W NVFP4
     ``[*, K/2]`` bytes (with FRAGMENT_ORDER, A's K axis is in :func:`fragment_order` per BK chunk,
     or with A_NATURAL too, A is in natural order and read permuted: for small A, no copy to make;
@@ -302,7 +308,13 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     whole steps, zeros past K); A's last partial chunk is held in natural order (no full chunk to
     permute within), read with the fragment order's addresses and masked past K: zero weights times
     zero activations, so the sum is the unpadded one, exactly.
+
+    SCALE_BLOCK 32 (gpt-oss's E8M0 held once per 32 values, rows in pairs: TMA with BK 256 only):
+    the scale boxes hold row pairs (:func:`_scale_row`, :func:`_step_scales`) and the decode takes
+    a scale per 32 values.
     """
+    if SCALE_BLOCK != 16:
+        tl.static_assert(TMA and BK == 256, "a scale per 32 values comes through TMA, K steps of 256")
     dtype = a_ptr.dtype.element_ty
     kb = tl.arange(0, BK // 2)
     ks = tl.arange(0, BK // 16)
@@ -332,14 +344,15 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
                 packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
             else:
                 packed = w_desc.load([desc_expert, 0, desc_row, k0 // 2]).reshape(BN, BK // 2)
-            sbytes = s_desc.load([desc_expert, 0, desc_row, k0 // 16]).reshape(BN, BK // 16)
+            sbytes = _step_scales(s_desc.load([desc_expert, 0, _scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK,
+                                  SCALE_BLOCK)
         elif TMA:  # bulk tensor copies, which Triton pipelines over num_stages
             if PAIRED:  # [BN/2, BK] bytes of row-pair words
                 packed = w_desc.load([desc_row // 2, k0])
             else:
                 packed = w_desc.load([desc_row, k0 // 2])
             if BK >= 256:
-                sbytes = s_desc.load([desc_row, k0 // 16])
+                sbytes = _step_scales(s_desc.load([_scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK, SCALE_BLOCK)
             else:  # a scale box row under 16 bytes is not allowed: plain loads (BK/16 bytes per row)
                 sbytes = tl.load(s_ptrs + k0 // 16)
         elif PREFETCH:
@@ -350,9 +363,10 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
             packed = tl.load(w_ptrs + k0 // 2)
             sbytes = tl.load(s_ptrs + k0 // 16)
         if FRAGMENT_ORDER:
-            w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED, FAST_SCALES, DIAG)
+            w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED, FAST_SCALES, DIAG,
+                                            SCALE_BLOCK=SCALE_BLOCK)
         else:
-            w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE)
+            w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE, SCALE_BLOCK)
         if INTERPRET:  # Triton's CPU interpreter mis-multiplies bf16 dots
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(w, a, acc)
@@ -361,14 +375,29 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
     if K_TAIL > 0:
         acc = _expert_matmul_tail(acc, a_ptr, a_rows, row_mask, K, k_main, BN, BK, FAST_DECODE, INTERPRET,
                                   w_desc, s_desc, desc_row, FRAGMENT_ORDER, PAIRED, FAST_SCALES, GATE_UP, desc_expert,
-                                  DIAG, K_TAIL)
+                                  DIAG, K_TAIL, SCALE_BLOCK)
     return acc
+
+
+@triton.jit
+def _scale_row(row, SCALE_BLOCK: tl.constexpr):
+    """The scale box's first row for weight row ``row``: the row itself, or with a scale per 32
+    values its row pair (:func:`.layout.pair_scale_rows`; the descriptor views ``[N/2, 2 Hs]``, a
+    256-wide step's 16-byte unit rows 2p and 2p + 1's 8 bytes), at column ``k0 / 16`` either way."""
+    return row // (SCALE_BLOCK // 16)
+
+@triton.jit
+def _step_scales(box, BN: tl.constexpr, BK: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """A K step's scale box (``[BN, BK/16]``, or with a scale per 32 values ``[BN/2, 16]`` row
+    pairs; any leading unit dimensions) -> ``[BN, BK/SCALE_BLOCK]``, rows in order."""
+    return box.reshape(BN, BK // SCALE_BLOCK)
 
 @triton.jit
 def _expert_matmul_tail(acc, a_ptr, a_rows, row_mask, K, k0, BN: tl.constexpr, BK: tl.constexpr,
                         FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr, w_desc, s_desc, desc_row,
                         FRAGMENT_ORDER: tl.constexpr, PAIRED: tl.constexpr, FAST_SCALES: tl.constexpr,
-                        GATE_UP: tl.constexpr, desc_expert, DIAG: tl.constexpr, K_TAIL: tl.constexpr):
+                        GATE_UP: tl.constexpr, desc_expert, DIAG: tl.constexpr, K_TAIL: tl.constexpr,
+                        SCALE_BLOCK: tl.constexpr = 16):
     """:func:`_expert_matmul`'s last, partial K step (``K_TAIL`` columns from ``k0``), TMA tiles only."""
     dtype = a_ptr.dtype.element_ty
     kk = tl.arange(0, BK)
@@ -383,18 +412,20 @@ def _expert_matmul_tail(acc, a_ptr, a_rows, row_mask, K, k0, BN: tl.constexpr, B
             packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
         else:
             packed = w_desc.load([desc_expert, 0, desc_row, k0 // 2]).reshape(BN, BK // 2)
-        sbytes = s_desc.load([desc_expert, 0, desc_row, k0 // 16]).reshape(BN, BK // 16)
+        sbytes = _step_scales(s_desc.load([desc_expert, 0, _scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK,
+                              SCALE_BLOCK)
     else:
         tl.static_assert(BK >= 256, "a partial K step needs the scales through TMA")
         if PAIRED:
             packed = w_desc.load([desc_row // 2, k0])
         else:
             packed = w_desc.load([desc_row, k0 // 2])
-        sbytes = s_desc.load([desc_row, k0 // 16])
+        sbytes = _step_scales(s_desc.load([_scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK, SCALE_BLOCK)
     if FRAGMENT_ORDER:
-        w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED, FAST_SCALES, DIAG)
+        w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED, FAST_SCALES, DIAG,
+                                        SCALE_BLOCK=SCALE_BLOCK)
     else:
-        w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE)
+        w = _decode_tile(packed, sbytes, BN, BK, dtype, FAST_DECODE, SCALE_BLOCK)
     if INTERPRET:
         a, w = a.to(tl.float32), w.to(tl.float32)
     return tl.dot(w, a, acc)
@@ -425,10 +456,11 @@ def _gate_up_swiglu_kernel(
     PAIRED: tl.constexpr = False, FAST_SCALES: tl.constexpr = True,
     MERGED_GATE_UP: tl.constexpr = False, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
     DIAG: tl.constexpr = 0, SLOT_BLOCKS: tl.constexpr = False, E: tl.constexpr = 0,
-    gate_up_bias_ptr=None, swiglu_alpha=1.0, limit=1.0, GPT_OSS: tl.constexpr = False,
+    gate_up_bias_ptr=None, swiglu_alpha=1.0, limit=1.0, GPT_OSS: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = 16,
 ):
     """Per (M block, N tile): ``silu(x W_gate^T) * (x W_up^T)`` into ``out [S, I]`` (GPT_OSS:
-    gpt-oss's clamped SwiGLU with the biases ``gate_up_bias [E, 2I]`` float32, :func:`_gpt_oss_glu`). With
+    gpt-oss's clamped SwiGLU with the biases ``gate_up_bias [E, 2I]`` float32, :func:`_gpt_oss_glu`;
+    SCALE_BLOCK 32: gpt-oss's E8M0 scales held once per 32 values, see :func:`_expert_matmul`). With
     MERGED_GATE_UP (TMA tiles) a program's BN rows are BN/2 gate rows and the same up rows, in one K
     loop with one accumulator; else BN gate rows and BN up rows in two K loops. SLOT_BLOCKS: see
     :func:`_block_expert`; ``x`` is then in natural order (read permuted, with FRAGMENT_ORDER)."""
@@ -452,7 +484,7 @@ def _gate_up_swiglu_kernel(
             acc = _expert_matmul(zero, w_e, s_e, tl.arange(0, BN), x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                  FAST_DECODE, INTERPRET, w_desc, s_desc, i0, TMA, FRAGMENT_ORDER, PAIRED,
                                  FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, GATE_UP=True, desc_expert=e,
-                                 DIAG=DIAG, K_TAIL=H % BK)
+                                 DIAG=DIAG, K_TAIL=H % BK, SCALE_BLOCK=SCALE_BLOCK)
             gate, up = tl.split(tl.permute((acc * g).reshape(2, BN // 2, BM), (1, 2, 0)))  # rows [gate; up]
             cols = i0 + tl.arange(0, BN // 2)
         else:
@@ -460,10 +492,12 @@ def _gate_up_swiglu_kernel(
             row0 = e * (2 * I) + tl.program_id(1) * BN  # descriptor row of this tile in [E * 2I, H/2]
             acc_gate = _expert_matmul(zero, w_e, s_e, cols, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                       FAST_DECODE, INTERPRET, w_desc, s_desc, row0, TMA, FRAGMENT_ORDER, PAIRED,
-                                      FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, DIAG=DIAG, K_TAIL=H % BK)
+                                      FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, DIAG=DIAG, K_TAIL=H % BK,
+                                      SCALE_BLOCK=SCALE_BLOCK)
             acc_up = _expert_matmul(zero, w_e, s_e, cols + I, x_ptr, tokens, row_mask, H, BN, BK, PREFETCH,
                                     FAST_DECODE, INTERPRET, w_desc, s_desc, row0 + I, TMA, FRAGMENT_ORDER, PAIRED,
-                                    FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, DIAG=DIAG, K_TAIL=H % BK)
+                                    FAST_SCALES, k_hi=k_stop, A_NATURAL=SLOT_BLOCKS, DIAG=DIAG, K_TAIL=H % BK,
+                                    SCALE_BLOCK=SCALE_BLOCK)
             gate = acc_gate * g
             up = acc_up * g
         if GPT_OSS:
@@ -487,7 +521,7 @@ def _down_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr,
     TMA: tl.constexpr, FRAGMENT_ORDER: tl.constexpr = False, PAIRED: tl.constexpr = False,
     FAST_SCALES: tl.constexpr = True, PIPELINED_MMA: tl.constexpr = True, PDL: tl.constexpr = False,
-    DIAG: tl.constexpr = 0, SLOT_BLOCKS: tl.constexpr = False, E: tl.constexpr = 0,
+    DIAG: tl.constexpr = 0, SLOT_BLOCKS: tl.constexpr = False, E: tl.constexpr = 0, SCALE_BLOCK: tl.constexpr = 16,
 ):
     _await_previous_kernel(PDL)
     b = tl.program_id(0)
@@ -502,7 +536,7 @@ def _down_kernel(
         acc = _expert_matmul(tl.zeros((BN, BM), dtype=tl.float32), w_e, s_e, cols, a_ptr, slots, row_mask, I,
                              BN, BK, PREFETCH, FAST_DECODE, INTERPRET, w_desc, s_desc,
                              e * H + tl.program_id(1) * BN, TMA, FRAGMENT_ORDER, PAIRED, FAST_SCALES, k_hi=k_stop,
-                             DIAG=DIAG, K_TAIL=I % BK)
+                             DIAG=DIAG, K_TAIL=I % BK, SCALE_BLOCK=SCALE_BLOCK)
         g = _global_scale(g_ptr, s_ptr, e)
         if a_ptr.dtype.element_ty == tl.bfloat16:
             g = g * 4194304.0

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from .compile_ahead import async_compile_active, compile_all, compiling_ahead, launch_or_compile, planned_slots
-from .layout import GptOssTerms, fits_tma, fits_tma_edges, fragment_order
+from .layout import GptOssTerms, fits_tma, fits_tma_edges, fragment_order, values_per_scale
 from ...env import env_switch
 
 try:
@@ -256,7 +256,8 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     :func:`paired_weight_layout`, int32, as :class:`~fp4moe_ops.PreparedExperts` holds them) or the canonical layout (uint8; any config).
     The tiles come from :func:`kernel_config` (``routed_experts``: see ``fp4moe::fused_moe``)
     unless ``config`` is given. ``gpt_oss``: :class:`.layout.GptOssTerms` for gpt-oss's experts
-    (:func:`triton_gpt_oss_moe`; MXFP4's block scales are E8M0 as int8, and its global scales unused)."""
+    (:func:`triton_gpt_oss_moe`; MXFP4's block scales are E8M0 as int8, one per 32 values, and its
+    global scales unused: :func:`.layout.values_per_scale`)."""
     gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale = expert_tensors
     num_tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
@@ -287,6 +288,10 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
         # a partial last K step reads its weights and scales through TMA (zeros past K)
         raise ValueError(f"H={hidden}, I={inter} not multiples of the K tiles ({cfg['BK_GATE_UP']}, {cfg['BK_DOWN']}) "
                          "need a TMA config with K tiles of at least 256")
+    scale_block = values_per_scale(gate_up_scale, gpt_oss is not None)
+    if scale_block == 32 and not (cfg.get("TMA") and cfg["BK_GATE_UP"] == cfg["BK_DOWN"] == 256):
+        # a 256-wide step's scales are 8 bytes a row there, in 16-byte units of row pairs (layout.pair_scale_rows)
+        raise ValueError("gpt-oss's MXFP4 experts (a scale per 32 values) need a TMA config with K tiles of 256")
     x = hidden_states.contiguous()
     if cfg.get("GLUON_PREFILL") and paired and _gluon_runs(x):
         return _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, gpt_oss=gpt_oss)
@@ -313,7 +318,7 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
                   FAST_DECODE=cfg.get("FAST_DECODE", not interpreting()), INTERPRET=interpreting(),
                   FRAGMENT_ORDER=fragment, PAIRED=paired, FAST_SCALES=cfg.get("FAST_SCALES", True), **_pdl_args(pdl),
                   **({"DIAG": cfg["DIAG"]} if cfg.get("DIAG") else {}),  # (a diagnostic: see kernels._NO_DECODE)
-                  **({"SLOT_BLOCKS": True, "E": num_experts} if slot_blocks else {}))
+                  **({"SLOT_BLOCKS": True, "E": num_experts} if slot_blocks else {}), SCALE_BLOCK=scale_block)
 
     inter_act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
@@ -322,10 +327,11 @@ def triton_fused_moe(hidden_states, topk_ids, topk_weights, expert_tensors, conf
     if merged and not (tma and cfg["BK_GATE_UP"] >= 256):
         raise ValueError("MERGED_GATE_UP needs TMA and BK_GATE_UP >= 256 (16-byte scale box rows)")
     if merged:
-        gate_up_desc = _gate_up_descriptors(gate_up, gate_up_scale, cfg["BN_GATE_UP"], cfg["BK_GATE_UP"])
+        gate_up_desc = _gate_up_descriptors(gate_up, gate_up_scale, cfg["BN_GATE_UP"], cfg["BK_GATE_UP"], scale_block)
     else:
-        gate_up_desc = _descriptors(gate_up, gate_up_scale, cfg["BN_GATE_UP"], cfg["BK_GATE_UP"]) if tma else (gate_up, gate_up_scale)
-    down_desc = _descriptors(down, down_scale, cfg["BN_DOWN"], cfg["BK_DOWN"]) if tma else (down, down_scale)
+        gate_up_desc = _descriptors(gate_up, gate_up_scale, cfg["BN_GATE_UP"], cfg["BK_GATE_UP"], scale_block) if tma \
+            else (gate_up, gate_up_scale)
+    down_desc = _descriptors(down, down_scale, cfg["BN_DOWN"], cfg["BK_DOWN"], scale_block) if tma else (down, down_scale)
     # programs per M block: BN_GATE_UP/2 gate and BN_GATE_UP/2 up rows each (merged), or BN_GATE_UP of both
     gate_up_grid = (block_expert.numel(), (2 if merged else 1) * inter // cfg["BN_GATE_UP"])
     # hidden and inter go in twice: as the constexprs H and I, and as K_RUNTIME, the K loop's bound
@@ -353,8 +359,8 @@ def _down_bias(gpt_oss, topk_weights):
 def triton_gpt_oss_moe(hidden_states, topk_ids, topk_weights, kernel_tensors, swiglu_alpha: float, limit: float,
                        config: dict | None = None):
     """gpt-oss's experts on the Triton kernels: ``kernel_tensors`` as
-    :func:`.layout.gpt_oss_kernel_tensors` makes them (six for MXFP4, whose E8M0 scales are
-    duplicated per 16 values, eight for NVFP4). H and I as held: the kernels mask the K edges of
+    :func:`.layout.gpt_oss_kernel_tensors` makes them (six for MXFP4, whose E8M0 scales are held
+    once per 32 values, as the checkpoint stores them; eight for NVFP4). H and I as held: the kernels mask the K edges of
     gpt-oss's 2880 (:func:`.layout.fits_tma_edges`). Only a layout padded past ``hidden_states``'
     width (H not a multiple of 64, or the padded layout benchmarks compare) pads the activations and
     cuts the output back, two copies per call."""
@@ -573,24 +579,28 @@ def _decode_v3_moe(x, topk_ids, topk_weights, expert_tensors, cfg: dict, gpt_oss
     sorted_slot, block_expert, row_start, row_end = blocks if slot_blocks else route(topk_ids, num_experts, bm)
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
+    scale_block = values_per_scale(gate_up_scale, gpt_oss is not None)
     gate_up_v3(x, gate_up, gate_up_scale, gate_up_global_scale, h, sorted_slot, block_expert, row_start, row_end, hidden,
-               inter, top_k, bm, slot_blocks, num_experts, cfg["V3_STAGES_GATE_UP"], gpt_oss)
+               inter, top_k, bm, slot_blocks, num_experts, cfg["V3_STAGES_GATE_UP"], gpt_oss, scale_block)
     down_v3(h, down, down_scale, down_global_scale, topk_weights.contiguous(), y, sorted_slot, block_expert, row_start,
-            row_end, hidden, inter, bm, slot_blocks, num_experts, cfg["V3_STAGES"], cfg["V3_SPS_ONE_TOKEN" if slot_blocks else "V3_SPS"])
+            row_end, hidden, inter, bm, slot_blocks, num_experts, cfg["V3_STAGES"], cfg["V3_SPS_ONE_TOKEN" if slot_blocks else "V3_SPS"],
+            scale_block)
     return _sum_topk(y, topk_ids, x, num_experts, bias=_down_bias(gpt_oss, topk_weights))
 
 
-def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int):
+def _descriptors(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int, scale_block: int = 16):
     """TMA descriptors over ``w [E, N, K/2]`` and ``s [E, N, K/16]`` as 2-D ``[E*N, *]`` with
-    ``[bn, bk/2]`` / ``[bn, bk/16]`` boxes; paired ``w [E, N/2, K/4]`` int32 as bytes
-    ``[E*N/2, K]`` with ``[bn/2, bk]`` boxes. A box row must be >= 16 bytes: with ``bk < 256``
-    the kernel loads scales with plain loads and gets ``s`` itself."""
+    ``[bn, bk/2]`` / ``[bn, bk/16]`` boxes (``scale_block`` 32: ``s [E, N, K/32]`` in row pairs,
+    :func:`.layout.pair_scale_rows`, as ``[E*N/2, K/16]`` with ``[bn/2, 16]`` boxes); paired ``w
+    [E, N/2, K/4]`` int32 as bytes ``[E*N/2, K]`` with ``[bn/2, bk]`` boxes. A box row must be >= 16
+    bytes: with ``bk < 256`` the kernel loads scales with plain loads and gets ``s`` itself."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     w_box = _weight_descriptor(w, bn, bk)
     if bk < 256:
         return w_box, s
-    return w_box, TensorDescriptor.from_tensor(s.reshape(-1, s.shape[-1]), [bn, bk // 16])
+    pair = scale_block // 16  # rows a scale box row holds
+    return w_box, TensorDescriptor.from_tensor(s.reshape(-1, pair * s.shape[-1]), [bn // pair, bk // 16])
 
 
 def _weight_descriptor(w: torch.Tensor, bn: int, bk: int):
@@ -602,14 +612,16 @@ def _weight_descriptor(w: torch.Tensor, bn: int, bk: int):
     return TensorDescriptor.from_tensor(w.reshape(-1, w.shape[-1]), [bn, bk // 2])
 
 
-def _gate_up_descriptors(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, bn: int, bk: int):
+def _gate_up_descriptors(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, bn: int, bk: int, scale_block: int = 16):
     """4-D TMA descriptors over ``gate_up`` as ``[E, 2, I, H/2]`` (paired: bytes ``[E, 2, I/2, H]``, gate
-    pairs then up pairs) and ``gate_up_scale`` as ``[E, 2, I, H/16]``: one box holds ``bn/2`` gate rows and the
-    same up rows."""
+    pairs then up pairs) and ``gate_up_scale`` as ``[E, 2, I, H/16]`` (``scale_block`` 32, rows in pairs:
+    ``[E, 2, I/2, H/16]``): one box holds ``bn/2`` gate rows and the same up rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     e, inter = gate_up.shape[0], gate_up_scale.shape[1] // 2
-    s = TensorDescriptor.from_tensor(gate_up_scale.reshape(e, 2, inter, gate_up_scale.shape[-1]), [1, 2, bn // 2, bk // 16])
+    pair = scale_block // 16
+    s = TensorDescriptor.from_tensor(gate_up_scale.reshape(e, 2, inter // pair, pair * gate_up_scale.shape[-1]),
+                                     [1, 2, bn // 2 // pair, bk // 16])
     if gate_up.dtype == torch.int32:  # paired: row-pair words, as bytes
         w = gate_up.view(torch.uint8).reshape(e, 2, inter // 2, 4 * gate_up.shape[-1])
         return TensorDescriptor.from_tensor(w, [1, 2, bn // 4, bk]), s

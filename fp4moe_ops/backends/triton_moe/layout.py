@@ -105,9 +105,34 @@ KERNEL_MULTIPLE = 64  # see fits_tma_edges
 
 
 def scale_columns(k: int, values_per_byte: int = 16) -> int:
-    """Bytes per row of block scales over K = ``k`` as the kernels hold them: whole 256-value steps
-    (TMA needs 16-byte rows; gpt-oss's 2880 values: 180 bytes of scales, held as 192)."""
+    """Bytes per row of block scales over K = ``k`` as the kernels hold them: whole 256-value steps,
+    16 bytes of E4M3 scales (one per 16 values; gpt-oss's 2880 values: 180 bytes, held as 192), or
+    with ``values_per_byte`` 32 (gpt-oss's E8M0, one per 32) 8 bytes, rows held in pairs
+    (:func:`pair_scale_rows`: 16 bytes a step again; 2880: 90 bytes, held as 96)."""
     return -(-k // 256) * (256 // values_per_byte)
+
+
+def pair_scale_rows(scales: torch.Tensor) -> torch.Tensor:
+    """Scales one per 32 values ``[E, N, S*8]`` (8 bytes a 256-value step; N even) -> the same shape
+    with the bytes of rows 2p and 2p + 1 interleaved step by step (a copy): viewed ``[E, N/2, S, 2,
+    8]``, entry ``[e, p, s, r]`` is row ``2p + r``'s 8 bytes of step s. Why: TMA copies whole 16-byte
+    units (box rows and their starts), so a step's 8 bytes a row come in one unit with the other
+    row's, each byte once, not in a window of two steps to pick from."""
+    experts, n, cols = scales.shape
+    return scales.reshape(experts, n // 2, 2, cols // 8, 8).transpose(2, 3).reshape(experts, n, cols).contiguous()
+
+
+def unpair_scale_rows(paired: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pair_scale_rows`."""
+    experts, n, cols = paired.shape
+    return paired.reshape(experts, n // 2, cols // 8, 2, 8).transpose(2, 3).reshape(experts, n, cols).contiguous()
+
+
+def values_per_scale(block_scale: torch.Tensor, gpt_oss: bool) -> int:
+    """K values per block-scale byte in the kernels' tensors: 32 for gpt-oss's MXFP4 experts in
+    :func:`gpt_oss_kernel_tensors` (E8M0, int8, held once per block), 16 otherwise (E4M3, and the
+    MXFP4 experts of ``fp4moe::fused_moe``, whose E8M0 bytes come written once per 16 values)."""
+    return 32 if gpt_oss and block_scale.dtype == torch.int8 else 16
 
 
 # --- MMA-fragment order of the K axis ----------------------------------------------------------
@@ -141,17 +166,19 @@ def fragment_order(x: torch.Tensor, chunk: int) -> torch.Tensor:
 
 # --- gpt-oss's experts in the kernels' layout ------------------------------------------------------
 #
-# The kernels read NVFP4-shaped tensors: rows [gate; up], one scale byte per 16 values, the paired
+# The kernels read NVFP4-shaped tensors: rows [gate; up], block-scale rows along K, the paired
 # weight words. gpt-oss's experts (rows interleaving gate and up, H = I = 2880) are moved into that
 # shape without changing a value: the same E2M1 codes and scale bytes, and float32 biases. H and I
 # stay as they are where they are multiples of 64 (fits_tma_edges; gpt-oss's are): the kernels
 # mask the last, partial K step and tile N by divisors. Otherwise (small test shapes) they are
 # zero-padded to the next multiple of 64 (zero codes, scales and biases: a padded row of gate/up
-# yields h = 0), and the activations are padded per call. Scale rows are held in whole 256-value
-# steps (scale_columns: TMA's 16-byte rows), zeros past K. MXFP4 (fp4moe_ops.mxfp4: one E8M0 byte
-# per 32 values) has each E8M0 byte written for both 16-value halves of its block, held as int8,
-# which is how the kernels tell E8M0 from E4M3 (uint8); 2^-127 .. 2^23 decode exactly on the GPU,
-# larger scales and NaN (0xFF) are refused. NVFP4 keeps its E4M3 bytes and per-expert global scales.
+# yields h = 0), and the activations are padded per call. Scale rows are held in whole 16-byte TMA
+# rows (scale_columns), zeros past K. MXFP4 (fp4moe_ops.mxfp4) keeps its one E8M0 byte per 32
+# values, each held once as in the checkpoint (values_per_scale: the kernels read a scale per 32
+# values there, per 16 for E4M3), rows in pairs (pair_scale_rows: a step's 16-byte TMA unit holds
+# two rows' 8 bytes), as int8, which is how the kernels tell E8M0 from E4M3 (uint8);
+# 2^-127 .. 2^23 decode exactly on the GPU, larger scales and NaN (0xFF) are refused. NVFP4 keeps
+# its E4M3 bytes (one per 16 values) and per-expert global scales.
 
 GPT_OSS_MAX_SCALE_BYTE = 127 + 23  # E8M0 byte of 2^23: the largest the kernels decode exactly
 
@@ -176,20 +203,21 @@ def _pad_to(n: int, multiple: int = KERNEL_MULTIPLE) -> int:
     return -(-n // multiple) * multiple
 
 
-def _padded(packed: torch.Tensor, scales: torch.Tensor, rows: int, cols: int):
-    """``packed [E, N, K/2]`` uint8 and ``scales [E, N, K/16]`` (one byte per 16 values) -> the same
-    zero-padded to ``[E, rows, cols/2]`` and ``[E, rows, scale_columns(cols)]`` (N <= rows, K <= cols)."""
+def _padded(packed: torch.Tensor, scales: torch.Tensor, rows: int, cols: int, values_per_byte: int = 16):
+    """``packed [E, N, K/2]`` uint8 and ``scales [E, N, K/values_per_byte]`` -> the same zero-padded
+    to ``[E, rows, cols/2]`` and ``[E, rows, scale_columns(cols, values_per_byte)]`` (N <= rows, K <= cols)."""
     experts, n, k_half = packed.shape
     out = torch.zeros(experts, rows, cols // 2, dtype=torch.uint8, device=packed.device)
     out[:, :n, :k_half] = packed
-    scale16 = torch.zeros(experts, rows, scale_columns(cols), dtype=torch.uint8, device=packed.device)
-    scale16[:, :n, :scales.shape[2]] = scales.view(torch.uint8)
-    return out, scale16
+    held = torch.zeros(experts, rows, scale_columns(cols, values_per_byte), dtype=torch.uint8, device=packed.device)
+    held[:, :n, :scales.shape[2]] = scales.view(torch.uint8)
+    return out, held
 
 
 def _mxfp4_kernel_matrix(name: str, blocks: torch.Tensor, scales: torch.Tensor, rows: int, cols: int):
     """gpt-oss ``blocks [E, N, K/32, 16]`` / ``scales [E, N, K/32]`` -> canonical packed ``[E, rows,
-    cols/2]`` uint8 and int8 scales ``[E, rows, scale_columns(cols)]``, zero-padded (N <= rows, K <= cols)."""
+    cols/2]`` uint8 and int8 scales ``[E, rows, scale_columns(cols, 32)]`` (each byte once, rows in
+    pairs: :func:`pair_scale_rows`), zero-padded (N <= rows, K <= cols)."""
     bad = scales.gt(GPT_OSS_MAX_SCALE_BYTE)
     if bool(bad.any()):
         e, n, b = bad.nonzero()[0].tolist()
@@ -197,22 +225,24 @@ def _mxfp4_kernel_matrix(name: str, blocks: torch.Tensor, scales: torch.Tensor, 
         raise ValueError(f"{name}_scales[{e}, {n}, {b}] is E8M0 byte {byte} ({'NaN' if byte == 255 else f'2^{byte - 127}'}):"
                          f" the Triton kernels decode scales up to 2^{GPT_OSS_MAX_SCALE_BYTE - 127}; the reference "
                          "backend runs these experts")
-    packed, scale16 = _padded(blocks.flatten(-2), scales.repeat_interleave(2, dim=-1), rows, cols)
-    return packed, scale16.view(torch.int8)
+    packed, held = _padded(blocks.flatten(-2), scales, rows, cols, 32)
+    return packed, pair_scale_rows(held).view(torch.int8)
 
 
 def gpt_oss_kernel_tensors(expert_tensors: list[torch.Tensor], multiple: int = KERNEL_MULTIPLE) -> list[torch.Tensor]:
     """gpt-oss's experts as ``fp4moe::gpt_oss_moe`` takes them -> the Triton backend's layout (Hp, Ip:
-    H, I rounded up to multiples of ``multiple``, 64: H and I themselves for gpt-oss's 2880; Hs, Is:
-    :func:`scale_columns` of Hp, Ip; the gate_up rows of packed weights, scales and bias: gate's,
-    then up's):
+    H, I rounded up to multiples of ``multiple``, 64: H and I themselves for gpt-oss's 2880; the
+    gate_up rows of packed weights, scales and bias: gate's, then up's):
 
     * MXFP4, the six checkpoint tensors (:data:`fp4moe_ops.mxfp4.MXFP4_EXPERT_TENSORS`) -> ``[gate_up
-      [E, Ip, Hp/4] int32 (paired), gate_up_scale [E, 2Ip, Hs] int8 (E8M0), gate_up_bias [E, 2Ip]
-      float32, down [E, Hp/2, Ip/4] int32, down_scale [E, Hp, Is] int8, down_bias [E, Hp]
-      float32]``; ValueError naming the tensor for a scale the kernels cannot decode exactly;
+      [E, Ip, Hp/4] int32 (paired), gate_up_scale [E, 2Ip, Hs] int8 (E8M0, one byte per 32 values),
+      gate_up_bias [E, 2Ip] float32, down [E, Hp/2, Ip/4] int32, down_scale [E, Hp, Is] int8,
+      down_bias [E, Hp] float32]``, Hs, Is: ``scale_columns(Hp, 32)``, ``scale_columns(Ip, 32)`` (96
+      for 2880), rows in pairs (:func:`pair_scale_rows`; gate's rows, then up's); ValueError naming
+      the tensor for a scale the kernels cannot decode exactly;
     * NVFP4, the eight tensors ``[gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, down,
-      down_scale, down_global_scale, down_bias]`` -> the same with uint8 (E4M3) scales and the float32
+      down_scale, down_global_scale, down_bias]`` -> the same with uint8 (E4M3, one per 16 values)
+      scales, Hs, Is: ``scale_columns(Hp)``, ``scale_columns(Ip)`` (192 for 2880), and the float32
       global scales ``[E]`` after each scale: ``[gate_up, gate_up_scale, gate_up_global_scale,
       gate_up_bias, down, down_scale, down_global_scale, down_bias]``.
 
@@ -265,16 +295,17 @@ def gpt_oss_checkpoint_tensors(kernel_tensors: list[torch.Tensor], hidden: int, 
     else:
         gate_up_k, gate_up_scale_k, gate_up_bias_k, down_k, down_scale_k, down_bias_k = kernel_tensors
     ip = gate_up_scale_k.shape[1] // 2
-    per = 16 if nvfp4 else 32  # values per scale byte in the result
-    # MXFP4: one byte per 32 values again
-    gate_up_scale_bytes = gate_up_scale_k.view(torch.uint8) if nvfp4 else gate_up_scale_k.view(torch.uint8)[..., 0::2]
+    per = 16 if nvfp4 else 32  # values per scale byte, held and in the result
+    if not nvfp4:
+        gate_up_scale_k, down_scale_k = unpair_scale_rows(gate_up_scale_k), unpair_scale_rows(down_scale_k)
+    gate_up_scale_bytes = gate_up_scale_k.view(torch.uint8)
     gate_up_packed = canonical_from_paired(gate_up_k)
     gate_up = interleave_gate_up(gate_up_packed[:, :inter, :hidden // 2], gate_up_packed[:, ip:ip + inter, :hidden // 2])
     gate_up_scales = interleave_gate_up(gate_up_scale_bytes[:, :inter, :hidden // per],
                                         gate_up_scale_bytes[:, ip:ip + inter, :hidden // per])
     gate_up_bias = interleave_gate_up(gate_up_bias_k[:, :inter], gate_up_bias_k[:, ip:ip + inter], dim=-1).to(bias_dtype)
     down = canonical_from_paired(down_k)[:, :hidden, :inter // 2].contiguous()
-    down_scales = down_scale_k.view(torch.uint8)[:, :hidden, 0:inter // 16:(1 if nvfp4 else 2)].contiguous()
+    down_scales = down_scale_k.view(torch.uint8)[:, :hidden, :inter // per].contiguous()
     down_bias = down_bias_k[:, :hidden].to(bias_dtype)
     if nvfp4:
         return [gate_up.contiguous(), gate_up_scales.contiguous(), gate_up_global_scale, gate_up_bias, down, down_scales,

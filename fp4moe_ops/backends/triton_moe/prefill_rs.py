@@ -30,6 +30,11 @@ shrinks, the decode per block stays. Narrow blocks throughout (8-64 tokens) run 
 the single-role kernels at decode and middle sizes: the decode is the same work per block, done
 by 8 warps per SM (benchmarks/NOTES.md).
 
+Block scales come with plain loads, each thread its own byte per row and step: E4M3 (uint8) or
+E8M0 (int8) one per 16 values, or gpt-oss's E8M0 held once per 32 values in row pairs
+(:func:`.layout.pair_scale_rows`), given as int16 (the dtype says so at compile time, worker
+partitions included), where threads t and t + 1 of a quad read the same byte.
+
 Decoded values carry a 2^-22 factor, folded into the global scale in the epilogue (as in
 :mod:`.kernels`). bf16 activations only; written for Triton 3.6's Gluon (the GPU machine's;
 Triton 3.9 renamed the TMA copy, so the CPU CI does not compile these kernels).
@@ -45,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from .compile_ahead import launch_or_compile
 from .gluon_api import reinterpret, tma_load
 from .kernels import _PAIRED_WORD_TO_BF16
-from .layout import fragment_column
+from .layout import fragment_column, values_per_scale
 
 # Gluon 3.6 passes constexpr arguments to a worker partition as run-time values: what must stay
 # a compile-time constant there (layouts) is a module constant, or read from a shape (the row
@@ -111,11 +116,13 @@ def _decode(words, sc_r, sc_r8):
 
 
 @gluon.jit
-def _scale_offsets(srow0, srow1, lrow0, lrow1, n_rows, S_ROW, layout: gl.constexpr):
+def _scale_offsets(s_ptr, srow0, srow1, lrow0, lrow1, n_rows, S_ROW, layout: gl.constexpr):
     """Byte offsets of step 0's block scales of rows r, ``[64, 4]`` (pair row, t): box 0's pair
     rows start at weight row ``srow0`` (row ``lrow0`` of the expert's ``n_rows``), box 1's at
     ``srow1`` (``lrow1``); ``S_ROW`` bytes a scale row; the words ``4 t .. 4 t + 3`` of a 64-wide
-    step cover K ``16 t .. 16 t + 15`` (fragment order), block ``t``. A tile past N (gpt-oss's
+    step cover K ``16 t .. 16 t + 15`` (fragment order), block ``t`` (a scale per 32 values, int16
+    ``s_ptr``: block ``t // 2`` of row r's 8 bytes in its pair's 16 of the 256-wide step, whose
+    rows hold ``2 S_ROW`` bytes; see :func:`_load_scales`). A tile past N (gpt-oss's
     2880 rows in 128- and 256-row tiles) reads its expert's last 16 rows' scales instead: its sums
     are not stored, and the loads stay inside the tensor without a mask in the K loop."""
     p = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
@@ -124,7 +131,23 @@ def _scale_offsets(srow0, srow1, lrow0, lrow1, n_rows, S_ROW, layout: gl.constex
     lbox = gl.where(p < 32, lrow0, lrow1)
     group = gl.minimum(lbox + (q // 8) * 16, n_rows - 16)  # (rows r and r + 8 of one 16-row group)
     row = gl.where(p < 32, srow0, srow1) + group - lbox + q % 8
-    return row.to(gl.int64)[:, None] * S_ROW + t[None, :]
+    if s_ptr.dtype.element_ty == gl.int16:
+        offs = (row // 2).to(gl.int64)[:, None] * (2 * S_ROW) + ((row % 2) * 8)[:, None] + (t // 2)[None, :]
+    else:
+        offs = row.to(gl.int64)[:, None] * S_ROW + t[None, :]
+    return offs
+
+
+@gluon.jit
+def _load_scales(s_ptr, offs, step):
+    """Raw scale bytes of K step ``step`` at byte offsets ``offs`` (:func:`_scale_offsets`): 4 bytes
+    a step, or from an int16 ``s_ptr`` (a scale per 32 values, rows in pairs) 2 bytes a step within
+    each 256-wide step's 16 bytes of a pair, read as int8 (E8M0)."""
+    if s_ptr.dtype.element_ty == gl.int16:
+        raw = gl.load(s_ptr.to(gl.pointer_type(gl.int8), bitcast=True) + offs + (step // 4) * 16 + (step % 4) * 2)
+    else:
+        raw = gl.load(s_ptr + offs + 4 * step)
+    return raw
 
 
 @gluon.jit
@@ -207,14 +230,14 @@ def _warpgroup(x_desc, w_desc, x_smem, w_all, x_ready, x_empty, w_ready_all, s_p
     # a slot's [2 steps, 2 boxes, 32 pair rows, 64 bytes] as [2 steps, 64 pair rows, 16 words]
     w_words = reinterpret(w_all, gl.int32, [4 * S, PAIRS, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     if GATE_UP:  # box 0 gate rows col0 .., box 1 the same up rows
-        offs = _scale_offsets(2 * p0, 2 * p1, col0, col0, N_OUT, S_ROW, gl.SliceLayout(2, wl))
+        offs = _scale_offsets(s_ptr, 2 * p0, 2 * p1, col0, col0, N_OUT, S_ROW, gl.SliceLayout(2, wl))
     else:  # 128 consecutive rows
-        offs = _scale_offsets(2 * p0, 2 * p1, col0, col0 + 64, N_OUT, S_ROW, gl.SliceLayout(2, wl))
+        offs = _scale_offsets(s_ptr, 2 * p0, 2 * p1, col0, col0 + 64, N_OUT, S_ROW, gl.SliceLayout(2, wl))
     below = 8 * S_ROW  # rows r + 8
-    ra = gl.load(s_ptr + offs)
-    rb = gl.load(s_ptr + offs + below)
-    na = gl.load(s_ptr + offs + 4 * gl.minimum(1, nk - 1))
-    nb = gl.load(s_ptr + offs + below + 4 * gl.minimum(1, nk - 1))
+    ra = _load_scales(s_ptr, offs, 0)
+    rb = _load_scales(s_ptr, offs + below, 0)
+    na = _load_scales(s_ptr, offs, gl.minimum(1, nk - 1))
+    nb = _load_scales(s_ptr, offs + below, gl.minimum(1, nk - 1))
     acc = gl.zeros([128, BLOCK_M], gl.float32, mma)
     # Two A operands, for even and odd steps: wgmma reads its register operand while it runs,
     # and ptxas does not guard those registers (a single loop-carried operand, copied at the
@@ -252,9 +275,9 @@ def _step(k, acc, a_prev, scales, words_smem, x_tile, s_ptr, offs, below, nk, wl
     ``x_tile``, retire step k - 1's (``a_prev``, held in registers till here). ``scales``: raw
     bytes of steps k, k + 1 (rows r, rows r + 8), returned for k + 1, k + 2."""
     ra, rb, na, nb = scales
-    ahead = 4 * gl.minimum(k + 2, nk - 1)
-    ca = gl.load(s_ptr + offs + ahead)
-    cb = gl.load(s_ptr + offs + below + ahead)
+    ahead = gl.minimum(k + 2, nk - 1)
+    ca = _load_scales(s_ptr, offs, ahead)
+    cb = _load_scales(s_ptr, offs + below, ahead)
     if DIAG == 1:
         a = gl.full([128, BK], 1.0, gl.bfloat16, la)
     else:
@@ -284,7 +307,8 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
     of 64: rows past N_OUT in the last tile are computed and not stored. ``DIAG`` (diagnostics, wrong results): 1 no decode
     (A a constant), 2 no MMA (the decode and the copies only), 3 both, the MMA on a constant A.
     GPT_OSS (the gate_up GEMM): gpt-oss's clamped SwiGLU with the biases ``gate_up_bias [E, 2 N_OUT]`` float32; int8
-    scales ``s_ptr``: MXFP4's E8M0 (and no global scale)."""
+    scales ``s_ptr``: MXFP4's E8M0 (and no global scale); int16: E8M0 held once per 32 values, rows in
+    pairs (two bytes a 64-wide step; ``S_ROW`` a row's bytes, see :func:`_load_scales`)."""
     t = gl.program_id(0)
     b = gl.program_id(1)
     e = gl.load(block_expert_ptr + b)
@@ -317,10 +341,10 @@ def _prefill_gemm_kernel(x_desc, w_desc, s_ptr, g_ptr, out_ptr, topk_w_ptr, sort
 @gluon.jit
 def _epilogue(acc, out_ptr, s_ptr, g_ptr, topk_w_ptr, sorted_slot_ptr, e, row0, nrows, col0, N_OUT, GATE_UP,
               gate_up_bias_ptr, swiglu_alpha, limit, GPT_OSS):
-    """``acc [128 weight rows, BLOCK_M tokens]`` times the global scale (none for MXFP4's int8 E8M0
-    scales): the gate_up GEMM's SwiGLU (GPT_OSS: gpt-oss's, see :func:`_store_swiglu`) into ``h`` (sorted rows, K
+    """``acc [128 weight rows, BLOCK_M tokens]`` times the global scale (none for MXFP4's E8M0 scales,
+    int8 or int16): the gate_up GEMM's SwiGLU (GPT_OSS: gpt-oss's, see :func:`_store_swiglu`) into ``h`` (sorted rows, K
     of the down GEMM in fragment order), the down GEMM's times the routing weight into ``y`` (by slot)."""
-    if s_ptr.dtype.element_ty == gl.int8:
+    if s_ptr.dtype.element_ty == gl.int8 or s_ptr.dtype.element_ty == gl.int16:
         g = 4194304.0  # the decoded tiles' 2^-22
     else:
         g = gl.load(g_ptr + e) * 4194304.0
@@ -370,8 +394,11 @@ def _store_routed(acc, y_ptr, topk_w_ptr, sorted_slot_ptr, row0, nrows, col0, N_
     gl.store(y_ptr + offs, acc * route[None, :], mask=valid[None, :] & (col0 + m < N_OUT)[:, None])
 
 
-def _scale_bytes(s: torch.Tensor) -> torch.Tensor:
-    """Block scales as the kernels read them: E4M3 as uint8, MXFP4's E8M0 kept int8 (see _scales_bf16x2)."""
+def _scale_bytes(s: torch.Tensor, scale_block: int = 16) -> torch.Tensor:
+    """Block scales as the kernels read them: E4M3 as uint8, MXFP4's E8M0 kept int8 (see _scales_bf16x2),
+    or held once per 32 values in row pairs (``scale_block`` 32) as int16 (see :func:`_load_scales`)."""
+    if scale_block == 32:
+        return s.view(torch.int16)
     return s if s.dtype == torch.int8 else s.view(torch.uint8)
 
 
@@ -466,9 +493,12 @@ def prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, 
     padding cut (each launch skips the others' blocks). ``launches``: that split as
     :func:`split_blocks` returns it, made elsewhere (the routing kernel makes a one-tail split
     itself); None: :func:`split_blocks` makes it. H and I multiples of 64 (a partial last K step,
-    tiles past N not stored); scale rows of any length (``[E, N, *]``). MXFP4 (gpt-oss):
-    int8 E8M0 scales (``gate_up_global_scale``, ``down_global_scale`` unused) and ``gpt_oss``
-    (:class:`.layout.GptOssTerms`) for the gate_up GEMM's activation."""
+    tiles past N not stored); scale rows of any length (``[E, N, *]``; whole 256-value steps with a
+    scale per 32 values). MXFP4 (gpt-oss): int8 E8M0 scales, one per 32 values in row pairs
+    (:func:`.layout.values_per_scale`, :func:`.layout.pair_scale_rows`;
+    ``gate_up_global_scale``, ``down_global_scale`` unused) and ``gpt_oss`` (:class:`.layout.GptOssTerms`)
+    for the gate_up GEMM's activation."""
+    scale_block = values_per_scale(gate_up_scale, gpt_oss is not None)
     num_slots, hidden = x_sorted.shape
     inter = gate_up_scale.shape[1] // 2
     num_experts = gate_up.shape[0]
@@ -490,12 +520,13 @@ def prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, 
     for bm, experts, starts, ends in launches:
         calls.append(((-(-inter // 128), experts.numel()),
                       (_descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), gate_up_desc,
-                       _scale_bytes(gate_up_scale), gate_up_global_scale, h, topk_weights, sorted_slot, experts, starts, ends),
+                       _scale_bytes(gate_up_scale, scale_block), gate_up_global_scale, h, topk_weights, sorted_slot, experts,
+                       starts, ends),
                       dict(N_OUT=inter, K=hidden, S_ROW=gate_up_scale.shape[-1], EXPERT_PAIR_ROWS=inter, GATE_UP=True,
                            BLOCK_M=bm, **act)))
     for bm, experts, starts, ends in launches:
         calls.append(((-(-hidden // 256), experts.numel()),
-                      (_descriptor(_by_k_step(h), [2, bm, BK.value], 128), down_desc, _scale_bytes(down_scale),
+                      (_descriptor(_by_k_step(h), [2, bm, BK.value], 128), down_desc, _scale_bytes(down_scale, scale_block),
                        down_global_scale, y, topk_weights, sorted_slot, experts, starts, ends),
                       dict(N_OUT=hidden, K=inter, S_ROW=down_scale.shape[-1], EXPERT_PAIR_ROWS=hidden // 2,
                            GATE_UP=False, BLOCK_M=bm, **act)))
