@@ -56,14 +56,15 @@ a static cache (``generation_config.cache_implementation = "static"``, CompileCo
   them), the same bytes copied into its buffers, biases into its parameters, the model-wide guards
   attached (:func:`hf_integration.quantizer.attach_guards`: the deferred stop check), backend ``triton``.
 
-Decode tokens/s = batch * 64 / (time of generate(1 + 64 tokens) - time of generate(1 token)), so the
-prefill and generate()'s setup cancel (bench_e2e.py's method), each the median of 5 runs after a
-warm-up of each length (which compiles); generate() tokens/s with the prefill included too. Peak GB:
+Decode tokens/s on a GPU = batch / the decoding step read inside one ``generate()``
+(``bench_e2e.generate_step_ms``: a CUDA event per step; median and mean over 16 steps after 16 left
+out, median of 3 calls). On the CPU (``--tiny``) = batch * 64 / (time of generate(1 + 64 tokens) -
+time of generate(1 token)), each the median of 5 runs after a warm-up of each length (which
+compiles): that difference depends on the two calls costing the same apart from their steps, which
+on the GPU they did not (gpt-oss-120b at full depth: 54.3 tokens/s by the difference, 63.2 by the
+steps). generate() tokens/s with the prefill included, from the 65-token calls. Peak GB:
 ``torch.cuda.max_memory_allocated()`` over the measurement of that row, after a reset (the model's
-weights and the static cache included). On a GPU each row also reads the decoding step inside one
-``generate()`` (``bench_e2e.generate_step_ms``: a CUDA event per step; median and mean over 16 steps
-after 16 left out, median of 3 calls), which does not depend on two calls costing the same apart
-from their steps.
+weights and the static cache included).
 
 Each part has a time budget (``--layer-budget``, ``--e2e-budget``, seconds): a case that would start
 past it is skipped and listed as such, so one process stays within ~8 minutes. Prints a Markdown
@@ -567,9 +568,12 @@ def e2e_part(args, result: dict, save) -> None:
             save()
             return
         outputs[(variant, b)] = out[:, prompt_len:].cpu()
-        # the step read inside one call (CUDA events): the two-call difference above can misread a
-        # loop whose calls differ apart from their steps; reuses the static cache sized above
+        # the step read inside one call (CUDA events) gives the GPU's decode rate: the two-call
+        # difference above can misread a loop whose calls differ apart from their steps; reuses the
+        # static cache sized above
         steps = generate_step_ms(model, b, 16, skip=16, runs=3) if cuda else {}
+        if cuda:
+            decode = b * 1e3 / steps["step"]
         peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
         measured = {"variant": variant, "batch": b, "decode_tokens_per_s": decode, "generate_tokens_per_s": generate_tps,
                     "step_ms": steps.get("step", float("nan")), "step_mean_ms": steps.get("mean", float("nan")),

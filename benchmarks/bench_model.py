@@ -15,18 +15,17 @@ Variants, in this order on the same weights (each on top of the last):
 
 Per variant:
 
-* decode tokens/s at each batch: :func:`bench_e2e.time_generate` (17 + D new tokens minus 17, so
-  prefill, setup and the first decoding steps after the prefill cancel; median of 5 after a
-  warm-up that compiles), as a user's ``generate()``
-  runs: fp4moe's models read the stop flag one step late on CUDA (Transformers'
-  ``DeferredStopCheck``, :mod:`hf_integration.deferred_stop`), HF BF16 waits for the GPU every step.
-  At batch 1 also with the other loop (BF16 deferred, fp4moe waiting), so that the loop's share
-  and the kernels' share of the difference are both on the table;
-* the same ``generate()`` step read from inside one call (:func:`bench_e2e.generate_step_ms`: a
-  CUDA event per step from a logits processor; the median period of the last D steps, the first
-  decoding step after the prefill, the mean of the steps between). Two calls' times subtracted
-  agree with it only when the calls cost the same apart from their steps, which the tables have
-  not always shown;
+* decode tokens/s at each batch: batch / the median period of a ``generate()`` step, read from
+  inside one call (:func:`bench_e2e.generate_step_ms`: a CUDA event per step from a logits
+  processor, 1 + 16 + D new tokens, the last D steps; median over 5 calls after a warm-up that
+  compiles), with the mean and the slowest of those steps, the first decoding step after the
+  prefill and the mean of the steps between. Each variant's ``generate()`` runs as a user's runs:
+  fp4moe's models read the stop flag one step late on CUDA (Transformers' ``DeferredStopCheck``,
+  :mod:`hf_integration.deferred_stop`), HF BF16 waits for the GPU every step. At batch 1 also with
+  the other loop (BF16 deferred, fp4moe waiting), so that the loop's share and the kernels' share
+  of the difference are both on the table. (Subtracting the times of two calls of different
+  lengths, as :func:`bench_e2e.time_generate` does, misread BF16's step here by nearly 2x and once
+  gave a negative rate: the two calls do not cost the same apart from their steps.)
 * the CUDA graphs torch.compile recorded over the variant's ``generate()`` calls (the per-step
   reading's included), and the steps it
   ran without one (:func:`bench_e2e.cuda_graph_counts`): a step recorded again and again, or run
@@ -72,13 +71,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decoder_layer import forward_step_ms  # noqa: E402
-from bench_e2e import cuda_graph_counts, deferred_stop_on_cuda, generate_step_ms, time_generate, transformers_loop  # noqa: E402
+from bench_e2e import cuda_graph_counts, deferred_stop_on_cuda, generate_step_ms, transformers_loop  # noqa: E402
 from bench_generate_batch import QWEN3_30B_A3B, TINY, qwen3_moe, time_generate_batch  # noqa: E402
 from hf_integration import patch_moe, quantize_linears  # noqa: E402
 
 
-# generate() of 1 + SKIP and of 1 + SKIP + D new tokens: the first decoding steps after the prefill
-# are left out of the difference (the first one costs several times a later one on a GPU)
+# decoding steps after the prefill left out of the timed ones (the first costs twice a later one on a
+# GPU; each is still reported)
 SKIP = 16
 
 
@@ -224,15 +223,13 @@ def main() -> None:
                     loops.append((f", {other}", deferred_stop_on_cuda if variant == "bf16" else transformers_loop))
                 for label, loop in loops:
                     with loop():
-                        tps, _, _ = time_generate(model, b, args.new_tokens, compiled=cuda, skip=SKIP)
-                        record(variant, f"decode tokens/s, batch {b}{label}", tps)
-                        if cuda:
-                            steps = generate_step_ms(model, b, args.new_tokens, skip=SKIP)
-                            record(variant, f"generate() step, median, batch {b}{label} (ms)", steps["step"])
-                            record(variant, f"generate() step, mean, batch {b}{label} (ms)", steps["mean"])
-                            record(variant, f"generate() step, slowest, batch {b}{label} (ms)", steps["slowest"])
-                            record(variant, f"generate() first decoding step, batch {b}{label} (ms)", steps["first"])
-                            record(variant, f"generate() steps 2-{SKIP}, mean, batch {b}{label} (ms)", steps["early"])
+                        steps = generate_step_ms(model, b, args.new_tokens, skip=SKIP, compiled=cuda)
+                        record(variant, f"decode tokens/s, batch {b}{label}", b * 1e3 / steps["step"])
+                        record(variant, f"generate() step, median, batch {b}{label} (ms)", steps["step"])
+                        record(variant, f"generate() step, mean, batch {b}{label} (ms)", steps["mean"])
+                        record(variant, f"generate() step, slowest, batch {b}{label} (ms)", steps["slowest"])
+                        record(variant, f"generate() first decoding step, batch {b}{label} (ms)", steps["first"])
+                        record(variant, f"generate() steps 2-{SKIP}, mean, batch {b}{label} (ms)", steps["early"])
         for what, n in graphs.items():
             record(variant, f"compiled steps over its generate() calls: {what}", n)
         if cuda:
