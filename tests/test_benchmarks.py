@@ -222,3 +222,22 @@ def test_bench_gpt_oss_runs_on_cpu(tmp_path):
     # Transformers' BF16 experts on the decoded weights against fp4moe's reference: bf16 rounding only
     assert all(0 < row["bf16"]["rel_err"] < 2e-2 for row in result["layer"]["rows"])
     assert {row["variant"] for row in result["e2e"]["rows"]} == {"HF BF16 grouped_mm", "fp4moe reference"}
+
+
+def test_probe_op_host_times_the_launch_path_and_restores_it():
+    """probe_op_host.timed_functions: the routing step's host time and its kernel launch are counted
+    (Triton's interpreter runs the routing kernel here), and the functions are the originals after."""
+    pytest.importorskip("triton")
+    from collections import defaultdict
+
+    from fp4moe_ops.backends.triton_moe import launch
+    from probe_op_host import timed_functions
+
+    route, launch_fn = launch.route, launch.launch_or_compile
+    seconds = defaultdict(float)
+    ids = torch.randint(0, 8, (5, 2), dtype=torch.int32)
+    with timed_functions(seconds):
+        sorted_slot, *_ = launch.route(ids, 8, 16)
+    assert sorted(sorted_slot.tolist()) == list(range(10))  # every slot placed once: the kernel ran
+    assert seconds["route"] >= seconds["launch _route_kernel"] > 0
+    assert launch.route is route and launch.launch_or_compile is launch_fn

@@ -1,0 +1,156 @@
+"""How long the host spends in one eager ``fp4moe::fused_moe`` call, and where: the question the
+4096-token time to first token leaves open (RESULTS.md, "Whole model": the GPU is busy 109 ms of
+fp4moe's 145, and the longest idle gaps lie inside the op's host code).
+
+    python benchmarks/probes/probe_op_host.py [--shape qwen3] [--tokens 1,512,4096,16384] [--calls 30]
+
+Per token count, Qwen3-30B-A3B's experts (E=128, H=2048, I=768, top-8; ``--shape deepseek`` for
+DeepSeek-V3's), random NVFP4 weights on the ``triton`` backend:
+
+* the host's wall time per call, with the GPU kept busy by ``torch.cuda._sleep`` queued before the
+  calls, so that no call waits for a kernel to finish (a call that took longer than the sleep would
+  have waited: reported as a synchronization);
+* the same for Transformers' BF16 experts as its eager prefill runs them (``torch._grouped_mm``,
+  ``bench_moe.grouped_mm_moe``), the baseline whose host time BF16's slower kernels hide;
+* inclusive host time in the functions of the op's launch path (wrapped in place while timing:
+  ``kernel_config``, ``route``, ``prefill_gemms``, the descriptors, ``_sum_topk`` and each kernel
+  launch by kernel name); nested functions count in their callers too. What the op's dispatch and
+  checks take is the call minus ``triton_fused_moe``.
+
+On a CPU it runs the small shape (``reference``, or ``--backend triton`` under ``TRITON_INTERPRET=1``): a
+smoke test of the script only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import fp4moe_ops  # noqa: E402
+from bench_moe import bf16_weights, grouped_mm_moe, make_inputs, random_weights  # noqa: E402
+
+SHAPES = {"qwen3": (128, 2048, 768, 8), "deepseek": (256, 7168, 2048, 8), "small": (8, 256, 128, 2)}
+SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU time at ~2 GHz: longer than any batch of calls below
+
+
+@contextmanager
+def timed_functions(seconds: dict):
+    """Wrap the launch path's functions in their modules (each name where it is looked up) and add
+    each call's host seconds to ``seconds[name]``; restored on exit."""
+    from fp4moe_ops.backends.triton_moe import compile_ahead, launch, prefill_rs
+
+    def wrap(fn, name):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - t0
+        return timed
+
+    def wrap_launch(fn):
+        def timed(kernel, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(kernel, *args, **kwargs)
+            finally:
+                seconds[f"launch {getattr(kernel, '__name__', None) or getattr(getattr(kernel, 'fn', None), '__name__', '?')}"] += \
+                    time.perf_counter() - t0
+        return timed
+
+    targets = [(launch, n) for n in ("triton_fused_moe", "kernel_config", "route", "_gluon_prefill_moe", "_decode_v3_moe",
+                                     "_descriptors", "_gate_up_descriptors", "_sum_topk", "compile_layer_once")]
+    targets += [(prefill_rs, n) for n in ("prefill_gemms", "_descriptor", "split_blocks")]
+    saved = []
+    for module, name in targets:
+        if hasattr(module, name):
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, wrap(getattr(module, name), name))
+    for module in (launch, prefill_rs, compile_ahead):
+        if hasattr(module, "launch_or_compile"):
+            saved.append((module, "launch_or_compile", module.launch_or_compile))
+            module.launch_or_compile = wrap_launch(module.launch_or_compile)
+    try:
+        yield
+    finally:
+        for module, name, fn in reversed(saved):
+            setattr(module, name, fn)
+
+
+def host_us(fn, inputs, calls: int, cuda: bool) -> tuple[float, bool]:
+    """Median host microseconds per call of ``fn`` over ``calls`` calls, the GPU kept busy; and
+    whether any call waited for the GPU (took longer than the queued sleep could explain)."""
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+    start = time.perf_counter()
+    for j in range(calls):
+        x, ids, rw = inputs[j % len(inputs)]
+        t0 = time.perf_counter()
+        fn(x, ids, rw)
+        times.append(time.perf_counter() - t0)
+    host_total = time.perf_counter() - start
+    waited = False
+    if cuda:
+        done = torch.cuda.Event()
+        done.record()
+        waited = done.query()  # the sleep already over: some call may have waited for it
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e6, waited or host_total > 0.9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES))
+    ap.add_argument("--tokens", default=None)
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--backend", default=None, help="default: triton on a GPU, reference on the CPU (under "
+                    "TRITON_INTERPRET=1 triton runs there too, to try the wrappers)")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = args.shape or ("qwen3" if cuda else "small")
+    e, h, i, k = SHAPES[shape]
+    tokens = [int(t) for t in (args.tokens or ("1,512,4096,16384" if cuda else "1,64")).split(",")]
+    import triton
+
+    print(f"{torch.cuda.get_device_name() if cuda else 'CPU'}, {time.strftime('%Y-%m-%d')}: shape {shape} (E={e} H={h} "
+          f"I={i} top-{k}); torch {torch.__version__}, Triton {triton.__version__}", flush=True)
+    w = random_weights(e, h, i, device)
+    experts = fp4moe_ops.prepare_experts(w, args.backend or ("triton" if cuda else "reference"))
+    gate_up, down = bf16_weights(w) if cuda else (None, None)
+    print("| tokens | fp4moe host us a call | BF16 grouped_mm host us a call | fp4moe: where (inclusive us a call) |")
+    print("|---:|---:|---:|---|")
+    for t in tokens:
+        inputs = make_inputs(t, h, k, e, device, n=4)
+        for x, ids, rw in inputs:  # compiles every variant (compile_layer_once) and warms the launchers
+            experts(x, ids, rw)
+        if cuda:
+            torch.cuda.synchronize()
+        ours, ours_waited = host_us(experts, inputs, args.calls, cuda)
+        seconds = defaultdict(float)
+        with timed_functions(seconds):
+            host_us(experts, inputs, args.calls, cuda)
+        parts = ", ".join(f"{name} {s / args.calls * 1e6:.0f}" for name, s in sorted(seconds.items(), key=lambda kv: -kv[1]))
+        if cuda:
+            gt, dt = gate_up.transpose(1, 2), down.transpose(1, 2)
+            bf16, bf16_waited = host_us(lambda x, ids, rw: grouped_mm_moe(x, ids, rw, gt, dt, e), inputs, args.calls, cuda)
+        else:
+            bf16, bf16_waited = float("nan"), False
+        print(f"| {t} | {ours:.0f}{' (waited)' if ours_waited else ''} | {bf16:.0f}{' (waited)' if bf16_waited else ''} "
+              f"| {parts} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
