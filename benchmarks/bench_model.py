@@ -1,7 +1,7 @@
 """A whole model at its real depth on one GPU: Qwen3-30B-A3B's config (48 layers, 128 experts,
 top-8; random weights in the real shapes), HF BF16 and fp4moe side by side in one process.
 
-    python benchmarks/bench_model.py [--layers 48] [--batches 1,32] [--prompts 4096,16384]
+    python benchmarks/bench_model.py [--layers 48] [--batches 1,32] [--prompts 4096,16384] [--prefill-chunk N]
         [--variants bf16,fp4moe,fp4moe-attn] [--requests 16,64] [--checkpoint DIR] [--out benchmarks/out]
     python benchmarks/bench_model.py --tiny --layers 2     # the same code path on a CPU, small shapes
 
@@ -36,7 +36,10 @@ Per variant:
   time ``generate()``'s loop adds on the host: it synchronizes every step, so the host's work is
   not hidden behind the GPU's;
 * time to first token for each prompt length: ``generate(max_new_tokens=1)`` at batch 1 (the
-  prefill runs eagerly, as ``generate()`` runs it), median of 3 after a warm-up;
+  prefill runs eagerly, as ``generate()`` runs it), median of 3 after a warm-up; with
+  ``--prefill-chunk N`` also through Transformers' chunked prefill, which runs the prompt through
+  the compiled model N tokens a call (the eager prefill's host time per layer is what sets
+  fp4moe's first token at 4096 tokens: RESULTS.md);
 * ``generate_batch`` tokens/s with each of ``--requests`` concurrent requests
   (:func:`bench_generate_batch.time_generate_batch`: 128-token prompts, 128 new tokens);
 * peak GPU memory (``max_memory_allocated``) over the variant's decoding, and over all its runs
@@ -86,15 +89,24 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_to_first_token_ms(model, tokens: int, repeats: int = 3) -> float:
-    """Median wall time of ``generate(max_new_tokens=1)`` over one ``tokens``-long prompt."""
+def time_to_first_token_ms(model, tokens: int, repeats: int = 3, chunk: int = 0) -> float:
+    """Median wall time of ``generate(max_new_tokens=1)`` over one ``tokens``-long prompt. ``chunk``
+    > 0: Transformers' chunked prefill (``prefill_chunk_size``), which runs the prompt through the
+    compiled model (static cache, CUDA graphs) ``chunk`` tokens a call instead of one eager forward;
+    the warm-up call compiles it."""
+    from transformers import CompileConfig
+
     prompt = torch.randint(1, min(1000, model.config.vocab_size), (1, tokens), generator=torch.Generator().manual_seed(tokens))
     prompt = prompt.to(model.device)
+    kw = dict(do_sample=False)
+    if chunk:
+        kw.update(prefill_chunk_size=chunk, cache_implementation="static",
+                  compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
     times = []
     for run in range(repeats + 1):  # the first warms up
         sync()
         t0 = time.perf_counter()
-        model.generate(prompt, max_new_tokens=1, do_sample=False)
+        model.generate(prompt, max_new_tokens=1, **kw)
         sync()
         if run:
             times.append(time.perf_counter() - t0)
@@ -161,6 +173,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prompts", default="4096,16384", help="prompt lengths for the time to first token")
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                    help="also time the first token with Transformers' compiled chunked prefill, N tokens a chunk")
     ap.add_argument("--variants", default="bf16,fp4moe,fp4moe-attn")
     ap.add_argument("--requests", default="", help="concurrent generate_batch requests, e.g. 16,64")
     ap.add_argument("--checkpoint", type=Path, default=None,
@@ -243,6 +257,9 @@ def main() -> None:
                     model.set_experts_implementation("grouped_mm")
         for p in prompts:
             record(variant, f"time to first token, {p} tokens (ms)", time_to_first_token_ms(model, p))
+            if args.prefill_chunk:
+                record(variant, f"time to first token, {p} tokens, compiled prefill in chunks of {args.prefill_chunk} (ms)",
+                       time_to_first_token_ms(model, p, chunk=args.prefill_chunk))
         for n in requests:
             row = time_generate_batch(model, n, 128, 128, 1 if args.tiny else 3, dims["vocab_size"],
                                       small_cache=args.tiny)
