@@ -362,12 +362,13 @@ def layer_table(result: dict) -> str:
 # --- part 2: end to end ---------------------------------------------------------------------
 
 
-def gpt_oss_model(dims: dict, layers: int, device):
+def gpt_oss_model(dims: dict, layers: int, device, attn: str | None = None):
+    """``attn``: the attention implementation (None: Transformers' default for gpt-oss, ``eager``)."""
     from transformers import AutoModelForCausalLM
 
     config = gpt_oss_config(dims, layers)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
     return model.eval().requires_grad_(False)
 
 
@@ -404,7 +405,7 @@ def mxfp4_experts(config, tensors: list[torch.Tensor] | None, device):
 
 
 @torch.no_grad()
-def gpt_oss_model_mxfp4(dims: dict, layers: int, device, backend: str):
+def gpt_oss_model_mxfp4(dims: dict, layers: int, device, backend: str, attn: str | None = None):
     """The model as fp4moe holds an MXFP4 checkpoint, built without a BF16 copy of the experts (which
     for gpt-oss-120b would not fit one GPU): Transformers' model on the meta device, each layer's
     experts an ``MXFP4GptOssExperts``, everything materialised on ``device``; the rest initialised
@@ -419,7 +420,7 @@ def gpt_oss_model_mxfp4(dims: dict, layers: int, device, backend: str):
     config = gpt_oss_config(dims, layers)
     text = config.get_text_config()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
     for layer in model.model.layers:
         replace_module(layer.mlp, "experts", mxfp4_experts(text, None, device))
         layer.mlp.experts._is_hf_initialized = True  # filled below, not by Transformers' init
@@ -518,11 +519,11 @@ def e2e_part(args, result: dict, save) -> None:
                             if ".mlp.experts." in n) / 1e9
     part["experts_GB_bf16"] = args.layers * e * 3 * i * h * 2 / 1e9  # gate_up [2I, H] + down [H, I] in BF16
     if "bf16" not in variants:
-        model, name = gpt_oss_model_mxfp4(dims, args.layers, device, backend)
+        model, name = gpt_oss_model_mxfp4(dims, args.layers, device, backend, args.attn)
         log(f"part 2: {args.layers} gpt-oss-{part['model']} layers built with MXFP4 experts, no BF16 copy "
             f"({time.time() - start:.0f}s)")
     else:
-        model = gpt_oss_model(dims, args.layers, device)
+        model = gpt_oss_model(dims, args.layers, device, args.attn)
         checkpoint = []
         for layer in model.model.layers:
             tensors = random_gpt_oss_experts(e, h, i, device)
@@ -660,6 +661,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-len", type=int, default=None,
                     help="part 2's static KV cache length (Transformers' generation_config.max_cache_len); "
                          "default: the prompt and the new tokens")
+    ap.add_argument("--attn", default=None, help="part 2's attention implementation (default: Transformers' for gpt-oss, "
+                    "eager; e.g. flex_attention)")
     ap.add_argument("--bf16-decode", choices=("transformers", "grouped_mm"), default="transformers",
                     help="HF BF16's decode steps: as generate() runs them (batched_mm), or grouped_mm kept")
     ap.add_argument("--layer-budget", type=float, default=170, help="seconds: part 1 starts no case past it")
