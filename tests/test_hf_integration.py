@@ -208,6 +208,27 @@ def test_generate_compiled_static_cache_matches_eager():
     assert torch.equal(eager, compiled), (eager, compiled)
 
 
+def test_generate_compiled_chunked_prefill_matches_eager():
+    """Transformers' chunked prefill (``prefill_chunk_size``) runs the prompt through the compiled
+    model a chunk at a time, the route around the eager prefill's host time: fp4moe's experts and
+    router trace there without a graph break (fullgraph) and give the eager tokens."""
+    from transformers import CompileConfig
+
+    model = patch_moe(tiny_qwen3_moe(), verbose=False)
+    ids = torch.randint(1, 200, (1, 24), generator=torch.Generator().manual_seed(3))
+    eager = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, disable_compile=True)
+    cfg = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    cfg._compile_all_devices = True
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    chunked = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, prefill_chunk_size=8,
+                             cache_implementation="static", compile_config=cfg)
+    # the 8-token prefill chunks and the decode step: at least two graphs (one per shape)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert torch.equal(eager, chunked), (eager, chunked)
+
+
 def test_pipeline_text_generation_matches_generate():
     from transformers import pipeline
 
