@@ -38,7 +38,7 @@ for step in "$@"; do
     profile_decode) timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/probes/profile_decode_step.py ${PROFILE_DECODE_ARGS:-} 2>&1 | tee "$OUT/profile_decode.log" | grep -v -i warn ;;
     decoder_layer) timeout ${LAYER_TIMEOUT:-400} python3 benchmarks/bench_decoder_layer.py --out "$OUT" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/decoder_layer.log" | grep -v -i "warn\|attention mask" ;;
     generate_loop) timeout ${GENERATE_LOOP_TIMEOUT:-500} python3 benchmarks/probes/probe_generate_loop.py ${GENERATE_LOOP_ARGS:---layers 48 --prefill 4096} 2>&1 | tee "$OUT/generate_loop.log" | grep -v -i warn ;;
-    ophost) timeout ${OPHOST_TIMEOUT:-200} python3 benchmarks/probes/probe_op_host.py ${OPHOST_ARGS:-} 2>&1 | tee "$OUT/op_host.log" ;;
+    ophost) timeout ${OPHOST_TIMEOUT:-240} python3 benchmarks/probes/probe_op_host.py ${OPHOST_ARGS:---model-layers 1,2} 2>&1 | tee "$OUT/op_host.log" ;;
     prefill_routing) timeout 120 python3 benchmarks/probes/probe_prefill_routing.py 2>&1 | tee "$OUT/prefill_routing.log" ;;
     route) TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 benchmarks/probes/probe_route.py 2>&1 | tee "$OUT/route.log" ;;
     firstpass) timeout 400 python3 benchmarks/bench_first_pass.py --out "$OUT" ${FIRSTPASS_ARGS:-} 2>&1 | tee "$OUT/first_pass.log" | grep "^|" ;;

@@ -242,3 +242,15 @@ def test_probe_op_host_times_the_launch_path_and_restores_it():
     assert sorted(sorted_slot.tolist()) == list(range(10))  # every slot placed once: the kernel ran
     assert seconds["route"] >= seconds["launch _route_kernel"] > 0
     assert launch.route is route and launch.launch_or_compile is launch_fn
+
+
+def test_probe_op_host_runs_on_cpu():
+    """probe_op_host.py's whole path at tiny shapes (reference backend, uncompiled model): a row per
+    token count and per model depth, each with a positive host time."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "probe_op_host.py"), "--tokens", "1",
+                           "--calls", "3", "--model-layers", "1", "--model-tokens", "8"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 2, done.stdout  # the op's row at 1 token, the model's at 1 layer
+    assert float(rows[0][1]) > 0 and all(float(v) > 0 for v in rows[1][1:]), rows

@@ -12,6 +12,10 @@ DeepSeek-V3's), random NVFP4 weights on the ``triton`` backend:
   have waited: reported as a synchronization);
 * the same for Transformers' BF16 experts as its eager prefill runs them (``torch._grouped_mm``,
   ``bench_moe.grouped_mm_moe``), the baseline whose host time BF16's slower kernels hide;
+* with ``--model-layers 1,2``: the host's time per eager forward of Qwen3-30B-A3B cut to that many
+  decoder layers (``DynamicCache``, as ``generate()``'s prefill runs it), HF BF16 and after
+  ``patch_moe``, GPU kept busy the same way: the step between the depths is one decoder layer's host
+  time, Transformers' attention and norms included;
 * inclusive host time in the functions of the op's launch path (wrapped in place while timing:
   ``kernel_config``, ``route``, ``prefill_gemms``, the descriptors, ``_sum_topk`` and each kernel
   launch by kernel name); nested functions count in their callers too. What the op's dispatch and
@@ -110,11 +114,44 @@ def host_us(fn, inputs, calls: int, cuda: bool) -> tuple[float, bool]:
     return statistics.median(times) * 1e6, waited or host_total > 0.9
 
 
+def model_host_ms(layers: int, tokens: int, calls: int, cuda: bool = True) -> dict:
+    """Host milliseconds per eager forward of a ``layers``-deep Qwen3-30B-A3B (``tokens`` prompt tokens,
+    a new ``DynamicCache`` each), HF BF16 then fp4moe; and whether any forward waited for the GPU.
+    Off CUDA the tiny Qwen3-MoE shapes (a smoke test)."""
+    from bench_generate_batch import QWEN3_30B_A3B, TINY, qwen3_moe
+    from hf_integration import patch_moe
+
+    torch.manual_seed(0)
+    dims = QWEN3_30B_A3B if cuda else TINY
+    model = qwen3_moe(layers, dims, "cuda" if cuda else "cpu")
+    prompt = torch.randint(1, min(1000, dims["vocab_size"]), (1, tokens),
+                           generator=torch.Generator().manual_seed(tokens)).to(model.device)
+
+    def forward(*_):
+        model(prompt, use_cache=True, logits_to_keep=1)  # (the model makes its own DynamicCache)
+
+    out = {}
+    with torch.no_grad():
+        for variant in ("bf16", "fp4moe"):
+            if variant == "fp4moe":
+                patch_moe(model, verbose=False)
+            for _ in range(3):  # warm-up (fp4moe's first call compiles its kernels)
+                forward()
+            if cuda:
+                torch.cuda.synchronize()
+            us, waited = host_us(forward, [(None, None, None)], calls, cuda)
+            out[variant] = (us / 1e3, waited)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES))
     ap.add_argument("--tokens", default=None)
     ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--model-layers", default="", help="also the host's time per eager forward of Qwen3-30B-A3B "
+                    "cut to these depths, e.g. 1,2 (tiny shapes on the CPU)")
+    ap.add_argument("--model-tokens", type=int, default=4096)
     ap.add_argument("--backend", default=None, help="default: triton on a GPU, reference on the CPU (under "
                     "TRITON_INTERPRET=1 triton runs there too, to try the wrappers)")
     args = ap.parse_args()
@@ -150,6 +187,19 @@ def main() -> None:
             bf16, bf16_waited = float("nan"), False
         print(f"| {t} | {ours:.0f}{' (waited)' if ours_waited else ''} | {bf16:.0f}{' (waited)' if bf16_waited else ''} "
               f"| {parts} |", flush=True)
+    if args.model_layers:
+        del experts, gate_up, down
+        if cuda:
+            torch.cuda.empty_cache()
+        print(f"\nhost ms per eager forward of Qwen3-30B-A3B{'' if cuda else ' (tiny shapes)'}, {args.model_tokens} tokens, "
+              "by depth (GPU kept busy):")
+        print("| layers | HF BF16 | fp4moe |\n|---:|---:|---:|")
+        for layers in (int(n) for n in args.model_layers.split(",")):
+            row = model_host_ms(layers, args.model_tokens, max(3, args.calls // 3), cuda)
+            if cuda:
+                torch.cuda.empty_cache()
+            print(f"| {layers} | " + " | ".join(f"{ms:.2f}{' (waited)' if waited else ''}" for ms, waited in
+                                                 (row["bf16"], row["fp4moe"])) + " |", flush=True)
 
 
 if __name__ == "__main__":
