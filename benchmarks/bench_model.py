@@ -24,7 +24,7 @@ Per variant:
   :mod:`hf_integration.deferred_stop`), HF BF16 waits for the GPU every step. At batch 1 also with
   the other loop (BF16 deferred, fp4moe waiting), so that the loop's share and the kernels' share
   of the difference are both on the table. (Subtracting the times of two calls of different
-  lengths, as :func:`bench_e2e.time_generate` does, misread BF16's step here by nearly 2x and once
+  lengths, as :func:`bench_e2e.time_generate` does, erred here by up to 154 ms over 16 steps and once
   gave a negative rate: the two calls do not cost the same apart from their steps.)
 * the CUDA graphs torch.compile recorded over the variant's ``generate()`` calls (the per-step
   reading's included), and the steps it
