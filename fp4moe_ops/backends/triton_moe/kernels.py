@@ -339,22 +339,9 @@ def _expert_matmul(acc, w_ptr, s_ptr, rows, a_ptr, a_rows, row_mask, K,
             a = _fragment_order_tile(a_desc.load([a_row0, k0]), BM, BK)
         else:
             a = tl.load(a_ptrs + k0, mask=row_mask[None, :], other=0.0)
-        if GATE_UP:  # [gate rows; up rows] of one expert from 4-D descriptors over [E, 2, I, *]
-            if PAIRED:
-                packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
-            else:
-                packed = w_desc.load([desc_expert, 0, desc_row, k0 // 2]).reshape(BN, BK // 2)
-            sbytes = _step_scales(s_desc.load([desc_expert, 0, _scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK,
-                                  SCALE_BLOCK)
-        elif TMA:  # bulk tensor copies, which Triton pipelines over num_stages
-            if PAIRED:  # [BN/2, BK] bytes of row-pair words
-                packed = w_desc.load([desc_row // 2, k0])
-            else:
-                packed = w_desc.load([desc_row, k0 // 2])
-            if BK >= 256:
-                sbytes = _step_scales(s_desc.load([_scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK, SCALE_BLOCK)
-            else:  # a scale box row under 16 bytes is not allowed: plain loads (BK/16 bytes per row)
-                sbytes = tl.load(s_ptrs + k0 // 16)
+        if GATE_UP or TMA:  # bulk tensor copies, which Triton pipelines over num_stages
+            packed, sbytes = _tma_step(w_desc, s_desc, s_ptrs, desc_expert, desc_row, k0, GATE_UP, PAIRED, BN, BK,
+                                       SCALE_BLOCK)
         elif PREFETCH:
             more = (k0 + BK) < k_end  # the last iteration loads nothing
             packed_next = tl.load(w_ptrs + (k0 + BK) // 2, mask=(kb[None, :] * 0 + more) != 0, other=0)
@@ -393,6 +380,31 @@ def _step_scales(box, BN: tl.constexpr, BK: tl.constexpr, SCALE_BLOCK: tl.conste
     return box.reshape(BN, BK // SCALE_BLOCK)
 
 @triton.jit
+def _tma_step(w_desc, s_desc, s_ptrs, desc_expert, desc_row, k0, GATE_UP: tl.constexpr, PAIRED: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """One K step's packed weights and scale bytes through TMA, from ``k0``: with GATE_UP ``[gate rows;
+    up rows]`` of expert ``desc_expert`` from 4-D descriptors over ``[E, 2, I, *]``, else rows of the
+    2-D ``[E*N, *]`` views (paired: ``[BN/2, BK]`` bytes of row-pair words). A scale box row under 16
+    bytes is not allowed, so with ``BK`` < 256 the scales come by plain loads from ``s_ptrs``."""
+    if GATE_UP:
+        if PAIRED:
+            packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
+        else:
+            packed = w_desc.load([desc_expert, 0, desc_row, k0 // 2]).reshape(BN, BK // 2)
+        sbytes = _step_scales(s_desc.load([desc_expert, 0, _scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK,
+                              SCALE_BLOCK)
+    else:
+        if PAIRED:
+            packed = w_desc.load([desc_row // 2, k0])
+        else:
+            packed = w_desc.load([desc_row, k0 // 2])
+        if BK >= 256:
+            sbytes = _step_scales(s_desc.load([_scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK, SCALE_BLOCK)
+        else:
+            sbytes = tl.load(s_ptrs + k0 // 16)
+    return packed, sbytes
+
+@triton.jit
 def _expert_matmul_tail(acc, a_ptr, a_rows, row_mask, K, k0, BN: tl.constexpr, BK: tl.constexpr,
                         FAST_DECODE: tl.constexpr, INTERPRET: tl.constexpr, w_desc, s_desc, desc_row,
                         FRAGMENT_ORDER: tl.constexpr, PAIRED: tl.constexpr, FAST_SCALES: tl.constexpr,
@@ -407,20 +419,8 @@ def _expert_matmul_tail(acc, a_ptr, a_rows, row_mask, K, k0, BN: tl.constexpr, B
         src = kk
     a = tl.load(a_ptr + a_rows[None, :] * K + k0 + src[:, None], mask=row_mask[None, :] & (src[:, None] < K_TAIL),
                 other=0.0)
-    if GATE_UP:
-        if PAIRED:
-            packed = w_desc.load([desc_expert, 0, desc_row // 2, k0]).reshape(BN // 2, BK)
-        else:
-            packed = w_desc.load([desc_expert, 0, desc_row, k0 // 2]).reshape(BN, BK // 2)
-        sbytes = _step_scales(s_desc.load([desc_expert, 0, _scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK,
-                              SCALE_BLOCK)
-    else:
-        tl.static_assert(BK >= 256, "a partial K step needs the scales through TMA")
-        if PAIRED:
-            packed = w_desc.load([desc_row // 2, k0])
-        else:
-            packed = w_desc.load([desc_row, k0 // 2])
-        sbytes = _step_scales(s_desc.load([_scale_row(desc_row, SCALE_BLOCK), k0 // 16]), BN, BK, SCALE_BLOCK)
+    tl.static_assert(GATE_UP or BK >= 256, "a partial K step needs the scales through TMA")
+    packed, sbytes = _tma_step(w_desc, s_desc, s_desc, desc_expert, desc_row, k0, GATE_UP, PAIRED, BN, BK, SCALE_BLOCK)
     if FRAGMENT_ORDER:
         w = _decode_tile_fragment_order(packed, sbytes, BN, BK, dtype, FAST_DECODE, PAIRED, FAST_SCALES, DIAG,
                                         SCALE_BLOCK=SCALE_BLOCK)
