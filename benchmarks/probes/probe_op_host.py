@@ -2,7 +2,7 @@
 4096-token time to first token leaves open (RESULTS.md, "Whole model": the GPU is busy 109 ms of
 fp4moe's 145, and the longest idle gaps lie inside the op's host code).
 
-    python benchmarks/probes/probe_op_host.py [--shape qwen3] [--tokens 1,512,4096,16384] [--calls 30]
+    python benchmarks/probes/probe_op_host.py [--shape qwen3] [--tokens 1,512,4096,16384] [--calls 20]
 
 Per token count, Qwen3-30B-A3B's experts (E=128, H=2048, I=768, top-8; ``--shape deepseek`` for
 DeepSeek-V3's), random NVFP4 weights on the ``triton`` backend:
@@ -45,6 +45,9 @@ from bench_moe import bf16_weights, grouped_mm_moe, make_inputs, random_weights 
 
 SHAPES = {"qwen3": (128, 2048, 768, 8), "deepseek": (256, 7168, 2048, 8), "small": (8, 256, 128, 2)}
 SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU time at ~2 GHz: longer than any batch of calls below
+# forwards timed per depth: a forward queues ~150 kernels at 1-2 layers, and CUDA's queue of pending
+# launches (~1024) must not fill behind the sleep, or the host would wait for it
+MODEL_CALLS = 5
 
 
 @contextmanager
@@ -148,7 +151,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES))
     ap.add_argument("--tokens", default=None)
-    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--calls", type=int, default=20, help="calls timed per case (each queues ~8 launches, BF16 ~35: the ~1024 pending launches CUDA queues must hold them all behind the sleep)")
     ap.add_argument("--model-layers", default="", help="also the host's time per eager forward of Qwen3-30B-A3B "
                     "cut to these depths, e.g. 1,2 (tiny shapes on the CPU)")
     ap.add_argument("--model-tokens", type=int, default=4096)
@@ -195,7 +198,7 @@ def main() -> None:
               "by depth (GPU kept busy):")
         print("| layers | HF BF16 | fp4moe |\n|---:|---:|---:|")
         for layers in (int(n) for n in args.model_layers.split(",")):
-            row = model_host_ms(layers, args.model_tokens, max(3, args.calls // 3), cuda)
+            row = model_host_ms(layers, args.model_tokens, MODEL_CALLS, cuda)
             if cuda:
                 torch.cuda.empty_cache()
             print(f"| {layers} | " + " | ".join(f"{ms:.2f}{' (waited)' if waited else ''}" for ms, waited in
