@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--model-layers", default="", help="also the host's time per eager forward of Qwen3-30B-A3B "
                     "cut to these depths, e.g. 1,2 (tiny shapes on the CPU)")
     ap.add_argument("--model-tokens", type=int, default=4096)
+    ap.add_argument("--cprofile", type=int, default=0, help="also print cProfile's N costliest functions by "
+                    "own time over the timed calls of each token count (the profiler slows every call alike)")
     ap.add_argument("--backend", default=None, help="default: triton on a GPU, reference on the CPU (under "
                     "TRITON_INTERPRET=1 triton runs there too, to try the wrappers)")
     args = ap.parse_args()
@@ -183,6 +185,15 @@ def main() -> None:
         with timed_functions(seconds):
             host_us(experts, inputs, args.calls, cuda)
         parts = ", ".join(f"{name} {s / args.calls * 1e6:.0f}" for name, s in sorted(seconds.items(), key=lambda kv: -kv[1]))
+        if args.cprofile:
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+            host_us(experts, inputs, args.calls, cuda)
+            profiler.disable()
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(args.cprofile)
         if cuda:
             gt, dt = gate_up.transpose(1, 2), down.transpose(1, 2)
             bf16, bf16_waited = host_us(lambda x, ids, rw: grouped_mm_moe(x, ids, rw, gt, dt, e), inputs, args.calls, cuda)
