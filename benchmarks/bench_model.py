@@ -30,11 +30,12 @@ Per variant:
   reading's included), and the steps it
   ran without one (:func:`bench_e2e.cuda_graph_counts`): a step recorded again and again, or run
   without a graph, launches every kernel from the host;
-* the decode step's GPU time alone at batch 1: the compiled model called back to back, timed
+* the decode step's GPU time alone at each batch: the compiled model called back to back, timed
   with CUDA events (:func:`bench_decoder_layer.forward_step_ms`), the experts as ``generate()``
   decodes with them (``batched_mm`` for BF16). The difference to the ``generate()`` step is the
-  time ``generate()``'s loop adds on the host: it synchronizes every step, so the host's work is
-  not hidden behind the GPU's;
+  time ``generate()``'s loop adds on the host where it waits for the GPU every step, and what the
+  process's state adds (fp4moe's batch-32 step inside ``generate()`` once read 80.8 ms after HF
+  BF16's runs in the same process, 10.6 ms in a process of its own: RESULTS.md);
 * time to first token for each prompt length: ``generate(max_new_tokens=1)`` at batch 1 (the
   prefill runs eagerly, as ``generate()`` runs it), median of 3 after a warm-up; with
   ``--prefill-chunk N`` also through Transformers' chunked prefill, which runs the prompt through
@@ -251,7 +252,8 @@ def main() -> None:
             torch._dynamo.reset()
             experts = "batched_mm" if variant == "bf16" else None  # as generate() decodes
             try:
-                record(variant, "decode step alone, batch 1 (ms)", forward_step_ms(model, 1, decode_experts=experts))
+                for b in batches:
+                    record(variant, f"decode step alone, batch {b} (ms)", forward_step_ms(model, b, decode_experts=experts))
             finally:
                 if experts:
                     model.set_experts_implementation("grouped_mm")

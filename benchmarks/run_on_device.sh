@@ -3,7 +3,7 @@
 # probes. Logs and results go to $OUT (default benchmarks/out). CONTRIBUTING.md lists the steps.
 #   bash benchmarks/run_on_device.sh STEP...  (smoke tests bench sweep profile demo accuracy modelopt e2e model serve
 #   route firstpass firstpass_noahead probecompile probev3 probestream linear patchmem profile_decode decoder_layer pipeline ncu gluonprefill
-#   densebound w4a8 backward gptoss gptoss_tests generate_batch generate_loop prefill_routing ophost)
+#   densebound w4a8 backward gptoss gptoss_tests generate_batch generate_loop prefill_routing ophost batchdecode)
 set -o pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -39,6 +39,7 @@ for step in "$@"; do
     decoder_layer) timeout ${LAYER_TIMEOUT:-400} python3 benchmarks/bench_decoder_layer.py --out "$OUT" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/decoder_layer.log" | grep -v -i "warn\|attention mask" ;;
     generate_loop) timeout ${GENERATE_LOOP_TIMEOUT:-500} python3 benchmarks/probes/probe_generate_loop.py ${GENERATE_LOOP_ARGS:---layers 48 --prefill 4096} 2>&1 | tee "$OUT/generate_loop.log" | grep -v -i warn ;;
     ophost) timeout ${OPHOST_TIMEOUT:-240} python3 benchmarks/probes/probe_op_host.py ${OPHOST_ARGS:---model-layers 1,2} 2>&1 | tee "$OUT/op_host.log" ;;
+    batchdecode) timeout ${BATCHDECODE_TIMEOUT:-500} python3 benchmarks/probes/probe_batch_decode.py ${BATCHDECODE_ARGS:---batch 32} 2>&1 | tee "$OUT/batch_decode.log" | grep -v -i warn ;;
     prefill_routing) timeout 120 python3 benchmarks/probes/probe_prefill_routing.py 2>&1 | tee "$OUT/prefill_routing.log" ;;
     route) TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 benchmarks/probes/probe_route.py 2>&1 | tee "$OUT/route.log" ;;
     firstpass) timeout 400 python3 benchmarks/bench_first_pass.py --out "$OUT" ${FIRSTPASS_ARGS:-} 2>&1 | tee "$OUT/first_pass.log" | grep "^|" ;;
