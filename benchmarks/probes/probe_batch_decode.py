@@ -33,6 +33,18 @@ from bench_model import time_to_first_token_ms  # noqa: E402
 from hf_integration import patch_moe  # noqa: E402
 
 
+def describe(model) -> None:
+    """The experts' backends and layouts over all layers (a slow step could come from a layer that
+    runs another backend or layout than the rest), and the CUDA memory held beside what is allocated."""
+    from collections import Counter
+
+    from fp4moe_ops.prepared import PreparedExperts
+
+    kinds = Counter((m.backend, m.layout) for m in model.modules() if isinstance(m, PreparedExperts))
+    print(f"experts (backend, layout): {dict(kinds)}; allocated {torch.cuda.memory_allocated() / 1e9:.2f} GB, "
+          f"reserved {torch.cuda.memory_reserved() / 1e9:.2f} GB", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=32)
@@ -57,6 +69,7 @@ def main() -> None:
     torch._dynamo.reset()
     torch.cuda.reset_peak_memory_stats()
     print(f"memory after the patch {torch.cuda.memory_allocated() / 1e9:.2f} GB", flush=True)
+    describe(model)
     print("step alone (ms)", forward_step_ms(model, b), flush=True)
     torch._dynamo.reset()
     print("generate() steps", generate_step_ms(model, b, 16, skip=16), flush=True)
@@ -64,6 +77,7 @@ def main() -> None:
     decode, overall, _ = time_generate(model, b, 16, True, skip=16)
     print(f"two calls subtracted: decode {decode:.1f} tokens/s ({b * 1e3 / decode:.2f} ms a step)", flush=True)
     print(f"peak memory since the patch {torch.cuda.max_memory_allocated() / 1e9:.2f} GB", flush=True)
+    describe(model)
     from torch.profiler import ProfilerActivity, profile
 
     prompt, kw = generate_inputs(model, b, True)
