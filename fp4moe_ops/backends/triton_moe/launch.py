@@ -557,7 +557,8 @@ def _gluon_prefill_moe(x, topk_ids, topk_weights, expert_tensors, block_m: int =
     tail = tails[0] if len(tails) == 1 and (x.is_cuda or interpreting()) else 0
     sorted_slot, *tables, x_fragment = route(topk_ids, num_experts, block_m, x, BK.value, tail=tail)
     launches = [(block_m, *tables[:3]), (tail, *tables[3:])] if tail else None
-    x_sorted = x_fragment.index_select(0, sorted_slot.long() // topk_ids.shape[1])
+    # (int32 all the way: index_select takes int32 indices, one op fewer on the host's path)
+    x_sorted = x_fragment.index_select(0, torch.div(sorted_slot, topk_ids.shape[1], rounding_mode="floor"))
     y = prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, down_scale, down_global_scale,
                       topk_weights.contiguous(), sorted_slot, *tables[:3], block_m=block_m, tails=tails, gpt_oss=gpt_oss, launches=launches, **options)
     return _sum_topk(y, topk_ids, x, num_experts, bias=_down_bias(gpt_oss, topk_weights))
