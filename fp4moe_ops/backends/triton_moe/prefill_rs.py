@@ -446,7 +446,6 @@ def ring_fits(block_m: int, stages: int) -> bool:
     return ring_bytes(block_m, stages) + 1024 <= SHARED_BYTES
 
 
-@lru_cache(maxsize=256)  # (every eager prefill call checks: the answer for these numbers never changes)
 def check_config(hidden: int, inter: int, block_m: int, stages: int, tails=()):
     """Raise ValueError unless :func:`prefill_gemms` can run these shapes and options."""
     sizes = (block_m, *tails)
@@ -511,7 +510,7 @@ def prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, 
     num_slots, hidden = x_sorted.shape
     inter = gate_up_scale.shape[1] // 2
     num_experts = gate_up.shape[0]
-    check_config(hidden, inter, block_m, stages, tuple(tails))
+    check_config(hidden, inter, block_m, stages, tails)
     h = torch.empty(num_slots, inter, dtype=torch.bfloat16, device=x_sorted.device)
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     if launches is None:
