@@ -44,8 +44,9 @@ def env_choice(name: str, choices: tuple[str, ...], default: str | None = None) 
 
 # The Triton backend's switches (read by fp4moe_ops/backends/triton_moe/launch.py): FP4MOE_GLUON off
 # (never the Gluon kernels) or on (also on an untested Triton; unset: on where tested),
-# FP4MOE_COMPILE_AHEAD off (compile each bucket's kernels when first reached; unset: on)
-BACKEND_SWITCHES = ("FP4MOE_GLUON", "FP4MOE_COMPILE_AHEAD")
+# FP4MOE_COMPILE_AHEAD off (compile each bucket's kernels when first reached; unset: on),
+# FP4MOE_RELAUNCH off (every launch through Triton's own call path; relaunch.py; unset: on)
+BACKEND_SWITCHES = ("FP4MOE_GLUON", "FP4MOE_COMPILE_AHEAD", "FP4MOE_RELAUNCH")
 
 
 def check_backend_environment() -> None:

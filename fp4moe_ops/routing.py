@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from .relaunch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -129,12 +131,12 @@ def grouped_topk_triton(router_logits, correction_bias, n_group, topk_group, top
     weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
     if t:
-        _grouped_topk_kernel[(t,)](
-            router_logits.contiguous(), correction_bias.contiguous(), weights, ids, float(scaling_factor),
+        launch(_grouped_topk_kernel, (t,), (
+            router_logits.contiguous(), correction_bias.contiguous(), weights, ids, float(scaling_factor)), dict(
             NUM_EXPERTS=e, N_GROUP=n_group, GROUP_SIZE=e // n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
             RENORMALIZE=renormalize, GROUPS_P2=triton.next_power_of_2(n_group),
             GROUP_P2=triton.next_power_of_2(e // n_group), TOP_K_P2=triton.next_power_of_2(top_k),
-            num_warps=1 if e <= 256 else 4)
+            num_warps=1 if e <= 256 else 4))
     return weights, ids
 
 
@@ -274,10 +276,9 @@ def softmax_topk_triton(router_logits, top_k, renormalize):
     ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
     if t:
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-        _softmax_topk_kernel[(t,)](
-            logits, logits.stride(0), weights, ids, NUM_EXPERTS=e, EXPERTS_P2=triton.next_power_of_2(e),
-            TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-            num_warps=1 if e <= 256 else 4)
+        launch(_softmax_topk_kernel, (t,), (logits, logits.stride(0), weights, ids), dict(
+            NUM_EXPERTS=e, EXPERTS_P2=triton.next_power_of_2(e), TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k),
+            RENORMALIZE=renormalize, num_warps=1 if e <= 256 else 4))
     return weights, ids
 
 
@@ -356,10 +357,10 @@ def router_softmax_topk_triton(hidden, weight, counters, top_k, renormalize):
     if t:
         bh = min(triton.next_power_of_2(h), 4096)
         be = max(1, min(triton.next_power_of_2(e), 8192 // bh))
-        _router_softmax_topk_kernel[(triton.cdiv(e, be), t)](
-            hidden.contiguous(), weight.contiguous(), logits, weights, ids, counters, h, NUM_EXPERTS=e,
-            EXPERTS_P2=triton.next_power_of_2(e), BE=be, BH=bh, TOP_K=top_k,
-            TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, num_warps=4)
+        launch(_router_softmax_topk_kernel, (triton.cdiv(e, be), t), (
+            hidden.contiguous(), weight.contiguous(), logits, weights, ids, counters, h), dict(
+            NUM_EXPERTS=e, EXPERTS_P2=triton.next_power_of_2(e), BE=be, BH=bh, TOP_K=top_k,
+            TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, num_warps=4))
     return logits, weights, ids
 
 

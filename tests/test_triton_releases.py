@@ -29,15 +29,15 @@ from fp4moe_ops.backends.triton_moe import launch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _compile(*args: str) -> subprocess.CompletedProcess:
-    """``tools/compile_ahead_cpu.py`` in a subprocess with an empty Triton cache (a cached
-    kernel would not be compiled again)."""
+def _compile(*args: str, tool: str = "compile_ahead_cpu.py") -> subprocess.CompletedProcess:
+    """``tools/compile_ahead_cpu.py`` (or another ``tool``) in a subprocess with an empty Triton
+    cache (a cached kernel would not be compiled again)."""
     env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="fp4moe-sm90-"), TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
     extra = os.environ.get("FP4MOE_COMPILE_TRITON")
     if extra:
         env["PYTHONPATH"] = os.pathsep.join([extra, env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "compile_ahead_cpu.py"), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, str(ROOT / "tools" / tool), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -50,6 +50,19 @@ def test_every_layer_kernel_variant_compiles_for_sm90(shape):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "nothing compiled" in done.stdout
     assert ", 15 kernels in" in done.stdout, done.stdout  # routing, sum, 2 single-role GEMMs x buckets, Gluon
+
+
+def test_relaunch_launches_what_triton_launches():
+    # fp4moe_ops/relaunch.py skips Triton's per-call work for kinds of calls seen before: every launch
+    # of MoE calls (decode and prefill, NVFP4 and gpt-oss's MXFP4), an NVFP4 linear and the routing
+    # ops must reach the same compiled kernel with the same arguments as through Triton (recorded by
+    # a stand-in launcher), the second time without Triton's run; and arguments that change Triton's
+    # specialization (alignment, ints 1 / 16 / 2^31, dtypes, None, constexprs) its own choice
+    done = _compile("--tokens", "1,9,300", tool="relaunch_cpu.py")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "relaunch: same launches as Triton's" in done.stdout, done.stdout
+    assert done.stdout.count("relaunched the same: True; Triton's run called on the fast pass: 0") == 10, done.stdout
+    assert "each relaunched as Triton launches it" in done.stdout, done.stdout
 
 
 def test_every_linear_kernel_variant_compiles_for_sm90():

@@ -29,15 +29,18 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 
+from ... import relaunch
+
 # The slot (or token) count whose launch sequence is being compiled, or None: launches run
 _PLANNED_SLOTS: ContextVar[int | None] = ContextVar("fp4moe_planned_slots", default=None)
 MAX_THREADS = 16  # compiles at once (each runs ptxas): several processes per host may do this together
 
 
 def launch_or_compile(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)``, or inside :func:`compile_all` only its compile."""
+    """``kernel[grid](*args, **kwargs)`` (:func:`.relaunch.launch`: past Triton's per-call work where it
+    can), or inside :func:`compile_all` only its compile."""
     if _PLANNED_SLOTS.get() is None:
-        kernel[grid](*args, **kwargs)
+        relaunch.launch(kernel, grid, args, kwargs)
     else:
         kernel.warmup(*args, grid=grid, **kwargs)
 
