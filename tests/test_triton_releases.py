@@ -81,6 +81,40 @@ def test_gluon_renames_resolve_to_gluon_builtins():
     assert "removed" not in (gluon_api.tma_load.__doc__ or "")
 
 
+def test_descriptors_equal_gluons_own_and_are_checked_per_geometry():
+    # descriptors.descriptor copies a descriptor Gluon made and checked for the same geometry: every
+    # field must equal what Gluon's from_tensor makes for this view, the base is this view, and a view
+    # of another geometry (an address off 16 bytes, another shape or stride, dtype, box) gets its own
+    from dataclasses import fields
+
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from fp4moe_ops.backends.triton_moe import descriptors
+
+    def gluons(view, box, swizzle=0):
+        layout = descriptors.shared_layout(swizzle, 8 * view.element_size(), view.dim())
+        return TensorDescriptor.from_tensor(view, box, layout)
+
+    storage = torch.zeros(4 * 64 * 64 + 64, dtype=torch.uint8)
+    views = {"base": lambda: storage[:4 * 64 * 64].view(4, 64, 64),
+             "another buffer": lambda: torch.zeros(4, 64, 64, dtype=torch.uint8),
+             "transposed": lambda: storage[:4 * 64 * 64].view(64, 4, 64).permute(1, 0, 2),
+             "int16": lambda: storage[:4 * 64 * 64].view(torch.int16).view(4, 64, 32),
+             "another shape": lambda: storage[:2 * 64 * 64].view(2, 64, 64)}
+    for label, make in views.items():
+        for box in ([1, 16, 64], [2, 32, 16]):
+            for _ in range(2):  # (the second: copied from the first)
+                view = make()
+                got, want = descriptors.descriptor(view, box), gluons(view, box)
+                assert got.base is view, label
+                for f in fields(TensorDescriptor):
+                    if f.name != "base":
+                        assert getattr(got, f.name) == getattr(want, f.name), (label, box, f.name)
+    descriptors.descriptor(storage[16:16 + 4 * 64 * 64].view(4, 64, 64), [1, 16, 64])  # (aligned: made)
+    with pytest.raises(Exception):  # Gluon's own check on a misaligned address, never skipped by a copy
+        descriptors.descriptor(storage[1:1 + 4 * 64 * 64].view(4, 64, 64), [1, 16, 64])
+
+
 @pytest.fixture
 def hopper(monkeypatch):
     """A stand-in for a bf16 activation tensor on an H200 (only device, dtype and is_cuda are read),

@@ -54,7 +54,7 @@ MODEL_CALLS = 5
 def timed_functions(seconds: dict):
     """Wrap the launch path's functions in their modules (each name where it is looked up) and add
     each call's host seconds to ``seconds[name]``; restored on exit."""
-    from fp4moe_ops.backends.triton_moe import compile_ahead, launch, prefill_rs
+    from fp4moe_ops.backends.triton_moe import compile_ahead, decode_v3, launch, prefill_rs
 
     def wrap(fn, name):
         def timed(*args, **kwargs):
@@ -77,13 +77,14 @@ def timed_functions(seconds: dict):
 
     targets = [(launch, n) for n in ("triton_fused_moe", "kernel_config", "route", "_gluon_prefill_moe", "_decode_v3_moe",
                                      "_descriptors", "_gate_up_descriptors", "_sum_topk", "compile_layer_once")]
-    targets += [(prefill_rs, n) for n in ("prefill_gemms", "_descriptor", "split_blocks")]
+    targets += [(prefill_rs, n) for n in ("prefill_gemms", "descriptor", "split_blocks")]
+    targets += [(decode_v3, n) for n in ("gate_up_v3", "down_v3", "descriptor")]
     saved = []
     for module, name in targets:
         if hasattr(module, name):
             saved.append((module, name, getattr(module, name)))
             setattr(module, name, wrap(getattr(module, name), name))
-    for module in (launch, prefill_rs, compile_ahead):
+    for module in (launch, prefill_rs, decode_v3, compile_ahead):
         if hasattr(module, "launch_or_compile"):
             saved.append((module, "launch_or_compile", module.launch_or_compile))
             module.launch_or_compile = wrap_launch(module.launch_or_compile)

@@ -47,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .compile_ahead import launch_or_compile
+from .descriptors import descriptor
 from .gluon_api import reinterpret, thread_barrier, tma_load
 from .prefill_rs import _SPLIT_HALVES, _WORD_TO_BF16
 
@@ -421,13 +422,6 @@ def scale_view(down_scale: torch.Tensor, sps: int) -> torch.Tensor:
     return words.reshape(num_experts * hidden, blocks // (16 * sps), sps, 4).permute(2, 1, 0, 3)
 
 
-def _descriptor(view: torch.Tensor, box: list[int]):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * view.element_size(), rank=view.dim())
-    return TensorDescriptor.from_tensor(view, box, layout)
-
-
 def down_v3(h, down, down_scale, down_global_scale, topk_weights, y, sorted_slot, block_expert, row_start, row_end,
             hidden, inter, bm, slot_blocks, num_experts, stages=2, sps=2, scale_block=16):
     """``y = route * down @ h`` per slot (:func:`_down_v3_kernel`) over the routed row blocks (one
@@ -437,10 +431,10 @@ def down_v3(h, down, down_scale, down_global_scale, topk_weights, y, sorted_slot
     if inter % 64 or hidden % 64 or down_scale.shape[-1] % (step_bytes * sps):
         raise ValueError(f"decode_v3: I and H must be multiples of 64 and the scale rows of {sps} steps, got {inter}, "
                          f"{hidden}, {down_scale.shape[-1]}")
-    scales = _descriptor(pair_scale_view(down_scale), [sps, 32, 8]) if scale_block == 32 else \
-        _descriptor(scale_view(down_scale, sps), [sps, 1, 64, 4])
+    scales = descriptor(pair_scale_view(down_scale), [sps, 32, 8]) if scale_block == 32 else \
+        descriptor(scale_view(down_scale, sps), [sps, 1, 64, 4])
     launch_or_compile(_down_v3_kernel, (block_expert.numel(), hidden // 64), h,
-                      _descriptor(weight_view(down, sps), [4 * sps, 32, 64]), scales, down_global_scale, topk_weights,
+                      descriptor(weight_view(down, sps), [4 * sps, 32, 64]), scales, down_global_scale, topk_weights,
                       y, sorted_slot, block_expert, row_start, row_end,
                       H=hidden, I=inter, BM=bm, SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, SPS=sps,
                       E8M0=down_scale.dtype == torch.int8, SCALE_BLOCK=scale_block, num_warps=4)
@@ -596,8 +590,8 @@ def gate_up_v3(x, gate_up, gate_up_scale, gate_up_global_scale, h, sorted_slot, 
                          f"{inter}, {gate_up_scale.shape[-1]}")
     weights, scales = gate_up_views(gate_up, gate_up_scale, scale_block)
     scale_box = [1, 1, 2, 16, 8] if scale_block == 32 else [1, 2, 1, 32, 4]
-    launch_or_compile(_gate_up_v3_kernel, (block_expert.numel(), inter // 32), x, _descriptor(weights, [4, 2, 16, 64]),
-                      _descriptor(scales, scale_box), gate_up_global_scale, h,
+    launch_or_compile(_gate_up_v3_kernel, (block_expert.numel(), inter // 32), x, descriptor(weights, [4, 2, 16, 64]),
+                      descriptor(scales, scale_box), gate_up_global_scale, h,
                       sorted_slot, block_expert, row_start, row_end, H=hidden, I=inter, TOPK=top_k, BM=bm,
                       SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, E8M0=gate_up_scale.dtype == torch.int8,
                       SCALE_BLOCK=scale_block, **({} if gpt_oss is None else gpt_oss.gate_up_args()), num_warps=4)
@@ -668,8 +662,8 @@ def linear_v3(x2, words, weight_scale, global_scale, bias, out, partials, counte
                          f"K's {slots} slots; got N={n}, K={k}")
     tokens = x2.shape[0]
     grid = (n // 64, -(-tokens // bm), parts)
-    launch_or_compile(_linear_v3_kernel, grid, x2, _descriptor(weight_view(words[None], sps), [4 * sps, 32, 64]),
-                      _descriptor(scale_view(weight_scale[None], sps), [sps, 1, 64, 4]), global_scale,
+    launch_or_compile(_linear_v3_kernel, grid, x2, descriptor(weight_view(words[None], sps), [4 * sps, 32, 64]),
+                      descriptor(scale_view(weight_scale[None], sps), [sps, 1, 64, 4]), global_scale,
                       out if bias is None else bias, out, partials, out if counters is None else counters, tokens,
                       n, k, BM=bm, PART_SLOTS=slots // parts, STAGES=stages, SPS=sps, HAS_BIAS=bias is not None,
                       SPLIT=parts > 1, SERIAL=counters is not None, num_warps=4)

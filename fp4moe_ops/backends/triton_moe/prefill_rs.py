@@ -42,7 +42,6 @@ Triton 3.9 renamed the TMA copy, so the CPU CI does not compile these kernels).
 
 from __future__ import annotations
 
-from functools import lru_cache
 
 import torch
 from triton.experimental import gluon
@@ -50,6 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .compile_ahead import launch_or_compile
+from .descriptors import descriptor
 from .gluon_api import reinterpret, tma_load
 from .kernels import _PAIRED_WORD_TO_BF16
 from .layout import fragment_column, values_per_scale
@@ -404,19 +404,6 @@ def _scale_bytes(s: torch.Tensor, scale_block: int = 16) -> torch.Tensor:
     return s if s.dtype == torch.int8 else s.view(torch.uint8)
 
 
-def _descriptor(t: torch.Tensor, block: list[int], swizzle: int):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, block, _shared_layout(swizzle, t.element_size() * 8, t.dim()))
-
-
-@lru_cache(maxsize=None)
-def _shared_layout(swizzle: int, bits: int, rank: int):
-    # made once per kind (the layout is a frozen dataclass): an eager prefill call builds six
-    # descriptors, and host time there is what sets the first token (benchmarks/NOTES.md)
-    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bits, rank=rank)
-
-
 def _by_k_step(a: torch.Tensor) -> torch.Tensor:
     """``a [S, K]`` viewed as ``[K/64, S, 64]`` (no copy): one TMA box covers two K steps of a row block."""
     return a.view(a.shape[0], a.shape[1] // BK.value, BK.value).permute(1, 0, 2)
@@ -518,8 +505,8 @@ def prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, 
     gate_up_bytes = gate_up.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
     down_bytes = down.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
     w_box = [2, 2, PAIRS.value // 2, BK.value]
-    gate_up_desc = _descriptor(_weight_boxes(gate_up_bytes), w_box, 0)
-    down_desc = _descriptor(_weight_boxes(down_bytes), w_box, 0)
+    gate_up_desc = descriptor(_weight_boxes(gate_up_bytes), w_box, 0)
+    down_desc = descriptor(_weight_boxes(down_bytes), w_box, 0)
     # the gate_up GEMM's activation: gpt-oss's, or SiLU (a float32 tensor stands in for gate_up_bias: a worker partition
     # compiles both branches, and the down GEMM's the gate_up GEMM's epilogue too)
     act = gpt_oss.gate_up_args() if gpt_oss is not None else \
@@ -527,14 +514,14 @@ def prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, 
     calls = []  # (grid, arguments, constexprs): the gate_up GEMM at each level, then the down GEMM
     for bm, experts, starts, ends in launches:
         calls.append(((-(-inter // 128), experts.numel()),
-                      (_descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), gate_up_desc,
+                      (descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), gate_up_desc,
                        _scale_bytes(gate_up_scale, scale_block), gate_up_global_scale, h, topk_weights, sorted_slot, experts,
                        starts, ends),
                       dict(N_OUT=inter, K=hidden, S_ROW=gate_up_scale.shape[-1], EXPERT_PAIR_ROWS=inter, GATE_UP=True,
                            BLOCK_M=bm, **act)))
     for bm, experts, starts, ends in launches:
         calls.append(((-(-hidden // 256), experts.numel()),
-                      (_descriptor(_by_k_step(h), [2, bm, BK.value], 128), down_desc, _scale_bytes(down_scale, scale_block),
+                      (descriptor(_by_k_step(h), [2, bm, BK.value], 128), down_desc, _scale_bytes(down_scale, scale_block),
                        down_global_scale, y, topk_weights, sorted_slot, experts, starts, ends),
                       dict(N_OUT=hidden, K=inter, S_ROW=down_scale.shape[-1], EXPERT_PAIR_ROWS=hidden // 2,
                            GATE_UP=False, BLOCK_M=bm, **act)))

@@ -1,0 +1,44 @@
+"""Host TMA descriptors for the Gluon kernels (``decode_v3.py``, ``prefill_rs.py``), made cheaply.
+
+An eager MoE call makes four (decode) to six (prefill) descriptors, and its host time is what an
+eager ``generate()`` waits on (benchmarks/NOTES.md, "The whole model at batch 1"). Gluon's
+``TensorDescriptor.from_tensor`` with a new ``NVMMASharedLayout`` took ~7 us a descriptor on a CPU,
+half of it building and checking the layout, half checking the descriptor. Here a layout is made
+once per kind, and a descriptor whose geometry (dtype, shape, strides, box, layout, and whether its
+address is 16-byte aligned) was checked once is copied from the first one made, its base swapped:
+Gluon's checks depend on nothing else, so they would pass again.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+_CHECKED: dict = {}  # geometry -> a descriptor made and checked by Gluon with it
+_CHECKED_MAX = 4096  # (prefill activations add one per token count: dropped all at once past this)
+
+
+@lru_cache(maxsize=None)
+def shared_layout(swizzle: int, bits: int, rank: int):
+    """The NVMMA shared layout of a TMA box (a frozen dataclass: one object per kind)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bits, rank=rank)
+
+
+def descriptor(view, box: list[int], swizzle: int = 0) -> TensorDescriptor:
+    """Gluon's ``TensorDescriptor.from_tensor(view, box, layout)``, with the NVMMA layout of
+    ``swizzle`` bytes for ``view``'s element size and rank."""
+    layout = shared_layout(swizzle, 8 * view.element_size(), view.dim())
+    geometry = (view.dtype, view.shape, view.stride(), *box, id(layout), not view.data_ptr() & 15)
+    template = _CHECKED.get(geometry)
+    if template is None:
+        made = TensorDescriptor.from_tensor(view, box, layout)  # Gluon's checks
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        if hasattr(made, "__dict__"):
+            _CHECKED[geometry] = made
+        return made
+    made = object.__new__(TensorDescriptor)
+    made.__dict__.update(template.__dict__, base=view)
+    return made
