@@ -110,6 +110,23 @@ def test_descriptors_equal_gluons_own_and_are_checked_per_geometry():
                 for f in fields(TensorDescriptor):
                     if f.name != "base":
                         assert getattr(got, f.name) == getattr(want, f.name), (label, box, f.name)
+    # weight_descriptor: a view of a whole tensor, made once per geometry; copies get the tensor
+    # itself in the view's dtype as base (what a launch reads of it: the address and dtype)
+    from fp4moe_ops.backends.triton_moe.decode_v3 import gate_up_scale_view, scale_view
+    from fp4moe_ops.backends.triton_moe.prefill_rs import gate_up_boxes
+
+    cases = [(gate_up_boxes, lambda: torch.zeros(4, 128, 64, dtype=torch.int32), [2, 2, 32, 64], ()),
+             (scale_view, lambda: torch.zeros(4, 128, 32, dtype=torch.uint8), [2, 1, 64, 4], (2,)),
+             (gate_up_scale_view, lambda: torch.zeros(4, 128, 16, dtype=torch.uint8), [1, 2, 1, 32, 4], (16,)),
+             (gate_up_scale_view, lambda: torch.zeros(4, 128, 16, dtype=torch.int8), [1, 1, 2, 16, 8], (32,))]
+    for view_fn, make, box, view_args in cases:
+        for _ in range(2):
+            tensor = make()
+            got, want = descriptors.weight_descriptor(view_fn, tensor, box, *view_args), gluons(view_fn(tensor, *view_args), box)
+            assert got.base.data_ptr() == tensor.data_ptr() and got.base.dtype == want.base.dtype, view_fn
+            for f in fields(TensorDescriptor):
+                if f.name != "base":
+                    assert getattr(got, f.name) == getattr(want, f.name), (view_fn, f.name)
     descriptors.descriptor(storage[16:16 + 4 * 64 * 64].view(4, 64, 64), [1, 16, 64])  # (aligned: made)
     with pytest.raises(Exception):  # Gluon's own check on a misaligned address, never skipped by a copy
         descriptors.descriptor(storage[1:1 + 4 * 64 * 64].view(4, 64, 64), [1, 16, 64])

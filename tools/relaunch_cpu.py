@@ -12,7 +12,7 @@ through Triton (``FP4MOE_RELAUNCH`` off), then twice with relaunch on (the first
 through Triton, the second must take the fast path for every launch, Triton's ``run`` never
 called). The three records must be equal: the launcher (one per compiled kernel), the grid, the
 stream, and each argument (a tensor by dtype, shape, strides and storage offset, a descriptor by
-its fields, a number by value). Then a small kernel is launched with arguments that Triton
+its fields and its base's dtype and offset, a number by value). Then a small kernel is launched with arguments that Triton
 specializes differently (an address off 16 bytes, ints 1 / 16 / 17 / 2^31, a dtype, None, a
 constexpr), each must get the compiled kernel Triton's own call picks. ``--time``: the host
 microseconds a launch takes both ways (median), per kernel.
@@ -72,8 +72,8 @@ def _described(a):
         return "launch metadata", sorted(a.data.items()), len(a.extras)
     if isinstance(a, torch.Tensor):
         return "tensor", a.dtype, tuple(a.shape), a.stride(), a.storage_offset()
-    if hasattr(a, "base") and hasattr(a, "block_shape"):
-        return (type(a).__name__, _described(a.base),
+    if hasattr(a, "base") and hasattr(a, "block_shape"):  # a launch reads the base's address and dtype only
+        return (type(a).__name__, a.base.dtype, a.base.storage_offset(),
                 *(str(v) for k, v in sorted(vars(a).items()) if k != "base"))
     return type(a).__name__, a
 

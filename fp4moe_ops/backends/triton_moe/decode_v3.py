@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .compile_ahead import launch_or_compile
-from .descriptors import descriptor
+from .descriptors import weight_descriptor
 from .gluon_api import reinterpret, thread_barrier, tma_load
 from .prefill_rs import _SPLIT_HALVES, _WORD_TO_BF16
 
@@ -431,10 +431,10 @@ def down_v3(h, down, down_scale, down_global_scale, topk_weights, y, sorted_slot
     if inter % 64 or hidden % 64 or down_scale.shape[-1] % (step_bytes * sps):
         raise ValueError(f"decode_v3: I and H must be multiples of 64 and the scale rows of {sps} steps, got {inter}, "
                          f"{hidden}, {down_scale.shape[-1]}")
-    scales = descriptor(pair_scale_view(down_scale), [sps, 32, 8]) if scale_block == 32 else \
-        descriptor(scale_view(down_scale, sps), [sps, 1, 64, 4])
+    scales = weight_descriptor(pair_scale_view, down_scale, [sps, 32, 8]) if scale_block == 32 else \
+        weight_descriptor(scale_view, down_scale, [sps, 1, 64, 4], sps)
     launch_or_compile(_down_v3_kernel, (block_expert.numel(), hidden // 64), h,
-                      descriptor(weight_view(down, sps), [4 * sps, 32, 64]), scales, down_global_scale, topk_weights,
+                      weight_descriptor(weight_view, down, [4 * sps, 32, 64], sps), scales, down_global_scale, topk_weights,
                       y, sorted_slot, block_expert, row_start, row_end,
                       H=hidden, I=inter, BM=bm, SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, SPS=sps,
                       E8M0=down_scale.dtype == torch.int8, SCALE_BLOCK=scale_block, num_warps=4)
@@ -569,15 +569,26 @@ def gate_up_views(gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
     ``u I + i``'s word of chunk ``4s + w``). ``scale_block`` 32 (a scale per 32 values, rows in pairs:
     :func:`.layout.pair_scale_rows`): the scales as int16 ``[Hs/8 (step), E, 2 (gate/up), I/2 (pair), 8]``
     instead (entry ``[s, e, u, p, 4 r + w]``: row ``u I + 2p + r``'s two bytes of chunk ``4 s + w``)."""
+    return gate_up_weight_view(gate_up), gate_up_scale_view(gate_up_scale, scale_block)
+
+
+def gate_up_weight_view(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`gate_up_views`' first view."""
     num_experts, inter, quarter_h = gate_up.shape
     hidden = 4 * quarter_h
-    weights = gate_up.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden // 64, 64).permute(2, 0, 1, 3)
+    return gate_up.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden // 64, 64).permute(2, 0, 1, 3)
+
+
+def gate_up_scale_view(gate_up_scale: torch.Tensor, scale_block: int = 16) -> torch.Tensor:
+    """:func:`gate_up_views`' second view."""
+    num_experts, two_i = gate_up_scale.shape[:2]
+    inter = two_i // 2
     if scale_block == 32:
         pairs = gate_up_scale.view(torch.int16).reshape(num_experts, 2, inter // 2, gate_up_scale.shape[-1] // 8, 8)
-        return weights, pairs.permute(3, 0, 1, 2, 4)
+        return pairs.permute(3, 0, 1, 2, 4)
     steps = gate_up_scale.shape[-1] // 16
     words = gate_up_scale.view(torch.uint8).view(torch.int32).reshape(num_experts, 2, inter, steps, 4)
-    return weights, words.permute(3, 1, 0, 2, 4)
+    return words.permute(3, 1, 0, 2, 4)
 
 
 def gate_up_v3(x, gate_up, gate_up_scale, gate_up_global_scale, h, sorted_slot, block_expert, row_start, row_end, hidden,
@@ -588,10 +599,11 @@ def gate_up_v3(x, gate_up, gate_up_scale, gate_up_global_scale, h, sorted_slot, 
     if hidden % 64 or inter % 32 or gate_up_scale.shape[-1] % (256 // scale_block):
         raise ValueError(f"decode_v3: H must be a multiple of 64, I of 32 and the scale rows whole steps, got {hidden}, "
                          f"{inter}, {gate_up_scale.shape[-1]}")
-    weights, scales = gate_up_views(gate_up, gate_up_scale, scale_block)
     scale_box = [1, 1, 2, 16, 8] if scale_block == 32 else [1, 2, 1, 32, 4]
-    launch_or_compile(_gate_up_v3_kernel, (block_expert.numel(), inter // 32), x, descriptor(weights, [4, 2, 16, 64]),
-                      descriptor(scales, scale_box), gate_up_global_scale, h,
+    launch_or_compile(_gate_up_v3_kernel, (block_expert.numel(), inter // 32), x,
+                      weight_descriptor(gate_up_weight_view, gate_up, [4, 2, 16, 64]),
+                      weight_descriptor(gate_up_scale_view, gate_up_scale, scale_box, scale_block),
+                      gate_up_global_scale, h,
                       sorted_slot, block_expert, row_start, row_end, H=hidden, I=inter, TOPK=top_k, BM=bm,
                       SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, E8M0=gate_up_scale.dtype == torch.int8,
                       SCALE_BLOCK=scale_block, **({} if gpt_oss is None else gpt_oss.gate_up_args()), num_warps=4)
@@ -646,6 +658,16 @@ def _linear_v3_store(y, bias_ptr, out_ptr, cols, offs, mask, HAS_BIAS: gl.conste
     gl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _linear_weight_view(words: torch.Tensor, sps: int) -> torch.Tensor:
+    """A linear's paired words ``[N/2, K/4]`` as :func:`weight_view` of one expert."""
+    return weight_view(words[None], sps)
+
+
+def _linear_scale_view(weight_scale: torch.Tensor, sps: int) -> torch.Tensor:
+    """A linear's block scales ``[N, Ks]`` as :func:`scale_view` of one expert."""
+    return scale_view(weight_scale[None], sps)
+
+
 def linear_v3(x2, words, weight_scale, global_scale, bias, out, partials, counters, bm: int, parts: int,
               stages: int = 2):
     """``out [T, N] = x2 [T, K] @ W^T (+ bias)`` (:func:`_linear_v3_kernel`) for paired weights
@@ -662,8 +684,8 @@ def linear_v3(x2, words, weight_scale, global_scale, bias, out, partials, counte
                          f"K's {slots} slots; got N={n}, K={k}")
     tokens = x2.shape[0]
     grid = (n // 64, -(-tokens // bm), parts)
-    launch_or_compile(_linear_v3_kernel, grid, x2, descriptor(weight_view(words[None], sps), [4 * sps, 32, 64]),
-                      descriptor(scale_view(weight_scale[None], sps), [sps, 1, 64, 4]), global_scale,
+    launch_or_compile(_linear_v3_kernel, grid, x2, weight_descriptor(_linear_weight_view, words, [4 * sps, 32, 64], sps),
+                      weight_descriptor(_linear_scale_view, weight_scale, [sps, 1, 64, 4], sps), global_scale,
                       out if bias is None else bias, out, partials, out if counters is None else counters, tokens,
                       n, k, BM=bm, PART_SLOTS=slots // parts, STAGES=stages, SPS=sps, HAS_BIAS=bias is not None,
                       SPLIT=parts > 1, SERIAL=counters is not None, num_warps=4)

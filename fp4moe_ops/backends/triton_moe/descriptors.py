@@ -1,12 +1,19 @@
 """Host TMA descriptors for the Gluon kernels (``decode_v3.py``, ``prefill_rs.py``), made cheaply.
 
 An eager MoE call makes four (decode) to six (prefill) descriptors, and its host time is what an
-eager ``generate()`` waits on (benchmarks/NOTES.md, "The whole model at batch 1"). Gluon's
+eager ``generate()`` waits on (benchmarks/NOTES.md, "Host time of an eager call"). Gluon's
 ``TensorDescriptor.from_tensor`` with a new ``NVMMASharedLayout`` took ~7 us a descriptor on a CPU,
-half of it building and checking the layout, half checking the descriptor. Here a layout is made
-once per kind, and a descriptor whose geometry (dtype, shape, strides, box, layout, and whether its
-address is 16-byte aligned) was checked once is copied from the first one made, its base swapped:
-Gluon's checks depend on nothing else, so they would pass again.
+half of it building and checking the layout, half checking the descriptor, and the weights' views
+the kernels read (3-4 torch view ops each) as much again. Here:
+
+* a layout is made once per kind (:func:`shared_layout`);
+* :func:`descriptor`: a descriptor whose geometry (dtype, shape, strides, box, layout, and whether
+  its address is 16-byte aligned) Gluon checked once is copied from the first one made, its base
+  swapped: Gluon's checks depend on nothing else, so they would pass again;
+* :func:`weight_descriptor`: the descriptor of a view of a whole tensor (a weight in the kernels'
+  view) is copied the same way from the tensor's own geometry, without making the view again:
+  its base is then the tensor itself in the view's dtype. That base has the view's address and
+  dtype, all a launch reads of it (the shape and strides are the descriptor's own).
 """
 
 from __future__ import annotations
@@ -41,4 +48,28 @@ def descriptor(view, box: list[int], swizzle: int = 0) -> TensorDescriptor:
         return made
     made = object.__new__(TensorDescriptor)
     made.__dict__.update(template.__dict__, base=view)
+    return made
+
+
+_VIEWED: dict = {}  # (view function, its arguments, box, the tensor's geometry) -> the view's descriptor
+
+
+def weight_descriptor(make_view, tensor, box: list[int], *view_args, swizzle: int = 0) -> TensorDescriptor:
+    """:func:`descriptor` of ``make_view(tensor, *view_args)``, a view of all of ``tensor``
+    starting where it starts (``make_view`` a module-level function); the view is made once per
+    geometry of ``tensor`` (see the module docstring)."""
+    geometry = (make_view, view_args, tensor.dtype, tensor.shape, tensor.stride(), *box, swizzle,
+                not tensor.data_ptr() & 15)
+    template = _VIEWED.get(geometry)
+    if template is None:
+        view = make_view(tensor, *view_args)
+        made = descriptor(view, box, swizzle)
+        if view.data_ptr() == tensor.data_ptr() and hasattr(made, "__dict__"):
+            if len(_VIEWED) >= _CHECKED_MAX:
+                _VIEWED.clear()
+            _VIEWED[geometry] = made
+        return made
+    dtype = template.base.dtype
+    made = object.__new__(TensorDescriptor)
+    made.__dict__.update(template.__dict__, base=tensor if tensor.dtype == dtype else tensor.view(dtype))
     return made

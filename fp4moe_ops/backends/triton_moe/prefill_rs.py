@@ -49,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .compile_ahead import launch_or_compile
-from .descriptors import descriptor
+from .descriptors import descriptor, weight_descriptor
 from .gluon_api import reinterpret, tma_load
 from .kernels import _PAIRED_WORD_TO_BF16
 from .layout import fragment_column, values_per_scale
@@ -417,6 +417,18 @@ def _weight_boxes(w_bytes: torch.Tensor) -> torch.Tensor:
     return w_bytes.view(boxes, pairs, k // BK.value, BK.value).permute(2, 0, 1, 3)
 
 
+def gate_up_boxes(gate_up: torch.Tensor) -> torch.Tensor:
+    """Paired gate_up ``[E, I, H/4]`` int32 as :func:`_weight_boxes` of its bytes ``[2E, I/2, H]``."""
+    num_experts, inter, quarter_h = gate_up.shape
+    return _weight_boxes(gate_up.view(torch.uint8).reshape(2 * num_experts, inter // 2, 4 * quarter_h))
+
+
+def down_boxes(down: torch.Tensor) -> torch.Tensor:
+    """Paired down ``[E, H/2, I/4]`` int32 as :func:`_weight_boxes` of its bytes ``[E H/64, 32, I]``."""
+    num_experts, half_h, quarter_i = down.shape
+    return _weight_boxes(down.view(torch.uint8).reshape(num_experts * half_h // 32, PAIRS.value // 2, 4 * quarter_i))
+
+
 BLOCK_MS = (8, 16, 32, 64, 128)  # tokens per row block (wgmma N; a power of two for the epilogue's aranges)
 SHARED_BYTES = 227 * 1024  # Hopper's shared memory per program
 
@@ -502,11 +514,9 @@ def prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, 
     y = torch.empty(num_slots, hidden, dtype=torch.float32, device=x_sorted.device)
     if launches is None:
         launches = split_blocks(block_expert, row_start, row_end, num_experts, block_m, tails)
-    gate_up_bytes = gate_up.view(torch.uint8).reshape(2 * num_experts, inter // 2, hidden)
-    down_bytes = down.view(torch.uint8).reshape(num_experts * hidden // 64, PAIRS.value // 2, inter)
     w_box = [2, 2, PAIRS.value // 2, BK.value]
-    gate_up_desc = descriptor(_weight_boxes(gate_up_bytes), w_box, 0)
-    down_desc = descriptor(_weight_boxes(down_bytes), w_box, 0)
+    gate_up_desc = weight_descriptor(gate_up_boxes, gate_up, w_box)
+    down_desc = weight_descriptor(down_boxes, down, w_box)
     # the gate_up GEMM's activation: gpt-oss's, or SiLU (a float32 tensor stands in for gate_up_bias: a worker partition
     # compiles both branches, and the down GEMM's the gate_up GEMM's epilogue too)
     act = gpt_oss.gate_up_args() if gpt_oss is not None else \
