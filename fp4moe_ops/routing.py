@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .relaunch import launch
+from .relaunch import cdiv, launch, next_power_of_2
 
 try:
     import triton
@@ -134,8 +134,8 @@ def grouped_topk_triton(router_logits, correction_bias, n_group, topk_group, top
         launch(_grouped_topk_kernel, (t,), (
             router_logits.contiguous(), correction_bias.contiguous(), weights, ids, float(scaling_factor)), dict(
             NUM_EXPERTS=e, N_GROUP=n_group, GROUP_SIZE=e // n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
-            RENORMALIZE=renormalize, GROUPS_P2=triton.next_power_of_2(n_group),
-            GROUP_P2=triton.next_power_of_2(e // n_group), TOP_K_P2=triton.next_power_of_2(top_k),
+            RENORMALIZE=renormalize, GROUPS_P2=next_power_of_2(n_group),
+            GROUP_P2=next_power_of_2(e // n_group), TOP_K_P2=next_power_of_2(top_k),
             num_warps=1 if e <= 256 else 4))
     return weights, ids
 
@@ -277,7 +277,7 @@ def softmax_topk_triton(router_logits, top_k, renormalize):
     if t:
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         launch(_softmax_topk_kernel, (t,), (logits, logits.stride(0), weights, ids), dict(
-            NUM_EXPERTS=e, EXPERTS_P2=triton.next_power_of_2(e), TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k),
+            NUM_EXPERTS=e, EXPERTS_P2=next_power_of_2(e), TOP_K=top_k, TOP_K_P2=next_power_of_2(top_k),
             RENORMALIZE=renormalize, num_warps=1 if e <= 256 else 4))
     return weights, ids
 
@@ -355,12 +355,12 @@ def router_softmax_topk_triton(hidden, weight, counters, top_k, renormalize):
     weights = torch.empty(t, top_k, dtype=torch.float32, device=hidden.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=hidden.device)
     if t:
-        bh = min(triton.next_power_of_2(h), 4096)
-        be = max(1, min(triton.next_power_of_2(e), 8192 // bh))
-        launch(_router_softmax_topk_kernel, (triton.cdiv(e, be), t), (
+        bh = min(next_power_of_2(h), 4096)
+        be = max(1, min(next_power_of_2(e), 8192 // bh))
+        launch(_router_softmax_topk_kernel, (cdiv(e, be), t), (
             hidden.contiguous(), weight.contiguous(), logits, weights, ids, counters, h), dict(
-            NUM_EXPERTS=e, EXPERTS_P2=triton.next_power_of_2(e), BE=be, BH=bh, TOP_K=top_k,
-            TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, num_warps=4))
+            NUM_EXPERTS=e, EXPERTS_P2=next_power_of_2(e), BE=be, BH=bh, TOP_K=top_k,
+            TOP_K_P2=next_power_of_2(top_k), RENORMALIZE=renormalize, num_warps=4))
     return logits, weights, ids
 
 

@@ -132,6 +132,18 @@ def test_descriptors_equal_gluons_own_and_are_checked_per_geometry():
         descriptors.descriptor(storage[1:1 + 4 * 64 * 64].view(4, 64, 64), [1, 16, 64])
 
 
+def test_host_cdiv_and_next_power_of_2_equal_tritons():
+    # the launch arguments use plain-Python copies of Triton's constexpr functions (host time)
+    import triton
+
+    from fp4moe_ops.relaunch import cdiv, next_power_of_2
+
+    for n in list(range(0, 5000)) + [2 ** 31 - 1, 2 ** 31, 2 ** 40 + 3]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 64, 1024):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
 @pytest.fixture
 def hopper(monkeypatch):
     """A stand-in for a bf16 activation tensor on an H200 (only device, dtype and is_cuda are read),

@@ -12,9 +12,10 @@ from functools import partial
 
 import torch
 
+from ...env import env_switch
+from ...relaunch import cdiv, next_power_of_2
 from .compile_ahead import async_compile_active, compile_all, compiling_ahead, launch_or_compile, planned_slots
 from .layout import GptOssTerms, fits_tma, fits_tma_edges, fragment_order, values_per_scale
-from ...env import env_switch
 
 try:
     import triton
@@ -97,29 +98,30 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, activations: t
         if activations is None:
             return routed
         return (*routed, fragment_order(activations.contiguous(), fragment_chunk))
-    e_pad = triton.next_power_of_2(num_experts + 2)  # + bins for invalid ids, padding
+    e_pad = next_power_of_2(num_experts + 2)  # + bins for invalid ids, padding
     # one allocation, each part starting on a 16-byte boundary: the kernels reading these pointers
     # are specialized on alignment, which must not change with the token count
     sizes = [num_slots] + [num_blocks] * 3 + [num_experts] * (3 if tail else 0)
     # (zeros while compiling ahead: nothing writes them, and torch ops may index with them)
     alloc = torch.zeros if compiling_ahead() else torch.empty
-    out = alloc(sum(_round4(n) for n in sizes), dtype=torch.int32, device=flat.device)
-    routed = tuple(p[:n] for p, n in zip(out.split([_round4(n) for n in sizes]), sizes))
+    pieces = [size for n in sizes for size in (n, _round4(n) - n)]  # each part, then its padding
+    out = alloc(sum(pieces), dtype=torch.int32, device=flat.device)
+    routed = out.split_with_sizes(pieces)[::2]  # (one op for all the views: host time)
     count_block = _count_block(decide_slots)
     copy = activations is not None  # the permute runs in _route_kernel's last programs
     if chunked:
-        chunk_slots = triton.cdiv(triton.cdiv(num_slots, ROUTE_CHUNKS), ROUTE_CHUNK) * ROUTE_CHUNK
+        chunk_slots = cdiv(cdiv(num_slots, ROUTE_CHUNKS), ROUTE_CHUNK) * ROUTE_CHUNK
         chunk_counts = alloc(ROUTE_CHUNKS * e_pad, dtype=torch.int32, device=flat.device)
         launch_or_compile(_route_count_kernel, (ROUTE_CHUNKS,), flat, chunk_counts, num_slots, num_experts,
                           chunk_slots, E_PAD=e_pad, COUNT_BLOCK=count_block, num_warps=4)
         route_programs = ROUTE_CHUNKS
     else:
         chunk_slots, chunk_counts = ROUTE_CHUNK, routed[0]  # (unused)
-        route_programs = triton.cdiv(num_slots, ROUTE_CHUNK)
+        route_programs = cdiv(num_slots, ROUTE_CHUNK)
     x = activations.contiguous() if copy else routed[0]  # (unused without the copy)
     x_fragment = torch.empty_like(x) if copy else x
     x_block = 1024
-    grid = route_programs + (triton.cdiv(x.numel(), x_block) if copy else 0)
+    grid = route_programs + (cdiv(x.numel(), x_block) if copy else 0)
     if grid:
         launch_or_compile(
             _route_kernel, (grid,), flat, *routed[:4], num_slots, num_experts, num_blocks, x, x_fragment,
@@ -635,9 +637,9 @@ def _sum_topk(y: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, num_expe
     of ``y [T*k, H]`` fp32; ``bias = (down_bias [E, H], topk_weights)`` adds ``w * down_bias[e]`` per slot."""
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
-    bh = min(1024, triton.next_power_of_2(hidden))
+    bh = min(1024, next_power_of_2(hidden))
     launch_or_compile(
-        _sum_topk_kernel, (num_tokens, triton.cdiv(hidden, bh)), y, topk_ids.contiguous(), out, hidden, num_experts,
+        _sum_topk_kernel, (num_tokens, cdiv(hidden, bh)), y, topk_ids.contiguous(), out, hidden, num_experts,
         TOPK=topk_ids.shape[1], BH=bh, **_pdl_args(pdl),
         **({} if bias is None else dict(down_bias_ptr=bias[0], topk_w_ptr=bias[1], HAS_BIAS=True)),
     )
@@ -701,8 +703,8 @@ def linear_config(tokens: int, n: int, k: int, paired: bool = False, v3: bool = 
         wide = n >= LINEAR_WIDE_N
         if tokens > 16 and wide:
             bm = 32 if tokens <= 32 else 64
-            tiles = (n // 64) * triton.cdiv(tokens, bm)
-            parts = max(1, min(LINEAR_MAX_PARTS, k // 256, triton.cdiv(SM_COUNT_TARGET, tiles)))
+            tiles = (n // 64) * cdiv(tokens, bm)
+            parts = max(1, min(LINEAR_MAX_PARTS, k // 256, cdiv(SM_COUNT_TARGET, tiles)))
             return dict(path="gemv", BM=bm, BN=64, BK=256, PARTS=parts, SERIAL=True, X_TMA=True, num_warps=4,
                         num_stages=2, PAIRED=True)
         if tokens <= 8:
@@ -713,7 +715,7 @@ def linear_config(tokens: int, n: int, k: int, paired: bool = False, v3: bool = 
             bm = 16 if weight_mb < 16 else 32
         else:
             bm = 16 if weight_mb < 6 else 32
-        tiles = (n // 64) * triton.cdiv(tokens, bm)
+        tiles = (n // 64) * cdiv(tokens, bm)
         slots = k // (512 if k % 512 == 0 else 256)
         want = max(1, SM_COUNT_TARGET // tiles)
         if 4 * tiles >= SM_COUNT_TARGET:
@@ -727,9 +729,9 @@ def linear_config(tokens: int, n: int, k: int, paired: bool = False, v3: bool = 
     # pipeline stages beat 3 (NOTES.md)
     bm = 16 if tokens <= 16 else 32
     bn, bk = 64, 256
-    tiles = max(1, (n // bn) * triton.cdiv(tokens, bm))
+    tiles = max(1, (n // bn) * cdiv(tokens, bm))
     steps = k // bk
-    parts = max(1, min(LINEAR_MAX_PARTS, steps, triton.cdiv(SM_COUNT_TARGET, tiles)))
+    parts = max(1, min(LINEAR_MAX_PARTS, steps, cdiv(SM_COUNT_TARGET, tiles)))
     # SERIAL: the parts are summed in the same launch by the last to finish (no second kernel).
     # X_TMA: x's tiles through TMA, permuted in registers, from 8 tokens, where it beats reading x
     # with permuted addresses on most shapes (below 8, on few; NOTES.md)
@@ -771,7 +773,7 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if cfg["path"] == "v3":
         from .decode_v3 import linear_v3
 
-        tiles = (n // 64) * triton.cdiv(tokens, cfg["BM"])
+        tiles = (n // 64) * cdiv(tokens, cfg["BM"])
         serial = counters if parts > 1 and counters is not None and tiles <= counters.numel() else None
         linear_v3(x2, weight, weight_scale, global_scale, bias, out, partials, serial, cfg["BM"], parts,
                   cfg["STAGES"])
@@ -783,19 +785,19 @@ def triton_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             x_desc = TensorDescriptor.from_tensor(x2, [bm, bk])  # rows past T read as zeros
-        grid = (n // bn, triton.cdiv(tokens, bm), parts)
+        grid = (n // bn, cdiv(tokens, bm), parts)
         serial = counters if parts > 1 and cfg["SERIAL"] and counters is not None and \
             grid[0] * grid[1] <= counters.numel() else None
         launch_or_compile(
             _linear_kernel, grid, x2, weight, weight_scale.view(torch.uint8), global_scale,
             bias if has_bias else out, out, partials, out if serial is None else serial, tokens, n, k,
-            triton.cdiv(k // bk, parts) * bk, w_desc, s_desc, x_desc if x_tma else None, BM=bm, BN=bn, BK=bk,
+            cdiv(k // bk, parts) * bk, w_desc, s_desc, x_desc if x_tma else None, BM=bm, BN=bn, BK=bk,
             FAST_DECODE=fast, INTERPRET=interpreting(), HAS_BIAS=has_bias, SPLIT=parts > 1, SERIAL=serial is not None,
             X_TMA=x_tma, PAIRED=paired, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if parts > 1 and serial is None:
         block = 1024
-        launch_or_compile(_linear_parts_kernel, (triton.cdiv(tokens * n, block),), partials,
+        launch_or_compile(_linear_parts_kernel, (cdiv(tokens * n, block),), partials,
                           bias if has_bias else out, out, tokens * n, n, parts, HAS_BIAS=has_bias, BLOCK=block)
     return out.reshape(*x.shape[:-1], n)
 
