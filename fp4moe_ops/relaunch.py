@@ -127,9 +127,13 @@ def _binder(kernel, num_args: int, kwargs: dict):
             reads.append(f"v{p.num} = d{p.num}")
         else:
             return _UNUSABLE
-        # (a plain tensor's part of the key inline, as _spec makes it: the common case, without a call)
-        keys.append(f"v{p.num}" if p.is_constexpr else
-                    f"((v{p.num}.dtype, not v{p.num}.data_ptr() & 15) if v{p.num}.__class__ is Tensor else spec(v{p.num}))")
+        # (a plain tensor's or int's part of the key inline, as _spec makes it: the common cases,
+        # without a call)
+        v = f"v{p.num}"
+        keys.append(v if p.is_constexpr else
+                    f"((({v}.dtype, not {v}.data_ptr() & 15) if {v}.__class__ is Tensor else "
+                    f"({v} == 1, not {v} & 15, {_I32_LOW} <= {v} < {_I32_HIGH}, {v} < {_U64}) if {v}.__class__ is int "
+                    f"else spec({v})))")
     keys += [f"({name!r}, kwargs[{name!r}])" for name in kwargs if name in _OPTIONS]
     values = ", ".join(f"v{p.num}" for p in kernel.params)
     source = "def bind(args, kwargs):\n    " + "\n    ".join(reads) + \

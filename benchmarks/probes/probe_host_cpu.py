@@ -10,8 +10,9 @@ Per token count (the decode path: ``triton_fused_moe`` at 1-64 tokens runs the G
 kernels, and from 2 tokens the routing kernel, whose Python path runs as on CUDA), the median microseconds of a call and the torch ops it dispatched, with fp4moe's
 relaunch on and off (``FP4MOE_RELAUNCH``; where the checkout has it). ``--repo`` times another
 checkout of fp4moe (an older commit, for a before / after in one table; the stand-in driver and
-the layer's arguments come from this checkout's tools). The prefill path (64+ rows an expert) is
-not timed here: on a CPU its gather copies the activations for real, which a GPU does in a kernel.
+the layer's arguments come from this checkout's tools). The prefill path is timed at the small
+shape (``--shape small --tokens 300``: 600 slots over 8 experts), where the gather's copy, real on
+a CPU and a kernel on a GPU, is ~600 rows of 512.
 """
 
 from __future__ import annotations
@@ -54,18 +55,22 @@ def main():
     launch._gluon_runs = lambda x: True  # (CPU tensors, compiled for sm_90: see compile_ahead_cpu.py)
     launch.COMPILE_AHEAD = False
     assert Path(launch.__file__).resolve().is_relative_to(args.repo.resolve()), launch.__file__
-    # route's CUDA path (the routing kernel, as on the GPU; on CPU tensors it would take torch's sort):
-    # the module's interpreting() says yes inside route only
-    route, interpreting = launch.route, launch.interpreting
+    # route's CUDA path (the routing kernel, as on the GPU; on CPU tensors it would take torch's sort,
+    # and the prefill path would split its tail blocks with torch ops): the module's interpreting()
+    # says yes inside those two only, and route's tables are zeroed, as while compiling ahead (the
+    # prefill path's gather indexes with them)
+    interpreting, compiling_ahead = launch.interpreting, launch.compiling_ahead
 
-    def route_as_on_cuda(*a, **kw):
-        launch.interpreting = lambda: True
-        try:
-            return route(*a, **kw)
-        finally:
-            launch.interpreting = interpreting
+    def as_on_cuda(fn):
+        def wrapped(*a, **kw):
+            launch.interpreting = launch.compiling_ahead = lambda: True
+            try:
+                return fn(*a, **kw)
+            finally:
+                launch.interpreting, launch.compiling_ahead = interpreting, compiling_ahead
+        return wrapped
 
-    launch.route = route_as_on_cuda
+    launch.route, launch._gluon_prefill_moe = as_on_cuda(launch.route), as_on_cuda(launch._gluon_prefill_moe)
     from compile_ahead_cpu import layer_arguments
 
     e, h, i, k = {"deepseek": (256, 7168, 2048, 8), "qwen3": (128, 2048, 768, 8)}.get(args.shape, (8, 512, 256, 2))
