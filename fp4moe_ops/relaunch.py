@@ -4,7 +4,7 @@
 on a CPU: binding and specializing every argument, a string cache key, a check of the kernel's
 globals), and 50-100 us a launch were measured on an H100 host. An eager prefill call of
 the MoE op launches 7 kernels, and at 4096 tokens its host time sets the first token
-(benchmarks/NOTES.md, "The whole model at batch 1"). :func:`launch` does that work once per
+(benchmarks/NOTES.md, "Host time of an eager call"). :func:`launch` does that work once per
 *specialization*: the first launch of a kernel with arguments of a new kind goes through Triton's
 own ``run`` (which compiles, checks and launches) and keeps the compiled kernel it returns under a
 key made from what Triton specializes on; later launches with arguments of the same kind call that
