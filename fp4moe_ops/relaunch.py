@@ -1,6 +1,6 @@
 """Launching a Triton kernel again without Triton's per-call work.
 
-``kernel[grid](*args)`` costs the host 20-30 us before the driver sees the launch (Triton 3.6-3.9
+``kernel[grid](*args)`` costs the host ~20 us before the driver sees the launch (Triton 3.6-3.9
 on a CPU: binding and specializing every argument, a string cache key, a check of the kernel's
 globals), and 50-100 us a launch were measured on an H100 host. An eager prefill call of
 the MoE op launches 7 kernels, and at 4096 tokens its host time sets the first token
