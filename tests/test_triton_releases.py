@@ -127,6 +127,17 @@ def test_descriptors_equal_gluons_own_and_are_checked_per_geometry():
             for f in fields(TensorDescriptor):
                 if f.name != "base":
                     assert getattr(got, f.name) == getattr(want, f.name), (view_fn, f.name)
+    # the caches keep no tensor: a weight and an activation seen once are freed with their last reference
+    import gc
+    import weakref
+
+    weight, activation = torch.zeros(4, 256, 64, dtype=torch.int32), torch.zeros(3, 64, 64, dtype=torch.uint8)
+    refs = [weakref.ref(weight), weakref.ref(activation)]
+    descriptors.weight_descriptor(gate_up_boxes, weight, [2, 2, 32, 64])
+    descriptors.descriptor(activation, [1, 16, 64])
+    del weight, activation
+    gc.collect()
+    assert all(ref() is None for ref in refs)
     descriptors.descriptor(storage[16:16 + 4 * 64 * 64].view(4, 64, 64), [1, 16, 64])  # (aligned: made)
     with pytest.raises(Exception):  # Gluon's own check on a misaligned address, never skipped by a copy
         descriptors.descriptor(storage[1:1 + 4 * 64 * 64].view(4, 64, 64), [1, 16, 64])

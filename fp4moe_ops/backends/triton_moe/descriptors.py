@@ -23,7 +23,9 @@ from functools import lru_cache
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-_CHECKED: dict = {}  # geometry -> a descriptor made and checked by Gluon with it
+# geometry -> the fields of a descriptor Gluon made and checked with it, all but its base (a cache
+# that held the base would keep that tensor's memory alive: the first weight or activation seen)
+_CHECKED: dict = {}
 _CHECKED_MAX = 4096  # (prefill activations add one per token count: dropped all at once past this)
 
 
@@ -44,14 +46,20 @@ def descriptor(view, box: list[int], swizzle: int = 0) -> TensorDescriptor:
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.clear()
         if hasattr(made, "__dict__"):
-            _CHECKED[geometry] = made
+            _CHECKED[geometry] = _fields(made)
         return made
     made = object.__new__(TensorDescriptor)
-    made.__dict__.update(template.__dict__, base=view)
+    made.__dict__.update(template, base=view)
     return made
 
 
-_VIEWED: dict = {}  # (view function, its arguments, box, the tensor's geometry) -> the view's descriptor
+def _fields(made: TensorDescriptor) -> dict:
+    return {name: value for name, value in made.__dict__.items() if name != "base"}
+
+
+# (view function, its arguments, box, the tensor's geometry) -> (the view's dtype, its descriptor's
+# fields but the base)
+_VIEWED: dict = {}
 
 
 def weight_descriptor(make_view, tensor, box: list[int], *view_args, swizzle: int = 0) -> TensorDescriptor:
@@ -67,9 +75,9 @@ def weight_descriptor(make_view, tensor, box: list[int], *view_args, swizzle: in
         if view.data_ptr() == tensor.data_ptr() and hasattr(made, "__dict__"):
             if len(_VIEWED) >= _CHECKED_MAX:
                 _VIEWED.clear()
-            _VIEWED[geometry] = made
+            _VIEWED[geometry] = (view.dtype, _fields(made))
         return made
-    dtype = template.base.dtype
+    dtype, fields = template
     made = object.__new__(TensorDescriptor)
-    made.__dict__.update(template.__dict__, base=tensor if tensor.dtype == dtype else tensor.view(dtype))
+    made.__dict__.update(fields, base=tensor if tensor.dtype == dtype else tensor.view(dtype))
     return made
