@@ -9,7 +9,8 @@ DeepSeek-V3's), random NVFP4 weights on the ``triton`` backend:
 
 * the host's wall time per call, with the GPU kept busy by ``torch.cuda._sleep`` queued before the
   calls, so that no call waits for a kernel to finish (a call that took longer than the sleep would
-  have waited: reported as a synchronization);
+  have waited: reported as a synchronization); again with every launch through Triton's own call
+  (``FP4MOE_RELAUNCH=0``, ``fp4moe_ops/relaunch.py``);
 * the same for Transformers' BF16 experts as its eager prefill runs them (``torch._grouped_mm``,
   ``bench_moe.grouped_mm_moe``), the baseline whose host time BF16's slower kernels hide;
 * with ``--model-layers 1,2``: the host's time per eager forward of Qwen3-30B-A3B cut to that many
@@ -173,8 +174,11 @@ def main() -> None:
     w = random_weights(e, h, i, device)
     experts = fp4moe_ops.prepare_experts(w, args.backend or ("triton" if cuda else "reference"))
     gate_up, down = bf16_weights(w) if cuda else (None, None)
-    print("| tokens | fp4moe host us a call | BF16 grouped_mm host us a call | fp4moe: where (inclusive us a call) |")
-    print("|---:|---:|---:|---|")
+    from fp4moe_ops import relaunch
+
+    print("| tokens | fp4moe host us a call | the same, FP4MOE_RELAUNCH=0 | BF16 grouped_mm host us a call | "
+          "fp4moe: where (inclusive us a call) |")
+    print("|---:|---:|---:|---:|---|")
     for t in tokens:
         inputs = make_inputs(t, h, k, e, device, n=4)
         for x, ids, rw in inputs:  # compiles every variant (compile_layer_once) and warms the launchers
@@ -182,6 +186,12 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         ours, ours_waited = host_us(experts, inputs, args.calls, cuda)
+        relaunch.ENABLED = False  # every launch through Triton's own call
+        try:
+            host_us(experts, inputs, 2, cuda)
+            through_triton, triton_waited = host_us(experts, inputs, args.calls, cuda)
+        finally:
+            relaunch.ENABLED = None
         seconds = defaultdict(float)
         with timed_functions(seconds):
             host_us(experts, inputs, args.calls, cuda)
@@ -200,7 +210,8 @@ def main() -> None:
             bf16, bf16_waited = host_us(lambda x, ids, rw: grouped_mm_moe(x, ids, rw, gt, dt, e), inputs, args.calls, cuda)
         else:
             bf16, bf16_waited = float("nan"), False
-        print(f"| {t} | {ours:.0f}{' (waited)' if ours_waited else ''} | {bf16:.0f}{' (waited)' if bf16_waited else ''} "
+        print(f"| {t} | {ours:.0f}{' (waited)' if ours_waited else ''} | {through_triton:.0f}{' (waited)' if triton_waited else ''} "
+              f"| {bf16:.0f}{' (waited)' if bf16_waited else ''} "
               f"| {parts} |", flush=True)
     if args.model_layers:
         del experts, gate_up, down
