@@ -249,12 +249,12 @@ def time_launches(shape: str, tokens: int, calls: int = 300) -> None:
     xt = torch.randn(tokens, h, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(tokens)]).to(torch.int32)
     launches = []
-    original = compile_ahead.relaunch.launch
-    compile_ahead.relaunch.launch = lambda kernel, grid, args, kwargs: launches.append((kernel, grid, args, kwargs))
+    original = compile_ahead.relaunched
+    compile_ahead.relaunched = lambda kernel, grid, args, kwargs: launches.append((kernel, grid, args, kwargs))
     try:
         launch.triton_fused_moe(xt, ids, torch.rand(tokens, k), tensors)
     finally:
-        compile_ahead.relaunch.launch = original
+        compile_ahead.relaunched = original
 
     def median_us(fn):
         times = []

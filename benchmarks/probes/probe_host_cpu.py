@@ -51,7 +51,9 @@ def main():
 
     from fp4moe_ops.backends.triton_moe import compile_ahead
 
-    relaunch = getattr(compile_ahead, "relaunch", None)  # (None: a checkout from before relaunch)
+    relaunch = None  # (a checkout from before relaunch)
+    if hasattr(compile_ahead, "relaunched"):
+        from fp4moe_ops import relaunch
     launch._gluon_runs = lambda x: True  # (CPU tensors, compiled for sm_90: see compile_ahead_cpu.py)
     launch.COMPILE_AHEAD = False
     assert Path(launch.__file__).resolve().is_relative_to(args.repo.resolve()), launch.__file__

@@ -29,7 +29,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 
-from ... import relaunch
+from ...relaunch import launch as relaunched
 
 # The slot (or token) count whose launch sequence is being compiled, or None: launches run
 _PLANNED_SLOTS: ContextVar[int | None] = ContextVar("fp4moe_planned_slots", default=None)
@@ -37,10 +37,10 @@ MAX_THREADS = 16  # compiles at once (each runs ptxas): several processes per ho
 
 
 def launch_or_compile(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)`` (:func:`.relaunch.launch`: past Triton's per-call work where it
+    """``kernel[grid](*args, **kwargs)`` (``fp4moe_ops.relaunch.launch``: past Triton's per-call work where it
     can), or inside :func:`compile_all` only its compile."""
     if _PLANNED_SLOTS.get() is None:
-        relaunch.launch(kernel, grid, args, kwargs)
+        relaunched(kernel, grid, args, kwargs)
     else:
         kernel.warmup(*args, grid=grid, **kwargs)
 
