@@ -110,19 +110,22 @@ def test_descriptors_equal_gluons_own_and_are_checked_per_geometry():
                 for f in fields(TensorDescriptor):
                     if f.name != "base":
                         assert getattr(got, f.name) == getattr(want, f.name), (label, box, f.name)
-    # weight_descriptor: a view of a whole tensor, made once per geometry; copies get the tensor
+    # view_descriptor: a view of a whole tensor, made once per geometry; copies get the tensor
     # itself in the view's dtype as base (what a launch reads of it: the address and dtype)
     from fp4moe_ops.backends.triton_moe.decode_v3 import gate_up_scale_view, scale_view
-    from fp4moe_ops.backends.triton_moe.prefill_rs import gate_up_boxes
+    from fp4moe_ops.backends.triton_moe.prefill_rs import _by_k_step, gate_up_boxes
 
-    cases = [(gate_up_boxes, lambda: torch.zeros(4, 128, 64, dtype=torch.int32), [2, 2, 32, 64], ()),
+    cases = [(_by_k_step, lambda: torch.zeros(96, 256, dtype=torch.bfloat16), [2, 64, 64], ()),  # (swizzle 128 below)
+             (gate_up_boxes, lambda: torch.zeros(4, 128, 64, dtype=torch.int32), [2, 2, 32, 64], ()),
              (scale_view, lambda: torch.zeros(4, 128, 32, dtype=torch.uint8), [2, 1, 64, 4], (2,)),
              (gate_up_scale_view, lambda: torch.zeros(4, 128, 16, dtype=torch.uint8), [1, 2, 1, 32, 4], (16,)),
              (gate_up_scale_view, lambda: torch.zeros(4, 128, 16, dtype=torch.int8), [1, 1, 2, 16, 8], (32,))]
     for view_fn, make, box, view_args in cases:
+        swizzle = 128 if view_fn is _by_k_step else 0
         for _ in range(2):
             tensor = make()
-            got, want = descriptors.weight_descriptor(view_fn, tensor, box, *view_args), gluons(view_fn(tensor, *view_args), box)
+            got = descriptors.view_descriptor(view_fn, tensor, box, *view_args, swizzle=swizzle)
+            want = gluons(view_fn(tensor, *view_args), box, swizzle)
             assert got.base.data_ptr() == tensor.data_ptr() and got.base.dtype == want.base.dtype, view_fn
             for f in fields(TensorDescriptor):
                 if f.name != "base":
@@ -133,7 +136,7 @@ def test_descriptors_equal_gluons_own_and_are_checked_per_geometry():
 
     weight, activation = torch.zeros(4, 256, 64, dtype=torch.int32), torch.zeros(3, 64, 64, dtype=torch.uint8)
     refs = [weakref.ref(weight), weakref.ref(activation)]
-    descriptors.weight_descriptor(gate_up_boxes, weight, [2, 2, 32, 64])
+    descriptors.view_descriptor(gate_up_boxes, weight, [2, 2, 32, 64])
     descriptors.descriptor(activation, [1, 16, 64])
     del weight, activation
     gc.collect()

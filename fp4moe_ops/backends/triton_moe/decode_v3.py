@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .compile_ahead import launch_or_compile
-from .descriptors import weight_descriptor
+from .descriptors import view_descriptor
 from .gluon_api import reinterpret, thread_barrier, tma_load
 from .prefill_rs import _SPLIT_HALVES, _WORD_TO_BF16
 
@@ -431,10 +431,10 @@ def down_v3(h, down, down_scale, down_global_scale, topk_weights, y, sorted_slot
     if inter % 64 or hidden % 64 or down_scale.shape[-1] % (step_bytes * sps):
         raise ValueError(f"decode_v3: I and H must be multiples of 64 and the scale rows of {sps} steps, got {inter}, "
                          f"{hidden}, {down_scale.shape[-1]}")
-    scales = weight_descriptor(pair_scale_view, down_scale, [sps, 32, 8]) if scale_block == 32 else \
-        weight_descriptor(scale_view, down_scale, [sps, 1, 64, 4], sps)
+    scales = view_descriptor(pair_scale_view, down_scale, [sps, 32, 8]) if scale_block == 32 else \
+        view_descriptor(scale_view, down_scale, [sps, 1, 64, 4], sps)
     launch_or_compile(_down_v3_kernel, (block_expert.numel(), hidden // 64), h,
-                      weight_descriptor(weight_view, down, [4 * sps, 32, 64], sps), scales, down_global_scale, topk_weights,
+                      view_descriptor(weight_view, down, [4 * sps, 32, 64], sps), scales, down_global_scale, topk_weights,
                       y, sorted_slot, block_expert, row_start, row_end,
                       H=hidden, I=inter, BM=bm, SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, SPS=sps,
                       E8M0=down_scale.dtype == torch.int8, SCALE_BLOCK=scale_block, num_warps=4)
@@ -601,8 +601,8 @@ def gate_up_v3(x, gate_up, gate_up_scale, gate_up_global_scale, h, sorted_slot, 
                          f"{inter}, {gate_up_scale.shape[-1]}")
     scale_box = [1, 1, 2, 16, 8] if scale_block == 32 else [1, 2, 1, 32, 4]
     launch_or_compile(_gate_up_v3_kernel, (block_expert.numel(), inter // 32), x,
-                      weight_descriptor(gate_up_weight_view, gate_up, [4, 2, 16, 64]),
-                      weight_descriptor(gate_up_scale_view, gate_up_scale, scale_box, scale_block),
+                      view_descriptor(gate_up_weight_view, gate_up, [4, 2, 16, 64]),
+                      view_descriptor(gate_up_scale_view, gate_up_scale, scale_box, scale_block),
                       gate_up_global_scale, h,
                       sorted_slot, block_expert, row_start, row_end, H=hidden, I=inter, TOPK=top_k, BM=bm,
                       SLOT_BLOCKS=slot_blocks, E=num_experts, STAGES=stages, E8M0=gate_up_scale.dtype == torch.int8,
@@ -684,8 +684,8 @@ def linear_v3(x2, words, weight_scale, global_scale, bias, out, partials, counte
                          f"K's {slots} slots; got N={n}, K={k}")
     tokens = x2.shape[0]
     grid = (n // 64, -(-tokens // bm), parts)
-    launch_or_compile(_linear_v3_kernel, grid, x2, weight_descriptor(_linear_weight_view, words, [4 * sps, 32, 64], sps),
-                      weight_descriptor(_linear_scale_view, weight_scale, [sps, 1, 64, 4], sps), global_scale,
+    launch_or_compile(_linear_v3_kernel, grid, x2, view_descriptor(_linear_weight_view, words, [4 * sps, 32, 64], sps),
+                      view_descriptor(_linear_scale_view, weight_scale, [sps, 1, 64, 4], sps), global_scale,
                       out if bias is None else bias, out, partials, out if counters is None else counters, tokens,
                       n, k, BM=bm, PART_SLOTS=slots // parts, STAGES=stages, SPS=sps, HAS_BIAS=bias is not None,
                       SPLIT=parts > 1, SERIAL=counters is not None, num_warps=4)

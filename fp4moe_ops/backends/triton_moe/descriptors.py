@@ -10,10 +10,11 @@ the kernels read (3-4 torch view ops each) as much again. Here:
 * :func:`descriptor`: a descriptor whose geometry (dtype, shape, strides, box, layout, and whether
   its address is 16-byte aligned) Gluon checked once is copied from the first one made, its base
   swapped: Gluon's checks depend on nothing else, so they would pass again;
-* :func:`weight_descriptor`: the descriptor of a view of a whole tensor (a weight in the kernels'
-  view) is copied the same way from the tensor's own geometry, without making the view again:
-  its base is then the tensor itself in the view's dtype. That base has the view's address and
-  dtype, all a launch reads of it (the shape and strides are the descriptor's own).
+* :func:`view_descriptor`: the descriptor of a view of a whole tensor (a weight in the kernels'
+  view, or a prefill's activations by K step) is copied the same way from the tensor's own
+  geometry, without making the view again: its base is then the tensor itself in the view's
+  dtype. That base has the view's address and dtype, all a launch reads of it (the shape and
+  strides are the descriptor's own).
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ def _fields(made: TensorDescriptor) -> dict:
 _VIEWED: dict = {}
 
 
-def weight_descriptor(make_view, tensor, box: list[int], *view_args, swizzle: int = 0) -> TensorDescriptor:
+def view_descriptor(make_view, tensor, box: list[int], *view_args, swizzle: int = 0) -> TensorDescriptor:
     """:func:`descriptor` of ``make_view(tensor, *view_args)``, a view of all of ``tensor``
     starting where it starts (``make_view`` a module-level function); the view is made once per
-    geometry of ``tensor`` (see the module docstring)."""
+    geometry of ``tensor`` (see the module docstring; activations add a geometry per token count,
+    bounded as :func:`descriptor`'s)."""
     geometry = (make_view, view_args, tensor.dtype, tensor.shape, tensor.stride(), *box, swizzle,
                 not tensor.data_ptr() & 15)
     template = _VIEWED.get(geometry)

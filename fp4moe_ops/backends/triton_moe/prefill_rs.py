@@ -49,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .compile_ahead import launch_or_compile
-from .descriptors import descriptor, weight_descriptor
+from .descriptors import view_descriptor
 from .gluon_api import reinterpret, tma_load
 from .kernels import _PAIRED_WORD_TO_BF16
 from .layout import fragment_column, values_per_scale
@@ -515,23 +515,24 @@ def prefill_gemms(x_sorted, gate_up, gate_up_scale, gate_up_global_scale, down, 
     if launches is None:
         launches = split_blocks(block_expert, row_start, row_end, num_experts, block_m, tails)
     w_box = [2, 2, PAIRS.value // 2, BK.value]
-    gate_up_desc = weight_descriptor(gate_up_boxes, gate_up, w_box)
-    down_desc = weight_descriptor(down_boxes, down, w_box)
+    gate_up_desc = view_descriptor(gate_up_boxes, gate_up, w_box)
+    down_desc = view_descriptor(down_boxes, down, w_box)
     # the gate_up GEMM's activation: gpt-oss's, or SiLU (a float32 tensor stands in for gate_up_bias: a worker partition
     # compiles both branches, and the down GEMM's the gate_up GEMM's epilogue too)
     act = gpt_oss.gate_up_args() if gpt_oss is not None else \
         dict(gate_up_bias_ptr=gate_up_global_scale, swiglu_alpha=1.0, limit=1.0, GPT_OSS=False)
+    gate_up_scale_bytes, down_scale_bytes = _scale_bytes(gate_up_scale, scale_block), _scale_bytes(down_scale, scale_block)
     calls = []  # (grid, arguments, constexprs): the gate_up GEMM at each level, then the down GEMM
     for bm, experts, starts, ends in launches:
         calls.append(((-(-inter // 128), experts.numel()),
-                      (descriptor(_by_k_step(x_sorted), [2, bm, BK.value], 128), gate_up_desc,
-                       _scale_bytes(gate_up_scale, scale_block), gate_up_global_scale, h, topk_weights, sorted_slot, experts,
+                      (view_descriptor(_by_k_step, x_sorted, [2, bm, BK.value], swizzle=128), gate_up_desc,
+                       gate_up_scale_bytes, gate_up_global_scale, h, topk_weights, sorted_slot, experts,
                        starts, ends),
                       dict(N_OUT=inter, K=hidden, S_ROW=gate_up_scale.shape[-1], EXPERT_PAIR_ROWS=inter, GATE_UP=True,
                            BLOCK_M=bm, **act)))
     for bm, experts, starts, ends in launches:
         calls.append(((-(-hidden // 256), experts.numel()),
-                      (descriptor(_by_k_step(h), [2, bm, BK.value], 128), down_desc, _scale_bytes(down_scale, scale_block),
+                      (view_descriptor(_by_k_step, h, [2, bm, BK.value], swizzle=128), down_desc, down_scale_bytes,
                        down_global_scale, y, topk_weights, sorted_slot, experts, starts, ends),
                       dict(N_OUT=hidden, K=inter, S_ROW=down_scale.shape[-1], EXPERT_PAIR_ROWS=hidden // 2,
                            GATE_UP=False, BLOCK_M=bm, **act)))
