@@ -15,8 +15,8 @@ DeepSeek-V3's), random NVFP4 weights on the ``triton`` backend:
   ``bench_moe.grouped_mm_moe``), the baseline whose host time BF16's slower kernels hide;
 * with ``--model-layers 1,2``: the host's time per eager forward of Qwen3-30B-A3B cut to that many
   decoder layers (``DynamicCache``, as ``generate()``'s prefill runs it), HF BF16 and after
-  ``patch_moe``, GPU kept busy the same way: the step between the depths is one decoder layer's host
-  time, Transformers' attention and norms included;
+  ``patch_moe`` (also with every launch through Triton's own call), GPU kept busy the same way: the
+  step between the depths is one decoder layer's host time, Transformers' attention and norms included;
 * inclusive host time in the functions of the op's launch path (wrapped in place while timing:
   ``kernel_config``, ``route``, ``prefill_gemms``, the descriptors, ``_sum_topk`` and each kernel
   launch by kernel name); nested functions count in their callers too. What the op's dispatch and
@@ -135,16 +135,22 @@ def model_host_ms(layers: int, tokens: int, calls: int, cuda: bool = True) -> di
     def forward(*_):
         model(prompt, use_cache=True, logits_to_keep=1)  # (the model makes its own DynamicCache)
 
+    from fp4moe_ops import relaunch
+
     out = {}
     with torch.no_grad():
-        for variant in ("bf16", "fp4moe"):
+        for variant in ("bf16", "fp4moe", "fp4moe, relaunch off"):
             if variant == "fp4moe":
                 patch_moe(model, verbose=False)
-            for _ in range(3):  # warm-up (fp4moe's first call compiles its kernels)
-                forward()
-            if cuda:
-                torch.cuda.synchronize()
-            us, waited = host_us(forward, [(None, None, None)], calls, cuda)
+            relaunch.ENABLED = False if variant.endswith("off") else None
+            try:
+                for _ in range(3):  # warm-up (fp4moe's first call compiles its kernels)
+                    forward()
+                if cuda:
+                    torch.cuda.synchronize()
+                us, waited = host_us(forward, [(None, None, None)], calls, cuda)
+            finally:
+                relaunch.ENABLED = None
             out[variant] = (us / 1e3, waited)
     return out
 
@@ -219,13 +225,13 @@ def main() -> None:
             torch.cuda.empty_cache()
         print(f"\nhost ms per eager forward of Qwen3-30B-A3B{'' if cuda else ' (tiny shapes)'}, {args.model_tokens} tokens, "
               "by depth (GPU kept busy):")
-        print("| layers | HF BF16 | fp4moe |\n|---:|---:|---:|")
+        print("| layers | HF BF16 | fp4moe | fp4moe, FP4MOE_RELAUNCH=0 |\n|---:|---:|---:|---:|")
         for layers in (int(n) for n in args.model_layers.split(",")):
             row = model_host_ms(layers, args.model_tokens, MODEL_CALLS, cuda)
             if cuda:
                 torch.cuda.empty_cache()
             print(f"| {layers} | " + " | ".join(f"{ms:.2f}{' (waited)' if waited else ''}" for ms, waited in
-                                                 (row["bf16"], row["fp4moe"])) + " |", flush=True)
+                                                 (row["bf16"], row["fp4moe"], row["fp4moe, relaunch off"])) + " |", flush=True)
 
 
 if __name__ == "__main__":
