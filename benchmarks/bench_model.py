@@ -2,7 +2,8 @@
 top-8; random weights in the real shapes), HF BF16 and fp4moe side by side in one process.
 
     python benchmarks/bench_model.py [--layers 48] [--batches 1,32] [--prompts 4096,16384] [--prefill-chunk N]
-        [--variants bf16,fp4moe,fp4moe-attn] [--requests 16,64] [--checkpoint DIR] [--out benchmarks/out]
+        [--variants bf16,fp4moe,fp4moe-attn] [--requests 16,64] [--eager-decode] [--checkpoint DIR]
+        [--out benchmarks/out]
     python benchmarks/bench_model.py --tiny --layers 2     # the same code path on a CPU, small shapes
 
 Variants, in this order on the same weights (each on top of the last):
@@ -26,6 +27,9 @@ Per variant:
   of the difference are both on the table. (Subtracting the times of two calls of different
   lengths, as :func:`bench_e2e.time_generate` does, erred here by up to 154 ms over 16 steps and once
   gave a negative rate: the two calls do not cost the same apart from their steps.)
+* with ``--eager-decode``, the same at batch 1 with ``generate()`` uncompiled (Transformers'
+  default: a dynamic cache, every kernel launched from the host each step), where the host's time
+  per layer, the op's launches included, sets the step;
 * the CUDA graphs torch.compile recorded over the variant's ``generate()`` calls (the per-step
   reading's included), and the steps it
   ran without one (:func:`bench_e2e.cuda_graph_counts`): a step recorded again and again, or run
@@ -178,6 +182,8 @@ def main() -> None:
                     help="also time the first token with Transformers' compiled chunked prefill, N tokens a chunk")
     ap.add_argument("--variants", default="bf16,fp4moe,fp4moe-attn")
     ap.add_argument("--requests", default="", help="concurrent generate_batch requests, e.g. 16,64")
+    ap.add_argument("--eager-decode", action="store_true",
+                    help="also the batch-1 step of an uncompiled generate() (Transformers' default)")
     ap.add_argument("--checkpoint", type=Path, default=None,
                     help="save each kind (HF BF16, fp4moe) under this folder, load it back, delete it")
     ap.add_argument("--tiny", action="store_true", help="small dimensions on the CPU, uncompiled (a smoke test)")
@@ -247,6 +253,10 @@ def main() -> None:
                         record(variant, f"generate() steps 2-{SKIP}, mean, batch {b}{label} (ms)", steps["early"])
         for what, n in graphs.items():
             record(variant, f"compiled steps over its generate() calls: {what}", n)
+        if args.eager_decode:
+            steps = generate_step_ms(model, 1, args.new_tokens, skip=SKIP, compiled=False)
+            record(variant, "uncompiled generate() step, median, batch 1 (ms)", steps["step"])
+            record(variant, "uncompiled decode tokens/s, batch 1", 1e3 / steps["step"])
         if cuda:
             record(variant, "peak GPU memory, decoding (GB)", torch.cuda.max_memory_allocated() / 1e9)
             torch._dynamo.reset()
