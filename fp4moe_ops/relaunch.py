@@ -16,16 +16,18 @@ The key is made so that two calls under one key always get the same compiled ker
 * ``constexpr``: its value;
 * a tensor: its dtype and whether its address is a multiple of 16 (Triton's ``D`` attribute);
 * an int: whether it is 1 (Triton makes 1 a constant), a multiple of 16, and its width (i32,
-  i64, u64), whether or not the parameter is specialized;
+  i64, u64, or too wide, which Triton refuses), whether or not the parameter is specialized;
 * a float, a bool, None: the type (Triton specializes floats and bools by type, None as a constant);
 * a tensor descriptor: its class, element dtype, block shape and every other field but the base,
   shape and strides (the layout, padding); Triton keys descriptors by dtype, block and layout;
 * anything else: the launch goes through Triton every time.
 
-Also in the key: the device, the option keywords (``num_warps``...), and the knobs Triton reads
-into its options at each call (debug, instrumentation). Not repeated on the fast path: Triton's
-check that the kernel's globals kept their values since it compiled (ours are module constants),
-the pre-run hooks and the stage-inspection hook (with either, every launch goes through Triton).
+Also in the key: the device, the option keywords (``num_warps``... with their types), the kernel's
+``debug`` and the knobs Triton reads into its options at each call (debug, instrumentation). The
+globals the kernel read when it compiled are compared by identity before each fast launch (where
+one changed, Triton's run decides: it raises). Calls of kernels with ``*args`` or keyword-only
+parameters, calls with more positional arguments than parameters or a parameter given twice,
+and kernels with pre-run hooks or a stage-inspection hook set go through Triton every time.
 Launch hooks (profilers) still run: the launcher gets Triton's launch metadata and hooks as from ``run``.
 ``tools/relaunch_cpu.py`` checks on a CPU, against Triton's own launches, that both paths launch
 the same compiled kernel with the same arguments (MoE calls, a linear, the routing ops, and
@@ -54,7 +56,7 @@ except ImportError:  # pragma: no cover - the package imports without Triton
 ENABLED = None  # FP4MOE_RELAUNCH, read at the first launch
 _UNUSABLE = object()  # a plan for calls the fast path does not take
 _plans: dict = {}  # (id(kernel), positional count, keyword names) -> (kernel, its binder (_binder) or _UNUSABLE)
-_compiled: dict = {}  # key -> Triton's compiled kernel for it
+_compiled: dict = {}  # key -> (Triton's compiled kernel for it, the globals it read: (dict, name, value))
 _lock = threading.Lock()
 
 
@@ -83,18 +85,24 @@ def launch(kernel, grid, args: tuple, kwargs: dict) -> None:
         return
     values, key = bind(args, kwargs)
     device = driver.active.get_current_device()
-    key = (key, device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+    key = (key, device, kernel.debug or knobs.runtime.debug, knobs.compilation.instrumentation_mode,
            getattr(knobs.compilation, "fpsan_homomorphic_casts", None))
     try:
-        compiled = _compiled.get(key)
+        entry = _compiled.get(key)
     except TypeError:  # an unhashable constexpr, or an argument of a kind the key does not cover
-        compiled = key = None
-    if compiled is None:
+        entry = key = None
+    # the kernel's globals, by identity with what they held when cached (where one changed, Triton's
+    # run decides: it raises)
+    if entry is None or any(where.get(name, _UNUSABLE) is not value for where, name, value in entry[1]):
         compiled = kernel[grid](*args, **kwargs)  # Triton's run: compiles if needed, checks, launches
         if key is not None and isinstance(compiled, CompiledKernel):
+            # (the objects the globals hold now, which Triton's run has just found equal to those it
+            # compiled with: Triton keeps copies, which an identity test would never match)
+            used = tuple((where, name, where.get(name, _UNUSABLE)) for (name, _), (_, where) in kernel.used_global_vals.items())
             with _lock:
-                _compiled[key] = compiled
+                _compiled[key] = (compiled, used)
         return
+    compiled = entry[0]
     stream = driver.active.get_current_stream(device)
     grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
     compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
@@ -113,9 +121,14 @@ def _binder(kernel, num_args: int, kwargs: dict):
     positional arguments and these keywords (as Triton generates its own binder); _UNUSABLE where
     a keyword is neither a parameter nor a known option (such a call goes to Triton, which says what
     is wrong) or a parameter has no value."""
+    import inspect
+
     names = [p.name for p in kernel.params]
-    if any(name not in names and name not in _OPTIONS for name in kwargs) or "debug" in kwargs:
-        return _UNUSABLE
+    kinds = [param.kind for param in kernel.signature.parameters.values()]
+    if any(kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for kind in kinds) or num_args > len(names) \
+            or any(name not in names and name not in _OPTIONS for name in kwargs) or "debug" in kwargs \
+            or any(name in kwargs for name in names[:num_args]):
+        return _UNUSABLE  # (*args or keyword-only parameters, or a call Triton refuses: Triton's path)
     namespace = {"spec": _spec, "Tensor": torch.Tensor}
     reads, keys = [], [str(id(kernel))]  # (the binder belongs to this kernel: see launch)
     for p in kernel.params:
@@ -133,9 +146,9 @@ def _binder(kernel, num_args: int, kwargs: dict):
         v = f"v{p.num}"
         keys.append(v if p.is_constexpr else
                     f"((({v}.dtype, not {v}.data_ptr() & 15) if {v}.__class__ is Tensor else "
-                    f"({v} == 1, not {v} & 15, {_I32_LOW} <= {v} < {_I32_HIGH}, {v} < {_U64}) if {v}.__class__ is int "
+                    f"({v} == 1, not {v} & 15) if {v}.__class__ is int and {_I32_LOW} <= {v} < {_I32_HIGH} "
                     f"else spec({v})))")
-    keys += [f"({name!r}, kwargs[{name!r}])" for name in kwargs if name in _OPTIONS]
+    keys += [f"({name!r}, kwargs[{name!r}].__class__, kwargs[{name!r}])" for name in kwargs if name in _OPTIONS]
     values = ", ".join(f"v{p.num}" for p in kernel.params)
     source = "def bind(args, kwargs):\n    " + "\n    ".join(reads) + \
         f"\n    return ({values},), ({', '.join(keys)},)\n"
@@ -144,7 +157,7 @@ def _binder(kernel, num_args: int, kwargs: dict):
 
 
 _Tensor = torch.Tensor if triton is not None else None
-_I32_LOW, _I32_HIGH, _U64 = -(1 << 31), 1 << 31, 1 << 63
+_I32_LOW, _I32_HIGH = -(1 << 31), 1 << 31
 _DESCRIPTOR_FIELDS: dict = {}  # descriptor class -> the fields in its key (None: not a descriptor)
 
 
@@ -154,8 +167,11 @@ def _spec(x):
     if isinstance(x, _Tensor):
         return x.dtype, not x.data_ptr() & 15
     kind = x.__class__
-    if kind is int:
-        return x == 1, not x & 15, _I32_LOW <= x < _I32_HIGH, x < _U64
+    if kind is int:  # (an i32 is keyed inline by the binder, as (x == 1, x % 16 == 0))
+        if _I32_LOW <= x < _I32_HIGH:
+            return x == 1, not x & 15
+        width = "i64" if -(1 << 63) <= x < 1 << 63 else "u64" if 0 <= x < 1 << 64 else "too wide"
+        return width, not x & 15
     if kind is float or kind is bool or x is None:
         return kind
     fields = _DESCRIPTOR_FIELDS.get(kind, ())
@@ -182,7 +198,8 @@ def _descriptor_fields(kind):
 
 
 # Triton's cdiv and next_power_of_2 are constexpr functions that cost ~2 us a call on the host
-# (3.6-3.9, a CPU): the launch arguments computed per call use these instead (same values)
+# (3.6-3.9, a CPU): the launch arguments computed per call use these instead (the same values for
+# the positive divisors and the sizes they take)
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

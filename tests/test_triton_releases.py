@@ -81,6 +81,10 @@ def test_gluon_renames_resolve_to_gluon_builtins():
     assert "removed" not in (gluon_api.tma_load.__doc__ or "")
 
 
+def _flat_words(t):  # (a view function for the test below)
+    return t.reshape(-1).view(torch.int32)
+
+
 def test_descriptors_equal_gluons_own_and_are_checked_per_geometry():
     # descriptors.descriptor copies a descriptor Gluon made and checked for the same geometry: every
     # field must equal what Gluon's from_tensor makes for this view, the base is this view, and a view
@@ -130,6 +134,17 @@ def test_descriptors_equal_gluons_own_and_are_checked_per_geometry():
             for f in fields(TensorDescriptor):
                 if f.name != "base":
                     assert getattr(got, f.name) == getattr(want, f.name), (view_fn, f.name)
+    # a view function that reaches its dtype only after a reshape the tensor itself could not take:
+    # nothing kept, each call makes the view
+    for _ in range(2):
+        tensor = torch.zeros(128, 2, dtype=torch.uint8)
+        got, want = descriptors.view_descriptor(_flat_words, tensor, [64]), gluons(_flat_words(tensor), [64])
+        assert got.block_shape == want.block_shape and got.base.dtype == torch.int32
+    # a caller's box list changed after its call does not change later copies
+    box, view = [1, 8, 64], storage[:3 * 64 * 64].view(3, 64, 64)  # (a geometry not seen above)
+    descriptors.descriptor(view, box)
+    box[1] = 32
+    assert descriptors.descriptor(view, [1, 8, 64]).block_shape == [1, 8, 64]
     # the caches keep no tensor: a weight and an activation seen once are freed with their last reference
     import gc
     import weakref

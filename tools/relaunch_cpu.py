@@ -14,7 +14,11 @@ called). The three records must be equal: the launcher (one per compiled kernel)
 stream, and each argument (a tensor by dtype, shape, strides and storage offset, a descriptor by
 its fields and its base's dtype and offset, a number by value). Then a small kernel is launched with arguments that Triton
 specializes differently (an address off 16 bytes, ints 1 / 16 / 17 / 2^31, a dtype, None, a
-constexpr), each must get the compiled kernel Triton's own call picks. ``--time``: the host
+constexpr), each must get the compiled kernel Triton's own call picks; calls Triton refuses (an
+unknown keyword, an extra argument, a parameter given twice, a float ``num_warps``, an int wider
+than 64 bits) must raise Triton's error both ways, also after a valid call of the same kind; and
+after the kernel's ``debug`` flag or a global it reads changes, relaunch must do what Triton does
+(launch the debug kernel; raise). ``--time``: the host
 microseconds a launch takes both ways (median), per kernel.
 """
 
@@ -173,10 +177,13 @@ def layer_calls(shape: str, tokens: list[int]) -> dict:
     return calls
 
 
+_TOY_SCALE = tl.constexpr(2)  # (a global the kernel reads: check_specializations changes it)
+
+
 @triton.jit
 def _toy(x_ptr, y_ptr, n, f, flag, z_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    v = tl.load(x_ptr + offs, mask=offs < n).to(tl.float32)
+    v = tl.load(x_ptr + offs, mask=offs < n).to(tl.float32) * _TOY_SCALE
     if z_ptr is not None:
         v += tl.load(z_ptr + offs, mask=offs < n).to(tl.float32)
     if flag:
@@ -220,18 +227,54 @@ def check_specializations() -> bool:
             if got != {expected} or len(RECORD) != 2:
                 print(f"BLOCK={block}, {label}: relaunch reached {len(got)} kernels, not Triton's: WRONG")
                 ok = False
-    # a keyword that is neither a parameter nor an option: Triton's own error, both ways
-    errors = []
-    for enabled in (False, True):
-        relaunch.ENABLED = enabled
+    # calls Triton refuses, each after a valid call of the same kind was kept: Triton's own error,
+    # both ways
+    aligned = cases["aligned"]
+    refused = {
+        "an unknown keyword": (aligned, {"BLOCK": 64, "BLOK": 64}),
+        "an extra positional argument": ((*aligned, 64, "junk"), {}),
+        "a parameter given twice": (aligned, {"n": 9, "BLOCK": 64}),
+        "num_warps as a float": (aligned, {"BLOCK": 64, "num_warps": 4.0}),
+        "an int wider than 64 bits": ((buf16, y, (1 << 64) + 16, 2.0, True, None), {"BLOCK": 64}),
+    }
+    relaunch.ENABLED = True
+    relaunch.launch(_toy, (1,), aligned, {"BLOCK": 64, "num_warps": 4})
+    relaunch.launch(_toy, (1,), (buf16, y, 1 << 63, 2.0, True, None), {"BLOCK": 64})  # (a u64, kept)
+    for label, (args, kwargs) in refused.items():
+        errors = []
+        for enabled in (False, True):
+            relaunch.ENABLED = enabled
+            try:
+                relaunch.launch(_toy, (1,), args, kwargs)
+                errors.append(None)
+            except Exception as exc:  # noqa: BLE001 - the error itself is compared
+                errors.append(type(exc))
+        if errors[0] is None or errors[0] != errors[1]:
+            print(f"{label}: {errors[0]} through Triton, {errors[1]} through relaunch: WRONG")
+            ok = False
+    # what Triton's run reads per call besides the arguments: the kernel's debug flag, its globals
+    for label, change, undo in (("kernel.debug set", lambda: setattr(_toy, "debug", True),
+                                 lambda: setattr(_toy, "debug", None)),
+                                ("a global the kernel read changed", lambda: globals().update(_TOY_SCALE=tl.constexpr(3)),
+                                 lambda: globals().update(_TOY_SCALE=tl.constexpr(2)))):
+        relaunch.ENABLED = True
+        relaunch.launch(_toy, (1,), aligned, {"BLOCK": 64})  # (kept before the change)
+        change()
         try:
-            relaunch.launch(_toy, (1,), cases["aligned"], {"BLOCK": 64, "BLOK": 64})
-            errors.append(None)
-        except Exception as exc:  # noqa: BLE001 - the error itself is compared
-            errors.append(type(exc))
-    if errors[0] is None or errors[0] != errors[1]:
-        print(f"an unknown keyword raised {errors[0]} through Triton and {errors[1]} through relaunch: WRONG")
-        ok = False
+            outcomes = []
+            for enabled in (False, True):
+                relaunch.ENABLED = enabled
+                RECORD.clear()
+                try:
+                    relaunch.launch(_toy, (1,), aligned, {"BLOCK": 64})
+                    outcomes.append(RECORD[-1][0] if RECORD else None)
+                except Exception as exc:  # noqa: BLE001 - the error itself is compared
+                    outcomes.append(type(exc))
+        finally:
+            undo()
+        if outcomes[0] != outcomes[1]:
+            print(f"{label}: Triton {outcomes[0]}, relaunch {outcomes[1]}: WRONG")
+            ok = False
     kernels = len({r for c in _toy.device_caches.values() for r in c[0].values()})
     print(f"specializations: {len(cases)} cases x 2 block sizes, {kernels} compiled kernels, "
           f"{'each relaunched as Triton launches it' if ok else 'WRONG'}")

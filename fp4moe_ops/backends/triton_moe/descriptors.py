@@ -55,7 +55,9 @@ def descriptor(view, box: list[int], swizzle: int = 0) -> TensorDescriptor:
 
 
 def _fields(made: TensorDescriptor) -> dict:
-    return {name: value for name, value in made.__dict__.items() if name != "base"}
+    # (the block shape copied: the caller's list, were it changed later, would change every copy)
+    return {name: list(value) if name == "block_shape" else value for name, value in made.__dict__.items()
+            if name != "base"}
 
 
 # (view function, its arguments, box, the tensor's geometry) -> (the view's dtype, its descriptor's
@@ -74,7 +76,7 @@ def view_descriptor(make_view, tensor, box: list[int], *view_args, swizzle: int 
     if template is None:
         view = make_view(tensor, *view_args)
         made = descriptor(view, box, swizzle)
-        if view.data_ptr() == tensor.data_ptr() and hasattr(made, "__dict__"):
+        if view.data_ptr() == tensor.data_ptr() and hasattr(made, "__dict__") and _views_as(tensor, view.dtype):
             if len(_VIEWED) >= _CHECKED_MAX:
                 _VIEWED.clear()
             _VIEWED[geometry] = (view.dtype, _fields(made))
@@ -83,3 +85,12 @@ def view_descriptor(make_view, tensor, box: list[int], *view_args, swizzle: int 
     made = object.__new__(TensorDescriptor)
     made.__dict__.update(fields, base=tensor if tensor.dtype == dtype else tensor.view(dtype))
     return made
+
+
+def _views_as(tensor, dtype) -> bool:
+    """Whether ``tensor.view(dtype)`` (a copy's base) works: a view function may reach the view's
+    dtype after a reshape that the tensor itself could not take."""
+    try:
+        return tensor.view(dtype).data_ptr() == tensor.data_ptr()
+    except RuntimeError:
+        return False
