@@ -83,11 +83,14 @@ def check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, others=
             f"{topk_weights.dtype} {list(topk_weights.shape)}"
         )
     device = hidden_states.device
-    named = [("topk_ids", topk_ids), ("topk_weights", topk_weights)]
-    named += [(f"expert_tensors[{i}]", x) for i, x in enumerate(expert_tensors)]
-    for name, x in [*named, *others]:
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but hidden_states is on {device} (fp4moe backend {backend!r})")
+    # (names made only for the error: this runs on every call)
+    if topk_ids.device != device or topk_weights.device != device or any(x.device != device for x in expert_tensors) \
+            or any(x.device != device for _, x in others):
+        named = [("topk_ids", topk_ids), ("topk_weights", topk_weights)]
+        named += [(f"expert_tensors[{i}]", x) for i, x in enumerate(expert_tensors)]
+        for name, x in [*named, *others]:
+            if x.device != device:
+                raise ValueError(f"{name} is on {x.device} but hidden_states is on {device} (fp4moe backend {backend!r})")
 
 
 @torch.library.custom_op("fp4moe::fused_moe", mutates_args=())
