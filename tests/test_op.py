@@ -248,6 +248,9 @@ def test_a_device_mismatch_names_the_argument_and_the_backend():
     with pytest.raises(ValueError, match=r"topk_weights is on meta but hidden_states is on cpu \(fp4moe backend "
                                          r"'reference'\)"):
         fp4moe_ops.fused_moe(x, ids, rw.to("meta"), tensors, None, None, "reference")
+    moved = [t.to("meta") if i == 4 else t for i, t in enumerate(tensors)]
+    with pytest.raises(ValueError, match=r"expert_tensors\[4\] is on meta but hidden_states is on cpu"):
+        fp4moe_ops.fused_moe(x, ids, rw, moved, None, None, "reference")
     q = nvfp4.quantize_nvfp4(torch.randn(32, 64))
     with pytest.raises(ValueError, match=r"global_scale is on meta but x is on cpu \(nvfp4_linear backend "
                                          r"'reference'\)"):
