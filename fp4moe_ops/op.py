@@ -83,14 +83,11 @@ def check_routing(hidden_states, topk_ids, topk_weights, expert_tensors, others=
             f"{topk_weights.dtype} {list(topk_weights.shape)}"
         )
     device = hidden_states.device
-    # (names made only for the error: this runs on every call)
-    if topk_ids.device != device or topk_weights.device != device or any(x.device != device for x in expert_tensors) \
-            or any(x.device != device for _, x in others):
-        named = [("topk_ids", topk_ids), ("topk_weights", topk_weights)]
-        named += [(f"expert_tensors[{i}]", x) for i, x in enumerate(expert_tensors)]
-        for name, x in [*named, *others]:
-            if x.device != device:
-                raise ValueError(f"{name} is on {x.device} but hidden_states is on {device} (fp4moe backend {backend!r})")
+    for i, x in enumerate((topk_ids, topk_weights, *expert_tensors, *(t for _, t in others))):
+        if x.device != device:  # (the names made only here: this loop runs on every call)
+            names = ["topk_ids", "topk_weights", *(f"expert_tensors[{j}]" for j in range(len(expert_tensors))),
+                     *(name for name, _ in others)]
+            raise ValueError(f"{names[i]} is on {x.device} but hidden_states is on {device} (fp4moe backend {backend!r})")
 
 
 @torch.library.custom_op("fp4moe::fused_moe", mutates_args=())

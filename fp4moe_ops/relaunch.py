@@ -156,7 +156,6 @@ def _binder(kernel, num_args: int, kwargs: dict):
     return namespace["bind"]
 
 
-_Tensor = torch.Tensor if triton is not None else None
 _I32_LOW, _I32_HIGH = -(1 << 31), 1 << 31
 _DESCRIPTOR_FIELDS: dict = {}  # descriptor class -> the fields in its key (None: not a descriptor)
 
@@ -164,12 +163,10 @@ _DESCRIPTOR_FIELDS: dict = {}  # descriptor class -> the fields in its key (None
 def _spec(x):
     """A non-constexpr argument's part of the key (the module docstring); an unhashable list where
     the key does not cover its kind (the lookup fails: Triton's path)."""
-    if isinstance(x, _Tensor):
+    if isinstance(x, torch.Tensor):  # (a subclass: the binder keys plain tensors inline)
         return x.dtype, not x.data_ptr() & 15
     kind = x.__class__
-    if kind is int:  # (an i32 is keyed inline by the binder, as (x == 1, x % 16 == 0))
-        if _I32_LOW <= x < _I32_HIGH:
-            return x == 1, not x & 15
+    if kind is int:  # (one outside i32: the binder keys those inline, as (x == 1, x % 16 == 0))
         width = "i64" if -(1 << 63) <= x < 1 << 63 else "u64" if 0 <= x < 1 << 64 else "too wide"
         return width, not x & 15
     if kind is float or kind is bool or x is None:

@@ -49,8 +49,13 @@ def descriptor(view, box: list[int], swizzle: int = 0) -> TensorDescriptor:
         if hasattr(made, "__dict__"):
             _CHECKED[geometry] = _fields(made)
         return made
+    return _copy(template, view)
+
+
+def _copy(fields: dict, base) -> TensorDescriptor:
+    """A descriptor with ``fields`` (:func:`_fields`) and ``base``, without Gluon's checks."""
     made = object.__new__(TensorDescriptor)
-    made.__dict__.update(template, base=view)
+    made.__dict__.update(fields, base=base)
     return made
 
 
@@ -82,9 +87,7 @@ def view_descriptor(make_view, tensor, box: list[int], *view_args, swizzle: int 
             _VIEWED[geometry] = (view.dtype, _fields(made))
         return made
     dtype, fields = template
-    made = object.__new__(TensorDescriptor)
-    made.__dict__.update(fields, base=tensor if tensor.dtype == dtype else tensor.view(dtype))
-    return made
+    return _copy(fields, tensor if tensor.dtype == dtype else tensor.view(dtype))
 
 
 def _views_as(tensor, dtype) -> bool:

@@ -42,7 +42,6 @@ Triton 3.9 renamed the TMA copy, so the CPU CI does not compile these kernels).
 
 from __future__ import annotations
 
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
