@@ -2,8 +2,8 @@
 top-8; random weights in the real shapes), HF BF16 and fp4moe side by side in one process.
 
     python benchmarks/bench_model.py [--layers 48] [--batches 1,32] [--prompts 4096,16384] [--prefill-chunk N]
-        [--variants bf16,fp4moe,fp4moe-attn] [--requests 16,64] [--eager-decode] [--checkpoint DIR]
-        [--out benchmarks/out]
+        [--variants bf16,fp4moe,fp4moe-attn] [--requests 16,64] [--eager-decode] [--relaunch-off]
+        [--checkpoint DIR] [--out benchmarks/out]
     python benchmarks/bench_model.py --tiny --layers 2     # the same code path on a CPU, small shapes
 
 Variants, in this order on the same weights (each on top of the last):
@@ -44,7 +44,10 @@ Per variant:
   prefill runs eagerly, as ``generate()`` runs it), median of 3 after a warm-up; with
   ``--prefill-chunk N`` also through Transformers' chunked prefill, which runs the prompt through
   the compiled model N tokens a call (the eager prefill's host time per layer is what sets
-  fp4moe's first token at 4096 tokens: RESULTS.md);
+  fp4moe's first token at 4096 tokens: RESULTS.md); an empty ``--batches=`` times first tokens
+  without the decode timings;
+* with ``--relaunch-off``, fp4moe's first tokens and uncompiled step also with every kernel launched
+  through Triton's own call (``FP4MOE_RELAUNCH=0``, :mod:`fp4moe_ops.relaunch`), in the same process;
 * ``generate_batch`` tokens/s with each of ``--requests`` concurrent requests
   (:func:`bench_generate_batch.time_generate_batch`: 128-token prompts, 128 new tokens);
 * peak GPU memory (``max_memory_allocated``) over the variant's decoding, and over all its runs
@@ -118,6 +121,18 @@ def time_to_first_token_ms(model, tokens: int, repeats: int = 3, chunk: int = 0)
     return statistics.median(times) * 1e3
 
 
+@contextlib.contextmanager
+def relaunch_off():
+    """Every fp4moe kernel launched through Triton's own call while active (``FP4MOE_RELAUNCH=0``)."""
+    from fp4moe_ops import relaunch
+
+    relaunch.ENABLED = False
+    try:
+        yield
+    finally:
+        relaunch.ENABLED = None  # read again from the environment at the next launch
+
+
 def greedy(model, new_tokens: int = 8) -> torch.Tensor:
     prompt = torch.randint(1, min(1000, model.config.vocab_size), (2, 12), generator=torch.Generator().manual_seed(7))
     prompt = prompt.to(model.device)
@@ -182,6 +197,8 @@ def main() -> None:
                     help="also time the first token with Transformers' compiled chunked prefill, N tokens a chunk")
     ap.add_argument("--variants", default="bf16,fp4moe,fp4moe-attn")
     ap.add_argument("--requests", default="", help="concurrent generate_batch requests, e.g. 16,64")
+    ap.add_argument("--relaunch-off", action="store_true",
+                    help="fp4moe's first tokens also with every launch through Triton's own call (FP4MOE_RELAUNCH=0)")
     ap.add_argument("--eager-decode", action="store_true",
                     help="also the batch-1 step of an uncompiled generate() (Transformers' default)")
     ap.add_argument("--checkpoint", type=Path, default=None,
@@ -200,7 +217,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]  # empty: no decode timings (first tokens only)
     prompts = [int(p) for p in args.prompts.split(",") if p]
     requests = [int(r) for r in args.requests.split(",") if r]
     dims = TINY if args.tiny else QWEN3_30B_A3B
@@ -257,6 +274,10 @@ def main() -> None:
             steps = generate_step_ms(model, 1, args.new_tokens, skip=SKIP, compiled=False)
             record(variant, "uncompiled generate() step, median, batch 1 (ms)", steps["step"])
             record(variant, "uncompiled decode tokens/s, batch 1", 1e3 / steps["step"])
+            if args.relaunch_off and variant != "bf16":
+                with relaunch_off():
+                    steps = generate_step_ms(model, 1, args.new_tokens, skip=SKIP, compiled=False)
+                record(variant, "uncompiled generate() step, median, batch 1, FP4MOE_RELAUNCH=0 (ms)", steps["step"])
         if cuda:
             record(variant, "peak GPU memory, decoding (GB)", torch.cuda.max_memory_allocated() / 1e9)
             torch._dynamo.reset()
@@ -269,6 +290,10 @@ def main() -> None:
                     model.set_experts_implementation("grouped_mm")
         for p in prompts:
             record(variant, f"time to first token, {p} tokens (ms)", time_to_first_token_ms(model, p))
+            if args.relaunch_off and variant != "bf16":
+                with relaunch_off():
+                    record(variant, f"time to first token, {p} tokens, FP4MOE_RELAUNCH=0 (ms)",
+                           time_to_first_token_ms(model, p))
             if args.prefill_chunk:
                 record(variant, f"time to first token, {p} tokens, compiled prefill in chunks of {args.prefill_chunk} (ms)",
                        time_to_first_token_ms(model, p, chunk=args.prefill_chunk))
