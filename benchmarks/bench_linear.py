@@ -32,12 +32,15 @@ from fp4moe_ops import nvfp4  # noqa: E402
 
 # (name, N = out_features, K = in_features): DeepSeek-V3's MLA projections, its shared expert, the
 # MLP of its first three (dense) layers; then Qwen3-MoE's attention (30B-A3B: hidden 2048, 32 query
-# and 4 key/value heads of 128; 235B-A22B: hidden 4096, 64 and 4), k_proj and v_proj alike
+# and 4 key/value heads of 128; 235B-A22B: hidden 4096, 64 and 4), k_proj and v_proj alike. Last,
+# the linears that read one input as one weight (what a fused launch of them would stream; none of
+# the models runs them so today): DeepSeek-V3's q_a_proj + kv_a_proj_with_mqa, Qwen3-30B-A3B's q/k/v
 SHAPES = [("q_a_proj", 1536, 7168), ("q_b_proj", 24576, 1536), ("kv_a_proj_with_mqa", 576, 7168),
           ("kv_b_proj", 32768, 512), ("o_proj", 7168, 16384), ("shared gate_up", 4096, 7168),
           ("shared down", 7168, 2048), ("dense gate_up", 36864, 7168), ("dense down", 7168, 18432),
           ("qwen3-30b q_proj", 4096, 2048), ("qwen3-30b k/v_proj", 512, 2048), ("qwen3-30b o_proj", 2048, 4096),
-          ("qwen3-235b q_proj", 8192, 4096), ("qwen3-235b k/v_proj", 512, 4096), ("qwen3-235b o_proj", 4096, 8192)]
+          ("qwen3-235b q_proj", 8192, 4096), ("qwen3-235b k/v_proj", 512, 4096), ("qwen3-235b o_proj", 4096, 8192),
+          ("q_a + kv_a as one", 2112, 7168), ("qwen3-30b q/k/v as one", 5120, 2048)]
 
 
 def time_ms(fn, inputs, cuda: bool) -> float:
@@ -107,7 +110,7 @@ def main():
         if wanted and name not in wanted:
             continue
         if args.small:
-            n, k = max(64, n // 8), max(256, k // 8)
+            n, k = max(64, n // 8 // 64 * 64), max(256, k // 8)  # (N a multiple of 64, as the kernels tile it)
         fp4_bytes = n * k * 0.5625
         weights = weight_copies(n, k, device)
         copies = len(weights)
