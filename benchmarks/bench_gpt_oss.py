@@ -43,8 +43,9 @@ at full depth on one 80 GB GPU (``--parts e2e --model 120b --layers 36 --variant
 --cache-len 32768``: a static KV cache of 32k tokens, 1.2 GB, which each decoding step's attention
 reads whole; batch 32 would need 39 GB of it, more than is left. Transformers' gpt-oss has no SDPA,
 and its eager attention would hold a 32k-token prompt's scores, 64 x 32k x 32k, so the prompt stays
-short). Compiled greedy ``generate()`` with
-a static cache (``generation_config.cache_implementation = "static"``, CompileConfig(fullgraph,
+short; ``--also-attn flex_attention`` times fp4moe's rows again on the same model with Transformers'
+flex attention, which reads the cache without expanding it to every query head). Compiled greedy
+``generate()`` with a static cache (``generation_config.cache_implementation = "static"``, CompileConfig(fullgraph,
 "reduce-overhead"): CUDA graphs), batch 1 and 32, a prompt of 128 random tokens, 64 new tokens:
 
 * ``HF BF16``: Transformers' experts with ``experts_implementation="grouped_mm"``. ``generate()``
@@ -611,6 +612,15 @@ def e2e_part(args, result: dict, save) -> None:
                 part["notes"].append(f"batch {b}: fp4moe's greedy tokens equal BF16's for the first "
                                      f"{same.min().item()}-{same.max().item()} of {1 + new} tokens (per row, min-max)")
         save()
+        if args.also_attn:  # the same model and weights, another attention (no second build)
+            forget_compiled(model)
+            try:
+                model.set_attn_implementation(args.also_attn)
+            except Exception as exc:  # noqa: BLE001  (Transformers refuses an implementation the model lacks)
+                part["notes"].append(f"--also-attn {args.also_attn}: {type(exc).__name__}: {str(exc)[:200]}")
+                log(part["notes"][-1])
+            else:
+                rows(f"fp4moe {name}, attention {args.also_attn}")
     forget_compiled(model)
 
 
@@ -661,6 +671,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-len", type=int, default=None,
                     help="part 2's static KV cache length (Transformers' generation_config.max_cache_len); "
                          "default: the prompt and the new tokens")
+    ap.add_argument("--also-attn", default=None, metavar="IMPL",
+                    help="part 2: fp4moe's rows again with this attention implementation (e.g. flex_attention), "
+                         "set on the same model")
     ap.add_argument("--attn", default=None, help="part 2's attention implementation (default: Transformers' for gpt-oss, "
                     "eager; e.g. flex_attention)")
     ap.add_argument("--bf16-decode", choices=("transformers", "grouped_mm"), default="transformers",
