@@ -43,10 +43,13 @@ at full depth on one 80 GB GPU (``--parts e2e --model 120b --layers 36 --variant
 --cache-len 32768``: a static KV cache of 32k tokens, 1.2 GB, which each decoding step's attention
 reads whole; batch 32 would need 39 GB of it, more than is left. Transformers' gpt-oss has no SDPA,
 and its eager attention would hold a 32k-token prompt's scores, 64 x 32k x 32k, so the prompt stays
-short; ``--also-attn flex_attention`` times fp4moe's rows again on the same model with Transformers'
-flex attention, which reads the cache without expanding it to every query head). Compiled greedy
-``generate()`` with a static cache (``generation_config.cache_implementation = "static"``, CompileConfig(fullgraph,
-"reduce-overhead"): CUDA graphs), batch 1 and 32, a prompt of 128 random tokens, 64 new tokens:
+short). Compiled greedy ``generate()`` with a static cache (``generation_config.cache_implementation
+= "static"``, CompileConfig(fullgraph, "reduce-overhead"): CUDA graphs), batch 1 and 32, a prompt of
+128 random tokens, 64 new tokens. With ``--variants fp4moe``, ``--checkpoint DIR`` saves the model so
+built as a gpt-oss MXFP4 checkpoint and times the model ``from_pretrained`` loads from it (the save
+and load times are reported too); ``--also-attn flex_attention`` times fp4moe's rows again on the
+same model with Transformers' flex attention, which reads the cache without expanding it to every
+query head. The variants:
 
 * ``HF BF16``: Transformers' experts with ``experts_implementation="grouped_mm"``. ``generate()``
   itself switches them to ``batched_mm`` for the decode steps on a GPU (``_optimize_model_for_decode``,
@@ -356,6 +359,12 @@ def layer_table(result: dict) -> str:
                      f"{ratio} | {cell(theirs)} | {speedup} |")
     if eager:
         lines += ["", "\\* timed without a CUDA graph (its capture failed): CUDA events around 8 eager calls"]
+    if "checkpoint" in part:
+        c = part["checkpoint"]
+        lines += ["", f"Through a checkpoint (`--checkpoint`): save_pretrained {c['save_s']:.1f} s, {c['GB_on_disk']:.2f} GB "
+                      f"on disk; from_pretrained {c['load_s']:.1f} s"
+                      + (f", the loaded model {c['loaded_GB']:.2f} GB of GPU memory, {c['load_peak_GB']:.2f} GB at the "
+                         "load's peak" if "loaded_GB" in c else "") + "; the rows above time the loaded model."]
     lines += [""] + [f"- {n}" for n in part["notes"]] + [f"- skipped: {s}" for s in part["skipped"]]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -484,6 +493,54 @@ def time_generate(model, batch: int, prompt_len: int, new: int, repeats: int, ti
     return decode, batch * (1 + new) / seconds[1 + new], out
 
 
+def through_checkpoint(model, folder: Path, device, backend: str, attn: str | None, part: dict, log):
+    """``--checkpoint``: ``model`` (fp4moe's, built without BF16 experts) saved as a gpt-oss MXFP4
+    checkpoint (OpenAI's layout: ``*_blocks`` / ``*_scales``, ``quant_method: "mxfp4"``) and loaded
+    back by ``from_pretrained`` as a user loads one (fp4moe's MXFP4 quantizer: the bytes straight into
+    ``MXFP4GptOssExperts``); returns ``(loaded model, backend name)``. Save and load seconds, the
+    checkpoint's size, the loaded model's memory and the load's peak go into ``part``. The folder is
+    deleted after loading."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_integration.tiny_models import GPT_OSS_NOT_CONVERTED
+
+    weights = sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()))
+    folder.mkdir(parents=True, exist_ok=True)
+    if 1.1 * weights > shutil.disk_usage(folder).free:
+        raise SystemExit(f"--checkpoint: {weights / 1e9:.1f} GB of weights do not fit the free disk under {folder}")
+    model.config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": GPT_OSS_NOT_CONVERTED}
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    try:
+        t0 = time.perf_counter()
+        model.save_pretrained(folder)
+        part["checkpoint"] = {"save_s": time.perf_counter() - t0,
+                              "GB_on_disk": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e9}
+        del model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        sync()
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=str(device),
+                                                     attn_implementation=attn)
+        sync()
+        part["checkpoint"]["load_s"] = time.perf_counter() - t0
+        if cuda:
+            part["checkpoint"]["loaded_GB"] = (torch.cuda.memory_allocated() - before) / 1e9
+            part["checkpoint"]["load_peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    log(f"checkpoint: saved in {part['checkpoint']['save_s']:.1f} s ({part['checkpoint']['GB_on_disk']:.2f} GB), "
+        f"from_pretrained {part['checkpoint']['load_s']:.1f} s")
+    model.eval().requires_grad_(False)
+    return model, [layer.mlp.experts.set_backend(backend) for layer in model.model.layers][0]
+
+
 def keep_grouped_mm_for_decode(model) -> None:
     """Switch off generate()'s change of the experts to ``batched_mm`` for the decode steps."""
     import contextlib
@@ -512,6 +569,8 @@ def e2e_part(args, result: dict, save) -> None:
     variants = args.variants.split(",")
     if not set(variants) <= {"bf16", "fp4moe"}:
         raise SystemExit(f"--variants takes bf16 and/or fp4moe, got {args.variants!r}")
+    if args.checkpoint and "bf16" in variants:
+        raise SystemExit("--checkpoint saves fp4moe's model built without BF16 experts: pass --variants fp4moe")
     part["variants"] = variants
     backend = "reference" if args.tiny else "triton"
     start = time.time()
@@ -523,6 +582,8 @@ def e2e_part(args, result: dict, save) -> None:
         model, name = gpt_oss_model_mxfp4(dims, args.layers, device, backend, args.attn)
         log(f"part 2: {args.layers} gpt-oss-{part['model']} layers built with MXFP4 experts, no BF16 copy "
             f"({time.time() - start:.0f}s)")
+        if args.checkpoint:
+            model, name = through_checkpoint(model, args.checkpoint, device, backend, args.attn, part, log)
     else:
         model = gpt_oss_model(dims, args.layers, device, args.attn)
         checkpoint = []
@@ -650,6 +711,12 @@ def e2e_table(result: dict) -> str:
     if "experts_GB_mxfp4" in part:
         lines += ["", f"Expert weights: {part['experts_GB_bf16']:.2f} GB in BF16 (from the shapes), {part['experts_GB_mxfp4']:.2f} GB "
                       "as fp4moe's module holds them (its own tensors; a backend's converted copy not counted)."]
+    if "checkpoint" in part:
+        c = part["checkpoint"]
+        lines += ["", f"Through a checkpoint (`--checkpoint`): save_pretrained {c['save_s']:.1f} s, {c['GB_on_disk']:.2f} GB "
+                      f"on disk; from_pretrained {c['load_s']:.1f} s"
+                      + (f", the loaded model {c['loaded_GB']:.2f} GB of GPU memory, {c['load_peak_GB']:.2f} GB at the "
+                         "load's peak" if "loaded_GB" in c else "") + "; the rows above time the loaded model."]
     lines += [""] + [f"- {n}" for n in part["notes"]] + [f"- skipped: {s}" for s in part["skipped"]]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -671,6 +738,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-len", type=int, default=None,
                     help="part 2's static KV cache length (Transformers' generation_config.max_cache_len); "
                          "default: the prompt and the new tokens")
+    ap.add_argument("--checkpoint", type=Path, default=None, metavar="DIR",
+                    help="part 2 with --variants fp4moe: the built model saved as a gpt-oss MXFP4 checkpoint in DIR "
+                         "and loaded back with from_pretrained; the rows time the loaded model (DIR deleted after)")
     ap.add_argument("--also-attn", default=None, metavar="IMPL",
                     help="part 2: fp4moe's rows again with this attention implementation (e.g. flex_attention), "
                          "set on the same model")

@@ -212,6 +212,27 @@ def test_gpt_oss_built_without_bf16_experts_is_the_swapped_model():
         assert torch.equal(model(ids).logits, usual(ids).logits)
 
 
+def test_gpt_oss_through_checkpoint_is_the_built_model(tmp_path):
+    """bench_gpt_oss's --checkpoint: the model built without BF16 experts, saved as a gpt-oss MXFP4
+    checkpoint and loaded by from_pretrained, has MXFP4 experts and the built model's logits exactly;
+    the folder is gone after, and the save and load are reported."""
+    from bench_gpt_oss import TINY_MODEL, gpt_oss_model_mxfp4, through_checkpoint
+
+    torch.manual_seed(0)
+    model, _ = gpt_oss_model_mxfp4(TINY_MODEL, 2, torch.device("cpu"), "reference")
+    ids = torch.randint(3, TINY_MODEL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    part = {}
+    loaded, backend = through_checkpoint(model, tmp_path / "ckpt", torch.device("cpu"), "reference", None, part,
+                                         lambda msg: None)
+    assert backend == "reference" and not (tmp_path / "ckpt").exists()
+    assert {type(layer.mlp.experts).__name__ for layer in loaded.model.layers} == {"MXFP4GptOssExperts"}
+    assert part["checkpoint"]["GB_on_disk"] > 0 and part["checkpoint"]["load_s"] > 0
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want)
+
+
 def test_bench_gpt_oss_runs_on_cpu(tmp_path):
     # --tiny: both parts' code paths (the layer against Transformers' BF16 experts, compiled generate),
     # small and on the CPU with the reference backend; every fp4moe row checked against the reference
