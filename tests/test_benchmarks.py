@@ -218,6 +218,10 @@ def test_gpt_oss_through_checkpoint_is_the_built_model(tmp_path):
     the folder is gone after, and the save and load are reported."""
     from bench_gpt_oss import TINY_MODEL, gpt_oss_model_mxfp4, through_checkpoint
 
+    from hf_integration.mxfp4_quantizer import MIN_TRANSFORMERS, supported
+
+    if not supported():  # (building the model runs there; loading a gpt-oss checkpoint through fp4moe does not)
+        pytest.skip(f"fp4moe's gpt-oss loading needs Transformers {'.'.join(map(str, MIN_TRANSFORMERS))} or later")
     torch.manual_seed(0)
     model, _ = gpt_oss_model_mxfp4(TINY_MODEL, 2, torch.device("cpu"), "reference")
     ids = torch.randint(3, TINY_MODEL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
