@@ -571,6 +571,9 @@ def e2e_part(args, result: dict, save) -> None:
         raise SystemExit(f"--variants takes bf16 and/or fp4moe, got {args.variants!r}")
     if args.checkpoint and "bf16" in variants:
         raise SystemExit("--checkpoint saves fp4moe's model built without BF16 experts: pass --variants fp4moe")
+    if args.checkpoint and not supported():  # an older one loads gpt-oss's MXFP4 through its own quantizer
+        raise SystemExit(f"--checkpoint: fp4moe loads gpt-oss checkpoints from Transformers "
+                         f"{'.'.join(map(str, MIN_TRANSFORMERS))} on, this is {result['transformers']}")
     part["variants"] = variants
     backend = "reference" if args.tiny else "triton"
     start = time.time()
