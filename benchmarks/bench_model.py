@@ -5,6 +5,7 @@ top-8; random weights in the real shapes), HF BF16 and fp4moe side by side in on
         [--variants bf16,fp4moe,fp4moe-attn] [--requests 16,64] [--eager-decode] [--relaunch-off]
         [--checkpoint DIR] [--out benchmarks/out]
     python benchmarks/bench_model.py --tiny --layers 2     # the same code path on a CPU, small shapes
+    python benchmarks/bench_model.py --cpu --layers 4 --batches= --prompts= --checkpoint DIR  # loading, on a CPU
 
 Variants, in this order on the same weights (each on top of the last):
 
@@ -59,7 +60,10 @@ Per variant:
 loaded model takes, and whether its greedy tokens equal the model's (1 or 0); each folder is
 deleted after. The BF16 checkpoint of the full depth (61 GB) does not fit the GPU machines' 64 GiB
 disk, nor its loaded copy an H100 beside the first: compare loading at ``--layers 24`` (a kind that
-would not fit is skipped with a note; a failure is noted and the run goes on).
+would not fit is skipped with a note; a failure is noted and the run goes on). ``--loads N`` loads
+each checkpoint N times and adds the median (the first load after the save finds the files in the
+page cache as far as memory allows). ``--cpu`` builds the real shapes on the CPU, where, with
+``--batches= --prompts=``, only the checkpoints are timed.
 
 Writes ``model.json`` and ``model.md`` to ``--out`` after every measurement. Not measured here:
 ``transformers serve`` (``bench_serve.py``) and gpt-oss (``bench_gpt_oss.py``).
@@ -139,7 +143,7 @@ def greedy(model, new_tokens: int = 8) -> torch.Tensor:
     return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
 
-def save_and_load(model, folder: Path, record) -> None:
+def save_and_load(model, folder: Path, record, loads: int = 1) -> None:
     """``--checkpoint``: save ``model`` (HF BF16: Transformers' own checkpoint; fp4moe: a ModelOpt
     one) and load it back as a user would; the folder is deleted afterwards, also on failure (a
     BF16 Qwen3-30B-A3B takes 61 GB of disk). Skipped, with a note, where the checkpoint would not
@@ -155,7 +159,7 @@ def save_and_load(model, folder: Path, record) -> None:
         record("checkpoint skipped: too large for the free disk or GPU memory (GB of weights)", weights / 1e9)
         return
     try:
-        _save_and_load(model, folder, record)
+        _save_and_load(model, folder, record, loads)
     except Exception as exc:  # noqa: BLE001  (the other variants still run)
         print(f"--checkpoint failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         record("checkpoint save and load failed (1)", 1.0)
@@ -166,7 +170,7 @@ def save_and_load(model, folder: Path, record) -> None:
             torch.cuda.empty_cache()
 
 
-def _save_and_load(model, folder: Path, record) -> None:
+def _save_and_load(model, folder: Path, record, loads: int = 1) -> None:
     from transformers import AutoModelForCausalLM
 
     sync()
@@ -176,12 +180,19 @@ def _save_and_load(model, folder: Path, record) -> None:
     record("checkpoint on disk (GB)", sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e9)
     record("ModelOpt's hf_quant_config.json written", float((folder / "hf_quant_config.json").exists()))
     cuda = model.device.type == "cuda"
-    before = torch.cuda.memory_allocated() if cuda else 0
-    sync()
-    t0 = time.perf_counter()
-    again = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=str(model.device))
-    sync()
-    record("from_pretrained of the saved checkpoint (s)", time.perf_counter() - t0)
+    seconds = []
+    for _ in range(loads):  # each load after the last one's model is freed
+        again = None
+        gc.collect()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        sync()
+        t0 = time.perf_counter()
+        again = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=str(model.device))
+        sync()
+        seconds.append(time.perf_counter() - t0)
+    record("from_pretrained of the saved checkpoint (s)", seconds[0])
+    if loads > 1:
+        record(f"from_pretrained, median of {loads} loads (s)", statistics.median(seconds))
     if cuda:
         record("loaded model's GPU memory (GB)", (torch.cuda.memory_allocated() - before) / 1e9)
     record("loaded model's greedy tokens equal the model's", float(torch.equal(greedy(again), greedy(model))))
@@ -203,7 +214,11 @@ def main() -> None:
                     help="also the batch-1 step of an uncompiled generate() (Transformers' default)")
     ap.add_argument("--checkpoint", type=Path, default=None,
                     help="save each kind (HF BF16, fp4moe) under this folder, load it back, delete it")
+    ap.add_argument("--loads", type=int, default=1, help="--checkpoint: from_pretrained this many times (the first "
+                                                           "and the median reported)")
     ap.add_argument("--tiny", action="store_true", help="small dimensions on the CPU, uncompiled (a smoke test)")
+    ap.add_argument("--cpu", action="store_true", help="the real shapes on the CPU, uncompiled (for --checkpoint's "
+                                                       "save and load, with --batches= --prompts=)")
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args()
     import transformers
@@ -212,8 +227,9 @@ def main() -> None:
         import triton
     except ImportError:  # a CPU install without Triton (--tiny)
         triton = None
-    if not args.tiny and not torch.cuda.is_available():
-        ap.error("needs a CUDA GPU (or --tiny for a CPU smoke test)")
+    if not (args.tiny or args.cpu) and not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (or --tiny for a CPU smoke test, --cpu for the real shapes on the CPU)")
+    on_cpu = args.tiny or args.cpu
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -221,7 +237,7 @@ def main() -> None:
     prompts = [int(p) for p in args.prompts.split(",") if p]
     requests = [int(r) for r in args.requests.split(",") if r]
     dims = TINY if args.tiny else QWEN3_30B_A3B
-    result = {"device": "CPU" if args.tiny else torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+    result = {"device": "CPU" if on_cpu else torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "layers": args.layers, "shapes": "tiny" if args.tiny else "Qwen3-30B-A3B",
               "versions": f"torch {torch.__version__}, Triton {getattr(triton, '__version__', 'absent')}, "
                           f"Transformers {transformers.__version__}", "rows": []}
@@ -241,9 +257,9 @@ def main() -> None:
 
     start = time.time()
     torch.manual_seed(0)
-    model = qwen3_moe(args.layers, dims, "cpu" if args.tiny else "cuda")
+    model = qwen3_moe(args.layers, dims, "cpu" if on_cpu else "cuda")
     print(f"built in {time.time() - start:.0f} s; {result['versions']}", flush=True)
-    cuda = not args.tiny
+    cuda = not on_cpu
     saved = set()  # the kinds whose checkpoint was saved and loaded
     for variant in args.variants.split(","):
         if variant == "fp4moe" or (variant == "fp4moe-attn" and "fp4moe" not in args.variants.split(",")):
@@ -305,7 +321,7 @@ def main() -> None:
             record(variant, "peak GPU memory, all runs (GB)", torch.cuda.max_memory_allocated() / 1e9)
         kind = "fp4moe" if variant.startswith("fp4moe") else variant
         if args.checkpoint and kind not in saved:
-            save_and_load(model, args.checkpoint / kind, lambda what, value: record(variant, what, value))
+            save_and_load(model, args.checkpoint / kind, lambda what, value: record(variant, what, value), args.loads)
             saved.add(kind)
     print((out / "model.md").read_text())
 
