@@ -359,12 +359,6 @@ def layer_table(result: dict) -> str:
                      f"{ratio} | {cell(theirs)} | {speedup} |")
     if eager:
         lines += ["", "\\* timed without a CUDA graph (its capture failed): CUDA events around 8 eager calls"]
-    if "checkpoint" in part:
-        c = part["checkpoint"]
-        lines += ["", f"Through a checkpoint (`--checkpoint`): save_pretrained {c['save_s']:.1f} s, {c['GB_on_disk']:.2f} GB "
-                      f"on disk; from_pretrained {c['load_s']:.1f} s"
-                      + (f", the loaded model {c['loaded_GB']:.2f} GB of GPU memory, {c['load_peak_GB']:.2f} GB at the "
-                         "load's peak" if "loaded_GB" in c else "") + "; the rows above time the loaded model."]
     lines += [""] + [f"- {n}" for n in part["notes"]] + [f"- skipped: {s}" for s in part["skipped"]]
     return "\n".join(lines).rstrip() + "\n"
 
