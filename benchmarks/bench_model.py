@@ -209,7 +209,8 @@ def main() -> None:
     ap.add_argument("--variants", default="bf16,fp4moe,fp4moe-attn")
     ap.add_argument("--requests", default="", help="concurrent generate_batch requests, e.g. 16,64")
     ap.add_argument("--relaunch-off", action="store_true",
-                    help="fp4moe's first tokens also with every launch through Triton's own call (FP4MOE_RELAUNCH=0)")
+                    help="fp4moe's first tokens and uncompiled step also with every launch through Triton's own call "
+                         "(FP4MOE_RELAUNCH=0)")
     ap.add_argument("--eager-decode", action="store_true",
                     help="also the batch-1 step of an uncompiled generate() (Transformers' default)")
     ap.add_argument("--checkpoint", type=Path, default=None,
