@@ -487,16 +487,12 @@ def time_generate(model, batch: int, prompt_len: int, new: int, repeats: int, ti
     return decode, batch * (1 + new) / seconds[1 + new], out
 
 
-def through_checkpoint(model, folder: Path, device, backend: str, attn: str | None, part: dict, log):
-    """``--checkpoint``: ``model`` (fp4moe's, built without BF16 experts) saved as a gpt-oss MXFP4
-    checkpoint (OpenAI's layout: ``*_blocks`` / ``*_scales``, ``quant_method: "mxfp4"``) and loaded
-    back by ``from_pretrained`` as a user loads one (fp4moe's MXFP4 quantizer: the bytes straight into
-    ``MXFP4GptOssExperts``); returns ``(loaded model, backend name)``. Save and load seconds, the
-    checkpoint's size, the loaded model's memory and the load's peak go into ``part``. The folder is
-    deleted after loading."""
+def save_checkpoint(model, folder: Path, part: dict) -> None:
+    """``--checkpoint``, first half: ``model`` (fp4moe's, built without BF16 experts) saved as a
+    gpt-oss MXFP4 checkpoint (OpenAI's layout: ``*_blocks`` / ``*_scales``, ``quant_method:
+    "mxfp4"``); the seconds and the size go into ``part``. The caller then drops its model, so that
+    :func:`load_checkpoint` finds only the loaded one on the GPU."""
     import shutil
-
-    from transformers import AutoModelForCausalLM
 
     from hf_integration.tiny_models import GPT_OSS_NOT_CONVERTED
 
@@ -505,30 +501,44 @@ def through_checkpoint(model, folder: Path, device, backend: str, attn: str | No
     if 1.1 * weights > shutil.disk_usage(folder).free:
         raise SystemExit(f"--checkpoint: {weights / 1e9:.1f} GB of weights do not fit the free disk under {folder}")
     model.config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": GPT_OSS_NOT_CONVERTED}
+    t0 = time.perf_counter()
+    try:
+        model.save_pretrained(folder)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    part["checkpoint"] = {"save_s": time.perf_counter() - t0,
+                          "GB_on_disk": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e9}
+
+
+def load_checkpoint(folder: Path, device, backend: str, attn: str | None, part: dict, log):
+    """``--checkpoint``, second half: ``from_pretrained`` of :func:`save_checkpoint`'s folder as a
+    user loads one (fp4moe's MXFP4 quantizer: the bytes straight into ``MXFP4GptOssExperts``);
+    returns ``(loaded model, backend name)``. The load's seconds, the loaded model's memory and the
+    load's peak go into ``part``; the folder is deleted after."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else 0
     try:
-        t0 = time.perf_counter()
-        model.save_pretrained(folder)
-        part["checkpoint"] = {"save_s": time.perf_counter() - t0,
-                              "GB_on_disk": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e9}
-        del model
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated() if cuda else 0
         sync()
         t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=str(device),
                                                      attn_implementation=attn)
         sync()
         part["checkpoint"]["load_s"] = time.perf_counter() - t0
-        if cuda:
-            part["checkpoint"]["loaded_GB"] = (torch.cuda.memory_allocated() - before) / 1e9
-            part["checkpoint"]["load_peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    if cuda:
+        part["checkpoint"]["loaded_GB"] = (torch.cuda.memory_allocated() - before) / 1e9
+        part["checkpoint"]["load_peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
     log(f"checkpoint: saved in {part['checkpoint']['save_s']:.1f} s ({part['checkpoint']['GB_on_disk']:.2f} GB), "
         f"from_pretrained {part['checkpoint']['load_s']:.1f} s")
     model.eval().requires_grad_(False)
@@ -580,7 +590,9 @@ def e2e_part(args, result: dict, save) -> None:
         log(f"part 2: {args.layers} gpt-oss-{part['model']} layers built with MXFP4 experts, no BF16 copy "
             f"({time.time() - start:.0f}s)")
         if args.checkpoint:
-            model, name = through_checkpoint(model, args.checkpoint, device, backend, args.attn, part, log)
+            save_checkpoint(model, args.checkpoint, part)
+            del model  # (the built model gone before the load: at 120b the GPU holds one copy only)
+            model, name = load_checkpoint(args.checkpoint, device, backend, args.attn, part, log)
     else:
         model = gpt_oss_model(dims, args.layers, device, args.attn)
         checkpoint = []

@@ -212,11 +212,11 @@ def test_gpt_oss_built_without_bf16_experts_is_the_swapped_model():
         assert torch.equal(model(ids).logits, usual(ids).logits)
 
 
-def test_gpt_oss_through_checkpoint_is_the_built_model(tmp_path):
+def test_gpt_oss_checkpoint_round_trip_is_the_built_model(tmp_path):
     """bench_gpt_oss's --checkpoint: the model built without BF16 experts, saved as a gpt-oss MXFP4
     checkpoint and loaded by from_pretrained, has MXFP4 experts and the built model's logits exactly;
     the folder is gone after, and the save and load are reported."""
-    from bench_gpt_oss import TINY_MODEL, gpt_oss_model_mxfp4, through_checkpoint
+    from bench_gpt_oss import TINY_MODEL, gpt_oss_model_mxfp4, load_checkpoint, save_checkpoint
 
     from hf_integration.mxfp4_quantizer import MIN_TRANSFORMERS, supported
 
@@ -228,8 +228,8 @@ def test_gpt_oss_through_checkpoint_is_the_built_model(tmp_path):
     with torch.no_grad():
         want = model(ids).logits
     part = {}
-    loaded, backend = through_checkpoint(model, tmp_path / "ckpt", torch.device("cpu"), "reference", None, part,
-                                         lambda msg: None)
+    save_checkpoint(model, tmp_path / "ckpt", part)
+    loaded, backend = load_checkpoint(tmp_path / "ckpt", torch.device("cpu"), "reference", None, part, lambda msg: None)
     assert backend == "reference" and not (tmp_path / "ckpt").exists()
     assert {type(layer.mlp.experts).__name__ for layer in loaded.model.layers} == {"MXFP4GptOssExperts"}
     assert part["checkpoint"]["GB_on_disk"] > 0 and part["checkpoint"]["load_s"] > 0
